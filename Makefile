@@ -1,0 +1,22 @@
+# The two commands a newcomer runs: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.11,<2.15" --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q -e ".[test,lora]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/meshlab demo
+
+test: install
+	$(PY) -m pytest -q -x --timeout=600 tests
+	$(PY) -m pytest -q --nbmake --nbmake-timeout=600 notebooks
+
+.PHONY: install demo test

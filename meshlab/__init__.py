@@ -1,0 +1,29 @@
+"""meshlab: a JAX-style functional sharding layer on PyTorch DTensor.
+
+>>> import meshlab as ml
+>>> from meshlab import P
+>>> mesh = ml.Mesh(dp=4, tp=2, fake=True)
+>>> ml.Rules(batch='dp', mlp='tp').resolve(P('batch', 'mlp'), mesh.axis_names)
+P('dp', 'tp')
+"""
+
+from ._spec import P as P, PartitionSpec as PartitionSpec
+from ._errors import (MeshlabError as MeshlabError, SpecError as SpecError,
+                      MeshError as MeshError, RulesError as RulesError,
+                      PlanError as PlanError, PolicyError as PolicyError,
+                      ConfigError as ConfigError)
+from ._rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
+from ._mesh import Mesh as Mesh
+from ._context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh
+from ._placement import to_placements as to_placements, from_placements as from_placements
+from ._distribute import (distribute as distribute, constrain as constrain,
+                          shard_map as shard_map, spec_of as spec_of)
+from ._visualize import visualize as visualize, typeof as typeof, type_string as type_string
+from ._plan import Plan as Plan, ParamEntry as ParamEntry, ActivationEntry as ActivationEntry
+from ._trace import trace as trace
+from ._specs_tree import specs_like as specs_like
+from .transforms import Transform as Transform, shard as shard
+from ._api import plan as plan
+from . import policies as policies
+
+__version__ = "0.1.0"

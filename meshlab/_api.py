@@ -1,0 +1,35 @@
+"""plan: trace a model, run the transforms, bind to a mesh — without touching the model."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ._context import current_mesh
+from ._errors import MeshError
+from ._mesh import Mesh
+from ._plan import Plan
+from ._trace import trace
+from .transforms._base import Transform
+
+
+def plan(model: nn.Module | Plan, spec: Transform | None = None, mesh: Mesh | None = None, *,
+         uneven: bool = False, example_inputs=None) -> Plan:
+    """Trace ``model``, apply ``spec`` (a transform or ``t1 | t2 | ...``), bind to ``mesh``.
+
+    Pure: the model is only read (put it on the meta device to plan models of any size).
+    ``mesh`` defaults to the one of an enclosing ``with mesh:``. Every check runs here,
+    before anything is materialized or communicated.
+
+    >>> mesh = Mesh(dp=2, tp=2, fake=True)
+    >>> p = plan(torch.nn.Linear(8, 4), shard({'weight': P('tp', None)}), mesh)  # doctest: +SKIP
+    """
+    mesh = mesh if mesh is not None else current_mesh()
+    if mesh is None:
+        raise MeshError("plan: no mesh given and none is active; pass mesh= or use `with mesh:`")
+    p = model if isinstance(model, Plan) else trace(model, example_inputs)
+    if spec is not None:
+        if not isinstance(spec, Transform):
+            raise TypeError(f"plan: spec must be a transform such as shard(...) | zero_shard(...), "
+                            f"got {type(spec).__name__}")
+        p = spec(p)
+    return p.bind(mesh, uneven=uneven)

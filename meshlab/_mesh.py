@@ -1,0 +1,261 @@
+"""Mesh: named axes over a ``DeviceMesh``, or a fake one for planning.
+
+A real mesh spans the processes that a launcher (``torchrun``, ``meshlab run``, a test
+harness) started: gloo on CPU, NCCL on CUDA. A fake mesh is a shape and nothing else: it
+plans a 16,384-rank job in one process without devices or process groups.
+
+>>> mesh = Mesh(pp=8, dp=16, tp=8, fake=True)
+>>> mesh.size, mesh['tp'].size
+(1024, 8)
+>>> mesh.flatten('pp', 'dp')
+Mesh(pp_dp=128, tp=8, fake=True)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Iterator, Mapping
+
+import numpy as np
+import torch
+
+from ._errors import MeshError
+from . import _context
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _init_process_group(device_type: str, needed: int, desc: str) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend=backend)
+        return
+    if needed == 1:
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        return
+    raise MeshError(
+        f"{desc} needs {needed} processes, but torch.distributed is not initialized and no "
+        f"launcher set RANK/WORLD_SIZE. Start the script with "
+        f"`meshlab run --nproc-per-node {needed} script.py` (or torchrun), or pass "
+        f"fake=True to plan without processes."
+    )
+
+
+class Mesh:
+    """Named mesh axes, major first; real (over started ranks) or ``fake`` (planning only)."""
+
+    __slots__ = ("_axes", "_fake", "_device_type", "_device_mesh", "_ranks")
+
+    def __init__(self, axes: Mapping[str, int] | None = None, /, *, fake: bool = False,
+                 device_type: str | None = None, _device_mesh=None, _ranks=None,
+                 **sizes: int) -> None:
+        items = list((axes or {}).items()) + list(sizes.items())
+        if not items:
+            raise MeshError("a Mesh needs at least one axis, e.g. Mesh(dp=4) or Mesh(dp=2, tp=2)")
+        names = [n for n, _ in items]
+        if len(set(names)) != len(names):
+            raise MeshError(f"mesh axis names must be distinct, got {names}")
+        for n, s in items:
+            if not isinstance(n, str) or not n.isidentifier():
+                raise MeshError(f"mesh axis names must be identifiers, got {n!r}")
+            if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1:
+                raise MeshError(f"mesh axis {n!r} has size {s!r}; sizes must be integers >= 1")
+        set_ = object.__setattr__
+        set_(self, "_axes", tuple((n, int(s)) for n, s in items))
+        set_(self, "_fake", bool(fake))
+        set_(self, "_device_type", device_type or ("meta" if fake else _default_device_type()))
+        size = math.prod(s for _, s in items)
+        if _ranks is None:
+            _ranks = np.arange(size).reshape([s for _, s in items])
+        set_(self, "_ranks", _ranks)
+        if fake:
+            set_(self, "_device_mesh", None)
+            return
+        if _device_mesh is None:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+
+            _init_process_group(self._device_type, size, repr(self))
+            world = dist.get_world_size()
+            if world != size:
+                raise MeshError(
+                    f"{self!r} has {' x '.join(str(s) for _, s in items)} = {size} ranks, but "
+                    f"{world} processes were started; start {size} processes or change the "
+                    f"axis sizes so that their product is {world}"
+                )
+            _device_mesh = init_device_mesh(self._device_type, self.shape_tuple,
+                                            mesh_dim_names=self.axis_names)
+        set_(self, "_device_mesh", _device_mesh)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Mesh is immutable")
+
+    # -- description -------------------------------------------------------------------
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self._axes)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name -> size, in mesh order."""
+        return dict(self._axes)
+
+    @property
+    def shape_tuple(self) -> tuple[int, ...]:
+        return tuple(s for _, s in self._axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape_tuple)
+
+    @property
+    def ndim(self) -> int:
+        return len(self._axes)
+
+    @property
+    def fake(self) -> bool:
+        return self._fake
+
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    def axis_size(self, name: str) -> int:
+        for n, s in self._axes:
+            if n == name:
+                return s
+        raise MeshError(f"{self!r} has no axis {name!r}; its axes are {self.axis_names}")
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """Global rank of every mesh position, shaped like the mesh."""
+        return self._ranks
+
+    def coordinate(self, rank: int) -> dict[str, int]:
+        """The position of global ``rank`` on each axis."""
+        where = np.argwhere(self._ranks == rank)
+        if len(where) == 0:
+            raise MeshError(f"rank {rank} is not part of {self!r}")
+        return dict(zip(self.axis_names, (int(i) for i in where[0])))
+
+    @property
+    def device_mesh(self):
+        """The ``torch.distributed.DeviceMesh`` behind a real mesh."""
+        if self._device_mesh is None:
+            raise MeshError(
+                f"{self!r} is fake (planning only) and has no DeviceMesh; build a real Mesh "
+                f"inside launched processes to run on it"
+            )
+        return self._device_mesh
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (0 for a fake mesh)."""
+        if self._fake:
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    # -- slicing -----------------------------------------------------------------------
+    def __getitem__(self, names) -> "Mesh":
+        """``mesh['tp']`` (one axis), ``mesh['dp', 'tp']`` (a sub-mesh over those axes)."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        return self.sub(*names)
+
+    def sub(self, *names: str) -> "Mesh":
+        """The sub-mesh over ``names`` that contains this rank (rank 0 when fake)."""
+        for n in names:
+            self.axis_size(n)
+        if len(set(names)) != len(names):
+            raise MeshError(f"sub-mesh axes must be distinct, got {names}")
+        dims = [self.axis_names.index(n) for n in names]
+        coord = self.coordinate(self.rank)
+        index = tuple(slice(None) if n in names else coord[n] for n in self.axis_names)
+        ranks = self._ranks[index]
+        # keep the requested axis order
+        order = sorted(range(len(names)), key=lambda i: dims[i])
+        ranks = np.transpose(ranks, [order.index(i) for i in range(len(names))])
+        dm = None if self._fake else self._device_mesh[names if len(names) > 1 else names[0]]
+        return Mesh({n: self.axis_size(n) for n in names}, fake=self._fake,
+                    device_type=self._device_type, _device_mesh=dm, _ranks=ranks)
+
+    def flatten(self, *names: str, name: str | None = None) -> "Mesh":
+        """This mesh with adjacent axes ``names`` merged into one (default name ``a_b``)."""
+        if len(names) < 2:
+            raise MeshError(f"flatten needs at least two axes, got {names}")
+        idx = [self.axis_names.index(n) if n in self.axis_names else None for n in names]
+        if None in idx:
+            missing = [n for n, i in zip(names, idx) if i is None]
+            raise MeshError(f"{self!r} has no axis {missing[0]!r}; its axes are {self.axis_names}")
+        if idx != list(range(idx[0], idx[0] + len(idx))):
+            raise MeshError(
+                f"flatten({', '.join(map(repr, names))}): the axes must be adjacent and in mesh "
+                f"order {self.axis_names}; build the Mesh with them next to each other"
+            )
+        new = name or "_".join(names)
+        axes: dict[str, int] = {}
+        for n, s in self._axes:
+            if n in names:
+                axes[new] = axes.get(new, 1) * s
+            else:
+                axes[n] = s
+        ranks = self._ranks.reshape([axes[n] for n in axes])
+        dm = None
+        if not self._fake:
+            dm_flat = self._device_mesh[names]._flatten(new)
+            keep = [n for n in axes]
+            root = dm_flat._get_root_mesh() if hasattr(dm_flat, "_get_root_mesh") else None
+            dm = root[tuple(keep)] if root is not None and len(keep) > 1 else dm_flat
+        return Mesh(axes, fake=self._fake, device_type=self._device_type,
+                    _device_mesh=dm, _ranks=ranks)
+
+    # -- context -----------------------------------------------------------------------
+    def __enter__(self) -> "Mesh":
+        cm = _context.use_mesh(self)
+        cm.__enter__()
+        _STACK.append(cm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _STACK.pop().__exit__(*exc)
+
+    # -- value semantics ---------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Mesh) and self._axes == other._axes
+                and self._fake == other._fake and np.array_equal(self._ranks, other._ranks))
+
+    def __hash__(self) -> int:
+        return hash((self._axes, self._fake))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.axis_names)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{n}={s}" for n, s in self._axes)
+        return f"Mesh({body}, fake=True)" if self._fake else f"Mesh({body})"
+
+    @classmethod
+    def parse(cls, text: str, *, fake: bool = True) -> "Mesh":
+        """``Mesh.parse('pp=8,dp=16,tp=8')`` (the CLI's ``--mesh`` syntax)."""
+        axes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, eq, size = part.partition("=")
+            if not eq or not size.strip().isdigit():
+                raise MeshError(f"--mesh {text!r}: expected name=size pairs such as 'dp=16,tp=8'")
+            axes[name.strip()] = int(size)
+        return cls(axes, fake=fake)
+
+
+_STACK: list = []

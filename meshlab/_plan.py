@@ -1,0 +1,382 @@
+"""Plan: the immutable per-FQN table that every transform reads and returns.
+
+A plan is built by tracing a module on the meta device (``trace``); transforms
+(``shard``, ``zero_shard``, ...) return new plans; ``bind(mesh)`` resolves logical specs
+against a mesh and checks every entry once. Plans print as rich tables, diff against each
+other, round-trip through JSON and estimate per-rank memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from ._errors import PlanError, SpecError
+from ._placement import check_spec, local_shape, uneven_dims
+from ._rules import Rules
+from ._spec import P
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8,
+               "int32": 4, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1,
+               "float8_e5m2": 1}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+
+
+def dtype_bytes(name: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise PlanError(f"unknown dtype {name!r}; known: {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ParamEntry:
+    """One parameter: where it lives in the model and how it is laid out.
+
+    ``spec`` is what the user or policy wrote (logical or mesh axes); ``mesh_spec`` is
+    set by ``bind`` to the same spec in mesh axes. ``tags`` carry a policy's style
+    (``'colwise'``, ``'replicated_with_grad_allreduce'``, ...) for the materializer.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: P = P()
+    requires_grad: bool = True
+    tied_to: str | None = None
+    module: str = ""
+    tags: tuple[str, ...] = ()
+    mesh_spec: P | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> dict:
+        d = {"fqn": self.fqn, "shape": list(self.shape), "dtype": self.dtype,
+             "spec": self.spec.to_json(), "requires_grad": self.requires_grad,
+             "tied_to": self.tied_to, "module": self.module, "tags": list(self.tags)}
+        if self.mesh_spec is not None:
+            d["mesh_spec"] = self.mesh_spec.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ParamEntry":
+        return cls(d["fqn"], tuple(d["shape"]), d["dtype"], P.from_json(d["spec"]),
+                   d["requires_grad"], d["tied_to"], d["module"], tuple(d["tags"]),
+                   P.from_json(d["mesh_spec"]) if "mesh_spec" in d else None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ActivationEntry:
+    """A module boundary: the layout of the module's output (and, if given, its input)."""
+
+    module: str
+    output: P | None = None
+    input: P | None = None
+    shape: tuple[int, ...] | None = None
+    tags: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"module": self.module,
+                "output": None if self.output is None else self.output.to_json(),
+                "input": None if self.input is None else self.input.to_json(),
+                "shape": None if self.shape is None else list(self.shape),
+                "tags": list(self.tags)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ActivationEntry":
+        return cls(d["module"], None if d["output"] is None else P.from_json(d["output"]),
+                   None if d["input"] is None else P.from_json(d["input"]),
+                   None if d["shape"] is None else tuple(d["shape"]), tuple(d["tags"]))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a plan knows of the model it was traced from (JSON-able)."""
+
+    cls: str = ""
+    model_type: str | None = None
+    base_prefix: str = ""
+    blocks: tuple[str, ...] = ()          # FQNs of the repeated blocks, in order
+    config: tuple[tuple[str, Any], ...] = ()  # a JSON-able subset of the HF config
+    tp_plan: tuple[tuple[str, str], ...] = ()  # the config's base_model_tp_plan
+
+    def config_get(self, key: str, default: Any = None) -> Any:
+        return dict(self.config).get(key, default)
+
+    def to_json(self) -> dict:
+        return {"cls": self.cls, "model_type": self.model_type, "base_prefix": self.base_prefix,
+                "blocks": list(self.blocks), "config": dict(self.config),
+                "tp_plan": dict(self.tp_plan)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ModelInfo":
+        return cls(d["cls"], d["model_type"], d["base_prefix"], tuple(d["blocks"]),
+                   tuple(d["config"].items()), tuple(d["tp_plan"].items()))
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return tuple((k, _freeze(x)) for k, x in v.items())
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """An immutable table: parameters, activation boundaries, rules and options.
+
+    ``options`` holds what non-sharding transforms decided (``('zero', {...})``,
+    ``('precision', {...})``, ...) as frozen key/value pairs; ``transforms`` lists the
+    reprs of every transform applied, in order.
+    """
+
+    params: tuple[ParamEntry, ...]
+    activations: tuple[ActivationEntry, ...] = ()
+    rules: Rules | None = None
+    model: ModelInfo = ModelInfo()
+    options: tuple[tuple[str, Any], ...] = ()
+    transforms: tuple[str, ...] = ()
+    mesh: tuple[tuple[str, int], ...] | None = None
+    uneven: bool = False
+
+    # -- lookup --------------------------------------------------------------------------
+    def __getitem__(self, fqn: str) -> ParamEntry:
+        for e in self.params:
+            if e.fqn == fqn:
+                return e
+        raise KeyError(f"{fqn!r} is not a parameter of this plan")
+
+    def __iter__(self):
+        return iter(self.params)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        return tuple(e.fqn for e in self.params)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        for k, v in self.options:
+            if k == name:
+                return dict(v) if isinstance(v, tuple) else v
+        return default
+
+    def with_option(self, name: str, value: Mapping[str, Any]) -> "Plan":
+        opts = tuple((k, v) for k, v in self.options if k != name) + ((name, _freeze(value)),)
+        return dataclasses.replace(self, options=opts)
+
+    def replace(self, **kw) -> "Plan":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def is_bound(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        if self.mesh is None:
+            raise PlanError("this plan is not bound to a mesh; call plan.bind(mesh) first")
+        return dict(self.mesh)
+
+    # -- binding -------------------------------------------------------------------------
+    def bind(self, mesh, *, uneven: bool | None = None) -> "Plan":
+        """Resolve every spec against ``mesh`` and check it; returns a bound plan.
+
+        Raises ``SpecError`` naming the FQN, shape, spec, axis and the fix for an unknown
+        axis, a spec longer than its tensor, axes out of mesh order, or (unless
+        ``uneven=True``) a dimension its shard count does not divide.
+        """
+        from ._mesh import Mesh
+
+        uneven = self.uneven if uneven is None else uneven
+        axes = mesh.axis_names if isinstance(mesh, Mesh) else tuple(n for n, _ in mesh)
+        sizes = mesh.shape if isinstance(mesh, Mesh) else dict(mesh)
+        rules = self.rules or Rules()
+        out = []
+        for e in self.params:
+            what = f"{e.fqn} {e.shape}"
+            ms = rules.resolve(e.spec, axes, what=what)
+            check_spec(ms, e.shape, axes, what=e.fqn, mesh_repr=_mesh_repr(sizes))
+            if not uneven:
+                for d, k in uneven_dims(e.shape, ms, sizes):
+                    via = ms.dim_axes(d)
+                    logical = e.spec.dim_axes(d) if d < len(e.spec) else ()
+                    fix_axis = f"map {logical[0]!r} to another axis in Rules" if logical and \
+                        logical != via else "shard that dim over other axes"
+                    raise SpecError(
+                        f"{e.fqn} {e.shape}: {e.spec!r} shards dim {d} over "
+                        f"{' x '.join(f'{a!r} (size {sizes[a]})' for a in via)}, but "
+                        f"{e.shape[d]} % {k} != 0; change the mesh, {fix_axis}, or allow "
+                        f"uneven shards with bind(mesh, uneven=True)"
+                    )
+            out.append(dataclasses.replace(e, mesh_spec=ms))
+        acts = []
+        for a in self.activations:
+            acts.append(dataclasses.replace(
+                a,
+                output=None if a.output is None else rules.resolve(a.output, axes, what=a.module),
+                input=None if a.input is None else rules.resolve(a.input, axes, what=a.module)))
+        return dataclasses.replace(self, params=tuple(out), activations=tuple(acts),
+                                   mesh=tuple(sizes.items()), uneven=uneven)
+
+    def unused_axes(self) -> tuple[str, ...]:
+        """Mesh axes that no parameter spec and no option uses (bound plans only)."""
+        used = {a for e in self.params for a in (e.mesh_spec or P()).axes}
+        for _, v in self.options:
+            for k, x in (v if isinstance(v, tuple) else ()):
+                if k in ("axis", "axes"):
+                    used.update((x,) if isinstance(x, str) else tuple(x or ()))
+        return tuple(a for a in self.mesh_shape if a not in used)
+
+    # -- layout queries ------------------------------------------------------------------
+    def local_shape(self, fqn: str) -> tuple[int, ...]:
+        e = self[fqn]
+        return local_shape(e.shape, e.mesh_spec if e.mesh_spec is not None else P(),
+                           self.mesh_shape)
+
+    # -- memory --------------------------------------------------------------------------
+    def memory(self, *, optimizer: str = "adamw"):
+        """Per-rank bytes of parameters, gradients and optimizer state (a bound plan)."""
+        from ._memory import estimate_memory
+
+        return estimate_memory(self, optimizer=optimizer)
+
+    def comm(self):
+        """Per-step collective volume per rank (a bound plan)."""
+        from ._memory import estimate_comm
+
+        return estimate_comm(self)
+
+    # -- presentation --------------------------------------------------------------------
+    def table(self, *, collapse: bool = True, max_rows: int = 200):
+        from ._plan_view import plan_table
+
+        return plan_table(self, collapse=collapse, max_rows=max_rows)
+
+    def __rich__(self):
+        return self.table()
+
+    def __str__(self) -> str:
+        from ._plan_view import render_text
+
+        return render_text(self.table())
+
+    def diff(self, other: "Plan") -> "PlanDiff":
+        """What changes from ``self`` to ``other``, per FQN."""
+        a = {e.fqn: e for e in self.params}
+        b = {e.fqn: e for e in other.params}
+        changed = []
+        for fqn in a.keys() & b.keys():
+            ea, eb = a[fqn], b[fqn]
+            fields = [f for f in ("shape", "dtype", "spec", "mesh_spec", "tags", "tied_to")
+                      if getattr(ea, f) != getattr(eb, f)]
+            if fields:
+                changed.append((fqn, tuple((f, getattr(ea, f), getattr(eb, f)) for f in fields)))
+        order = {f: i for i, f in enumerate(list(a) + [f for f in b if f not in a])}
+        opts = tuple(
+            (k, dict(self.options).get(k), dict(other.options).get(k))
+            for k in dict.fromkeys([k for k, _ in self.options] + [k for k, _ in other.options])
+            if dict(self.options).get(k) != dict(other.options).get(k)
+        )
+        return PlanDiff(
+            removed=tuple(f for f in a if f not in b),
+            added=tuple(f for f in b if f not in a),
+            changed=tuple(sorted(changed, key=lambda c: order[c[0]])),
+            options=opts,
+            mesh=(self.mesh, other.mesh) if self.mesh != other.mesh else None,
+        )
+
+    # -- JSON ----------------------------------------------------------------------------
+    def to_json(self, **dump_kw) -> str:
+        d = {
+            "format": "meshlab.plan/1",
+            "params": [e.to_json() for e in self.params],
+            "activations": [a.to_json() for a in self.activations],
+            "rules": None if self.rules is None else self.rules.to_json(),
+            "model": self.model.to_json(),
+            "options": [[k, _thaw(v)] for k, v in self.options],
+            "transforms": list(self.transforms),
+            "mesh": None if self.mesh is None else [[n, s] for n, s in self.mesh],
+            "uneven": self.uneven,
+        }
+        return json.dumps(d, **dump_kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        if d.get("format") != "meshlab.plan/1":
+            raise PlanError(f"not a meshlab plan (format {d.get('format')!r}); expected "
+                            f"'meshlab.plan/1'")
+        return cls(
+            params=tuple(ParamEntry.from_json(e) for e in d["params"]),
+            activations=tuple(ActivationEntry.from_json(a) for a in d["activations"]),
+            rules=None if d["rules"] is None else Rules.from_json(d["rules"]),
+            model=ModelInfo.from_json(d["model"]),
+            options=tuple((k, _freeze(v)) for k, v in d["options"]),
+            transforms=tuple(d["transforms"]),
+            mesh=None if d["mesh"] is None else tuple((n, s) for n, s in d["mesh"]),
+            uneven=d["uneven"],
+        )
+
+
+def _thaw(v: Any) -> Any:
+    if isinstance(v, tuple) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+                                    for x in v):
+        return {k: _thaw(x) for k, x in v}
+    if isinstance(v, tuple):
+        return [_thaw(x) for x in v]
+    return v
+
+
+def _mesh_repr(sizes: Mapping[str, int]) -> str:
+    return "Mesh(" + ", ".join(f"{n}={s}" for n, s in sizes.items()) + ")"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanDiff:
+    removed: tuple[str, ...]
+    added: tuple[str, ...]
+    changed: tuple[tuple[str, tuple], ...]
+    options: tuple = ()
+    mesh: tuple | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.removed or self.added or self.changed or self.options or self.mesh)
+
+    def __rich__(self):
+        from rich.table import Table
+
+        t = Table(title="plan diff")
+        t.add_column("fqn / option")
+        t.add_column("field")
+        t.add_column("before")
+        t.add_column("after")
+        if self.mesh:
+            t.add_row("(mesh)", "", _mesh_repr(dict(self.mesh[0] or ())),
+                      _mesh_repr(dict(self.mesh[1] or ())))
+        for f in self.removed:
+            t.add_row(f, "", "present", "[red]removed[/]")
+        for f in self.added:
+            t.add_row(f, "", "", "[green]added[/]")
+        for fqn, fields in self.changed:
+            for name, x, y in fields:
+                t.add_row(fqn, name, repr(x), repr(y))
+        for k, x, y in self.options:
+            t.add_row(f"option {k}", "", repr(_thaw(x)), repr(_thaw(y)))
+        return t
+
+    def __str__(self) -> str:
+        from ._plan_view import render_text
+
+        return render_text(self.__rich__())

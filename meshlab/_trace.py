@@ -1,0 +1,107 @@
+"""trace: read a module's parameters (on any device, meta included) into a Plan."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._plan import ActivationEntry, ModelInfo, ParamEntry, Plan, dtype_name
+
+_CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                "tie_word_embeddings", "n_embd", "n_head", "n_layer", "n_inner",
+                "max_position_embeddings", "num_local_experts", "num_experts",
+                "num_experts_per_tok")
+
+
+def _config_subset(config: Any) -> tuple:
+    out = []
+    for k in _CONFIG_KEYS:
+        v = getattr(config, k, None)
+        if v is not None:
+            try:
+                json.dumps(v)
+            except TypeError:
+                continue
+            out.append((k, v))
+    return tuple(out)
+
+
+def _blocks(model: nn.Module) -> tuple[str, ...]:
+    """FQNs of the repeated blocks: HF ``_no_split_modules`` classes, else the longest
+    ``nn.ModuleList`` of identical module types."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if names:
+        found = tuple(n for n, m in model.named_modules() if type(m).__name__ in names)
+        if found:
+            return found
+    best: tuple[str, ...] = ()
+    for n, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best) and \
+                len({type(c) for c in m}) == 1:
+            best = tuple(f"{n}.{i}" if n else str(i) for i in range(len(m)))
+    return best
+
+
+def trace(model: nn.Module, example_inputs: tuple | dict | None = None) -> Plan:
+    """A replicated plan of ``model``: every parameter with its shape and dtype.
+
+    Reads parameters only, so a model on the meta device (too big for any one process)
+    traces in milliseconds. Tied parameters (one tensor under two names) are recorded
+    once, the second name pointing at the first. With ``example_inputs``, the model is
+    run once on the meta device to record the output shape of every repeated block.
+    """
+    seen: dict[int, str] = {}
+    entries = []
+    owner = {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, _ in mod.named_parameters(recurse=False, remove_duplicate=False):
+            owner.setdefault(f"{mname}.{pname}" if mname else pname, mname)
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        tied = seen.get(id(p))
+        if tied is None:
+            seen[id(p)] = fqn
+        entries.append(ParamEntry(fqn=fqn, shape=tuple(p.shape), dtype=dtype_name(p.dtype),
+                                  requires_grad=p.requires_grad, tied_to=tied,
+                                  module=owner.get(fqn, "")))
+    config = getattr(model, "config", None)
+    tp_plan = getattr(config, "base_model_tp_plan", None) or {}
+    info = ModelInfo(
+        cls=type(model).__name__,
+        model_type=getattr(config, "model_type", None),
+        base_prefix=getattr(model, "base_model_prefix", "") if config is not None and
+        hasattr(model, getattr(model, "base_model_prefix", "") or "\0") else "",
+        blocks=_blocks(model),
+        config=_config_subset(config) if config is not None else (),
+        tp_plan=tuple((k, v) for k, v in tp_plan.items() if isinstance(v, str)),
+    )
+    acts = ()
+    if example_inputs is not None:
+        acts = _trace_activations(model, info.blocks, example_inputs)
+    return Plan(params=tuple(entries), activations=acts, model=info)
+
+
+def _trace_activations(model: nn.Module, blocks, example_inputs) -> tuple:
+    shapes: dict[str, tuple] = {}
+    hooks = []
+    mods = dict(model.named_modules())
+    for b in blocks:
+        def hook(_m, _i, out, _b=b):
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            if isinstance(t, torch.Tensor):
+                shapes[_b] = tuple(t.shape)
+        hooks.append(mods[b].register_forward_hook(hook))
+    try:
+        meta_model = model
+        with torch.no_grad():
+            if isinstance(example_inputs, dict):
+                meta_model(**example_inputs)
+            else:
+                meta_model(*example_inputs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return tuple(ActivationEntry(module=b, shape=shapes.get(b)) for b in blocks)

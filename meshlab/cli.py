@@ -1,0 +1,108 @@
+"""The ``meshlab`` command: ``plan``, ``run``, ``demo``, ``env``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _rules_arg(text: str | None):
+    from ._rules import Rules
+
+    if not text:
+        return None
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq:
+            raise SystemExit(f"--rules {text!r}: expected logical=axis pairs, e.g. heads=tp,embed=fsdp")
+        alts = tuple(v for v in value.split("|") if v)
+        pairs.append((name, None if value in ("", "None", "none") else
+                      (alts[0] if len(alts) == 1 else alts)))
+    return Rules(pairs)
+
+
+DEFAULT_RULES_TEXT = ("batch=dp|fsdp,heads=tp,kv_heads=tp,mlp=tp,vocab=tp,embed=fsdp")
+
+
+def cmd_plan(args) -> int:
+    import time
+
+    import torch
+    from rich.console import Console
+
+    from . import policies, presets
+    from ._api import plan as make_plan
+    from ._mesh import Mesh
+    from .transforms import shard
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    t0 = time.perf_counter()
+    dtype = getattr(torch, args.dtype)
+    model = presets.build(args.model, device="meta", dtype=dtype)
+    mesh = Mesh.parse(args.mesh, fake=True)
+    rules = _rules_arg(args.rules or DEFAULT_RULES_TEXT)
+    p = make_plan(model, shard(policies.auto, rules), mesh, uneven=args.uneven)
+    console.print(p.table(collapse=not args.full))
+    console.print(p.memory())
+    unused = p.unused_axes()
+    if unused:
+        console.print(f"[yellow]note:[/] mesh axes {unused} shard no parameter: every rank along "
+                      f"them holds the same parameters.")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(p.to_json(indent=1))
+        console.print(f"plan written to {args.json}")
+    console.print(f"planned {len(p)} parameters ({sum(e.numel for e in p if not e.tied_to):,} "
+                  f"elements) on {mesh.size:,} ranks in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def cmd_env(args) -> int:
+    import platform
+
+    import torch
+
+    from . import __version__
+
+    print(f"meshlab {__version__}")
+    print(f"python {platform.python_version()} on {platform.platform()}")
+    print(f"torch {torch.__version__} (cuda: {torch.cuda.is_available()}, "
+          f"devices: {torch.cuda.device_count()})")
+    for mod in ("transformers", "optree", "safetensors", "einops", "peft"):
+        try:
+            m = __import__(mod)
+            print(f"{mod} {getattr(m, '__version__', '?')}")
+        except ImportError:
+            print(f"{mod} not installed")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="meshlab", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("plan", help="plan a model on a fake mesh and print its layout and memory")
+    p.add_argument("--model", default="llama3-8b",
+                   help="a preset name (see meshlab.presets) or a path to a config.json")
+    p.add_argument("--mesh", default="dp=8,tp=8", help="axis=size pairs, e.g. pp=8,dp=16,tp=8")
+    p.add_argument("--rules", default=None,
+                   help=f"logical=axis[|fallback] pairs (default: {DEFAULT_RULES_TEXT})")
+    p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
+    p.add_argument("--uneven", action="store_true", help="allow dims not divisible by their shards")
+    p.add_argument("--full", action="store_true", help="one row per parameter (no collapsing)")
+    p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.set_defaults(fn=cmd_plan)
+
+    e = sub.add_parser("env", help="versions of meshlab and what it runs on (for bug reports)")
+    e.set_defaults(fn=cmd_env)
+
+    from . import _cli_run
+
+    _cli_run.add_commands(sub)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

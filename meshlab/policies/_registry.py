@@ -1,0 +1,70 @@
+"""The policy registry, keyed on ``config.model_type``, and ``auto``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .._errors import PolicyError
+from ._policy import ModuleRule, Policy
+
+_REGISTRY: dict[str, Policy] = {}
+
+
+def register(model_type: str, policy: Policy) -> Policy:
+    """Register ``policy`` for models whose ``config.model_type`` is ``model_type``."""
+    _REGISTRY[model_type] = policy
+    return policy
+
+
+def registered() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+class _Auto:
+    """``policies.auto``: the policy for the model's ``config.model_type``."""
+
+    def __repr__(self) -> str:
+        return "policies.auto"
+
+
+auto = _Auto()
+
+
+def from_hf_tp_plan(model_type: str, tp_plan: dict[str, str]) -> Policy:
+    """Translate a Hugging Face ``base_model_tp_plan`` into a policy (on top of the
+    shared decoder defaults: vocab-parallel embedding and LM head, sharded norms)."""
+    from ._decoder import DECODER
+
+    rules = tuple(ModuleRule(glob, style) for glob, style in tp_plan.items())
+    return DECODER + Policy(name=model_type, modules=rules)
+
+
+def get(model_type: str, tp_plan: dict[str, str] | None = None) -> Policy:
+    """The policy for ``model_type``: registered, else translated from ``tp_plan``."""
+    if model_type in _REGISTRY:
+        return _REGISTRY[model_type]
+    if tp_plan:
+        return from_hf_tp_plan(model_type, tp_plan)
+    raise PolicyError(
+        f"no sharding policy for model_type {model_type!r}: it is not registered "
+        f"({', '.join(registered())}) and its config carries no base_model_tp_plan. Pass "
+        f"specs instead: shard({{'layers.*.mlp.up_proj.weight': P('mlp', 'embed'), ...}}), or "
+        f"meshlab.policies.register({model_type!r}, Policy(...))"
+    )
+
+
+def resolve_policy(specs: Any, plan) -> Policy | None:
+    """``specs`` as a Policy when it is one (or ``auto``); None for plain specs."""
+    if isinstance(specs, Policy):
+        return specs
+    if isinstance(specs, _Auto):
+        mt = plan.model.model_type
+        if mt is None:
+            raise PolicyError(
+                f"policies.auto needs a Hugging Face model (a config with model_type); "
+                f"{plan.model.cls or 'this model'} has none. Pass specs to shard(...) instead"
+            )
+        return get(mt, dict(plan.model.tp_plan))
+    if isinstance(specs, str):
+        return get(specs)
+    return None
