@@ -22,8 +22,13 @@ from ._visualize import visualize as visualize, typeof as typeof, type_string as
 from ._plan import Plan as Plan, ParamEntry as ParamEntry, ActivationEntry as ActivationEntry
 from ._trace import trace as trace
 from ._specs_tree import specs_like as specs_like
-from .transforms import Transform as Transform, shard as shard
+from .transforms import (Transform as Transform, shard as shard, zero_shard as zero_shard,
+                         data_parallel as data_parallel, precision as precision, remat as remat)
 from ._api import plan as plan
+from ._parallelize import parallelize as parallelize
+from ._materialize import init_weights as init_weights
+from .train import optimizer as optimizer, step as step, dataloader as dataloader
+from . import losses as losses
 from . import policies as policies
 
 __version__ = "0.1.0"

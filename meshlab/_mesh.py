@@ -205,6 +205,9 @@ class Mesh:
                 f"order {self.axis_names}; build the Mesh with them next to each other"
             )
         new = name or "_".join(names)
+        if new in self.axis_names and new not in names:
+            raise MeshError(f"flatten({', '.join(map(repr, names))}): the new axis name {new!r} is "
+                            f"already an axis of {self!r}; pass another name=")
         axes: dict[str, int] = {}
         for n, s in self._axes:
             if n in names:
@@ -252,9 +255,12 @@ class Mesh:
         axes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, eq, size = part.partition("=")
-            if not eq or not size.strip().isdigit():
+            size, name = size.strip(), name.strip()
+            if not eq or not (size.isascii() and size.isdigit()):
                 raise MeshError(f"--mesh {text!r}: expected name=size pairs such as 'dp=16,tp=8'")
-            axes[name.strip()] = int(size)
+            if name in axes:
+                raise MeshError(f"--mesh {text!r}: axis {name!r} is given twice")
+            axes[name] = int(size)
         return cls(axes, fake=fake)
 
 

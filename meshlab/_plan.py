@@ -212,6 +212,10 @@ class Plan:
                 for d, k in uneven_dims(e.shape, ms, sizes):
                     via = ms.dim_axes(d)
                     logical = e.spec.dim_axes(d) if d < len(e.spec) else ()
+                    if logical == ("vocab",):
+                        # Vocab-parallel embedding and loss handle a short last shard
+                        # exactly (masked lookup, parallel softmax): no padding needed.
+                        continue
                     fix_axis = f"map {logical[0]!r} to another axis in Rules" if logical and \
                         logical != via else "shard that dim over other axes"
                     raise SpecError(
@@ -220,7 +224,8 @@ class Plan:
                         f"{e.shape[d]} % {k} != 0; change the mesh, {fix_axis}, or allow "
                         f"uneven shards with bind(mesh, uneven=True)"
                     )
-            out.append(dataclasses.replace(e, mesh_spec=ms))
+            ms, extra = _split_heads(e, ms, sizes, self.model)
+            out.append(dataclasses.replace(e, mesh_spec=ms, tags=tuple(dict.fromkeys(e.tags + extra))))
         acts = []
         for a in self.activations:
             acts.append(dataclasses.replace(
@@ -328,6 +333,38 @@ class Plan:
             mesh=None if d["mesh"] is None else tuple((n, s) for n, s in d["mesh"]),
             uneven=d["uneven"],
         )
+
+
+_HEAD_COUNTS = {"heads": ("num_attention_heads", "n_head"),
+                "kv_heads": ("num_key_value_heads", "num_attention_heads", "n_head")}
+
+
+def _split_heads(e: ParamEntry, ms: P, sizes: Mapping[str, int], model: ModelInfo):
+    """Attention heads are split whole. K/V heads fewer than their shards are replicated
+    (each rank then keeps the K/V heads its query heads use); query heads must divide."""
+    extra: tuple[str, ...] = ()
+    for d in range(min(len(e.spec), len(e.shape))):
+        logical = e.spec.dim_axes(d)
+        if len(logical) != 1 or logical[0] not in _HEAD_COUNTS:
+            continue
+        count = next((model.config_get(k) for k in _HEAD_COUNTS[logical[0]]
+                      if model.config_get(k)), None)
+        axes = ms.dim_axes(d)
+        k = math.prod(sizes[a] for a in axes) if axes else 1
+        if count is None or k == 1 or count % k == 0:
+            continue
+        if logical[0] == "kv_heads":
+            dims = list(ms) + [None] * (len(e.shape) - len(ms))
+            dims[d] = None
+            ms = P(*dims, partial=ms.partial or None).normalized()
+            extra += ("kv_replicated",)
+        else:
+            raise SpecError(
+                f"{e.fqn} {e.shape}: {e.spec!r} splits {count} attention heads over "
+                f"{' x '.join(axes)} = {k} shards; heads are split whole, so {count} % {k} "
+                f"must be 0. Choose a tensor-parallel size that divides {count}"
+            )
+    return ms, extra
 
 
 def _thaw(v: Any) -> Any:

@@ -44,7 +44,7 @@ def plan_table(plan, *, collapse: bool = True, max_rows: int = 200):
     if bound:
         title += "  on Mesh(" + ", ".join(f"{n}={s}" for n, s in plan.mesh) + ")"
     t = Table(title=title, caption=" | ".join(plan.transforms) or None)
-    t.add_column("parameter")
+    t.add_column("parameter", no_wrap=True)
     t.add_column("×", justify="right")
     t.add_column("type (global)")
     t.add_column("spec")
@@ -70,7 +70,7 @@ def plan_table(plan, *, collapse: bool = True, max_rows: int = 200):
     return t
 
 
-def render_text(renderable, width: int = 140) -> str:
+def render_text(renderable, width: int = 200) -> str:
     import io
 
     from rich.console import Console

@@ -60,6 +60,8 @@ class P:
             part: tuple[str, ...] = ()
         elif isinstance(partial, str):
             part = (_check_name(partial, "P partial"),)
+        elif not isinstance(partial, (tuple, list)):
+            raise SpecError(f"P(partial={partial!r}): give an axis name or a tuple of axis names")
         else:
             part = tuple(_check_name(n, "P partial") for n in partial)
         object.__setattr__(self, "_dims", dims)

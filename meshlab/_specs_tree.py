@@ -11,7 +11,6 @@ fill in.
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import re
 from typing import Any, Iterable, Mapping
@@ -25,14 +24,33 @@ from ._spec import P
 
 @functools.lru_cache(maxsize=4096)
 def _glob_regex(glob: str) -> re.Pattern:
-    parts = []
-    for seg in glob.split("."):
+    # Built by hand (not fnmatch.translate, whose output differs across Python versions):
+    # '*' and '?' never cross a '.', and '**' spans any number of whole segments (zero too).
+    out = []
+    segs = glob.split(".")
+    for i, seg in enumerate(segs):
+        last = i == len(segs) - 1
         if seg == "**":
-            parts.append(r"(?:[^.]+(?:\.[^.]+)*)")
-        else:
-            parts.append(fnmatch.translate(seg).replace(r"\Z", "").replace("(?s:", "(?:")
-                         .replace(".*", "[^.]*"))
-    return re.compile(r"\A" + r"\.".join(parts) + r"\Z")
+            out.append(r"(?:[^.]+(?:\.[^.]+)*)?" if last else r"(?:[^.]+\.)*")
+            continue
+        pat, j = "", 0
+        while j < len(seg):
+            c = seg[j]
+            close = seg.find("]", j + 2) if c == "[" else -1
+            if c == "*":
+                pat += "[^.]*"
+            elif c == "?":
+                pat += "[^.]"
+            elif close > 0:  # a character class, as in fnmatch: [01], [!a-z]
+                body = seg[j + 1:close]
+                body = "^" + body[1:] if body.startswith("!") else body
+                pat += "[" + body.replace("\\", "\\\\") + "]"
+                j = close
+            else:
+                pat += re.escape(c)
+            j += 1
+        out.append(pat if last else pat + r"\.")
+    return re.compile(r"\A" + "".join(out) + r"\Z")
 
 
 def glob_match(glob: str, fqn: str) -> bool:

@@ -79,7 +79,7 @@ class ShardingView:
             rows = sorted({b[0] for b in self.blocks})
             cols = sorted({b[1] for b in self.blocks}) if len(self.shape) == 2 else [None]
             t = Table(title=title, caption=caption, show_header=len(self.shape) == 2,
-                      show_lines=True)
+                      show_lines=True, min_width=len(title) + 4)
             t.add_column("")
             shown_cols = cols[:8]
             for c in shown_cols:
@@ -97,7 +97,7 @@ class ShardingView:
             if len(rows) > 16:
                 t.add_row(f"… {len(rows) - 16} more", *["…"] * (len(t.columns) - 1))
             return t
-        t = Table(title=title, caption=caption)
+        t = Table(title=title, caption=caption, min_width=len(title) + 4)
         t.add_column("block")
         t.add_column("ranks")
         for blk, ranks in list(self.blocks.items())[:64]:

@@ -38,7 +38,12 @@ def cmd_plan(args) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     t0 = time.perf_counter()
-    dtype = getattr(torch, args.dtype)
+    from ._errors import ConfigError
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"--dtype {args.dtype!r} is not a torch dtype; use bfloat16, float16 "
+                          f"or float32")
     model = presets.build(args.model, device="meta", dtype=dtype)
     mesh = Mesh.parse(args.mesh, fake=True)
     rules = _rules_arg(args.rules or DEFAULT_RULES_TEXT)
@@ -101,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
 
     _cli_run.add_commands(sub)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    from ._errors import MeshlabError
+
+    try:
+        return args.fn(args)
+    except MeshlabError as e:
+        print(f"meshlab {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

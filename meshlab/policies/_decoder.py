@@ -20,6 +20,7 @@ DECODER = Policy(
     ),
     activations=(("layers.*", P("batch", "seq", "embed")),),
     sequence_parallel=("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"),
+    regions=("layers.*.self_attn", "layers.*.mlp"),
     # Families differ in naming; these defaults apply where the names exist.
     optional=("embed_tokens", "/lm_head", "norm", "layers.*.input_layernorm",
               "layers.*.post_attention_layernorm"),

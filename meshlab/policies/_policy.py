@@ -83,7 +83,9 @@ class Policy:
     modules: tuple[ModuleRule, ...] = ()
     params: tuple[tuple[str, P], ...] = ()          # parameter globs -> P, for odd cases
     activations: tuple[tuple[str, P], ...] = ()     # module glob -> output spec
-    sequence_parallel: tuple[str, ...] = ()         # module globs run sequence-sharded (SP)
+    sequence_parallel: tuple[str, ...] = ()         # replicated modules on sequence shards (SP)
+    regions: tuple[str, ...] = ()                   # modules whose input enters a TP region
+    local_attrs: tuple[tuple[str, str], ...] = ()   # (module glob, int attribute) divided by tp
     optional: tuple[str, ...] = ()                   # globs allowed to match nothing
 
     def __add__(self, other: "Policy") -> "Policy":
@@ -95,6 +97,8 @@ class Policy:
             params=tuple({**dict(self.params), **dict(other.params)}.items()),
             activations=tuple({**dict(self.activations), **dict(other.activations)}.items()),
             sequence_parallel=tuple(dict.fromkeys(self.sequence_parallel + other.sequence_parallel)),
+            regions=tuple(dict.fromkeys(self.regions + other.regions)),
+            local_attrs=tuple(dict.fromkeys(self.local_attrs + other.local_attrs)),
             optional=tuple(dict.fromkeys(self.optional + other.optional)),
         )
 
@@ -176,3 +180,14 @@ class Policy:
     def activation_specs(self, plan) -> dict[str, P]:
         prefix = plan.model.base_prefix
         return {self._abs(g, prefix): s for g, s in self.activations}
+
+    def module_tags(self, plan) -> dict[str, tuple[str, ...]]:
+        """Module glob -> tags: ``tp_region`` entries and ``local_attr:<name>``."""
+        prefix = plan.model.base_prefix
+        out: dict[str, tuple[str, ...]] = {}
+        for g in self.regions:
+            out[self._abs(g, prefix)] = out.get(self._abs(g, prefix), ()) + ("tp_region",)
+        for g, attr in self.local_attrs:
+            k = self._abs(g, prefix)
+            out[k] = out.get(k, ()) + (f"local_attr:{attr}",)
+        return out

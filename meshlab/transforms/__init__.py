@@ -2,3 +2,6 @@
 
 from ._base import Compose as Compose, Identity as Identity, Transform as Transform
 from .shard import Shard as Shard, shard as shard
+from .zero import ZeroShard as ZeroShard, zero_shard as zero_shard, data_parallel as data_parallel
+from .precision import Precision as Precision, precision as precision
+from .remat import Remat as Remat, remat as remat

@@ -38,9 +38,10 @@ class Shard(Transform):
         if policy is not None:
             param_specs, tags, acts = policy.param_specs(plan), policy.tags(plan), \
                 policy.activation_specs(plan)
+            mod_tags = policy.module_tags(plan)
             source = f"policy {policy.name!r}"
         else:
-            param_specs, tags, acts = normalize_specs(self.specs), {}, {}
+            param_specs, tags, acts, mod_tags = normalize_specs(self.specs), {}, {}, {}
             source = "shard specs"
         acts = {**acts, **dict(self.activations)}
         hits = match_specs(param_specs, plan.fqns, what=source)
@@ -78,6 +79,15 @@ class Shard(Transform):
             for m in matched:
                 prev = act_entries.get(m, ActivationEntry(module=m))
                 act_entries[m] = dataclasses.replace(prev, output=spec)
+        for glob, mtags in mod_tags.items():
+            matched = [m for m in modules if glob_match(glob, m)]
+            if not matched:
+                raise PlanError(f"{source}: module glob {glob!r} matches no module; the policy "
+                                f"does not fit {plan.model.cls or 'this model'}")
+            for m in matched:
+                prev = act_entries.get(m, ActivationEntry(module=m))
+                act_entries[m] = dataclasses.replace(
+                    prev, tags=tuple(dict.fromkeys(prev.tags + mtags)))
         return dataclasses.replace(plan, params=tuple(out), rules=rules,
                                    activations=tuple(act_entries.values()))
 

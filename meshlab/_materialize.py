@@ -1,0 +1,253 @@
+"""materialize: the one place that mutates a model to run a bound plan.
+
+Order: validate (``build_layout``) -> initialize parameters module by module, sharding
+each tensor-parallel module as soon as it exists -> install the TP hooks -> activation
+checkpointing -> FSDP2 for ZeRO-2/3 -> attach the runtime the optimizer and ``step`` read.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from ._errors import ConfigError, PlanError
+from ._layout import Layout, build_layout
+from ._mesh import Mesh
+from ._plan import Plan
+from . import _tp
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What a parallelized model carries for ``optimizer``/``step``/checkpoints."""
+
+    plan: Plan
+    mesh: Mesh
+    layout: Layout
+    tp_group: object | None
+    dp_group: object | None
+    dp_mesh: object | None
+    tp_mesh: object | None
+
+    @property
+    def dp_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+
+    @property
+    def tp_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+
+
+def runtime_of(model: nn.Module) -> Runtime:
+    rt = getattr(model, "_meshlab", None)
+    if rt is None:
+        raise ConfigError("this model was not parallelized by meshlab; call "
+                          "meshlab.parallelize(model, spec, mesh) first")
+    return rt
+
+
+def _post_order(m: nn.Module) -> Iterator[nn.Module]:
+    for c in m.children():
+        yield from _post_order(c)
+    yield m
+
+
+def _has_meta(m: nn.Module) -> bool:
+    return any(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
+
+
+def _init_fn(model: nn.Module):
+    """The function that initializes one module the way the model itself would."""
+    hf = getattr(model, "_initialize_weights", None)
+    if hf is not None:
+        return lambda m: hf(m)
+
+    def plain(m: nn.Module) -> None:
+        reset = getattr(m, "reset_parameters", None)
+        if reset is not None and any(True for _ in m.parameters(recurse=False)):
+            reset()
+    return plain
+
+
+def init_weights(model: nn.Module, seed: int = 0, *, device: str = "cpu",
+                 on_module=None) -> nn.Module:
+    """Initialize a model built on the meta device, one module at a time.
+
+    Modules are visited children-first (the order Hugging Face's ``initialize_weights``
+    uses) with the global RNG seeded to ``seed``, so the values equal those of the same
+    call in any other process; ``on_module(module)`` runs right after each module is
+    initialized (the materializer shards it there, so the whole model never exists at
+    once). Returns ``model``, initialized in place.
+    """
+    if not _has_meta(model):
+        return model
+    fn = _init_fn(model)
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        for m in _post_order(model):
+            if any(t.is_meta for t in list(m.parameters(recurse=False)) +
+                   list(m.buffers(recurse=False))):
+                m.to_empty(device=device, recurse=False)
+                if hasattr(m, "_is_hf_initialized"):
+                    del m._is_hf_initialized
+            with torch.no_grad():
+                fn(m)
+            if on_module is not None:
+                on_module(m)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    return model
+
+
+def _load_state(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers()))
+    missing = [k for k, p in model.named_parameters() if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if missing or unexpected:
+        raise PlanError(f"state_dict does not fit the model: missing {missing[:5]}"
+                        f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                        f"{'...' if len(unexpected) > 5 else ''}")
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            t = own[k]
+            if tuple(t.shape) != tuple(v.shape):
+                raise PlanError(f"{k}: state_dict has shape {tuple(v.shape)}, the model "
+                                f"{tuple(t.shape)}")
+            t.copy_(v)
+
+
+def _check_same_everywhere(model: nn.Module) -> None:
+    """Parameters built outside meshlab must agree on every rank before sharding."""
+    import torch.distributed as dist
+
+    s = torch.zeros(1, dtype=torch.float64)
+    for p in model.parameters():
+        s += p.detach().double().sum()
+    lo, hi = s.clone(), s.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    if not torch.equal(lo, hi):
+        raise ConfigError("the model's parameters differ across ranks; seed every rank the same "
+                          "before building it, or build it on the meta device and let "
+                          "parallelize initialize it (seed=...)")
+
+
+def _remat_forward(forward, policy: str):
+    from torch.utils.checkpoint import checkpoint
+
+    if policy == "selective":
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                torch.ops.aten.bmm.default,
+                torch.ops.aten._scaled_dot_product_flash_attention.default,
+                torch.ops.aten._scaled_dot_product_efficient_attention.default}
+
+        def policy_fn(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+    else:
+        context_fn = None
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        kw = {"use_reentrant": False}
+        if context_fn is not None:
+            kw["context_fn"] = context_fn
+        return checkpoint(forward, *args, **kw, **kwargs)
+
+    return wrapped
+
+
+def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
+                state_dict: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
+    import torch.distributed as dist
+
+    if mesh.fake:
+        raise ConfigError(f"{mesh!r} is fake (planning only); parallelize needs a real Mesh "
+                          f"inside launched processes")
+    dm = mesh.device_mesh
+    # Everything that can be checked is checked before the first collective.
+    probe = build_layout(plan, model, 0)
+    tp_axis, dp_axes = probe.tp_axis, probe.dp_axes
+    tp_mesh = dm[tp_axis] if tp_axis else None
+    tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    layout = build_layout(plan, model, tp_rank) if tp_rank else probe
+    dp_mesh = None
+    if dp_axes:
+        dp_mesh = dm[dp_axes[0]] if len(dp_axes) == 1 else dm[dp_axes]._flatten("_".join(dp_axes))
+    dp_group = dp_mesh.get_group() if dp_mesh is not None else None
+
+    tp = layout.tp
+    tp_specs = {m.fqn: m for m in tp.modules} if tp else {}
+    mods_by_id = {id(m): n for n, m in model.named_modules()}
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    tied = {i for i, c in uses.items() if c > 1}
+    sharded: set[str] = set()
+    swapped: dict[int, nn.Parameter] = {}
+
+    def shard_now(m: nn.Module) -> None:
+        name = mods_by_id.get(id(m))
+        spec = tp_specs.get(name)
+        if spec is None or name in sharded:
+            return
+        if any(id(p) in tied for p in m.parameters(recurse=False)) and state_dict is None \
+                and _has_meta(model):
+            return  # tied parameters may be re-initialized by a later module: shard at the end
+        _tp.shard_module(m, spec, tp_mesh, tp_group, swapped)
+        sharded.add(name)
+
+    if _has_meta(model):
+        init_weights(model, seed, on_module=None if state_dict is not None else shard_now)
+    else:
+        _check_same_everywhere(model)
+    if state_dict is not None:
+        _load_state(model, state_dict)
+    mods = dict(model.named_modules())
+    for name in tp_specs:
+        if name not in sharded:
+            _tp.shard_module(mods[name], tp_specs[name],
+                             tp_mesh, tp_group, swapped)
+            sharded.add(name)
+    if tp is not None:
+        _tp.install_hooks(model, tp, tp_mesh, tp_group)
+
+    if layout.remat != "none":
+        for b in layout.blocks:
+            blk = mods[b]
+            blk.forward = _remat_forward(blk.forward, layout.remat)
+
+    if layout.zero_stage >= 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        prec = layout.precision
+        mp = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, prec["param"]) if prec.get("param", "float32") != "float32" else None,
+            reduce_dtype=getattr(torch, prec["grad"]) if prec.get("grad", "float32") != "float32" else None,
+        )
+        reshard = layout.zero_stage == 3
+        for b in layout.blocks:
+            fully_shard(mods[b], mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+
+    model._meshlab = Runtime(plan=plan, mesh=mesh, layout=layout, tp_group=tp_group,
+                             dp_group=dp_group, dp_mesh=dp_mesh, tp_mesh=tp_mesh)
+    return model

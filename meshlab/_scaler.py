@@ -1,0 +1,51 @@
+"""Dynamic loss scaling whose overflow decision every rank takes together."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class LossScaler:
+    """Scale the loss; on inf/NaN gradients on *any* rank, every rank skips the step and
+    the scale is multiplied by ``backoff``; after ``growth_interval`` clean steps it is
+    multiplied by ``growth``. ``found_inf`` is all-reduced with MAX over the world, so
+    no rank can step while another skips (the Megatron rule)."""
+
+    scale: float = 2.0 ** 16
+    growth: float = 2.0
+    backoff: float = 0.5
+    growth_interval: int = 2000
+    clean_steps: int = 0
+    skipped: int = 0
+
+    def found_inf(self, grads: list[torch.Tensor]) -> bool:
+        import torch.distributed as dist
+
+        flag = torch.zeros(1)
+        for g in grads:
+            if not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale *= self.backoff
+            self.clean_steps = 0
+            self.skipped += 1
+        else:
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale *= self.growth
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, d: dict) -> None:
+        for k, v in d.items():
+            setattr(self, k, v)

@@ -1,0 +1,324 @@
+"""Training: ``optimizer``, ``step`` and ``dataloader`` for parallelized models.
+
+``opt.step()`` does everything a step needs after ``backward``, in order: gradient
+synchronization (data-parallel all-reduce, or the ZeRO-1 reduce-scatter; tensor-parallel
+sums for replicated parameters that saw partial data), unscaling and the overflow check
+agreed by every rank, global gradient-norm clipping across all mesh axes, the update,
+and (ZeRO-1) the all-gather of updated parameters. A plain ``loss.backward();
+opt.step()`` loop is therefore correct; ``step`` adds microbatching, mixed precision and
+loss scaling around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._errors import ConfigError
+from ._materialize import Runtime, runtime_of
+from ._scaler import LossScaler
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _shard_groups(t, rt: Runtime) -> tuple:
+    """The process groups over which ``t``'s local data is a disjoint piece."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(t, DTensor):
+        return ()
+    groups = []
+    mesh = t.device_mesh
+    for i, pl in enumerate(t.placements):
+        if isinstance(pl, (Shard, _StridedShard)) and mesh.size(i) > 1:
+            groups.append(mesh.get_group(i))
+    return tuple(groups)
+
+
+class MeshOptimizer:
+    """A torch optimizer driven the way a parallelized model needs (see module doc)."""
+
+    def __init__(self, model: nn.Module, cls: type, *, clip_grad_norm: float | None = None,
+                 **kwargs: Any) -> None:
+        self.model, self.rt = model, runtime_of(model)
+        self.clip = clip_grad_norm
+        seen: set[int] = set()
+        self.params: list[tuple[str, nn.Parameter]] = []
+        for n, p in model.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append((n, p))
+        stage = self.rt.layout.zero_stage
+        self.zero1 = stage == 1 and self.rt.dp_size > 1
+        tp_reduce = set(self.rt.layout.grad_tp_reduce)
+        self.tp_reduce = [p for n, p in self.params if n in tp_reduce]
+        prec = self.rt.layout.precision
+        ls = prec.get("loss_scale")
+        self.scaler = None
+        if ls == "dynamic":
+            self.scaler = LossScaler(scale=prec.get("init_scale", 2.0 ** 16),
+                                     growth_interval=prec.get("growth_interval", 2000))
+        elif isinstance(ls, (int, float)):
+            self.scaler = LossScaler(scale=float(ls), growth=1.0, backoff=1.0)
+        if self.zero1:
+            self._build_zero1()
+            self.inner = cls([s for s in self.shards], **kwargs)
+        else:
+            self.inner = cls([p for _, p in self.params], **kwargs)
+        self.last_grad_norm: float | None = None
+
+    # -- ZeRO-1: one flat buffer per (dtype, tp-sharded) bucket, each dp rank owns a slice --
+    def _build_zero1(self) -> None:
+        dp = self.rt.dp_size
+        r = dist.get_rank(self.rt.dp_group)
+        buckets: dict = {}
+        for _, p in self.params:
+            key = (p.dtype, _shard_groups(p, self.rt))
+            buckets.setdefault(key, []).append(p)
+        self.buckets = []
+        self.shards = []
+        for (dtype, groups), ps in buckets.items():
+            numels = [_local(p).numel() for p in ps]
+            total = sum(numels)
+            per = -(-total // dp)
+            flat = torch.zeros(per * dp, dtype=torch.float32)
+            off = 0
+            for p, n in zip(ps, numels):
+                flat[off:off + n] = _local(p).detach().reshape(-1).float()
+                off += n
+            shard = nn.Parameter(flat[r * per:(r + 1) * per].clone())
+            self.buckets.append((ps, numels, per, groups))
+            self.shards.append(shard)
+
+    def _flat_grads(self, ps, numels, per, dtype=torch.float32) -> torch.Tensor:
+        flat = torch.zeros(per * self.rt.dp_size, dtype=dtype)
+        off = 0
+        for p, n in zip(ps, numels):
+            if p.grad is not None:
+                flat[off:off + n] = _local(p.grad).reshape(-1)
+            off += n
+        return flat
+
+    # -- the step -------------------------------------------------------------------
+    def _sync_grads(self) -> None:
+        rt = self.rt
+        if rt.tp_group is not None and self.tp_reduce:
+            grads = [_local(p.grad) for p in self.tp_reduce if p.grad is not None]
+            if grads:
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(flat, group=rt.tp_group)
+                off = 0
+                for g in grads:
+                    g.copy_(flat[off:off + g.numel()].view_as(g))
+                    off += g.numel()
+        if rt.dp_group is None or rt.dp_size == 1 or rt.layout.zero_stage >= 2:
+            return  # FSDP2 already reduce-scattered (and averaged) the gradients
+        if self.zero1:
+            for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
+                flat = self._flat_grads(ps, numels, per)
+                out = torch.empty(per)
+                dist.reduce_scatter_tensor(out, flat, group=rt.dp_group)
+                shard.grad = out.div_(rt.dp_size)
+            return
+        by_dtype: dict = {}
+        for _, p in self.params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=rt.dp_group)
+            flat.div_(rt.dp_size)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+
+    def _grad_items(self) -> list[tuple[torch.Tensor, tuple]]:
+        """(local gradient, groups it is sharded over) for the norm and overflow checks."""
+        if self.zero1:
+            return [(s.grad, g + (self.rt.dp_group,)) for s, (_, _, _, g) in
+                    zip(self.shards, self.buckets) if s.grad is not None]
+        return [(_local(p.grad), _shard_groups(p.grad, self.rt)) for _, p in self.params
+                if p.grad is not None]
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of all gradients, over every mesh axis."""
+        sums: dict[tuple, torch.Tensor] = {}
+        for g, groups in self._grad_items():
+            key = tuple(id(x) for x in groups)
+            acc = sums.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
+            acc[0] += g.detach().double().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float64)
+        for s, groups in sums.values():
+            for grp in groups:
+                dist.all_reduce(s, group=grp)
+            total += s
+        return float(total.sqrt())
+
+    def step(self) -> bool:
+        """Synchronize, unscale, check overflow, clip, update. Returns False if skipped."""
+        self._sync_grads()
+        items = self._grad_items()
+        if self.scaler is not None:
+            inv = 1.0 / self.scaler.scale
+            for g, _ in items:
+                g.mul_(inv)
+            overflow = self.scaler.found_inf([g for g, _ in items])
+            self.scaler.update(overflow)
+            if overflow:
+                self.zero_grad()
+                return False
+        if self.clip is not None:
+            norm = self.grad_norm()
+            self.last_grad_norm = norm
+            coef = self.clip / (norm + 1e-6)
+            if coef < 1.0:
+                for g, _ in items:
+                    g.mul_(coef)
+        self.inner.step()
+        if self.zero1:
+            self._gather_zero1()
+        return True
+
+    def _gather_zero1(self) -> None:
+        rt = self.rt
+        with torch.no_grad():
+            for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
+                full = torch.empty(per * rt.dp_size)
+                dist.all_gather_into_tensor(full, shard.detach(), group=rt.dp_group)
+                off = 0
+                for p, n in zip(ps, numels):
+                    loc = _local(p)
+                    loc.copy_(full[off:off + n].view_as(loc).to(loc.dtype))
+                    off += n
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in self.params:
+            p.grad = None
+        if self.zero1:
+            for s in self.shards:
+                s.grad = None
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def state_dict(self) -> dict:
+        d = {"inner": self.inner.state_dict()}
+        if self.scaler is not None:
+            d["scaler"] = self.scaler.state_dict()
+        return d
+
+    def load_state_dict(self, d: Mapping) -> None:
+        self.inner.load_state_dict(d["inner"])
+        if self.scaler is not None and "scaler" in d:
+            self.scaler.load_state_dict(d["scaler"])
+
+
+def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
+              clip_grad_norm: float | None = None, **kwargs: Any) -> MeshOptimizer:
+    """An optimizer over a parallelized model's parameters (``cls(**kwargs)`` inside).
+
+    ``clip_grad_norm`` clips by the global norm over all mesh axes. ZeRO-1 keeps the
+    optimizer state for this rank's slice only.
+
+    >>> opt = optimizer(model, torch.optim.AdamW, lr=3e-4, clip_grad_norm=1.0)  # doctest: +SKIP
+    """
+    if not isinstance(cls, type):
+        raise ConfigError(f"optimizer(model, cls, ...): cls must be an optimizer class such as "
+                          f"torch.optim.AdamW, got {cls!r}")
+    return MeshOptimizer(model, cls, clip_grad_norm=clip_grad_norm, **kwargs)
+
+
+def _split(batch, k: int) -> list:
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % k:
+            raise ConfigError(f"step(microbatches={k}): local batch size {batch.shape[0]} does "
+                              f"not divide into {k} microbatches")
+        return list(batch.chunk(k))
+    if isinstance(batch, Mapping):
+        parts = {key: _split(v, k) if isinstance(v, torch.Tensor) else [v] * k
+                 for key, v in batch.items()}
+        return [{key: parts[key][i] for key in batch} for i in range(k)]
+    raise ConfigError(f"step: batch must be a tensor or a dict of tensors, got {type(batch).__name__}")
+
+
+def _autocast(rt: Runtime):
+    prec = rt.layout.precision
+    dt = prec.get("param", "float32")
+    if dt == "float32" or rt.layout.zero_stage >= 2:  # FSDP2 casts parameters itself
+        return contextlib.nullcontext()
+    device = "cuda" if rt.mesh.device_type == "cuda" else "cpu"
+    return torch.autocast(device_type=device, dtype=getattr(torch, dt))
+
+
+def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None = None, *,
+         microbatches: int = 1) -> float:
+    """One training step: forward/backward over ``microbatches`` slices of this rank's
+    ``batch``, then ``opt.step()`` and ``opt.zero_grad()``. Returns the loss averaged
+    over microbatches and data-parallel ranks (the single-process loss of the global batch).
+
+    ``loss_fn(output, batch) -> loss`` defaults to the causal-LM loss.
+    """
+    from .losses import causal_lm_loss
+
+    rt = runtime_of(model)
+    loss_fn = loss_fn or causal_lm_loss
+    mbs = _split(batch, microbatches)
+    fsdp = rt.layout.zero_stage >= 2
+    total = 0.0
+    for i, mb in enumerate(mbs):
+        last = i == len(mbs) - 1
+        if fsdp:
+            model.set_requires_gradient_sync(last)
+        with _autocast(rt):
+            out = model(**mb) if isinstance(mb, Mapping) else model(mb)
+            loss = loss_fn(out, mb) / len(mbs)
+        scaled = loss * opt.scaler.scale if opt.scaler is not None else loss
+        scaled.backward()
+        total += float(loss.detach())
+    opt.step()
+    opt.zero_grad()
+    if rt.dp_group is not None and rt.dp_size > 1:
+        t = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(t, group=rt.dp_group)
+        total = float(t) / rt.dp_size
+    return total
+
+
+def dataloader(dataset, mesh, batch_size: int, *, axes: Iterable[str] | None = None,
+               shuffle: bool = True, seed: int = 0, drop_last: bool = True, **kwargs):
+    """A DataLoader giving each data-parallel rank distinct samples and tensor-parallel
+    peers the same ones. ``batch_size`` is the *global* batch; each data-parallel rank
+    gets ``batch_size / dp``. ``axes`` are the data-parallel mesh axes (default: those of
+    ``dp``, ``fsdp``, ``data`` present in the mesh)."""
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+
+    axes = tuple(axes) if axes is not None else tuple(a for a in mesh.axis_names
+                                                      if a in ("dp", "fsdp", "data", "ddp"))
+    for a in axes:
+        mesh.axis_size(a)
+    dp = math.prod(mesh.axis_size(a) for a in axes) if axes else 1
+    if batch_size % dp:
+        raise ConfigError(f"dataloader: global batch {batch_size} does not divide over the "
+                          f"{dp} data-parallel ranks of {axes}; use a multiple of {dp}")
+    coord = mesh.coordinate(mesh.rank)
+    rank = 0
+    for a in axes:
+        rank = rank * mesh.axis_size(a) + coord[a]
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=rank, shuffle=shuffle,
+                                 seed=seed, drop_last=drop_last)
+    return DataLoader(dataset, batch_size=batch_size // dp, sampler=sampler,
+                      drop_last=drop_last, **kwargs)

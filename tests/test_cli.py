@@ -1,0 +1,115 @@
+"""The ``meshlab plan`` command, run as a user runs it: in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import meshlab as ml
+from meshlab import P
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Every invocation, started at once (they are independent) and collected on first use.
+CASES = {
+    "llama3-70b": ["--model", "llama3-70b", "--mesh", "pp=8,dp=16,tp=8", "--json", "{tmp}/p.json"],
+    "bad-mesh": ["--model", "tiny-llama", "--mesh", "dp=x"],
+    "unknown-model": ["--model", "no-such-model", "--mesh", "dp=2"],
+    "bad-dtype": ["--model", "tiny-llama", "--mesh", "dp=2", "--dtype", "float99"],
+    # tiny-llama's hidden size 64 does not divide over fsdp=3 (embed maps to fsdp)
+    "non-divisible": ["--model", "tiny-llama", "--mesh", "fsdp=3,tp=2"],
+    "uneven": ["--model", "tiny-llama", "--mesh", "fsdp=3,tp=2", "--uneven"],
+    "bad-rules": ["--model", "tiny-llama", "--mesh", "dp=2", "--rules", "heads"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("cli"))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["COLUMNS"] = "200"
+    procs = {}
+    for name, args in CASES.items():
+        argv = [sys.executable, "-m", "meshlab.cli", "plan"] + [a.format(tmp=tmp) for a in args]
+        procs[name] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    out = {}
+    try:
+        for name, p in procs.items():
+            stdout, stderr = p.communicate(timeout=120)
+            out[name] = (p.returncode, stdout, stderr)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    out["tmp"] = tmp
+    return out
+
+
+def test_plan_llama3_70b(runs):
+    rc, stdout, stderr = runs["llama3-70b"]
+    assert rc == 0, stderr
+    assert "memory per rank" in stdout
+    assert "lm_head" in stdout
+    assert "model.layers.*.mlp.down_proj.weight" in stdout
+    assert "Mesh(pp=8, dp=16, tp=8)" in stdout
+    path = os.path.join(runs["tmp"], "p.json")
+    assert f"plan written to {path}" in stdout
+    with open(path) as f:
+        plan = ml.Plan.from_json(f.read())
+    assert plan.mesh_shape == {"pp": 8, "dp": 16, "tp": 8}
+    assert len(plan) == 2 + 80 * 9 + 1
+    assert plan["lm_head.weight"].shape == (128256, 8192)
+    assert plan["lm_head.weight"].dtype == "bfloat16"
+    assert plan["lm_head.weight"].mesh_spec == P("tp")
+    assert plan["model.layers.79.self_attn.o_proj.weight"].mesh_spec == P(None, "tp")
+    assert plan.model.model_type == "llama"
+    # the JSON is the same plan the library computes; its memory matches too
+    assert ml.Plan.from_json(plan.to_json()) == plan
+    assert plan.memory().params == 2 * (
+        80 * (2 * 8192 * 8192 + 2 * 1024 * 8192 + 3 * 8192 * 28672) // 8
+        + 2 * 128256 * 8192 // 8 + (2 * 80 + 1) * 8192)
+
+
+def test_uneven_flag(runs):
+    rc, stdout, stderr = runs["uneven"]
+    assert rc == 0, stderr
+    assert "memory per rank" in stdout
+    # embed_tokens (256, 64) as P('tp', 'fsdp'): 256 / 2 rows, ceil(64 / 3) = 22 columns
+    assert "(128, 22)" in stdout
+
+
+def _assert_clean_failure(run, *needles):
+    rc, stdout, stderr = run
+    assert rc != 0
+    text = stdout + stderr
+    for n in needles:
+        assert n in text, text
+    # a user error is reported as a message, not as a Python traceback
+    assert "Traceback" not in text, text
+
+
+def test_bad_rules_fail_cleanly(runs):
+    _assert_clean_failure(runs["bad-rules"], "--rules", "heads")
+
+
+def test_invalid_mesh_fails_with_message(runs):
+    _assert_clean_failure(runs["bad-mesh"], "dp=x", "name=size")
+
+
+def test_unknown_model_names_the_presets(runs):
+    from meshlab.presets import PRESETS
+
+    _assert_clean_failure(runs["unknown-model"], "no-such-model", *sorted(PRESETS))
+
+
+def test_bad_dtype_fails_with_message(runs):
+    _assert_clean_failure(runs["bad-dtype"], "float99")
+
+
+def test_non_divisible_mesh_fails_with_message(runs):
+    _assert_clean_failure(runs["non-divisible"], "64 % 3", "uneven")
