@@ -32,3 +32,4 @@ from . import losses as losses
 from . import policies as policies
 
 __version__ = "0.1.0"
+from .launch import notebook_launcher as notebook_launcher

@@ -20,7 +20,7 @@ def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((n * front.shape[0],) + tuple(front.shape[1:]))
     dist.all_gather_into_tensor(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -33,7 +33,7 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // n,) + tuple(front.shape[1:]))
     dist.reduce_scatter_tensor(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -119,17 +119,18 @@ class _SplitSeq(torch.autograd.Function):
         return _gather(g, ctx.group, ctx.dim), None, None
 
 
-class _GatherLast(torch.autograd.Function):
-    """All-gather along the last dim forward, keep the local chunk backward."""
+class _GatherReplicated(torch.autograd.Function):
+    """All-gather along ``dim`` forward, keep the local chunk backward: for a gathered
+    value whose consumers run replicated (their gradient is the same on every rank)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group, x.dim() - 1)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather(x, group, dim)
 
     @staticmethod
     def backward(ctx, g):
-        return _split(g, ctx.group, g.dim() - 1), None
+        return _split(g, ctx.group, ctx.dim), None, None
 
 
 def copy_to_region(x, group):
@@ -153,4 +154,8 @@ def split_seq(x, group, dim: int = 1):
 
 
 def gather_last(x, group):
-    return _GatherLast.apply(x, group)
+    return _GatherReplicated.apply(x, group, x.dim() - 1)
+
+
+def gather_seq_replicated(x, group, dim: int = 1):
+    return _GatherReplicated.apply(x, group, dim)

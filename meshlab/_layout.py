@@ -93,6 +93,8 @@ def _tp_layout(plan: Plan, model: nn.Module, axis: str, n: int, rank: int):
     # Sequence parallel: the decoder blocks' outputs are split on the sequence over `axis`.
     sp = any(a.module in plan.model.blocks and a.output is not None and len(a.output) > 1
              and a.output.dim_axes(1) == (axis,) for a in plan.activations)
+    tied_names = {e.fqn for e in plan.params if e.tied_to} | \
+        {e.tied_to for e in plan.params if e.tied_to}
     tp_modules: list[TPModule] = []
     grad_reduce: list[str] = []
     kv_attn: dict[str, tuple[int, int]] = {}
@@ -123,6 +125,8 @@ def _tp_layout(plan: Plan, model: nn.Module, axis: str, n: int, rank: int):
             if "replicated_with_grad_allreduce" in styles or (sp and "sequence_parallel" in styles):
                 grad_reduce.extend(e.fqn for e in es)
             continue
+        if w is None and all(e.fqn in tied_names for e in es):
+            continue  # tied to a parameter of another module, which shards it
         if w is None:
             raise ConfigError(f"{mname}: sharded parameters {[e.fqn for e in es]} but no weight; "
                               f"meshlab shards Linear, Embedding and Conv1D modules")
@@ -157,6 +161,8 @@ def _tp_layout(plan: Plan, model: nn.Module, axis: str, n: int, rank: int):
                                        gather_output="colwise_gather_output" in styles and not vocab))
         elif ws.dim_axes(in_dim) == (axis,):
             tp_modules.append(TPModule(mname, "rowwise", conv1d=conv))
+            if sp:  # the bias is added to this rank's sequence shard only
+                grad_reduce.extend(e.fqn for e in es if e.fqn.endswith("bias"))
         else:
             raise ConfigError(f"{w.fqn}: {ws!r} does not split the weight along its input or "
                               f"output features over {axis!r}")
@@ -191,8 +197,15 @@ def _tp_layout(plan: Plan, model: nn.Module, axis: str, n: int, rank: int):
                 if v % n:
                     raise ConfigError(f"{a.module}.{attr} = {v} does not divide over tp={n}")
                 attrs.append((a.module, attr, v // n))
+    for spec in tp_modules:
+        if spec.conv1d and spec.kind == "colwise":
+            nf = mods[spec.fqn].nf  # Conv1D.forward reshapes its output to nf features
+            if nf % n:
+                raise ConfigError(f"{spec.fqn}: {nf} output features do not divide over tp={n}")
+            attrs.append((spec.fqn, "nf", nf // n))
     for attn, (hq, count) in kv_attn.items():
         attrs.append((attn, "num_key_value_groups", hq // count))
     layout = TPLayout(axis=axis, modules=tuple(tp_modules), regions=regions, sequence_parallel=sp,
-                      first_block=blocks[0] if blocks else None, attrs=tuple(attrs))
+                      first_block=blocks[0] if blocks else None,
+                      last_block=blocks[-1] if blocks else None, attrs=tuple(attrs))
     return layout, grad_reduce

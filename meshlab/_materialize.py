@@ -198,35 +198,55 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
 
     tp = layout.tp
     tp_specs = {m.fqn: m for m in tp.modules} if tp else {}
-    mods_by_id = {id(m): n for n, m in model.named_modules()}
+    mods = dict(model.named_modules())
+    names_by_id = {id(m): n for n, m in mods.items()}
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     tied = {i for i, c in uses.items() if c > 1}
-    sharded: set[str] = set()
-    swapped: dict[int, nn.Parameter] = {}
+    blocks = set(layout.blocks)
+    swapped: dict[int, tuple] = {}
+    done: set[str] = set()
+    versions: dict[str, int] = {}
 
-    def shard_now(m: nn.Module) -> None:
-        name = mods_by_id.get(id(m))
-        spec = tp_specs.get(name)
-        if spec is None or name in sharded:
+    def shard(name: str) -> None:
+        m = mods[name]
+        _tp.shard_module(m, tp_specs[name], tp_mesh, tp_group, swapped)
+        done.add(name)
+        for k, p in m._parameters.items():
+            if p is not None:
+                versions[f"{name}.{k}"] = p._version
+
+    def on_module(m: nn.Module) -> None:
+        # A block's modules are sharded once the whole block is initialized: a parent's
+        # init may still rewrite its children (GPT-2 rescales c_proj from the block).
+        # Tied parameters wait for the end (the model ties them after initialization).
+        name = names_by_id.get(id(m))
+        if name not in blocks:
             return
-        if any(id(p) in tied for p in m.parameters(recurse=False)) and state_dict is None \
-                and _has_meta(model):
-            return  # tied parameters may be re-initialized by a later module: shard at the end
-        _tp.shard_module(m, spec, tp_mesh, tp_group, swapped)
-        sharded.add(name)
+        for sub in tp_specs:
+            if sub.startswith(name + ".") and sub not in done and not any(
+                    id(p) in tied for p in mods[sub].parameters(recurse=False)):
+                shard(sub)
 
     if _has_meta(model):
-        init_weights(model, seed, on_module=None if state_dict is not None else shard_now)
+        init_weights(model, seed, on_module=on_module if state_dict is None else None)
+        for name, v in versions.items():  # nothing may have rewritten a sharded parameter
+            mname, _, k = name.rpartition(".")
+            if mods[mname]._parameters[k]._version != v:
+                raise ConfigError(f"{name} was re-initialized after its block finished; "
+                                  f"initialize this model with state_dict= instead")
     else:
         _check_same_everywhere(model)
     if state_dict is not None:
         _load_state(model, state_dict)
-    mods = dict(model.named_modules())
     for name in tp_specs:
-        if name not in sharded:
-            _tp.shard_module(mods[name], tp_specs[name],
-                             tp_mesh, tp_group, swapped)
-            sharded.add(name)
+        if name not in done:
+            shard(name)
+    if swapped:
+        # Every module that held a replaced tensor (tied names) now holds the DTensor.
+        for m in model.modules():
+            for k, p in list(m._parameters.items()):
+                if p is not None and id(p) in swapped and swapped[id(p)][0] is p:
+                    m._parameters[k] = swapped[id(p)][1]
     if tp is not None:
         _tp.install_hooks(model, tp, tp_mesh, tp_group)
 

@@ -53,6 +53,7 @@ class TPLayout:
     regions: tuple[str, ...] = ()        # modules whose input enters a TP region
     sequence_parallel: bool = False
     first_block: str | None = None       # SP: where the sequence is split
+    last_block: str | None = None        # SP: where it is gathered again
     attn_groups: tuple[tuple[str, int], ...] = ()  # attention module -> local KV groups
     attrs: tuple[tuple[str, str, Any], ...] = ()   # (module, attribute, local value)
 
@@ -196,6 +197,18 @@ def install_hooks(model: nn.Module, layout: TPLayout, tp_mesh, group) -> None:
 
         mods[layout.first_block].register_forward_pre_hook(split_entry, with_kwargs=True)
 
+        # Everything after the blocks (final norm, head, model-specific reshapes) runs on
+        # the whole sequence, replicated over tp.
+        def gather_exit(_m, _args, out):
+            if isinstance(out, torch.Tensor):
+                return C.gather_seq_replicated(out, group, 1)
+            if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                return (C.gather_seq_replicated(out[0], group, 1),) + tuple(out[1:])
+            raise TypeError(f"sequence parallel: {layout.last_block} returned "
+                            f"{type(out).__name__}; expected a tensor or a tuple starting with one")
+
+        mods[layout.last_block].register_forward_hook(gather_exit)
+
     for fqn, attr, value in layout.attrs:
         setattr(mods[fqn], attr, value)
 
@@ -251,9 +264,7 @@ def _install(m: nn.Module, spec: TPModule, group, tp_mesh, rank: int, n: int, sp
 
         def pre(mod, args):
             local.enter(mod)
-            x = args[0]
-            x = C.gather_seq(x, group, 1) if sp else C.copy_to_region(x, group)
-            return (x,) + tuple(args[1:])
+            return (C.copy_to_region(args[0], group),) + tuple(args[1:])
 
         def post(mod, args, out):
             from torch.distributed.tensor import DTensor, Shard

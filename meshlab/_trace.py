@@ -35,9 +35,14 @@ def _blocks(model: nn.Module) -> tuple[str, ...]:
     ``nn.ModuleList`` of identical module types."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     if names:
-        found = tuple(n for n, m in model.named_modules() if type(m).__name__ in names)
+        found: dict[str, list[str]] = {}
+        for n, m in model.named_modules():
+            if type(m).__name__ in names:
+                found.setdefault(type(m).__name__, []).append(n)
         if found:
-            return found
+            # The repeated block is the class with most instances (BERT also lists its
+            # embeddings module, which appears once).
+            return tuple(max(found.values(), key=len))
     best: tuple[str, ...] = ()
     for n, m in model.named_modules():
         if isinstance(m, nn.ModuleList) and len(m) > len(best) and \

@@ -9,6 +9,11 @@ from . import _collectives as C
 from ._placement import dim_block
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Softmax in at least float32 (bf16/fp16 logits are upcast; float64 stays)."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
 def cross_entropy(logits, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Mean token cross-entropy of ``logits`` (..., V) against ``labels`` (...).
 
@@ -19,19 +24,19 @@ def cross_entropy(logits, labels: torch.Tensor, ignore_index: int = -100) -> tor
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(logits, DTensor):
-        return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
+        return F.cross_entropy(_wide(logits.flatten(0, -2)), labels.flatten(),
                                ignore_index=ignore_index)
     import torch.distributed as dist
 
     if len(logits.placements) != 1 or logits.placements[0] != Shard(logits.ndim - 1):
-        return F.cross_entropy(logits.full_tensor().flatten(0, -2).float(), labels.flatten(),
+        return F.cross_entropy(_wide(logits.full_tensor().flatten(0, -2)), labels.flatten(),
                                ignore_index=ignore_index)
     mesh = logits.device_mesh
     group = mesh.get_group()
     n, r = mesh.size(), mesh.get_local_rank()
     vocab = logits.shape[-1]
     lo, cnt = dim_block(vocab, [n], [r])
-    local = logits.to_local().flatten(0, -2).float()          # (N, V/n)
+    local = _wide(logits.to_local().flatten(0, -2))          # (N, V/n)
     y = labels.flatten()
     valid = y != ignore_index
     with torch.no_grad():

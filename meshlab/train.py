@@ -283,7 +283,10 @@ def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None =
         if fsdp:
             model.set_requires_gradient_sync(last)
         with _autocast(rt):
-            out = model(**mb) if isinstance(mb, Mapping) else model(mb)
+            # Labels go to loss_fn, not to the model (a Hugging Face model would compute
+            # its own, non-parallel loss from them).
+            out = model(**{k: v for k, v in mb.items() if k != "labels"}) \
+                if isinstance(mb, Mapping) else model(mb)
             loss = loss_fn(out, mb) / len(mbs)
         scaled = loss * opt.scaler.scale if opt.scaler is not None else loss
         scaled.backward()

@@ -10,3 +10,4 @@ from ._registry import (auto as auto, from_hf_tp_plan as from_hf_tp_plan, get as
                         register as register, registered as registered,
                         resolve_policy as resolve_policy, _Auto as _Auto)
 from ._decoder import DECODER as DECODER
+from . import gpt2 as gpt2, bert as bert  # registers the hand-written policies

@@ -19,7 +19,9 @@ DECODER = Policy(
         ModuleRule("layers.*.post_attention_layernorm", "norm"),
     ),
     activations=(("layers.*", P("batch", "seq", "embed")),),
-    sequence_parallel=("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "norm"),
+    # Sequence-sharded between the blocks' entry and exit; the final norm runs after the
+    # sequence is gathered again.
+    sequence_parallel=("layers.*.input_layernorm", "layers.*.post_attention_layernorm"),
     regions=("layers.*.self_attn", "layers.*.mlp"),
     # Families differ in naming; these defaults apply where the names exist.
     optional=("embed_tokens", "/lm_head", "norm", "layers.*.input_layernorm",

@@ -154,10 +154,12 @@ class Policy:
             for e in plan.params:
                 if glob_match(self._abs(glob, prefix), e.fqn):
                     out.setdefault(e.fqn, spec)
-        # Tied parameters follow their canonical name.
+        # Tied names are one tensor: whichever name the policy covers gives the spec.
         for e in plan.params:
-            if e.tied_to is not None and e.tied_to in out:
-                out[e.fqn] = out[e.tied_to]
+            if e.tied_to is not None:
+                spec = out.get(e.tied_to, out.get(e.fqn))
+                if spec is not None:
+                    out[e.fqn] = out[e.tied_to] = spec
         return out
 
     def tags(self, plan) -> dict[str, tuple[str, ...]]:

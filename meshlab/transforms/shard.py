@@ -49,7 +49,9 @@ class Shard(Transform):
         for e in plan.params:
             hit = hits.get(e.fqn)
             if hit is None:
-                out.append(e)
+                extra = tags.get(e.fqn, ())
+                out.append(dataclasses.replace(e, tags=tuple(dict.fromkeys(e.tags + extra)))
+                           if extra else e)
                 continue
             _, spec = hit
             if e.tied_to is not None:
