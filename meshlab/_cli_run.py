@@ -248,6 +248,8 @@ def cmd_demo(args) -> int:
 def add_commands(sub) -> None:
     r = sub.add_parser(
         "run", help="start a script on N processes per node (a thin torchrun launcher)",
+        usage="meshlab run [OPTIONS] SCRIPT [ARGS ...]\n"
+              "       meshlab run [OPTIONS] -m MODULE [ARGS ...]",
         description="Start SCRIPT (or -m MODULE) on --nproc-per-node processes per node with "
                     "torch.distributed.run; the resolved torchrun command is printed first.")
     r.add_argument("--nproc-per-node", type=int, default=None,

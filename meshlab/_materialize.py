@@ -33,6 +33,7 @@ class Runtime:
     dp_group: object | None
     dp_mesh: object | None
     tp_mesh: object | None
+    dp_replicated: tuple[str, ...] = ()   # FSDP-ignored parameters: gradients all-reduced
 
     @property
     def dp_size(self) -> int:
@@ -264,10 +265,23 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
             reduce_dtype=getattr(torch, prec["grad"]) if prec.get("grad", "float32") != "float32" else None,
         )
         reshard = layout.zero_stage == 3
+        # FSDP2 shards dim 0; a parameter already strided on dim 0 by TP (a packed q|k|v
+        # bias) stays replicated over dp and meshlab all-reduces its gradient instead.
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        ignored = {p for p in model.parameters() if isinstance(p, DTensor) and any(
+            isinstance(pl, _StridedShard) and pl.dim == 0 for pl in p.placements)}
         for b in layout.blocks:
-            fully_shard(mods[b], mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+            fully_shard(mods[b], mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                        ignored_params=ignored or None)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    ignored_params=ignored or None)
+        dp_replicated = tuple(n for n, p in model.named_parameters() if p in ignored)
+    else:
+        dp_replicated = ()
 
     model._meshlab = Runtime(plan=plan, mesh=mesh, layout=layout, tp_group=tp_group,
-                             dp_group=dp_group, dp_mesh=dp_mesh, tp_mesh=tp_mesh)
+                             dp_group=dp_group, dp_mesh=dp_mesh, tp_mesh=tp_mesh,
+                             dp_replicated=dp_replicated)
     return model

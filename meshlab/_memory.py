@@ -3,10 +3,12 @@
 Memory counts what lives on each rank between steps, by category and dtype:
 
 * parameters: the local shard of every parameter (tied parameters once), in the
-  parameter dtype chosen by ``precision`` (else the traced dtype);
-* gradients: like parameters, and also split over the ZeRO axis from stage 2 on;
+  parameter dtype chosen by ``precision`` (else the traced dtype); split over the ZeRO
+  axis from stage 2 on (FSDP2 keeps them sharded at rest);
+* gradients: like parameters, split over the ZeRO axis from stage 2 on;
 * optimizer state: AdamW keeps two fp32 moments per element, plus an fp32 master copy
   when parameters are kept in a lower precision; split over the ZeRO axis from stage 1.
+  meshlab's ZeRO-1 always keeps an fp32 master slice and its reduced gradient.
 
 ZeRO splits the local shard's first dimension over its axis (as FSDP2 does), so its
 per-rank size is ``ceil(local_0 / n) * rest``. Activations are not counted here.
@@ -93,19 +95,24 @@ def estimate_memory(plan, *, optimizer: str = "adamw") -> MemoryEstimate:
         pdt = prec.get("param", e.dtype)
         full = math.prod(ls)
         split = _zero_split(ls, zn)
-        cats["params"][pdt] += (split if stage >= 3 else full) * dtype_bytes(pdt)
+        # FSDP2 (stages 2 and 3) keeps parameters sharded at rest.
+        cats["params"][pdt] += (split if stage >= 2 else full) * dtype_bytes(pdt)
         if not e.requires_grad:
             continue
         gdt = prec.get("grad", pdt)
         cats["grads"][gdt] += (split if stage >= 2 else full) * dtype_bytes(gdt)
         onum = split if stage >= 1 else full
         cats["optimizer"]["float32"] += n_states * onum * 4
-        if pdt != "float32" and prec.get("master", True):
+        if stage == 1:
+            # meshlab's ZeRO-1 keeps an fp32 master slice and its reduced gradient
+            cats["optimizer"]["float32"] += onum * 4
+            cats["grads"]["float32"] += onum * 4
+        elif pdt != "float32" and prec.get("master", True):
             cats["optimizer"]["float32"] += onum * 4
     return MemoryEstimate({k: dict(v) for k, v in cats.items()}, plan.mesh)
 
 
-def estimate_comm(plan):
+def estimate_comm(plan, **kw):
     from ._comm import estimate_comm as _est
 
-    return _est(plan)
+    return _est(plan, **kw)

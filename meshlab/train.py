@@ -76,6 +76,7 @@ class MeshOptimizer:
         else:
             self.inner = cls([p for _, p in self.params], **kwargs)
         self.last_grad_norm: float | None = None
+        self._synced = False
 
     # -- ZeRO-1: one flat buffer per (dtype, tp-sharded) bucket, each dp rank owns a slice --
     def _build_zero1(self) -> None:
@@ -91,16 +92,18 @@ class MeshOptimizer:
             numels = [_local(p).numel() for p in ps]
             total = sum(numels)
             per = -(-total // dp)
-            flat = torch.zeros(per * dp, dtype=torch.float32)
+            # The master slice is fp32 (fp64 for fp64 parameters).
+            mdt = torch.float64 if dtype == torch.float64 else torch.float32
+            flat = torch.zeros(per * dp, dtype=mdt)
             off = 0
             for p, n in zip(ps, numels):
-                flat[off:off + n] = _local(p).detach().reshape(-1).float()
+                flat[off:off + n] = _local(p).detach().reshape(-1).to(mdt)
                 off += n
             shard = nn.Parameter(flat[r * per:(r + 1) * per].clone())
             self.buckets.append((ps, numels, per, groups))
             self.shards.append(shard)
 
-    def _flat_grads(self, ps, numels, per, dtype=torch.float32) -> torch.Tensor:
+    def _flat_grads(self, ps, numels, per, dtype) -> torch.Tensor:
         flat = torch.zeros(per * self.rt.dp_size, dtype=dtype)
         off = 0
         for p, n in zip(ps, numels):
@@ -111,6 +114,10 @@ class MeshOptimizer:
 
     # -- the step -------------------------------------------------------------------
     def _sync_grads(self) -> None:
+        """Reduce gradients across the mesh (once per step: calling it again is a no-op)."""
+        if self._synced:
+            return
+        self._synced = True
         rt = self.rt
         if rt.tp_group is not None and self.tp_reduce:
             grads = [_local(p.grad) for p in self.tp_reduce if p.grad is not None]
@@ -121,25 +128,34 @@ class MeshOptimizer:
                 for g in grads:
                     g.copy_(flat[off:off + g.numel()].view_as(g))
                     off += g.numel()
-        if rt.dp_group is None or rt.dp_size == 1 or rt.layout.zero_stage >= 2:
-            return  # FSDP2 already reduce-scattered (and averaged) the gradients
+        if rt.dp_group is None or rt.dp_size == 1:
+            return
+        if rt.layout.zero_stage >= 2:
+            # FSDP2 reduce-scattered (and averaged) the gradients, except those it ignored.
+            names = set(rt.dp_replicated)
+            self._all_reduce_mean([_local(p.grad) for n, p in self.params
+                                   if n in names and p.grad is not None])
+            return
         if self.zero1:
             for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
-                flat = self._flat_grads(ps, numels, per)
-                out = torch.empty(per)
+                flat = self._flat_grads(ps, numels, per, shard.dtype)
+                out = torch.empty(per, dtype=shard.dtype)
                 dist.reduce_scatter_tensor(out, flat, group=rt.dp_group)
                 shard.grad = out.div_(rt.dp_size)
             return
+        self._all_reduce_mean([_local(p.grad) for _, p in self.params if p.grad is not None])
+
+    def _all_reduce_mean(self, grads: list[torch.Tensor]) -> None:
+        """Average ``grads`` over the data-parallel group: one flat all-reduce per dtype."""
         by_dtype: dict = {}
-        for _, p in self.params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(_local(p.grad))
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=rt.dp_group)
-            flat.div_(rt.dp_size)
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for same in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.rt.dp_group)
+            flat.div_(self.rt.dp_size)
             off = 0
-            for g in grads:
+            for g in same:
                 g.copy_(flat[off:off + g.numel()].view_as(g))
                 off += g.numel()
 
@@ -188,13 +204,14 @@ class MeshOptimizer:
         self.inner.step()
         if self.zero1:
             self._gather_zero1()
+        self._synced = False
         return True
 
     def _gather_zero1(self) -> None:
         rt = self.rt
         with torch.no_grad():
             for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
-                full = torch.empty(per * rt.dp_size)
+                full = torch.empty(per * rt.dp_size, dtype=shard.dtype)
                 dist.all_gather_into_tensor(full, shard.detach(), group=rt.dp_group)
                 off = 0
                 for p, n in zip(ps, numels):
@@ -203,6 +220,7 @@ class MeshOptimizer:
                     off += n
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._synced = False
         for _, p in self.params:
             p.grad = None
         if self.zero1:

@@ -76,7 +76,7 @@ NB02 = [
     "then train the tiny model on four real CPU processes started from this notebook.",
     "import torch\nimport meshlab as ml\nfrom meshlab import presets\n"
     "from rich.console import Console\nfrom rich.table import Table\n\n"
-    "console = Console(width=130)",
+    "console = Console(width=140)",
     "md:## Composing transforms\n`shard` places parameters (here from the model's own tensor-"
     "parallel plan, `policies.auto`, through a `Rules` table), `zero_shard` splits optimizer "
     "state, gradients and parameters over the data axis, `precision` picks dtypes and `remat` "
@@ -113,8 +113,7 @@ NB02 = [
     "console.print(table)",
     "md:Each step of sharding pays off as the table says: ZeRO-1 shrinks the optimizer state "
     "8x, ZeRO-3 everything, and tensor parallelism splits what it shards 4 ways.",
-    "mem = {k: p.memory() for k, p in plans.items() if k[0] == 'llama3-8b'}\n"
-    "m = {layout: mem['llama3-8b', layout] for layout in LAYOUTS}\n"
+    "m = {layout: plans['llama3-8b', layout].memory() for layout in LAYOUTS}\n"
     "assert m['dp=8, ZeRO-1'].optimizer * 8 == m['dp=8'].optimizer\n"
     "assert m['dp=8, ZeRO-3'].total * 8 == m['dp=8'].total\n"
     "assert m['dp=2, tp=4'].params < m['dp=8'].params / 3\n"

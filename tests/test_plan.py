@@ -152,7 +152,9 @@ def test_auto_policy_llama_specs(llama):
     assert (e.spec, e.mesh_spec, e.tags) == (P("vocab", "embed"), P("tp", "dp"), ("vocab",))
     e = plan["model.norm.weight"]
     assert (e.spec, e.mesh_spec) == (P("embed"), P("dp"))
-    assert "sequence_parallel" in e.tags
+    # The final norm runs after the sequence is gathered again: not sequence-parallel.
+    assert "sequence_parallel" not in e.tags
+    assert "sequence_parallel" in plan["model.layers.0.input_layernorm.weight"].tags
     assert plan.local_shape("model.layers.0.mlp.down_proj.weight") == (32, 64)
     assert plan.local_shape("lm_head.weight") == (128, 32)
     assert plan.rules == TP_DP_RULES
@@ -215,6 +217,7 @@ def test_auto_policy_needs_a_config():
 
 def test_unregistered_model_type_without_tp_plan(monkeypatch):
     monkeypatch.setitem(_registry._REGISTRY, "zz_test_family", ml.policies.DECODER)
+    monkeypatch.delitem(_registry._REGISTRY, "gpt2")
     gpt2 = _hf(transformers.GPT2Config, n_embd=32, n_layer=1, n_head=2, vocab_size=64,
                n_positions=16)
     with pytest.raises(PolicyError) as ei:
