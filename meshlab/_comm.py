@@ -9,7 +9,7 @@ Data parallel and ZeRO, with Ψ the bytes of this rank's (TP-local) gradients:
   * stage 0: one all-reduce of Ψ (a reduce-scatter plus an all-gather: 2Ψ of ring work);
   * stage 1: a reduce-scatter of Ψ and an all-gather of Ψ (2Ψ);
   * stage 2: an all-gather of Ψ in forward, a reduce-scatter of Ψ in backward (2Ψ);
-  * stage 3: the same plus an all-gather of the blocks in backward (≈3Ψ).
+  * stage 3: the same plus an all-gather of every unit again in backward (3Ψ).
   FSDP2 (stages 2/3) pads every parameter's first dim to a multiple of the axis size.
 Tensor parallel (per step, T local tokens, h hidden, 4-byte activations, L blocks):
   * without SP: 2L + 1 all-reduces of T·h in forward (row-parallel outputs, embedding),
@@ -61,9 +61,11 @@ class CommEstimate:
 
 
 def estimate_comm(plan, *, batch: int | None = None, seq: int | None = None,
-                  act_bytes: int = 4, causal: bool = True) -> CommEstimate:
+                  act_bytes: int = 4, causal: bool = True,
+                  coord: dict[str, int] | None = None) -> CommEstimate:
     """See the module docstring. ``batch`` is the per-data-parallel-rank batch; without
-    ``batch``/``seq`` only parameter traffic is counted."""
+    ``batch``/``seq`` only parameter traffic is counted. ``coord`` picks the rank (mesh
+    coordinate) whose uneven shards are counted; the default is the largest."""
     from ._layout import build_layout
 
     sizes = plan.mesh_shape
@@ -95,7 +97,7 @@ def estimate_comm(plan, *, batch: int | None = None, seq: int | None = None,
     for e in plan.params:
         if e.tied_to is not None or not e.requires_grad:
             continue
-        ls = local_shape(e.shape, e.mesh_spec, sizes)
+        ls = local_shape(e.shape, e.mesh_spec, sizes, coord)
         n = math.prod(ls)
         dt = prec.get("grad", e.dtype) if stage < 2 else e.dtype
         buckets[(dt, bool(e.mesh_spec.axes))] += n
@@ -120,7 +122,7 @@ def estimate_comm(plan, *, batch: int | None = None, seq: int | None = None,
             for unit, n in fsdp_units.items():
                 add("all_gather", dp_name, 1, n * pbytes)
                 add("reduce_scatter", dp_name, 1, n * gbytes)
-                if stage == 3 and unit:     # the root stays unsharded through backward
+                if stage == 3:              # re-gathered for backward (the root too)
                     add("all_gather", dp_name, 1, n * pbytes)
         add("all_reduce", dp_name, 1, 8)    # the step's loss
     if tp_axis is not None and batch is not None and seq is not None:
@@ -144,7 +146,7 @@ def estimate_comm(plan, *, batch: int | None = None, seq: int | None = None,
         extra = 0
         for e in plan.params:
             if e.tied_to is None and e.requires_grad and set(e.tags) & reduce_tags:
-                extra += math.prod(local_shape(e.shape, e.mesh_spec, sizes))
+                extra += math.prod(local_shape(e.shape, e.mesh_spec, sizes, coord))
         if sp:
             for e in plan.params:   # row-parallel biases are added to sequence shards
                 if e.fqn.endswith(".bias") and set(e.tags) & {"rowwise", "conv1d_rowwise"}:

@@ -102,10 +102,13 @@ def dim_block(n: int, sizes: Sequence[int], coords: Sequence[int]) -> tuple[int,
     return offset, length
 
 
-def local_shape(shape: Sequence[int], spec: P, axis_sizes: dict[str, int]) -> tuple[int, ...]:
-    """The largest local shape any rank holds (that of mesh coordinate 0)."""
+def local_shape(shape: Sequence[int], spec: P, axis_sizes: dict[str, int],
+                coord: dict[str, int] | None = None) -> tuple[int, ...]:
+    """The local shape at mesh ``coord`` (default: coordinate 0, the largest any rank holds)."""
+    coord = coord or {}
     return tuple(
-        dim_block(n, [axis_sizes[a] for a in spec.dim_axes(d)], [0] * len(spec.dim_axes(d)))[1]
+        dim_block(n, [axis_sizes[a] for a in spec.dim_axes(d)],
+                  [coord.get(a, 0) for a in spec.dim_axes(d)])[1]
         for d, n in enumerate(shape)
     )
 

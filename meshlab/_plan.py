@@ -257,12 +257,13 @@ class Plan:
 
         return estimate_memory(self, optimizer=optimizer)
 
-    def comm(self, *, batch: int | None = None, seq: int | None = None):
+    def comm(self, *, batch: int | None = None, seq: int | None = None,
+             coord: dict[str, int] | None = None):
         """Per-step collectives per rank (a bound plan); give the per-data-parallel-rank
         ``batch`` and ``seq`` to include activation traffic (see ``meshlab._comm``)."""
         from ._comm import estimate_comm
 
-        return estimate_comm(self, batch=batch, seq=seq)
+        return estimate_comm(self, batch=batch, seq=seq, coord=coord)
 
     # -- presentation --------------------------------------------------------------------
     def table(self, *, collapse: bool = True, max_rows: int = 200):

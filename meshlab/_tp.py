@@ -88,7 +88,8 @@ def _local_slice(t: torch.Tensor, placement, rank: int, n: int) -> torch.Tensor:
                          dim=placement.dim).contiguous()
     if isinstance(placement, Shard):
         o, ln = dim_block(t.shape[placement.dim], [n], [rank])
-        return t.narrow(placement.dim, o, ln).contiguous()
+        # clone: a view would keep the whole tensor's storage alive
+        return t.narrow(placement.dim, o, ln).clone(memory_format=torch.contiguous_format)
     return t
 
 
