@@ -252,6 +252,10 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         _tp.install_hooks(model, tp, tp_mesh, tp_group)
 
     if layout.remat != "none":
+        cfg = getattr(model, "config", None)
+        if getattr(cfg, "use_cache", False):
+            # A KV cache would grow again on every recomputed block (HF does the same).
+            cfg.use_cache = False
         for b in layout.blocks:
             blk = mods[b]
             blk.forward = _remat_forward(blk.forward, layout.remat)
