@@ -47,9 +47,16 @@ def cmd_plan(args) -> int:
     model = presets.build(args.model, device="meta", dtype=dtype)
     mesh = Mesh.parse(args.mesh, fake=True)
     rules = _rules_arg(args.rules or DEFAULT_RULES_TEXT)
-    p = make_plan(model, shard(policies.auto, rules), mesh, uneven=args.uneven)
+    spec = shard(policies.auto, rules)
+    if args.zero is not None:
+        from .transforms import zero_shard
+
+        spec = spec | zero_shard(args.zero, args.zero_axis)
+    p = make_plan(model, spec, mesh, uneven=args.uneven)
     console.print(p.table(collapse=not args.full))
     console.print(p.memory())
+    if args.batch is not None:
+        console.print(p.comm(batch=args.batch, seq=args.seq))
     unused = p.unused_axes()
     if unused:
         console.print(f"[yellow]note:[/] mesh axes {unused} shard no parameter: every rank along "
@@ -97,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--uneven", action="store_true", help="allow dims not divisible by their shards")
     p.add_argument("--full", action="store_true", help="one row per parameter (no collapsing)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
+                   help="add zero_shard(stage) over --zero-axis")
+    p.add_argument("--zero-axis", default="dp", help="the ZeRO axis (default dp)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="per-data-parallel-rank batch: also print the communication per step")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length for --batch")
     p.set_defaults(fn=cmd_plan)
 
     e = sub.add_parser("env", help="versions of meshlab and what it runs on (for bug reports)")
