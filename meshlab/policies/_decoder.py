@@ -25,5 +25,6 @@ DECODER = Policy(
     regions=("layers.*.self_attn", "layers.*.mlp"),
     # Families differ in naming; these defaults apply where the names exist.
     optional=("embed_tokens", "/lm_head", "norm", "layers.*.input_layernorm",
-              "layers.*.post_attention_layernorm"),
+              "layers.*.post_attention_layernorm", "layers.*", "layers.*.self_attn",
+              "layers.*.mlp"),
 )

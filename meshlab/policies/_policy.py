@@ -179,17 +179,35 @@ class Policy:
                     out[e.fqn] = out.get(e.fqn, ()) + ("sequence_parallel",)
         return out
 
+    def _keep(self, glob: str, plan) -> bool:
+        """Optional globs that match no module of this model are dropped."""
+        if glob not in self.optional:
+            return True
+        from .._specs_tree import glob_match
+
+        g = self._abs(glob, plan.model.base_prefix)
+        mods = {p for e in plan.params for p in _prefixes(e.module)} | set(plan.model.blocks)
+        return any(glob_match(g, m) for m in mods)
+
     def activation_specs(self, plan) -> dict[str, P]:
         prefix = plan.model.base_prefix
-        return {self._abs(g, prefix): s for g, s in self.activations}
+        return {self._abs(g, prefix): s for g, s in self.activations if self._keep(g, plan)}
 
     def module_tags(self, plan) -> dict[str, tuple[str, ...]]:
         """Module glob -> tags: ``tp_region`` entries and ``local_attr:<name>``."""
         prefix = plan.model.base_prefix
         out: dict[str, tuple[str, ...]] = {}
         for g in self.regions:
-            out[self._abs(g, prefix)] = out.get(self._abs(g, prefix), ()) + ("tp_region",)
+            if self._keep(g, plan):
+                out[self._abs(g, prefix)] = out.get(self._abs(g, prefix), ()) + ("tp_region",)
         for g, attr in self.local_attrs:
-            k = self._abs(g, prefix)
-            out[k] = out.get(k, ()) + (f"local_attr:{attr}",)
+            if self._keep(g, plan):
+                k = self._abs(g, prefix)
+                out[k] = out.get(k, ()) + (f"local_attr:{attr}",)
         return out
+
+
+def _prefixes(module: str):
+    parts = module.split(".") if module else []
+    for i in range(1, len(parts) + 1):
+        yield ".".join(parts[:i])

@@ -1,0 +1,56 @@
+"""Every dense family whose config carries a ``base_model_tp_plan`` plans and lays out
+under ``policies.auto`` — or is refused with a typed error that names the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshlab as ml
+from meshlab._layout import build_layout
+
+RULES = ml.Rules(batch="dp", heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+MESH = ml.Mesh(dp=2, tp=2, fake=True)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, head_dim=16)
+
+# Families whose plan names only projections meshlab translates, on tiny configs.
+DENSE = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite",
+         "cohere", "olmo", "phi", "starcoder2", "helium", "nemotron", "exaone4", "ernie4_5"]
+
+
+def _build(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, **SMALL)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("family", DENSE)
+def test_family_plans_under_auto(family):
+    model = _build(family)
+    p = ml.plan(model, ml.shard(ml.policies.auto, RULES), MESH)
+    layout = build_layout(p, model, 0)
+    styled = [e for e in p if set(e.tags) & {"colwise", "rowwise"} and e.fqn.endswith("weight")]
+    assert styled, "the family's tp plan was not applied"
+    for e in styled:
+        assert "tp" in e.mesh_spec.axes or "kv_replicated" in e.tags, e
+    assert layout.tp is not None and layout.tp.regions
+
+
+def test_cross_head_norm_is_refused():
+    # OLMo-2 normalizes q over all heads at once: under TP that norm would need the other
+    # ranks' heads; meshlab refuses instead of computing a different model.
+    model = _build("olmo2")
+    p = ml.plan(model, ml.shard(ml.policies.auto, RULES), MESH)
+    with pytest.raises(ml.ConfigError, match="q_norm"):
+        build_layout(p, model, 0)
+
+
+def test_moe_styles_are_named_in_the_error():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("mixtral")
+    with pytest.raises(ml.PolicyError, match="moe_tp_experts"):
+        ml.policies.from_hf_tp_plan("mixtral", cfg.base_model_tp_plan)
