@@ -29,6 +29,7 @@ from ._parallelize import parallelize as parallelize
 from ._materialize import init_weights as init_weights
 from .train import optimizer as optimizer, step as step, dataloader as dataloader
 from . import losses as losses
+from . import checkpoint as checkpoint
 from . import policies as policies
 
 __version__ = "0.1.0"

@@ -34,6 +34,7 @@ class Runtime:
     dp_mesh: object | None
     tp_mesh: object | None
     dp_replicated: tuple[str, ...] = ()   # FSDP-ignored parameters: gradients all-reduced
+    ctrl_group: object | None = None      # gloo group for checkpoint agreement and barriers
 
     @property
     def dp_size(self) -> int:
@@ -287,5 +288,6 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
 
     model._meshlab = Runtime(plan=plan, mesh=mesh, layout=layout, tp_group=tp_group,
                              dp_group=dp_group, dp_mesh=dp_mesh, tp_mesh=tp_mesh,
-                             dp_replicated=dp_replicated)
+                             dp_replicated=dp_replicated,
+                             ctrl_group=dist.new_group(backend="gloo"))
     return model

@@ -103,6 +103,18 @@ class MeshOptimizer:
             self.buckets.append((ps, numels, per, groups))
             self.shards.append(shard)
 
+    def refresh_master(self) -> None:
+        """Copy the parameters into this rank's fp32 master slices (after a load)."""
+        r = dist.get_rank(self.rt.dp_group)
+        with torch.no_grad():
+            for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
+                flat = torch.zeros(per * self.rt.dp_size, dtype=shard.dtype)
+                off = 0
+                for p, n in zip(ps, numels):
+                    flat[off:off + n] = _local(p).detach().reshape(-1).to(shard.dtype)
+                    off += n
+                shard.copy_(flat[r * per:(r + 1) * per])
+
     def _flat_grads(self, ps, numels, per, dtype) -> torch.Tensor:
         flat = torch.zeros(per * self.rt.dp_size, dtype=dtype)
         off = 0
@@ -341,5 +353,34 @@ def dataloader(dataset, mesh, batch_size: int, *, axes: Iterable[str] | None = N
         rank = rank * mesh.axis_size(a) + coord[a]
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=rank, shuffle=shuffle,
                                  seed=seed, drop_last=drop_last)
-    return DataLoader(dataset, batch_size=batch_size // dp, sampler=sampler,
-                      drop_last=drop_last, **kwargs)
+    return MeshDataLoader(dataset, batch_size=batch_size // dp, sampler=sampler,
+                          drop_last=drop_last, **kwargs)
+
+
+class MeshDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader that knows its position: each pass over it is a new epoch (the
+    sampler reshuffles), and ``state_dict`` / ``load_state_dict`` resume mid-epoch (a
+    checkpoint saves it with ``dataloader=``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._epoch, self._served, self._skip = 0, 0, 0
+
+    def __iter__(self):
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self._epoch)
+        skip, self._skip = self._skip, 0
+        self._served = skip
+        for i, batch in enumerate(super().__iter__()):
+            if i < skip:
+                continue
+            self._served = i + 1
+            yield batch
+        self._epoch += 1
+        self._served = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._epoch, "served": self._served}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self._epoch, self._skip, self._served = int(state["epoch"]), int(state["served"]), 0

@@ -1,0 +1,150 @@
+"""The canonical state of a model and its optimizer, whatever the parallelism.
+
+Model: parameters keyed by FQN, as DTensors laid out like the model (or plain tensors).
+Optimizer: ``optim.<fqn>.<key>`` tensors shaped and laid out like the parameter — for
+ZeRO-1, whose state lives in flat slices, they are assembled over the data-parallel axis
+for the save and scattered back after the load. DCP then reshards between any two
+layouts: ZeRO-3 to ZeRO-1, tp=2 to tp=4, or to a single process.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._safe import CheckpointError
+
+OPT_PREFIX = "optim."
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param, local: torch.Tensor):
+    """``local`` (this rank's block) laid out like ``param``."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return local
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if getattr(model, "_meshlab", None) is not None and dist.is_initialized():
+        return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=False))
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def set_model_state(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if getattr(model, "_meshlab", None) is not None and dist.is_initialized():
+        set_model_state_dict(model, sd, options=StateDictOptions(strict=True))
+    else:
+        model.load_state_dict(sd, strict=True)
+
+
+def _params(opt) -> list[tuple[str, nn.Parameter]]:
+    return list(opt.params) if hasattr(opt, "params") else \
+        [(str(i), p) for i, g in enumerate(opt.param_groups) for p in g["params"]]
+
+
+def ensure_state(opt) -> None:
+    """Create the optimizer's state (AdamW makes it on its first step) without changing
+    any parameter: one step with zero gradients and learning rate 0."""
+    inner = getattr(opt, "inner", opt)
+    if inner.state:
+        return
+    targets = list(getattr(opt, "shards", [])) if getattr(opt, "zero1", False) else \
+        [p for g in inner.param_groups for p in g["params"]]
+    saved = [g["lr"] for g in inner.param_groups]
+    for p in targets:
+        p.grad = torch.zeros_like(p)
+    for g in inner.param_groups:
+        g["lr"] = 0.0
+    inner.step()
+    for g, lr in zip(inner.param_groups, saved):
+        g["lr"] = lr
+    for p in targets:
+        p.grad = None
+
+
+def optimizer_state(opt) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors for DCP, JSON-able rest: param groups and the loss scaler)."""
+    inner = getattr(opt, "inner", opt)
+    tensors: dict[str, torch.Tensor] = {}
+    if getattr(opt, "zero1", False):
+        for (ps, numels, per, _), shard in zip(opt.buckets, opt.shards):
+            st = inner.state.get(shard, {})
+            names = {id(p): n for n, p in opt.params}
+            for key, flat_local in st.items():
+                if flat_local.dim() == 0:     # the step counter: the same on every rank
+                    for p in ps:
+                        tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = flat_local.clone()
+                    continue
+                full = torch.empty(per * opt.rt.dp_size, dtype=flat_local.dtype)
+                dist.all_gather_into_tensor(full, flat_local.contiguous(), group=opt.rt.dp_group)
+                off = 0
+                for p, n in zip(ps, numels):
+                    loc = full[off:off + n].view(_local(p).shape).clone()
+                    tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = _like(p, loc)
+                    off += n
+    else:
+        for name, p in _params(opt):
+            for key, v in inner.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    tensors[f"{OPT_PREFIX}{name}.{key}"] = v
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    rest: dict[str, Any] = {"param_groups": _jsonable(groups, "optimizer param_groups")}
+    if getattr(opt, "scaler", None) is not None:
+        rest["scaler"] = opt.scaler.state_dict()
+    return tensors, rest
+
+
+def load_optimizer_state(opt, tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
+    """Write loaded canonical tensors (and JSON rest) back into ``opt``."""
+    inner = getattr(opt, "inner", opt)
+    if getattr(opt, "zero1", False):
+        names = {id(p): n for n, p in opt.params}
+        r = dist.get_rank(opt.rt.dp_group)
+        for (ps, numels, per, _), shard in zip(opt.buckets, opt.shards):
+            st = inner.state[shard]
+            for key, flat_local in st.items():
+                if flat_local.dim() == 0:
+                    flat_local.copy_(tensors[f"{OPT_PREFIX}{names[id(ps[0])]}.{key}"])
+                    continue
+                full = torch.zeros(per * opt.rt.dp_size, dtype=flat_local.dtype)
+                off = 0
+                for p, n in zip(ps, numels):
+                    full[off:off + n] = _local(tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"]).reshape(-1)
+                    off += n
+                flat_local.copy_(full[r * per:(r + 1) * per])
+        opt.refresh_master()
+    groups = rest.get("param_groups")
+    if groups is not None:
+        if len(groups) != len(inner.param_groups):
+            raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, "
+                                  f"this optimizer {len(inner.param_groups)}")
+        for g, saved in zip(inner.param_groups, groups):
+            g.update(saved)
+    if getattr(opt, "scaler", None) is not None and "scaler" in rest:
+        opt.scaler.load_state_dict(rest["scaler"])
+
+
+def _jsonable(v: Any, what: str) -> Any:
+    try:
+        json.dumps(v)
+    except TypeError as e:
+        raise CheckpointError(f"{what} is not JSON-serializable ({e}); meshlab stores "
+                              f"everything but tensors as JSON so that loading runs no code")
+    return v
