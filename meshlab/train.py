@@ -353,6 +353,9 @@ def dataloader(dataset, mesh, batch_size: int, *, axes: Iterable[str] | None = N
         rank = rank * mesh.axis_size(a) + coord[a]
     sampler = DistributedSampler(dataset, num_replicas=dp, rank=rank, shuffle=shuffle,
                                  seed=seed, drop_last=drop_last)
+    # An own generator: starting an epoch must not draw from the global RNG (a resumed
+    # run starts its iterator at a different moment than the uninterrupted one).
+    kwargs.setdefault("generator", torch.Generator().manual_seed(seed))
     return MeshDataLoader(dataset, batch_size=batch_size // dp, sampler=sampler,
                           drop_last=drop_last, **kwargs)
 

@@ -169,7 +169,7 @@ def _collect(model, optimizer, scheduler, extra, dataloader) -> tuple[dict, dict
         meta["transforms"] = list(rt.plan.transforms)
     if optimizer is not None:
         _state.ensure_state(optimizer)
-        opt_t, rest = _state.optimizer_state(optimizer)
+        opt_t, rest = _state.optimizer_state(optimizer, model)
         tensors.update(opt_t)
         meta["optimizer"] = rest
     if scheduler is not None:
@@ -328,10 +328,11 @@ class LoadReport:
         return "\n".join(lines) or "checkpoint and model match"
 
 
-def _report(md, template: dict) -> LoadReport:
+def _report(md, template: dict, with_optimizer: bool) -> LoadReport:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = md.state_dict_metadata
+    saved = {k: v for k, v in md.state_dict_metadata.items()
+             if with_optimizer or not k.startswith(_state.OPT_PREFIX)}
     missing = sorted(k for k in template if k not in saved)
     unexpected = sorted(k for k in saved if k not in template)
     mism = []
@@ -371,9 +372,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     template = dict(_state.model_state(model))
     if optimizer is not None:
         _state.ensure_state(optimizer)
-        opt_t, _ = _state.optimizer_state(optimizer)
+        opt_t, _ = _state.optimizer_state(optimizer, model)
         template.update(opt_t)
-    report = _report(md, template)
+    report = _report(md, template, optimizer is not None)
     if not report.ok:
         if strict:
             mesh = meta.get("mesh")

@@ -54,9 +54,21 @@ def set_model_state(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
         model.load_state_dict(sd, strict=True)
 
 
-def _params(opt) -> list[tuple[str, nn.Parameter]]:
-    return list(opt.params) if hasattr(opt, "params") else \
-        [(str(i), p) for i, g in enumerate(opt.param_groups) for p in g["params"]]
+def _params(opt, model: nn.Module | None = None) -> list[tuple[str, nn.Parameter]]:
+    """(FQN, parameter) of every parameter the optimizer updates."""
+    if hasattr(opt, "params"):           # MeshOptimizer
+        return list(opt.params)
+    if model is None:
+        raise CheckpointError("a plain torch optimizer needs its model to name its state")
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if id(p) not in names:
+                raise CheckpointError("the optimizer updates a tensor that is not a parameter "
+                                      "of the model")
+            out.append((names[id(p)], p))
+    return out
 
 
 def ensure_state(opt) -> None:
@@ -79,7 +91,8 @@ def ensure_state(opt) -> None:
         p.grad = None
 
 
-def optimizer_state(opt) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def optimizer_state(opt, model: nn.Module | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors for DCP, JSON-able rest: param groups and the loss scaler)."""
     inner = getattr(opt, "inner", opt)
     tensors: dict[str, torch.Tensor] = {}
@@ -100,7 +113,7 @@ def optimizer_state(opt) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
                     tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = _like(p, loc)
                     off += n
     else:
-        for name, p in _params(opt):
+        for name, p in _params(opt, model):
             for key, v in inner.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     tensors[f"{OPT_PREFIX}{name}.{key}"] = v
