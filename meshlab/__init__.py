@@ -23,7 +23,8 @@ from ._plan import Plan as Plan, ParamEntry as ParamEntry, ActivationEntry as Ac
 from ._trace import trace as trace
 from ._specs_tree import specs_like as specs_like
 from .transforms import (Transform as Transform, shard as shard, zero_shard as zero_shard,
-                         data_parallel as data_parallel, precision as precision, remat as remat)
+                         data_parallel as data_parallel, precision as precision, remat as remat,
+                         pipeline as pipeline)
 from ._api import plan as plan
 from ._parallelize import parallelize as parallelize
 from ._materialize import init_weights as init_weights

@@ -63,7 +63,10 @@ def build_layout(plan: Plan, model: nn.Module, tp_rank: int = 0) -> Layout:
         if a == tp_axis:
             raise ConfigError(f"axis {a!r} both shards parameters (tensor parallel) and carries "
                               f"data parallelism; give them different mesh axes")
-    unused = [a for a, s in sizes.items() if s > 1 and a != tp_axis and a not in dp_axes]
+    pp = plan.option("pipeline")
+    pp_axis = pp["axis"] if pp else None
+    unused = [a for a, s in sizes.items()
+              if s > 1 and a != tp_axis and a not in dp_axes and a != pp_axis]
     if unused:
         raise ConfigError(
             f"mesh axis {unused[0]!r} (size {sizes[unused[0]]}) is used by no transform: no "

@@ -34,6 +34,7 @@ class Runtime:
     dp_mesh: object | None
     tp_mesh: object | None
     dp_replicated: tuple[str, ...] = ()   # FSDP-ignored parameters: gradients all-reduced
+    pipeline: object | None = None        # _PipelineRuntime when the plan has a pipeline
     ctrl_group: object | None = None      # gloo group for checkpoint agreement and barriers
 
     @property
@@ -200,6 +201,7 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
 
     tp = layout.tp
     tp_specs = {m.fqn: m for m in tp.modules} if tp else {}
+    pp = _pipeline_setup(plan, mesh, layout)
     mods = dict(model.named_modules())
     names_by_id = {id(m): n for n, m in mods.items()}
     uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
@@ -224,6 +226,8 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         name = names_by_id.get(id(m))
         if name not in blocks:
             return
+        if pp is not None and name not in pp.kept:
+            return  # dropped right after initialization (prune below)
         for sub in tp_specs:
             if sub.startswith(name + ".") and sub not in done and not any(
                     id(p) in tied for p in mods[sub].parameters(recurse=False)):
@@ -240,6 +244,16 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         _check_same_everywhere(model)
     if state_dict is not None:
         _load_state(model, state_dict)
+    if pp is not None:
+        pp.prune(model)
+        mods = {n: m for n, m in model.named_modules()
+                if n == "" or next(m.parameters(), None) is not None}
+        tp_specs = {k: v for k, v in tp_specs.items() if k in mods}
+        if tp is not None:
+            tp = dataclasses.replace(
+                tp, modules=tuple(m for m in tp.modules if m.fqn in mods),
+                regions=tuple(r for r in tp.regions if r in mods),
+                attrs=tuple(a for a in tp.attrs if a[0] in mods))
     for name in tp_specs:
         if name not in done:
             shard(name)
@@ -257,7 +271,7 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         if getattr(cfg, "use_cache", False):
             # A KV cache would grow again on every recomputed block (HF does the same).
             cfg.use_cache = False
-        for b in layout.blocks:
+        for b in (b for b in layout.blocks if b in mods):   # this rank's blocks
             blk = mods[b]
             blk.forward = _remat_forward(blk.forward, layout.remat)
 
@@ -277,7 +291,7 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
 
         ignored = {p for p in model.parameters() if isinstance(p, DTensor) and any(
             isinstance(pl, _StridedShard) and pl.dim == 0 for pl in p.placements)}
-        for b in layout.blocks:
+        for b in (b for b in layout.blocks if b in mods):
             fully_shard(mods[b], mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
                         ignored_params=ignored or None)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp,
@@ -286,8 +300,84 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     else:
         dp_replicated = ()
 
+    if pp is not None:
+        pp.build_stages(model, layout)
     model._meshlab = Runtime(plan=plan, mesh=mesh, layout=layout, tp_group=tp_group,
                              dp_group=dp_group, dp_mesh=dp_mesh, tp_mesh=tp_mesh,
                              dp_replicated=dp_replicated,
-                             ctrl_group=dist.new_group(backend="gloo"))
+                             ctrl_group=dist.new_group(backend="gloo"), pipeline=pp)
     return model
+
+
+class _PipelineRuntime:
+    """This rank's pipeline stages and the schedule that runs them."""
+
+    def __init__(self, plan: Plan, mesh: Mesh, layout: Layout):
+        from .transforms.pipeline import stages
+
+        opt = plan.option("pipeline")
+        self.axis, self.schedule_name = opt["axis"], opt["schedule"]
+        self.microbatches = opt["microbatches"]
+        self.all = stages(plan)
+        from ._pipeline import check_untied
+
+        check_untied(plan, self.all)
+        if layout.zero_stage >= 2:
+            raise ConfigError("pipeline with zero_shard(stage >= 2) is not supported; use "
+                              "zero_shard(1, ...) on the data-parallel axis")
+        if layout.tp is not None and layout.tp.sequence_parallel:
+            raise ConfigError("pipeline with sequence parallelism is not supported; map 'seq' "
+                              "to None in Rules")
+        self.pp_mesh = mesh.device_mesh[self.axis]
+        self.group = self.pp_mesh.get_group()
+        self.rank = mesh.coordinate(mesh.rank)[self.axis]
+        self.mine = [s for s in self.all if s.rank == self.rank]
+        self.kept = {b for s in self.mine for b in s.blocks}
+        self.first = any(s.first for s in self.mine)
+        self.last = any(s.last for s in self.mine)
+        self._schedules: dict = {}
+
+    def prune(self, model: nn.Module) -> None:
+        from ._pipeline import prune
+
+        prune(model, self.kept)
+        base = getattr(model, model.base_model_prefix)
+        if not self.first:
+            base.embed_tokens = nn.Module()
+        if not self.last:
+            base.norm = nn.Module()
+            model.lm_head = nn.Module()
+
+    def build_stages(self, model: nn.Module, layout: Layout) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        from ._pipeline import DecoderStage
+
+        device = torch.device("cpu") if self.pp_mesh.device_type == "cpu" else \
+            torch.device(self.pp_mesh.device_type, torch.cuda.current_device())
+        n = len(self.all)
+        self.stages = []
+        for s in self.mine:
+            ids = [int(b.rsplit(".", 1)[1]) for b in s.blocks]
+            self.stages.append(PipelineStage(DecoderStage(model, ids, s.first, s.last), s.index,
+                                             n, device, group=self.group))
+
+    def schedule(self, loss_fn):
+        from torch.distributed import pipelining as P
+
+        key = id(loss_fn)
+        if key not in self._schedules:
+            def stage_loss(out, target):
+                return loss_fn(out, {"input_ids": target, "labels": target})
+
+            cls = {"gpipe": P.ScheduleGPipe, "1f1b": P.Schedule1F1B,
+                   "interleaved": P.ScheduleInterleaved1F1B,
+                   "zero_bubble": P.ScheduleInterleavedZeroBubble,
+                   "zbv": P.ScheduleZBVZeroBubble}[self.schedule_name]
+            stage = self.stages if self.schedule_name not in ("gpipe", "1f1b") else self.stages[0]
+            self._schedules[key] = cls(stage, self.microbatches, loss_fn=stage_loss)
+        return self._schedules[key]
+
+
+def _pipeline_setup(plan: Plan, mesh: Mesh, layout: Layout):
+    return _PipelineRuntime(plan, mesh, layout) if plan.option("pipeline") else None

@@ -191,6 +191,8 @@ class MeshOptimizer:
             for grp in groups:
                 dist.all_reduce(s, group=grp)
             total += s
+        if self.rt.pipeline is not None:       # each stage holds different parameters
+            dist.all_reduce(total, group=self.rt.pipeline.group)
         return float(total.sqrt())
 
     def step(self) -> bool:
@@ -305,6 +307,8 @@ def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None =
 
     rt = runtime_of(model)
     loss_fn = loss_fn or causal_lm_loss
+    if rt.pipeline is not None:
+        return _pipeline_step(rt, opt, batch, loss_fn)
     mbs = _split(batch, microbatches)
     fsdp = rt.layout.zero_stage >= 2
     total = 0.0
@@ -328,6 +332,31 @@ def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None =
         dist.all_reduce(t, group=rt.dp_group)
         total = float(t) / rt.dp_size
     return total
+
+
+def _pipeline_step(rt: Runtime, opt: MeshOptimizer, batch, loss_fn) -> float:
+    """The schedule runs the microbatches; the loss comes from the last stage."""
+    pp = rt.pipeline
+    x = batch["input_ids"] if isinstance(batch, Mapping) else batch
+    target = batch.get("labels", x) if isinstance(batch, Mapping) else x
+    losses: list = []
+    sched = pp.schedule(loss_fn)
+    with _autocast(rt):
+        if pp.first:
+            sched.step(x, target=target if pp.last else None, losses=losses)
+        elif pp.last:
+            sched.step(target=target, losses=losses)
+        else:
+            sched.step()
+    opt.step()
+    opt.zero_grad()
+    t = torch.tensor([sum(float(l) for l in losses) / len(losses) if losses else 0.0],
+                     dtype=torch.float64)
+    dist.all_reduce(t, group=pp.group)      # only the last stage holds a loss
+    if rt.dp_group is not None and rt.dp_size > 1:
+        dist.all_reduce(t, group=rt.dp_group)
+        t /= rt.dp_size
+    return float(t)
 
 
 def dataloader(dataset, mesh, batch_size: int, *, axes: Iterable[str] | None = None,

@@ -5,3 +5,4 @@ from .shard import Shard as Shard, shard as shard
 from .zero import ZeroShard as ZeroShard, zero_shard as zero_shard, data_parallel as data_parallel
 from .precision import Precision as Precision, precision as precision
 from .remat import Remat as Remat, remat as remat
+from .pipeline import Pipeline as Pipeline, pipeline as pipeline

@@ -1,0 +1,73 @@
+"""Pipeline stages of an unmodified Hugging Face decoder, on torch.distributed.pipelining.
+
+A stage is the model itself with the blocks of other stages removed, run by a small
+module that calls the model's own parts in the order the model's ``forward`` does (the
+``base_model_pp_plan`` Hugging Face configs carry: embed_tokens -> layers -> norm, then
+the LM head). Parameter names stay those of the model, so checkpoints and plans line up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ._errors import ConfigError
+
+
+class DecoderStage(nn.Module):
+    """Runs blocks ``layer_ids`` of ``model`` (plus the embeddings on the first stage and
+    the final norm and head on the last)."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        base = getattr(model, model.base_model_prefix)
+        for need in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not hasattr(base, need):
+                raise ConfigError(
+                    f"pipeline: {type(model).__name__} lacks {need!r}; meshlab pipelines "
+                    f"decoders laid out as embed_tokens -> layers -> norm (the "
+                    f"base_model_pp_plan of Llama-like families)")
+        # Only this stage's parts are registered: the schedule scales and zeroes the
+        # gradients of a stage's own parameters, and a rank may run several stages.
+        self._model = (model,)                       # a tuple: not registered
+        self.layers = nn.ModuleDict({str(i): base.layers[i] for i in layer_ids})
+        self.embed = base.embed_tokens if first else None
+        self.norm = base.norm if last else None
+        self.head = model.lm_head if last else None
+        self.layer_ids, self.first, self.last = list(layer_ids), first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        model = self._model[0]
+        base = getattr(model, model.base_model_prefix)
+        h = self.embed(x) if self.first else x                   # (B, S, H)
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None,
+                                  cache=None, position_ids=pos)
+        pe = base.rotary_emb(h, pos)
+        for i in self.layer_ids:
+            out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos,
+                                      position_embeddings=pe)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.last:
+            h = self.head(self.norm(h))                         # (B, S, V)
+        return h
+
+
+def prune(model: nn.Module, blocks_kept: set[str]) -> None:
+    """Drop the blocks of other stages (their parameters are freed)."""
+    base = getattr(model, model.base_model_prefix)
+    prefix = model.base_model_prefix + ".layers."
+    for i in range(len(base.layers)):
+        if f"{prefix}{i}" not in blocks_kept:
+            base.layers[i] = nn.Module()
+
+
+def check_untied(plan, stages) -> None:
+    first = {s.index for s in stages if s.first}
+    last = {s.index for s in stages if s.last}
+    if first != last and any(e.tied_to for e in plan.params):
+        tied = [f"{e.fqn} -> {e.tied_to}" for e in plan.params if e.tied_to]
+        raise ConfigError(f"pipeline: tied weights across the first and last stage ({tied}) "
+                          f"are not supported; build the model with tie_word_embeddings=False")

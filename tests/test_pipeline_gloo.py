@@ -1,0 +1,97 @@
+"""Pipeline parallelism against the single-process model on gloo processes, and the plan's
+stage table and bubble formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import _models as M
+from ._world import World
+
+pytestmark = pytest.mark.timeout(900)
+LAYERS = dict(num_hidden_layers=4)
+
+
+def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=3, lr=1e-3):
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    data = M.batches(steps, batch=8)
+    ref = ml.init_weights(M.build("llama", **LAYERS), seed=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ref_losses = []
+    for b in data:
+        loss = M.loss_fn("llama")(ref(input_ids=b), {"input_ids": b})
+        loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        ref_losses.append(loss.item())
+    mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
+    spec = ml.pipeline("pp", schedule=schedule, microbatches=microbatches)
+    if extra == "zero1":
+        spec = spec | ml.zero_shard(1, "dp")
+    elif extra == "tp":
+        spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | spec
+    model = ml.parallelize(M.build("llama", **LAYERS), spec, mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=lr)
+    rt = model._meshlab
+    dp_rank = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
+    losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[dp_rank]}) for b in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                               atol=1e-5, rtol=1e-3)
+    refp = dict(ref.named_parameters())
+    owned = {}
+    for n, p in model.named_parameters():
+        w = M.full(p).detach()
+        torch.testing.assert_close(w, refp[n].detach(), atol=1e-4, rtol=1e-3,
+                                   msg=lambda m, n=n: f"weight {n}: {m}")
+        owned[n] = w
+    return losses, sorted(owned)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    w = World(4)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def world2():
+    w = World(2)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"])
+def test_pp2(world2, schedule):
+    out = world2.run(pp_case, schedule=schedule, mesh_text="pp=2")
+    names = set(out[0][1]) | set(out[1][1])
+    assert not set(out[0][1]) & set(out[1][1])            # stages hold disjoint parameters
+    assert len(names) == 4 * 9 + 3                          # every parameter is somewhere
+
+
+@pytest.mark.parametrize("extra,mesh_text", [("zero1", "pp=2,dp=2"), ("tp", "pp=2,tp=2")])
+def test_pp2_composed(world4, extra, mesh_text):
+    world4.run(pp_case, schedule="1f1b", mesh_text=mesh_text, extra=extra)
+
+
+def test_plan_reports_stages_and_bubble():
+    import meshlab as ml
+    from meshlab.transforms.pipeline import bubble, stages
+
+    model = M.build("llama", num_hidden_layers=8)
+    p = ml.plan(model, ml.pipeline("pp", schedule="interleaved", microbatches=8),
+                ml.Mesh(pp=4, fake=True))
+    st = stages(p)
+    assert [s.rank for s in st] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert sum(len(s.blocks) for s in st) == 8 and st[0].first and st[-1].last
+    assert bubble(p) == pytest.approx(3 / (2 * 8 + 3))
+    p = ml.plan(model, ml.pipeline("pp", schedule="1f1b", microbatches=8), ml.Mesh(pp=4, fake=True))
+    assert bubble(p) == pytest.approx(3 / 11)
+    with pytest.raises(ml.ConfigError, match="cannot fill"):
+        from meshlab.transforms.pipeline import stages as _s
+
+        _s(ml.plan(M.build("llama"), ml.pipeline("pp"), ml.Mesh(pp=4, fake=True)))
