@@ -65,8 +65,15 @@ def build_layout(plan: Plan, model: nn.Module, tp_rank: int = 0) -> Layout:
                               f"data parallelism; give them different mesh axes")
     pp = plan.option("pipeline")
     pp_axis = pp["axis"] if pp else None
-    unused = [a for a, s in sizes.items()
-              if s > 1 and a != tp_axis and a not in dp_axes and a != pp_axis]
+    sq = plan.option("sequence")
+    sp_axis = sq["axis"] if sq else None
+    if sp_axis is not None and sp_axis not in sizes:
+        raise ConfigError(f"sequence axis {sp_axis!r} is not a mesh axis {tuple(sizes)}")
+    if sp_axis is not None and sp_axis in (tp_axis, pp_axis) + dp_axes:
+        raise ConfigError(f"sequence(all_to_all) needs its own mesh axis; {sp_axis!r} is "
+                          f"already used by another transform")
+    unused = [a for a, s in sizes.items() if s > 1 and a not in
+              (tp_axis, pp_axis, sp_axis) + dp_axes]
     if unused:
         raise ConfigError(
             f"mesh axis {unused[0]!r} (size {sizes[unused[0]]}) is used by no transform: no "

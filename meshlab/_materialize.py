@@ -35,6 +35,8 @@ class Runtime:
     tp_mesh: object | None
     dp_replicated: tuple[str, ...] = ()   # FSDP-ignored parameters: gradients all-reduced
     pipeline: object | None = None        # _PipelineRuntime when the plan has a pipeline
+    sp_group: object | None = None        # Ulysses sequence group
+    sp_reduce: tuple[str, ...] = ()       # parameters whose gradients are summed over it
     ctrl_group: object | None = None      # gloo group for checkpoint agreement and barriers
 
     @property
@@ -300,12 +302,27 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     else:
         dp_replicated = ()
 
+    sp_group, sp_reduce = None, ()
+    sq = plan.option("sequence")
+    if sq is not None:
+        from . import _ulysses
+
+        if pp is not None:
+            raise ConfigError("sequence(all_to_all) with pipeline is not supported")
+        sp_mesh = dm[sq["axis"]]
+        _ulysses.check(model, sp_mesh.size())
+        sp_group = sp_mesh.get_group()
+        _ulysses.install(model, layout.blocks, sp_group)
+        # Every block parameter sees this rank's slice of the sequence only.
+        sp_reduce = tuple(n for n, p in model.named_parameters()
+                          if any(n.startswith(b + ".") for b in layout.blocks))
     if pp is not None:
         pp.build_stages(model, layout)
     model._meshlab = Runtime(plan=plan, mesh=mesh, layout=layout, tp_group=tp_group,
                              dp_group=dp_group, dp_mesh=dp_mesh, tp_mesh=tp_mesh,
                              dp_replicated=dp_replicated,
-                             ctrl_group=dist.new_group(backend="gloo"), pipeline=pp)
+                             ctrl_group=dist.new_group(backend="gloo"), pipeline=pp,
+                             sp_group=sp_group, sp_reduce=sp_reduce)
     return model
 
 

@@ -140,6 +140,15 @@ class MeshOptimizer:
                 for g in grads:
                     g.copy_(flat[off:off + g.numel()].view_as(g))
                     off += g.numel()
+        if rt.sp_group is not None and rt.sp_reduce:
+            names = set(rt.sp_reduce)
+            grads = [_local(p.grad) for n, p in self.params if n in names and p.grad is not None]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=rt.sp_group)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
         if rt.dp_group is None or rt.dp_size == 1:
             return
         if rt.layout.zero_stage >= 2:

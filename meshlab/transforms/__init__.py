@@ -6,3 +6,4 @@ from .zero import ZeroShard as ZeroShard, zero_shard as zero_shard, data_paralle
 from .precision import Precision as Precision, precision as precision
 from .remat import Remat as Remat, remat as remat
 from .pipeline import Pipeline as Pipeline, pipeline as pipeline
+from .sequence import Sequence as Sequence, sequence as sequence

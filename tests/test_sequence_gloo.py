@@ -1,0 +1,78 @@
+"""Sequence parallel modes against the single-process model (gloo, world 2 and 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import _models as M
+from ._world import World
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def seq_case(rank, world, family, mode, mesh_text, steps=3, lr=1e-3):
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    data = M.batches(steps, batch=4, seq=8)
+    loss_fn = M.loss_fn(family)
+    ref = ml.init_weights(M.build(family), seed=0)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    ref_losses = []
+    for b in data:
+        loss = loss_fn(ref(input_ids=b), {"input_ids": b})
+        loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        ref_losses.append(loss.item())
+    mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
+    if mode == "split_gather":
+        spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.sequence("tp", "split_gather")
+    else:
+        spec = ml.sequence("sp", "all_to_all")
+        if "dp" in mesh.axis_names:
+            spec = spec | ml.data_parallel("dp")
+    model = ml.parallelize(M.build(family), spec, mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=lr)
+    rt = model._meshlab
+    dp_rank = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
+    losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[dp_rank]}) for b in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-3)
+    refp = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(M.full(p).detach(), refp[n].detach(), atol=1e-4, rtol=1e-3,
+                                   msg=lambda m, n=n: f"weight {n}: {m}")
+    return losses
+
+
+@pytest.fixture(scope="module")
+def world4():
+    w = World(4)
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode,mesh_text", [("all_to_all", "dp=2,sp=2"), ("all_to_all", "sp=4"),
+                                            ("split_gather", "dp=2,tp=2")])
+def test_sequence_modes(world4, family, mode, mesh_text):
+    world4.run(seq_case, family=family, mode=mode, mesh_text=mesh_text)
+
+
+def bad_seq_case(rank, world):
+    import meshlab as ml
+
+    model = ml.parallelize(M.build("llama"), ml.sequence("sp", "all_to_all"), ml.Mesh(sp=4))
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    try:
+        ml.step(model, opt, {"input_ids": torch.randint(0, 97, (2, 7))})   # 7 % 4 != 0
+    except ml.SpecError as e:
+        return str(e)
+    raise AssertionError("an odd sequence was accepted")
+
+
+def test_odd_sequence_is_a_typed_error(world4):
+    msgs = world4.run(bad_seq_case)
+    assert "7" in msgs[0] and "pad" in msgs[0]
