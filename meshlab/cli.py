@@ -1,4 +1,4 @@
-"""The ``meshlab`` command: ``plan``, ``run``, ``demo``, ``env``."""
+"""The ``meshlab`` command: ``plan``, ``run``, ``demo``, ``env``, ``check``."""
 
 from __future__ import annotations
 
@@ -52,11 +52,19 @@ def cmd_plan(args) -> int:
         from .transforms import zero_shard
 
         spec = spec | zero_shard(args.zero, args.zero_axis)
+    if "pp" in mesh.axis_names:
+        from .transforms import pipeline
+
+        spec = spec | pipeline("pp", schedule=args.schedule, microbatches=args.microbatches)
     p = make_plan(model, spec, mesh, uneven=args.uneven)
     console.print(p.table(collapse=not args.full))
     console.print(p.memory())
     if args.batch is not None:
         console.print(p.comm(batch=args.batch, seq=args.seq))
+    if p.option("pipeline"):
+        from .transforms.pipeline import stage_table
+
+        console.print(stage_table(p))
     unused = p.unused_axes()
     if unused:
         console.print(f"[yellow]note:[/] mesh axes {unused} shard no parameter: every rank along "
@@ -90,6 +98,14 @@ def cmd_env(args) -> int:
     return 0
 
 
+def cmd_check(args) -> int:
+    from . import _check
+
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    return _check.run(ops=ops, devices=[args.device] if args.device else None,
+                      run_opcheck=not args.no_opcheck)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="meshlab", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -110,10 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=None,
                    help="per-data-parallel-rank batch: also print the communication per step")
     p.add_argument("--seq", type=int, default=2048, help="sequence length for --batch")
+    p.add_argument("--schedule", default="1f1b",
+                   help="pipeline schedule when the mesh has a 'pp' axis (gpipe, 1f1b, "
+                        "interleaved, zero_bubble, zbv)")
+    p.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches")
     p.set_defaults(fn=cmd_plan)
 
     e = sub.add_parser("env", help="versions of meshlab and what it runs on (for bug reports)")
     e.set_defaults(fn=cmd_env)
+
+    c = sub.add_parser("check", help="build the fused-op kernels and check each against its "
+                                     "reference; says what fell back and why")
+    c.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
+    c.add_argument("--device", default=None, choices=("cpu", "cuda"),
+                   help="one device (default: cpu, and cuda when present)")
+    c.add_argument("--no-opcheck", action="store_true", help="skip torch.library.opcheck")
+    c.set_defaults(fn=cmd_check)
 
     from . import _cli_run
 

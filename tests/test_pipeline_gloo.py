@@ -95,3 +95,23 @@ def test_plan_reports_stages_and_bubble():
         from meshlab.transforms.pipeline import stages as _s
 
         _s(ml.plan(M.build("llama"), ml.pipeline("pp"), ml.Mesh(pp=4, fake=True)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbv", "zero_bubble"])
+def test_schedule_picture_and_simulated_bubble(schedule):
+    import meshlab as ml
+    from meshlab.transforms.pipeline import bubble, draw_schedule, simulate, stages
+
+    p = ml.plan(M.build("llama", num_hidden_layers=8),
+                ml.pipeline("pp", schedule=schedule, microbatches=8), ml.Mesh(pp=4, fake=True))
+    pic = draw_schedule(p)
+    assert pic.count("rank ") == 4 and "idle" in pic
+    events = simulate(p)
+    n = len(stages(p))
+    assert sum(1 for e in events if e[3] == "F") == n * 8      # every microbatch, every stage
+    end = max(e[2] for e in events)
+    idle = 1 - sum(e[2] - e[1] for e in events) / (4 * end)
+    if schedule in ("gpipe", "1f1b", "interleaved"):          # the closed forms hold exactly
+        assert idle == pytest.approx(bubble(p))
+    else:
+        assert idle == pytest.approx(bubble(p)) and idle < 3 / 11

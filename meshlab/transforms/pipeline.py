@@ -5,8 +5,10 @@ stages and ranks and ``bubble(plan)`` gives the expected idle fraction:
 
 * GPipe and 1F1B:           (p - 1) / (m + p - 1)
 * interleaved 1F1B (v > 1): (p - 1) / (v m + p - 1)
-* zero-bubble (ZB-H1 and ZB-V split backward into input and weight gradients, and
-  fill the warm-up and cool-down with weight-gradient work): (p - 1) / (3 m + p - 1)
+* zero-bubble and ZB-V (backward split into input and weight gradients, the weight
+  work filling warm-up and cool-down): no closed form is used; the plan replays torch's
+  own action lists with forward = 1, backward = 2 units (``simulate``), which gives the
+  two formulas above exactly for the other schedules
 
 with p pipeline ranks, m microbatches and v stages per rank.
 """
@@ -175,5 +177,119 @@ def bubble(plan: Plan) -> float:
         return 0.0
     p, m, v = plan.mesh_shape[opt["axis"]], opt["microbatches"], opt["virtual_stages"]
     if opt["schedule"] in ("zero_bubble", "zbv"):
-        return (p - 1) / (3 * m + p - 1)
+        events = simulate(plan)
+        end = max(e[2] for e in events)
+        return 1 - sum(e[2] - e[1] for e in events) / (p * end)
     return (p - 1) / (v * m + p - 1)
+
+
+def stage_table(plan: Plan):
+    """A rich table: each stage's rank, blocks and parameter bytes, and the bubble."""
+    from rich.table import Table
+
+    from .._plan_view import _fmt_bytes
+
+    opt = plan.option("pipeline")
+    t = Table(title=f"pipeline: {opt['schedule']}, {opt['microbatches']} microbatches, expected "
+                    f"idle fraction {bubble(plan):.1%}")
+    for c in ("stage", "rank", "blocks", "params"):
+        t.add_column(c, justify="right" if c in ("stage", "rank", "params") else "left")
+    for s in stages(plan):
+        extra = (" + embeddings" if s.first else "") + (" + norm, head" if s.last else "")
+        span = f"{s.blocks[0]} .. {s.blocks[-1].rsplit('.', 1)[-1]} ({len(s.blocks)}){extra}"
+        t.add_row(str(s.index), str(s.rank), span, _fmt_bytes(s.param_bytes))
+    return t
+
+
+def _actions(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
+    """Per-rank (kind, stage, microbatch) lists: meshlab's own for GPipe and 1F1B, torch's
+    schedule generator for the others."""
+    if schedule == "gpipe":
+        return [[("FORWARD", r, i) for i in range(m)] + [("FULL_BACKWARD", r, i) for i in range(m)]
+                for r in range(p)]
+    if schedule == "1f1b":
+        rows = []
+        for r in range(p):
+            warm = min(p - 1 - r, m)
+            row = [("FORWARD", r, i) for i in range(warm)]
+            f, b = warm, 0
+            while b < m:
+                if f < m:
+                    row.append(("FORWARD", r, f))
+                    f += 1
+                row.append(("FULL_BACKWARD", r, b))
+                b += 1
+            rows.append(row)
+        return rows
+    from torch.distributed.pipelining import schedules as S
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    cls = {"interleaved": S.ScheduleInterleaved1F1B, "zero_bubble": S.ScheduleInterleavedZeroBubble,
+           "zbv": S.ScheduleZBVZeroBubble}[schedule]
+    ops = get_schedule_ops(cls, p, m, num_stages_per_rank=v)
+    out = []
+    for row in ops:
+        acts = []
+        for a in row:
+            kind = str(a.computation_type).rsplit(".", 1)[-1] if a is not None else None
+            if kind in ("FORWARD", "FULL_BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT"):
+                acts.append((kind, a.stage_index, a.microbatch_index))
+        out.append(acts)
+    return out
+
+
+def simulate(plan: Plan, forward: float = 1.0, backward: float = 2.0):
+    """Replay the schedule's per-rank action lists (torch's own) with unit costs and the
+    stage dependencies: returns ``[(rank, start, end, 'F'|'B', microbatch, stage)]``."""
+    opt = plan.option("pipeline")
+    p, m, v = plan.mesh_shape[opt["axis"]], opt["microbatches"], opt["virtual_stages"]
+    rows = _actions(opt["schedule"], p, m, v)
+    n = p * v
+    done: dict = {}
+    clock = [0.0] * p
+    pos = [0] * p
+    out = []
+    while any(pos[r] < len(rows[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if pos[r] >= len(rows[r]):
+                continue
+            kind, st, mb = rows[r][pos[r]]
+            if kind == "FORWARD":
+                dep = [("F", st - 1, mb)] if st > 0 else []
+                cost, tag = forward, "F"
+            elif kind == "BACKWARD_WEIGHT":
+                dep, cost, tag = [("I", st, mb)], backward / 2, "W"
+            else:   # FULL_BACKWARD, or BACKWARD_INPUT (the input-gradient half)
+                dep = [("F", st, mb)] + ([("I", st + 1, mb)] if st < n - 1 else [])
+                cost = backward / 2 if kind == "BACKWARD_INPUT" else backward
+                tag = "I" if kind == "BACKWARD_INPUT" else "B"
+            if any(d not in done for d in dep):
+                continue
+            t0 = max([clock[r]] + [done[d] for d in dep])
+            clock[r] = t0 + cost
+            done[(tag if tag != "B" else "I", st, mb)] = clock[r]
+            out.append((r, t0, clock[r], tag, mb, st))
+            pos[r] += 1
+            progressed = True
+        if not progressed:
+            raise ConfigError(f"the {opt['schedule']} schedule cannot make progress for "
+                              f"p={p}, m={m}, v={v}")
+    return out
+
+
+def draw_schedule(plan: Plan) -> str:
+    """A text picture of the schedule: one row per pipeline rank, one column per unit of
+    time (a forward is 1 unit, a backward 2), the microbatch number in each busy cell
+    (``F``orward rows above, ``b``ackward lowercase), ``.`` where the rank waits."""
+    events = simulate(plan)
+    p = plan.mesh_shape[plan.option("pipeline")["axis"]]
+    end = int(round(max(e[2] for e in events)))
+    grid = [["." for _ in range(end)] for _ in range(p)]
+    for r, t0, t1, tag, mb, _ in events:
+        for t in range(int(round(t0)), int(round(t1))):
+            grid[r][t] = str(mb % 10) if tag == "F" else "abcdefghijklmnopqrstuvwxyz"[mb % 26]
+    busy = sum(e[2] - e[1] for e in events) / (p * end)
+    lines = [f"rank {r}: " + "".join(row) for r, row in enumerate(grid)]
+    lines.append(f"(digits: forward of microbatch k; letters: its backward; idle {1 - busy:.1%})")
+    return "\n".join(lines)
