@@ -129,6 +129,7 @@ def main(argv=None) -> int:
         f"{last:.4f}); {len(losses) / elapsed:.1f} steps/s, {time.perf_counter() - t0:.1f} s "
         f"in all")
     say("the loss fell" if fell else "error: the loss did not fall")
+    dist.barrier()  # no rank tears its groups down while another still uses them
     dist.destroy_process_group()
     return 0 if fell else 1
 

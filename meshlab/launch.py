@@ -119,23 +119,18 @@ class _Relay:
 
 
 def _child(rank: int, payload, args: tuple, q, paths: list) -> None:
+    import pickle
+
     sys.path[:0] = [p for p in paths if p not in sys.path]
     sys.stdout, sys.stderr = _Relay(q, rank, "stdout"), _Relay(q, rank, "stderr")
+    ok = False
     try:
-        out = _resolve(payload)(*args)
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        msg = ("done", rank, True, out, None)
-        import pickle
-
-        pickle.dumps(msg)
+        msg = ("done", rank, True, _resolve(payload)(*args), None)
+        pickle.dumps(msg)  # an unpicklable result is this rank's failure, said here
+        ok = True
     except BaseException as e:  # everything goes back to the caller
         tb = traceback.format_exc()
         try:
-            import pickle
-
             pickle.loads(pickle.dumps(e))
         except Exception:
             e = None
@@ -143,6 +138,15 @@ def _child(rank: int, payload, args: tuple, q, paths: list) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     q.put(msg)
+    if ok:  # the result is out; tear down a group fn left behind (best effort)
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()
+                dist.destroy_process_group()
+        except Exception:
+            pass
 
 
 @contextlib.contextmanager
