@@ -13,13 +13,25 @@ import torch.distributed as dist
 from ._errors import SpecError
 
 
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """``out`` (n * len, ...) <- every rank's ``inp``, concatenated on dim 0."""
+    fn = getattr(dist, "all_gather_single", None)        # torch >= 2.13
+    (fn or dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """``out`` <- this rank's dim-0 slice of the sum of every rank's ``inp``."""
+    fn = getattr(dist, "reduce_scatter_single", None)    # torch >= 2.13
+    (fn or dist.reduce_scatter_tensor)(out, inp, group=group)
+
+
 def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     n = dist.get_world_size(group)
     if n == 1:
         return x
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((n * front.shape[0],) + tuple(front.shape[1:]))
-    dist.all_gather_into_tensor(out, front, group=group)
+    all_gather_into(out, front, group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -32,7 +44,7 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
                         f"over {n} ranks; pad the sequence to a multiple of {n}")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // n,) + tuple(front.shape[1:]))
-    dist.reduce_scatter_tensor(out, front, group=group)
+    reduce_scatter_into(out, front, group)
     return out.movedim(0, dim).contiguous()
 
 

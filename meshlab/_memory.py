@@ -2,13 +2,13 @@
 
 Memory counts what lives on each rank between steps, by category and dtype:
 
-* parameters: the local shard of every parameter (tied parameters once), in the
-  parameter dtype chosen by ``precision`` (else the traced dtype); split over the ZeRO
-  axis from stage 2 on (FSDP2 keeps them sharded at rest);
-* gradients: like parameters, split over the ZeRO axis from stage 2 on;
-* optimizer state: AdamW keeps two fp32 moments per element, plus an fp32 master copy
-  when parameters are kept in a lower precision; split over the ZeRO axis from stage 1.
-  meshlab's ZeRO-1 always keeps an fp32 master slice and its reduced gradient.
+* parameters: the local shard of every parameter (tied parameters once) in the dtype
+  it was built in (``precision`` changes the compute dtype, not the stored one); split
+  over the ZeRO axis from stage 2 on (FSDP2 keeps them sharded at rest);
+* gradients: like parameters;
+* optimizer state: AdamW keeps two moments per element, like the parameter; meshlab's
+  ZeRO-1 instead updates an fp32 master slice (its moments, the slice and its reduced
+  gradient, all fp32, split over the ZeRO axis).
 
 ZeRO splits the local shard's first dimension over its axis (as FSDP2 does), so its
 per-rank size is ``ceil(local_0 / n) * rest``. Activations are not counted here.
@@ -82,7 +82,6 @@ def estimate_memory(plan, *, optimizer: str = "adamw") -> MemoryEstimate:
     stage, zaxes = zero.get("stage", 0), zero.get("axis")
     zaxes = (zaxes,) if isinstance(zaxes, str) else tuple(zaxes or ())
     zn = math.prod(sizes[a] for a in zaxes) if zaxes else 1
-    prec = plan.option("precision") or {}
     n_states = _OPT_STATES.get(optimizer)
     if n_states is None:
         raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(_OPT_STATES)}")
@@ -92,23 +91,22 @@ def estimate_memory(plan, *, optimizer: str = "adamw") -> MemoryEstimate:
         if e.tied_to is not None:
             continue
         ls = local_shape(e.shape, e.mesh_spec, sizes)
-        pdt = prec.get("param", e.dtype)
+        pdt = e.dtype                      # parameters stay in the dtype they were built in
+        b = dtype_bytes(pdt)
         full = math.prod(ls)
         split = _zero_split(ls, zn)
         # FSDP2 (stages 2 and 3) keeps parameters sharded at rest.
-        cats["params"][pdt] += (split if stage >= 2 else full) * dtype_bytes(pdt)
+        cats["params"][pdt] += (split if stage >= 2 else full) * b
         if not e.requires_grad:
             continue
-        gdt = prec.get("grad", pdt)
-        cats["grads"][gdt] += (split if stage >= 2 else full) * dtype_bytes(gdt)
-        onum = split if stage >= 1 else full
-        cats["optimizer"]["float32"] += n_states * onum * 4
+        cats["grads"][pdt] += (split if stage >= 2 else full) * b
         if stage == 1:
-            # meshlab's ZeRO-1 keeps an fp32 master slice and its reduced gradient
-            cats["optimizer"]["float32"] += onum * 4
-            cats["grads"]["float32"] += onum * 4
-        elif pdt != "float32" and prec.get("master", True):
-            cats["optimizer"]["float32"] += onum * 4
+            # meshlab's ZeRO-1 updates an fp32 master slice: its moments, the slice itself
+            # and its reduced gradient are fp32
+            cats["optimizer"]["float32"] += (n_states + 1) * split * 4
+            cats["grads"]["float32"] += split * 4
+        else:                              # torch keeps the moments like the parameter
+            cats["optimizer"][pdt] += n_states * (split if stage >= 2 else full) * b
     return MemoryEstimate({k: dict(v) for k, v in cats.items()}, plan.mesh)
 
 

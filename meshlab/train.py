@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._collectives import all_gather_into, reduce_scatter_into
 from ._errors import ConfigError
 from ._materialize import Runtime, runtime_of
 from ._scaler import LossScaler
@@ -161,7 +162,7 @@ class MeshOptimizer:
             for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
                 flat = self._flat_grads(ps, numels, per, shard.dtype)
                 out = torch.empty(per, dtype=shard.dtype)
-                dist.reduce_scatter_tensor(out, flat, group=rt.dp_group)
+                reduce_scatter_into(out, flat, rt.dp_group)
                 shard.grad = out.div_(rt.dp_size)
             return
         self._all_reduce_mean([_local(p.grad) for _, p in self.params if p.grad is not None])
@@ -235,7 +236,7 @@ class MeshOptimizer:
         with torch.no_grad():
             for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
                 full = torch.empty(per * rt.dp_size, dtype=shard.dtype)
-                dist.all_gather_into_tensor(full, shard.detach(), group=rt.dp_group)
+                all_gather_into(full, shard.detach(), rt.dp_group)
                 off = 0
                 for p, n in zip(ps, numels):
                     loc = _local(p)

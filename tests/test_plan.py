@@ -603,13 +603,13 @@ def test_memory_uneven_uses_ceil():
     assert plan.memory().params == (2 + 9) * 4
 
 
-def test_memory_bf16_has_master_copy():
+def test_memory_bf16_keeps_bf16_moments():
     plan = ml.plan(_meta(Tiny, torch.bfloat16), ml.shard(TINY_SPECS), MESH, uneven=True)
     mem = plan.memory()
     assert mem.by_category["params"] == {"bfloat16": 26 * 2}
     assert mem.by_category["grads"] == {"bfloat16": 18 * 2}
-    # two fp32 moments and one fp32 master copy of each trainable element
-    assert mem.by_category["optimizer"] == {"float32": 3 * 18 * 4}
+    # torch's AdamW keeps its two moments in the parameter's dtype
+    assert mem.by_category["optimizer"] == {"bfloat16": 2 * 18 * 2}
 
 
 def test_memory_counts_tied_once():
@@ -667,6 +667,6 @@ def test_llama3_70b_on_16384_ranks_is_fast_and_exact():
     assert mem.params == expected
     assert mem.by_category["params"] == {"bfloat16": expected}
     assert mem.grads == expected
-    # AdamW on bf16 params: 2 moments + 1 master copy, all fp32
-    assert mem.optimizer == 3 * 4 * (expected // 2)
+    # AdamW on bf16 params: 2 moments, each like the parameter
+    assert mem.optimizer == 2 * expected
     assert len(plan) == 2 + layers * 9 + 1

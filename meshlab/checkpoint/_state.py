@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._collectives import all_gather_into
 from ._safe import CheckpointError
 
 OPT_PREFIX = "optim."
@@ -106,7 +107,7 @@ def optimizer_state(opt, model: nn.Module | None = None
                         tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = flat_local.clone()
                     continue
                 full = torch.empty(per * opt.rt.dp_size, dtype=flat_local.dtype)
-                dist.all_gather_into_tensor(full, flat_local.contiguous(), group=opt.rt.dp_group)
+                all_gather_into(full, flat_local.contiguous(), opt.rt.dp_group)
                 off = 0
                 for p, n in zip(ps, numels):
                     loc = full[off:off + n].view(_local(p).shape).clone()
