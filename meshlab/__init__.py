@@ -33,5 +33,7 @@ from . import losses as losses
 from . import checkpoint as checkpoint
 from . import policies as policies
 
-__version__ = "0.1.0"
+from . import data as data
 from .launch import notebook_launcher as notebook_launcher
+
+__version__ = "0.1.0"
