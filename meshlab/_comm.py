@@ -167,8 +167,9 @@ class CommCounter:
     >>> cc.bytes('all_reduce')
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, per_module: bool = True) -> None:
         from torch.distributed.tensor.debug import CommDebugMode
+        from torch.utils._python_dispatch import TorchDispatchMode
 
         outer = self
 
@@ -178,7 +179,15 @@ class CommCounter:
                 outer._record(func, args)
                 return out
 
-        self._mode = _Mode()
+        class _Plain(TorchDispatchMode):
+            # CommDebugMode's per-module tracker does not follow a pipeline schedule,
+            # which runs stage modules outside their parents; count without it there.
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer._record(func, args)
+                return out
+
+        self._mode = _Mode() if per_module else _Plain()
         self.calls: list[tuple[str, int, int]] = []   # (kind, group size, bytes)
 
     def _record(self, func, args) -> None:
@@ -190,7 +199,8 @@ class CommCounter:
                 "allgather_into_tensor_coalesced_": "all_gather",
                 "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_":
                 "reduce_scatter", "allgather_": "all_gather", "reduce_scatter_": "reduce_scatter",
-                "broadcast_": "broadcast", "alltoall_base_": "all_to_all"}.get(name)
+                "broadcast_": "broadcast", "alltoall_base_": "all_to_all",
+                "send": "send", "recv_": "recv"}.get(name)
         if kind is None:
             return
 
@@ -209,6 +219,8 @@ class CommCounter:
             b, pg = nbytes(args[0]), args[2] if len(args) > 2 else None
         elif kind == "reduce_scatter":
             b, pg = nbytes(args[1]), args[2] if len(args) > 2 else None
+        elif kind in ("send", "recv"):
+            b, pg = nbytes(args[0]), args[1]
         else:
             b, pg = nbytes(args[0]), None
         try:
@@ -232,4 +244,4 @@ class CommCounter:
 
     @property
     def comm_counts(self):
-        return self._mode.comm_counts
+        return getattr(self._mode, "comm_counts", None)

@@ -76,3 +76,32 @@ def bad_seq_case(rank, world):
 def test_odd_sequence_is_a_typed_error(world4):
     msgs = world4.run(bad_seq_case)
     assert "7" in msgs[0] and "pad" in msgs[0]
+
+
+def ulysses_comm_case(rank, world):
+    import meshlab as ml
+    from meshlab._comm import CommCounter
+
+    B, S = 4, 8
+    model = ml.parallelize(M.build("llama"), ml.sequence("sp", "all_to_all"), ml.Mesh(sp=4))
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    batch = {"input_ids": torch.randint(0, 97, (B, S))}
+    ml.step(model, opt, batch)
+    with CommCounter() as cc:
+        ml.step(model, opt, batch)
+    block_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    return {k: (cc.count(k), cc.bytes(k)) for k in ("all_to_all", "all_gather", "all_reduce")}, \
+        block_params
+
+
+def test_ulysses_collectives(world4):
+    """Per block, q, k, v and the output each cross one all-to-all in forward and one in
+    backward (k/v after GQA expansion: heads x S/n x head_dim); the sequence is gathered
+    once after the blocks and once (gradients) before them; block gradients are summed."""
+    out = world4.run(ulysses_comm_case)
+    got, block_params = out[0]
+    B, S, H, D, L, n = 4, 8, 4, 8, 2, 4
+    a2a = B * H * (S // n) * D * 4
+    assert got["all_to_all"] == (8 * L, 8 * L * a2a)
+    assert got["all_gather"] == (2, 2 * B * S * H * D * 4)
+    assert got["all_reduce"] == (1, block_params * 4)
