@@ -308,11 +308,16 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         from . import _ulysses
 
         if pp is not None:
-            raise ConfigError("sequence(all_to_all) with pipeline is not supported")
+            raise ConfigError(f"sequence({sq['mode']}) with pipeline is not supported")
         sp_mesh = dm[sq["axis"]]
-        _ulysses.check(model, sp_mesh.size())
         sp_group = sp_mesh.get_group()
-        _ulysses.install(model, layout.blocks, sp_group)
+        if sq["mode"] == "ring":
+            from . import _ring
+
+            _ring.install(model, layout.blocks, sp_group)
+        else:
+            _ulysses.check(model, sp_mesh.size())
+            _ulysses.install(model, layout.blocks, sp_group)
         # Every block parameter sees this rank's slice of the sequence only.
         sp_reduce = tuple(n for n, p in model.named_parameters()
                           if any(n.startswith(b + ".") for b in layout.blocks))

@@ -31,7 +31,7 @@ def seq_case(rank, world, family, mode, mesh_text, steps=3, lr=1e-3):
     if mode == "split_gather":
         spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.sequence("tp", "split_gather")
     else:
-        spec = ml.sequence("sp", "all_to_all")
+        spec = ml.sequence("sp", mode)
         if "dp" in mesh.axis_names:
             spec = spec | ml.data_parallel("dp")
     model = ml.parallelize(M.build(family), spec, mesh, seed=0)
@@ -56,6 +56,7 @@ def world4():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("mode,mesh_text", [("all_to_all", "dp=2,sp=2"), ("all_to_all", "sp=4"),
+                                            ("ring", "dp=2,sp=2"), ("ring", "sp=4"),
                                             ("split_gather", "dp=2,tp=2")])
 def test_sequence_modes(world4, family, mode, mesh_text):
     world4.run(seq_case, family=family, mode=mode, mesh_text=mesh_text)
@@ -105,3 +106,27 @@ def test_ulysses_collectives(world4):
     assert got["all_to_all"] == (8 * L, 8 * L * a2a)
     assert got["all_gather"] == (2, 2 * B * S * H * D * 4)
     assert got["all_reduce"] == (1, block_params * 4)
+
+
+def ring_comm_case(rank, world):
+    import meshlab as ml
+    from meshlab._comm import CommCounter
+
+    B, S = 4, 16
+    model = ml.parallelize(M.build("llama"), ml.sequence("sp", "ring"), ml.Mesh(sp=4))
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    batch = {"input_ids": torch.randint(0, 97, (B, S))}
+    ml.step(model, opt, batch)
+    with CommCounter() as cc:
+        ml.step(model, opt, batch)
+    sends = [c for c in cc.calls if c[0] == "send"]
+    return len(sends), sum(c[2] for c in sends)
+
+
+def test_ring_point_to_point_volume(world4):
+    """Per block, K and V each take n - 1 ring steps forward, and their gradients n - 1
+    steps back: 4 L (n - 1) sends of B x H x S/n x head_dim fp32 per rank and step."""
+    out = world4.run(ring_comm_case)
+    B, S, H, D, L, n = 4, 16, 4, 8, 2, 4
+    block = B * H * (S // n) * D * 4
+    assert all(o == (4 * L * (n - 1), 4 * L * (n - 1) * block) for o in out), out
