@@ -1,4 +1,35 @@
 """Fused ops registered as ``torch.library`` custom ops under the ``meshlab::`` namespace.
 
-One op per file, each with a pure-PyTorch reference beside it. Kernels live in ``csrc/``.
+One op per file, each with a pure-PyTorch reference beside it. Kernels live in ``csrc/``
+(C++, CPU) and ``_triton.py`` (CUDA); they are built the first time an op runs on such a
+tensor, never at import. Where no kernel can run, an op runs its reference and
+``meshlab check`` says why.
+
+On CUDA the kernels are Triton rather than hand-written CUDA: every op here is memory-bound
+(a handful of flops per byte), so what matters is one read of each input, one write of each
+output and wide coalesced accesses, which Triton's block programs give with a fraction of
+the code, no nvcc at install time, and tuning by block size alone.
+
+>>> import torch, meshlab.ops as ops
+>>> sorted(ops.OPS)
+['layer_norm', 'linear_cross_entropy', 'rms_norm', 'rotary', 'swiglu']
 """
+
+from .rms_norm import rms_norm as rms_norm, rms_norm_reference as rms_norm_reference
+from .rotary import (rotary as rotary, apply_rotary as apply_rotary,
+                     rotary_reference as rotary_reference)
+from .swiglu import swiglu as swiglu, swiglu_reference as swiglu_reference
+from .layer_norm import layer_norm as layer_norm, layer_norm_reference as layer_norm_reference
+from .linear_cross_entropy import (linear_cross_entropy as linear_cross_entropy,
+                                   linear_cross_entropy_reference as
+                                   linear_cross_entropy_reference)
+from .cpu_adam import CPUAdamW as CPUAdamW
+
+# Public op name -> (fused function, pure-PyTorch reference).
+OPS = {
+    "rms_norm": (rms_norm, rms_norm_reference),
+    "rotary": (rotary, rotary_reference),
+    "swiglu": (swiglu, swiglu_reference),
+    "layer_norm": (layer_norm, layer_norm_reference),
+    "linear_cross_entropy": (linear_cross_entropy, linear_cross_entropy_reference),
+}

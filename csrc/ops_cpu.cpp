@@ -1,0 +1,427 @@
+// CPU kernels of meshlab's fused ops: rms_norm, rotary, swiglu, layer_norm (forward and
+// backward). One translation unit on purpose: building torch/extension.h dominates the
+// compile time, so four files would cost four times as long.
+//
+// Conventions, shared by every kernel here:
+//  * tensors arrive contiguous, already flattened by the Python side to rows of the last dim;
+//  * activations are float32 or bfloat16; weights, cos/sin and saved statistics are float32
+//    (the Python side casts them, which costs one pass over a vector, not over the batch);
+//  * every sum is in float32, and bfloat16 is rounded to nearest-even exactly as
+//    c10::BFloat16 does, so the kernels agree with the references up to summation order;
+//  * rows are split across OpenMP threads; the inner loops are plain, unit-stride loops
+//    that the compiler turns into SIMD code.
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+using bf16 = uint16_t;
+
+inline float ld(float v) { return v; }
+inline float ld(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T> inline T st(float f);
+template <> inline float st<float>(float f) { return f; }
+template <> inline bf16 st<bf16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  // NaN stays a quiet NaN; everything else rounds to nearest, ties to even.
+  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? bf16(0x7FC0) : bf16(rounded);
+}
+
+// exp(x) in plain float arithmetic, so that loops calling it vectorize (a call to expf
+// does not without -ffast-math). Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2 split in
+// two for an exact n ln2), a degree-6 polynomial for e^r, and 2^n put in the exponent bits.
+// Within 2 ulp of expf over the clamped range; beyond it e^x is 0 or inf in float anyway
+// and the clamp keeps 2^n representable.
+inline float exp_f(float x) {
+  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return e * scale;
+}
+
+int num_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+int thread_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+void check_act(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+}
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == at::kFloat, name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+// Calls f.template operator()<T>() with T = float or bf16 after the activation dtype.
+template <typename F> void dispatch(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) f(float{});
+  else f(bf16{});
+}
+
+template <typename T> T* ptr(at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+template <typename T> const T* cptr(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+
+// Sums per-thread partial vectors (threads x H) into out (H), in parallel over H.
+void reduce_partials(const std::vector<float>& part, int nt, int64_t H, float* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < H; ++i) {
+    float s = 0.f;
+    for (int t = 0; t < nt; ++t) s += part[static_cast<size_t>(t) * H + i];
+    out[i] = s;
+  }
+}
+
+// ---------------------------------------------------------------- rms_norm
+// y = x * rstd * w,  rstd = 1 / sqrt(mean(x^2) + eps)                x: (N, H), w: (H,)
+
+std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_act(x, "x");
+  check_f32(w, "weight");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm_fwd: bad shapes");
+  const int64_t N = x.size(0), H = x.size(1);
+  auto y = at::empty_like(x);
+  auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = cptr<T>(x);
+    T* yp = ptr<T>(y);
+    const float* wp = w.data_ptr<float>();
+    float* rp = rstd.data_ptr<float>();
+    const float feps = static_cast<float>(eps);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < N; ++r) {
+      const T* xr = xp + r * H;
+      T* yr = yp + r * H;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) {
+        float v = ld(xr[i]);
+        ss += v * v;
+      }
+      const float rs = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+      rp[r] = rs;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) yr[i] = st<T>(ld(xr[i]) * rs * wp[i]);
+    }
+  });
+  return {y, rstd};
+}
+
+// dx = rstd * (g - xhat * mean(g * xhat)),  g = dy * w,  xhat = x * rstd;  dw = sum_rows dy * xhat
+std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                     const at::Tensor& w, const at::Tensor& rstd) {
+  check_act(dy, "grad");
+  check_act(x, "x");
+  check_f32(w, "weight");
+  check_f32(rstd, "rstd");
+  TORCH_CHECK(dy.scalar_type() == x.scalar_type() && dy.sizes() == x.sizes(),
+              "rms_norm_bwd: grad must match x");
+  const int64_t N = x.size(0), H = x.size(1);
+  auto dx = at::empty_like(x);
+  auto dw = at::empty({H}, w.options());
+  const int nt = num_threads();
+  // Each thread accumulates its own dw row: no atomics, and a fixed order per thread.
+  std::vector<float> part(static_cast<size_t>(nt) * H, 0.f);
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* dyp = cptr<T>(dy);
+    const T* xp = cptr<T>(x);
+    T* dxp = ptr<T>(dx);
+    const float* wp = w.data_ptr<float>();
+    const float* rp = rstd.data_ptr<float>();
+#pragma omp parallel
+    {
+      float* acc = part.data() + static_cast<size_t>(thread_id()) * H;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < N; ++r) {
+        const T* dyr = dyp + r * H;
+        const T* xr = xp + r * H;
+        T* dxr = dxp + r * H;
+        const float rs = rp[r];
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < H; ++i) dot += ld(dyr[i]) * wp[i] * ld(xr[i]);
+        const float c = dot * rs / static_cast<float>(H);  // mean(g * xhat)
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) {
+          const float g = ld(dyr[i]) * wp[i];
+          const float xh = ld(xr[i]) * rs;
+          dxr[i] = st<T>((g - xh * c) * rs);
+          acc[i] += ld(dyr[i]) * xh;
+        }
+      }
+    }
+  });
+  reduce_partials(part, nt, H, dw.data_ptr<float>());
+  return {dx, dw};
+}
+
+// ---------------------------------------------------------------- layer_norm
+// y = (x - mean) * rstd * w + b                                    x: (N, H), w, b: (H,)
+
+std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& w,
+                                       const at::Tensor& b, double eps) {
+  check_act(x, "x");
+  check_f32(w, "weight");
+  check_f32(b, "bias");
+  TORCH_CHECK(x.dim() == 2 && w.size(0) == x.size(1) && b.size(0) == x.size(1),
+              "layer_norm_fwd: bad shapes");
+  const int64_t N = x.size(0), H = x.size(1);
+  auto y = at::empty_like(x);
+  auto mean = at::empty({N}, x.options().dtype(at::kFloat));
+  auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = cptr<T>(x);
+    T* yp = ptr<T>(y);
+    const float* wp = w.data_ptr<float>();
+    const float* bp = b.data_ptr<float>();
+    float* mp = mean.data_ptr<float>();
+    float* rp = rstd.data_ptr<float>();
+    const float feps = static_cast<float>(eps);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < N; ++r) {
+      const T* xr = xp + r * H;
+      T* yr = yp + r * H;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t i = 0; i < H; ++i) s += ld(xr[i]);
+      const float mu = s / static_cast<float>(H);
+      // Two passes (mean, then squared deviations): one-pass E[x^2]-E[x]^2 cancels badly
+      // when |mean| >> std, which activations with a large offset do hit.
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) {
+        const float d = ld(xr[i]) - mu;
+        ss += d * d;
+      }
+      const float rs = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+      mp[r] = mu;
+      rp[r] = rs;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) yr[i] = st<T>((ld(xr[i]) - mu) * rs * wp[i] + bp[i]);
+    }
+  });
+  return {y, mean, rstd};
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * w;  dw = sum dy*xhat;  db = sum dy
+std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                       const at::Tensor& w, const at::Tensor& mean,
+                                       const at::Tensor& rstd) {
+  check_act(dy, "grad");
+  check_act(x, "x");
+  check_f32(w, "weight");
+  check_f32(mean, "mean");
+  check_f32(rstd, "rstd");
+  TORCH_CHECK(dy.scalar_type() == x.scalar_type() && dy.sizes() == x.sizes(),
+              "layer_norm_bwd: grad must match x");
+  const int64_t N = x.size(0), H = x.size(1);
+  auto dx = at::empty_like(x);
+  auto dw = at::empty({H}, w.options());
+  auto db = at::empty({H}, w.options());
+  const int nt = num_threads();
+  std::vector<float> pw(static_cast<size_t>(nt) * H, 0.f), pb(static_cast<size_t>(nt) * H, 0.f);
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* dyp = cptr<T>(dy);
+    const T* xp = cptr<T>(x);
+    T* dxp = ptr<T>(dx);
+    const float* wp = w.data_ptr<float>();
+    const float* mp = mean.data_ptr<float>();
+    const float* rp = rstd.data_ptr<float>();
+#pragma omp parallel
+    {
+      float* aw = pw.data() + static_cast<size_t>(thread_id()) * H;
+      float* ab = pb.data() + static_cast<size_t>(thread_id()) * H;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < N; ++r) {
+        const T* dyr = dyp + r * H;
+        const T* xr = xp + r * H;
+        T* dxr = dxp + r * H;
+        const float mu = mp[r], rs = rp[r];
+        float sg = 0.f, sgx = 0.f;
+#pragma omp simd reduction(+ : sg, sgx)
+        for (int64_t i = 0; i < H; ++i) {
+          const float g = ld(dyr[i]) * wp[i];
+          sg += g;
+          sgx += g * (ld(xr[i]) - mu) * rs;
+        }
+        const float mg = sg / static_cast<float>(H), mgx = sgx / static_cast<float>(H);
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i) {
+          const float d = ld(dyr[i]);
+          const float xh = (ld(xr[i]) - mu) * rs;
+          dxr[i] = st<T>((d * wp[i] - mg - xh * mgx) * rs);
+          aw[i] += d * xh;
+          ab[i] += d;
+        }
+      }
+    }
+  });
+  reduce_partials(pw, nt, H, dw.data_ptr<float>());
+  reduce_partials(pb, nt, H, db.data_ptr<float>());
+  return {dx, dw, db};
+}
+
+// ---------------------------------------------------------------- rotary
+// x: (B, S, NH, D) with D even; cos, sin: (S, D/2).  Halves convention (Llama, NeoX):
+//   out[:D/2] = x1 * cos - x2 * sin,  out[D/2:] = x2 * cos + x1 * sin.
+// The backward is the same rotation by -angle, so Python calls this with -sin.
+
+at::Tensor rotary_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_act(x, "x");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  TORCH_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "rotary_fwd: x must be (B, S, NH, D), D even");
+  const int64_t B = x.size(0), S = x.size(1), NH = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == S && cos.size(1) == half && sin.sizes() == cos.sizes(),
+              "rotary_fwd: cos and sin must be (S, D/2)");
+  auto out = at::empty_like(x);
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = cptr<T>(x);
+    T* op = ptr<T>(out);
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    const int64_t rows = B * S * NH;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t s = (r / NH) % S;
+      const T* x1 = xp + r * D;
+      const T* x2 = x1 + half;
+      T* o1 = op + r * D;
+      T* o2 = o1 + half;
+      const float* c = cp + s * half;
+      const float* si = sp + s * half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = ld(x1[i]), b = ld(x2[i]);
+        o1[i] = st<T>(a * c[i] - b * si[i]);
+        o2[i] = st<T>(b * c[i] + a * si[i]);
+      }
+    }
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- swiglu
+// y = silu(a) * b, elementwise; a, b: any shape, flattened.
+
+constexpr int64_t kChunk = 1 << 14;  // elements per OpenMP task: large enough to amortize
+
+at::Tensor swiglu_fwd(const at::Tensor& a, const at::Tensor& b) {
+  check_act(a, "a");
+  check_act(b, "b");
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
+              "swiglu_fwd: a and b must match in shape and dtype");
+  auto y = at::empty_like(a);
+  const int64_t n = a.numel();
+  dispatch(a, [&](auto tag) {
+    using T = decltype(tag);
+    const T* ap = cptr<T>(a);
+    const T* bp = cptr<T>(b);
+    T* yp = ptr<T>(y);
+#pragma omp parallel for schedule(static)
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t c1 = std::min(n, c0 + kChunk);
+#pragma omp simd
+      for (int64_t i = c0; i < c1; ++i) {
+        const float x = ld(ap[i]);
+        yp[i] = st<T>(x / (1.f + exp_f(-x)) * ld(bp[i]));
+      }
+    }
+  });
+  return y;
+}
+
+// da = dy * b * sig(a) * (1 + a * (1 - sig(a))),  db = dy * silu(a)
+std::vector<at::Tensor> swiglu_bwd(const at::Tensor& dy, const at::Tensor& a, const at::Tensor& b) {
+  check_act(dy, "grad");
+  check_act(a, "a");
+  check_act(b, "b");
+  TORCH_CHECK(a.sizes() == b.sizes() && dy.sizes() == a.sizes() &&
+                  a.scalar_type() == b.scalar_type() && dy.scalar_type() == a.scalar_type(),
+              "swiglu_bwd: grad, a and b must match in shape and dtype");
+  auto da = at::empty_like(a);
+  auto db = at::empty_like(b);
+  const int64_t n = a.numel();
+  dispatch(a, [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = cptr<T>(dy);
+    const T* ap = cptr<T>(a);
+    const T* bp = cptr<T>(b);
+    T* dap = ptr<T>(da);
+    T* dbp = ptr<T>(db);
+#pragma omp parallel for schedule(static)
+    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+      const int64_t c1 = std::min(n, c0 + kChunk);
+#pragma omp simd
+      for (int64_t i = c0; i < c1; ++i) {
+        const float x = ld(ap[i]), g = ld(gp[i]);
+        const float sg = 1.f / (1.f + exp_f(-x));
+        dap[i] = st<T>(g * ld(bp[i]) * sg * (1.f + x * (1.f - sg)));
+        dbp[i] = st<T>(g * x * sg);
+      }
+    }
+  });
+  return {da, db};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "meshlab fused ops, CPU kernels (float32 and bfloat16, float32 accumulation)";
+  m.def("rms_norm_fwd", &rms_norm_fwd);
+  m.def("rms_norm_bwd", &rms_norm_bwd);
+  m.def("layer_norm_fwd", &layer_norm_fwd);
+  m.def("layer_norm_bwd", &layer_norm_bwd);
+  m.def("rotary_fwd", &rotary_fwd);
+  m.def("swiglu_fwd", &swiglu_fwd);
+  m.def("swiglu_bwd", &swiglu_bwd);
+  m.def("num_threads", &num_threads);
+}

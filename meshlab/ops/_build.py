@@ -1,0 +1,263 @@
+"""Lazy, cached builds of meshlab's kernels, and the record of which path each op took.
+
+Nothing here runs at import. :func:`cpu_extension` compiles a C++ file from ``csrc/`` with
+``torch.utils.cpp_extension.load`` the first time an op asks for it, caches the module for
+the process (and the shared object on disk), and returns ``None`` with a reason instead of
+raising when there is no compiler or the build fails: an op then runs its pure-PyTorch
+reference. :func:`triton_kernels` does the same for the Triton kernels used on CUDA.
+
+Environment:
+
+* ``MESHLAB_OPS_NATIVE=0`` turns every native kernel off (the references run).
+* ``TORCH_EXTENSIONS_DIR`` moves the build folder; default ``~/.cache/meshlab/extensions``.
+
+>>> from meshlab.ops import _build
+>>> with _build.force_reference():
+...     _build.native_disabled_reason()
+'forced off by meshlab.ops._build.force_reference()'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import platform
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_CSRC = Path(__file__).resolve().parents[2] / "csrc"
+
+# One lock per extension: two threads asking for the same one must not run two compilers
+# into one folder, while different extensions may build side by side (one core each).
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_GUARD = threading.Lock()
+_MODULES: dict[str, object] = {}       # name -> loaded module
+_FAILED: dict[str, str] = {}           # name -> why it could not be built
+_BUILD_SECONDS: dict[str, float] = {}
+_FORCED_OFF = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PathTaken:
+    """Which implementation an op ran last on one device: ``native`` or ``fallback``."""
+
+    op: str
+    device: str
+    native: bool
+    reason: str
+
+
+# (op, device type) -> the last path that op took; read by ``meshlab check`` and the tests.
+LAST_PATH: dict[tuple[str, str], PathTaken] = {}
+
+
+def record(op: str, device: str, native: bool, reason: str = "") -> None:
+    LAST_PATH[(op, device)] = PathTaken(op, device, native, reason)
+
+
+@contextlib.contextmanager
+def force_reference():
+    """Run every op's pure-PyTorch reference inside this block, whatever is built."""
+    global _FORCED_OFF
+    _FORCED_OFF += 1
+    try:
+        yield
+    finally:
+        _FORCED_OFF -= 1
+
+
+def native_disabled_reason() -> str | None:
+    """Why native kernels are off by request, or ``None`` when they may be used."""
+    if _FORCED_OFF:
+        return "forced off by meshlab.ops._build.force_reference()"
+    if os.environ.get("MESHLAB_OPS_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "MESHLAB_OPS_NATIVE=0"
+    return None
+
+
+def _cpu_tag() -> str:
+    # -march=native code built on one CPU can fault on another; the folder name carries the
+    # CPU model so that a home directory shared between machines never mixes them.
+    model = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return hashlib.sha1(model.encode()).hexdigest()[:8]
+
+
+def build_dir(name: str) -> Path:
+    import torch
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    base = Path(root) if root else Path.home() / ".cache" / "meshlab" / "extensions"
+    tag = f"torch{torch.__version__.split('+')[0]}-{platform.machine()}-{_cpu_tag()}"
+    d = base / tag / name
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _compiler_missing() -> str | None:
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx!r} not on PATH)"
+    import torch.utils.cpp_extension as ce
+
+    try:
+        ce.verify_ninja_availability()
+    except RuntimeError:
+        return "ninja not found (pip install ninja)"
+    return None
+
+
+def _cflags() -> list[str]:
+    # -fno-math-errno: lets sqrt and exp vectorize (no kernel reads errno).
+    flags = ["-O3", "-fopenmp", "-fno-math-errno"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    return flags
+
+
+def cpu_extension(name: str, sources: tuple[str, ...]):
+    """Build (once) and return the C++ extension ``name`` from ``csrc/<sources>``, or ``None``.
+
+    ``None`` means the caller runs its reference; :func:`failure` says why.
+    """
+    if name in _MODULES:
+        return _MODULES[name]
+    if name in _FAILED:
+        return None
+    with _LOCKS_GUARD:
+        lock = _LOCKS.setdefault(name, threading.Lock())
+    with lock:
+        if name in _MODULES or name in _FAILED:
+            return _MODULES.get(name)
+        why = _compiler_missing()
+        missing = [s for s in sources if not (_CSRC / s).is_file()]
+        if missing:
+            why = f"sources not found: {', '.join(str(_CSRC / s) for s in missing)}"
+        if why is not None:
+            _FAILED[name] = why
+            return None
+        import torch.utils.cpp_extension as ce
+
+        t0 = time.perf_counter()
+        try:
+            mod = ce.load(name=name, sources=[str(_CSRC / s) for s in sources],
+                          extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+                          build_directory=str(build_dir(name)), verbose=False)
+        # A failed build surfaces as RuntimeError (compiler errors), OSError (loader) or
+        # subprocess.CalledProcessError; the reference keeps the op usable in every case.
+        except (RuntimeError, OSError, ImportError) as e:
+            first = str(e).strip().splitlines()
+            _FAILED[name] = f"build failed: {first[-1] if first else type(e).__name__}"
+            return None
+        _BUILD_SECONDS[name] = time.perf_counter() - t0
+        _MODULES[name] = mod
+        return mod
+
+
+def build_all() -> dict[str, bool]:
+    """Build every C++ extension at once, in parallel threads; name -> built."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .cpu_adam import cpu_adam_kernels
+
+    with ThreadPoolExecutor(2) as pool:
+        ops, adam = pool.submit(ops_cpu), pool.submit(cpu_adam_kernels)
+        return {"meshlab_ops_cpu": ops.result() is not None,
+                "meshlab_cpu_adam": adam.result() is not None}
+
+
+def failure(name: str) -> str | None:
+    return _FAILED.get(name)
+
+
+def build_seconds(name: str) -> float | None:
+    return _BUILD_SECONDS.get(name)
+
+
+def ops_cpu():
+    """The C++ CPU kernels of rms_norm, rotary, swiglu and layer_norm (one translation unit)."""
+    return cpu_extension("meshlab_ops_cpu", ("ops_cpu.cpp",))
+
+
+def cpu_kernels(op: str):
+    """The built CPU module for ``op``, or ``None``; records which path ``op`` takes."""
+    off = native_disabled_reason()
+    if off is not None:
+        record(op, "cpu", False, off)
+        return None
+    mod = ops_cpu()
+    if mod is None:
+        record(op, "cpu", False, failure("meshlab_ops_cpu") or "not built")
+        return None
+    record(op, "cpu", True, "C++ kernel (csrc/ops_cpu.cpp)")
+    return mod
+
+
+_TRITON: object | None = None
+_TRITON_WHY: str | None = None
+
+
+def triton_kernels(op: str):
+    """The Triton kernel module for CUDA tensors, or ``None``; records the path ``op`` takes."""
+    global _TRITON, _TRITON_WHY
+    off = native_disabled_reason()
+    if off is not None:
+        record(op, "cuda", False, off)
+        return None
+    if _TRITON is None and _TRITON_WHY is None:
+        try:
+            from . import _triton
+            _TRITON = _triton
+        except ImportError as e:
+            _TRITON_WHY = f"triton unavailable: {e}"
+    if _TRITON is None:
+        record(op, "cuda", False, _TRITON_WHY or "triton unavailable")
+        return None
+    record(op, "cuda", True, "Triton kernel (meshlab/ops/_triton.py)")
+    return _TRITON
+
+
+_KERNEL_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}
+
+
+def kernels(op: str, x):
+    """The kernel module that should run ``op`` on tensor ``x`` (C++ on CPU, Triton on CUDA).
+
+    Returns ``None`` when the reference must run instead, and records why: no kernel for the
+    device or dtype, kernels switched off, or the build failed. Both modules expose the same
+    function names (``rms_norm_fwd``, ``swiglu_bwd``, ...), so ops call either the same way.
+    """
+    dev = x.device.type
+    if dev not in _KERNEL_DTYPES:
+        record(op, dev, False, f"no kernel for device {dev!r}")
+        return None
+    dtype = str(x.dtype).removeprefix("torch.")
+    if dtype not in _KERNEL_DTYPES[dev]:
+        record(op, dev, False, f"no {dev} kernel for {dtype}")
+        return None
+    return cpu_kernels(op) if dev == "cpu" else triton_kernels(op)
+
+
+def upcast(t):
+    """``t`` in float32, or float64 if it already is: references compute at least in float32,
+    and in float64 when handed float64 (so tests can compare against a higher precision)."""
+    import torch
+
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def sharding_available() -> bool:
+    import torch
+
+    return torch.distributed.is_available()

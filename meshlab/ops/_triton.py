@@ -1,0 +1,231 @@
+"""Triton kernels of meshlab's fused ops, for CUDA tensors.
+
+Imported only when an op first sees a CUDA tensor (``_build.triton_kernels``), so a machine
+without Triton never loads this file. The functions mirror ``csrc/ops_cpu.cpp`` one for one
+(same names, same arguments: activations 2-D and contiguous, weights and statistics
+float32), so each op calls whichever module the device selects in the same way.
+
+Why Triton and not hand CUDA: these ops are memory-bound (a few flops per byte moved), so
+their speed is one read of each input and one write of each output, in wide coalesced
+loads; a Triton program over a row or a block gets that, fusion included, in a few lines,
+with no nvcc at install time. Reductions (a row's sum of squares) stay in registers;
+weight gradients are summed per program over a band of rows, then once over programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _row_block(h: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(h)
+    # Enough warps that each thread holds a few 16-byte vectors of the row, not dozens.
+    return block, min(16, max(4, block // 512))
+
+
+_SMS: dict[int, int] = {}
+
+
+def _bands(n: int, device) -> tuple[int, int]:
+    # Backward kernels: a few programs per multiprocessor, each over a band of rows, so the
+    # weight-gradient partials are (programs, H), small next to (n, H).
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    sms = _SMS[idx]
+    programs = max(1, min(n, 4 * sms))
+    return programs, triton.cdiv(n, programs)
+
+
+# ------------------------------------------------------------------ rms_norm
+
+@triton.jit
+def _rms_fwd(X, W, Y, RSTD, H, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    tl.store(Y + row * H + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_bwd(DY, X, W, RSTD, DX, DWP, N, H, rows_per, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.range(0, rows_per):
+        # The last band may run past N: its extra rows load zeros and store nothing.
+        r = pid.to(tl.int64) * rows_per + i
+        ok = r < N
+        m = mask & ok
+        x = tl.load(X + r * H + cols, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r * H + cols, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + r, mask=ok, other=0.0)
+        xh = x * rstd
+        g = dy * w
+        c = tl.sum(g * xh, axis=0) / H
+        tl.store(DX + r * H + cols, ((g - xh * c) * rstd).to(DX.dtype.element_ty), mask=m)
+        acc += dy * xh
+    tl.store(DWP + pid.to(tl.int64) * H + cols, acc, mask=mask)
+
+
+def rms_norm_fwd(x, w, eps):
+    n, h = x.shape
+    y = torch.empty_like(x)
+    rstd = torch.empty(n, device=x.device, dtype=torch.float32)
+    block, warps = _row_block(h)
+    _rms_fwd[(n,)](x, w, y, rstd, h, eps, BLOCK=block, num_warps=warps)
+    return y, rstd
+
+
+def rms_norm_bwd(dy, x, w, rstd):
+    n, h = x.shape
+    dx = torch.empty_like(x)
+    programs, rows_per = _bands(n, x.device)
+    part = torch.empty(programs, h, device=x.device, dtype=torch.float32)
+    block, warps = _row_block(h)
+    _rms_bwd[(programs,)](dy, x, w, rstd, dx, part, n, h, rows_per, BLOCK=block, num_warps=warps)
+    return dx, part.sum(0)
+
+
+# ------------------------------------------------------------------ layer_norm
+
+@triton.jit
+def _ln_fwd(X, W, B, Y, MEAN, RSTD, H, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / H
+    d = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / H + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    b = tl.load(B + cols, mask=mask, other=0.0)
+    tl.store(Y + row * H + cols, (d * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
+    tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, N, H, rows_per, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    aw = tl.zeros([BLOCK], dtype=tl.float32)
+    ab = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.range(0, rows_per):
+        r = pid.to(tl.int64) * rows_per + i
+        ok = r < N
+        m = mask & ok
+        x = tl.load(X + r * H + cols, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(DY + r * H + cols, mask=m, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + r, mask=ok, other=0.0)
+        rstd = tl.load(RSTD + r, mask=ok, other=0.0)
+        xh = tl.where(m, (x - mean) * rstd, 0.0)
+        g = dy * w
+        mg = tl.sum(g, axis=0) / H
+        mgx = tl.sum(g * xh, axis=0) / H
+        tl.store(DX + r * H + cols, ((g - mg - xh * mgx) * rstd).to(DX.dtype.element_ty), mask=m)
+        aw += dy * xh
+        ab += dy
+    tl.store(DWP + pid.to(tl.int64) * H + cols, aw, mask=mask)
+    tl.store(DBP + pid.to(tl.int64) * H + cols, ab, mask=mask)
+
+
+def layer_norm_fwd(x, w, b, eps):
+    n, h = x.shape
+    y = torch.empty_like(x)
+    mean = torch.empty(n, device=x.device, dtype=torch.float32)
+    rstd = torch.empty_like(mean)
+    block, warps = _row_block(h)
+    _ln_fwd[(n,)](x, w, b, y, mean, rstd, h, eps, BLOCK=block, num_warps=warps)
+    return y, mean, rstd
+
+
+def layer_norm_bwd(dy, x, w, mean, rstd):
+    n, h = x.shape
+    dx = torch.empty_like(x)
+    programs, rows_per = _bands(n, x.device)
+    pw = torch.empty(programs, h, device=x.device, dtype=torch.float32)
+    pb = torch.empty_like(pw)
+    block, warps = _row_block(h)
+    _ln_bwd[(programs,)](dy, x, w, mean, rstd, dx, pw, pb, n, h, rows_per, BLOCK=block,
+                         num_warps=warps)
+    return dx, pw.sum(0), pb.sum(0)
+
+
+# ------------------------------------------------------------------ rotary
+
+@triton.jit
+def _rotary(X, COS, SIN, O, S, NH, HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per token: all its heads share one row of cos/sin, loaded once.
+    tok = tl.program_id(0).to(tl.int64)
+    s = tok % S
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NH) & (d < HALF)
+    base = tok * NH * 2 * HALF + h * 2 * HALF + d
+    c = tl.load(COS + s * HALF + d, mask=d < HALF, other=0.0)
+    sn = tl.load(SIN + s * HALF + d, mask=d < HALF, other=0.0)
+    x1 = tl.load(X + base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + base + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(O + base, (x1 * c - x2 * sn).to(O.dtype.element_ty), mask=mask)
+    tl.store(O + base + HALF, (x2 * c + x1 * sn).to(O.dtype.element_ty), mask=mask)
+
+
+def rotary_fwd(x, cos, sin):
+    b, s, nh, d = x.shape
+    out = torch.empty_like(x)
+    half = d // 2
+    bh, bd = triton.next_power_of_2(nh), triton.next_power_of_2(half)
+    _rotary[(b * s,)](x, cos, sin, out, s, nh, half, BLOCK_H=bh, BLOCK_D=bd,
+                      num_warps=4 if bh * bd <= 2048 else 8)
+    return out
+
+
+# ------------------------------------------------------------------ swiglu
+
+_EW_BLOCK = 2048
+
+
+@triton.jit
+def _swiglu_fwd(A, B, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs, (a * tl.sigmoid(a) * b).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd(DY, A, B, DA, DB, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    sg = tl.sigmoid(a)
+    tl.store(DA + offs, (g * b * sg * (1.0 + a * (1.0 - sg))).to(DA.dtype.element_ty), mask=mask)
+    tl.store(DB + offs, (g * a * sg).to(DB.dtype.element_ty), mask=mask)
+
+
+def swiglu_fwd(a, b):
+    y = torch.empty_like(a)
+    n = a.numel()
+    _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](a, b, y, n, BLOCK=_EW_BLOCK, num_warps=8)
+    return y
+
+
+def swiglu_bwd(dy, a, b):
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    n = a.numel()
+    _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, n, BLOCK=_EW_BLOCK, num_warps=8)
+    return da, db
