@@ -151,6 +151,21 @@ def _check_same_everywhere(model: nn.Module) -> None:
                           "parallelize initialize it (seed=...)")
 
 
+def _to_device(model: nn.Module, device: torch.device) -> None:
+    """Move the plain parameters and buffers (initialized on the CPU, so that values equal
+    ``init_weights`` in one process) to the mesh's device; DTensors already live there."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for m in model.modules():
+            for k, p in m._parameters.items():
+                if p is not None and not isinstance(p, DTensor) and p.device != device:
+                    p.data = p.data.to(device)
+            for k, b in m._buffers.items():
+                if b is not None and not isinstance(b, DTensor) and b.device != device:
+                    m._buffers[k] = b.to(device)
+
+
 def _remat_forward(forward, policy: str):
     from torch.utils.checkpoint import checkpoint
 
@@ -265,6 +280,9 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
             for k, p in list(m._parameters.items()):
                 if p is not None and id(p) in swapped and swapped[id(p)][0] is p:
                     m._parameters[k] = swapped[id(p)][1]
+    if mesh.device_type != "cpu":
+        _to_device(model, torch.device(mesh.device_type, torch.cuda.current_device())
+                   if mesh.device_type == "cuda" else torch.device(mesh.device_type))
     if tp is not None:
         _tp.install_hooks(model, tp, tp_mesh, tp_group)
 
@@ -281,9 +299,10 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         prec = layout.precision
+        # FSDP2 reads reduce_dtype=None as "the compute dtype": name fp32 explicitly.
         mp = MixedPrecisionPolicy(
             param_dtype=getattr(torch, prec["param"]) if prec.get("param", "float32") != "float32" else None,
-            reduce_dtype=getattr(torch, prec["grad"]) if prec.get("grad", "float32") != "float32" else None,
+            reduce_dtype=getattr(torch, prec.get("grad", "float32")) if prec else None,
         )
         reshard = layout.zero_stage == 3
         # FSDP2 shards dim 0; a parameter already strided on dim 0 by TP (a packed q|k|v

@@ -35,7 +35,9 @@ def _init_process_group(device_type: str, needed: int, desc: str) -> None:
         return
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        # CUDA jobs also get gloo for CPU tensors (loss scalars, overflow flags, checkpoint
+        # agreement), so nothing has to be copied to the GPU just to be reduced.
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend=backend)

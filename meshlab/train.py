@@ -95,7 +95,8 @@ class MeshOptimizer:
             per = -(-total // dp)
             # The master slice is fp32 (fp64 for fp64 parameters).
             mdt = torch.float64 if dtype == torch.float64 else torch.float32
-            flat = torch.zeros(per * dp, dtype=mdt)
+            dev = _local(ps[0]).device
+            flat = torch.zeros(per * dp, dtype=mdt, device=dev)
             off = 0
             for p, n in zip(ps, numels):
                 flat[off:off + n] = _local(p).detach().reshape(-1).to(mdt)
@@ -109,7 +110,7 @@ class MeshOptimizer:
         r = dist.get_rank(self.rt.dp_group)
         with torch.no_grad():
             for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
-                flat = torch.zeros(per * self.rt.dp_size, dtype=shard.dtype)
+                flat = torch.zeros(per * self.rt.dp_size, dtype=shard.dtype, device=shard.device)
                 off = 0
                 for p, n in zip(ps, numels):
                     flat[off:off + n] = _local(p).detach().reshape(-1).to(shard.dtype)
@@ -117,7 +118,7 @@ class MeshOptimizer:
                 shard.copy_(flat[r * per:(r + 1) * per])
 
     def _flat_grads(self, ps, numels, per, dtype) -> torch.Tensor:
-        flat = torch.zeros(per * self.rt.dp_size, dtype=dtype)
+        flat = torch.zeros(per * self.rt.dp_size, dtype=dtype, device=_local(ps[0]).device)
         off = 0
         for p, n in zip(ps, numels):
             if p.grad is not None:
@@ -161,7 +162,7 @@ class MeshOptimizer:
         if self.zero1:
             for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
                 flat = self._flat_grads(ps, numels, per, shard.dtype)
-                out = torch.empty(per, dtype=shard.dtype)
+                out = torch.empty(per, dtype=shard.dtype, device=shard.device)
                 reduce_scatter_into(out, flat, rt.dp_group)
                 shard.grad = out.div_(rt.dp_size)
             return
@@ -194,13 +195,14 @@ class MeshOptimizer:
         sums: dict[tuple, torch.Tensor] = {}
         for g, groups in self._grad_items():
             key = tuple(id(x) for x in groups)
-            acc = sums.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
+            acc = sums.setdefault(key, [torch.zeros((), dtype=torch.float64, device=g.device),
+                                        groups])
             acc[0] += g.detach().double().pow(2).sum()
         total = torch.zeros((), dtype=torch.float64)
         for s, groups in sums.values():
             for grp in groups:
                 dist.all_reduce(s, group=grp)
-            total += s
+            total += s.cpu()
         if self.rt.pipeline is not None:       # each stage holds different parameters
             dist.all_reduce(total, group=self.rt.pipeline.group)
         return float(total.sqrt())
@@ -235,7 +237,7 @@ class MeshOptimizer:
         rt = self.rt
         with torch.no_grad():
             for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
-                full = torch.empty(per * rt.dp_size, dtype=shard.dtype)
+                full = torch.empty(per * rt.dp_size, dtype=shard.dtype, device=shard.device)
                 all_gather_into(full, shard.detach(), rt.dp_group)
                 off = 0
                 for p, n in zip(ps, numels):
@@ -360,7 +362,7 @@ def _pipeline_step(rt: Runtime, opt: MeshOptimizer, batch, loss_fn) -> float:
             sched.step()
     opt.step()
     opt.zero_grad()
-    t = torch.tensor([sum(float(l) for l in losses) / len(losses) if losses else 0.0],
+    t = torch.tensor([sum(float(l.detach()) for l in losses) / len(losses) if losses else 0.0],
                      dtype=torch.float64)
     dist.all_reduce(t, group=pp.group)      # only the last stage holds a loss
     if rt.dp_group is not None and rt.dp_size > 1:

@@ -106,7 +106,8 @@ def optimizer_state(opt, model: nn.Module | None = None
                     for p in ps:
                         tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = flat_local.clone()
                     continue
-                full = torch.empty(per * opt.rt.dp_size, dtype=flat_local.dtype)
+                full = torch.empty(per * opt.rt.dp_size, dtype=flat_local.dtype,
+                                   device=flat_local.device)
                 all_gather_into(full, flat_local.contiguous(), opt.rt.dp_group)
                 off = 0
                 for p, n in zip(ps, numels):
@@ -137,7 +138,8 @@ def load_optimizer_state(opt, tensors: dict[str, torch.Tensor], rest: dict[str, 
                 if flat_local.dim() == 0:
                     flat_local.copy_(tensors[f"{OPT_PREFIX}{names[id(ps[0])]}.{key}"])
                     continue
-                full = torch.zeros(per * opt.rt.dp_size, dtype=flat_local.dtype)
+                full = torch.zeros(per * opt.rt.dp_size, dtype=flat_local.dtype,
+                                   device=flat_local.device)
                 off = 0
                 for p, n in zip(ps, numels):
                     full[off:off + n] = _local(tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"]).reshape(-1)
