@@ -135,16 +135,16 @@ def _load_state(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Non
             t.copy_(v)
 
 
-def _check_same_everywhere(model: nn.Module) -> None:
+def _check_same_everywhere(model: nn.Module, group) -> None:
     """Parameters built outside meshlab must agree on every rank before sharding."""
     import torch.distributed as dist
 
     s = torch.zeros(1, dtype=torch.float64)
     for p in model.parameters():
-        s += p.detach().double().sum()
+        s += p.detach().double().sum().cpu()
     lo, hi = s.clone(), s.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     if not torch.equal(lo, hi):
         raise ConfigError("the model's parameters differ across ranks; seed every rank the same "
                           "before building it, or build it on the meta device and let "
@@ -216,6 +216,8 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         dp_mesh = dm[dp_axes[0]] if len(dp_axes) == 1 else dm[dp_axes]._flatten("_".join(dp_axes))
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
 
+    # gloo beside whatever the mesh runs on: CPU-side agreement (weights, checkpoints).
+    ctrl_group = dist.new_group(backend="gloo")
     tp = layout.tp
     tp_specs = {m.fqn: m for m in tp.modules} if tp else {}
     pp = _pipeline_setup(plan, mesh, layout)
@@ -258,7 +260,7 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
                 raise ConfigError(f"{name} was re-initialized after its block finished; "
                                   f"initialize this model with state_dict= instead")
     else:
-        _check_same_everywhere(model)
+        _check_same_everywhere(model, ctrl_group)
     if state_dict is not None:
         _load_state(model, state_dict)
     if pp is not None:
@@ -345,7 +347,7 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     model._meshlab = Runtime(plan=plan, mesh=mesh, layout=layout, tp_group=tp_group,
                              dp_group=dp_group, dp_mesh=dp_mesh, tp_mesh=tp_mesh,
                              dp_replicated=dp_replicated,
-                             ctrl_group=dist.new_group(backend="gloo"), pipeline=pp,
+                             ctrl_group=ctrl_group, pipeline=pp,
                              sp_group=sp_group, sp_reduce=sp_reduce)
     return model
 

@@ -14,6 +14,22 @@ from torch import nn
 from ._errors import ConfigError
 
 
+def _no_cache_kwargs() -> dict:
+    """transformers renamed create_causal_mask's cache argument (past_key_values -> cache)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    return {"cache": None} if "cache" in params else {"past_key_values": None}
+
+
+try:
+    _NO_CACHE = _no_cache_kwargs()
+except ImportError:  # pragma: no cover - transformers without masking_utils
+    _NO_CACHE = {}
+
+
 class DecoderStage(nn.Module):
     """Runs blocks ``layer_ids`` of ``model`` (plus the embeddings on the first stage and
     the final norm and head on the last)."""
@@ -44,7 +60,7 @@ class DecoderStage(nn.Module):
         h = self.embed(x) if self.first else x                   # (B, S, H)
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None,
-                                  cache=None, position_ids=pos)
+                                  position_ids=pos, **_NO_CACHE)
         pe = base.rotary_emb(h, pos)
         for i in self.layer_ids:
             out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos,

@@ -21,10 +21,10 @@ class LossScaler:
     clean_steps: int = 0
     skipped: int = 0
 
-    def found_inf(self, grads: list[torch.Tensor]) -> bool:
+    def found_inf(self, grads: list[torch.Tensor], device=None) -> bool:
         import torch.distributed as dist
 
-        flag = torch.zeros(1)
+        flag = torch.zeros(1, device=device)
         for g in grads:
             if not torch.isfinite(g).all():
                 flag.fill_(1.0)

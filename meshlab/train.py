@@ -25,6 +25,14 @@ from ._materialize import Runtime, runtime_of
 from ._scaler import LossScaler
 
 
+def _scalar_device(rt) -> torch.device:
+    """Where small reduced values live: on the GPU for CUDA meshes (an NCCL-only group
+    cannot reduce CPU tensors), else on the CPU."""
+    if rt.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _local(t):
     from torch.distributed.tensor import DTensor
 
@@ -44,6 +52,15 @@ def _shard_groups(t, rt: Runtime) -> tuple:
         if isinstance(pl, (Shard, _StridedShard)) and mesh.size(i) > 1:
             groups.append(mesh.get_group(i))
     return tuple(groups)
+
+
+def _params_of(cls) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 class MeshOptimizer:
@@ -75,6 +92,13 @@ class MeshOptimizer:
             self._build_zero1()
             self.inner = cls([s for s in self.shards], **kwargs)
         else:
+            from torch.distributed.tensor import DTensor
+
+            kinds = {isinstance(p, DTensor) for _, p in self.params}
+            if len(kinds) > 1 and "foreach" in _params_of(cls) and "foreach" not in kwargs:
+                # torch's multi-tensor kernels group by device and dtype, not by tensor
+                # type: DTensor and plain parameters in one list fail on CUDA.
+                kwargs["foreach"] = False
             self.inner = cls([p for _, p in self.params], **kwargs)
         self.last_grad_norm: float | None = None
         self._synced = False
@@ -198,11 +222,11 @@ class MeshOptimizer:
             acc = sums.setdefault(key, [torch.zeros((), dtype=torch.float64, device=g.device),
                                         groups])
             acc[0] += g.detach().double().pow(2).sum()
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=_scalar_device(self.rt))
         for s, groups in sums.values():
             for grp in groups:
                 dist.all_reduce(s, group=grp)
-            total += s.cpu()
+            total += s.to(total.device)
         if self.rt.pipeline is not None:       # each stage holds different parameters
             dist.all_reduce(total, group=self.rt.pipeline.group)
         return float(total.sqrt())
@@ -215,7 +239,7 @@ class MeshOptimizer:
             inv = 1.0 / self.scaler.scale
             for g, _ in items:
                 g.mul_(inv)
-            overflow = self.scaler.found_inf([g for g, _ in items])
+            overflow = self.scaler.found_inf([g for g, _ in items], _scalar_device(self.rt))
             self.scaler.update(overflow)
             if overflow:
                 self.zero_grad()
@@ -340,7 +364,7 @@ def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None =
     opt.step()
     opt.zero_grad()
     if rt.dp_group is not None and rt.dp_size > 1:
-        t = torch.tensor([total], dtype=torch.float64)
+        t = torch.tensor([total], dtype=torch.float64, device=_scalar_device(rt))
         dist.all_reduce(t, group=rt.dp_group)
         total = float(t) / rt.dp_size
     return total
@@ -363,7 +387,7 @@ def _pipeline_step(rt: Runtime, opt: MeshOptimizer, batch, loss_fn) -> float:
     opt.step()
     opt.zero_grad()
     t = torch.tensor([sum(float(l.detach()) for l in losses) / len(losses) if losses else 0.0],
-                     dtype=torch.float64)
+                     dtype=torch.float64, device=_scalar_device(rt))
     dist.all_reduce(t, group=pp.group)      # only the last stage holds a loss
     if rt.dp_group is not None and rt.dp_size > 1:
         dist.all_reduce(t, group=rt.dp_group)
