@@ -217,7 +217,9 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     dp_group = dp_mesh.get_group() if dp_mesh is not None else None
 
     # gloo beside whatever the mesh runs on: CPU-side agreement (weights, checkpoints).
-    ctrl_group = dist.new_group(backend="gloo")
+    # (torch's fake backend, for dry runs of large meshes, has no gloo to pair with.)
+    fake_pg = dist.get_backend() == "fake"
+    ctrl_group = dist.new_group() if fake_pg else dist.new_group(backend="gloo")
     tp = layout.tp
     tp_specs = {m.fqn: m for m in tp.modules} if tp else {}
     pp = _pipeline_setup(plan, mesh, layout)
