@@ -54,6 +54,23 @@ def _shard_groups(t, rt: Runtime) -> tuple:
     return tuple(groups)
 
 
+def _flat_all_reduce(grads: list[torch.Tensor], group, divide: int = 1) -> None:
+    """Sum ``grads`` over ``group`` in place (then divide): one flat all-reduce per dtype
+    and device, so a step pays one collective latency per bucket, not per tensor."""
+    buckets: dict = {}
+    for g in grads:
+        buckets.setdefault((g.dtype, g.device), []).append(g)
+    for same in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=group)
+        if divide != 1:
+            flat.div_(divide)
+        off = 0
+        for g in same:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+
 def _params_of(cls) -> set[str]:
     import inspect
 
@@ -157,31 +174,20 @@ class MeshOptimizer:
             return
         self._synced = True
         rt = self.rt
-        if rt.tp_group is not None and self.tp_reduce:
-            grads = [_local(p.grad) for p in self.tp_reduce if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=rt.tp_group)
-                off = 0
-                for g in grads:
-                    g.copy_(flat[off:off + g.numel()].view_as(g))
-                    off += g.numel()
-        if rt.sp_group is not None and rt.sp_reduce:
+        if rt.tp_group is not None and self.tp_reduce:   # replicated, saw partial data
+            _flat_all_reduce([_local(p.grad) for p in self.tp_reduce if p.grad is not None],
+                             rt.tp_group)
+        if rt.sp_group is not None and rt.sp_reduce:     # blocks saw a slice of the sequence
             names = set(rt.sp_reduce)
-            grads = [_local(p.grad) for n, p in self.params if n in names and p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=rt.sp_group)
-            off = 0
-            for g in grads:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
+            _flat_all_reduce([_local(p.grad) for n, p in self.params
+                              if n in names and p.grad is not None], rt.sp_group)
         if rt.dp_group is None or rt.dp_size == 1:
             return
         if rt.layout.zero_stage >= 2:
             # FSDP2 reduce-scattered (and averaged) the gradients, except those it ignored.
             names = set(rt.dp_replicated)
-            self._all_reduce_mean([_local(p.grad) for n, p in self.params
-                                   if n in names and p.grad is not None])
+            _flat_all_reduce([_local(p.grad) for n, p in self.params
+                              if n in names and p.grad is not None], rt.dp_group, rt.dp_size)
             return
         if self.zero1:
             for (ps, numels, per, _), shard in zip(self.buckets, self.shards):
@@ -190,21 +196,8 @@ class MeshOptimizer:
                 reduce_scatter_into(out, flat, rt.dp_group)
                 shard.grad = out.div_(rt.dp_size)
             return
-        self._all_reduce_mean([_local(p.grad) for _, p in self.params if p.grad is not None])
-
-    def _all_reduce_mean(self, grads: list[torch.Tensor]) -> None:
-        """Average ``grads`` over the data-parallel group: one flat all-reduce per dtype."""
-        by_dtype: dict = {}
-        for g in grads:
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for same in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=self.rt.dp_group)
-            flat.div_(self.rt.dp_size)
-            off = 0
-            for g in same:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
+        _flat_all_reduce([_local(p.grad) for _, p in self.params if p.grad is not None],
+                         rt.dp_group, rt.dp_size)
 
     def _grad_items(self) -> list[tuple[torch.Tensor, tuple]]:
         """(local gradient, groups it is sharded over) for the norm and overflow checks."""
