@@ -80,3 +80,34 @@ def full(t):
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def reference(family: str, data, lr: float = 1e-3, seed: int = 0, **overrides):
+    """The single-process model trained with AdamW on the global batches ``data``:
+    returns (model, the loss of every step, the gradients of the first step)."""
+    import meshlab as ml
+
+    ref = ml.init_weights(build(family, **overrides), seed=seed)
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr)
+    losses, grads = [], None
+    for i, b in enumerate(data):
+        loss = loss_fn(family)(ref(input_ids=b), {"input_ids": b, "labels": b})
+        loss.backward()
+        if i == 0:
+            grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return ref, losses, grads
+
+
+def assert_weights_match(model, ref, atol: float = 1e-4, rtol: float = 1e-3) -> dict:
+    """Every parameter this rank holds equals the reference's (gathered); returns them."""
+    refp = dict(ref.named_parameters())
+    out = {}
+    for n, p in model.named_parameters():
+        w = full(p).detach()
+        torch.testing.assert_close(w, refp[n].detach(), atol=atol, rtol=rtol,
+                                   msg=lambda m, n=n: f"weight {n}: {m}")
+        out[n] = w
+    return out

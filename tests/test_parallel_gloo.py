@@ -51,18 +51,7 @@ def parity_case(rank, world, family, spec_name, steps=3, lr=1e-3, dtype="float32
         loss_fn = M.loss_fn(family)
         data = M.batches(steps)
         # single-process reference on the global batch
-        ref = ml.init_weights(M.build(family), seed=0)
-        ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
-        ref_losses, ref_grads = [], None
-        for i, b in enumerate(data):
-            loss = loss_fn(ref(input_ids=b), {"input_ids": b, "labels": b})
-            loss.backward()
-            if i == 0:
-                ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
-            ropt.step()
-            ropt.zero_grad()
-            ref_losses.append(loss.item())
-
+        ref, ref_losses, ref_grads = M.reference(family, data, lr)
         mesh = M.mesh_for(spec_name, world)
         model = ml.parallelize(M.build(family), M.spec(spec_name), mesh, seed=0)
         opt = ml.optimizer(model, torch.optim.AdamW, lr=lr)

@@ -20,15 +20,7 @@ def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=
     import meshlab as ml
 
     data = M.batches(steps, batch=8)
-    ref = ml.init_weights(M.build(family, **LAYERS), seed=0)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    ref_losses = []
-    for b in data:
-        loss = M.loss_fn(family)(ref(input_ids=b), {"input_ids": b})
-        loss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        ref_losses.append(loss.item())
+    ref, ref_losses, _ = M.reference(family, data, lr, **LAYERS)
     mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
     spec = ml.pipeline("pp", schedule=schedule, microbatches=microbatches)
     if extra == "zero1":
@@ -42,14 +34,8 @@ def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=
     losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[dp_rank]}) for b in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                atol=1e-5, rtol=1e-3)
-    refp = dict(ref.named_parameters())
-    owned = {}
-    for n, p in model.named_parameters():
-        w = M.full(p).detach()
-        torch.testing.assert_close(w, refp[n].detach(), atol=1e-4, rtol=1e-3,
-                                   msg=lambda m, n=n: f"weight {n}: {m}")
-        owned[n] = w
-    return losses, sorted(owned), len(refp)
+    owned = M.assert_weights_match(model, ref)
+    return losses, sorted(owned), len(dict(ref.named_parameters()))
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,7 @@ def seq_case(rank, world, family, mode, mesh_text, steps=3, lr=1e-3):
     import meshlab as ml
 
     data = M.batches(steps, batch=4, seq=8)
-    loss_fn = M.loss_fn(family)
-    ref = ml.init_weights(M.build(family), seed=0)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=lr)
-    ref_losses = []
-    for b in data:
-        loss = loss_fn(ref(input_ids=b), {"input_ids": b})
-        loss.backward()
-        ropt.step()
-        ropt.zero_grad()
-        ref_losses.append(loss.item())
+    ref, ref_losses, _ = M.reference(family, data, lr)
     mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
     if mode == "split_gather":
         spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.sequence("tp", "split_gather")
@@ -40,10 +31,7 @@ def seq_case(rank, world, family, mode, mesh_text, steps=3, lr=1e-3):
     dp_rank = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
     losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[dp_rank]}) for b in data]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-3)
-    refp = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(M.full(p).detach(), refp[n].detach(), atol=1e-4, rtol=1e-3,
-                                   msg=lambda m, n=n: f"weight {n}: {m}")
+    M.assert_weights_match(model, ref)
     return losses
 
 
