@@ -13,6 +13,7 @@ Mesh(pp_dp=128, tp=8, fake=True)
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 from typing import Iterator, Mapping
@@ -34,6 +35,9 @@ def _init_process_group(device_type: str, needed: int, desc: str) -> None:
     if dist.is_initialized():
         return
     env = os.environ
+    # A group meshlab starts, meshlab also ends: leaving it to interpreter teardown can
+    # abort the process ("terminate called without an active exception") once work is done.
+    atexit.register(_shutdown)
     if "RANK" in env and "WORLD_SIZE" in env:
         # CUDA jobs also get gloo for CPU tensors (loss scalars, overflow flags, checkpoint
         # agreement), so nothing has to be copied to the GPU just to be reduced.
@@ -52,6 +56,22 @@ def _init_process_group(device_type: str, needed: int, desc: str) -> None:
         f"`meshlab run --nproc-per-node {needed} script.py` (or torchrun), or pass "
         f"fake=True to plan without processes."
     )
+
+
+def _shutdown() -> None:
+    """End the group meshlab started: wait (bounded) until every rank is done, so no rank
+    closes its connections while a peer still uses them, then destroy it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    except RuntimeError:
+        pass  # a rank already failed or left: nothing to wait for
+    dist.destroy_process_group()
 
 
 class Mesh:
