@@ -15,17 +15,9 @@ import pytest
 import torch
 
 from . import _models as M
-from ._world import World
 
 pytestmark = pytest.mark.timeout(600)
 B, S = 4, 8
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World(4)
-    yield w
-    w.close()
 
 
 def _run_step(model, opt, rank_batch, family="llama"):
@@ -58,8 +50,8 @@ def comm_case(rank, world, spec_name):
 
 
 @pytest.mark.parametrize("spec_name", ["dp", "zero1", "zero2", "zero3", "tp", "tp_sp"])
-def test_collectives_match_the_plan(world, spec_name):
-    out = world.run(comm_case, spec_name=spec_name)
+def test_collectives_match_the_plan(world4, spec_name):
+    out = world4.run(comm_case, spec_name=spec_name)
     assert all(o[k][0] == out[0][k][0] for o in out for k in o)   # same counts everywhere
     psi = None
     if spec_name in ("dp", "zero1", "zero2", "zero3"):
@@ -122,8 +114,8 @@ def memory_case(rank, world, spec_name):
 
 
 @pytest.mark.parametrize("spec_name", ["dp", "zero1", "zero2", "zero3", "tp", "tp_zero3"])
-def test_memory_matches_the_plan(world, spec_name):
-    out = world.run(memory_case, spec_name=spec_name)
+def test_memory_matches_the_plan(world4, spec_name):
+    out = world4.run(memory_case, spec_name=spec_name)
     measured, est = out[0]
     assert measured > 0 and est > 0
 
@@ -160,8 +152,8 @@ def overflow_case(rank, world, spec_name):
 
 
 @pytest.mark.parametrize("spec_name", ["dp", "zero1", "tp"])
-def test_fp16_overflow_on_one_rank_skips_everywhere(world, spec_name):
-    states = world.run(overflow_case, spec_name=spec_name)
+def test_fp16_overflow_on_one_rank_skips_everywhere(world4, spec_name):
+    states = world4.run(overflow_case, spec_name=spec_name)
     assert all(s == states[0] for s in states)
 
 
@@ -204,8 +196,8 @@ def bad_input_case(rank, world, what):
     ("glob_matches_nothing", "PolicyError", ["upp_proj", "matches no module"]),
     ("unused_axis", "ConfigError", ["'tp'", "used by no transform"]),
 ])
-def test_bad_input_fails_everywhere_before_any_collective(world, what, etype, words):
-    errs = world.run(bad_input_case, what=what, timeout=120)
+def test_bad_input_fails_everywhere_before_any_collective(world4, what, etype, words):
+    errs = world4.run(bad_input_case, what=what, timeout=120)
     assert all(e == errs[0] for e in errs)
     name, msg = errs[0]
     assert name == etype, errs[0]

@@ -6,16 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ._world import World
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World(4)
-    yield w
-    w.close()
 
 
 def _mesh():
@@ -173,37 +165,37 @@ def case_flatten(rank, world):
     return True
 
 
-def test_distribute_and_visualize(world):
-    blocks = world.run(case_distribute_blocks)
+def test_distribute_and_visualize(world4):
+    blocks = world4.run(case_distribute_blocks)
     assert all(b == blocks[0] for b in blocks)  # every rank agrees on who holds what
 
 
-def test_uneven_is_chunk_semantics(world):
-    assert world.run(case_uneven) == [2, 2, 2, 1]
+def test_uneven_is_chunk_semantics(world4):
+    assert world4.run(case_uneven) == [2, 2, 2, 1]
 
 
-def test_logical_rules(world):
-    world.run(case_logical_rules)
+def test_logical_rules(world4):
+    world4.run(case_logical_rules)
 
 
-def test_constrain_gradients_match_single_process(world):
-    losses = world.run(case_constrain_grads)
+def test_constrain_gradients_match_single_process(world4):
+    losses = world4.run(case_constrain_grads)
     assert len(set(losses)) == 1
 
 
-def test_partial_activation(world):
-    world.run(case_partial_activation)
+def test_partial_activation(world4):
+    world4.run(case_partial_activation)
 
 
-def test_shard_map(world):
-    world.run(case_shard_map)
+def test_shard_map(world4):
+    world4.run(case_shard_map)
 
 
-def test_errors_are_typed_and_identical_on_every_rank(world):
-    errs = world.run(case_errors_before_collectives)
+def test_errors_are_typed_and_identical_on_every_rank(world4):
+    errs = world4.run(case_errors_before_collectives)
     assert all(e == errs[0] for e in errs)
     assert "'xx'" in errs[0][0] and "mesh order" in errs[0][1] and "3 entries" in errs[0][2]
 
 
-def test_flatten_and_submesh(world):
-    world.run(case_flatten)
+def test_flatten_and_submesh(world4):
+    world4.run(case_flatten)

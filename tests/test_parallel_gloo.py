@@ -18,26 +18,11 @@ import pytest
 import torch
 
 from . import _models as M
-from ._world import World
 
 pytestmark = pytest.mark.timeout(900)
 
 FAMILIES = ("llama", "mistral", "qwen2", "gpt2", "bert")
 SPECS = ("dp", "zero1", "zero2", "zero3", "tp", "tp_sp", "tp_zero3")
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
 
 
 def parity_case(rank, world, family, spec_name, steps=3, lr=1e-3, dtype="float32",

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from . import _models as M
-from ._world import World
 
 pytestmark = pytest.mark.timeout(900)
 LAYERS = dict(num_hidden_layers=4)
@@ -36,20 +35,6 @@ def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=
                                atol=1e-5, rtol=1e-3)
     owned = M.assert_weights_match(model, ref)
     return losses, sorted(owned), len(dict(ref.named_parameters()))
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"])

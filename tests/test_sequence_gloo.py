@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from . import _models as M
-from ._world import World
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,13 +32,6 @@ def seq_case(rank, world, family, mode, mesh_text, steps=3, lr=1e-3):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5, rtol=1e-3)
     M.assert_weights_match(model, ref)
     return losses
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

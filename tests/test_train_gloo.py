@@ -7,17 +7,9 @@ import pytest
 import torch
 
 from . import _models as M
-from ._world import World
 from .test_parallel_gloo import parity_case
 
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World(4)
-    yield w
-    w.close()
 
 
 def state_dict_case(rank, world):
@@ -37,8 +29,8 @@ def state_dict_case(rank, world):
     raise AssertionError("a state_dict with missing keys was accepted")
 
 
-def test_state_dict_init(world):
-    msgs = world.run(state_dict_case)
+def test_state_dict_init(world4):
+    msgs = world4.run(state_dict_case)
     assert "missing" in msgs[0] and "norm" in msgs[0]
 
 
@@ -55,8 +47,8 @@ def remat_case(rank, world, policy, spec_name):
 
 @pytest.mark.parametrize("policy,spec_name", [("full", "tp"), ("selective", "tp_sp"),
                                               ("full", "zero3")])
-def test_remat_keeps_the_numbers(world, policy, spec_name):
-    world.run(remat_case, policy=policy, spec_name=spec_name)
+def test_remat_keeps_the_numbers(world4, policy, spec_name):
+    world4.run(remat_case, policy=policy, spec_name=spec_name)
 
 
 def accum_clip_case(rank, world, spec_name, microbatches, clip):
@@ -92,8 +84,8 @@ def accum_clip_case(rank, world, spec_name, microbatches, clip):
 
 
 @pytest.mark.parametrize("spec_name", ["tp", "zero1", "zero3", "tp_zero3"])
-def test_accumulation_and_global_norm_clipping(world, spec_name):
-    norms = world.run(accum_clip_case, spec_name=spec_name, microbatches=2, clip=0.5)
+def test_accumulation_and_global_norm_clipping(world4, spec_name):
+    norms = world4.run(accum_clip_case, spec_name=spec_name, microbatches=2, clip=0.5)
     assert all(n == norms[0] for n in norms)
     assert norms[0][0] > 0.5     # the clip is active, so it is tested
 
@@ -128,8 +120,8 @@ def bf16_case(rank, world, spec_name):
 
 
 @pytest.mark.parametrize("spec_name", ["dp", "tp", "zero3"])
-def test_bf16(world, spec_name):
-    world.run(bf16_case, spec_name=spec_name)
+def test_bf16(world4, spec_name):
+    world4.run(bf16_case, spec_name=spec_name)
 
 
 def dataloader_case(rank, world):
@@ -149,8 +141,8 @@ def dataloader_case(rank, world):
     return seen
 
 
-def test_dataloader_shards_over_dp_only(world):
-    seen = world.run(dataloader_case)
+def test_dataloader_shards_over_dp_only(world4):
+    seen = world4.run(dataloader_case)
     coords = [(r // 2, r % 2) for r in range(4)]      # (dp, tp) of each rank
     by_dp = {}
     for (dp, _tp), s in zip(coords, seen):
