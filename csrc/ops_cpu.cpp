@@ -1,6 +1,7 @@
 // CPU kernels of meshlab's fused ops: rms_norm, rotary, swiglu, layer_norm (forward and
-// backward). One translation unit on purpose: building torch/extension.h dominates the
-// compile time, so four files would cost four times as long.
+// backward), and the softmax cross-entropy gradient of linear_cross_entropy. One
+// translation unit on purpose: building torch/extension.h dominates the compile time, so
+// five files would cost five times as long.
 //
 // Conventions, shared by every kernel here:
 //  * tensors arrive contiguous, already flattened by the Python side to rows of the last dim;
@@ -412,6 +413,51 @@ std::vector<at::Tensor> swiglu_bwd(const at::Tensor& dy, const at::Tensor& a, co
   return {da, db};
 }
 
+// ---------------------------------------------------------------- cross-entropy gradient
+// For each row of logits (c, V): lse = log(sum(exp(z))), loss = lse - z[target], and the
+// row is overwritten by d loss / d z = softmax(z) - onehot(target). Rows whose target is
+// ignore_index get loss 0 and gradient 0. Two reads and one write of the logits, in place.
+at::Tensor ce_grad_inplace(at::Tensor logits, const at::Tensor& target, int64_t ignore_index) {
+  check_act(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "logits must be 2-D (tokens, vocab)");
+  TORCH_CHECK(target.device().is_cpu() && target.is_contiguous() &&
+                  target.scalar_type() == at::kLong && target.numel() == logits.size(0),
+              "target must be a contiguous int64 CPU tensor with one entry per row");
+  const int64_t n = logits.size(0), V = logits.size(1);
+  auto loss = at::zeros({n}, logits.options().dtype(at::kFloat));
+  float* lp = loss.data_ptr<float>();
+  const int64_t* tp = target.data_ptr<int64_t>();
+  // Checked before the parallel loop: an exception must not leave an OpenMP region.
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK(tp[r] == ignore_index || (tp[r] >= 0 && tp[r] < V), "target ", tp[r],
+                " out of range for a vocabulary of ", V, " (ignore_index is ", ignore_index, ")");
+  dispatch(logits, [&](auto tag) {
+    using T = decltype(tag);
+    T* zp = ptr<T>(logits);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      T* z = zp + r * V;
+      const int64_t t = tp[r];
+      if (t == ignore_index) {
+        for (int64_t j = 0; j < V; ++j) z[j] = st<T>(0.f);
+        continue;
+      }
+      float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+      for (int64_t j = 0; j < V; ++j) m = std::fmax(m, ld(z[j]));
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < V; ++j) sum += exp_f(ld(z[j]) - m);
+      const float lse = m + std::log(sum);
+      lp[r] = lse - ld(z[t]);
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) z[j] = st<T>(exp_f(ld(z[j]) - lse));
+      z[t] = st<T>(ld(z[t]) - 1.f);
+    }
+  });
+  return loss;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -423,5 +469,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_fwd", &rotary_fwd);
   m.def("swiglu_fwd", &swiglu_fwd);
   m.def("swiglu_bwd", &swiglu_bwd);
+  m.def("ce_grad_inplace", &ce_grad_inplace);
   m.def("num_threads", &num_threads);
 }

@@ -15,8 +15,8 @@ import torch
 from meshlab import _check
 from meshlab.ops import OPS, _build
 
-# Ops with their own kernels; linear_cross_entropy is chunked matmuls on every device.
-KERNEL_OPS = ("layer_norm", "rms_norm", "rotary", "swiglu")
+# Ops with their own kernels (linear_cross_entropy's is its softmax step between matmuls).
+KERNEL_OPS = ("layer_norm", "linear_cross_entropy", "rms_norm", "rotary", "swiglu")
 NATIVE = shutil.which(os.environ.get("CXX", "c++")) is not None and \
     os.environ.get("MESHLAB_OPS_NATIVE", "1") != "0"
 
@@ -91,6 +91,30 @@ def test_kernels_reject_what_they_do_not_handle():
     torch.testing.assert_close(y, OPS["rms_norm"][1](x, torch.ones(8)))
     with pytest.raises(ValueError, match=r"\(S, D/2\)"):
         OPS["rotary"][0](torch.randn(1, 4, 2, 8), torch.randn(4, 8), torch.randn(4, 8))
+
+
+def test_linear_cross_entropy_edges():
+    from meshlab.ops.linear_cross_entropy import default_chunk, linear_cross_entropy
+
+    assert default_chunk(128256) == 4096 and default_chunk(32000) == 16384
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(2, 9, 16, generator=g), torch.randn(50, 16, generator=g)
+    t = torch.randint(0, 50, (2, 9), generator=g)
+    t[0, :4] = -100
+    want = OPS["linear_cross_entropy"][1](h.reshape(-1, 16), w, t.reshape(-1))
+    for chunk in (1, 5, 18, 1000):              # chunks that split, end short, or exceed N
+        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk=chunk), want)
+    # Every token ignored: NaN, as F.cross_entropy gives.
+    assert linear_cross_entropy(h, w, torch.full_like(t, -100)).isnan()
+    with pytest.raises(TypeError, match="cast one"):
+        linear_cross_entropy(h, w.double(), t)
+    with pytest.raises(ValueError, match=r"weight must be \(vocab, 16\)"):
+        linear_cross_entropy(h, w[:, :8], t)
+    with pytest.raises(ValueError, match="leading dims"):
+        linear_cross_entropy(h, w, t[:, :3])
+    if NATIVE:
+        with pytest.raises(RuntimeError, match="out of range"):
+            linear_cross_entropy(h, w, t.masked_fill(t == t[1, 0], 50))
 
 
 def test_non_contiguous_inputs():

@@ -229,3 +229,50 @@ def swiglu_bwd(dy, a, b):
     n = a.numel()
     _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, n, BLOCK=_EW_BLOCK, num_warps=8)
     return da, db
+
+
+# ------------------------------------------------------------------ cross-entropy gradient
+
+_CE_BLOCK = 4096
+
+
+@triton.jit
+def _ce_grad(Z, T, LOSS, V, ignore_index, BLOCK: tl.constexpr):
+    # One program per row of logits: an online max and sum of exponentials in one pass,
+    # then the row is overwritten by softmax - onehot(target), times 0 on an ignored row.
+    # The row is read twice and written once; nothing of size V is kept beside it.
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(T + row)
+    keep = tl.where(t == ignore_index, 0.0, 1.0)
+    base = Z + row * V
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.range(0, V, BLOCK):
+        z = tl.load(base + s + cols, mask=s + cols < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, z)
+        # Lanes that have seen only -inf keep 0 (exp(-inf - -inf) would be NaN).
+        acc = tl.where(m_new == float("-inf"), 0.0, acc * tl.exp(m - m_new) + tl.exp(z - m_new))
+        m = m_new
+    mx = tl.max(m, axis=0)
+    lse = mx + tl.log(tl.sum(tl.where(m == float("-inf"), 0.0, acc * tl.exp(m - mx)), axis=0))
+    # An out-of-range target gives a NaN loss rather than a read past the row (a check on
+    # the host would cost a device synchronization per call).
+    ok = (t >= 0) & (t < V)
+    zt = tl.load(base + tl.where(ok, t, 0)).to(tl.float32)
+    zt = tl.where(ok, zt, float("nan"))
+    tl.store(LOSS + row, tl.where(t == ignore_index, 0.0, lse - zt))
+    for s in tl.range(0, V, BLOCK):
+        c = s + cols
+        z = tl.load(base + c, mask=c < V, other=0.0).to(tl.float32)
+        g = (tl.exp(z - lse) - tl.where(c == t, 1.0, 0.0)) * keep
+        tl.store(base + c, g.to(Z.dtype.element_ty), mask=c < V)
+
+
+def ce_grad_inplace(logits, target, ignore_index):
+    n, v = logits.shape
+    loss = torch.empty(n, device=logits.device, dtype=torch.float32)
+    if n:
+        _ce_grad[(n,)](logits, target, loss, v, ignore_index, BLOCK=min(_CE_BLOCK,
+                       triton.next_power_of_2(v)), num_warps=8)
+    return loss

@@ -3,17 +3,19 @@
 ``loss = cross_entropy(hidden @ weight.T, target)`` for ``hidden`` (N, H), ``weight``
 (V, H), ``target`` (N,). Unfused, the (N, V) logits (and their gradient, and a float32
 copy) dominate a language model's peak memory: 8192 tokens of a 128k vocabulary are 2 GB
-in bfloat16 per copy. Here the forward walks ``chunk`` tokens at a time: logits for the
-chunk, their log-sum-exp, the loss, and at once the gradients for ``hidden`` and ``weight``
-(softmax minus one-hot, two matrix products), so only (chunk, V) is ever alive. The
-backward then only scales the stored gradients by the incoming one.
+in bfloat16 per copy. Here the forward walks ``chunk`` tokens at a time: the chunk's
+logits (one matrix product), then one kernel that reads them twice and overwrites them in
+place with ``softmax - onehot`` while returning each row's loss (C++ on the CPU, Triton on
+CUDA), then the gradients for ``hidden`` and ``weight`` (two more products). Only one
+(chunk, V) buffer is ever alive, and the three products are the ones an unfused forward
+and backward run anyway. The backward then only scales the stored gradients.
 
 Registered as ``meshlab::linear_cross_entropy``, which returns sums (loss, number of
 counted tokens, and the gradients of the summed loss); :func:`linear_cross_entropy`
 divides. Sums make the DTensor rule exact: with ``hidden`` and ``target`` sharded on
 tokens and ``weight`` replicated, every sum is a partial sum across the mesh, and the
-mean is taken after they are reduced. Matrix products dominate, so there is no hand
-kernel: the chunk loop runs PyTorch's (cuBLAS, or the CPU BLAS) on every device.
+mean is taken after they are reduced. The products are PyTorch's (cuBLAS, or the CPU
+BLAS); only the softmax step is meshlab's kernel.
 
 >>> import torch
 >>> from meshlab.ops.linear_cross_entropy import linear_cross_entropy
@@ -38,6 +40,20 @@ def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, target: Tenso
     return F.cross_entropy(logits, target, ignore_index=ignore_index)
 
 
+def _ce_grad_torch(logits: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """The kernels' contract in PyTorch: per-row loss, and ``logits`` overwritten in place by
+    ``softmax - onehot(target)`` (zero on ignored rows)."""
+    z = logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    valid = target != ignore_index
+    tc = torch.where(valid, target, 0)
+    loss = torch.where(valid, lse - z.gather(1, tc[:, None])[:, 0], 0.0)
+    p = z.sub_(lse[:, None]).exp_()              # z is logits itself when they are float32
+    p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
+    logits.copy_(p.mul_(valid[:, None]))
+    return loss
+
+
 @torch.library.custom_op("meshlab::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
                             chunk: int, with_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -45,31 +61,26 @@ def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, igno
     dweight (V, H)): sums over counted tokens; the gradients are of loss_sum, and empty
     (0-sized) unless ``with_grad``."""
     n = hidden.shape[0]
-    _build.record("linear_cross_entropy", hidden.device.type, True,
-                  "chunked matmuls (BLAS); matmul-bound, so no separate kernel")
     loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
     count = (target != ignore_index).sum().to(torch.float32)
     gh = torch.empty_like(hidden) if with_grad else hidden.new_empty(0)
-    # float32 accumulator: bf16 would round away small per-chunk contributions.
-    gw = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if with_grad \
-        else weight.new_empty(0)
+    # Accumulated in the weight's dtype, one addmm per chunk (cuBLAS sums each product in
+    # float32): a float32 accumulator for a bfloat16 head would cost 2 bytes more per weight
+    # element than the whole gradient.
+    gw = torch.zeros_like(weight) if with_grad else weight.new_empty(0)
+    target = target.contiguous()
     for s in range(0, n, chunk):
         h, t = hidden[s:s + chunk], target[s:s + chunk]
-        logits = (h @ weight.T).float()                               # (c, V)
-        lse = torch.logsumexp(logits, dim=-1)                         # (c,)
-        valid = t != ignore_index
-        tc = torch.where(valid, t, 0)
-        picked = logits.gather(1, tc[:, None])[:, 0]
-        loss += torch.where(valid, lse - picked, 0.0).sum()
+        z = h @ weight.T                                              # (c, V), hidden.dtype
+        k = _build.kernels("linear_cross_entropy", z)
+        # z becomes d(sum loss)/dz = softmax - onehot, in place: one (c, V) buffer in all.
+        rows = k.ce_grad_inplace(z, t, ignore_index) if k is not None else \
+            _ce_grad_torch(z, t, ignore_index)
+        loss += rows.sum()
         if with_grad:
-            # d(sum loss)/d logits = softmax - one_hot, on counted rows; reuse the logits.
-            p = logits.sub_(lse[:, None]).exp_()
-            p[torch.arange(p.shape[0], device=p.device), tc] -= 1.0
-            p.mul_(valid[:, None])
-            p = p.to(hidden.dtype)
-            torch.mm(p, weight, out=gh[s:s + chunk])
-            gw.add_(p.T @ h)
-    return loss, count, gh, gw.to(weight.dtype) if with_grad else gw
+            torch.mm(z, weight, out=gh[s:s + chunk])
+            gw.addmm_(z.T, h)
+    return loss, count, gh, gw
 
 
 @linear_cross_entropy_op.register_fake
@@ -98,16 +109,40 @@ def _backward(ctx, dloss, _dcount, _dgh, _dgw):
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# Default chunk: about 2**29 logits in flight (1 GiB in bfloat16), a power of two of tokens.
+_LOGITS_BUDGET = 2 ** 29
+
+
+def default_chunk(vocab: int) -> int:
+    """Tokens per chunk for a vocabulary of ``vocab``: 4096 for Llama-3's 128,256."""
+    return max(64, 1 << max(0, (_LOGITS_BUDGET // max(vocab, 1)).bit_length() - 1))
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
-                         ignore_index: int = -100, chunk: int = 4096) -> Tensor:
+                         ignore_index: int = -100, chunk: int | None = None) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``target``, without the logits.
 
-    hidden: (N, H) or (B, S, H); weight: (V, H); target: (N,) or (B, S), ``ignore_index``
-    marking tokens not counted. ``chunk`` tokens are in flight at a time: peak extra memory
-    is about ``chunk * V * 6`` bytes (float32 logits and a bf16 copy). Returns a float32
-    scalar; gradients are computed in the forward pass when grad mode is on.
+    hidden: (N, H) or (B, S, H); weight: (V, H) of the same dtype; target: (N,) or (B, S)
+    integers, ``ignore_index`` marking tokens not counted. ``chunk`` tokens are in flight
+    at a time (default :func:`default_chunk`): the extra memory is one (chunk, V) buffer
+    in ``hidden.dtype`` plus the weight gradient. Returns a float32 scalar (NaN when no
+    token counts, as ``F.cross_entropy``); gradients are computed in the forward pass when
+    grad mode is on, and the weight gradient is accumulated in the weight's dtype.
     """
+    if hidden.shape[-1] != weight.shape[-1] or weight.ndim != 2:
+        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
+                         f"{tuple(weight.shape)} do not match; weight must be (vocab, "
+                         f"{hidden.shape[-1]})")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"linear_cross_entropy: hidden is {hidden.dtype} but weight is "
+                        f"{weight.dtype}; cast one so they match")
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(f"linear_cross_entropy: target {tuple(target.shape)} must be "
+                         f"hidden's leading dims {tuple(hidden.shape[:-1])}")
     hidden, target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    chunk = default_chunk(weight.shape[0]) if chunk is None else int(chunk)
+    if chunk < 1:
+        raise ValueError(f"linear_cross_entropy: chunk must be >= 1, got {chunk}")
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, count, _, _ = torch.ops.meshlab.linear_cross_entropy(hidden, weight, target,
                                                                ignore_index, chunk, with_grad)
