@@ -196,6 +196,30 @@ def _remat_forward(forward, policy: str):
     return wrapped
 
 
+def _check_fuse(plan: Plan, layout, model: nn.Module) -> tuple[str, ...]:
+    """The ops ``fuse`` routes, after refusing combinations it cannot run."""
+    opt = plan.option("fuse")
+    if opt is None:
+        return ()
+    ops = tuple(opt["ops"])
+    if "loss" in ops:
+        if plan.option("pipeline") is not None:
+            raise ConfigError("fuse('loss') with pipeline(): the last stage's loss comes from the "
+                              "schedule's loss_fn on logits; leave 'loss' out of fuse()")
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if get is not None else None
+        tp_fqns = {m.fqn for m in layout.tp.modules} if layout.tp else set()
+        names = [n for n, m in model.named_modules() if m is head]
+        if head is not None and names and names[0] in tp_fqns:
+            raise ConfigError(f"fuse('loss') with {names[0]} sharded by shard(): the fused loss "
+                              f"needs the whole vocabulary on each rank; leave 'loss' out of "
+                              f"fuse() (the vocabulary-parallel cross-entropy runs instead)")
+    if "attention" in ops and plan.option("sequence") is not None:
+        raise ConfigError("fuse('attention') with sequence(): sequence parallelism installs its "
+                          "own attention; leave 'attention' out of fuse()")
+    return ops
+
+
 def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
                 state_dict: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
     import torch.distributed as dist
@@ -211,6 +235,7 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     tp_group = tp_mesh.get_group() if tp_mesh is not None else None
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     layout = build_layout(plan, model, tp_rank) if tp_rank else probe
+    fuse_ops = _check_fuse(plan, layout, model)
     dp_mesh = None
     if dp_axes:
         dp_mesh = dm[dp_axes[0]] if len(dp_axes) == 1 else dm[dp_axes]._flatten("_".join(dp_axes))
@@ -289,6 +314,11 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
                    if mesh.device_type == "cuda" else torch.device(mesh.device_type))
     if tp is not None:
         _tp.install_hooks(model, tp, tp_mesh, tp_group)
+
+    if fuse_ops:
+        from .ops.hf import fuse as fuse_model
+
+        fuse_model(model, fuse_ops)
 
     if layout.remat != "none":
         cfg = getattr(model, "config", None)

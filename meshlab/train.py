@@ -335,6 +335,11 @@ def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None =
     from .losses import causal_lm_loss
 
     rt = runtime_of(model)
+    fused = getattr(model, "_meshlab_fused_loss", False)
+    if fused and loss_fn is not None:
+        raise ConfigError("this model's loss is fused (fuse('loss')): its head returns the "
+                          "causal-LM loss, not logits, so a loss_fn cannot run; leave 'loss' "
+                          "out of fuse() to pass one")
     loss_fn = loss_fn or causal_lm_loss
     if rt.pipeline is not None:
         return _pipeline_step(rt, opt, batch, loss_fn)
@@ -348,9 +353,14 @@ def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None =
         with _autocast(rt):
             # Labels go to loss_fn, not to the model (a Hugging Face model would compute
             # its own, non-parallel loss from them).
-            out = model(**{k: v for k, v in mb.items() if k != "labels"}) \
-                if isinstance(mb, Mapping) else model(mb)
-            loss = loss_fn(out, mb) / len(mbs)
+            if fused:
+                from .ops.hf import causal_lm_loss as fused_causal_lm_loss
+
+                loss = fused_causal_lm_loss(model, mb) / len(mbs)
+            else:
+                out = model(**{k: v for k, v in mb.items() if k != "labels"}) \
+                    if isinstance(mb, Mapping) else model(mb)
+                loss = loss_fn(out, mb) / len(mbs)
         scaled = loss * opt.scaler.scale if opt.scaler is not None else loss
         scaled.backward()
         total += float(loss.detach())

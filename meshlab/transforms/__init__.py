@@ -7,3 +7,4 @@ from .precision import Precision as Precision, precision as precision
 from .remat import Remat as Remat, remat as remat
 from .pipeline import Pipeline as Pipeline, pipeline as pipeline
 from .sequence import Sequence as Sequence, sequence as sequence
+from .fuse import Fuse as Fuse, fuse as fuse

@@ -1,0 +1,358 @@
+"""Run a Hugging Face model's RMSNorm, rotary embedding, attention and loss on meshlab's ops.
+
+No ``forward`` of the model is copied or rewritten; each op is routed at the seam
+transformers already has, and every routing is proven on the spot against what it
+replaces (a small random probe through the original and the fused path, compared to
+float32 rounding) before it is installed, so a family whose module does something else
+fails loudly instead of training on different math:
+
+* ``rms_norm``: each RMSNorm module (the class names in :data:`NORMS`, or any ``*RMSNorm``
+  with ``weight`` and ``variance_epsilon``) gets an instance ``forward`` that calls
+  ``meshlab::rms_norm`` with the module's own weight and epsilon.
+* ``rotary``: the modeling file's ``apply_rotary_pos_emb`` is wrapped once by a dispatcher
+  that calls ``meshlab::rotary`` while a routed model's attention module is running and
+  the original function otherwise, so other models in the process are untouched.
+* ``attention``: ``meshlab::attention`` is registered in transformers'
+  ``AttentionInterface`` as ``"meshlab"`` and the model switched to it.
+* ``loss``: the output head gets an instance ``forward`` that, inside
+  :func:`fused_labels`, returns the causal-LM loss from ``meshlab::linear_cross_entropy``
+  (the logits never exist), and the plain projection otherwise. :func:`causal_lm_loss`
+  runs the model that way; ``meshlab.step`` does it for a model routed here.
+
+>>> import torch, transformers
+>>> from meshlab.ops.hf import fuse
+>>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+...                                num_hidden_layers=1, num_attention_heads=4)
+>>> model = transformers.LlamaForCausalLM(cfg)
+>>> fuse(model, ops=("rms_norm", "loss")).counts()
+{'rms_norm': 3, 'loss': 1}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import sys
+import threading
+import types
+
+import torch
+from torch import Tensor, nn
+
+from .._errors import ConfigError
+
+FUSABLE = ("rms_norm", "rotary", "attention", "loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """How an RMSNorm class maps onto ``meshlab::rms_norm``: the attribute holding epsilon,
+    and ``offset`` added to the weight (Gemma scales by ``1 + weight``)."""
+
+    eps: str = "variance_epsilon"
+    offset: float = 0.0
+
+
+# Classes whose RMSNorm differs from Llama's attribute names or math. Others named
+# ``*RMSNorm`` with ``weight`` and ``variance_epsilon`` take the default; all are probed.
+NORMS: dict[str, Norm] = {
+    "GemmaRMSNorm": Norm("eps", 1.0),
+    "Gemma2RMSNorm": Norm("eps", 1.0),
+    "Gemma3RMSNorm": Norm("eps", 1.0),
+    "T5LayerNorm": Norm("variance_epsilon"),
+}
+
+# Config attributes that transform the logits after the head: the fused loss would
+# skip them, so a model with any of them set is refused for "loss".
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                     "output_multiplier_scale": 1.0}
+
+
+@dataclasses.dataclass
+class FuseReport:
+    """Which modules (FQNs) or functions were routed to which op."""
+
+    routed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.routed.items()}
+
+    def __repr__(self) -> str:
+        return f"FuseReport({self.counts()})"
+
+
+def _probe_close(a: Tensor, b: Tensor, what: str, fix: str) -> None:
+    a, b = a.detach().double(), b.detach().double()
+    err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    if not err < 1e-4:
+        raise ConfigError(f"{what}: meshlab's op does not reproduce this module's output "
+                          f"(relative difference {err:.1e} on a probe); {fix}")
+
+
+# ------------------------------------------------------------------------ rms_norm
+
+def _norm_rule(m: nn.Module) -> Norm | None:
+    name = type(m).__name__
+    if name in NORMS:
+        return NORMS[name]
+    w = getattr(m, "weight", None)
+    if name.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.ndim == 1 and \
+            hasattr(m, "variance_epsilon"):
+        return Norm()
+    return None
+
+
+def _fused_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    from .rms_norm import rms_norm
+
+    rule: Norm = self._meshlab_norm
+    w = self.weight
+    if rule.offset:
+        w = w.float() + rule.offset
+    return rms_norm(hidden_states, w, float(getattr(self, rule.eps)))
+
+
+def _probe_norm(m: nn.Module, rule: Norm) -> None:
+    h = m.weight.shape[0]
+    clone = type(m).__new__(type(m))
+    clone.__dict__ = dict(m.__dict__)
+    clone._parameters = {"weight": nn.Parameter(torch.randn(h, dtype=torch.float32) * 0.1 +
+                                                 (0.0 if rule.offset else 1.0))}
+    clone._buffers, clone._modules = {}, {}
+    x = torch.randn(3, h, dtype=torch.float32)
+    want = type(m).forward(clone, x)
+    clone._meshlab_norm = rule
+    got = _fused_norm_forward(clone, x)
+    _probe_close(got, want, f"{type(m).__name__}", "leave 'rms_norm' out of fuse(ops=...) "
+                 f"or add the class to meshlab.ops.hf.NORMS with its epsilon attribute")
+
+
+def _route_norms(model: nn.Module) -> list[str]:
+    done, probed = [], set()
+    for name, m in model.named_modules():
+        rule = _norm_rule(m)
+        if rule is None:
+            continue
+        if getattr(m, "_meshlab_norm", None) is not None:      # routed before
+            done.append(name)
+            continue
+        if type(m) not in probed:
+            _probe_norm(m, rule)
+            probed.add(type(m))
+        m._meshlab_norm = rule
+        m.forward = types.MethodType(_fused_norm_forward, m)
+        done.append(name)
+    return done
+
+
+# ------------------------------------------------------------------------ rotary
+
+_ROUTED = threading.local()         # depth of routed attention modules now running
+
+
+def _active() -> bool:
+    return getattr(_ROUTED, "depth", 0) > 0
+
+
+def _fused_apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+                        unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """Hugging Face's ``apply_rotary_pos_emb`` on ``meshlab::rotary``: q (B, H, S, D),
+    k (B, Hkv, S, D), cos/sin (B or 1, S, D) with equal halves."""
+    from .rotary import rotary
+
+    b, s, d = q.shape[0], q.shape[2], q.shape[-1]
+    c, sn = cos[..., : d // 2], sin[..., : d // 2]
+    if c.shape[0] == 1:
+        c, sn = c[0], sn[0]
+
+        def rot(x):
+            return rotary(x.transpose(1, 2), c, sn).transpose(1, 2)
+    else:
+        # Positions per sample: fold batch into sequence, one angle row per token.
+        c, sn = c.reshape(b * s, -1), sn.reshape(b * s, -1)
+
+        def rot(x):
+            y = rotary(x.transpose(1, 2).reshape(1, b * s, x.shape[1], d), c, sn)
+            return y.reshape(b, s, x.shape[1], d).transpose(1, 2)
+    return rot(q), rot(k)
+
+
+def _dispatcher(original):
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not _active():
+            return original(q, k, cos, sin, *args, **kwargs)
+        if args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1 \
+                or q.shape[-1] != cos.shape[-1]:
+            raise ConfigError(
+                f"{original.__module__}.apply_rotary_pos_emb was called with q "
+                f"{tuple(q.shape)}, cos {tuple(cos.shape)} and extra arguments "
+                f"{args or sorted(kwargs)}: rotation of part of the head, or another layout, "
+                f"is not routed to meshlab::rotary; leave 'rotary' out of fuse(ops=...)")
+        return _fused_apply_rotary(q, k, cos, sin)
+
+    apply_rotary_pos_emb._meshlab_original = original
+    return apply_rotary_pos_emb
+
+
+def _enter(module, args, kwargs=None):
+    _ROUTED.depth = getattr(_ROUTED, "depth", 0) + 1
+
+
+def _leave(module, args, output):
+    _ROUTED.depth -= 1
+
+
+def _route_rotary(model: nn.Module) -> list[str]:
+    done = []
+    for name, m in model.named_modules():
+        mod = sys.modules.get(type(m).__module__)
+        fn = getattr(mod, "apply_rotary_pos_emb", None)
+        if fn is None or not type(m).__name__.endswith("Attention"):
+            continue
+        if getattr(m, "_meshlab_rotary", False):                # routed before
+            done.append(name)
+            continue
+        if not hasattr(fn, "_meshlab_original"):
+            _probe_rotary(fn, type(m).__name__)
+            setattr(mod, "apply_rotary_pos_emb", _dispatcher(fn))
+        m.register_forward_pre_hook(_enter)
+        m.register_forward_hook(_leave, always_call=True)
+        m._meshlab_rotary = True
+        done.append(name)
+    return done
+
+
+def _probe_rotary(fn, owner: str) -> None:
+    params = inspect.signature(fn).parameters
+    if list(params)[:4] != ["q", "k", "cos", "sin"]:
+        raise ConfigError(f"{fn.__module__}.apply_rotary_pos_emb{inspect.signature(fn)} "
+                          f"(used by {owner}) is not (q, k, cos, sin, ...); leave 'rotary' out "
+                          f"of fuse(ops=...)")
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+    ang = torch.randn(2, 5, 4, generator=g)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    for c, s in ((cos, sin), (cos[:1], sin[:1])):
+        want = fn(q, k, c, s)
+        got = _fused_apply_rotary(q, k, c, s)
+        for a, b in zip(got, want):
+            _probe_close(a, b, f"{fn.__module__}.apply_rotary_pos_emb",
+                         "leave 'rotary' out of fuse(ops=...)")
+
+
+# ------------------------------------------------------------------------ loss
+
+_LABELS = threading.local()
+
+
+@contextlib.contextmanager
+def fused_labels(labels: Tensor, ignore_index: int = -100):
+    """Inside this block a routed output head returns the causal-LM loss of ``labels``
+    (B, S), next-token shifted, instead of logits."""
+    prev = getattr(_LABELS, "value", None)
+    _LABELS.value = (labels, ignore_index)
+    try:
+        yield
+    finally:
+        _LABELS.value = prev
+
+
+def _fused_head_forward(self, hidden_states: Tensor) -> Tensor:
+    ctx = getattr(_LABELS, "value", None)
+    if ctx is None:
+        return self._meshlab_linear_forward(hidden_states)
+    from .linear_cross_entropy import linear_cross_entropy
+
+    labels, ignore_index = ctx
+    if hidden_states.shape[:2] != labels.shape:
+        raise ConfigError(f"fused loss: hidden states {tuple(hidden_states.shape)} do not match "
+                          f"labels {tuple(labels.shape)}; call the model with logits_to_keep=0")
+    return linear_cross_entropy(hidden_states[:, :-1], self.weight, labels[:, 1:],
+                                ignore_index=ignore_index)
+
+
+def _route_loss(model: nn.Module) -> list[str]:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__} has no nn.Linear "
+                          f"output head (get_output_embeddings() is {type(head).__name__}); "
+                          f"leave 'loss' out")
+    if head.bias is not None:
+        raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__}'s output head has a "
+                          f"bias, which meshlab::linear_cross_entropy does not add; leave "
+                          f"'loss' out")
+    cfg = getattr(model, "config", None)
+    for attr, neutral in _LOGIT_TRANSFORMS.items():
+        v = getattr(cfg, attr, neutral)
+        if v is not None and v != neutral:
+            raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__} transforms its logits "
+                              f"({attr}={v}) after the head, which the fused loss would skip; "
+                              f"leave 'loss' out")
+    if getattr(head, "_meshlab_linear_forward", None) is None:
+        head._meshlab_linear_forward = head.forward
+        head.forward = types.MethodType(_fused_head_forward, head)
+    model._meshlab_fused_loss = True
+    name = next(n for n, m in model.named_modules() if m is head)
+    return [name]
+
+
+def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
+    """Next-token loss of ``model`` on ``batch`` (``input_ids``, optional ``labels``,
+    other model inputs) through the fused head: ``batch['labels']`` (or ``input_ids``)
+    shifted by one, ``ignore_index`` not counted. Equal to meshlab.losses.causal_lm_loss
+    of the unfused model's output."""
+    if not getattr(model, "_meshlab_fused_loss", False):
+        raise ConfigError(f"{type(model).__name__} has no fused loss; call "
+                          f"meshlab.ops.hf.fuse(model, ops=('loss',)) first")
+    labels = batch.get("labels", batch["input_ids"])
+    with fused_labels(labels, ignore_index):
+        out = model(**{k: v for k, v in batch.items() if k != "labels"})
+    loss = out.logits if hasattr(out, "logits") else out
+    if not isinstance(loss, Tensor) or loss.ndim != 0:
+        raise ConfigError(f"fused loss: {type(model).__name__}'s forward did not return the "
+                          f"head's output as logits; leave 'loss' out of fuse(ops=...)")
+    return loss
+
+
+# ------------------------------------------------------------------------ attention
+
+def _route_attention(model: nn.Module) -> list[str]:
+    from .attention import register_hf
+
+    register_hf()
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        raise ConfigError(f"fuse(ops=('attention',)): {type(model).__name__} is not a "
+                          f"transformers model with set_attn_implementation; leave "
+                          f"'attention' out")
+    setter("meshlab")
+    return [f"config._attn_implementation={model.config._attn_implementation!r}"]
+
+
+_ROUTES = {"rms_norm": _route_norms, "rotary": _route_rotary, "attention": _route_attention,
+           "loss": _route_loss}
+
+
+def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:
+    """Route ``ops`` (a subset of :data:`FUSABLE`) of ``model`` to meshlab's fused ops.
+
+    Mutates ``model`` in place (instance attributes and hooks only; the classes and other
+    models are untouched) and returns what was routed. An op that finds nothing to route
+    raises, as does one whose probe disagrees with the module it would replace.
+    """
+    ops = (ops,) if isinstance(ops, str) else tuple(ops)
+    bad = [o for o in ops if o not in FUSABLE]
+    if bad:
+        raise ConfigError(f"fuse(ops={ops!r}): unknown {bad}; choose from {FUSABLE}")
+    report = FuseReport()
+    for op in ops:
+        routed = _ROUTES[op](model)
+        if not routed:
+            raise ConfigError(f"fuse(ops=({op!r},)): nothing in {type(model).__name__} to route "
+                              f"to meshlab::{op}; leave it out")
+        report.routed[op] = routed
+    return report

@@ -1,0 +1,167 @@
+"""fuse(): Hugging Face models' RMSNorm, rotary, attention and loss on meshlab's ops.
+
+One process: the routed model's loss and gradients equal the unrouted one's for several
+families; other models are untouched; probes refuse modules whose math differs; families
+that transform their logits are refused for the loss. Two gloo processes: fuse() composed
+with ZeRO-1, ZeRO-3 and tensor parallelism trains to the single-process weights."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from . import _models as M
+
+pytestmark = pytest.mark.timeout(600)
+
+OPS = ("rms_norm", "rotary", "loss")
+
+
+def _model(family: str, **overrides):
+    import meshlab as ml
+
+    return ml.init_weights(M.build(family, **overrides), seed=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fused_equals_unfused(family):
+    import meshlab as ml
+    from meshlab.ops import _build
+    from meshlab.ops.hf import causal_lm_loss, fuse
+
+    ref = _model(family)
+    model = copy.deepcopy(ref)
+    report = fuse(model, OPS)
+    layers = M.TINY[family]["num_hidden_layers"]
+    norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)   # + q/k norms
+    assert report.counts() == {"rms_norm": norms, "rotary": layers, "loss": 1}
+    ids = M.batches(1, batch=3, seq=11)[0]
+    ids[0, :3] = -100                      # ignored labels pass through
+    batch = {"input_ids": ids.clamp_min(0), "labels": ids}
+    want = ml.losses.causal_lm_loss(ref(input_ids=batch["input_ids"]), batch)
+    want.backward()
+    _build.LAST_PATH.clear()
+    got = causal_lm_loss(model, batch)
+    got.backward()
+    for op in ("rms_norm", "rotary", "linear_cross_entropy"):
+        assert (op, "cpu") in _build.LAST_PATH, op          # each routed op actually ran
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    refp = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, refp[n].grad, atol=1e-6, rtol=1e-4,
+                                   msg=lambda m, n=n: f"grad of {n}: {m}")
+    # Outside fused_labels the head is the plain projection: logits as before.
+    torch.testing.assert_close(model(input_ids=batch["input_ids"]).logits,
+                               ref(input_ids=batch["input_ids"]).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_other_models_untouched_and_idempotent():
+    from meshlab.ops import _build
+    from meshlab.ops.hf import fuse
+
+    routed, plain = _model("llama"), _model("llama")
+    first = fuse(routed, OPS)
+    assert fuse(routed, OPS).counts() == first.counts()         # again: same routes, no doubles
+    assert len(routed.model.layers[0].self_attn._forward_pre_hooks) == 1
+    _build.LAST_PATH.clear()
+    plain(input_ids=M.batches(1)[0])
+    assert not _build.LAST_PATH, _build.LAST_PATH               # no meshlab op ran
+
+
+def test_probe_refuses_different_math():
+    import meshlab as ml
+    from meshlab.ops.hf import fuse
+
+    class OddRMSNorm(torch.nn.Module):          # looks like an RMSNorm, is not one
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(8))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return x * self.weight + 1
+
+    with pytest.raises(ml.ConfigError, match="OddRMSNorm.*does not reproduce"):
+        fuse(torch.nn.Sequential(OddRMSNorm()), ("rms_norm",))
+    with pytest.raises(ml.ConfigError, match="nothing in Sequential to route"):
+        fuse(torch.nn.Sequential(torch.nn.Linear(2, 2)), ("rotary",))
+    with pytest.raises(ml.ConfigError, match="unknown"):
+        fuse(_model("llama"), ("softmax",))
+
+
+def test_loss_refused_where_logits_are_transformed():
+    import meshlab as ml
+    from meshlab.ops.hf import fuse
+
+    model = _model("llama")
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ml.ConfigError, match="final_logit_softcapping=30.0"):
+        fuse(model, ("loss",))
+    with pytest.raises(ml.ConfigError, match="has no fused loss"):
+        from meshlab.ops.hf import causal_lm_loss
+        causal_lm_loss(_model("llama"), {"input_ids": M.batches(1)[0]})
+
+
+def test_fuse_transform_repr_and_validation():
+    import meshlab as ml
+    from meshlab.ops.hf import FUSABLE
+
+    from meshlab.transforms.fuse import FUSABLE as PLANNED
+
+    assert PLANNED == FUSABLE
+    assert repr(ml.fuse()) == "fuse()"
+    assert repr(ml.fuse("rms_norm")) == "fuse('rms_norm')"
+    assert eval(repr(ml.fuse("rms_norm", "loss")), {"fuse": ml.fuse}) == ml.fuse("rms_norm", "loss")
+    with pytest.raises(ml.ConfigError, match="choose distinct ops"):
+        ml.fuse("rms_norm", "rms_norm")
+
+
+def fuse_case(rank, world, spec_name, ops):
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    data = M.batches(3)
+    ref, ref_losses, _ = M.reference("llama", data)
+    model = ml.parallelize(M.build("llama"), M.spec(spec_name) | ml.fuse(*ops),
+                           M.mesh_for(spec_name, world), seed=0)
+    assert getattr(model, "_meshlab_fused_loss", False) == ("loss" in ops)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    rt = model._meshlab
+    dp_rank = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
+    losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[dp_rank]}) for b in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5,
+                               rtol=1e-4)
+    M.assert_weights_match(model, ref)
+    if "loss" not in ops:
+        return None
+    try:
+        ml.step(model, opt, {"input_ids": data[0]}, ml.losses.causal_lm_loss)
+    except ml.ConfigError as e:
+        return str(e)
+    raise AssertionError("a loss_fn was accepted for a fused loss")
+
+
+@pytest.mark.parametrize("spec_name,ops", [("zero3", OPS), ("zero1", OPS),
+                                           ("tp", ("rms_norm", "rotary"))])
+def test_fuse_composes_gloo(world2, spec_name, ops):
+    out = world2.run(fuse_case, spec_name=spec_name, ops=ops)
+    if "loss" in ops:
+        assert all("leave 'loss' out" in m for m in out)
+
+
+def refuse_case(rank, world):
+    import meshlab as ml
+
+    try:
+        ml.parallelize(M.build("llama"), M.spec("tp") | ml.fuse("loss"), M.mesh_for("tp", world))
+    except ml.ConfigError as e:
+        return str(e)
+    raise AssertionError("fuse('loss') with a vocabulary-sharded head was accepted")
+
+
+def test_fuse_loss_refused_with_tp_head(world2):
+    msgs = world2.run(refuse_case)
+    assert all("lm_head sharded by shard()" in m for m in msgs)
