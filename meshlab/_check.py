@@ -36,6 +36,8 @@ def _rel(a, b) -> float:
 def cases(op: str, dtype, device, small: bool = False):
     """Inputs for ``op``: (custom-op overloads with their args, public args, grad-able indices).
 
+    Public args are tensors, or flags passed positionally after them (attention's ``causal``).
+
     Shapes are deliberately not multiples of a SIMD width, so tails are exercised.
     """
     import torch
@@ -73,6 +75,18 @@ def cases(op: str, dtype, device, small: bool = False):
         t[::7] = -100                                   # some tokens not counted
         return [(torch.ops.meshlab.linear_cross_entropy.default, (hid, w, t, -100, 8, True))], \
             (hid, w, t), (0, 1)
+    if op == "attention":
+        # Grouped-query (4 query heads on 2 kv heads), causal, S not a multiple of the tiles;
+        # opcheck also sees a non-causal call with Skv != S and an explicit scale.
+        hq, hkv, sq, d = 4, 2, (19 if small else 37), 24
+        q, k, v = r(b, hq, sq, d), r(b, hkv, sq, d), r(b, hkv, sq, d)
+        k2, v2 = r(b, hkv, sq + 6, d), r(b, hkv, sq + 6, d)
+        out, lse = torch.ops.meshlab.attention(q, k, v, True, d ** -0.5)
+        return [(torch.ops.meshlab.attention.default, (q, k, v, True, d ** -0.5)),
+                (torch.ops.meshlab.attention.default, (q, k2, v2, False, 0.3)),
+                (torch.ops.meshlab.attention_backward.default,
+                 (torch.randn_like(out), q, k, v, out, lse, True, d ** -0.5))], \
+            (q, k, v, True), (0, 1, 2)
     raise KeyError(op)
 
 
@@ -99,7 +113,8 @@ def check_op(op: str, device: str, dtypes=("float32", "bfloat16"), run_opcheck: 
                 except Exception as e:  # opcheck raises many types; each is a failed check
                     row.failures.append(f"opcheck {overload.name()} {dname}: "
                                         f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        leaves = [a.detach().requires_grad_(i in grad_idx) for i, a in enumerate(args)]
+        leaves = [a.detach().requires_grad_(i in grad_idx) if isinstance(a, torch.Tensor) else a
+                  for i, a in enumerate(args)]           # non-tensors (flags) pass as they are
         out, want = fn(*leaves), ref(*leaves)
         path = _build.LAST_PATH.get((op, device))
         if dname == dtypes[0] and path is not None:   # the path the public op just took
@@ -135,7 +150,9 @@ def run(ops=None, devices=None, run_opcheck: bool = True, console=None) -> int:
         with console.status("building kernels"):
             _build.build_all()
             adam = cpu_adam_kernels()
-    built = _build.build_seconds("meshlab_ops_cpu")
+    # The extensions build side by side: the slowest one is the wall time.
+    built = max((t for t in map(_build.build_seconds, ("meshlab_ops_cpu", "meshlab_attention_cpu"))
+                 if t is not None), default=None)
     rows = [check_op(op, dev, run_opcheck=run_opcheck) for dev in devices for op in (ops or OPS)]
 
     table = Table(title="meshlab fused ops")

@@ -16,7 +16,7 @@ from . import _models as M
 
 pytestmark = pytest.mark.timeout(600)
 
-OPS = ("rms_norm", "rotary", "loss")
+OPS = ("rms_norm", "rotary", "attention", "loss")
 
 
 def _model(family: str, **overrides):
@@ -36,7 +36,7 @@ def test_fused_equals_unfused(family):
     report = fuse(model, OPS)
     layers = M.TINY[family]["num_hidden_layers"]
     norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)   # + q/k norms
-    assert report.counts() == {"rms_norm": norms, "rotary": layers, "loss": 1}
+    assert report.counts() == {"rms_norm": norms, "rotary": layers, "attention": 1, "loss": 1}
     ids = M.batches(1, batch=3, seq=11)[0]
     ids[0, :3] = -100                      # ignored labels pass through
     batch = {"input_ids": ids.clamp_min(0), "labels": ids}
@@ -45,7 +45,7 @@ def test_fused_equals_unfused(family):
     _build.LAST_PATH.clear()
     got = causal_lm_loss(model, batch)
     got.backward()
-    for op in ("rms_norm", "rotary", "linear_cross_entropy"):
+    for op in ("rms_norm", "rotary", "attention", "linear_cross_entropy"):
         assert (op, "cpu") in _build.LAST_PATH, op          # each routed op actually ran
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     refp = dict(ref.named_parameters())
@@ -145,7 +145,7 @@ def fuse_case(rank, world, spec_name, ops):
 
 
 @pytest.mark.parametrize("spec_name,ops", [("zero3", OPS), ("zero1", OPS),
-                                           ("tp", ("rms_norm", "rotary"))])
+                                           ("tp", ("rms_norm", "rotary", "attention"))])
 def test_fuse_composes_gloo(world2, spec_name, ops):
     out = world2.run(fuse_case, spec_name=spec_name, ops=ops)
     if "loss" in ops:

@@ -8,11 +8,13 @@ tensor, never at import. Where no kernel can run, an op runs its reference and
 On CUDA the kernels are Triton rather than hand-written CUDA: every op here is memory-bound
 (a handful of flops per byte), so what matters is one read of each input, one write of each
 output and wide coalesced accesses, which Triton's block programs give with a fraction of
-the code, no nvcc at install time, and tuning by block size alone.
+the code, no nvcc at install time, and tuning by block size alone. Attention is the
+exception: it is compute-bound, and on CUDA it runs cuDNN's or flash-attn's kernels
+(``attention.py`` says when which).
 
 >>> import torch, meshlab.ops as ops
 >>> sorted(ops.OPS)
-['layer_norm', 'linear_cross_entropy', 'rms_norm', 'rotary', 'swiglu']
+['attention', 'layer_norm', 'linear_cross_entropy', 'rms_norm', 'rotary', 'swiglu']
 """
 
 from .rms_norm import rms_norm as rms_norm, rms_norm_reference as rms_norm_reference
@@ -23,6 +25,8 @@ from .layer_norm import layer_norm as layer_norm, layer_norm_reference as layer_
 from .linear_cross_entropy import (linear_cross_entropy as linear_cross_entropy,
                                    linear_cross_entropy_reference as
                                    linear_cross_entropy_reference)
+from .attention import (attention as attention, attention_reference as attention_reference,
+                        hf_attention as hf_attention, register_hf as register_hf)
 from .cpu_adam import CPUAdamW as CPUAdamW
 
 # Public op name -> (fused function, pure-PyTorch reference).
@@ -32,4 +36,5 @@ OPS = {
     "swiglu": (swiglu, swiglu_reference),
     "layer_norm": (layer_norm, layer_norm_reference),
     "linear_cross_entropy": (linear_cross_entropy, linear_cross_entropy_reference),
+    "attention": (attention, attention_reference),
 }

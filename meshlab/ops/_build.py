@@ -70,6 +70,39 @@ def force_reference():
         _FORCED_OFF -= 1
 
 
+_DISPATCHER_ONLY = 0
+
+
+@contextlib.contextmanager
+def dispatcher_only():
+    """Route every call through the ``meshlab::`` custom ops inside this block, as under
+    ``torch.compile``, a dispatch mode or DTensor (see :func:`eager`)."""
+    global _DISPATCHER_ONLY
+    _DISPATCHER_ONLY += 1
+    try:
+        yield
+    finally:
+        _DISPATCHER_ONLY -= 1
+
+
+def eager(*tensors) -> bool:
+    """True when an op may run its kernels through a plain ``autograd.Function`` instead of
+    its ``meshlab::`` custom op: not compiling, no dispatch or function mode active, and
+    every tensor a plain CPU or CUDA ``Tensor``/``Parameter`` (not a DTensor, fake or meta
+    tensor). Both paths run the same kernels; the custom op's Python dispatch costs about
+    as much host time as a small kernel's whole run, which eager training pays per call."""
+    import torch
+
+    if _DISPATCHER_ONLY or torch.compiler.is_compiling() or \
+            torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    for t in tensors:
+        if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or \
+                t.device.type not in _KERNEL_DTYPES:
+            return False
+    return True
+
+
 def native_disabled_reason() -> str | None:
     """Why native kernels are off by request, or ``None`` when they may be used."""
     if _FORCED_OFF:
@@ -171,10 +204,12 @@ def build_all() -> dict[str, bool]:
 
     from .cpu_adam import cpu_adam_kernels
 
-    with ThreadPoolExecutor(2) as pool:
-        ops, adam = pool.submit(ops_cpu), pool.submit(cpu_adam_kernels)
+    with ThreadPoolExecutor(3) as pool:
+        ops, adam, attn = (pool.submit(ops_cpu), pool.submit(cpu_adam_kernels),
+                           pool.submit(attention_cpu))
         return {"meshlab_ops_cpu": ops.result() is not None,
-                "meshlab_cpu_adam": adam.result() is not None}
+                "meshlab_cpu_adam": adam.result() is not None,
+                "meshlab_attention_cpu": attn.result() is not None}
 
 
 def failure(name: str) -> str | None:
@@ -190,17 +225,30 @@ def ops_cpu():
     return cpu_extension("meshlab_ops_cpu", ("ops_cpu.cpp",))
 
 
+def attention_cpu():
+    """The C++ CPU kernels of attention (forward and backward), a translation unit of their own."""
+    return cpu_extension("meshlab_attention_cpu", ("attention_cpu.cpp",))
+
+
+# Ops whose C++ kernels are not in ops_cpu.cpp: op -> (extension name, its builder, source).
+_OWN_EXTENSION = {
+    "attention": ("meshlab_attention_cpu", attention_cpu, "attention_cpu.cpp"),
+    "attention_backward": ("meshlab_attention_cpu", attention_cpu, "attention_cpu.cpp"),
+}
+
+
 def cpu_kernels(op: str):
     """The built CPU module for ``op``, or ``None``; records which path ``op`` takes."""
     off = native_disabled_reason()
     if off is not None:
         record(op, "cpu", False, off)
         return None
-    mod = ops_cpu()
+    name, build, source = _OWN_EXTENSION.get(op, ("meshlab_ops_cpu", ops_cpu, "ops_cpu.cpp"))
+    mod = build()
     if mod is None:
-        record(op, "cpu", False, failure("meshlab_ops_cpu") or "not built")
+        record(op, "cpu", False, failure(name) or "not built")
         return None
-    record(op, "cpu", True, "C++ kernel (csrc/ops_cpu.cpp)")
+    record(op, "cpu", True, f"C++ kernel (csrc/{source})")
     return mod
 
 

@@ -1,0 +1,493 @@
+// CPU kernels of meshlab::attention: softmax(q k^T * scale [+ causal mask]) v, forward and
+// backward, flash-attention style (the S x Skv score matrix never exists in full).
+//
+// Layout as torch SDPA: q, out, dout, dq (B, Hq, S, D); k, v, dk, dv (B, Hkv, Skv, D);
+// lse, delta (B, Hq, S) float32. Query head h reads kv head h / (Hq / Hkv) (grouped-query
+// attention). Causal masking is aligned top-left like SDPA's is_causal: query i sees keys
+// j <= i (the Python side requires S == Skv then).
+//
+// Conventions, as in ops_cpu.cpp: inputs arrive contiguous; activations are float32 or
+// bfloat16 (all of one dtype); every product and sum is in float32, bfloat16 is rounded to
+// nearest-even once, on the way out.
+//
+// Tiling: a task is one (batch, head, block of kBQ queries) or one (batch, kv head, block of
+// kBK keys). A task copies its tiles into float32 thread-local buffers (keys and values also
+// transposed, for the products against them), and every product is the register-blocked
+// loop nest of gemm_tile, which the compiler turns into broadcast-and-FMA SIMD code.
+//
+// forward   per (b, h, query block): stream over key blocks with an online softmax (running
+//           max m and sum l per row, the accumulator rescaled by exp(m_old - m_new));
+//           key blocks entirely above the causal diagonal are skipped.
+//           out = acc / l, lse = m + log(l).
+// backward  P = exp(S - lse) recomputed from the saved lse; delta_i = rowsum(dout * out);
+//           dS = P * (dP - delta), dP = dout v^T. Two passes, so no two threads write the
+//           same row of a gradient:
+//           1. per (b, kv head, key block): dv = sum P^T dout, dk = sum dS^T q * scale over
+//              every query head of the group and every query block;
+//           2. per (b, h, query block): dq = sum dS k * scale over the key blocks.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+using bf16 = uint16_t;
+
+constexpr int64_t kBQ = 64;  // queries per tile
+constexpr int64_t kBK = 64;  // keys per tile
+constexpr int kR = 4;        // rows of a product computed together (see gemm_tile)
+// Columns of a product held in registers: 4 rows x 64 floats is 16 of AVX-512's 32 vector
+// registers; with 16 (AVX2) registers, 4 x 32.
+#if defined(__AVX512F__)
+constexpr int64_t kW = 64;
+#else
+constexpr int64_t kW = 32;
+#endif
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float ld(float v) { return v; }
+inline float ld(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T> inline T st(float f);
+template <> inline float st<float>(float f) { return f; }
+template <> inline bf16 st<bf16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  // NaN stays a quiet NaN; everything else rounds to nearest, ties to even.
+  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? bf16(0x7FC0) : bf16(rounded);
+}
+
+// exp(x) in plain float arithmetic so that loops calling it vectorize (Cephes' expf, within
+// 2 ulp over the clamped range; the same function as in ops_cpu.cpp). Below -87.3 it returns
+// about 1e-38 rather than 0, which no softmax sum can see.
+inline float exp_f(float x) {
+  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return e * scale;
+}
+
+void check_act(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 4, name, " must be (B, H, S, D), got ", t.sizes());
+}
+
+void check_stat(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == at::kFloat, name,
+              " must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == q.size(0) && t.size(1) == q.size(1) &&
+                  t.size(2) == q.size(2),
+              name, " must be (B, Hq, S) = ", q.sizes().slice(0, 3), ", got ", t.sizes());
+}
+
+template <typename F> void dispatch(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) f(float{});
+  else f(bf16{});
+}
+
+template <typename T> T* ptr(at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+template <typename T> const T* cptr(const at::Tensor& t) {
+  return reinterpret_cast<const T*>(t.data_ptr());
+}
+
+struct Dims {
+  int64_t B, Hq, Hkv, S, Skv, D, G;  // G = Hq / Hkv query heads per kv head
+};
+
+Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  check_act(q, "q");
+  check_act(k, "k");
+  check_act(v, "v");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must share one dtype");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3),
+              "k must be (B, Hkv, Skv, D) with q's B and D");
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "Hq must be a multiple of Hkv, got ", q.size(1), " and ", k.size(1));
+  return {q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3),
+          q.size(1) / k.size(1)};
+}
+
+// dst (n x stride) = src (n x D) * mul in float32; columns D.. are left as they are (zero).
+template <typename T>
+inline void load_rows(const T* src, int64_t n, int64_t D, float mul, float* dst,
+                      int64_t stride) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* s = src + i * D;
+    float* d = dst + i * stride;
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) d[c] = ld(s[c]) * mul;
+  }
+}
+
+// dst (D x kBK) = src (n x D) transposed; the columns n..kBK-1 are zero.
+template <typename T>
+inline void load_transposed(const T* src, int64_t n, int64_t D, float* dst) {
+  for (int64_t c = 0; c < D; ++c) {
+    float* d = dst + c * kBK;
+    for (int64_t j = 0; j < n; ++j) d[j] = ld(src[j * D + c]);
+    for (int64_t j = n; j < kBK; ++j) d[j] = 0.f;
+  }
+}
+
+// The one matrix product every step is made of, on float32 tiles:
+//   C[i][c] (+)= sum_k A(i, k) * B[k][c]      i < m, k < kk, c < n (n a multiple of 16)
+// with A(i, k) = a[i * ars + k * acs] (so A may be read transposed), B and C row-major.
+// R rows x W columns of C stay in registers while k runs: each loaded row of B serves R
+// rows of A, each broadcast element of A a full W-wide row of B.
+template <int R, int W>
+inline void gemm_tile(const float* a, int64_t ars, int64_t acs, int64_t kk, const float* b,
+                      int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  float acc[R][W];
+  for (int r = 0; r < R; ++r) {
+#pragma omp simd
+    for (int w = 0; w < W; ++w) acc[r][w] = accumulate ? c[r * ldc + w] : 0.f;
+  }
+  for (int64_t k = 0; k < kk; ++k) {
+    const float* br = b + k * ldb;
+    for (int r = 0; r < R; ++r) {
+      const float x = a[r * ars + k * acs];
+#pragma omp simd
+      for (int w = 0; w < W; ++w) acc[r][w] += x * br[w];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+#pragma omp simd
+    for (int w = 0; w < W; ++w) c[r * ldc + w] = acc[r][w];
+  }
+}
+
+template <int W>
+inline void gemm_cols(const float* a, int64_t ars, int64_t acs, int64_t m, int64_t kk,
+                      const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  int64_t i = 0;
+  for (; i + kR <= m; i += kR)
+    gemm_tile<kR, W>(a + i * ars, ars, acs, kk, b, ldb, c + i * ldc, ldc, accumulate);
+  for (; i < m; ++i)
+    gemm_tile<1, W>(a + i * ars, ars, acs, kk, b, ldb, c + i * ldc, ldc, accumulate);
+}
+
+inline void gemm(const float* a, int64_t ars, int64_t acs, int64_t m, int64_t kk, const float* b,
+                 int64_t ldb, float* c, int64_t ldc, int64_t n, bool accumulate) {
+  int64_t c0 = 0;
+  for (; c0 + kW <= n; c0 += kW)
+    gemm_cols<kW>(a, ars, acs, m, kk, b + c0, ldb, c + c0, ldc, accumulate);
+  if (kW > 32 && c0 + 32 <= n) {
+    gemm_cols<32>(a, ars, acs, m, kk, b + c0, ldb, c + c0, ldc, accumulate);
+    c0 += 32;
+  }
+  for (; c0 + 16 <= n; c0 += 16)
+    gemm_cols<16>(a, ars, acs, m, kk, b + c0, ldb, c + c0, ldc, accumulate);
+}
+
+// Number of keys of the block starting at k0 (kn of them) that query row qi may see.
+inline int64_t visible(bool causal, int64_t qi, int64_t k0, int64_t kn) {
+  return causal ? std::clamp<int64_t>(qi + 1 - k0, 0, kn) : kn;
+}
+
+// Keys a block of queries [q0, q0 + qn) needs at all: with the causal mask none past the last.
+inline int64_t key_end(bool causal, int64_t q0, int64_t qn, int64_t Skv) {
+  return causal ? std::min(Skv, q0 + qn) : Skv;
+}
+
+// Thread-local float32 tiles. Rows of D values are stored Dp = D rounded up to 16 apart,
+// the padding zero, so that every product runs on whole SIMD widths.
+struct Tiles {
+  int64_t Dp;
+  std::vector<float> q, o, kt, vt, k, v, s, dp, acc, acc2, m, l;
+  explicit Tiles(int64_t D)
+      : Dp((D + 15) / 16 * 16), q(kBQ * Dp), o(kBQ * Dp), kt(D * kBK), vt(D * kBK),
+        k(kBK * Dp), v(kBK * Dp), s(kBQ * kBK), dp(kBQ * kBK), acc(std::max(kBQ, kBK) * Dp),
+        acc2(std::max(kBQ, kBK) * Dp), m(kBQ), l(kBQ) {}
+};
+
+// ---------------------------------------------------------------------------- forward
+
+std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, bool causal, double scale) {
+  const Dims d = dims_of(q, k, v);
+  TORCH_CHECK(!causal || d.S == d.Skv, "causal attention needs S == Skv, got ", d.S, " and ",
+              d.Skv);
+  auto out = at::empty_like(q);
+  auto lse = at::empty({d.B, d.Hq, d.S}, q.options().dtype(at::kFloat));
+  const int64_t nqb = (d.S + kBQ - 1) / kBQ;
+  const int64_t tasks = d.B * d.Hq * nqb;
+  const float fscale = static_cast<float>(scale);
+  const int64_t D = d.D;
+  dispatch(q, [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = cptr<T>(q);
+    const T* kp = cptr<T>(k);
+    const T* vp = cptr<T>(v);
+    T* op = ptr<T>(out);
+    float* lp = lse.data_ptr<float>();
+#pragma omp parallel
+    {
+      Tiles t(D);
+      const int64_t Dp = t.Dp;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t qb = task % nqb, bh = task / nqb;
+        const int64_t b = bh / d.Hq, h = bh % d.Hq, hk = h / d.G;
+        const int64_t q0 = qb * kBQ, qn = std::min(kBQ, d.S - q0);
+        const T* kbase = kp + (b * d.Hkv + hk) * d.Skv * D;
+        const T* vbase = vp + (b * d.Hkv + hk) * d.Skv * D;
+        // q pre-multiplied by scale: the scores come out scaled.
+        load_rows(qp + (bh * d.S + q0) * D, qn, D, fscale, t.q.data(), Dp);
+        std::fill(t.acc.begin(), t.acc.begin() + qn * Dp, 0.f);
+        std::fill(t.m.begin(), t.m.end(), kNegInf);
+        std::fill(t.l.begin(), t.l.end(), 0.f);
+        const int64_t kend = key_end(causal, q0, qn, d.Skv);
+        for (int64_t k0 = 0; k0 < kend; k0 += kBK) {
+          const int64_t kn = std::min(kBK, kend - k0);
+          load_transposed(kbase + k0 * D, kn, D, t.kt.data());
+          load_rows(vbase + k0 * D, kn, D, 1.f, t.v.data(), Dp);
+          // S = (q * scale) k^T
+          gemm(t.q.data(), Dp, 1, qn, D, t.kt.data(), kBK, t.s.data(), kBK, kBK, false);
+          for (int64_t i = 0; i < qn; ++i) {
+            float* sr = t.s.data() + i * kBK;
+            const int64_t jn = visible(causal, q0 + i, k0, kn);
+            if (jn == 0) {  // the row sees none of these keys: it keeps its state
+              std::fill(sr, sr + kBK, 0.f);
+              continue;
+            }
+            float mx = kNegInf;
+#pragma omp simd reduction(max : mx)
+            for (int64_t j = 0; j < kBK; ++j) mx = std::fmax(mx, j < jn ? sr[j] : kNegInf);
+            const float m_new = std::fmax(t.m[i], mx);
+            const float alpha = t.m[i] == kNegInf ? 0.f : exp_f(t.m[i] - m_new);
+            float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < kBK; ++j) {
+              const float p = j < jn ? exp_f(sr[j] - m_new) : 0.f;
+              sr[j] = p;
+              sum += p;
+            }
+            t.l[i] = t.l[i] * alpha + sum;
+            t.m[i] = m_new;
+            if (alpha != 1.f) {
+              float* a = t.acc.data() + i * Dp;
+#pragma omp simd
+              for (int64_t c = 0; c < Dp; ++c) a[c] *= alpha;
+            }
+          }
+          // acc += P v
+          gemm(t.s.data(), kBK, 1, qn, kn, t.v.data(), Dp, t.acc.data(), Dp, Dp, true);
+        }
+        T* obase = op + (bh * d.S + q0) * D;
+        float* lrow = lp + bh * d.S + q0;
+        for (int64_t i = 0; i < qn; ++i) {
+          const float l = t.l[i];
+          // No visible key (only when Skv == 0): the empty softmax gives 0 and lse -inf.
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          const float* a = t.acc.data() + i * Dp;
+          T* o = obase + i * D;
+#pragma omp simd
+          for (int64_t c = 0; c < D; ++c) o[c] = st<T>(a[c] * inv);
+          lrow[i] = l > 0.f ? t.m[i] + std::log(l) : kNegInf;
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
+// ---------------------------------------------------------------------------- backward
+
+// For one (query block, key block) pair: P = exp(S - lse) into t.s and dS into t.dp, from
+// t.q (q * scale), t.o (dout), t.kt, t.vt.
+inline void probs_and_dscores(Tiles& t, int64_t qn, int64_t kn, int64_t D, const float* lse,
+                              const float* delta, bool causal, int64_t q0, int64_t k0) {
+  const int64_t Dp = t.Dp;
+  gemm(t.q.data(), Dp, 1, qn, D, t.kt.data(), kBK, t.s.data(), kBK, kBK, false);   // S
+  gemm(t.o.data(), Dp, 1, qn, D, t.vt.data(), kBK, t.dp.data(), kBK, kBK, false);  // dP
+  for (int64_t i = 0; i < qn; ++i) {
+    float* sr = t.s.data() + i * kBK;
+    float* dr = t.dp.data() + i * kBK;
+    const int64_t jn = visible(causal, q0 + i, k0, kn);
+    const float l = lse[i], dl = delta[i];
+#pragma omp simd
+    for (int64_t j = 0; j < kBK; ++j) {
+      const float p = j < jn ? exp_f(sr[j] - l) : 0.f;
+      sr[j] = p;
+      dr[j] = p * (dr[j] - dl);
+    }
+  }
+}
+
+std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                      const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                      double scale) {
+  const Dims d = dims_of(q, k, v);
+  check_act(dout, "dout");
+  check_act(out, "out");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() &&
+                  dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "dout and out must match q in shape and dtype");
+  check_stat(lse, "lse", q);
+  TORCH_CHECK(!causal || d.S == d.Skv, "causal attention needs S == Skv, got ", d.S, " and ",
+              d.Skv);
+  auto dq = at::empty_like(q);
+  auto dk = at::empty_like(k);
+  auto dv = at::empty_like(v);
+  auto delta = at::empty({d.B, d.Hq, d.S}, q.options().dtype(at::kFloat));
+  const float fscale = static_cast<float>(scale);
+  const int64_t D = d.D;
+  const int64_t nqb = (d.S + kBQ - 1) / kBQ, nkb = (d.Skv + kBK - 1) / kBK;
+  dispatch(q, [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = cptr<T>(dout);
+    const T* qp = cptr<T>(q);
+    const T* kp = cptr<T>(k);
+    const T* vp = cptr<T>(v);
+    const T* op = cptr<T>(out);
+    const float* lp = lse.data_ptr<float>();
+    float* dl = delta.data_ptr<float>();
+    T* dqp = ptr<T>(dq);
+    T* dkp = ptr<T>(dk);
+    T* dvp = ptr<T>(dv);
+    const int64_t rows = d.B * d.Hq * d.S;
+
+    // delta_i = rowsum(dout * out): the softmax Jacobian's term, one dot product per row.
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* g = gp + r * D;
+      const T* o = op + r * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t c = 0; c < D; ++c) s += ld(g[c]) * ld(o[c]);
+      dl[r] = s;
+    }
+
+    // Pass 1: dk and dv, one (b, kv head, key block) per task, over every query head of the
+    // group and every query block.
+    const int64_t ktasks = d.B * d.Hkv * nkb;
+#pragma omp parallel
+    {
+      Tiles t(D);
+      const int64_t Dp = t.Dp;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < ktasks; ++task) {
+        const int64_t kb = task % nkb, bhk = task / nkb;
+        const int64_t b = bhk / d.Hkv, hk = bhk % d.Hkv;
+        const int64_t k0 = kb * kBK, kn = std::min(kBK, d.Skv - k0);
+        load_transposed(kp + (bhk * d.Skv + k0) * D, kn, D, t.kt.data());
+        load_transposed(vp + (bhk * d.Skv + k0) * D, kn, D, t.vt.data());
+        float* dK = t.acc.data();
+        float* dV = t.acc2.data();
+        std::fill(dK, dK + kn * Dp, 0.f);
+        std::fill(dV, dV + kn * Dp, 0.f);
+        // With the causal mask, queries before k0 see none of these keys.
+        const int64_t qstart = causal ? k0 / kBQ * kBQ : 0;
+        for (int64_t h = hk * d.G; h < (hk + 1) * d.G; ++h) {
+          const int64_t bh = b * d.Hq + h;
+          for (int64_t q0 = qstart; q0 < d.S; q0 += kBQ) {
+            const int64_t qn = std::min(kBQ, d.S - q0);
+            load_rows(qp + (bh * d.S + q0) * D, qn, D, fscale, t.q.data(), Dp);
+            load_rows(gp + (bh * d.S + q0) * D, qn, D, 1.f, t.o.data(), Dp);
+            probs_and_dscores(t, qn, kn, D, lp + bh * d.S + q0, dl + bh * d.S + q0, causal, q0,
+                              k0);
+            // dv += P^T dout, dk += dS^T (q * scale): A read transposed (rows 1, columns kBK).
+            gemm(t.s.data(), 1, kBK, kn, qn, t.o.data(), Dp, dV, Dp, Dp, true);
+            gemm(t.dp.data(), 1, kBK, kn, qn, t.q.data(), Dp, dK, Dp, Dp, true);
+          }
+        }
+        T* dkb = dkp + (bhk * d.Skv + k0) * D;
+        T* dvb = dvp + (bhk * d.Skv + k0) * D;
+        for (int64_t j = 0; j < kn; ++j) {
+#pragma omp simd
+          for (int64_t c = 0; c < D; ++c) {
+            dkb[j * D + c] = st<T>(dK[j * Dp + c]);
+            dvb[j * D + c] = st<T>(dV[j * Dp + c]);
+          }
+        }
+      }
+    }
+
+    // Pass 2: dq, one (b, h, query block) per task, over the key blocks it sees.
+    const int64_t qtasks = d.B * d.Hq * nqb;
+#pragma omp parallel
+    {
+      Tiles t(D);
+      const int64_t Dp = t.Dp;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t task = 0; task < qtasks; ++task) {
+        const int64_t qb = task % nqb, bh = task / nqb;
+        const int64_t b = bh / d.Hq, h = bh % d.Hq, hk = h / d.G;
+        const int64_t q0 = qb * kBQ, qn = std::min(kBQ, d.S - q0);
+        load_rows(qp + (bh * d.S + q0) * D, qn, D, fscale, t.q.data(), Dp);
+        load_rows(gp + (bh * d.S + q0) * D, qn, D, 1.f, t.o.data(), Dp);
+        float* dQ = t.acc.data();
+        std::fill(dQ, dQ + qn * Dp, 0.f);
+        const T* kbase = kp + (b * d.Hkv + hk) * d.Skv * D;
+        const T* vbase = vp + (b * d.Hkv + hk) * d.Skv * D;
+        const int64_t kend = key_end(causal, q0, qn, d.Skv);
+        for (int64_t k0 = 0; k0 < kend; k0 += kBK) {
+          const int64_t kn = std::min(kBK, kend - k0);
+          load_transposed(kbase + k0 * D, kn, D, t.kt.data());
+          load_transposed(vbase + k0 * D, kn, D, t.vt.data());
+          load_rows(kbase + k0 * D, kn, D, fscale, t.k.data(), Dp);
+          probs_and_dscores(t, qn, kn, D, lp + bh * d.S + q0, dl + bh * d.S + q0, causal, q0,
+                            k0);
+          // dq += dS (k * scale)
+          gemm(t.dp.data(), kBK, 1, qn, kn, t.k.data(), Dp, dQ, Dp, Dp, true);
+        }
+        T* dqb = dqp + (bh * d.S + q0) * D;
+        for (int64_t i = 0; i < qn; ++i) {
+#pragma omp simd
+          for (int64_t c = 0; c < D; ++c) dqb[i * D + c] = st<T>(dQ[i * Dp + c]);
+        }
+      }
+    }
+  });
+  return {dq, dk, dv};
+}
+
+int num_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "meshlab::attention CPU kernels (float32 and bfloat16, float32 accumulation)";
+  m.def("attention_fwd", &attention_fwd);
+  m.def("attention_bwd", &attention_bwd);
+  m.def("num_threads", &num_threads);
+}

@@ -1,0 +1,159 @@
+"""meshlab::attention on a CUDA device: the path taken (flash-attn, cuDNN SDPA or the
+memory-efficient kernel, with the reason recorded), forward and gradients against the
+float32 reference in bfloat16 and float32, causal or not, grouped-query, and opcheck."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _mod():
+    import meshlab.ops  # noqa: F401  (registers the ops)
+
+    return sys.modules["meshlab.ops.attention"]
+
+
+def _rel(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _inputs(b, hq, hkv, s, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g).to(device="cuda", dtype=dtype)
+            for shape in ((b, hq, s, d), (b, hkv, s, d), (b, hkv, s, d))]
+
+
+def _fwd_bwd(fn, q, k, v, gout=None, **kw):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, **kw)
+    gout = torch.randn_like(out) if gout is None else gout
+    return (out, *torch.autograd.grad(out, leaves, gout)), gout
+
+
+def _compare(fn, q, k, v, causal, scale=None):
+    from meshlab.ops import attention_reference
+
+    got, gout = _fwd_bwd(fn, q, k, v, causal=causal, scale=scale)
+    want, _ = _fwd_bwd(attention_reference, q, k, v, gout, causal=causal, scale=scale)
+    errs = {n: _rel(a, e) for n, a, e in zip(("out", "dq", "dk", "dv"), got, want)}
+    assert all(e < TOL[q.dtype] for e in errs.values()), errs
+    assert all(a.dtype == q.dtype and a.shape == e.shape for a, e in zip(got, want))
+
+
+def _op(q, k, v, causal=False, scale=None):
+    """The custom op itself, bypassing the flash-attn shortcut of attention()."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.ops.meshlab.attention(q, k, v, causal, scale)[0]
+
+
+SHAPES = [(2, 4, 2, 37, 24), (1, 8, 1, 130, 64), (2, 4, 4, 64, 128)]   # (B, Hq, Hkv, S, D)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_custom_op_matches_reference(dtype, shape, causal):
+    from meshlab.ops import _build
+
+    q, k, v = _inputs(*shape, dtype)
+    _compare(_op, q, k, v, causal)
+    for op in ("attention", "attention_backward"):
+        path = _build.LAST_PATH[(op, "cuda")]
+        assert path.native, path
+        if dtype == torch.bfloat16:
+            assert path.reason.startswith("cuDNN SDPA"), path        # H100/H200: sm90
+        else:
+            assert path.reason.startswith("memory-efficient SDPA") and "float32" in path.reason, \
+                path
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_public_attention_path(causal):
+    """attention() takes flash-attn when it is installed, the custom op otherwise."""
+    from meshlab.ops import _build, attention
+
+    q, k, v = _inputs(2, 8, 2, 257, 64, torch.bfloat16)
+    _compare(attention, q, k, v, causal, scale=0.1)
+    path = _build.LAST_PATH[("attention", "cuda")]
+    fa = _mod()._flash_attn()
+    if fa is not None:
+        assert path.reason == f"flash-attn {fa.__version__}", path
+    else:
+        assert path.reason.startswith("cuDNN SDPA"), path
+
+
+def test_lse_matches_reference():
+    mod = _mod()
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = _inputs(2, 4, 2, 37, 24, dtype)
+        _, lse = torch.ops.meshlab.attention(q, k, v, True, 0.3)
+        want = torch.logsumexp(mod._scores(q, k, True, 0.3), -1)
+        assert lse.shape == (2, 4, 37) and lse.dtype == torch.float32 and lse.is_contiguous()
+        torch.testing.assert_close(lse, want, rtol=1e-3, atol=1e-3)
+
+
+def test_memory_efficient_path_in_bf16(monkeypatch):
+    """With cuDNN ruled out, bf16 runs the memory-efficient kernel (lse rows padded to 32)."""
+    from meshlab.ops import _build
+
+    mod = _mod()
+    monkeypatch.setattr(mod, "_cudnn_unusable", lambda q, causal: "cuDNN SDPA ruled out")
+    q, k, v = _inputs(2, 4, 2, 37, 24, torch.bfloat16)
+    _compare(_op, q, k, v, True)
+    path = _build.LAST_PATH[("attention", "cuda")]
+    assert path.reason == "memory-efficient SDPA, as cuDNN SDPA ruled out", path
+
+
+def test_cudnn_refusal_is_recorded_and_remembered(monkeypatch):
+    from meshlab.ops import _build
+
+    mod = _mod()
+    calls = []
+
+    def refuse(*args):
+        calls.append(1)
+        raise RuntimeError("cuDNN Frontend error: no engine for this graph\nmore detail")
+
+    monkeypatch.setattr(mod, "_cudnn_fwd", refuse)
+    monkeypatch.setattr(mod, "_CUDNN_REFUSED", {})
+    q, k, v = _inputs(1, 2, 2, 16, 40, torch.bfloat16)
+    for _ in range(2):
+        _op(q, k, v, causal=True)
+        path = _build.LAST_PATH[("attention", "cuda")]
+        assert path.native and path.reason.startswith(
+            "memory-efficient SDPA, as cuDNN SDPA raised cuDNN Frontend error"), path
+    assert len(calls) == 1                       # the second call did not ask cuDNN again
+
+
+def test_native_off_runs_reference(monkeypatch):
+    from meshlab.ops import _build
+
+    monkeypatch.setenv("MESHLAB_OPS_NATIVE", "0")
+    q, k, v = _inputs(1, 4, 2, 33, 24, torch.bfloat16)
+    _compare(_op, q, k, v, True)
+    for op in ("attention", "attention_backward"):
+        path = _build.LAST_PATH[(op, "cuda")]
+        assert not path.native and path.reason == "MESHLAB_OPS_NATIVE=0", path
+
+
+def test_long_causal_gqa_bf16():
+    """Llama-3-8B's attention shape (32 query heads on 8 kv heads of 128), 2048 tokens."""
+    q, k, v = _inputs(1, 32, 8, 2048, 128, torch.bfloat16)
+    _compare(_op, q, k, v, True)
+
+
+def test_opcheck_cuda():
+    from meshlab import _check
+
+    row = _check.check_op("attention", "cuda", dtypes=("bfloat16",), run_opcheck=True,
+                          small=True)
+    assert not row.failures, row.failures
