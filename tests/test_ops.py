@@ -82,6 +82,29 @@ def test_fallback_matches_native(op, dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "rotary", "swiglu"])
+def test_eager_path_equals_custom_op(op):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _, args, grad_idx = _check.cases(op, torch.float32, "cpu")
+    fn = OPS[op][0]
+    fast, gout = _grads(fn, args, grad_idx)
+    with _build.dispatcher_only():
+        slow, _ = _grads(fn, args, grad_idx, gout)
+    for a, b in zip(fast, slow):               # the same kernels: bit for bit
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():                                # a mode sees the custom op, not its insides
+        fn(*args)
+    assert f"meshlab.{op}.default" in seen, seen
+
+
 def test_kernels_reject_what_they_do_not_handle():
     # float16 has no CPU kernel: the op runs the reference and says why.
     x = torch.randn(4, 8, dtype=torch.float16)

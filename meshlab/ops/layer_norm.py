@@ -48,10 +48,7 @@ def _bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor
     return dx.to(x.dtype), dw.to(weight.dtype), db.to(weight.dtype)
 
 
-@torch.library.custom_op("meshlab::layer_norm", mutates_args=())
-def layer_norm_op(x: Tensor, weight: Tensor, bias: Tensor,
-                  eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x: (..., H), weight, bias: (H,) -> (y (..., H), mean (...,), rstd (...,)), stats float32."""
+def _forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float):
     k = _build.kernels("layer_norm", x)
     if k is None:
         return _fwd_torch(x, weight, bias, eps)
@@ -62,16 +59,20 @@ def layer_norm_op(x: Tensor, weight: Tensor, bias: Tensor,
     return y.view(x.shape), mean.view(lead), rstd.view(lead)
 
 
+@torch.library.custom_op("meshlab::layer_norm", mutates_args=())
+def layer_norm_op(x: Tensor, weight: Tensor, bias: Tensor,
+                  eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x: (..., H), weight, bias: (H,) -> (y (..., H), mean (...,), rstd (...,)), stats float32."""
+    return _forward(x, weight, bias, eps)
+
+
 @layer_norm_op.register_fake
 def _(x, weight, bias, eps):
     stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
     return torch.empty_like(x), stat, torch.empty_like(stat)
 
 
-@torch.library.custom_op("meshlab::layer_norm_backward", mutates_args=())
-def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor,
-                        rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """dy, x: (..., H), weight: (H,), mean, rstd: (...,) -> (dx, dweight (H,), dbias (H,))."""
+def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor):
     k = _build.kernels("layer_norm_backward", x)
     if k is None:
         return _bwd_torch(dy, x, weight, mean, rstd)
@@ -81,6 +82,13 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor,
                                   mean.reshape(-1).float().contiguous(),
                                   rstd.reshape(-1).float().contiguous())
     return dx.view(x.shape), dw.to(weight.dtype), db.to(weight.dtype)
+
+
+@torch.library.custom_op("meshlab::layer_norm_backward", mutates_args=())
+def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor,
+                        rstd: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dy, x: (..., H), weight: (H,), mean, rstd: (...,) -> (dx, dweight (H,), dbias (H,))."""
+    return _backward_impl(dy, x, weight, mean, rstd)
 
 
 @layer_norm_backward.register_fake
@@ -105,11 +113,29 @@ def _backward(ctx, dy, _dmean, _drstd):
 layer_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The same kernels without the custom op's dispatch, for plain tensors in eager mode."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, mean, rstd = _forward(x, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.bias_dtype = bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw, db = _backward_impl(dy, *ctx.saved_tensors)
+        return dx, dw, db.to(ctx.bias_dtype), None
+
+
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
     """LayerNorm over the last dim. x: (..., H), weight, bias: (H,) -> (..., H) in x.dtype.
 
     ``eps`` defaults to 1e-5, ``torch.nn.LayerNorm``'s value.
     """
+    if _build.eager(x, weight, bias):
+        return _Eager.apply(x, weight, bias, eps)
     return torch.ops.meshlab.layer_norm(x, weight, bias, eps)[0]
 
 

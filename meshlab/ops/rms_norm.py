@@ -45,15 +45,30 @@ def _bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Ten
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 
-@torch.library.custom_op("meshlab::rms_norm", mutates_args=())
-def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """x: (..., H), weight: (H,) -> (y (..., H) in x.dtype, rstd (...,) float32)."""
+def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     k = _build.kernels("rms_norm", x)
     if k is None:
         return _fwd_torch(x, weight, eps)
     h = x.shape[-1]
     y, rstd = k.rms_norm_fwd(x.reshape(-1, h).contiguous(), weight.float().contiguous(), eps)
     return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    k = _build.kernels("rms_norm_backward", x)
+    if k is None:
+        return _bwd_torch(dy, x, weight, rstd)
+    h = x.shape[-1]
+    dx, dw = k.rms_norm_bwd(dy.to(x.dtype).reshape(-1, h).contiguous(),
+                            x.reshape(-1, h).contiguous(), weight.float().contiguous(),
+                            rstd.reshape(-1).float().contiguous())
+    return dx.view(x.shape), dw.to(weight.dtype)
+
+
+@torch.library.custom_op("meshlab::rms_norm", mutates_args=())
+def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """x: (..., H), weight: (H,) -> (y (..., H) in x.dtype, rstd (...,) float32)."""
+    return _forward(x, weight, eps)
 
 
 @rms_norm_op.register_fake
@@ -64,14 +79,7 @@ def _(x, weight, eps):
 @torch.library.custom_op("meshlab::rms_norm_backward", mutates_args=())
 def rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     """dy, x: (..., H), weight: (H,), rstd: (...,) -> (dx (..., H), dweight (H,))."""
-    k = _build.kernels("rms_norm_backward", x)
-    if k is None:
-        return _bwd_torch(dy, x, weight, rstd)
-    h = x.shape[-1]
-    dx, dw = k.rms_norm_bwd(dy.to(x.dtype).reshape(-1, h).contiguous(),
-                            x.reshape(-1, h).contiguous(), weight.float().contiguous(),
-                            rstd.reshape(-1).float().contiguous())
-    return dx.view(x.shape), dw.to(weight.dtype)
+    return _backward_impl(dy, x, weight, rstd)
 
 
 @rms_norm_backward.register_fake
@@ -95,11 +103,29 @@ def _backward(ctx, dy, _drstd):
 rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The same kernels without the custom op's dispatch, for plain tensors in eager mode."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward_impl(dy, x, weight, rstd)
+        return dx, dw, None
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     """RMSNorm over the last dim. x: (..., H), weight: (H,) -> (..., H) in x.dtype.
 
     ``eps`` defaults to 1e-6, Llama's value.
     """
+    if _build.eager(x, weight):
+        return _Eager.apply(x, weight, eps)
     return torch.ops.meshlab.rms_norm(x, weight, eps)[0]
 
 

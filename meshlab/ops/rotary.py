@@ -50,14 +50,18 @@ def _check(x: Tensor, cos: Tensor, sin: Tensor) -> None:
                          f"Face's (S, D) tables pass cos[:, :D//2]")
 
 
-@torch.library.custom_op("meshlab::rotary", mutates_args=())
-def rotary_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, S, NH, D), cos, sin: (S, D/2) -> (B, S, NH, D)."""
+def _forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     _check(x, cos, sin)
     k = _build.kernels("rotary", x)
     if k is None:
         return rotary_reference(x, cos, sin)
     return k.rotary_fwd(x.contiguous(), cos.float().contiguous(), sin.float().contiguous())
+
+
+@torch.library.custom_op("meshlab::rotary", mutates_args=())
+def rotary_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: (B, S, NH, D), cos, sin: (S, D/2) -> (B, S, NH, D)."""
+    return _forward(x, cos, sin)
 
 
 @rotary_op.register_fake
@@ -70,12 +74,15 @@ def _setup_context(ctx, inputs, output):
     x, cos, sin = inputs
     ctx.save_for_backward(x, cos, sin)
     ctx.cos_dtype, ctx.sin_dtype = cos.dtype, sin.dtype
+    ctx.eager = False
 
 
 def _backward(ctx, dy):
     x, cos, sin = ctx.saved_tensors
     # A rotation's transpose is the rotation by the opposite angle.
-    dx = torch.ops.meshlab.rotary(dy, cos, -sin) if ctx.needs_input_grad[0] else None
+    dx = None
+    if ctx.needs_input_grad[0]:
+        dx = _forward(dy, cos, -sin) if ctx.eager else torch.ops.meshlab.rotary(dy, cos, -sin)
     dcos = dsin = None
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         half = x.shape[-1] // 2
@@ -89,8 +96,24 @@ def _backward(ctx, dy):
 rotary_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The same kernel without the custom op's dispatch, for plain tensors in eager mode."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        _setup_context(ctx, (x, cos, sin), None)
+        ctx.eager = True
+        return _forward(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _backward(ctx, dy)
+
+
 def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` (B, S, NH, D) by the angles whose ``cos``/``sin`` are (S, D/2)."""
+    if _build.eager(x, cos, sin):
+        return _Eager.apply(x, cos, sin)
     return torch.ops.meshlab.rotary(x, cos, sin)
 
 

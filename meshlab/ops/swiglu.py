@@ -43,14 +43,18 @@ def _check(a: Tensor, b: Tensor) -> None:
                          f"projections evenly")
 
 
-@torch.library.custom_op("meshlab::swiglu", mutates_args=())
-def swiglu_op(a: Tensor, b: Tensor) -> Tensor:
-    """a, b: (...) -> silu(a) * b, (...)."""
+def _forward(a: Tensor, b: Tensor) -> Tensor:
     _check(a, b)
     k = _build.kernels("swiglu", a)
     if k is None:
         return swiglu_reference(a, b)
     return k.swiglu_fwd(a.contiguous(), b.contiguous()).view(a.shape)
+
+
+@torch.library.custom_op("meshlab::swiglu", mutates_args=())
+def swiglu_op(a: Tensor, b: Tensor) -> Tensor:
+    """a, b: (...) -> silu(a) * b, (...)."""
+    return _forward(a, b)
 
 
 @swiglu_op.register_fake
@@ -59,14 +63,18 @@ def _(a, b):
     return torch.empty_like(a)
 
 
-@torch.library.custom_op("meshlab::swiglu_backward", mutates_args=())
-def swiglu_backward(dy: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """dy, a, b: (...) -> (da, db), each (...)."""
+def _backward_impl(dy: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     k = _build.kernels("swiglu_backward", a)
     if k is None:
         return _bwd_torch(dy, a, b)
     da, db = k.swiglu_bwd(dy.to(a.dtype).contiguous(), a.contiguous(), b.contiguous())
     return da.view(a.shape), db.view(b.shape)
+
+
+@torch.library.custom_op("meshlab::swiglu_backward", mutates_args=())
+def swiglu_backward(dy: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """dy, a, b: (...) -> (da, db), each (...)."""
+    return _backward_impl(dy, a, b)
 
 
 @swiglu_backward.register_fake
@@ -86,8 +94,23 @@ def _backward(ctx, dy):
 swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Eager(torch.autograd.Function):
+    """The same kernels without the custom op's dispatch, for plain tensors in eager mode."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return _forward(a, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _backward_impl(dy, *ctx.saved_tensors)
+
+
 def swiglu(a: Tensor, b: Tensor) -> Tensor:
     """``silu(a) * b`` for a gate ``a`` and an up projection ``b`` of one shape."""
+    if _build.eager(a, b):
+        return _Eager.apply(a, b)
     return torch.ops.meshlab.swiglu(a, b)
 
 
