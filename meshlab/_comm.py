@@ -164,7 +164,7 @@ class CommCounter:
 
     >>> with CommCounter() as cc:      # doctest: +SKIP
     ...     step(model, opt, batch)
-    >>> cc.bytes('all_reduce')
+    >>> cc.bytes('all_reduce')         # doctest: +SKIP
     """
 
     def __init__(self, *, per_module: bool = True) -> None:

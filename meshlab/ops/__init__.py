@@ -28,6 +28,7 @@ from .linear_cross_entropy import (linear_cross_entropy as linear_cross_entropy,
 from .attention import (attention as attention, attention_reference as attention_reference,
                         hf_attention as hf_attention, register_hf as register_hf)
 from .cpu_adam import CPUAdamW as CPUAdamW
+from .fused_adamw import FusedAdamW as FusedAdamW
 
 # Public op name -> (fused function, pure-PyTorch reference).
 OPS = {
