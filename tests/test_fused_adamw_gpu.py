@@ -42,18 +42,33 @@ def _grads(a, b, gen, skip=()):
 
 
 def _assert_same(oa, a, ob, b, dtype):
+    """Float32: every element within TOL. Half types: both kernels round float32 math to
+    the storage type, once per tensor per step, but not always to the same neighbour, and
+    the differences then persist (measured on the H200: 0.17% of bfloat16 parameters
+    outside TOL after 5 steps, the largest one ulp of its value). So: few elements outside
+    TOL, and none by more than two ulps plus half an update (lr), which a wrong update
+    would exceed."""
     differ = total = 0
     for pa, pb in zip(a, b):
-        torch.testing.assert_close(pa.detach(), pb.detach(), **TOL[dtype])
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(oa.state[pa][key], ob.state[pb][key], **TOL[dtype])
         assert oa.state[pa]["step"].item() == ob.state[pb]["step"].item()
         assert oa.state[pa]["step"].device.type == "cpu"
-        differ += int((pa.detach() != pb.detach()).sum())
-        total += pa.numel()
+        pairs = [(pa.detach(), pb.detach())] + [(oa.state[pa][k], ob.state[pb][k])
+                                                for k in ("exp_avg", "exp_avg_sq")]
+        for x, y in pairs:
+            if dtype == torch.float32:
+                torch.testing.assert_close(x, y, **TOL[dtype])
+                continue
+            close = torch.isclose(x.float(), y.float(), **TOL[dtype])
+            differ += int((~close).sum())
+            total += x.numel()
+            if x.numel():
+                # Two ulps of the storage type at |y|, plus half the largest update (lr 3e-2).
+                yf = y.float().abs().clamp_min(torch.finfo(dtype).tiny)
+                ulp = torch.finfo(dtype).eps * torch.exp2(torch.floor(torch.log2(yf)))
+                excess = (x.float() - y.float()).abs() - (2 * ulp + 0.5 * 3e-2)
+                assert float(excess.max()) <= 0, (NAMES[dtype], float(excess.max()))
     if dtype != torch.float32:
-        # Differences are isolated roundings to the storage type, not a drift.
-        assert differ <= 0.01 * total, (NAMES[dtype], differ, total)
+        assert differ <= 0.005 * total, (NAMES[dtype], differ, total)
 
 
 def _assert_triton(opt):

@@ -22,7 +22,8 @@ NATIVE = shutil.which(os.environ.get("CXX", "c++")) is not None and \
 
 
 def _grads(fn, args, grad_idx, gout=None):
-    leaves = [a.detach().requires_grad_(i in grad_idx) for i, a in enumerate(args)]
+    leaves = [a.detach().requires_grad_(i in grad_idx) if isinstance(a, torch.Tensor) else a
+              for i, a in enumerate(args)]
     out = fn(*leaves)
     gout = torch.randn_like(out) if gout is None else gout
     return (out, *torch.autograd.grad(out, [leaves[i] for i in grad_idx], gout)), gout
@@ -82,7 +83,7 @@ def test_fallback_matches_native(op, dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.parametrize("op", ["layer_norm", "rms_norm", "rotary", "swiglu"])
+@pytest.mark.parametrize("op", ["attention", "layer_norm", "rms_norm", "rotary", "swiglu"])
 def test_eager_path_equals_custom_op(op):
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -135,6 +136,11 @@ def test_linear_cross_entropy_edges():
         linear_cross_entropy(h, w[:, :8], t)
     with pytest.raises(ValueError, match="leading dims"):
         linear_cross_entropy(h, w, t[:, :3])
+    hg = h.clone().requires_grad_()
+    loss = linear_cross_entropy(hg, w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
     if NATIVE:
         with pytest.raises(RuntimeError, match="out of range"):
             linear_cross_entropy(h, w, t.masked_fill(t == t[1, 0], 50))

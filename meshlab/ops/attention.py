@@ -202,7 +202,7 @@ def _cudnn_fwd(q, k, v, causal, scale):
         q, k, v, None, True, 0.0, causal, False, scale=scale)
     out, lse = res[0], res[1]
     b, h, s, _ = q.shape
-    return out.contiguous(), lse.reshape(b, h, s).contiguous()     # (B, H, S, 1) -> (B, H, S)
+    return out, lse.reshape(b, h, s)                               # (B, H, S, 1) -> (B, H, S)
 
 
 def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
@@ -259,23 +259,59 @@ def _cuda_call(op: str, q: Tensor, causal: bool, cudnn, efficient):
 
 
 def _cuda_fwd(q, k, v, causal, scale):
+    # cuDNN takes grouped kv heads and strided (B, H, S, D) views as they are (Hugging Face
+    # hands over transposes of (B, S, H, D) projections), so nothing is copied for it; the
+    # memory-efficient kernel gets kv heads repeated and contiguous inputs.
     group = q.shape[1] // k.shape[1]
-    q, ke, ve = q.contiguous(), _expand(k, group).contiguous(), _expand(v, group).contiguous()
-    return _cuda_call("attention", q, causal,
-                      lambda: _cudnn_fwd(q, ke, ve, causal, scale),
-                      lambda: _efficient_fwd(q, ke, ve, causal, scale))
+
+    def efficient():
+        ke, ve = _expand(k, group).contiguous(), _expand(v, group).contiguous()
+        return _efficient_fwd(q.contiguous(), ke, ve, causal, scale)
+
+    return _cuda_call("attention", q, causal, lambda: _cudnn_fwd(q, k, v, causal, scale),
+                      efficient)
 
 
 def _cuda_bwd(dout, q, k, v, out, lse, causal, scale):
     group = q.shape[1] // k.shape[1]
-    dout, q, out = dout.to(q.dtype).contiguous(), q.contiguous(), out.contiguous()
-    ke, ve = _expand(k, group).contiguous(), _expand(v, group).contiguous()
-    lse = lse.float().contiguous()
-    dq, dk, dv = _cuda_call(
-        "attention_backward", q, causal,
-        lambda: _cudnn_bwd(dout, q, ke, ve, out, lse, causal, scale),
-        lambda: _efficient_bwd(dout, q, ke, ve, out, lse, causal, scale))
-    return dq.contiguous(), _reduce(dk, group).contiguous(), _reduce(dv, group).contiguous()
+    dout, lse = dout.to(q.dtype), lse.float().contiguous()
+
+    def efficient():
+        ke, ve = _expand(k, group).contiguous(), _expand(v, group).contiguous()
+        dq, dk, dv = _efficient_bwd(dout.contiguous(), q.contiguous(), ke, ve, out.contiguous(),
+                                    lse, causal, scale)
+        return dq, _reduce(dk, group), _reduce(dv, group)
+
+    return _cuda_call("attention_backward", q, causal,
+                      lambda: _cudnn_bwd(dout, q, k, v, out, lse, causal, scale), efficient)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """(out, lse) on the best path for the device; out may be strided on CUDA."""
+    if q.device.type == "cuda":
+        off = _build.native_disabled_reason()
+        if off is None:
+            return _cuda_fwd(q, k, v, causal, scale)
+        _build.record("attention", "cuda", False, off)
+        return _fwd_torch(q, k, v, causal, scale)
+    mod = _build.kernels("attention", q)
+    if mod is None:
+        return _fwd_torch(q, k, v, causal, scale)
+    return mod.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+
+
+def _backward_impl(dout, q, k, v, out, lse, causal, scale) -> tuple[Tensor, Tensor, Tensor]:
+    if q.device.type == "cuda":
+        off = _build.native_disabled_reason()
+        if off is None:
+            return _cuda_bwd(dout, q, k, v, out, lse, causal, scale)
+        _build.record("attention_backward", "cuda", False, off)
+        return _bwd_torch(dout, q, k, v, out, lse, causal, scale)
+    mod = _build.kernels("attention_backward", q)
+    if mod is None:
+        return _bwd_torch(dout, q, k, v, out, lse, causal, scale)
+    c = [t.to(q.dtype).contiguous() for t in (dout, q, k, v, out)]
+    return mod.attention_bwd(*c, lse.float().contiguous(), causal, scale)
 
 
 # ---------------------------------------------------------------------------- custom ops
@@ -286,17 +322,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool,
     """q (B, Hq, S, D), k, v (B, Hkv, Skv, D) -> (out (B, Hq, S, D) in q.dtype, contiguous;
     lse (B, Hq, S) float32, the log-sum-exp of each row of scaled, masked scores)."""
     _check(q, k, v, causal)
-    if q.device.type == "cuda":
-        off = _build.native_disabled_reason()
-        if off is None:
-            return _cuda_fwd(q, k, v, causal, scale)
-        _build.record("attention", "cuda", False, off)
-        return _fwd_torch(q, k, v, causal, scale)
-    mod = _build.kernels("attention", q)
-    if mod is None:
-        return _fwd_torch(q, k, v, causal, scale)
-    out, lse = mod.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
-    return out, lse
+    out, lse = _forward(q, k, v, causal, scale)
+    return out.contiguous(), lse.contiguous()
 
 
 @attention_op.register_fake
@@ -310,18 +337,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """dout, q, out (B, Hq, S, D), k, v (B, Hkv, Skv, D), lse (B, Hq, S) float32 ->
     (dq (B, Hq, S, D), dk, dv (B, Hkv, Skv, D)), contiguous, in the inputs' dtypes."""
-    if q.device.type == "cuda":
-        off = _build.native_disabled_reason()
-        if off is None:
-            return _cuda_bwd(dout, q, k, v, out, lse, causal, scale)
-        _build.record("attention_backward", "cuda", False, off)
-        return _bwd_torch(dout, q, k, v, out, lse, causal, scale)
-    mod = _build.kernels("attention_backward", q)
-    if mod is None:
-        return _bwd_torch(dout, q, k, v, out, lse, causal, scale)
-    c = [t.to(q.dtype).contiguous() for t in (dout, q, k, v, out)]
-    dq, dk, dv = mod.attention_bwd(*c, lse.float().contiguous(), causal, scale)
-    return dq, dk, dv
+    dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, causal, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @attention_backward.register_fake
@@ -345,6 +362,23 @@ def _backward(ctx, dout, _dlse):
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """The same kernels without the custom op's dispatch, for plain tensors in eager mode
+    (and without forcing outputs contiguous, which the custom op's fake promises)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse = _forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = _backward_impl(dout, *ctx.saved_tensors, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
 
 
 # ---------------------------------------------------------------------------- public
@@ -398,6 +432,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
             out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      dropout_p=0.0, softmax_scale=scale, causal=causal)
             return out.transpose(1, 2)
+    if _build.eager(q, k, v):
+        return _Eager.apply(q, k, v, causal, scale)
     return torch.ops.meshlab.attention(q, k, v, causal, scale)[0]
 
 

