@@ -131,6 +131,34 @@ def check_op(op: str, device: str, dtypes=("float32", "bfloat16"), run_opcheck: 
     return row
 
 
+def check_fused_adamw(device: str) -> Row:
+    """FusedAdamW against torch.optim.AdamW over 3 steps of float32 parameters on ``device``."""
+    import torch
+
+    from .ops import FusedAdamW, _build
+
+    row = Row("fused_adamw", device)
+    g = torch.Generator().manual_seed(0)
+    shapes = [(67, 3), (1000,), (5,), ()]
+    a = [torch.nn.Parameter(torch.randn(s, generator=g).to(device)) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    oa, ob = FusedAdamW(a, lr=1e-2, weight_decay=0.1), torch.optim.AdamW(b, lr=1e-2,
+                                                                         weight_decay=0.1)
+    for _ in range(3):
+        for pa, pb in zip(a, b):
+            pa.grad = torch.randn(pa.shape, generator=g).to(device)
+            pb.grad = pa.grad.clone()
+        oa.step()
+        ob.step()
+    path = _build.LAST_PATH.get(("fused_adamw", device))
+    row.native, row.reason = oa.native, (path.reason if path else oa.fallback_reason or "")
+    err = max(_rel(x, y) for x, y in zip(a, b))
+    row.errors["float32"] = err
+    if not err <= TOLERANCE["float32"]:
+        row.failures.append(f"float32: relative error {err:.2e} against torch.optim.AdamW")
+    return row
+
+
 def run(ops=None, devices=None, run_opcheck: bool = True, console=None) -> int:
     """Check ``ops`` (default: all) on ``devices`` (default: cpu, and cuda when present)."""
     import torch
@@ -154,14 +182,15 @@ def run(ops=None, devices=None, run_opcheck: bool = True, console=None) -> int:
     built = max((t for t in map(_build.build_seconds, ("meshlab_ops_cpu", "meshlab_attention_cpu"))
                  if t is not None), default=None)
     rows = [check_op(op, dev, run_opcheck=run_opcheck) for dev in devices for op in (ops or OPS)]
+    rows += [check_fused_adamw(dev) for dev in devices]
 
     table = Table(title="meshlab fused ops")
     for col in ("op", "device", "path", "opcheck", "fp32 err", "bf16 err", "result", "reason"):
         table.add_column(col)
     for r in rows:
         table.add_row(r.op, r.device, "native" if r.native else "[yellow]fallback[/]", r.opcheck,
-                      f"{r.errors.get('float32', float('nan')):.1e}",
-                      f"{r.errors.get('bfloat16', float('nan')):.1e}",
+                      *(f"{r.errors[d]:.1e}" if d in r.errors else "-"
+                        for d in ("float32", "bfloat16")),
                       "[red]FAIL[/]" if r.failures else "[green]ok[/]", r.reason)
     if "cpu" in devices:
         table.add_row("cpu_adamw", "cpu", "native" if adam is not None else "[yellow]fallback[/]",

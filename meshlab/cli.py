@@ -106,6 +106,27 @@ def cmd_check(args) -> int:
                       run_opcheck=not args.no_opcheck)
 
 
+def cmd_build(args) -> int:
+    """Compile the C++ kernels now (they are otherwise built the first time an op runs)."""
+    import time
+
+    from .ops import _build
+
+    off = _build.native_disabled_reason()
+    if off is not None:
+        print(f"meshlab build: native kernels are off ({off}); nothing to build", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    built = _build.build_all()
+    for name, ok in built.items():
+        where = _build.build_dir(name)
+        print(f"{name:<24} {'built' if ok else 'FAILED'}  "
+              f"{where if ok else _build.failure(name)}")
+    print(f"{sum(built.values())} of {len(built)} extensions ready in "
+          f"{time.perf_counter() - t0:.1f} s")
+    return 0 if all(built.values()) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="meshlab", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -142,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="one device (default: cpu, and cuda when present)")
     c.add_argument("--no-opcheck", action="store_true", help="skip torch.library.opcheck")
     c.set_defaults(fn=cmd_check)
+
+    b = sub.add_parser("build", help="compile the C++ kernels now, into the cache every later "
+                                     "process loads them from (opt-in; otherwise lazy)")
+    b.set_defaults(fn=cmd_build)
 
     from . import _cli_run
 

@@ -162,6 +162,18 @@ def test_failed_build_is_recorded_not_raised(monkeypatch):
     assert "no C++ compiler" in _build.failure("meshlab_no_compiler")
 
 
+def test_build_command(capsys):
+    from meshlab import cli
+
+    rc = cli.main(["build"])
+    out = capsys.readouterr().out
+    if NATIVE:
+        assert rc == 0, out
+        assert "3 of 3 extensions ready" in out and "meshlab_attention_cpu" in out
+    else:
+        assert rc == 1
+
+
 def test_check_command_exit_code(capsys):
     from rich.console import Console
 
@@ -169,6 +181,7 @@ def test_check_command_exit_code(capsys):
                       console=Console(width=200)) == 0
     out = capsys.readouterr().out
     assert "swiglu" in out and ("native" in out if NATIVE else "fallback" in out)
+    assert "fused_adamw" in out and "cpu_adamw" in out
 
 
 # ---------------------------------------------------------------------------- CPUAdamW
