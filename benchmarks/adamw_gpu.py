@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import statistics
 import sys
 import time
@@ -39,6 +38,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
 
 from meshlab.ops import FusedAdamW  # noqa: E402
 
@@ -171,11 +173,7 @@ def main() -> None:
                       "kernel": {"chunk": _triton_adamw.CHUNK, "block": _triton_adamw.BLOCK,
                                  "num_warps": _triton_adamw.NUM_WARPS}},
            "results": rows}
-    name = "adamw_gpu_" + ("h200" if "H200" in dev.name else dev.name.replace(" ", "_").lower())
-    path = Path(__file__).resolve().parent / "results" / f"{name}.json"
-    path.write_text(json.dumps(out, indent=1))
-    if args.copy_to:
-        Path(args.copy_to, f"{name}.json").write_text(json.dumps(out, indent=1))
+    path = _results.write("adamw_gpu", dev.name, out, args.copy_to)
     print(f"wrote {path}")
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -34,6 +33,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
 
 from meshlab.ops import _build, attention, attention_reference  # noqa: E402
 
@@ -142,11 +144,7 @@ def main() -> None:
            "2*2*B*Hq*S*S*D/2 forward, x2.5 forward+backward; diffs against SDPA on cuDNN and "
            "the float32 reference",
            "results": rows}
-    name = "attention_gpu_" + ("h200" if "H200" in dev.name else dev.name.replace(" ", "_").lower())
-    path = Path(__file__).resolve().parent / "results" / f"{name}.json"
-    path.write_text(json.dumps(out, indent=1))
-    if args.copy_to:
-        Path(args.copy_to, f"{name}.json").write_text(json.dumps(out, indent=1))
+    path = _results.write("attention_gpu", dev.name, out, args.copy_to)
     print(f"wrote {path}")
 
 

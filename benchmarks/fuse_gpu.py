@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -28,6 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
 
 import meshlab as ml  # noqa: E402
 from meshlab.ops.hf import causal_lm_loss, fuse  # noqa: E402
@@ -113,11 +115,7 @@ def main() -> None:
            "paths": {f"{op}/{dev_}": p.reason for (op, dev_), p in _build.LAST_PATH.items()},
            "speedup": results["hf_sdpa"]["ms_per_step"] / results["meshlab"]["ms_per_step"],
            "results": results}
-    name = "fuse_gpu_" + ("h200" if "H200" in dev.name else dev.name.replace(" ", "_").lower())
-    path = Path(__file__).resolve().parent / "results" / f"{name}.json"
-    path.write_text(json.dumps(out, indent=1))
-    if args.copy_to:
-        Path(args.copy_to, f"{name}.json").write_text(json.dumps(out, indent=1))
+    path = _results.write("fuse_gpu", dev.name, out, args.copy_to)
     print(f"speedup {out['speedup']:.3f}x; wrote {path}")
 
 

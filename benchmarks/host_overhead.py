@@ -16,7 +16,6 @@ import argparse
 import cProfile
 import datetime
 import io
-import json
 import platform
 import pstats
 import sys
@@ -27,6 +26,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
 
 from meshlab.ops import rms_norm  # noqa: E402
 
@@ -111,11 +113,7 @@ def main() -> None:
            "method": f"wall time of {args.calls} calls after 50 warm-up calls, / calls; x (8, 4096) "
                      "bf16, so the GPU is idle most of the time and host time is what is timed",
            "us_per_call": res}
-    name = "host_overhead_" + ("h200" if "H200" in dev.name else dev.name.replace(" ", "_").lower())
-    path = Path(__file__).resolve().parent / "results" / f"{name}.json"
-    path.write_text(json.dumps(out, indent=1))
-    if args.copy_to:
-        Path(args.copy_to, f"{name}.json").write_text(json.dumps(out, indent=1))
+    path = _results.write("host_overhead", dev.name, out, args.copy_to)
     print(f"wrote {path}")
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -23,6 +22,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
 
 from meshlab.ops.linear_cross_entropy import default_chunk, linear_cross_entropy  # noqa: E402
 
@@ -100,11 +102,7 @@ def main() -> None:
            "method": "forward+backward (grads of hidden and weight), bf16; peak = "
            "max_memory_allocated during one step minus allocated before it; do_bench median",
            "results": rows}
-    name = "lce_gpu_" + ("h200" if "H200" in dev.name else dev.name.replace(" ", "_").lower())
-    path = Path(__file__).resolve().parent / "results" / f"{name}.json"
-    path.write_text(json.dumps(out, indent=1))
-    if args.copy_to:
-        Path(args.copy_to, f"{name}.json").write_text(json.dumps(out, indent=1))
+    path = _results.write("lce_gpu", dev.name, out, args.copy_to)
     print(f"wrote {path}")
 
 

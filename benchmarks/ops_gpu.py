@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import platform
 import sys
 import time
@@ -36,6 +35,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
 
 import meshlab.ops as mops  # noqa: E402
 from meshlab.ops import _build  # noqa: E402
@@ -150,11 +152,7 @@ def main() -> None:
                "copy_TBps": copy_bps / 1e12, "method": "forward+backward, triton.testing.do_bench "
                "median (warmup 25 ms, rep 200 ms, L2 flushed), bf16, min bytes of the fused passes",
                "results": results}
-        name = "ops_gpu_" + ("h200" if "H200" in dev.name else dev.name.replace(" ", "_").lower())
-        path = Path(__file__).resolve().parent / "results" / f"{name}.json"
-        path.write_text(json.dumps(out, indent=1))
-        if args.copy_to:
-            Path(args.copy_to, f"{name}.json").write_text(json.dumps(out, indent=1))
+        path = _results.write("ops_gpu", dev.name, out, args.copy_to)
         return path
 
     for op in args.ops.split(","):

@@ -26,7 +26,7 @@
 //              every query head of the group and every query block;
 //           2. per (b, h, query block): dq = sum dS k * scale over the key blocks.
 
-#include <torch/extension.h>
+#include "cpu_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -41,7 +41,7 @@
 
 namespace {
 
-using bf16 = uint16_t;
+using namespace meshlab_cpu;
 
 constexpr int64_t kBQ = 64;  // queries per tile
 constexpr int64_t kBK = 64;  // keys per tile
@@ -55,49 +55,8 @@ constexpr int64_t kW = 32;
 #endif
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float ld(float v) { return v; }
-inline float ld(bf16 v) {
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-template <typename T> inline T st(float f);
-template <> inline float st<float>(float f) { return f; }
-template <> inline bf16 st<bf16>(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  // NaN stays a quiet NaN; everything else rounds to nearest, ties to even.
-  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? bf16(0x7FC0) : bf16(rounded);
-}
-
-// exp(x) in plain float arithmetic so that loops calling it vectorize (Cephes' expf, within
-// 2 ulp over the clamped range; the same function as in ops_cpu.cpp). Below -87.3 it returns
-// about 1e-38 rather than 0, which no softmax sum can see.
-inline float exp_f(float x) {
-  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return e * scale;
-}
-
-void check_act(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
-              " must be float32 or bfloat16, got ", t.scalar_type());
+void check_4d(const at::Tensor& t, const char* name) {
+  check_act(t, name);
   TORCH_CHECK(t.dim() == 4, name, " must be (B, H, S, D), got ", t.sizes());
 }
 
@@ -109,24 +68,14 @@ void check_stat(const at::Tensor& t, const char* name, const at::Tensor& q) {
               name, " must be (B, Hq, S) = ", q.sizes().slice(0, 3), ", got ", t.sizes());
 }
 
-template <typename F> void dispatch(const at::Tensor& t, F&& f) {
-  if (t.scalar_type() == at::kFloat) f(float{});
-  else f(bf16{});
-}
-
-template <typename T> T* ptr(at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
-template <typename T> const T* cptr(const at::Tensor& t) {
-  return reinterpret_cast<const T*>(t.data_ptr());
-}
-
 struct Dims {
   int64_t B, Hq, Hkv, S, Skv, D, G;  // G = Hq / Hkv query heads per kv head
 };
 
 Dims dims_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  check_act(q, "q");
-  check_act(k, "k");
-  check_act(v, "v");
+  check_4d(q, "q");
+  check_4d(k, "k");
+  check_4d(v, "v");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "q, k and v must share one dtype");
   TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have one shape, got ", k.sizes(), " and ",
@@ -351,8 +300,8 @@ std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& 
                                       const at::Tensor& out, const at::Tensor& lse, bool causal,
                                       double scale) {
   const Dims d = dims_of(q, k, v);
-  check_act(dout, "dout");
-  check_act(out, "out");
+  check_4d(dout, "dout");
+  check_4d(out, "out");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() &&
                   dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "dout and out must match q in shape and dtype");
@@ -473,14 +422,6 @@ std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& 
     }
   });
   return {dq, dk, dv};
-}
-
-int num_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
 }
 
 }  // namespace

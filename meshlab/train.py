@@ -404,7 +404,6 @@ def dataloader(dataset, mesh, batch_size: int, *, axes: Iterable[str] | None = N
     peers the same ones. ``batch_size`` is the *global* batch; each data-parallel rank
     gets ``batch_size / dp``. ``axes`` are the data-parallel mesh axes (default: those of
     ``dp``, ``fsdp``, ``data`` present in the mesh)."""
-    from torch.utils.data import DataLoader
     from torch.utils.data.distributed import DistributedSampler
 
     axes = tuple(axes) if axes is not None else tuple(a for a in mesh.axis_names

@@ -154,6 +154,11 @@ def _compiler_missing() -> str | None:
 def _cflags() -> list[str]:
     # -fno-math-errno: lets sqrt and exp vectorize (no kernel reads errno).
     flags = ["-O3", "-fopenmp", "-fno-math-errno"]
+    # torch rebuilds an extension when its sources or flags change, not its headers: the
+    # shared header's hash in a flag makes an edit to it rebuild every kernel.
+    header = _CSRC / "cpu_common.h"
+    if header.is_file():
+        flags.append(f"-DMESHLAB_CPU_COMMON={hashlib.sha1(header.read_bytes()).hexdigest()[:12]}")
     if platform.machine() in ("x86_64", "AMD64"):
         flags.append("-march=native")
     return flags

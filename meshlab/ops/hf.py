@@ -125,8 +125,8 @@ def _probe_norm(m: nn.Module, rule: Norm) -> None:
     want = type(m).forward(clone, x)
     clone._meshlab_norm = rule
     got = _fused_norm_forward(clone, x)
-    _probe_close(got, want, f"{type(m).__name__}", "leave 'rms_norm' out of fuse(ops=...) "
-                 f"or add the class to meshlab.ops.hf.NORMS with its epsilon attribute")
+    _probe_close(got, want, type(m).__name__, "leave 'rms_norm' out of fuse(ops=...) "
+                 "or add the class to meshlab.ops.hf.NORMS with its epsilon attribute")
 
 
 def _route_norms(model: nn.Module) -> list[str]:

@@ -1,0 +1,25 @@
+"""Where the single-GPU benchmarks write their JSON: ``benchmarks/results/<prefix>_<card>.json``,
+and a copy in ``--copy-to`` when given (the device tool brings files back from there)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def card_slug(name: str) -> str:
+    """``h200`` for any H200, else the device name in lower snake case."""
+    return "h200" if "H200" in name else name.replace(" ", "_").lower()
+
+
+def write(prefix: str, card: str, out: dict, copy_to: str | None = None) -> Path:
+    """Write ``out`` as ``results/<prefix>_<card_slug(card)>.json`` (and into ``copy_to``)."""
+    name = f"{prefix}_{card_slug(card)}.json"
+    text = json.dumps(out, indent=1)
+    path = RESULTS / name
+    path.write_text(text)
+    if copy_to:
+        Path(copy_to, name).write_text(text)
+    return path
