@@ -57,6 +57,27 @@ def test_fused_equals_unfused(family):
                                ref(input_ids=batch["input_ids"]).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_fused_under_autocast():
+    """Under bf16 autocast the fused head runs in bf16, as the unfused head's matmul does."""
+    import meshlab as ml
+    from meshlab.ops.hf import causal_lm_loss, fuse
+
+    ref = _model("llama")
+    model = copy.deepcopy(ref)
+    fuse(model, OPS)
+    ids = M.batches(1)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ml.losses.causal_lm_loss(ref(input_ids=ids), {"input_ids": ids})
+        got = causal_lm_loss(model, {"input_ids": ids})
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    want.backward()
+    got.backward()
+    refp = dict(ref.named_parameters())
+    for n, p in model.named_parameters():       # bf16 rounding, not a different gradient
+        rel = float((p.grad - refp[n].grad).norm() / refp[n].grad.norm())
+        assert rel < 3e-2, (n, rel)
+
+
 def test_other_models_untouched_and_idempotent():
     from meshlab.ops import _build
     from meshlab.ops.hf import fuse

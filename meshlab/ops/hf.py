@@ -267,10 +267,16 @@ def _fused_head_forward(self, hidden_states: Tensor) -> Tensor:
     from .linear_cross_entropy import linear_cross_entropy
 
     labels, ignore_index = ctx
+    w = self.weight
+    dev = hidden_states.device.type
+    if torch.is_autocast_enabled(dev):
+        # What autocast does to the head's matmul: both sides in the autocast dtype.
+        dt = torch.get_autocast_dtype(dev)
+        hidden_states, w = hidden_states.to(dt), w.to(dt)
     if hidden_states.shape[:2] != labels.shape:
         raise ConfigError(f"fused loss: hidden states {tuple(hidden_states.shape)} do not match "
                           f"labels {tuple(labels.shape)}; call the model with logits_to_keep=0")
-    return linear_cross_entropy(hidden_states[:, :-1], self.weight, labels[:, 1:],
+    return linear_cross_entropy(hidden_states[:, :-1], w, labels[:, 1:],
                                 ignore_index=ignore_index)
 
 
