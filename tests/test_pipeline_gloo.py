@@ -26,11 +26,19 @@ def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=
         spec = spec | ml.zero_shard(1, "dp")
     elif extra == "tp":
         spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | spec
+    elif extra == "fuse":
+        spec = spec | ml.fuse("rms_norm", "rotary", "attention")
     model = ml.parallelize(M.build(family, **LAYERS), spec, mesh, seed=0)
     opt = ml.optimizer(model, torch.optim.AdamW, lr=lr)
     rt = model._meshlab
     dp_rank = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
+    from meshlab.ops import _build
+
+    _build.LAST_PATH.clear()
     losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[dp_rank]}) for b in data]
+    if extra == "fuse":                  # the stage really ran meshlab's ops
+        ran = {op for op, _ in _build.LAST_PATH}
+        assert {"rms_norm", "rotary", "attention", "attention_backward"} <= ran, ran
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                atol=1e-5, rtol=1e-3)
     owned = M.assert_weights_match(model, ref)
@@ -40,6 +48,12 @@ def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"])
 def test_pp2(world2, schedule):
     out = world2.run(pp_case, schedule=schedule, mesh_text="pp=2")
+    _check_disjoint(out)
+
+
+def test_pp2_fused_ops(world2):
+    """fuse() inside pipeline stages: each stage's norms, rotary and attention on meshlab's ops."""
+    out = world2.run(pp_case, schedule="1f1b", mesh_text="pp=2", extra="fuse")
     _check_disjoint(out)
 
 
