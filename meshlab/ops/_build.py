@@ -56,7 +56,10 @@ LAST_PATH: dict[tuple[str, str], PathTaken] = {}
 
 
 def record(op: str, device: str, native: bool, reason: str = "") -> None:
-    LAST_PATH[(op, device)] = PathTaken(op, device, native, reason)
+    # Called on every op call: build a new record only when the path changed.
+    last = LAST_PATH.get((op, device))
+    if last is None or last.native != native or last.reason != reason:
+        LAST_PATH[(op, device)] = PathTaken(op, device, native, reason)
 
 
 @contextlib.contextmanager

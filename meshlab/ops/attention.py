@@ -172,10 +172,27 @@ _CUDNN_REFUSED: dict[tuple, str] = {}
 def _cudnn_unusable(q: Tensor, causal: bool) -> str | None:
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"cuDNN SDPA needs float16/bfloat16, got {str(q.dtype).removeprefix('torch.')}"
-    major, minor = torch.cuda.get_device_capability(q.device)
+    idx = q.device.index
+    major, minor = _capability(torch.cuda.current_device() if idx is None else idx)
     if major < 8:
         return f"cuDNN SDPA needs sm80 or newer, this GPU is sm{major}{minor}"
     return _CUDNN_REFUSED.get(_cudnn_key(q, causal))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+_ZEROS: dict[torch.device, Tensor] = {}
+
+
+def _zero(device: torch.device) -> Tensor:
+    """A 0-d int64 zero on ``device`` (the unused philox seed and offset), made once."""
+    z = _ZEROS.get(device)
+    if z is None:
+        z = _ZEROS[device] = torch.zeros((), dtype=torch.long, device=device)
+    return z
 
 
 def _cudnn_key(q: Tensor, causal: bool) -> tuple:
@@ -210,7 +227,7 @@ def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
     lse_native = lse.unsqueeze(-1) if _cudnn_lse_rank() == 4 else lse
     # Dropout is off, so the philox seed and offset are never read; cum_seq_q/k are None for
     # dense (not nested) tensors, as the forward returns them.
-    zero = torch.zeros((), dtype=torch.long, device=q.device)
+    zero = _zero(q.device)
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse_native, zero, zero, None, None, None, s, skv, 0.0, causal,
         scale=scale)
@@ -231,7 +248,7 @@ def _efficient_bwd(dout, q, k, v, out, lse, causal, scale):
     out_bshd = out.transpose(1, 2).contiguous().transpose(1, 2)
     pad = _efficient_lse_len(s) - s
     lse_native = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
-    zero = torch.zeros((), dtype=torch.long, device=q.device)
+    zero = _zero(q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out_bshd, lse_native, zero, zero, 0.0, [True, True, True, False],
         causal, scale=scale)
