@@ -30,6 +30,7 @@ from torch import nn
 
 from . import _collectives as C
 from ._placement import dim_block
+from ._tensors import local as _local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,12 +128,6 @@ class _LocalParams:
     def exit(self, module: nn.Module) -> None:
         for n in self.names:
             module.__dict__.pop(n, None)
-
-
-def _local(p):
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def _hidden_arg(args, kwargs):

@@ -23,6 +23,7 @@ from ._collectives import all_gather_into, reduce_scatter_into
 from ._errors import ConfigError
 from ._materialize import Runtime, runtime_of
 from ._scaler import LossScaler
+from ._tensors import local as _local
 
 
 def _scalar_device(rt) -> torch.device:
@@ -31,12 +32,6 @@ def _scalar_device(rt) -> torch.device:
     if rt.mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _shard_groups(t, rt: Runtime) -> tuple:

@@ -18,14 +18,9 @@ from torch import nn
 
 from .._collectives import all_gather_into
 from ._safe import CheckpointError
+from .._tensors import local as _local
 
 OPT_PREFIX = "optim."
-
-
-def _local(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _like(param, local: torch.Tensor):

@@ -74,6 +74,7 @@ from torch import Tensor
 from .._errors import ConfigError
 from . import _build
 from .cpu_adam import adamw_reference, cpu_adam_kernels
+from .._tensors import local as _local
 
 OP = "fused_adamw"
 _TRITON_PATH = "Triton kernel (meshlab/ops/_triton_adamw.py)"
@@ -499,10 +500,6 @@ def _kernel_refusal(p: Tensor, m: Tensor, v: Tensor) -> str | None:
     if not (p.is_contiguous() and m.is_contiguous() and v.is_contiguous()):
         return "parameter or state not contiguous"
     return None
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _local_grad(p: Tensor, g: Tensor) -> Tensor:

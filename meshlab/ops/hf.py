@@ -31,6 +31,7 @@ fails loudly instead of training on different math:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -42,8 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from .._errors import ConfigError
-
-FUSABLE = ("rms_norm", "rotary", "attention", "loss")
+from ..transforms.fuse import FUSABLE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +115,11 @@ def _fused_norm_forward(self, hidden_states: Tensor) -> Tensor:
 
 
 def _probe_norm(m: nn.Module, rule: Norm) -> None:
+    # A CPU float32 copy with a random weight (the module itself may be on meta or sharded).
+    clone = copy.deepcopy(m)
     h = m.weight.shape[0]
-    clone = type(m).__new__(type(m))
-    clone.__dict__ = dict(m.__dict__)
-    clone._parameters = {"weight": nn.Parameter(torch.randn(h, dtype=torch.float32) * 0.1 +
-                                                 (0.0 if rule.offset else 1.0))}
-    clone._buffers, clone._modules = {}, {}
-    x = torch.randn(3, h, dtype=torch.float32)
+    clone.weight = nn.Parameter(torch.randn(h) * 0.1 + (0.0 if rule.offset else 1.0))
+    x = torch.randn(3, h)
     want = type(m).forward(clone, x)
     clone._meshlab_norm = rule
     got = _fused_norm_forward(clone, x)

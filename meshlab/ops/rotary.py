@@ -74,15 +74,13 @@ def _setup_context(ctx, inputs, output):
     x, cos, sin = inputs
     ctx.save_for_backward(x, cos, sin)
     ctx.cos_dtype, ctx.sin_dtype = cos.dtype, sin.dtype
-    ctx.eager = False
 
 
 def _backward(ctx, dy):
     x, cos, sin = ctx.saved_tensors
     # A rotation's transpose is the rotation by the opposite angle.
-    dx = None
-    if ctx.needs_input_grad[0]:
-        dx = _forward(dy, cos, -sin) if ctx.eager else torch.ops.meshlab.rotary(dy, cos, -sin)
+    # (Through rotary(): the custom op where it must be seen, the kernel directly otherwise.)
+    dx = rotary(dy, cos, -sin) if ctx.needs_input_grad[0] else None
     dcos = dsin = None
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         half = x.shape[-1] // 2
@@ -102,7 +100,6 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin):
         _setup_context(ctx, (x, cos, sin), None)
-        ctx.eager = True
         return _forward(x, cos, sin)
 
     @staticmethod
