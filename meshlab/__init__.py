@@ -11,7 +11,7 @@ from ._spec import P as P, PartitionSpec as PartitionSpec
 from ._errors import (MeshlabError as MeshlabError, SpecError as SpecError,
                       MeshError as MeshError, RulesError as RulesError,
                       PlanError as PlanError, PolicyError as PolicyError,
-                      ConfigError as ConfigError)
+                      ConfigError as ConfigError, NotRunnable as NotRunnable)
 from ._rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
 from ._mesh import Mesh as Mesh
 from ._context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh
@@ -22,13 +22,15 @@ from ._visualize import visualize as visualize, typeof as typeof, type_string as
 from ._plan import Plan as Plan, ParamEntry as ParamEntry, ActivationEntry as ActivationEntry
 from ._trace import trace as trace
 from ._specs_tree import specs_like as specs_like
-from .transforms import (Transform as Transform, shard as shard, zero_shard as zero_shard,
-                         data_parallel as data_parallel, precision as precision, remat as remat,
-                         pipeline as pipeline, sequence as sequence, fuse as fuse)
+from .parallel import (Transform as Transform, shard as shard, zero_shard as zero_shard,
+                       data_parallel as data_parallel, precision as precision, remat as remat,
+                       pipeline as pipeline, sequence as sequence, fuse as fuse)
 from ._api import plan as plan
 from ._parallelize import parallelize as parallelize
 from ._materialize import init_weights as init_weights
-from .train import optimizer as optimizer, step as step, dataloader as dataloader
+from ._optimizer import optimizer as optimizer
+from ._step import step as step
+from ._data import dataloader as dataloader
 from . import losses as losses
 from . import checkpoint as checkpoint
 from . import policies as policies

@@ -9,7 +9,7 @@ from ._errors import MeshError
 from ._mesh import Mesh
 from ._plan import Plan
 from ._trace import trace
-from .transforms._base import Transform
+from .parallel._protocol import Transform
 
 
 def plan(model: nn.Module | Plan, spec: Transform | None = None, mesh: Mesh | None = None, *,

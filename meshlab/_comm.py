@@ -1,6 +1,7 @@
 """Per-step communication of a bound plan, and a counter of what a step really sends.
 
-``estimate_comm(plan, batch, seq)`` predicts, per rank and per training step, how many
+``estimate_comm(plan, batch, seq)`` sums what each room of the plan says it sends
+(``Transform.comm``). It predicts, per rank and per training step, how many
 collectives of each kind run over each mesh axis and how many bytes they carry (the
 size of the full tensor each one reduces or gathers: an all-reduce of ``n`` bytes moves
 ``2 n (k-1)/k`` over a ring of ``k`` ranks, a reduce-scatter or all-gather ``n (k-1)/k``).
@@ -26,8 +27,6 @@ import dataclasses
 import math
 from collections import defaultdict
 
-from ._placement import local_shape
-from ._plan import dtype_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,99 +59,27 @@ class CommEstimate:
         return render_text(self.__rich__())
 
 
+@dataclasses.dataclass(frozen=True)
+class CommOp:
+    """``count`` collectives of ``kind`` over mesh axis ``axis`` per step, ``bytes`` in all."""
+
+    kind: str
+    axis: str | None
+    count: int
+    bytes: int
+
+
 def estimate_comm(plan, *, batch: int | None = None, seq: int | None = None,
-                  act_bytes: int = 4, causal: bool = True,
                   coord: dict[str, int] | None = None) -> CommEstimate:
-    """See the module docstring. ``batch`` is the per-data-parallel-rank batch; without
-    ``batch``/``seq`` only parameter traffic is counted. ``coord`` picks the rank (mesh
-    coordinate) whose uneven shards are counted; the default is the largest."""
-    from ._layout import build_layout
-
-    sizes = plan.mesh_shape
+    """The sum of every room's ``comm`` (see the module docstring). ``batch`` is the
+    per-data-parallel-rank batch; without ``batch``/``seq`` only parameter traffic is
+    counted. ``coord`` picks the rank (mesh coordinate) whose uneven shards are counted;
+    the default is the largest."""
     ops: dict = defaultdict(lambda: [0, 0])
-
-    def add(kind, axis, n, nbytes):
-        ops[(kind, axis)][0] += n
-        ops[(kind, axis)][1] += nbytes
-
-    zero = plan.option("zero") or {}
-    stage = zero.get("stage", 0)
-    prec = plan.option("precision") or {}
-    sharded_axes = {a for e in plan.params for a in (e.mesh_spec.axes if e.mesh_spec else ())
-                    if sizes[a] > 1}
-    tp_axis = next(iter(sharded_axes), None) if len(sharded_axes) == 1 else None
-    if zero:
-        dp_axes = tuple(zero["axis"])
-    else:
-        from ._spec import P
-
-        batch_axes = plan.rules.resolve(P("batch"), tuple(sizes)).dim_axes(0) if plan.rules else ()
-        dp_axes = tuple(a for a in batch_axes if a != tp_axis)
-    dp = math.prod(sizes[a] for a in dp_axes) if dp_axes else 1
-    dp_name = "_".join(dp_axes) if dp_axes else None
-    # gradient buckets: (dtype, tp-sharded?) -> elements
-    buckets: dict = defaultdict(int)
-    fsdp_units: dict = defaultdict(int)   # FSDP unit -> padded elements
-    blocks = plan.model.blocks
-    for e in plan.params:
-        if e.tied_to is not None or not e.requires_grad:
-            continue
-        ls = local_shape(e.shape, e.mesh_spec, sizes, coord)
-        n = math.prod(ls)
-        dt = prec.get("grad", e.dtype) if stage < 2 else e.dtype
-        buckets[(dt, bool(e.mesh_spec.axes))] += n
-        unit = next((b for b in blocks if e.fqn.startswith(b + ".")), "")
-        d0 = -(-ls[0] // dp) * dp if ls else 1
-        fsdp_units[unit] += d0 * math.prod(ls[1:]) if ls else 1
-    if dp > 1:
-        if stage == 0:
-            by_dtype: dict = defaultdict(int)
-            for (dt, _), n in buckets.items():
-                by_dtype[dt] += n
-            for dt, n in by_dtype.items():
-                add("all_reduce", dp_name, 1, n * dtype_bytes(dt))
-        elif stage == 1:
-            for (dt, _), n in buckets.items():
-                padded = -(-n // dp) * dp
-                add("reduce_scatter", dp_name, 1, padded * 4)
-                add("all_gather", dp_name, 1, padded * 4)
-        else:
-            pbytes = dtype_bytes(prec.get("param", "float32"))
-            gbytes = dtype_bytes(prec.get("grad", "float32"))
-            for unit, n in fsdp_units.items():
-                add("all_gather", dp_name, 1, n * pbytes)
-                add("reduce_scatter", dp_name, 1, n * gbytes)
-                if stage == 3:              # re-gathered for backward (the root too)
-                    add("all_gather", dp_name, 1, n * pbytes)
-        add("all_reduce", dp_name, 1, 8)    # the step's loss
-    if tp_axis is not None and batch is not None and seq is not None:
-        h = plan.model.config_get("hidden_size") or plan.model.config_get("n_embd")
-        L = len(blocks)
-        T = batch * seq
-        act = T * h * act_bytes
-        sp = any(a.module in blocks and a.output is not None and len(a.output) > 1
-                 and a.output.dim_axes(1) == (tp_axis,) for a in plan.activations)
-        if sp:
-            add("all_gather", tp_axis, 4 * L + 2, (4 * L + 2) * act)
-            add("reduce_scatter", tp_axis, 4 * L, 4 * L * act)
-            add("all_reduce", tp_axis, 2, 2 * act)
-        else:
-            add("all_reduce", tp_axis, 4 * L + 2, (4 * L + 2) * act)
-        tokens = batch * (seq - 1 if causal else seq)
-        add("all_reduce", tp_axis, 3, 3 * tokens * 4)
-        reduce_tags = {"kv_replicated", "replicated_with_grad_allreduce"}
-        if sp:
-            reduce_tags.add("sequence_parallel")
-        extra = 0
-        for e in plan.params:
-            if e.tied_to is None and e.requires_grad and set(e.tags) & reduce_tags:
-                extra += math.prod(local_shape(e.shape, e.mesh_spec, sizes, coord))
-        if sp:
-            for e in plan.params:   # row-parallel biases are added to sequence shards
-                if e.fqn.endswith(".bias") and set(e.tags) & {"rowwise", "conv1d_rowwise"}:
-                    extra += math.prod(e.shape)
-        if extra:
-            add("all_reduce", tp_axis, 1, extra * 4)
+    for t in plan.rooms:
+        for op in t.comm(plan, batch=batch, seq=seq, coord=coord):
+            ops[(op.kind, op.axis)][0] += op.count
+            ops[(op.kind, op.axis)][1] += op.bytes
     return CommEstimate({k: tuple(v) for k, v in ops.items()})
 
 

@@ -29,3 +29,9 @@ class PolicyError(MeshlabError, LookupError):
 
 class ConfigError(MeshlabError, ValueError):
     """A transform or training option was given a value it does not accept."""
+
+
+class NotRunnable(ConfigError):
+    """A layout a plan may describe (JAX shards any array this way) that ``parallelize``
+    cannot run. ``bind`` records it in ``plan.not_runnable`` and the plan's table shows it;
+    ``parallelize`` raises it before any collective."""

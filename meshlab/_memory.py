@@ -1,17 +1,10 @@
-"""Per-rank memory and communication estimates of a bound plan.
+"""Per-rank memory estimate of a bound plan: the sum of what each transform says.
 
-Memory counts what lives on each rank between steps, by category and dtype:
-
-* parameters: the local shard of every parameter (tied parameters once) in the dtype
-  it was built in (``precision`` changes the compute dtype, not the stored one); split
-  over the ZeRO axis from stage 2 on (FSDP2 keeps them sharded at rest);
-* gradients: like parameters;
-* optimizer state: AdamW keeps two moments per element, like the parameter; meshlab's
-  ZeRO-1 instead updates an fp32 master slice (its moments, the slice and its reduced
-  gradient, all fp32, split over the ZeRO axis).
-
-ZeRO splits the local shard's first dimension over its axis (as FSDP2 does), so its
-per-rank size is ``ceil(local_0 / n) * rest``. Activations are not counted here.
+The core counts what lives on each rank between steps without any transform: the local
+shard of every parameter (tied parameters once) in the dtype it was built in, a gradient
+like it, and the optimizer's states like it (AdamW: two). Each room of the plan then
+rewrites those rows (``zero_shard`` splits them over its axis; ZeRO-1 keeps fp32
+slices) or adds its own (``Transform.memory``). Activations are not counted here.
 """
 
 from __future__ import annotations
@@ -26,11 +19,19 @@ from ._plan import dtype_bytes
 _OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
 
-def _zero_split(shape: tuple[int, ...], n: int) -> int:
-    if not shape:
-        return 1
-    return -(-shape[0] // n) * math.prod(shape[1:]) if n > 1 else math.prod(shape)
+@dataclasses.dataclass(frozen=True)
+class MemRow:
+    """One tensor one rank keeps between steps: ``category`` (``params``, ``grads``,
+    ``optimizer`` or one a transform adds), dtype and per-rank shape."""
 
+    fqn: str
+    category: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * dtype_bytes(self.dtype)
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
@@ -53,7 +54,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+        return sum(sum(v.values()) for v in self.by_category.values())
 
     def __rich__(self):
         from rich.table import Table
@@ -76,41 +77,30 @@ class MemoryEstimate:
         return render_text(self.__rich__())
 
 
-def estimate_memory(plan, *, optimizer: str = "adamw") -> MemoryEstimate:
+def base_rows(plan, n_states: int) -> list[MemRow]:
+    """The rows of a plan run by no transform (see the module docstring)."""
     sizes = plan.mesh_shape
-    zero = plan.option("zero") or {}
-    stage, zaxes = zero.get("stage", 0), zero.get("axis")
-    zaxes = (zaxes,) if isinstance(zaxes, str) else tuple(zaxes or ())
-    zn = math.prod(sizes[a] for a in zaxes) if zaxes else 1
-    n_states = _OPT_STATES.get(optimizer)
-    if n_states is None:
-        raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(_OPT_STATES)}")
-    cats: dict = {"params": defaultdict(int), "grads": defaultdict(int),
-                  "optimizer": defaultdict(int)}
+    rows: list[MemRow] = []
     for e in plan.params:
         if e.tied_to is not None:
             continue
-        ls = local_shape(e.shape, e.mesh_spec, sizes)
-        pdt = e.dtype                      # parameters stay in the dtype they were built in
-        b = dtype_bytes(pdt)
-        full = math.prod(ls)
-        split = _zero_split(ls, zn)
-        # FSDP2 (stages 2 and 3) keeps parameters sharded at rest.
-        cats["params"][pdt] += (split if stage >= 2 else full) * b
-        if not e.requires_grad:
-            continue
-        cats["grads"][pdt] += (split if stage >= 2 else full) * b
-        if stage == 1:
-            # meshlab's ZeRO-1 updates an fp32 master slice: its moments, the slice itself
-            # and its reduced gradient are fp32
-            cats["optimizer"]["float32"] += (n_states + 1) * split * 4
-            cats["grads"]["float32"] += split * 4
-        else:                              # torch keeps the moments like the parameter
-            cats["optimizer"][pdt] += n_states * (split if stage >= 2 else full) * b
+        ls = tuple(local_shape(e.shape, e.mesh_spec, sizes))
+        rows.append(MemRow(e.fqn, "params", e.dtype, ls))
+        if e.requires_grad:
+            rows.append(MemRow(e.fqn, "grads", e.dtype, ls))
+            rows += [MemRow(e.fqn, "optimizer", e.dtype, ls)] * n_states
+    return rows
+
+
+def estimate_memory(plan, *, optimizer: str = "adamw") -> MemoryEstimate:
+    n_states = _OPT_STATES.get(optimizer)
+    if n_states is None:
+        raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(_OPT_STATES)}")
+    rows = base_rows(plan, n_states)
+    for t in plan.rooms:
+        rows = list(t.memory(plan, rows))
+    cats: dict = {"params": defaultdict(int), "grads": defaultdict(int),
+                  "optimizer": defaultdict(int)}
+    for r in rows:
+        cats.setdefault(r.category, defaultdict(int))[r.dtype] += r.bytes
     return MemoryEstimate({k: dict(v) for k, v in cats.items()}, plan.mesh)
-
-
-def estimate_comm(plan, **kw):
-    from ._comm import estimate_comm as _est
-
-    return _est(plan, **kw)

@@ -12,7 +12,7 @@ from ._context import current_mesh
 from ._errors import MeshError
 from ._materialize import materialize
 from ._mesh import Mesh
-from .transforms._base import Transform
+from .parallel._protocol import Transform
 
 
 def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, seed: int = 0,

@@ -16,8 +16,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from ._errors import PlanError, SpecError
+from ._errors import NotRunnable, PlanError, SpecError
 from ._placement import check_spec, local_shape, uneven_dims
+from ._roles import AxisRoles, derive_roles, implied_rooms
 from ._rules import Rules
 from ._spec import P
 
@@ -83,19 +84,21 @@ class ActivationEntry:
     input: P | None = None
     shape: tuple[int, ...] | None = None
     tags: tuple[str, ...] = ()
+    local_attrs: tuple[str, ...] = ()   # integer attributes that hold per-rank sizes under TP
 
     def to_json(self) -> dict:
         return {"module": self.module,
                 "output": None if self.output is None else self.output.to_json(),
                 "input": None if self.input is None else self.input.to_json(),
                 "shape": None if self.shape is None else list(self.shape),
-                "tags": list(self.tags)}
+                "tags": list(self.tags), "local_attrs": list(self.local_attrs)}
 
     @classmethod
     def from_json(cls, d: dict) -> "ActivationEntry":
         return cls(d["module"], None if d["output"] is None else P.from_json(d["output"]),
                    None if d["input"] is None else P.from_json(d["input"]),
-                   None if d["shape"] is None else tuple(d["shape"]), tuple(d["tags"]))
+                   None if d["shape"] is None else tuple(d["shape"]), tuple(d["tags"]),
+                   tuple(d.get("local_attrs", ())))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,46 +111,88 @@ class ModelInfo:
     blocks: tuple[str, ...] = ()          # FQNs of the repeated blocks, in order
     config: tuple[tuple[str, Any], ...] = ()  # a JSON-able subset of the HF config
     tp_plan: tuple[tuple[str, str], ...] = ()  # the config's base_model_tp_plan
+    modules: tuple["ModuleInfo", ...] = ()   # modules that hold parameters, and their kinds
+    head: str | None = None                  # the output embedding (get_output_embeddings)
 
     def config_get(self, key: str, default: Any = None) -> Any:
         return dict(self.config).get(key, default)
 
+    def module(self, fqn: str) -> "ModuleInfo | None":
+        for m in self.modules:
+            if m.fqn == fqn:
+                return m
+        return None
+
     def to_json(self) -> dict:
         return {"cls": self.cls, "model_type": self.model_type, "base_prefix": self.base_prefix,
                 "blocks": list(self.blocks), "config": dict(self.config),
-                "tp_plan": dict(self.tp_plan)}
+                "tp_plan": dict(self.tp_plan), "modules": [m.to_json() for m in self.modules],
+                "head": self.head}
 
     @classmethod
     def from_json(cls, d: dict) -> "ModelInfo":
         return cls(d["cls"], d["model_type"], d["base_prefix"], tuple(d["blocks"]),
-                   tuple(d["config"].items()), tuple(d["tp_plan"].items()))
+                   tuple(d["config"].items()), tuple(d["tp_plan"].items()),
+                   tuple(ModuleInfo.from_json(m) for m in d.get("modules", ())), d.get("head"))
 
 
-def _freeze(v: Any) -> Any:
-    if isinstance(v, Mapping):
-        return tuple((k, _freeze(x)) for k, x in v.items())
-    if isinstance(v, list):
-        return tuple(_freeze(x) for x in v)
-    return v
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModuleInfo:
+    """What the layout needs of one module without the module: its kind (``linear``,
+    ``embedding``, ``conv1d`` or ``''``), class name and integer attributes."""
+
+    fqn: str
+    cls: str
+    kind: str = ""
+    ints: tuple[tuple[str, int], ...] = ()
+
+    def get(self, attr: str) -> int | None:
+        return dict(self.ints).get(attr)
+
+    def to_json(self) -> list:
+        return [self.fqn, self.cls, self.kind, [list(x) for x in self.ints]]
+
+    @classmethod
+    def from_json(cls, d: list) -> "ModuleInfo":
+        return cls(d[0], d[1], d[2], tuple((k, v) for k, v in d[3]))
+
+
+_OPTION_TYPES: dict[str, type] = {}
+
+
+def register_option(kind: str, cls: type) -> None:
+    """Make ``cls`` (a transform type) readable from plan JSON under ``kind``."""
+    _OPTION_TYPES.setdefault(kind, cls)
+
+
+def _option_from_json(d: Mapping) -> Any:
+    cls = _OPTION_TYPES.get(d.get("kind"))
+    if cls is None:
+        raise PlanError(f"the plan names a transform of kind {d.get('kind')!r} that is not "
+                        f"defined here (known: {sorted(_OPTION_TYPES)}); import its module first")
+    return cls.from_json(d)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """An immutable table: parameters, activation boundaries, rules and options.
 
-    ``options`` holds what non-sharding transforms decided (``('zero', {...})``,
-    ``('precision', {...})``, ...) as frozen key/value pairs; ``transforms`` lists the
-    reprs of every transform applied, in order.
+    ``options`` are the transform values applied, in order (``plan.get(ZeroShard)``);
+    ``transforms`` their reprs. ``bind`` adds the mesh, the axis ``roles`` and ``rooms``:
+    every transform the plan runs, implied ones included, in install order.
     """
 
     params: tuple[ParamEntry, ...]
     activations: tuple[ActivationEntry, ...] = ()
     rules: Rules | None = None
     model: ModelInfo = ModelInfo()
-    options: tuple[tuple[str, Any], ...] = ()
+    options: tuple[Any, ...] = ()
     transforms: tuple[str, ...] = ()
     mesh: tuple[tuple[str, int], ...] | None = None
     uneven: bool = False
+    roles: AxisRoles | None = None
+    rooms: tuple[Any, ...] = ()
+    not_runnable: tuple[str, ...] = ()   # why parallelize cannot run this layout, if it cannot
 
     # -- lookup --------------------------------------------------------------------------
     def __getitem__(self, fqn: str) -> ParamEntry:
@@ -166,15 +211,12 @@ class Plan:
     def fqns(self) -> tuple[str, ...]:
         return tuple(e.fqn for e in self.params)
 
-    def option(self, name: str, default: Any = None) -> Any:
-        for k, v in self.options:
-            if k == name:
-                return dict(v) if isinstance(v, tuple) else v
-        return default
-
-    def with_option(self, name: str, value: Mapping[str, Any]) -> "Plan":
-        opts = tuple((k, v) for k, v in self.options if k != name) + ((name, _freeze(value)),)
-        return dataclasses.replace(self, options=opts)
+    def get(self, cls: type):
+        """The transform of type ``cls`` this plan runs (bound: implied ones too), or None."""
+        for t in self.rooms or self.options:
+            if isinstance(t, cls):
+                return t
+        return None
 
     def replace(self, **kw) -> "Plan":
         return dataclasses.replace(self, **kw)
@@ -191,11 +233,13 @@ class Plan:
 
     # -- binding -------------------------------------------------------------------------
     def bind(self, mesh, *, uneven: bool | None = None) -> "Plan":
-        """Resolve every spec against ``mesh`` and check it; returns a bound plan.
+        """Resolve every spec against ``mesh``, derive the axis roles and run every
+        transform's check; returns a bound plan. Fake and real meshes are checked alike.
 
         Raises ``SpecError`` naming the FQN, shape, spec, axis and the fix for an unknown
         axis, a spec longer than its tensor, axes out of mesh order, or (unless
-        ``uneven=True``) a dimension its shard count does not divide.
+        ``uneven=True``) a dimension its shard count does not divide; ``ConfigError`` for
+        a combination of transforms that cannot run.
         """
         from ._mesh import Mesh
 
@@ -203,46 +247,32 @@ class Plan:
         axes = mesh.axis_names if isinstance(mesh, Mesh) else tuple(n for n, _ in mesh)
         sizes = mesh.shape if isinstance(mesh, Mesh) else dict(mesh)
         rules = self.rules or Rules()
-        out = []
-        for e in self.params:
-            what = f"{e.fqn} {e.shape}"
-            ms = rules.resolve(e.spec, axes, what=what)
-            check_spec(ms, e.shape, axes, what=e.fqn, mesh_repr=_mesh_repr(sizes))
-            if not uneven:
-                for d, k in uneven_dims(e.shape, ms, sizes):
-                    via = ms.dim_axes(d)
-                    logical = e.spec.dim_axes(d) if d < len(e.spec) else ()
-                    if logical == ("vocab",):
-                        # Vocab-parallel embedding and loss handle a short last shard
-                        # exactly (masked lookup, parallel softmax): no padding needed.
-                        continue
-                    fix_axis = f"map {logical[0]!r} to another axis in Rules" if logical and \
-                        logical != via else "shard that dim over other axes"
-                    raise SpecError(
-                        f"{e.fqn} {e.shape}: {e.spec!r} shards dim {d} over "
-                        f"{' x '.join(f'{a!r} (size {sizes[a]})' for a in via)}, but "
-                        f"{e.shape[d]} % {k} != 0; change the mesh, {fix_axis}, or allow "
-                        f"uneven shards with bind(mesh, uneven=True)"
-                    )
-            ms, extra = _split_heads(e, ms, sizes, self.model)
-            out.append(dataclasses.replace(e, mesh_spec=ms, tags=tuple(dict.fromkeys(e.tags + extra))))
-        acts = []
-        for a in self.activations:
-            acts.append(dataclasses.replace(
-                a,
-                output=None if a.output is None else rules.resolve(a.output, axes, what=a.module),
-                input=None if a.input is None else rules.resolve(a.input, axes, what=a.module)))
-        return dataclasses.replace(self, params=tuple(out), activations=tuple(acts),
-                                   mesh=tuple(sizes.items()), uneven=uneven)
+        out = tuple(_bind_entry(e, rules, axes, sizes, self.model, uneven) for e in self.params)
+        acts = tuple(dataclasses.replace(
+            a,
+            output=None if a.output is None else rules.resolve(a.output, axes, what=a.module),
+            input=None if a.input is None else rules.resolve(a.input, axes, what=a.module))
+            for a in self.activations)
+        bound = dataclasses.replace(self, params=out, activations=acts,
+                                    mesh=tuple(sizes.items()), uneven=uneven, rooms=())
+        roles = derive_roles(bound, sizes)
+        rooms = self.options + implied_rooms(bound.replace(roles=roles), roles)
+        rooms = tuple(sorted(_unique_rooms(rooms), key=lambda t: t.phase))
+        bound = bound.replace(roles=roles, rooms=rooms)
+        blocked = []
+        for t in rooms:
+            try:
+                t.check(bound)
+            except NotRunnable as e:
+                blocked.append(str(e))
+        return bound.replace(not_runnable=tuple(blocked))
 
     def unused_axes(self) -> tuple[str, ...]:
-        """Mesh axes that no parameter spec and no option uses (bound plans only)."""
-        used = {a for e in self.params for a in (e.mesh_spec or P()).axes}
-        for _, v in self.options:
-            for k, x in (v if isinstance(v, tuple) else ()):
-                if k in ("axis", "axes"):
-                    used.update((x,) if isinstance(x, str) else tuple(x or ()))
-        return tuple(a for a in self.mesh_shape if a not in used)
+        """Mesh axes of size > 1 that no role uses: replica axes, along which every rank
+        holds and computes the same (bound plans only)."""
+        if self.roles is None:
+            return tuple(a for a, s in self.mesh_shape.items() if s > 1)
+        return self.roles.replicated(self.mesh_shape)
 
     # -- layout queries ------------------------------------------------------------------
     def local_shape(self, fqn: str) -> tuple[int, ...]:
@@ -291,11 +321,10 @@ class Plan:
             if fields:
                 changed.append((fqn, tuple((f, getattr(ea, f), getattr(eb, f)) for f in fields)))
         order = {f: i for i, f in enumerate(list(a) + [f for f in b if f not in a])}
-        opts = tuple(
-            (k, dict(self.options).get(k), dict(other.options).get(k))
-            for k in dict.fromkeys([k for k, _ in self.options] + [k for k, _ in other.options])
-            if dict(self.options).get(k) != dict(other.options).get(k)
-        )
+        before = {t.kind: t for t in self.options}
+        after = {t.kind: t for t in other.options}
+        opts = tuple((k, before.get(k), after.get(k)) for k in dict.fromkeys([*before, *after])
+                     if before.get(k) != after.get(k))
         return PlanDiff(
             removed=tuple(f for f in a if f not in b),
             added=tuple(f for f in b if f not in a),
@@ -312,10 +341,13 @@ class Plan:
             "activations": [a.to_json() for a in self.activations],
             "rules": None if self.rules is None else self.rules.to_json(),
             "model": self.model.to_json(),
-            "options": [[k, _thaw(v)] for k, v in self.options],
+            "options": [t.to_json() for t in self.options],
             "transforms": list(self.transforms),
             "mesh": None if self.mesh is None else [[n, s] for n, s in self.mesh],
             "uneven": self.uneven,
+            "roles": None if self.roles is None else self.roles.to_json(),
+            "rooms": [t.to_json() for t in self.rooms],
+            "not_runnable": list(self.not_runnable),
         }
         return json.dumps(d, **dump_kw)
 
@@ -330,11 +362,49 @@ class Plan:
             activations=tuple(ActivationEntry.from_json(a) for a in d["activations"]),
             rules=None if d["rules"] is None else Rules.from_json(d["rules"]),
             model=ModelInfo.from_json(d["model"]),
-            options=tuple((k, _freeze(v)) for k, v in d["options"]),
+            options=tuple(_option_from_json(o) for o in d["options"]),
             transforms=tuple(d["transforms"]),
             mesh=None if d["mesh"] is None else tuple((n, s) for n, s in d["mesh"]),
             uneven=d["uneven"],
+            roles=None if d.get("roles") is None else AxisRoles.from_json(d["roles"]),
+            rooms=tuple(_option_from_json(o) for o in d.get("rooms", ())),
+            not_runnable=tuple(d.get("not_runnable", ())),
         )
+
+
+def _bind_entry(e: ParamEntry, rules: Rules, axes, sizes, model: ModelInfo,
+                uneven: bool) -> ParamEntry:
+    ms = rules.resolve(e.spec, axes, what=f"{e.fqn} {e.shape}")
+    check_spec(ms, e.shape, axes, what=e.fqn, mesh_repr=_mesh_repr(sizes))
+    if not uneven:
+        for d, k in uneven_dims(e.shape, ms, sizes):
+            via = ms.dim_axes(d)
+            logical = e.spec.dim_axes(d) if d < len(e.spec) else ()
+            if logical == ("vocab",):
+                # Vocab-parallel embedding and loss handle a short last shard
+                # exactly (masked lookup, parallel softmax): no padding needed.
+                continue
+            fix_axis = f"map {logical[0]!r} to another axis in Rules" if logical and \
+                logical != via else "shard that dim over other axes"
+            raise SpecError(
+                f"{e.fqn} {e.shape}: {e.spec!r} shards dim {d} over "
+                f"{' x '.join(f'{a!r} (size {sizes[a]})' for a in via)}, but "
+                f"{e.shape[d]} % {k} != 0; change the mesh, {fix_axis}, or allow "
+                f"uneven shards with bind(mesh, uneven=True)"
+            )
+    ms, extra = _split_heads(e, ms, sizes, model)
+    return dataclasses.replace(e, mesh_spec=ms, tags=tuple(dict.fromkeys(e.tags + extra)))
+
+
+def _unique_rooms(rooms) -> list:
+    """One room per kind: repeatable kinds (several ``shard``s) install once."""
+    out, kinds = [], set()
+    for t in rooms:
+        if t.kind in kinds:
+            continue
+        kinds.add(t.kind)
+        out.append(t)
+    return out
 
 
 _HEAD_COUNTS = {"heads": ("num_attention_heads", "n_head"),
@@ -367,15 +437,6 @@ def _split_heads(e: ParamEntry, ms: P, sizes: Mapping[str, int], model: ModelInf
                 f"must be 0. Choose a tensor-parallel size that divides {count}"
             )
     return ms, extra
-
-
-def _thaw(v: Any) -> Any:
-    if isinstance(v, tuple) and all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
-                                    for x in v):
-        return {k: _thaw(x) for k, x in v}
-    if isinstance(v, tuple):
-        return [_thaw(x) for x in v]
-    return v
 
 
 def _mesh_repr(sizes: Mapping[str, int]) -> str:
@@ -412,7 +473,7 @@ class PlanDiff:
             for name, x, y in fields:
                 t.add_row(fqn, name, repr(x), repr(y))
         for k, x, y in self.options:
-            t.add_row(f"option {k}", "", repr(_thaw(x)), repr(_thaw(y)))
+            t.add_row(f"option {k}", "", repr(x), repr(y))
         return t
 
     def __str__(self) -> str:

@@ -43,7 +43,12 @@ def plan_table(plan, *, collapse: bool = True, max_rows: int = 200):
         title += f": {plan.model.cls}"
     if bound:
         title += "  on Mesh(" + ", ".join(f"{n}={s}" for n, s in plan.mesh) + ")"
-    t = Table(title=title, caption=" | ".join(plan.transforms) or None)
+    caption = " | ".join(plan.transforms)
+    if bound and plan.unused_axes():
+        caption += f"\nreplicated over {', '.join(plan.unused_axes())} (every rank along them computes the same)"
+    for why in plan.not_runnable:
+        caption += f"\nparallelize cannot run this layout: {why}"
+    t = Table(title=title, caption=caption.strip() or None)
     t.add_column("parameter", no_wrap=True)
     t.add_column("×", justify="right")
     t.add_column("type (global)")

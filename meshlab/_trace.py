@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._plan import ActivationEntry, ModelInfo, ParamEntry, Plan, dtype_name
+from ._plan import ActivationEntry, ModelInfo, ModuleInfo, ParamEntry, Plan, dtype_name
 
 _CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -51,6 +51,35 @@ def _blocks(model: nn.Module) -> tuple[str, ...]:
     return best
 
 
+def _module_kind(m: nn.Module) -> str:
+    if isinstance(m, nn.Linear):
+        return "linear"
+    if isinstance(m, nn.Embedding):
+        return "embedding"
+    if type(m).__name__ == "Conv1D" and hasattr(m, "nf"):   # GPT-2's (in, out) linear
+        return "conv1d"
+    return ""
+
+
+def _modules(model: nn.Module) -> tuple[ModuleInfo, ...]:
+    """Every module's kind and integer attributes (the layout reads head counts, feature
+    sizes and split sizes from them), so that checks need no module."""
+    out = []
+    for name, m in model.named_modules():
+        ints = tuple((k, v) for k, v in vars(m).items()
+                     if type(v) is int and not k.startswith("_"))
+        out.append(ModuleInfo(name, type(m).__name__, _module_kind(m), ints))
+    return tuple(out)
+
+
+def _head(model: nn.Module) -> str | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if head is None:
+        return None
+    return next((n for n, m in model.named_modules() if m is head), None)
+
+
 def trace(model: nn.Module, example_inputs: tuple | dict | None = None) -> Plan:
     """A replicated plan of ``model``: every parameter with its shape and dtype.
 
@@ -82,6 +111,8 @@ def trace(model: nn.Module, example_inputs: tuple | dict | None = None) -> Plan:
         blocks=_blocks(model),
         config=_config_subset(config) if config is not None else (),
         tp_plan=tuple((k, v) for k, v in tp_plan.items() if isinstance(v, str)),
+        modules=_modules(model),
+        head=_head(model),
     )
     acts = ()
     if example_inputs is not None:

@@ -34,7 +34,7 @@ def cmd_plan(args) -> int:
     from . import policies, presets
     from ._api import plan as make_plan
     from ._mesh import Mesh
-    from .transforms import shard
+    from .parallel import shard
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     t0 = time.perf_counter()
@@ -49,11 +49,11 @@ def cmd_plan(args) -> int:
     rules = _rules_arg(args.rules or DEFAULT_RULES_TEXT)
     spec = shard(policies.auto, rules)
     if args.zero is not None:
-        from .transforms import zero_shard
+        from .parallel import zero_shard
 
         spec = spec | zero_shard(args.zero, args.zero_axis)
     if "pp" in mesh.axis_names:
-        from .transforms import pipeline
+        from .parallel import pipeline
 
         spec = spec | pipeline("pp", schedule=args.schedule, microbatches=args.microbatches)
     p = make_plan(model, spec, mesh, uneven=args.uneven)
@@ -61,14 +61,10 @@ def cmd_plan(args) -> int:
     console.print(p.memory())
     if args.batch is not None:
         console.print(p.comm(batch=args.batch, seq=args.seq))
-    if p.option("pipeline"):
-        from .transforms.pipeline import stage_table
+    from .parallel.pipeline import Pipeline, stage_table
 
+    if p.get(Pipeline) is not None:
         console.print(stage_table(p))
-    unused = p.unused_axes()
-    if unused:
-        console.print(f"[yellow]note:[/] mesh axes {unused} shard no parameter: every rank along "
-                      f"them holds the same parameters.")
     if args.json:
         with open(args.json, "w") as f:
             f.write(p.to_json(indent=1))

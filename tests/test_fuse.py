@@ -29,7 +29,7 @@ def _model(family: str, **overrides):
 def test_fused_equals_unfused(family):
     import meshlab as ml
     from meshlab.ops import _build
-    from meshlab.ops.hf import causal_lm_loss, fuse
+    from meshlab.parallel.fuse import causal_lm_loss, fuse_model as fuse
 
     ref = _model(family)
     model = copy.deepcopy(ref)
@@ -60,7 +60,7 @@ def test_fused_equals_unfused(family):
 def test_fused_under_autocast():
     """Under bf16 autocast the fused head runs in bf16, as the unfused head's matmul does."""
     import meshlab as ml
-    from meshlab.ops.hf import causal_lm_loss, fuse
+    from meshlab.parallel.fuse import causal_lm_loss, fuse_model as fuse
 
     ref = _model("llama")
     model = copy.deepcopy(ref)
@@ -80,7 +80,7 @@ def test_fused_under_autocast():
 
 def test_other_models_untouched_and_idempotent():
     from meshlab.ops import _build
-    from meshlab.ops.hf import fuse
+    from meshlab.parallel.fuse import fuse_model as fuse
 
     routed, plain = _model("llama"), _model("llama")
     first = fuse(routed, OPS)
@@ -93,7 +93,7 @@ def test_other_models_untouched_and_idempotent():
 
 def test_probe_refuses_different_math():
     import meshlab as ml
-    from meshlab.ops.hf import fuse
+    from meshlab.parallel.fuse import fuse_model as fuse
 
     class OddRMSNorm(torch.nn.Module):          # looks like an RMSNorm, is not one
         def __init__(self):
@@ -114,22 +114,22 @@ def test_probe_refuses_different_math():
 
 def test_loss_refused_where_logits_are_transformed():
     import meshlab as ml
-    from meshlab.ops.hf import fuse
+    from meshlab.parallel.fuse import fuse_model as fuse
 
     model = _model("llama")
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ml.ConfigError, match="final_logit_softcapping=30.0"):
         fuse(model, ("loss",))
     with pytest.raises(ml.ConfigError, match="has no fused loss"):
-        from meshlab.ops.hf import causal_lm_loss
+        from meshlab.parallel.fuse import causal_lm_loss
         causal_lm_loss(_model("llama"), {"input_ids": M.batches(1)[0]})
 
 
 def test_fuse_transform_repr_and_validation():
     import meshlab as ml
-    from meshlab.ops.hf import FUSABLE
+    from meshlab.parallel.fuse._hf import FUSABLE
 
-    from meshlab.transforms.fuse import FUSABLE as PLANNED
+    from meshlab.parallel.fuse import FUSABLE as PLANNED
 
     assert PLANNED == FUSABLE
     assert repr(ml.fuse()) == "fuse()"

@@ -36,12 +36,13 @@ class _Work(torch.autograd.Function):
 
 def bubble_case(rank, world, schedule):
     import meshlab as ml
-    from meshlab.transforms.pipeline import bubble
+    from meshlab.parallel.pipeline import bubble
+    from meshlab.parallel.pipeline._runtime import PipelinePart
 
     spec = ml.pipeline("pp", schedule=schedule, microbatches=8)
     mesh = ml.Mesh(pp=4)
     model = ml.parallelize(M.build("llama", num_hidden_layers=8), spec, mesh, seed=0)
-    for b in model._meshlab.pipeline.kept:
+    for b in model._meshlab.part(PipelinePart).kept:
         blk = dict(model.named_modules())[b]
         blk.register_forward_hook(
             lambda m, a, out: (_Work.apply(out[0]),) + tuple(out[1:]) if isinstance(out, tuple)

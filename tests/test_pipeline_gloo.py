@@ -76,7 +76,7 @@ def test_pp2_composed(world4, extra, mesh_text):
 
 def test_plan_reports_stages_and_bubble():
     import meshlab as ml
-    from meshlab.transforms.pipeline import bubble, stages
+    from meshlab.parallel.pipeline import bubble, stages
 
     model = M.build("llama", num_hidden_layers=8)
     p = ml.plan(model, ml.pipeline("pp", schedule="interleaved", microbatches=8),
@@ -88,7 +88,7 @@ def test_plan_reports_stages_and_bubble():
     p = ml.plan(model, ml.pipeline("pp", schedule="1f1b", microbatches=8), ml.Mesh(pp=4, fake=True))
     assert bubble(p) == pytest.approx(3 / 11)
     with pytest.raises(ml.ConfigError, match="cannot fill"):
-        from meshlab.transforms.pipeline import stages as _s
+        from meshlab.parallel.pipeline import stages as _s
 
         _s(ml.plan(M.build("llama"), ml.pipeline("pp"), ml.Mesh(pp=4, fake=True)))
 
@@ -96,7 +96,7 @@ def test_plan_reports_stages_and_bubble():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbv", "zero_bubble"])
 def test_schedule_picture_and_simulated_bubble(schedule):
     import meshlab as ml
-    from meshlab.transforms.pipeline import bubble, draw_schedule, simulate, stages
+    from meshlab.parallel.pipeline import bubble, draw_schedule, simulate, stages
 
     p = ml.plan(M.build("llama", num_hidden_layers=8),
                 ml.pipeline("pp", schedule=schedule, microbatches=8), ml.Mesh(pp=4, fake=True))

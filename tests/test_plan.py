@@ -506,11 +506,14 @@ def test_diff_added_removed():
 
 
 def test_diff_options(llama):
+    # Options are the typed transform values, looked up by type.
+    from meshlab.parallel import ZeroShard
+
     a = ml.trace(llama)
-    b = a.with_option("zero", {"stage": 1, "axis": "dp"})
+    b = ml.zero_shard(1, "dp")(a)
     d = a.diff(b)
-    assert d.options == (("zero", None, (("stage", 1), ("axis", "dp"))),)
-    assert b.option("zero") == {"stage": 1, "axis": "dp"}
+    assert d.options == (("zero", None, ml.zero_shard(1, "dp")),)
+    assert b.get(ZeroShard) == ml.zero_shard(1, "dp")
 
 
 @pytest.mark.parametrize("which", ["llama", "llama_tied", "qwen2"])
@@ -523,7 +526,7 @@ def test_json_round_trip(which, request):
     assert again == p
     assert again.diff(p).__bool__() is False
     assert again.memory() == p.memory()
-    p = p.with_option("zero", {"stage": 2, "axis": ("dp", "tp"), "nested": {"k": [1, 2]}})
+    p = (ml.zero_shard(2, ("dp", "tp")) | ml.precision("bf16") | ml.remat("full"))(p)
     assert ml.Plan.from_json(p.to_json(indent=1)) == p
 
 

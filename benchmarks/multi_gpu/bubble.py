@@ -1,7 +1,7 @@
 """Pipeline idle fraction on pp=4 with 16 microbatches (1F1B and interleaved), measured
-against the plan's formula ``meshlab.transforms.pipeline.bubble(plan)``.
+against the plan's formula ``meshlab.parallel.pipeline.bubble(plan)``.
 
-Each rank times the work of its own blocks (``model._meshlab.pipeline.kept``): a forward
+Each rank times the work of its own blocks (``model._meshlab.part(PipelinePart).kept``): a forward
 pre-hook and a forward hook bracket every block's forward, and identity autograd markers
 on the block's input and output bracket its backward (the output's marker runs first in
 backward, the input's last). On GPU the brackets are CUDA events on the compute stream;
@@ -109,8 +109,10 @@ class _OutputMark(torch.autograd.Function):
 
 
 def instrument(model, clock: Clock) -> int:
+    from meshlab.parallel.pipeline._runtime import PipelinePart
+
     mods = dict(model.named_modules())
-    kept = sorted(model._meshlab.pipeline.kept)
+    kept = sorted(model._meshlab.part(PipelinePart).kept)
 
     def pre(m, args, kwargs):
         tok = _Token()
@@ -162,7 +164,7 @@ def run(env, args, schedule: str, cfg: dict, seq: int) -> dict:
     import torch.distributed as dist
 
     import meshlab as ml
-    from meshlab.transforms.pipeline import bubble
+    from meshlab.parallel.pipeline import bubble
 
     axes = {"pp": PP} if env.world == PP else {"pp": PP, "dp": env.world // PP}
     spec = ml.pipeline("pp", schedule=schedule, microbatches=MICROBATCHES)

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._collectives import all_gather_into
 from ._safe import CheckpointError
 from .._tensors import local as _local
 
@@ -73,7 +72,7 @@ def ensure_state(opt) -> None:
     inner = getattr(opt, "inner", opt)
     if inner.state:
         return
-    targets = list(getattr(opt, "shards", [])) if getattr(opt, "zero1", False) else \
+    targets = list(getattr(opt, "shards", [])) if getattr(opt, "zero1", None) is not None else \
         [p for g in inner.param_groups for p in g["params"]]
     saved = [g["lr"] for g in inner.param_groups]
     for p in targets:
@@ -92,23 +91,17 @@ def optimizer_state(opt, model: nn.Module | None = None
     """(tensors for DCP, JSON-able rest: param groups and the loss scaler)."""
     inner = getattr(opt, "inner", opt)
     tensors: dict[str, torch.Tensor] = {}
-    if getattr(opt, "zero1", False):
-        for (ps, numels, per, _), shard in zip(opt.buckets, opt.shards):
-            st = inner.state.get(shard, {})
-            names = {id(p): n for n, p in opt.params}
-            for key, flat_local in st.items():
+    z = getattr(opt, "zero1", None)
+    if z is not None:
+        names = {id(p): n for n, p in opt.params}
+        for b, shard in zip(z.buckets, z.shards):
+            for key, flat_local in inner.state.get(shard, {}).items():
                 if flat_local.dim() == 0:     # the step counter: the same on every rank
-                    for p in ps:
+                    for p in b.params:
                         tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = flat_local.clone()
                     continue
-                full = torch.empty(per * opt.rt.dp_size, dtype=flat_local.dtype,
-                                   device=flat_local.device)
-                all_gather_into(full, flat_local.contiguous(), opt.rt.dp_group)
-                off = 0
-                for p, n in zip(ps, numels):
-                    loc = full[off:off + n].view(_local(p).shape).clone()
+                for p, loc in zip(b.params, z.full_state(flat_local, b)):
                     tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = _like(p, loc)
-                    off += n
     else:
         for name, p in _params(opt, model):
             for key, v in inner.state.get(p, {}).items():
@@ -124,22 +117,16 @@ def optimizer_state(opt, model: nn.Module | None = None
 def load_optimizer_state(opt, tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
     """Write loaded canonical tensors (and JSON rest) back into ``opt``."""
     inner = getattr(opt, "inner", opt)
-    if getattr(opt, "zero1", False):
+    z = getattr(opt, "zero1", None)
+    if z is not None:
         names = {id(p): n for n, p in opt.params}
-        r = dist.get_rank(opt.rt.dp_group)
-        for (ps, numels, per, _), shard in zip(opt.buckets, opt.shards):
-            st = inner.state[shard]
-            for key, flat_local in st.items():
+        for b, shard in zip(z.buckets, z.shards):
+            for key, flat_local in inner.state[shard].items():
                 if flat_local.dim() == 0:
-                    flat_local.copy_(tensors[f"{OPT_PREFIX}{names[id(ps[0])]}.{key}"])
+                    flat_local.copy_(tensors[f"{OPT_PREFIX}{names[id(b.params[0])]}.{key}"])
                     continue
-                full = torch.zeros(per * opt.rt.dp_size, dtype=flat_local.dtype,
-                                   device=flat_local.device)
-                off = 0
-                for p, n in zip(ps, numels):
-                    full[off:off + n] = _local(tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"]).reshape(-1)
-                    off += n
-                flat_local.copy_(full[r * per:(r + 1) * per])
+                parts = [tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] for p in b.params]
+                flat_local.copy_(z.slice_state(parts, b, flat_local))
         opt.refresh_master()
     groups = rest.get("param_groups")
     if groups is not None:

@@ -194,16 +194,18 @@ class Policy:
         return {self._abs(g, prefix): s for g, s in self.activations if self._keep(g, plan)}
 
     def module_tags(self, plan) -> dict[str, tuple[str, ...]]:
-        """Module glob -> tags: ``tp_region`` entries and ``local_attr:<name>``."""
+        """Module glob -> tags (``tp_region``: the module's input enters a TP region)."""
+        prefix = plan.model.base_prefix
+        return {self._abs(g, prefix): ("tp_region",) for g in self.regions if self._keep(g, plan)}
+
+    def module_attrs(self, plan) -> dict[str, tuple[str, ...]]:
+        """Module glob -> integer attributes that must hold this rank's share under TP."""
         prefix = plan.model.base_prefix
         out: dict[str, tuple[str, ...]] = {}
-        for g in self.regions:
-            if self._keep(g, plan):
-                out[self._abs(g, prefix)] = out.get(self._abs(g, prefix), ()) + ("tp_region",)
         for g, attr in self.local_attrs:
             if self._keep(g, plan):
                 k = self._abs(g, prefix)
-                out[k] = out.get(k, ()) + (f"local_attr:{attr}",)
+                out[k] = out.get(k, ()) + (attr,)
         return out
 
 

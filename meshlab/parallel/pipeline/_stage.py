@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._errors import ConfigError
+from ..._errors import ConfigError
 
 
 def _no_cache_kwargs() -> dict:

@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _collectives as C
-from ._errors import SpecError
+from ... import _collectives as C
+from ..._errors import SpecError
+from .._seqsplit import install_split
+from ._ulysses import _route_attention
 
 NAME = "meshlab_ring"
-_GROUPS: dict[int, object] = {}
 
 
 def _shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
@@ -59,7 +60,7 @@ def zigzag_order(n: int, seq: int) -> torch.Tensor:
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """(B, H, S/n, D) per rank, zigzag chunks -> causal attention over the whole sequence."""
-    group = _GROUPS[getattr(module, "_meshlab_model_id")]
+    group = module._meshlab_sp_group
     n, r = dist.get_world_size(group), dist.get_rank(group)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
@@ -123,49 +124,14 @@ def install(model: nn.Module, blocks: tuple[str, ...], group) -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, attention)
-    _GROUPS[id(model)] = group
-    for sub in model.modules():
-        cfg = getattr(sub, "config", None)
-        if cfg is not None:
-            try:
-                cfg._attn_implementation = NAME
-            except AttributeError:
-                pass
-    mods = dict(model.named_modules())
-    for b in blocks:
-        for m in mods[b].modules():
-            m._meshlab_model_id = id(model)
+    _route_attention(model, blocks, group, NAME)
+    n = dist.get_world_size(group)
 
-    def split_pe(kwargs):
-        pe = kwargs.get("position_embeddings")
-        if pe is not None:   # rotary tables were computed for the whole sequence
-            kwargs["position_embeddings"] = tuple(_zigzag_split(t, group) for t in pe)
-        return kwargs
-
-    def first(_m, args, kwargs):
-        kwargs = split_pe(dict(kwargs))
-        if args:
-            return (_zigzag_split(args[0], group),) + tuple(args[1:]), kwargs
-        kwargs["hidden_states"] = _zigzag_split(kwargs["hidden_states"], group)
-        return args, kwargs
-
-    def later(_m, args, kwargs):
-        if kwargs.get("position_embeddings") is None:
-            return None
-        return args, split_pe(dict(kwargs))
-
-    mods[blocks[0]].register_forward_pre_hook(first, with_kwargs=True)
-    for b in blocks[1:]:
-        mods[b].register_forward_pre_hook(later, with_kwargs=True)
-
-    def gather(_m, _args, out):
-        h = out if isinstance(out, torch.Tensor) else out[0]
-        n = dist.get_world_size(group)
+    def gather(h):
         full = C.gather_seq_replicated(h, group, 1)
         order = zigzag_order(n, full.shape[1]).to(full.device)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(len(order), device=order.device)
-        full = _Permute.apply(full, inv, 1)
-        return full if isinstance(out, torch.Tensor) else (full,) + tuple(out[1:])
+        return _Permute.apply(full, inv, 1)
 
-    mods[blocks[-1]].register_forward_hook(gather)
+    install_split(model, blocks, lambda h: _zigzag_split(h, group), gather)

@@ -18,64 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .._errors import ConfigError, PlanError
-from .._plan import Plan, dtype_bytes
-from ._base import Transform
-
-SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero_bubble": 2, "zbv": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class Pipeline(Transform):
-    """Pipeline parallelism over ``axis`` with ``schedule`` and ``microbatches``."""
-
-    axis: str = "pp"
-    schedule: str = "1f1b"
-    microbatches: int = 4
-    virtual_stages: int | None = None
-    layers_per_stage: tuple[int, ...] | None = None
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"pipeline(schedule={self.schedule!r}): one of {sorted(SCHEDULES)}")
-        if self.microbatches < 1:
-            raise ConfigError(f"pipeline(microbatches={self.microbatches}): at least 1")
-        v = self.v
-        if self.schedule in ("gpipe", "1f1b") and v != 1:
-            raise ConfigError(f"{self.schedule} runs one stage per rank; use "
-                              f"schedule='interleaved' for virtual_stages={v}")
-        if self.schedule == "zbv" and v != 2:
-            raise ConfigError("zbv runs exactly two stages per rank (a V shape)")
-
-    @property
-    def v(self) -> int:
-        return self.virtual_stages or SCHEDULES[self.schedule]
-
-    def apply(self, plan: Plan) -> Plan:
-        if not plan.model.blocks:
-            raise PlanError(f"pipeline: {plan.model.cls or 'the model'} has no repeated blocks "
-                            f"to split into stages")
-        return plan.with_option("pipeline", {
-            "axis": self.axis, "schedule": self.schedule, "microbatches": self.microbatches,
-            "virtual_stages": self.v,
-            "layers_per_stage": None if self.layers_per_stage is None else list(self.layers_per_stage)})
-
-    def __repr__(self) -> str:
-        return (f"pipeline({self.axis!r}, schedule={self.schedule!r}, "
-                f"microbatches={self.microbatches}, virtual_stages={self.v})")
-
-
-def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
-             virtual_stages: int | None = None,
-             layers_per_stage: tuple[int, ...] | list[int] | None = None) -> Pipeline:
-    """Split the model's blocks into pipeline stages over mesh axis ``axis``.
-
-    >>> pipeline('pp', schedule='interleaved', microbatches=8)
-    pipeline('pp', schedule='interleaved', microbatches=8, virtual_stages=2)
-    """
-    return Pipeline(axis, schedule, microbatches, virtual_stages,
-                    None if layers_per_stage is None else tuple(layers_per_stage))
-
+from ..._errors import ConfigError
+from ..._plan import Plan, dtype_bytes
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -93,16 +37,13 @@ def _rank_of(chunk: int, p: int, v: int, schedule: str) -> int:
     return chunk % p
 
 
-def stages(plan: Plan) -> list[Stage]:
+def stages(plan: Plan, opt) -> list[Stage]:
     """The stages of a bound plan with a pipeline: blocks balanced by parameter bytes."""
-    opt = plan.option("pipeline")
-    if opt is None:
-        return []
-    p = plan.mesh_shape.get(opt["axis"])
+    p = plan.mesh_shape.get(opt.axis)
     if p is None:
-        raise ConfigError(f"pipeline axis {opt['axis']!r} is not a mesh axis "
+        raise ConfigError(f"pipeline axis {opt.axis!r} is not a mesh axis "
                           f"{tuple(plan.mesh_shape)}")
-    v = opt["virtual_stages"]
+    v = opt.v
     n = p * v
     blocks = plan.model.blocks
     if len(blocks) < n:
@@ -119,8 +60,8 @@ def stages(plan: Plan) -> list[Stage]:
             size[owner] += nb
         else:
             outside["embed" not in e.fqn and "wte" not in e.fqn] += nb
-    if opt["layers_per_stage"] is not None:
-        counts = list(opt["layers_per_stage"])
+    if opt.layers_per_stage is not None:
+        counts = list(opt.layers_per_stage)
         if len(counts) != n or sum(counts) != len(blocks) or min(counts) < 1:
             raise ConfigError(f"layers_per_stage={counts}: give {n} positive counts summing to "
                               f"{len(blocks)}")
@@ -132,7 +73,7 @@ def stages(plan: Plan) -> list[Stage]:
         start += c
         nb = sum(size[b] for b in bl) + (outside[0] if i == 0 else 0) + \
             (outside[1] if i == n - 1 else 0)
-        out.append(Stage(i, _rank_of(i, p, v, opt["schedule"]), bl, i == 0, i == n - 1, nb))
+        out.append(Stage(i, _rank_of(i, p, v, opt.schedule), bl, i == 0, i == n - 1, nb))
     return out
 
 
@@ -170,31 +111,27 @@ def _balanced(weights: list[int], n: int, head: int, tail: int) -> list[int]:
     return best
 
 
-def bubble(plan: Plan) -> float:
+def bubble(plan: Plan, opt) -> float:
     """Expected idle fraction of the pipeline schedule (module docstring)."""
-    opt = plan.option("pipeline")
-    if opt is None:
-        return 0.0
-    p, m, v = plan.mesh_shape[opt["axis"]], opt["microbatches"], opt["virtual_stages"]
-    if opt["schedule"] in ("zero_bubble", "zbv"):
-        events = simulate(plan)
+    p, m, v = plan.mesh_shape[opt.axis], opt.microbatches, opt.v
+    if opt.schedule in ("zero_bubble", "zbv"):
+        events = simulate(plan, opt)
         end = max(e[2] for e in events)
         return 1 - sum(e[2] - e[1] for e in events) / (p * end)
     return (p - 1) / (v * m + p - 1)
 
 
-def stage_table(plan: Plan):
+def stage_table(plan: Plan, opt):
     """A rich table: each stage's rank, blocks and parameter bytes, and the bubble."""
     from rich.table import Table
 
-    from .._plan_view import _fmt_bytes
+    from ..._plan_view import _fmt_bytes
 
-    opt = plan.option("pipeline")
-    t = Table(title=f"pipeline: {opt['schedule']}, {opt['microbatches']} microbatches, expected "
-                    f"idle fraction {bubble(plan):.1%}")
+    t = Table(title=f"pipeline: {opt.schedule}, {opt.microbatches} microbatches, expected "
+                    f"idle fraction {bubble(plan, opt):.1%}")
     for c in ("stage", "rank", "blocks", "params"):
         t.add_column(c, justify="right" if c in ("stage", "rank", "params") else "left")
-    for s in stages(plan):
+    for s in stages(plan, opt):
         extra = (" + embeddings" if s.first else "") + (" + norm, head" if s.last else "")
         span = f"{s.blocks[0]} .. {s.blocks[-1].rsplit('.', 1)[-1]} ({len(s.blocks)}){extra}"
         t.add_row(str(s.index), str(s.rank), span, _fmt_bytes(s.param_bytes))
@@ -238,12 +175,11 @@ def _actions(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int,
     return out
 
 
-def simulate(plan: Plan, forward: float = 1.0, backward: float = 2.0):
+def simulate(plan: Plan, opt, forward: float = 1.0, backward: float = 2.0):
     """Replay the schedule's per-rank action lists (torch's own) with unit costs and the
     stage dependencies: returns ``[(rank, start, end, 'F'|'B', microbatch, stage)]``."""
-    opt = plan.option("pipeline")
-    p, m, v = plan.mesh_shape[opt["axis"]], opt["microbatches"], opt["virtual_stages"]
-    rows = _actions(opt["schedule"], p, m, v)
+    p, m, v = plan.mesh_shape[opt.axis], opt.microbatches, opt.v
+    rows = _actions(opt.schedule, p, m, v)
     n = p * v
     done: dict = {}
     clock = [0.0] * p
@@ -273,17 +209,17 @@ def simulate(plan: Plan, forward: float = 1.0, backward: float = 2.0):
             pos[r] += 1
             progressed = True
         if not progressed:
-            raise ConfigError(f"the {opt['schedule']} schedule cannot make progress for "
+            raise ConfigError(f"the {opt.schedule} schedule cannot make progress for "
                               f"p={p}, m={m}, v={v}")
     return out
 
 
-def draw_schedule(plan: Plan) -> str:
+def draw_schedule(plan: Plan, opt) -> str:
     """A text picture of the schedule: one row per pipeline rank, one column per unit of
     time (a forward is 1 unit, a backward 2), the microbatch number in each busy cell
     (``F``orward rows above, ``b``ackward lowercase), ``.`` where the rank waits."""
-    events = simulate(plan)
-    p = plan.mesh_shape[plan.option("pipeline")["axis"]]
+    events = simulate(plan, opt)
+    p = plan.mesh_shape[opt.axis]
     end = int(round(max(e[2] for e in events)))
     grid = [["." for _ in range(end)] for _ in range(p)]
     for r, t0, t1, tag, mb, _ in events:

@@ -20,7 +20,7 @@ fails loudly instead of training on different math:
   runs the model that way; ``meshlab.step`` does it for a model routed here.
 
 >>> import torch, transformers
->>> from meshlab.ops.hf import fuse
+>>> from meshlab.parallel.fuse import fuse_model as fuse
 >>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
 ...                                num_hidden_layers=1, num_attention_heads=4)
 >>> model = transformers.LlamaForCausalLM(cfg)
@@ -42,8 +42,9 @@ import types
 import torch
 from torch import Tensor, nn
 
-from .._errors import ConfigError
-from ..transforms.fuse import FUSABLE
+from ..._errors import ConfigError
+
+FUSABLE = ("rms_norm", "rotary", "attention", "loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _norm_rule(m: nn.Module) -> Norm | None:
 
 
 def _fused_norm_forward(self, hidden_states: Tensor) -> Tensor:
-    from .rms_norm import rms_norm
+    from ...ops.rms_norm import rms_norm
 
     rule: Norm = self._meshlab_norm
     w = self.weight
@@ -124,7 +125,7 @@ def _probe_norm(m: nn.Module, rule: Norm) -> None:
     clone._meshlab_norm = rule
     got = _fused_norm_forward(clone, x)
     _probe_close(got, want, type(m).__name__, "leave 'rms_norm' out of fuse(ops=...) "
-                 "or add the class to meshlab.ops.hf.NORMS with its epsilon attribute")
+                 "or add the class to meshlab.parallel.fuse.NORMS with its epsilon attribute")
 
 
 def _route_norms(model: nn.Module) -> list[str]:
@@ -158,7 +159,7 @@ def _fused_apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
                         unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
     """Hugging Face's ``apply_rotary_pos_emb`` on ``meshlab::rotary``: q (B, H, S, D),
     k (B, Hkv, S, D), cos/sin (B or 1, S, D) with equal halves."""
-    from .rotary import rotary
+    from ...ops.rotary import rotary
 
     b, s, d = q.shape[0], q.shape[2], q.shape[-1]
     c, sn = cos[..., : d // 2], sin[..., : d // 2]
@@ -262,7 +263,7 @@ def _fused_head_forward(self, hidden_states: Tensor) -> Tensor:
     ctx = getattr(_LABELS, "value", None)
     if ctx is None:
         return self._meshlab_linear_forward(hidden_states)
-    from .linear_cross_entropy import linear_cross_entropy
+    from ...ops.linear_cross_entropy import linear_cross_entropy
 
     labels, ignore_index = ctx
     w = self.weight
@@ -311,7 +312,7 @@ def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
     of the unfused model's output."""
     if not getattr(model, "_meshlab_fused_loss", False):
         raise ConfigError(f"{type(model).__name__} has no fused loss; call "
-                          f"meshlab.ops.hf.fuse(model, ops=('loss',)) first")
+                          f"meshlab.parallel.fuse.fuse_model(model, ops=('loss',)) first")
     labels = batch.get("labels", batch["input_ids"])
     with fused_labels(labels, ignore_index):
         out = model(**{k: v for k, v in batch.items() if k != "labels"})
@@ -325,7 +326,7 @@ def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
 # ------------------------------------------------------------------------ attention
 
 def _route_attention(model: nn.Module) -> list[str]:
-    from .attention import register_hf
+    from ...ops.attention import register_hf
 
     register_hf()
     setter = getattr(model, "set_attn_implementation", None)

@@ -1,0 +1,278 @@
+"""The transform protocol: what a transform is, and what it may contribute.
+
+A transform is a frozen value. Everything about it lives in its own room (a package
+under ``meshlab/parallel/``), written against the hooks below, each optional:
+
+=================  ======================================================================
+``apply(plan)``    the pure plan step, ``Plan -> Plan`` (default: the plan as it is; the
+                   transform is recorded in ``plan.options`` either way)
+``claims(plan)``   the mesh axes it takes, by role: ``{'dp': ('dp',)}``
+``check(plan)``    model-free checks on the bound plan (fake or real mesh alike); raise a
+                   ``MeshlabError`` naming the thing and the fix
+``prepare(ctx)``   before the model is initialized (may add ``ctx.on_module`` and
+                   ``ctx.after_init`` callbacks)
+``install(ctx)``   at ``phase``: mutate the model; return a ``Part`` the runtime keeps
+``memory(plan,     its share of ``plan.memory()``: returns the per-rank rows, changed or
+rows)``            extended
+``comm(plan,       its share of ``plan.comm()``: ``CommOp`` rows
+...)``
+=================  ======================================================================
+
+``t1 | t2`` composes; two transforms of one kind (``kind``) refuse to compose unless the
+kind is ``repeatable``. A transform written outside meshlab subclasses ``Transform`` as a
+frozen dataclass and composes like a built-in one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, ClassVar, Iterable, Mapping
+
+from .._comm import CommOp as CommOp
+from .._errors import ConfigError
+from .._memory import MemRow as MemRow
+from .._plan import Plan, register_option
+
+
+class Phase(enum.IntEnum):
+    """The fixed order in which ``materialize`` runs the install steps."""
+
+    SHARD = 20       # parameters become DTensors (tensor parallel)
+    HOOKS = 30       # forward hooks of the sharded modules
+    KERNELS = 40     # fused ops routed in
+    REMAT = 50       # activation checkpointing of the blocks
+    DATA = 60        # data-parallel sharding (FSDP2)
+    SEQUENCE = 70    # sequence-parallel attention
+    SCHEDULE = 80    # pipeline stages and their schedule
+    USER = 90        # the default for transforms written outside meshlab
+
+
+class Part:
+    """What an installed transform leaves with the runtime: its share of the step.
+
+    ``sync_grads`` runs after backward, in ``order`` (data-parallel reductions last,
+    since they see the others' sums). The other hooks let a part own the optimizer's view
+    of the parameters (ZeRO-1), add groups to the gradient norm (pipeline), or run the
+    whole step (pipeline schedules).
+    """
+
+    order: ClassVar[int] = 0
+    casts_params: ClassVar[bool] = False   # runs the forward in the compute dtype itself
+
+    def sync_grads(self, params: list) -> None:
+        """Reduce the gradients of ``params`` (``[(fqn, parameter)]``) in place."""
+
+    def optimizer_params(self, params: list) -> list | None:
+        """The tensors the inner optimizer updates instead of ``params`` (or None)."""
+        return None
+
+    def grad_items(self, items: list) -> list:
+        """``[(local gradient, groups it is sharded over)]`` for norms and overflow."""
+        return items
+
+    def norm_groups(self) -> tuple:
+        """Groups over which the summed squared norm is also all-reduced."""
+        return ()
+
+    def after_step(self) -> None:
+        """Runs after the inner optimizer's update."""
+
+    def set_gradient_sync(self, model, enabled: bool) -> None:
+        """Microbatches before the last run with ``enabled=False``."""
+
+    def compute_context(self, parts: tuple):
+        """A context every forward runs in (``precision``'s autocast), or None."""
+        return None
+
+    def run_step(self, rt, opt, batch, loss_fn) -> float | None:
+        """Run forward, backward and ``opt.step()`` for ``batch``; None leaves it to ``step``."""
+        return None
+
+
+_KINDS: dict[str, type] = {}
+
+
+class Transform:
+    """Base of every transform: a frozen dataclass implementing some of the hooks above."""
+
+    kind: ClassVar[str] = ""
+    repeatable: ClassVar[bool] = False
+    phase: ClassVar[Phase] = Phase.USER
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if not cls.__dict__.get("kind"):
+            cls.kind = cls.__name__.lower()
+        if cls.kind not in ("compose", "identity"):
+            _KINDS.setdefault(cls.kind, cls)
+            register_option(cls.kind, cls)
+
+    # -- the hooks ----------------------------------------------------------------------
+    def apply(self, plan: Plan) -> Plan:
+        return plan
+
+    def claims(self, plan: Plan) -> Mapping[str, tuple[str, ...]]:
+        return {}
+
+    def check(self, plan: Plan) -> None:
+        pass
+
+    def prepare(self, ctx) -> None:
+        pass
+
+    def install(self, ctx) -> Part | None:
+        return None
+
+    def memory(self, plan: Plan, rows: list[MemRow]) -> list[MemRow]:
+        return rows
+
+    def comm(self, plan: Plan, *, batch: int | None, seq: int | None,
+             coord: Mapping[str, int] | None) -> Iterable[CommOp]:
+        return ()
+
+    # -- composition --------------------------------------------------------------------
+    def __call__(self, plan: Plan) -> Plan:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"{self!r} takes a Plan, got {type(plan).__name__}; build one with "
+                            f"meshlab.plan(model, spec, mesh) or meshlab.trace(model)")
+        _refuse_second(self, plan.options)
+        out = self.apply(plan)
+        return dataclasses.replace(out, options=out.options + (self,),
+                                   transforms=out.transforms + (repr(self),))
+
+    def __or__(self, other: "Transform") -> "Compose":
+        if not isinstance(other, Transform):
+            raise ConfigError(f"{self!r} | {other!r}: both sides of | must be transforms "
+                              f"such as zero_shard(3) or precision('bf16'), not "
+                              f"{type(other).__name__}")
+        return Compose(_flat(self) + _flat(other))
+
+    def __ror__(self, other):
+        raise ConfigError(f"{other!r} | {self!r}: both sides of | must be transforms, not "
+                          f"{type(other).__name__}")
+
+    @property
+    def parts(self) -> tuple["Transform", ...]:
+        return (self,)
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """``{'kind': ..., <field>: <JSON value>}``; ``from_json`` reads it back."""
+        return {"kind": self.kind, **{f.name: encode(getattr(self, f.name))
+                                      for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Transform":
+        if d.get("kind") == "compose":
+            return Compose(tuple(Transform.from_json(x) for x in d["transforms"]))
+        kind_cls = _KINDS.get(d.get("kind"))
+        if kind_cls is None:
+            raise ConfigError(f"unknown transform kind {d.get('kind')!r}; known: "
+                              f"{sorted(_KINDS)} (import the module defining it first)")
+        return kind_cls._from_fields({k: decode(v) for k, v in d.items() if k != "kind"})
+
+    @classmethod
+    def _from_fields(cls, fields: dict) -> "Transform":
+        return cls(**fields)
+
+
+def _flat(t: Transform) -> tuple[Transform, ...]:
+    return t.transforms if isinstance(t, Compose) else (t,)
+
+
+def _refuse_second(t: Transform, earlier: Iterable[Transform]) -> None:
+    if t.repeatable:
+        return
+    for prev in earlier:
+        if getattr(prev, "kind", None) == t.kind:
+            raise ConfigError(f"{prev!r} and {t!r}: two {t.kind} transforms in one spec; the "
+                              f"second would silently replace the first. Keep one")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compose(Transform):
+    """``t1 | t2 | ...``: apply left to right."""
+
+    kind: ClassVar[str] = "compose"
+    transforms: tuple[Transform, ...]
+
+    def __post_init__(self):
+        seen: list[Transform] = []
+        for t in self.transforms:
+            _refuse_second(t, seen)
+            seen.append(t)
+
+    def __call__(self, plan: Plan) -> Plan:
+        for t in self.transforms:
+            plan = t(plan)
+        return plan
+
+    def apply(self, plan: Plan) -> Plan:
+        return self(plan)
+
+    @property
+    def parts(self) -> tuple[Transform, ...]:
+        return self.transforms
+
+    def to_json(self) -> dict:
+        return {"kind": "compose", "transforms": [t.to_json() for t in self.transforms]}
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(t) for t in self.transforms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity(Transform):
+    """The transform that changes nothing (a neutral element for ``|``)."""
+
+    kind: ClassVar[str] = "identity"
+
+    def __call__(self, plan: Plan) -> Plan:
+        return plan
+
+    def __repr__(self) -> str:
+        return "identity()"
+
+
+# -- field codec: the few value types transforms hold ---------------------------------
+def encode(v: Any) -> Any:
+    from .._rules import Rules
+    from .._spec import P
+
+    if isinstance(v, P):
+        return {"P": v.to_json()}
+    if isinstance(v, Rules):
+        return {"Rules": v.to_json()}
+    if isinstance(v, Transform):
+        return {"transform": v.to_json()}
+    if isinstance(v, Mapping):
+        return {"map": [[encode(k), encode(x)] for k, x in v.items()]}
+    if isinstance(v, (tuple, list)):
+        return {"tuple": [encode(x) for x in v]}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    enc = getattr(v, "to_json", None)
+    if enc is None:
+        raise ConfigError(f"{type(v).__name__} {v!r} cannot be written as JSON; give the "
+                          f"transform a to_json/_from_fields pair")
+    return {"value": type(v).__name__, "json": enc()}
+
+
+def decode(v: Any) -> Any:
+    from .._rules import Rules
+    from .._spec import P
+
+    if not isinstance(v, dict):
+        return v
+    if "P" in v:
+        return P.from_json(v["P"])
+    if "Rules" in v:
+        return Rules.from_json(v["Rules"])
+    if "transform" in v:
+        return Transform.from_json(v["transform"])
+    if "map" in v:
+        return {decode(k): decode(x) for k, x in v["map"]}
+    if "tuple" in v:
+        return tuple(decode(x) for x in v["tuple"])
+    return v

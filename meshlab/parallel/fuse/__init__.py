@@ -1,0 +1,70 @@
+"""fuse: run a Hugging Face model's RMSNorm, rotary embedding, attention and loss on
+meshlab's fused ops (``meshlab.ops``), routed at materialize time.
+
+The room: ``Fuse`` (a plan value), its checks (combinations whose loss or attention
+another room owns) and its install, the Hugging Face routing of ``_hf`` (also usable on
+its own: ``fuse_model(model)``), each routing probed against what it replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from ..._errors import ConfigError
+from ..._plan import Plan
+from .._protocol import Phase, Transform
+from ..pipeline import Pipeline
+from ..sequence import Sequence
+from ._hf import FUSABLE as FUSABLE, NORMS as NORMS, causal_lm_loss as causal_lm_loss
+from ._hf import fuse as fuse_model, fused_labels as fused_labels
+
+
+@dataclasses.dataclass(frozen=True)
+class Fuse(Transform):
+    """Route ``ops`` (any of ``rms_norm``, ``rotary``, ``attention``, ``loss``) to
+    meshlab's custom ops without replacing any ``forward``; each routing is probed against
+    the module it replaces when it is installed."""
+
+    kind: ClassVar[str] = "fuse"
+    phase: ClassVar[Phase] = Phase.KERNELS
+
+    ops: tuple[str, ...] = FUSABLE
+
+    def __post_init__(self):
+        ops = (self.ops,) if isinstance(self.ops, str) else tuple(self.ops)
+        bad = [o for o in ops if o not in FUSABLE]
+        if bad or not ops or len(set(ops)) != len(ops):
+            raise ConfigError(f"fuse{ops!r}: choose distinct ops from {FUSABLE}")
+        object.__setattr__(self, "ops", ops)
+
+    def check(self, plan: Plan) -> None:
+        if "loss" in self.ops:
+            if plan.get(Pipeline) is not None:
+                raise ConfigError("fuse('loss') with pipeline(): the last stage's loss comes "
+                                  "from the schedule's loss_fn on logits; leave 'loss' out of "
+                                  "fuse()")
+            head = plan.model.head
+            tp = plan.roles.tp
+            if head is not None and tp is not None and any(
+                    e.module == head and tp in e.mesh_spec.axes for e in plan.params):
+                raise ConfigError(f"fuse('loss') with {head} sharded by shard(): the fused loss "
+                                  f"needs the whole vocabulary on each rank; leave 'loss' out of "
+                                  f"fuse() (the vocabulary-parallel cross-entropy runs instead)")
+        if "attention" in self.ops:
+            sq = plan.get(Sequence)
+            if sq is not None and sq.mode != "split_gather":
+                raise ConfigError("fuse('attention') with sequence(): sequence parallelism "
+                                  "installs its own attention; leave 'attention' out of fuse()")
+
+    def install(self, ctx) -> None:
+        fuse_model(ctx.model, self.ops)
+
+    def __repr__(self) -> str:
+        return "fuse()" if self.ops == FUSABLE else f"fuse{self.ops!r}".replace(",)", ")")
+
+
+def fuse(*ops: str) -> Fuse:
+    """Fused ops for a Hugging Face model: ``fuse()`` routes all four, ``fuse('rms_norm',
+    'loss')`` those named."""
+    return Fuse(tuple(ops) or FUSABLE)

@@ -1,0 +1,142 @@
+"""pipeline: split the repeated blocks into stages over a mesh axis.
+
+The room: ``Pipeline`` (claims the ``pp`` role), its checks (stages fill the ranks, no
+tied weights across stages, combinations it cannot run), its install (other ranks'
+blocks dropped after initialization, ``torch.distributed.pipelining`` stages and the
+schedule; ``_runtime``), its part (the schedule runs the step; the gradient norm is summed
+over stages) and the schedule's picture and idle fraction (``_schedule``):
+
+* GPipe and 1F1B:           (p - 1) / (m + p - 1)
+* interleaved 1F1B (v > 1): (p - 1) / (v m + p - 1)
+* zero-bubble and ZB-V: torch's own action lists replayed with forward = 1, backward = 2
+  units (``simulate``), which gives the two formulas above exactly for the others
+
+with p pipeline ranks, m microbatches and v stages per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from ..._errors import ConfigError, PlanError
+from ..._plan import Plan
+from .._protocol import Phase, Transform
+from ..shard._layout import sequence_parallel
+from ..zero import ZeroShard
+from . import _schedule
+from ._schedule import Stage as Stage
+
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero_bubble": 2, "zbv": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline(Transform):
+    """Pipeline parallelism over ``axis`` with ``schedule`` and ``microbatches``."""
+
+    kind: ClassVar[str] = "pipeline"
+    phase: ClassVar[Phase] = Phase.SCHEDULE
+
+    axis: str = "pp"
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int | None = None
+    layers_per_stage: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"pipeline(schedule={self.schedule!r}): one of {sorted(SCHEDULES)}")
+        if self.microbatches < 1:
+            raise ConfigError(f"pipeline(microbatches={self.microbatches}): at least 1")
+        v = self.v
+        if self.schedule in ("gpipe", "1f1b") and v != 1:
+            raise ConfigError(f"{self.schedule} runs one stage per rank; use "
+                              f"schedule='interleaved' for virtual_stages={v}")
+        if self.schedule == "zbv" and v != 2:
+            raise ConfigError("zbv runs exactly two stages per rank (a V shape)")
+        object.__setattr__(self, "virtual_stages", v)
+        if self.layers_per_stage is not None:
+            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+
+    @property
+    def v(self) -> int:
+        return self.virtual_stages or SCHEDULES[self.schedule]
+
+    def apply(self, plan: Plan) -> Plan:
+        if not plan.model.blocks:
+            raise PlanError(f"pipeline: {plan.model.cls or 'the model'} has no repeated blocks "
+                            f"to split into stages")
+        return plan
+
+    def claims(self, plan: Plan):
+        return {"pp": (self.axis,)}
+
+    def check(self, plan: Plan) -> None:
+        from ._stage import check_untied
+
+        check_untied(plan, _schedule.stages(plan, self))
+        zero = plan.get(ZeroShard)
+        if zero is not None and zero.stage >= 2:
+            raise ConfigError("pipeline with zero_shard(stage >= 2) is not supported; use "
+                              "zero_shard(1, ...) on the data-parallel axis")
+        if plan.roles.tp is not None and sequence_parallel(plan, plan.roles.tp):
+            raise ConfigError("pipeline with sequence parallelism is not supported; map 'seq' "
+                              "to None in Rules")
+
+    def prepare(self, ctx) -> None:
+        from ._runtime import PipelineSetup
+
+        ctx.state["pipeline"] = PipelineSetup(self, ctx)
+
+    def install(self, ctx):
+        return ctx.state["pipeline"].build(ctx)
+
+    def __repr__(self) -> str:
+        return (f"pipeline({self.axis!r}, schedule={self.schedule!r}, "
+                f"microbatches={self.microbatches}, virtual_stages={self.v})")
+
+
+def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
+             virtual_stages: int | None = None,
+             layers_per_stage: tuple[int, ...] | list[int] | None = None) -> Pipeline:
+    """Split the model's blocks into pipeline stages over mesh axis ``axis``.
+
+    >>> pipeline('pp', schedule='interleaved', microbatches=8)
+    pipeline('pp', schedule='interleaved', microbatches=8, virtual_stages=2)
+    """
+    return Pipeline(axis, schedule, microbatches, virtual_stages,
+                    None if layers_per_stage is None else tuple(layers_per_stage))
+
+
+def stages(plan: Plan) -> list[Stage]:
+    """The stages of a bound plan with a pipeline: blocks balanced by parameter bytes."""
+    t = plan.get(Pipeline)
+    return [] if t is None else _schedule.stages(plan, t)
+
+
+def bubble(plan: Plan) -> float:
+    """Expected idle fraction of the pipeline schedule (module docstring)."""
+    t = plan.get(Pipeline)
+    return 0.0 if t is None else _schedule.bubble(plan, t)
+
+
+def simulate(plan: Plan, forward: float = 1.0, backward: float = 2.0):
+    """Replay the schedule with unit costs: ``[(rank, start, end, tag, microbatch, stage)]``."""
+    return _schedule.simulate(plan, _need(plan), forward, backward)
+
+
+def draw_schedule(plan: Plan) -> str:
+    """A text picture of the schedule, one row per pipeline rank."""
+    return _schedule.draw_schedule(plan, _need(plan))
+
+
+def stage_table(plan: Plan):
+    """A rich table: each stage's rank, blocks and parameter bytes, and the bubble."""
+    return _schedule.stage_table(plan, _need(plan))
+
+
+def _need(plan: Plan) -> Pipeline:
+    t = plan.get(Pipeline)
+    if t is None:
+        raise ConfigError("this plan has no pipeline(); compose one into the spec first")
+    return t

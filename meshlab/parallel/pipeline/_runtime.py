@@ -1,0 +1,105 @@
+"""This rank's pipeline stages and the schedule that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._protocol import Part
+from ._schedule import stages
+from ._stage import DecoderStage, prune
+
+
+class PipelineSetup:
+    """Chosen before initialization (which blocks this rank keeps); the other ranks'
+    blocks are dropped right after it, so every rank initializes the same values."""
+
+    def __init__(self, t, ctx):
+        self.t = t
+        self.all = stages(ctx.plan, t)
+        rank = ctx.coordinate(t.axis)
+        self.mine = [s for s in self.all if s.rank == rank]
+        self.kept = {b for s in self.mine for b in s.blocks}
+        self.first = any(s.first for s in self.mine)
+        self.last = any(s.last for s in self.mine)
+        ctx.dropped |= set(ctx.plan.model.blocks) - self.kept
+        ctx.after_init.append(self.prune)
+
+    def prune(self, model: nn.Module) -> None:
+        prune(model, self.kept)
+        base = getattr(model, model.base_model_prefix)
+        if not self.first:
+            base.embed_tokens = nn.Module()
+        if not self.last:
+            base.norm = nn.Module()
+            model.lm_head = nn.Module()
+
+    def build(self, ctx) -> "PipelinePart":
+        from torch.distributed.pipelining import PipelineStage
+
+        mesh = ctx.device_mesh(self.t.axis)
+        group = mesh.get_group()
+        built = [PipelineStage(DecoderStage(ctx.model, [int(b.rsplit(".", 1)[1]) for b in s.blocks],
+                                            s.first, s.last),
+                               s.index, len(self.all), ctx.device, group=group)
+                 for s in self.mine]
+        return PipelinePart(self.t, group, built, self.kept, self.first, self.last)
+
+
+@dataclasses.dataclass
+class PipelinePart(Part):
+    """Runs the step through the schedule; the gradient norm is summed over the stages."""
+
+    t: Any
+    group: Any
+    stages: list
+    kept: set
+    first: bool
+    last: bool
+    _schedules: dict = dataclasses.field(default_factory=dict)
+
+    def norm_groups(self) -> tuple:
+        return (self.group,)
+
+    def schedule(self, loss_fn):
+        from torch.distributed import pipelining as P
+
+        key = id(loss_fn)
+        if key not in self._schedules:
+            def stage_loss(out, target):
+                return loss_fn(out, {"input_ids": target, "labels": target})
+
+            cls = {"gpipe": P.ScheduleGPipe, "1f1b": P.Schedule1F1B,
+                   "interleaved": P.ScheduleInterleaved1F1B,
+                   "zero_bubble": P.ScheduleInterleavedZeroBubble,
+                   "zbv": P.ScheduleZBVZeroBubble}[self.t.schedule]
+            stage = self.stages if self.t.schedule not in ("gpipe", "1f1b") else self.stages[0]
+            self._schedules[key] = cls(stage, self.t.microbatches, loss_fn=stage_loss)
+        return self._schedules[key]
+
+    def run_step(self, rt, opt, batch, loss_fn) -> float:
+        """The schedule runs the microbatches; the loss comes from the last stage."""
+        x = batch["input_ids"] if isinstance(batch, Mapping) else batch
+        target = batch.get("labels", x) if isinstance(batch, Mapping) else x
+        losses: list = []
+        sched = self.schedule(loss_fn)
+        with rt.autocast():
+            if self.first:
+                sched.step(x, target=target if self.last else None, losses=losses)
+            elif self.last:
+                sched.step(target=target, losses=losses)
+            else:
+                sched.step()
+        opt.step()
+        opt.zero_grad()
+        t = torch.tensor([sum(float(l.detach()) for l in losses) / len(losses) if losses else 0.0],
+                         dtype=torch.float64, device=rt.device)
+        dist.all_reduce(t, group=self.group)      # only the last stage holds a loss
+        if rt.dp_group is not None and rt.dp_size > 1:
+            dist.all_reduce(t, group=rt.dp_group)
+            t /= rt.dp_size
+        return float(t)

@@ -1,0 +1,101 @@
+"""precision: the compute and reduction dtypes, and loss scaling.
+
+The room: ``Precision`` (a plan value), its install (a part that gives ``step`` its
+autocast context and the optimizer its loss scaler). FSDP2 reads the dtypes itself
+(``zero_shard`` looks them up with ``plan.get(Precision)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+
+from ..._errors import ConfigError
+from ..._plan import Plan
+from .._protocol import Part, Phase, Transform
+
+_ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+            "fp16": "float16", "float16": "float16", None: None}
+
+
+def _dtype(name, what):
+    if name not in _ALIASES:
+        raise ConfigError(f"precision({what}={name!r}): use one of 'fp32', 'bf16', 'fp16'")
+    return _ALIASES[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision(Transform):
+    """Mixed precision. ``compute`` is the dtype of forward/backward math (parameters
+    are cast to it, fp32 master weights kept for the optimizer); ``reduce`` is the dtype
+    gradients are reduced in; ``loss_scale='dynamic'`` (default for fp16) scales the
+    loss and skips steps whose gradients overflow on any rank."""
+
+    kind: ClassVar[str] = "precision"
+    phase: ClassVar[Phase] = Phase.KERNELS
+
+    compute: str = "float32"
+    reduce: str = "float32"
+    loss_scale: str | float | None = None
+    init_scale: float = 2.0 ** 16
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        object.__setattr__(self, "compute", _dtype(self.compute, "compute") or "float32")
+        object.__setattr__(self, "reduce", _dtype(self.reduce, "reduce") or "float32")
+        if self.loss_scale not in (None, "dynamic") and (
+                isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float))):
+            raise ConfigError(f"precision(loss_scale={self.loss_scale!r}): None, 'dynamic' or "
+                              f"a number")
+
+    def install(self, ctx) -> Part:
+        cast = None if self.compute == "float32" else getattr(torch, self.compute)
+        return PrecisionPart(self, cast, "cuda" if ctx.mesh.device_type == "cuda" else "cpu")
+
+    def __repr__(self) -> str:
+        return (f"precision(compute={self.compute!r}, reduce={self.reduce!r}, "
+                f"loss_scale={self.loss_scale!r})")
+
+
+def precision(compute: str = "bf16", reduce: str = "fp32", loss_scale: str | float | None = ...,
+              *, init_scale: float = 2.0 ** 16, growth_interval: int = 2000) -> Precision:
+    """bf16 / fp16 / fp32 training. fp16 defaults to dynamic loss scaling.
+
+    >>> precision('bf16')
+    precision(compute='bfloat16', reduce='float32', loss_scale=None)
+    """
+    c, r = _dtype(compute, "compute"), _dtype(reduce, "reduce")
+    if loss_scale is ...:
+        loss_scale = "dynamic" if c == "float16" else None
+    if loss_scale not in (None, "dynamic") and not isinstance(loss_scale, (int, float)):
+        raise ConfigError(f"precision(loss_scale={loss_scale!r}): None, 'dynamic' or a number")
+    return Precision(c, r, loss_scale, float(init_scale), int(growth_interval))
+
+
+@dataclasses.dataclass
+class PrecisionPart(Part):
+    """The autocast context of each forward and the loss scaler of the step."""
+
+    value: Precision
+    cast: Any
+    device: str
+
+    def compute_context(self, parts: tuple):
+        """Autocast to the compute dtype, unless a part casts the parameters itself
+        (FSDP2's mixed precision)."""
+        if self.cast is None or any(p.casts_params for p in parts):
+            return None
+        return torch.autocast(device_type=self.device, dtype=self.cast)
+
+    def scaler(self):
+        from ..._scaler import LossScaler
+
+        ls = self.value.loss_scale
+        if ls == "dynamic":
+            return LossScaler(scale=self.value.init_scale,
+                              growth_interval=self.value.growth_interval)
+        if isinstance(ls, (int, float)):
+            return LossScaler(scale=float(ls), growth=1.0, backoff=1.0)
+        return None

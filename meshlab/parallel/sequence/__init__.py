@@ -1,0 +1,122 @@
+"""sequence: shard activations along the sequence over a mesh axis.
+
+* ``split_gather``: Megatron sequence parallelism inside tensor parallelism — the axis
+  must be the tensor-parallel one; the blocks' outputs are sequence-sharded between the
+  TP regions (the same as mapping the logical ``seq`` axis to it in Rules).
+* ``all_to_all``: DeepSpeed-Ulysses — each rank keeps a slice of the sequence through the
+  whole block stack; attention exchanges sequence for heads with an all-to-all before and
+  after (the head count must divide over the axis).
+* ``ring``: context parallelism — K/V blocks travel around the ring with online-softmax
+  accumulation; the sequence is split in 2n chunks, rank r keeping chunks r and 2n-1-r so
+  the causal work is balanced.
+
+For ``all_to_all`` and ``ring`` the sequence is split before the first block and gathered
+after the last, so the embeddings, final norm and head see the whole sequence. Causal
+attention without padding masks.
+
+Odd lengths are never padded silently: a sequence not divisible by the axis raises.
+
+The room: ``Sequence`` (claims the ``sp`` role), its checks, its install (``_ulysses``,
+``_ring``; the split/gather hooks of ``_hooks`` are shared with Megatron SP) and its
+gradient sync (block parameters saw one slice of the sequence: summed over the axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from ..._collectives import flat_all_reduce
+from ..._errors import ConfigError
+from ..._plan import Plan
+from ..._rules import Rules
+from ..._tensors import local as _local
+from .._protocol import Part, Phase, Transform
+from ..pipeline import Pipeline
+
+MODES = ("split_gather", "all_to_all", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence(Transform):
+    kind: ClassVar[str] = "sequence"
+    phase: ClassVar[Phase] = Phase.SEQUENCE
+
+    axis: str = "sp"
+    mode: str = "all_to_all"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ConfigError(f"sequence(mode={self.mode!r}): one of {MODES}")
+
+    def apply(self, plan: Plan) -> Plan:
+        if self.mode == "split_gather":
+            rules = Rules(seq=self.axis)
+            return plan.replace(rules=rules if plan.rules is None else plan.rules | rules)
+        if not plan.model.blocks:
+            raise ConfigError(f"sequence({self.mode}) needs a model with repeated blocks")
+        return plan
+
+    def claims(self, plan: Plan):
+        return {} if self.mode == "split_gather" else {"sp": (self.axis,)}
+
+    def check(self, plan: Plan) -> None:
+        sizes = plan.mesh_shape
+        if self.axis not in sizes:
+            raise ConfigError(f"sequence axis {self.axis!r} is not a mesh axis {tuple(sizes)}")
+        if self.mode == "split_gather":
+            if plan.roles.tp != self.axis:
+                raise ConfigError(
+                    f"sequence({self.axis!r}, 'split_gather') is Megatron sequence parallelism "
+                    f"inside tensor parallelism: {self.axis!r} must be the tensor-parallel axis "
+                    f"(it is {plan.roles.tp!r}); shard over it or use mode='all_to_all'")
+            return
+        if plan.get(Pipeline) is not None:
+            raise ConfigError(f"sequence({self.mode}) with pipeline is not supported")
+        heads = plan.model.config_get("num_attention_heads")
+        if heads is None:
+            raise ConfigError(f"sequence({self.mode}) needs a Hugging Face model (config with "
+                              f"num_attention_heads)")
+        n = sizes[self.axis]
+        if self.mode == "all_to_all" and heads % n:
+            raise ConfigError(f"sequence(all_to_all): {heads} attention heads do not divide over "
+                              f"{n} ranks; use a sequence axis size that divides {heads}")
+
+    def install(self, ctx) -> Part | None:
+        if self.mode == "split_gather":
+            return None            # shard's room runs Megatron SP
+        from . import _ring, _ulysses
+
+        group = ctx.group(self.axis)
+        blocks = tuple(b for b in ctx.plan.model.blocks if b not in ctx.dropped)
+        (_ring if self.mode == "ring" else _ulysses).install(ctx.model, blocks, group)
+        # Every block parameter sees this rank's slice of the sequence only.
+        names = frozenset(n for n, _ in ctx.model.named_parameters()
+                          if any(n.startswith(b + ".") for b in blocks))
+        return SequencePart(group, names)
+
+    def __repr__(self) -> str:
+        return f"sequence({self.axis!r}, mode={self.mode!r})"
+
+
+def sequence(axis: str = "sp", mode: str = "all_to_all") -> Sequence:
+    """Sequence parallelism over ``axis`` (``'split_gather'`` or ``'all_to_all'``).
+
+    >>> sequence('sp', 'all_to_all')
+    sequence('sp', mode='all_to_all')
+    """
+    return Sequence(axis, mode)
+
+
+@dataclasses.dataclass
+class SequencePart(Part):
+    """Sums over the sequence axis the gradients of the block parameters."""
+
+    order: ClassVar[int] = 5
+    group: Any
+    names: frozenset
+
+    def sync_grads(self, params: list) -> None:
+        grads = [_local(p.grad) for n, p in params if n in self.names and p.grad is not None]
+        if grads:
+            flat_all_reduce(grads, self.group)

@@ -1,0 +1,344 @@
+"""shard: lay parameters (and activation boundaries) out by specs or a model policy, and
+run the tensor (and Megatron sequence) parallelism that layout means.
+
+The room: ``Shard`` (the plan step: specs and tags per parameter), its check (the TP
+layout of ``_layout``, model-free), its install (parameters become DTensors as their
+modules are initialized; the styles' hooks; ``_tp``), its gradient sync (replicated
+parameters that saw partial activations are summed over tp) and its traffic estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, Mapping
+
+import torch.distributed as dist
+
+from ..._errors import PlanError
+from ..._collectives import flat_all_reduce
+from ..._placement import local_shape
+from ..._plan import ActivationEntry, Plan
+from ..._roles import implied_room
+from ..._rules import Rules
+from ..._spec import P
+from ..._specs_tree import glob_match, match_specs, normalize_specs
+from ..._tensors import local as _local
+from .._protocol import CommOp, Part, Phase, Transform
+from ._layout import sequence_parallel, tp_layout
+from ._styles import TPGroup
+from . import _tp
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard(Transform):
+    """Tensor (and Megatron sequence) parallel layout from specs or a policy.
+
+    ``specs`` is a dict of FQN globs -> ``P`` (first match wins), a pytree of ``P``
+    mirroring the module tree, a ``Policy``, or ``meshlab.policies.auto`` (the policy
+    registered for the model's ``config.model_type``). ``rules`` map the logical names
+    the specs use to mesh axes; they join the plan's rules (a disagreement raises).
+    ``activations`` maps module globs to the spec of their output.
+    """
+
+    kind: ClassVar[str] = "shard"
+    repeatable: ClassVar[bool] = True      # shard(policy) | shard({extra specs})
+    phase: ClassVar[Phase] = Phase.SHARD
+
+    specs: Any
+    rules: Rules | None = None
+    activations: tuple[tuple[str, P], ...] = ()
+
+    # -- the plan step --------------------------------------------------------------------
+    def apply(self, plan: Plan) -> Plan:
+        from ...policies import resolve_policy
+
+        rules = plan.rules
+        if self.rules is not None:
+            rules = self.rules if rules is None else rules | self.rules
+        policy = resolve_policy(self.specs, plan)
+        if policy is not None:
+            param_specs, tags, acts = policy.param_specs(plan), policy.tags(plan), \
+                policy.activation_specs(plan)
+            mod_tags, attrs = policy.module_tags(plan), policy.module_attrs(plan)
+            source = f"policy {policy.name!r}"
+        else:
+            param_specs, tags, acts, mod_tags, attrs = normalize_specs(self.specs), {}, {}, {}, {}
+            source = "shard specs"
+        acts = {**acts, **dict(self.activations)}
+        params = _lay_out(plan, param_specs, tags, source)
+        act_entries = _activations(plan, acts, mod_tags, attrs, source)
+        return dataclasses.replace(plan, params=params, rules=rules, activations=act_entries)
+
+    # -- bind, install, sync, estimates ---------------------------------------------------
+    def check(self, plan: Plan) -> None:
+        tp_layout(plan, 0)
+
+    def prepare(self, ctx) -> None:
+        if ctx.roles.tp is not None:
+            ctx.state["shard"] = _Setup(ctx)
+
+    def install(self, ctx) -> Part | None:
+        setup = ctx.state.get("shard")
+        return setup.finish(ctx) if setup is not None else None
+
+    def comm(self, plan: Plan, *, batch, seq, coord):
+        return _comm(plan, batch, seq, coord)
+
+    # -- JSON -----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        from ...policies import Policy, _Auto
+
+        if isinstance(self.specs, _Auto):
+            specs = {"policy": "auto"}
+        elif isinstance(self.specs, Policy):
+            specs = {"policy": self.specs.name}
+        else:
+            specs = {"globs": [[k, v.to_json()] for k, v in self.specs.items()]}
+        return {"kind": self.kind, "specs": specs,
+                "rules": None if self.rules is None else self.rules.to_json(),
+                "activations": [[g, p.to_json()] for g, p in self.activations]}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "Shard":
+        from ... import policies
+
+        sp = d["specs"]
+        if "policy" in sp:
+            specs = policies.auto if sp["policy"] == "auto" else policies.get(sp["policy"])
+        else:
+            specs = _Frozen({k: P.from_json(v) for k, v in sp["globs"]})
+        return cls(specs, None if d["rules"] is None else Rules.from_json(d["rules"]),
+                   tuple((g, P.from_json(p)) for g, p in d["activations"]))
+
+    def __repr__(self) -> str:
+        from ...policies import Policy, _Auto
+
+        if isinstance(self.specs, (_Auto, Policy)):
+            s = repr(self.specs)
+        elif isinstance(self.specs, Mapping):
+            s = "{" + ", ".join(f"{k!r}: {v!r}" for k, v in list(self.specs.items())[:4]) + \
+                (", ..." if len(self.specs) > 4 else "") + "}"
+        else:
+            s = f"<{type(self.specs).__name__} spec tree>"
+        r = f", {self.rules!r}" if self.rules is not None else ""
+        return f"shard({s}{r})"
+
+
+def _lay_out(plan: Plan, param_specs, tags, source: str) -> tuple:
+    hits = match_specs(param_specs, plan.fqns, what=source)
+    out = []
+    for e in plan.params:
+        hit = hits.get(e.fqn)
+        if hit is None:
+            extra = tags.get(e.fqn, ())
+            out.append(dataclasses.replace(e, tags=tuple(dict.fromkeys(e.tags + extra)))
+                       if extra else e)
+            continue
+        _, spec = hit
+        if e.tied_to is not None:
+            # A tied parameter is one tensor: it keeps the layout of its first name.
+            canon = plan[e.tied_to]
+            new_spec = hits.get(canon.fqn, (None, canon.spec))[1]
+            if new_spec != spec:
+                raise PlanError(
+                    f"{e.fqn} is tied to {e.tied_to}, but {source} gives them different "
+                    f"specs ({spec!r} vs {new_spec!r}); give both the same spec"
+                )
+        if e.spec != P() and e.spec != spec:
+            raise PlanError(
+                f"{e.fqn} {e.shape}: already laid out as {e.spec!r} by an earlier transform; "
+                f"{source} now asks for {spec!r}. Two transforms cannot claim one tensor; "
+                f"drop one of them"
+            )
+        out.append(dataclasses.replace(e, spec=spec, tags=tuple(dict.fromkeys(
+            e.tags + tags.get(e.fqn, ())))))
+    return tuple(out)
+
+
+def _activations(plan: Plan, acts, mod_tags, attrs, source: str) -> tuple:
+    entries = {a.module: a for a in plan.activations}
+    modules = _module_names(plan)
+
+    def each(glob: str, what: str):
+        matched = [m for m in modules if glob_match(glob, m)]
+        if not matched:
+            raise PlanError(f"{source}: {what} glob {glob!r} matches no module; "
+                            f"{'fix the name or remove it' if what == 'activation' else 'the policy does not fit ' + (plan.model.cls or 'this model')}")
+        for m in matched:
+            yield m, entries.get(m, ActivationEntry(module=m))
+
+    for glob, spec in acts.items():
+        for m, prev in list(each(glob, "activation")):
+            entries[m] = dataclasses.replace(prev, output=spec)
+    for glob, mtags in mod_tags.items():
+        for m, prev in list(each(glob, "module")):
+            entries[m] = dataclasses.replace(prev, tags=tuple(dict.fromkeys(prev.tags + mtags)))
+    for glob, names in attrs.items():
+        for m, prev in list(each(glob, "module")):
+            entries[m] = dataclasses.replace(
+                prev, local_attrs=tuple(dict.fromkeys(prev.local_attrs + names)))
+    return tuple(entries.values())
+
+
+class _Setup:
+    """Tensor parallelism during one materialize: modules are sharded as soon as their
+    block is initialized (a parent's init may still rewrite its children, as GPT-2 rescales
+    c_proj from the block); tied parameters wait for the end (the model ties them after
+    initialization)."""
+
+    def __init__(self, ctx):
+        axis = ctx.roles.tp
+        rank = ctx.coordinate(axis)
+        self.layout, self.reduce = tp_layout(ctx.plan, rank)
+        self.tp = TPGroup(ctx.device_mesh(axis), ctx.group(axis), rank, ctx.size(axis),
+                          self.layout.sequence_parallel if self.layout else False)
+        self.specs = {m.fqn: m for m in self.layout.modules} if self.layout else {}
+        self.model, self.dropped = ctx.model, ctx.dropped
+        self.mods = dict(ctx.model.named_modules())
+        uses: dict = {}
+        for _, q in ctx.model.named_parameters(remove_duplicate=False):
+            uses[id(q)] = uses.get(id(q), 0) + 1
+        self.tied = {i for i, c in uses.items() if c > 1}
+        self.blocks = set(ctx.plan.model.blocks)
+        self.swapped: dict = {}
+        self.done: set[str] = set()
+        self.versions: dict[str, int] = {}
+        ctx.on_module.append(self.on_module)
+
+    def shard(self, name: str) -> None:
+        m = self.mods[name]
+        _tp.shard_module(m, self.specs[name], self.tp, self.swapped)
+        self.done.add(name)
+        for k, q in m._parameters.items():
+            if q is not None:
+                self.versions[f"{name}.{k}"] = q._version
+
+    def on_module(self, name: str, m) -> None:
+        if name not in self.blocks or name in self.dropped:
+            return
+        for sub in self.specs:
+            if sub.startswith(name + ".") and sub not in self.done and not any(
+                    id(q) in self.tied for q in self.mods[sub].parameters(recurse=False)):
+                self.shard(sub)
+
+    def finish(self, ctx) -> Part | None:
+        from ..._errors import ConfigError
+
+        for name, v in self.versions.items():  # nothing may have rewritten a sharded parameter
+            mname, _, k = name.rpartition(".")
+            if self.mods[mname]._parameters[k]._version != v:
+                raise ConfigError(f"{name} was re-initialized after its block finished; "
+                                  f"initialize this model with state_dict= instead")
+        if self.layout is None:
+            return None
+        # What a pipeline stage dropped is not sharded (modules without parameters left).
+        self.mods = {n: m for n, m in ctx.model.named_modules()
+                     if n == "" or next(m.parameters(), None) is not None}
+        layout = dataclasses.replace(
+            self.layout, modules=tuple(m for m in self.layout.modules if m.fqn in self.mods),
+            regions=tuple(r for r in self.layout.regions if r in self.mods),
+            attrs=tuple(a for a in self.layout.attrs if a[0] in self.mods))
+        for m in layout.modules:
+            if m.fqn not in self.done:
+                self.shard(m.fqn)
+        if self.swapped:
+            # Every module that held a replaced tensor (tied names) now holds the DTensor.
+            for mod in ctx.model.modules():
+                for k, q in list(mod._parameters.items()):
+                    if q is not None and id(q) in self.swapped and self.swapped[id(q)][0] is q:
+                        mod._parameters[k] = self.swapped[id(q)][1]
+        _tp.install_hooks(ctx.model, layout, self.tp)
+        return TPPart(self.tp.group, frozenset(self.reduce), layout)
+
+
+@dataclasses.dataclass
+class TPPart(Part):
+    """Sums over tp the gradients of replicated parameters that saw partial data."""
+
+    order: ClassVar[int] = 0
+    group: Any
+    reduce: frozenset
+    layout: Any
+
+    def sync_grads(self, params: list) -> None:
+        grads = [_local(p.grad) for n, p in params if n in self.reduce and p.grad is not None]
+        if grads:
+            flat_all_reduce(grads, self.group)
+
+
+def _comm(plan: Plan, batch, seq, coord) -> list[CommOp]:
+    """Activation traffic of tensor parallelism (``meshlab._comm``'s docstring)."""
+    axis = plan.roles.tp
+    if axis is None or batch is None or seq is None:
+        return []
+    sizes, blocks = plan.mesh_shape, plan.model.blocks
+    h = plan.model.config_get("hidden_size") or plan.model.config_get("n_embd")
+    L, act = len(blocks), batch * seq * h * 4
+    sp = sequence_parallel(plan, axis)
+    ops = [CommOp("all_gather", axis, 4 * L + 2, (4 * L + 2) * act),
+           CommOp("reduce_scatter", axis, 4 * L, 4 * L * act),
+           CommOp("all_reduce", axis, 2, 2 * act)] if sp else \
+        [CommOp("all_reduce", axis, 4 * L + 2, (4 * L + 2) * act)]
+    ops.append(CommOp("all_reduce", axis, 3, 3 * batch * (seq - 1) * 4))  # the parallel loss
+    reduce_tags = {"kv_replicated", "replicated_with_grad_allreduce"} | \
+        ({"sequence_parallel"} if sp else set())
+    extra = sum(math.prod(local_shape(e.shape, e.mesh_spec, sizes, coord)) for e in plan.params
+                if e.tied_to is None and e.requires_grad and set(e.tags) & reduce_tags)
+    if sp:   # row-parallel biases are added to sequence shards
+        extra += sum(math.prod(e.shape) for e in plan.params if e.fqn.endswith(".bias")
+                     and set(e.tags) & {"rowwise", "conv1d_rowwise"})
+    if extra:
+        ops.append(CommOp("all_reduce", axis, 1, extra * 4))
+    return ops
+
+
+@implied_room
+def _implied_tp(plan: Plan, roles) -> Transform | None:
+    """Parameters sharded over a non-data axis run tensor parallelism, however their
+    specs were written."""
+    if roles.tp is None or any(isinstance(t, Shard) for t in plan.options):
+        return None
+    return Shard(specs=_Frozen({}))
+
+
+def _module_names(plan: Plan) -> list[str]:
+    mods = dict.fromkeys(m for e in plan.params for m in _prefixes(e.module))
+    mods.update(dict.fromkeys(a.module for a in plan.activations))
+    mods.update(dict.fromkeys(plan.model.blocks))
+    return list(mods)
+
+
+def _prefixes(module: str):
+    parts = module.split(".") if module else []
+    for i in range(1, len(parts) + 1):
+        yield ".".join(parts[:i])
+
+
+def shard(specs: Any, rules: Rules | None = None, *,
+          activations: Mapping[str, P] | None = None) -> Shard:
+    """Lay parameters out by ``specs`` (globs, a spec pytree, or a policy) and ``rules``.
+
+    >>> shard({'layers.*.mlp.up_proj.weight': P('mlp', 'embed')}, Rules(mlp='tp'))
+    shard({'layers.*.mlp.up_proj.weight': P('mlp', 'embed')}, Rules(mlp='tp'))
+    """
+    if rules is not None and not isinstance(rules, Rules):
+        rules = Rules(rules)
+    from ...policies import Policy, _Auto
+
+    if not isinstance(specs, (Policy, _Auto, str)):
+        specs = _Frozen(normalize_specs(specs))  # one spelling from here on: FQN globs
+    return Shard(specs=specs, rules=rules,
+                 activations=tuple((activations or {}).items()))
+
+
+class _Frozen(dict):
+    """A dict that hashes (so the frozen transform that holds it does) and refuses edits."""
+
+    def __hash__(self):
+        return hash(tuple(self.items()))
+
+    def _ro(self, *a, **k):
+        raise TypeError("specs held by a transform are immutable")
+
+    __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = _ro

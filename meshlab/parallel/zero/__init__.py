@@ -1,0 +1,117 @@
+"""zero_shard and data_parallel: what is split or replicated over the data-parallel axes.
+
+The room: ``ZeroShard`` (claims the ``dp`` role), its checks, its install (FSDP2
+``fully_shard`` for stages 2 and 3; meshlab's flat sharded optimizer for stage 1, in
+``_zero1``), its gradient sync (all-reduce, reduce-scatter, or what FSDP2 left), its
+memory rows and its traffic. Plain data parallelism implied by the rules (the batch
+maps to an axis no transform claims) is this room at stage 0; parameter specs that shard
+over such an axis (``P('fsdp', 'tp')``) make it stage 3 with FSDP2 sharding each
+parameter on the dimension its spec names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from ..._errors import ConfigError, NotRunnable
+from ..._plan import Plan
+from ..._roles import implied_room
+from .._protocol import Phase, Transform
+from ._estimates import zero_comm, zero_memory
+from ._install import install_zero
+
+
+def _axes(axis) -> tuple[str, ...]:
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    if not axes or not all(isinstance(a, str) and a.isidentifier() for a in axes):
+        raise ConfigError(f"axis must be a mesh axis name or a tuple of them, got {axis!r}")
+    return axes
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroShard(Transform):
+    """ZeRO over ``axis``: stage 1 shards optimizer state, 2 also gradients, 3 also
+    parameters. Stages 2 and 3 run on FSDP2 ``fully_shard``; stage 1 is meshlab's own
+    sharded optimizer. Stage 0 is plain data parallelism (gradients all-reduced)."""
+
+    kind: ClassVar[str] = "zero"
+    phase: ClassVar[Phase] = Phase.DATA
+
+    stage: int
+    axis: tuple[str, ...] = ("dp",)
+
+    def __post_init__(self):
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            raise ConfigError(f"zero_shard(stage={self.stage!r}): stage must be 0, 1, 2 or 3")
+        object.__setattr__(self, "axis", _axes(self.axis))
+
+    def claims(self, plan: Plan):
+        return {"dp": self.axis}
+
+    def check(self, plan: Plan) -> None:
+        for a in self.axis:
+            if a not in plan.mesh_shape:
+                raise ConfigError(f"zero_shard/data-parallel axis {a!r} is not a mesh axis "
+                                  f"{tuple(plan.mesh_shape)}; use one of those")
+        fsdp = plan.roles.fsdp
+        if fsdp and self.stage != 3:
+            e = next(e for e in plan.params if set(e.mesh_spec.axes) & set(fsdp))
+            raise ConfigError(
+                f"{e.fqn}: {e.spec!r} shards a parameter over {fsdp[0]!r}, the axis "
+                f"{self!r} keeps parameters whole on; use zero_shard(3, {fsdp[0]!r}) (FSDP) or "
+                f"map that logical axis to None in Rules")
+        if fsdp:
+            _check_fsdp_specs(plan, fsdp)
+
+    def install(self, ctx):
+        return install_zero(self, ctx)
+
+    def memory(self, plan: Plan, rows: list) -> list:
+        return zero_memory(self, plan, rows)
+
+    def comm(self, plan: Plan, *, batch, seq, coord):
+        return zero_comm(self, plan, coord)
+
+    def __repr__(self) -> str:
+        a = self.axis[0] if len(self.axis) == 1 else self.axis
+        return f"zero_shard(stage={self.stage}, axis={a!r})"
+
+
+def _check_fsdp_specs(plan: Plan, fsdp: tuple[str, ...]) -> None:
+    """FSDP2 shards one dimension of each parameter over the whole data axis."""
+    for e in plan.params:
+        dims = [d for d in range(len(e.mesh_spec)) if set(e.mesh_spec.dim_axes(d)) & set(fsdp)]
+        if not dims:
+            continue
+        d = dims[0]
+        if len(dims) > 1 or tuple(a for a in e.mesh_spec.dim_axes(d) if a in fsdp) != fsdp \
+                or len(e.mesh_spec.dim_axes(d)) > len(fsdp):
+            raise NotRunnable(
+                f"{e.fqn} {e.shape}: {e.spec!r} -> {e.mesh_spec!r}; FSDP over {fsdp} shards "
+                f"one dimension of a parameter over all of {fsdp} and nothing else; give that "
+                f"dimension exactly {fsdp} in the spec")
+
+
+def zero_shard(stage: int = 3, axis: str | tuple[str, ...] = "dp") -> ZeroShard:
+    """Shard optimizer state (1), + gradients (2), + parameters (3) over ``axis``.
+
+    >>> zero_shard(3, 'dp')
+    zero_shard(stage=3, axis='dp')
+    """
+    return ZeroShard(stage=stage, axis=_axes(axis))
+
+
+def data_parallel(axis: str | tuple[str, ...] = "dp") -> ZeroShard:
+    """Plain data parallelism over ``axis`` (``zero_shard(0, axis)``): replicated
+    parameters, gradients all-reduced once per step."""
+    return ZeroShard(stage=0, axis=_axes(axis))
+
+
+@implied_room
+def _implied_dp(plan: Plan, roles) -> Any:
+    """The batch maps to axes no transform claims: data parallelism over them (FSDP where
+    the parameter specs shard over them too)."""
+    if not roles.dp or any(isinstance(t, ZeroShard) for t in plan.options):
+        return None
+    return ZeroShard(3 if roles.fsdp else 0, roles.dp)
