@@ -14,7 +14,7 @@ import math
 from collections import defaultdict
 
 from ._placement import local_shape
-from ._plan import dtype_bytes
+from ._dtypes import dtype_bytes
 
 _OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 

@@ -16,26 +16,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from ._dtypes import DTYPE_BYTES as DTYPE_BYTES, dtype_bytes as dtype_bytes, dtype_name as dtype_name
 from ._errors import NotRunnable, PlanError, SpecError
 from ._placement import check_spec, local_shape, uneven_dims
 from ._roles import AxisRoles, derive_roles, implied_rooms
 from ._rules import Rules
 from ._spec import P
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8,
-               "int32": 4, "int8": 1, "uint8": 1, "bool": 1, "float8_e4m3fn": 1,
-               "float8_e5m2": 1}
-
-
-def dtype_name(dtype: torch.dtype | str) -> str:
-    return dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
-
-
-def dtype_bytes(name: str) -> int:
-    if name not in DTYPE_BYTES:
-        raise PlanError(f"unknown dtype {name!r}; known: {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[name]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParamEntry:

@@ -108,9 +108,8 @@ def _claims(plan: "Plan", sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]
 _TP_LOGICAL = ("heads", "kv_heads", "mlp", "vocab")
 
 
-def _tp_axis(plan: "Plan", axes: tuple[str, ...]) -> str:
-    """Of ``axes``, the one tensor parallelism runs over: the one the specs' heads, MLP
-    or vocabulary dimensions map to (else the last, as meshes put TP innermost)."""
+def _tp_votes(plan: "Plan", axes: tuple[str, ...]) -> dict[str, int]:
+    """How many parameter dimensions of the heads, MLP or vocabulary each axis shards."""
     votes = dict.fromkeys(axes, 0)
     for e in plan.params:
         for d in range(min(len(e.spec), len(e.mesh_spec or P()))):
@@ -118,8 +117,7 @@ def _tp_axis(plan: "Plan", axes: tuple[str, ...]) -> str:
                 for a in e.mesh_spec.dim_axes(d):
                     if a in votes:
                         votes[a] += 1
-    best = max(votes.values())
-    return [a for a in axes if votes[a] == best][-1]
+    return votes
 
 
 def derive_roles(plan: "Plan", sizes: Mapping[str, int]) -> AxisRoles:
@@ -135,12 +133,14 @@ def derive_roles(plan: "Plan", sizes: Mapping[str, int]) -> AxisRoles:
         dp = tuple(a for a in batch if a not in claimed)
     tp = tuple(a for a in sharded if a not in dp)
     if len(tp) > 1 and "dp" not in claims:
-        # Parameters sharded over two axes no data maps to: one is tensor parallel (the
-        # one sharding heads, MLP or vocabulary), the others shard like FSDP — a data axis
-        # whose ranks see the same batch, so the gradient average is exact.
-        keep = _tp_axis(plan, tp)
-        dp = dp + tuple(a for a in tp if a != keep)
-        tp = (keep,)
+        # Parameters sharded over several axes no data maps to: the one sharding heads,
+        # MLP or vocabulary is tensor parallel; the others shard like FSDP — data axes
+        # whose ranks may see the same batch, so the gradient average stays exact.
+        votes = _tp_votes(plan, tp)
+        if sum(1 for v in votes.values() if v) <= 1:
+            keep = max(tp, key=lambda a: (votes[a], tp.index(a)))
+            dp = dp + tuple(a for a in tp if a != keep)
+            tp = (keep,)
     fsdp = tuple(a for a in dp if a in sharded)
     if len(tp) > 1:
         raise ConfigError(

@@ -45,6 +45,43 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _train(model, opt, loader, args, say, rank0: bool) -> bool:
+    """Steps ``args.steps`` times over the loader (epochs as needed); did the loss fall?"""
+    import meshlab as ml
+    from tqdm import tqdm
+
+    def batches():
+        epoch = 0
+        while True:
+            loader.sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    # 5. Train.
+    losses = []
+    bar = tqdm(total=args.steps, disable=not (rank0 and sys.stderr.isatty()), desc="train")
+    t_train = time.perf_counter()
+    for i, batch in zip(range(args.steps), batches()):
+        loss = ml.step(model, opt, batch)
+        losses.append(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if i % args.log_every == 0 or i == args.steps - 1:
+            (bar.write if not bar.disable else say)(
+                f"step {i:4d}  loss {loss:.4f}  grad-norm {opt.last_grad_norm:.3f}")
+    bar.close()
+    elapsed = time.perf_counter() - t_train
+
+    # 6. Did it learn? (The loss is averaged over dp ranks, so every rank agrees.)
+    k = max(1, min(5, len(losses) // 4))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    fell = last < first
+    say(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} (mean of {k}: {first:.4f} -> "
+        f"{last:.4f}); {len(losses) / elapsed:.1f} steps/s")
+    say("the loss fell" if fell else "error: the loss did not fall")
+    return fell
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="meshlab.demo", description=__doc__.split("\n")[0])
     add_arguments(ap)
@@ -99,36 +136,8 @@ def main(argv=None) -> int:
     say(f"{mesh}: {len(data)} windows of {args.seq_len} bytes, global batch "
         f"{args.batch_size}, {steps_per_epoch} steps per epoch, {args.steps} steps")
 
-    def batches():
-        epoch = 0
-        while True:
-            loader.sampler.set_epoch(epoch)
-            yield from loader
-            epoch += 1
-
-    # 5. Train.
-    losses = []
-    bar = tqdm(total=args.steps, disable=not (rank0 and sys.stderr.isatty()), desc="train")
-    t_train = time.perf_counter()
-    for i, batch in zip(range(args.steps), batches()):
-        loss = ml.step(model, opt, batch)
-        losses.append(loss)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}")
-        if i % args.log_every == 0 or i == args.steps - 1:
-            (bar.write if not bar.disable else say)(
-                f"step {i:4d}  loss {loss:.4f}  grad-norm {opt.last_grad_norm:.3f}")
-    bar.close()
-    elapsed = time.perf_counter() - t_train
-
-    # 6. Did it learn? (The loss is averaged over dp ranks, so every rank agrees.)
-    k = max(1, min(5, len(losses) // 4))
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    fell = last < first
-    say(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} (mean of {k}: {first:.4f} -> "
-        f"{last:.4f}); {len(losses) / elapsed:.1f} steps/s, {time.perf_counter() - t0:.1f} s "
-        f"in all")
-    say("the loss fell" if fell else "error: the loss did not fall")
+    fell = _train(model, opt, loader, args, say, rank0)
+    say(f"{time.perf_counter() - t0:.1f} s in all")
     dist.barrier()  # no rank tears its groups down while another still uses them
     dist.destroy_process_group()
     return 0 if fell else 1

@@ -59,6 +59,8 @@ def spec(name: str):
         "tp_sp": ml.shard(ml.policies.auto, sp),
         "tp_zero3": ml.shard(ml.policies.auto, rules) | ml.zero_shard(3, "dp"),
         "tp_zero1": ml.shard(ml.policies.auto, rules) | ml.zero_shard(1, "dp"),
+        # JAX-style 2-D sharding: embed over dp (FSDP), heads/MLP/vocab over tp (TP)
+        "tp_fsdp_2d": ml.shard(ml.policies.auto, ml.Rules(**{**TP_RULES, "embed": "dp"})),
     }[name]
 
 

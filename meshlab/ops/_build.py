@@ -210,10 +210,13 @@ def build_all() -> dict[str, bool]:
     """Build every C++ extension at once, in parallel threads; name -> built."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .cpu_adam import cpu_adam_kernels
+    def cpu_adam():
+        if native_disabled_reason() is not None:
+            return None
+        return cpu_extension("meshlab_cpu_adam", ("cpu_adam.cpp",))
 
     with ThreadPoolExecutor(3) as pool:
-        ops, adam, attn = (pool.submit(ops_cpu), pool.submit(cpu_adam_kernels),
+        ops, adam, attn = (pool.submit(ops_cpu), pool.submit(cpu_adam),
                            pool.submit(attention_cpu))
         return {"meshlab_ops_cpu": ops.result() is not None,
                 "meshlab_cpu_adam": adam.result() is not None,
