@@ -14,7 +14,7 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from ._errors import ConfigError, NotRunnable, PlanError
+from ._errors import ConfigError, PlanError
 from ._mesh import Mesh
 from ._plan import Plan
 from .parallel._install import Install, Runtime, mesh_device
@@ -135,8 +135,8 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     if mesh.fake or not plan.is_bound:
         raise ConfigError(f"materialize needs a plan bound to a real Mesh inside launched "
                           f"processes; got {mesh!r}{'' if plan.is_bound else ' and an unbound plan'}")
-    if plan.not_runnable:
-        raise NotRunnable(plan.not_runnable[0])
+    if plan.not_runnable:     # what the plan's table shows; nothing has communicated yet
+        raise ConfigError(plan.not_runnable[0])
     # gloo beside whatever the mesh runs on: CPU-side agreement (weights, checkpoints).
     # (torch's fake backend, for dry runs of large meshes, has no gloo to pair with.)
     ctrl = dist.new_group() if dist.get_backend() == "fake" else dist.new_group(backend="gloo")

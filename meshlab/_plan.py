@@ -245,13 +245,18 @@ class Plan:
         rooms = self.options + implied_rooms(bound.replace(roles=roles), roles)
         rooms = tuple(sorted(_unique_rooms(rooms), key=lambda t: t.phase))
         bound = bound.replace(roles=roles, rooms=rooms)
-        blocked = []
+        blocked = [_unused_message(a, sizes[a]) for a in roles.replicated(sizes)]
         for t in rooms:
             try:
                 t.check(bound)
             except NotRunnable as e:
                 blocked.append(str(e))
         return bound.replace(not_runnable=tuple(blocked))
+
+    @property
+    def runnable(self) -> bool:
+        """Whether ``parallelize`` can run this bound plan (else ``not_runnable`` says why)."""
+        return self.is_bound and not self.not_runnable
 
     def unused_axes(self) -> tuple[str, ...]:
         """Mesh axes of size > 1 that no role uses: replica axes, along which every rank
@@ -380,6 +385,12 @@ def _bind_entry(e: ParamEntry, rules: Rules, axes, sizes, model: ModelInfo,
             )
     ms, extra = _split_heads(e, ms, sizes, model)
     return dataclasses.replace(e, mesh_spec=ms, tags=tuple(dict.fromkeys(e.tags + extra)))
+
+
+def _unused_message(a: str, size: int) -> str:
+    return (f"mesh axis {a!r} (size {size}) is used by no transform: no parameter is sharded "
+            f"over it and it carries no data parallelism. Add zero_shard(stage, axis={a!r}) or "
+            f"data_parallel({a!r}), map the batch to it in Rules, or give it size 1")
 
 
 def _unique_rooms(rooms) -> list:

@@ -44,8 +44,6 @@ def plan_table(plan, *, collapse: bool = True, max_rows: int = 200):
     if bound:
         title += "  on Mesh(" + ", ".join(f"{n}={s}" for n, s in plan.mesh) + ")"
     caption = " | ".join(plan.transforms)
-    if bound and plan.unused_axes():
-        caption += f"\nreplicated over {', '.join(plan.unused_axes())} (every rank along them computes the same)"
     for why in plan.not_runnable:
         caption += f"\nparallelize cannot run this layout: {why}"
     t = Table(title=title, caption=caption.strip() or None)

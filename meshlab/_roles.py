@@ -11,10 +11,10 @@ estimates, ``dataloader`` and the runtime (process groups are found by axis name
 * ``tp``: the one other axis parameter specs shard (tensor parallelism);
 * ``pp``, ``sp`` and any role a transform outside meshlab claims, as claimed.
 
-An axis of size > 1 with no role is a replica axis, as in JAX: its ranks hold the same
-parameters, get the same data (``dataloader`` of a parallelized mesh splits only over
-``dp``) and compute the same step, with no traffic between them; ``plan.unused_axes()``
-lists them and the plan's table names them.
+An axis of size > 1 with no role is a layout a plan may describe (JAX replicates over
+it) but not one meshlab trains on: nothing would keep its ranks' data apart or their
+updates together. ``bind`` records it in ``plan.not_runnable`` (the table shows it) and
+``parallelize`` refuses it before any collective.
 """
 
 from __future__ import annotations

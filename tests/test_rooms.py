@@ -197,3 +197,18 @@ def test_fsdp_2d_layout_matches_one_process(world4):
     assert p["model.layers.0.self_attn.q_proj.weight"].mesh_spec == ml.P("tp", "dp")
     out = world4.run(fsdp_2d_case)
     assert all(o["losses"] == out[0]["losses"] for o in out)
+
+
+def unused_case(rank, world):
+    try:
+        ml.parallelize(M.build("llama"), ml.zero_shard(3, "dp"), ml.Mesh(dp=2, tp=2))
+    except ml.ConfigError as e:
+        return str(e)
+    raise AssertionError("an unused axis was accepted")
+
+
+def test_unused_axis_is_shown_by_plan_and_refused_by_parallelize(world4):
+    p = ml.plan(M.build("llama"), ml.zero_shard(3, "dp"), ml.Mesh(dp=2, tp=2, fake=True))
+    assert not p.runnable and "used by no transform" in p.not_runnable[0]
+    assert "parallelize cannot run this layout" in str(p)
+    assert world4.run(unused_case) == [p.not_runnable[0]] * 4
