@@ -312,8 +312,9 @@ class Plan:
             if fields:
                 changed.append((fqn, tuple((f, getattr(ea, f), getattr(eb, f)) for f in fields)))
         order = {f: i for i, f in enumerate(list(a) + [f for f in b if f not in a])}
-        before = {t.kind: t for t in self.options}
-        after = {t.kind: t for t in other.options}
+        # A transform whose whole effect is the table (shard) differs where the table does.
+        before = {t.kind: t for t in self.options if not getattr(t, "in_table", False)}
+        after = {t.kind: t for t in other.options if not getattr(t, "in_table", False)}
         opts = tuple((k, before.get(k), after.get(k)) for k in dict.fromkeys([*before, *after])
                      if before.get(k) != after.get(k))
         return PlanDiff(

@@ -43,6 +43,7 @@ class Shard(Transform):
 
     kind: ClassVar[str] = "shard"
     repeatable: ClassVar[bool] = True      # shard(policy) | shard({extra specs})
+    in_table: ClassVar[bool] = True        # its effect is the parameter table (diff)
     phase: ClassVar[Phase] = Phase.SHARD
 
     specs: Any
