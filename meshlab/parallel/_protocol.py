@@ -90,6 +90,24 @@ class Part:
         return None
 
 
+@dataclasses.dataclass
+class SumGrads(Part):
+    """Sums over ``group`` the gradients of the parameters ``names`` (replicated, but each
+    rank computed theirs from its share of the data: tensor or sequence parallel)."""
+
+    group: Any
+    names: frozenset
+    order: int = 0
+
+    def sync_grads(self, params: list) -> None:
+        from .._collectives import flat_all_reduce
+        from .._tensors import local
+
+        grads = [local(p.grad) for n, p in params if n in self.names and p.grad is not None]
+        if grads:
+            flat_all_reduce(grads, self.group)
+
+
 _KINDS: dict[str, type] = {}
 
 

@@ -26,12 +26,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ..._collectives import flat_all_reduce
 from ..._errors import ConfigError
 from ..._plan import Plan
 from ..._rules import Rules
-from ..._tensors import local as _local
-from .._protocol import Part, Phase, Transform
+from .._protocol import Part, Phase, SumGrads, Transform
 from ..pipeline import Pipeline
 
 MODES = ("split_gather", "all_to_all", "ring")
@@ -93,7 +91,7 @@ class Sequence(Transform):
         # Every block parameter sees this rank's slice of the sequence only.
         names = frozenset(n for n, _ in ctx.model.named_parameters()
                           if any(n.startswith(b + ".") for b in blocks))
-        return SequencePart(group, names)
+        return SumGrads(group, names, order=5)
 
     def __repr__(self) -> str:
         return f"sequence({self.axis!r}, mode={self.mode!r})"
@@ -106,17 +104,3 @@ def sequence(axis: str = "sp", mode: str = "all_to_all") -> Sequence:
     sequence('sp', mode='all_to_all')
     """
     return Sequence(axis, mode)
-
-
-@dataclasses.dataclass
-class SequencePart(Part):
-    """Sums over the sequence axis the gradients of the block parameters."""
-
-    order: ClassVar[int] = 5
-    group: Any
-    names: frozenset
-
-    def sync_grads(self, params: list) -> None:
-        grads = [_local(p.grad) for n, p in params if n in self.names and p.grad is not None]
-        if grads:
-            flat_all_reduce(grads, self.group)

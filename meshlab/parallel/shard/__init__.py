@@ -16,15 +16,13 @@ from typing import Any, ClassVar, Mapping
 import torch.distributed as dist
 
 from ..._errors import PlanError
-from ..._collectives import flat_all_reduce
 from ..._placement import local_shape
 from ..._plan import ActivationEntry, Plan
 from ..._roles import implied_room
 from ..._rules import Rules
 from ..._spec import P
 from ..._specs_tree import glob_match, match_specs, normalize_specs
-from ..._tensors import local as _local
-from .._protocol import CommOp, Part, Phase, Transform
+from .._protocol import CommOp, Part, Phase, SumGrads, Transform
 from ._layout import sequence_parallel, tp_layout
 from ._styles import TPGroup
 from . import _tp
@@ -250,22 +248,7 @@ class _Setup:
                     if q is not None and id(q) in self.swapped and self.swapped[id(q)][0] is q:
                         mod._parameters[k] = self.swapped[id(q)][1]
         _tp.install_hooks(ctx.model, layout, self.tp)
-        return TPPart(self.tp.group, frozenset(self.reduce), layout)
-
-
-@dataclasses.dataclass
-class TPPart(Part):
-    """Sums over tp the gradients of replicated parameters that saw partial data."""
-
-    order: ClassVar[int] = 0
-    group: Any
-    reduce: frozenset
-    layout: Any
-
-    def sync_grads(self, params: list) -> None:
-        grads = [_local(p.grad) for n, p in params if n in self.reduce and p.grad is not None]
-        if grads:
-            flat_all_reduce(grads, self.group)
+        return SumGrads(self.tp.group, frozenset(self.reduce), order=0)
 
 
 def _comm(plan: Plan, batch, seq, coord) -> list[CommOp]:
