@@ -144,16 +144,13 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     for t in plan.rooms:
         t.prepare(ctx)
     _initialize(ctx, seed, state_dict)
-    moved = False
-    for t in plan.rooms:
-        if t.phase > Phase.SHARD and not moved:
-            _to_device(model, mesh_device(mesh))
-            moved = True
-        part = t.install(ctx)
-        if part is not None:
-            ctx.parts.append(part)
-    if not moved:
-        _to_device(model, mesh_device(mesh))
+    # Plain tensors (initialized on the CPU, as in one process) move once sharding is done.
+    for t in [t for t in plan.rooms if t.phase <= Phase.SHARD]:
+        ctx.parts.append(t.install(ctx))
+    _to_device(model, mesh_device(mesh))
+    for t in [t for t in plan.rooms if t.phase > Phase.SHARD]:
+        ctx.parts.append(t.install(ctx))
+    ctx.parts[:] = [p for p in ctx.parts if p is not None]
     model._meshlab = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl)
     return model
 

@@ -26,12 +26,6 @@ from .parallel.zero._install import Zero1Part
 from .parallel.zero._zero1 import shard_groups
 
 
-def scalar_device(rt) -> torch.device:
-    """Where small reduced values live: on the GPU for CUDA meshes (an NCCL-only group
-    cannot reduce CPU tensors), else on the CPU."""
-    return rt.device
-
-
 def _params_of(cls) -> set[str]:
     try:
         return set(inspect.signature(cls.__init__).parameters)
@@ -115,7 +109,7 @@ class MeshOptimizer:
             acc = sums.setdefault(key, [torch.zeros((), dtype=torch.float64, device=g.device),
                                         groups])
             acc[0] += g.detach().double().pow(2).sum()
-        total = torch.zeros((), dtype=torch.float64, device=scalar_device(self.rt))
+        total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
         for s, groups in sums.values():
             for grp in groups:
                 dist.all_reduce(s, group=grp)
@@ -133,7 +127,7 @@ class MeshOptimizer:
             inv = 1.0 / self.scaler.scale
             for g, _ in items:
                 g.mul_(inv)
-            overflow = self.scaler.found_inf([g for g, _ in items], scalar_device(self.rt))
+            overflow = self.scaler.found_inf([g for g, _ in items], self.rt.device)
             self.scaler.update(overflow)
             if overflow:
                 self.zero_grad()

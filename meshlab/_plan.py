@@ -97,17 +97,14 @@ class ModelInfo:
     blocks: tuple[str, ...] = ()          # FQNs of the repeated blocks, in order
     config: tuple[tuple[str, Any], ...] = ()  # a JSON-able subset of the HF config
     tp_plan: tuple[tuple[str, str], ...] = ()  # the config's base_model_tp_plan
-    modules: tuple["ModuleInfo", ...] = ()   # modules that hold parameters, and their kinds
+    modules: tuple["ModuleInfo", ...] = ()   # every module: its kind and integer attributes
     head: str | None = None                  # the output embedding (get_output_embeddings)
 
     def config_get(self, key: str, default: Any = None) -> Any:
         return dict(self.config).get(key, default)
 
     def module(self, fqn: str) -> "ModuleInfo | None":
-        for m in self.modules:
-            if m.fqn == fqn:
-                return m
-        return None
+        return next((m for m in self.modules if m.fqn == fqn), None)
 
     def to_json(self) -> dict:
         return {"cls": self.cls, "model_type": self.model_type, "base_prefix": self.base_prefix,
@@ -151,12 +148,17 @@ def register_option(kind: str, cls: type) -> None:
     _OPTION_TYPES.setdefault(kind, cls)
 
 
-def _option_from_json(d: Mapping) -> Any:
-    cls = _OPTION_TYPES.get(d.get("kind"))
+def option_type(kind: str) -> type:
+    """The transform type registered under ``kind`` (plans and specs read from JSON)."""
+    cls = _OPTION_TYPES.get(kind)
     if cls is None:
-        raise PlanError(f"the plan names a transform of kind {d.get('kind')!r} that is not "
-                        f"defined here (known: {sorted(_OPTION_TYPES)}); import its module first")
-    return cls.from_json(d)
+        raise PlanError(f"the plan names a transform of kind {kind!r} that is not defined "
+                        f"here (known: {sorted(_OPTION_TYPES)}); import its module first")
+    return cls
+
+
+def _option_from_json(d: Mapping) -> Any:
+    return option_type(d.get("kind")).from_json(d)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._errors import ConfigError
-from ._optimizer import MeshOptimizer, scalar_device as scalar_device
+from ._optimizer import MeshOptimizer
 from .parallel._install import runtime_of
 
 
@@ -70,7 +70,7 @@ def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None =
     opt.step()
     opt.zero_grad()
     if rt.dp_group is not None and rt.dp_size > 1:
-        t = torch.tensor([total], dtype=torch.float64, device=scalar_device(rt))
+        t = torch.tensor([total], dtype=torch.float64, device=rt.device)
         dist.all_reduce(t, group=rt.dp_group)
         total = float(t) / rt.dp_size
     return total

@@ -163,24 +163,28 @@ def _world_size(mesh):
     return math.prod(mesh.values())
 
 
-@pytest.mark.parametrize("index", [i for i, r in enumerate(REFUSED) if _world_size(r[2]) == 4],
-                         ids=[r[0] for r in REFUSED if _world_size(r[2]) == 4])
+def _same_refusal(world, index):
+    name, spec, mesh, err, msg = REFUSED[index]
+    with pytest.raises(err) as planned:
+        ml.plan(M.build("llama"), spec(), ml.Mesh(**mesh, fake=True))
+    got = world.run(refused_case, index=index)
+    assert all(g == (type(planned.value).__name__, str(planned.value)) for g in got), got
+
+
+def _sized(n):
+    """The cases whose mesh has ``n`` ranks, for ``parametrize``."""
+    picked = [(i, r[0]) for i, r in enumerate(REFUSED) if _world_size(r[2]) == n]
+    return dict(argnames="index", argvalues=[i for i, _ in picked], ids=[k for _, k in picked])
+
+
+@pytest.mark.parametrize(**_sized(4))
 def test_parallelize_refuses_the_same(world4, index):
-    name, spec, mesh, err, msg = REFUSED[index]
-    with pytest.raises(err) as planned:
-        ml.plan(M.build("llama"), spec(), ml.Mesh(**mesh, fake=True))
-    got = world4.run(refused_case, index=index)
-    assert all(g == (type(planned.value).__name__, str(planned.value)) for g in got), got
+    _same_refusal(world4, index)
 
 
-@pytest.mark.parametrize("index", [i for i, r in enumerate(REFUSED) if _world_size(r[2]) == 2],
-                         ids=[r[0] for r in REFUSED if _world_size(r[2]) == 2])
+@pytest.mark.parametrize(**_sized(2))
 def test_parallelize_refuses_the_same_on_two_ranks(world2, index):
-    name, spec, mesh, err, msg = REFUSED[index]
-    with pytest.raises(err) as planned:
-        ml.plan(M.build("llama"), spec(), ml.Mesh(**mesh, fake=True))
-    got = world2.run(refused_case, index=index)
-    assert all(g == (type(planned.value).__name__, str(planned.value)) for g in got), got
+    _same_refusal(world2, index)
 
 
 # -- 2-D layouts written the JAX way run: FSDP over 'dp' composed with TP over 'tp' ---------

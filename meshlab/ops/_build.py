@@ -206,17 +206,20 @@ def cpu_extension(name: str, sources: tuple[str, ...]):
         return mod
 
 
+def cpu_adam_kernels():
+    """The built ``adamw_step`` module of ``CPUAdamW``, or ``None`` (see
+    ``failure('meshlab_cpu_adam')``)."""
+    if native_disabled_reason() is not None:
+        return None
+    return cpu_extension("meshlab_cpu_adam", ("cpu_adam.cpp",))
+
+
 def build_all() -> dict[str, bool]:
     """Build every C++ extension at once, in parallel threads; name -> built."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def cpu_adam():
-        if native_disabled_reason() is not None:
-            return None
-        return cpu_extension("meshlab_cpu_adam", ("cpu_adam.cpp",))
-
     with ThreadPoolExecutor(3) as pool:
-        ops, adam, attn = (pool.submit(ops_cpu), pool.submit(cpu_adam),
+        ops, adam, attn = (pool.submit(ops_cpu), pool.submit(cpu_adam_kernels),
                            pool.submit(attention_cpu))
         return {"meshlab_ops_cpu": ops.result() is not None,
                 "meshlab_cpu_adam": adam.result() is not None,

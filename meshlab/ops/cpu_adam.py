@@ -25,13 +25,7 @@ import torch
 from torch import Tensor
 
 from . import _build
-
-
-def cpu_adam_kernels():
-    """The built ``adamw_step`` module, or ``None`` (see ``_build.failure('meshlab_cpu_adam')``)."""
-    if _build.native_disabled_reason() is not None:
-        return None
-    return _build.cpu_extension("meshlab_cpu_adam", ("cpu_adam.cpp",))
+from ._build import cpu_adam_kernels as cpu_adam_kernels
 
 
 def adamw_reference(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *,

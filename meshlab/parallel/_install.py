@@ -58,6 +58,8 @@ class _Groups:
 
     @property
     def device(self) -> torch.device:
+        """This rank's device; small reduced values (losses, norms, overflow flags) live
+        there too, since an NCCL-only group cannot reduce CPU tensors."""
         return mesh_device(self.mesh)
 
     @property

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Iterable, Mapping
 from .._comm import CommOp as CommOp
 from .._errors import ConfigError
 from .._memory import MemRow as MemRow
-from .._plan import Plan, register_option
+from .._plan import Plan, option_type, register_option
 
 
 class Phase(enum.IntEnum):
@@ -108,9 +108,6 @@ class SumGrads(Part):
             flat_all_reduce(grads, self.group)
 
 
-_KINDS: dict[str, type] = {}
-
-
 class Transform:
     """Base of every transform: a frozen dataclass implementing some of the hooks above."""
 
@@ -123,7 +120,6 @@ class Transform:
         if not cls.__dict__.get("kind"):
             cls.kind = cls.__name__.lower()
         if cls.kind not in ("compose", "identity"):
-            _KINDS.setdefault(cls.kind, cls)
             register_option(cls.kind, cls)
 
     # -- the hooks ----------------------------------------------------------------------
@@ -184,11 +180,7 @@ class Transform:
     def from_json(cls, d: Mapping[str, Any]) -> "Transform":
         if d.get("kind") == "compose":
             return Compose(tuple(Transform.from_json(x) for x in d["transforms"]))
-        kind_cls = _KINDS.get(d.get("kind"))
-        if kind_cls is None:
-            raise ConfigError(f"unknown transform kind {d.get('kind')!r}; known: "
-                              f"{sorted(_KINDS)} (import the module defining it first)")
-        return kind_cls._from_fields({k: decode(v) for k, v in d.items() if k != "kind"})
+        return option_type(d.get("kind"))._from_fields({k: decode(v) for k, v in d.items() if k != "kind"})
 
     @classmethod
     def _from_fields(cls, fields: dict) -> "Transform":

@@ -66,12 +66,9 @@ def precision(compute: str = "bf16", reduce: str = "fp32", loss_scale: str | flo
     >>> precision('bf16')
     precision(compute='bfloat16', reduce='float32', loss_scale=None)
     """
-    c, r = _dtype(compute, "compute"), _dtype(reduce, "reduce")
-    if loss_scale is ...:
-        loss_scale = "dynamic" if c == "float16" else None
-    if loss_scale not in (None, "dynamic") and not isinstance(loss_scale, (int, float)):
-        raise ConfigError(f"precision(loss_scale={loss_scale!r}): None, 'dynamic' or a number")
-    return Precision(c, r, loss_scale, float(init_scale), int(growth_interval))
+    if loss_scale is ...:       # Precision validates and normalizes the rest
+        loss_scale = "dynamic" if _dtype(compute, "compute") == "float16" else None
+    return Precision(compute, reduce, loss_scale, float(init_scale), int(growth_interval))
 
 
 @dataclasses.dataclass

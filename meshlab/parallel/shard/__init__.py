@@ -159,22 +159,22 @@ def _activations(plan: Plan, acts, mod_tags, attrs, source: str) -> tuple:
     entries = {a.module: a for a in plan.activations}
     modules = _module_names(plan)
 
-    def each(glob: str, what: str):
+    unfit = f"the policy does not fit {plan.model.cls or 'this model'}"
+
+    def each(glob: str, what: str, fix: str):
         matched = [m for m in modules if glob_match(glob, m)]
         if not matched:
-            raise PlanError(f"{source}: {what} glob {glob!r} matches no module; "
-                            f"{'fix the name or remove it' if what == 'activation' else 'the policy does not fit ' + (plan.model.cls or 'this model')}")
-        for m in matched:
-            yield m, entries.get(m, ActivationEntry(module=m))
+            raise PlanError(f"{source}: {what} glob {glob!r} matches no module; {fix}")
+        return [(m, entries.get(m, ActivationEntry(module=m))) for m in matched]
 
     for glob, spec in acts.items():
-        for m, prev in list(each(glob, "activation")):
+        for m, prev in each(glob, "activation", "fix the name or remove it"):
             entries[m] = dataclasses.replace(prev, output=spec)
     for glob, mtags in mod_tags.items():
-        for m, prev in list(each(glob, "module")):
+        for m, prev in each(glob, "module", unfit):
             entries[m] = dataclasses.replace(prev, tags=tuple(dict.fromkeys(prev.tags + mtags)))
     for glob, names in attrs.items():
-        for m, prev in list(each(glob, "module")):
+        for m, prev in each(glob, "module", unfit):
             entries[m] = dataclasses.replace(
                 prev, local_attrs=tuple(dict.fromkeys(prev.local_attrs + names)))
     return tuple(entries.values())

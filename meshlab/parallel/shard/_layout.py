@@ -26,6 +26,7 @@ class _Scan:
     rank: int
     regions: tuple[str, ...]
     sp: bool
+    infos: dict = dataclasses.field(default_factory=dict)   # fqn -> ModuleInfo
     modules: list = dataclasses.field(default_factory=list)
     grad_reduce: list = dataclasses.field(default_factory=list)
     kv_attn: dict = dataclasses.field(default_factory=dict)
@@ -48,7 +49,7 @@ def tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
         return None, []
     scan = _Scan(plan, axis, plan.mesh_shape[axis], rank,
                  tuple(a.module for a in plan.activations if "tp_region" in a.tags),
-                 sequence_parallel(plan, axis))
+                 sequence_parallel(plan, axis), {m.fqn: m for m in plan.model.modules})
     by_module: dict[str, list] = {}
     for e in plan.params:
         by_module.setdefault(e.module, []).append(e)
@@ -69,12 +70,12 @@ def tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
     return layout, scan.grad_reduce
 
 
-def _info(plan: Plan, mname: str) -> ModuleInfo:
-    return plan.model.module(mname) or ModuleInfo(mname, "?")
+def _info(scan: "_Scan", mname: str) -> ModuleInfo:
+    return scan.infos.get(mname) or ModuleInfo(mname, "?")
 
 
 def _classify(scan: _Scan, mname: str, es: list, tied: set) -> None:
-    m = _info(scan.plan, mname)
+    m = _info(scan, mname)
     styles = {t for e in es for t in e.tags}
     if "kv_replicated" in styles:
         _kv_replicated(scan, m, es)
@@ -182,7 +183,7 @@ def _attrs(scan: _Scan) -> list:
     n, out = scan.n, []
     for a in scan.plan.activations:
         for attr in a.local_attrs:
-            v = _info(scan.plan, a.module).get(attr)
+            v = _info(scan, a.module).get(attr)
             if v is None:
                 raise ConfigError(f"{a.module} has no integer attribute {attr!r} to divide "
                                   f"over tp; fix the policy's local_attrs")
@@ -191,7 +192,7 @@ def _attrs(scan: _Scan) -> list:
             out.append((a.module, attr, v // n))
     for spec in scan.modules:
         if spec.style.conv1d and isinstance(spec.style, ColWise):
-            nf = _info(scan.plan, spec.fqn).get("nf")  # Conv1D reshapes its output to nf
+            nf = _info(scan, spec.fqn).get("nf")  # Conv1D reshapes its output to nf
             if nf % n:
                 raise ConfigError(f"{spec.fqn}: {nf} output features do not divide over tp={n}")
             out.append((spec.fqn, "nf", nf // n))
