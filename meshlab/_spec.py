@@ -136,7 +136,8 @@ class P:
         dims = list(self._dims)
         while dims and dims[-1] is None:
             dims.pop()
-        return (tuple(dims), self._partial)
+        # A pending sum over several axes is one sum whatever order they are named in.
+        return (tuple(dims), tuple(sorted(self._partial)))
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, P):

@@ -40,6 +40,15 @@ SPECS = [
 ]
 
 
+def test_partial_axes_are_a_set():
+    # Found by the property test below: placements list partial axes in mesh order.
+    a, b = P(partial=("tp", "dp")), P(partial=("dp", "tp"))
+    assert a == b and hash(a) == hash(b)
+    assert repr(a) == "P(partial=('tp', 'dp'))"          # written as the user wrote it
+    mesh = ("dp", "tp")
+    assert from_placements(to_placements(a, mesh, ()), mesh, 0) == a
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
 def test_repr_pastes_back_as_code(spec):
     again = eval(repr(spec), {"P": P})
