@@ -6,9 +6,9 @@
 // attention). Causal masking is aligned top-left like SDPA's is_causal: query i sees keys
 // j <= i (the Python side requires S == Skv then).
 //
-// Conventions, as in ops_cpu.cpp: inputs arrive contiguous; activations are float32 or
-// bfloat16 (all of one dtype); every product and sum is in float32, bfloat16 is rounded to
-// nearest-even once, on the way out.
+// Conventions, as in ops_cpu.cpp: inputs arrive contiguous and outputs are allocated
+// contiguous; activations are float32 or bfloat16 (all of one dtype); every product and sum
+// is in float32, bfloat16 is rounded to nearest-even once, on the way out.
 //
 // Tiling: a task is one (batch, head, block of kBQ queries) or one (batch, kv head, block of
 // kBK keys). A task copies its tiles into float32 thread-local buffers (keys and values also
@@ -188,7 +188,7 @@ std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
   const Dims d = dims_of(q, k, v);
   TORCH_CHECK(!causal || d.S == d.Skv, "causal attention needs S == Skv, got ", d.S, " and ",
               d.Skv);
-  auto out = at::empty_like(q);
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   auto lse = at::empty({d.B, d.Hq, d.S}, q.options().dtype(at::kFloat));
   const int64_t nqb = (d.S + kBQ - 1) / kBQ;
   const int64_t tasks = d.B * d.Hq * nqb;
@@ -308,9 +308,9 @@ std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& 
   check_stat(lse, "lse", q);
   TORCH_CHECK(!causal || d.S == d.Skv, "causal attention needs S == Skv, got ", d.S, " and ",
               d.Skv);
-  auto dq = at::empty_like(q);
-  auto dk = at::empty_like(k);
-  auto dv = at::empty_like(v);
+  auto dq = at::empty_like(q, at::MemoryFormat::Contiguous);
+  auto dk = at::empty_like(k, at::MemoryFormat::Contiguous);
+  auto dv = at::empty_like(v, at::MemoryFormat::Contiguous);
   auto delta = at::empty({d.B, d.Hq, d.S}, q.options().dtype(at::kFloat));
   const float fscale = static_cast<float>(scale);
   const int64_t D = d.D;

@@ -5,6 +5,8 @@
 //
 // Conventions, shared by every kernel here:
 //  * tensors arrive contiguous, already flattened by the Python side to rows of the last dim;
+//  * outputs are allocated contiguous (never with an input's strides, which for a size-1
+//    dim may be anything): the ops' fake kernels promise contiguous outputs to torch.compile;
 //  * activations are float32 or bfloat16; weights, cos/sin and saved statistics are float32
 //    (the Python side casts them, which costs one pass over a vector, not over the batch);
 //  * every sum is in float32, and bfloat16 is rounded to nearest-even exactly as
@@ -45,7 +47,7 @@ std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, d
   check_f32(w, "weight");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm_fwd: bad shapes");
   const int64_t N = x.size(0), H = x.size(1);
-  auto y = at::empty_like(x);
+  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
@@ -83,7 +85,7 @@ std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
   TORCH_CHECK(dy.scalar_type() == x.scalar_type() && dy.sizes() == x.sizes(),
               "rms_norm_bwd: grad must match x");
   const int64_t N = x.size(0), H = x.size(1);
-  auto dx = at::empty_like(x);
+  auto dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   auto dw = at::empty({H}, w.options());
   const int nt = num_threads();
   // Each thread accumulates its own dw row: no atomics, and a fixed order per thread.
@@ -133,7 +135,7 @@ std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& w,
   TORCH_CHECK(x.dim() == 2 && w.size(0) == x.size(1) && b.size(0) == x.size(1),
               "layer_norm_fwd: bad shapes");
   const int64_t N = x.size(0), H = x.size(1);
-  auto y = at::empty_like(x);
+  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   auto mean = at::empty({N}, x.options().dtype(at::kFloat));
   auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
   dispatch(x, [&](auto tag) {
@@ -183,7 +185,7 @@ std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x
   TORCH_CHECK(dy.scalar_type() == x.scalar_type() && dy.sizes() == x.sizes(),
               "layer_norm_bwd: grad must match x");
   const int64_t N = x.size(0), H = x.size(1);
-  auto dx = at::empty_like(x);
+  auto dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   auto dw = at::empty({H}, w.options());
   auto db = at::empty({H}, w.options());
   const int nt = num_threads();
@@ -243,7 +245,7 @@ at::Tensor rotary_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tens
   const int64_t B = x.size(0), S = x.size(1), NH = x.size(2), D = x.size(3), half = D / 2;
   TORCH_CHECK(cos.dim() == 2 && cos.size(0) == S && cos.size(1) == half && sin.sizes() == cos.sizes(),
               "rotary_fwd: cos and sin must be (S, D/2)");
-  auto out = at::empty_like(x);
+  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = cptr<T>(x);
@@ -281,7 +283,7 @@ at::Tensor swiglu_fwd(const at::Tensor& a, const at::Tensor& b) {
   check_act(b, "b");
   TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
               "swiglu_fwd: a and b must match in shape and dtype");
-  auto y = at::empty_like(a);
+  auto y = at::empty_like(a, at::MemoryFormat::Contiguous);
   const int64_t n = a.numel();
   dispatch(a, [&](auto tag) {
     using T = decltype(tag);
@@ -309,8 +311,8 @@ std::vector<at::Tensor> swiglu_bwd(const at::Tensor& dy, const at::Tensor& a, co
   TORCH_CHECK(a.sizes() == b.sizes() && dy.sizes() == a.sizes() &&
                   a.scalar_type() == b.scalar_type() && dy.scalar_type() == a.scalar_type(),
               "swiglu_bwd: grad, a and b must match in shape and dtype");
-  auto da = at::empty_like(a);
-  auto db = at::empty_like(b);
+  auto da = at::empty_like(a, at::MemoryFormat::Contiguous);
+  auto db = at::empty_like(b, at::MemoryFormat::Contiguous);
   const int64_t n = a.numel();
   dispatch(a, [&](auto tag) {
     using T = decltype(tag);

@@ -12,6 +12,14 @@ the code, no nvcc at install time, and tuning by block size alone. Attention is 
 exception: it is compute-bound, and on CUDA it runs cuDNN's or flash-attn's kernels
 (``attention.py`` says when which).
 
+Layouts: every op accepts strided inputs (Hugging Face's transposed queries and keys, a
+chunk of a packed projection, an expanded cos/sin table) and returns fresh contiguous
+outputs, whichever path runs (C++, Triton, the PyTorch fallback); each fake kernel returns
+contiguous tensors of the same shapes and dtypes, forward and backward ops alike. Under
+``torch.compile`` the generated code asserts exactly these strides, so a fake that followed
+an input's strides (``empty_like``) while the kernel wrote contiguous memory would fail on
+the first transposed input.
+
 >>> import torch, meshlab.ops as ops
 >>> sorted(ops.OPS)
 ['attention', 'layer_norm', 'linear_cross_entropy', 'rms_norm', 'rotary', 'swiglu']

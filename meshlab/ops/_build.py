@@ -319,6 +319,16 @@ def upcast(t):
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def contiguous(t):
+    """``t`` contiguous with the strides ``torch.empty(t.shape)`` has, what every op's fake
+    kernel returns. ``t.contiguous()`` alone keeps the strides of size-1 dims as they are:
+    an output computed from a (B, H, 1, D) view of (B, 1, H, D) memory, a decoding step's
+    query, would come back with stride H * D on its size-1 dim where the fake says D. The
+    flatten and view that fix it copy nothing."""
+    t = t.contiguous()
+    return t.view(-1).view(t.shape)
+
+
 def sharding_available() -> bool:
     import torch
 

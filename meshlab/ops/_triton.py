@@ -3,7 +3,8 @@
 Imported only when an op first sees a CUDA tensor (``_build.triton_kernels``), so a machine
 without Triton never loads this file. The functions mirror ``csrc/ops_cpu.cpp`` one for one
 (same names, same arguments: activations 2-D and contiguous, weights and statistics
-float32), so each op calls whichever module the device selects in the same way.
+float32; outputs allocated contiguous, never with an input's strides, as the ops' fake
+kernels say), so each op calls whichever module the device selects in the same way.
 
 Why Triton and not hand CUDA: these ops are memory-bound (a few flops per byte moved), so
 their speed is one read of each input and one write of each output, in wide coalesced
@@ -78,7 +79,7 @@ def _rms_bwd(DY, X, W, RSTD, DX, DWP, N, H, rows_per, BLOCK: tl.constexpr):
 
 def rms_norm_fwd(x, w, eps):
     n, h = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
     block, warps = _row_block(h)
     _rms_fwd[(n,)](x, w, y, rstd, h, eps, BLOCK=block, num_warps=warps)
@@ -87,7 +88,7 @@ def rms_norm_fwd(x, w, eps):
 
 def rms_norm_bwd(dy, x, w, rstd):
     n, h = x.shape
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs, rows_per = _bands(n, x.device)
     part = torch.empty(programs, h, device=x.device, dtype=torch.float32)
     block, warps = _row_block(h)
@@ -142,7 +143,7 @@ def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, N, H, rows_per, BLOCK: tl.conste
 
 def layer_norm_fwd(x, w, b, eps):
     n, h = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     mean = torch.empty(n, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
     block, warps = _row_block(h)
@@ -152,7 +153,7 @@ def layer_norm_fwd(x, w, b, eps):
 
 def layer_norm_bwd(dy, x, w, mean, rstd):
     n, h = x.shape
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs, rows_per = _bands(n, x.device)
     pw = torch.empty(programs, h, device=x.device, dtype=torch.float32)
     pb = torch.empty_like(pw)
@@ -183,7 +184,7 @@ def _rotary(X, COS, SIN, O, S, NH, HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.cons
 
 def rotary_fwd(x, cos, sin):
     b, s, nh, d = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     half = d // 2
     bh, bd = triton.next_power_of_2(nh), triton.next_power_of_2(half)
     _rotary[(b * s,)](x, cos, sin, out, s, nh, half, BLOCK_H=bh, BLOCK_D=bd,
@@ -218,14 +219,15 @@ def _swiglu_bwd(DY, A, B, DA, DB, n, BLOCK: tl.constexpr):
 
 
 def swiglu_fwd(a, b):
-    y = torch.empty_like(a)
+    y = torch.empty_like(a, memory_format=torch.contiguous_format)
     n = a.numel()
     _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](a, b, y, n, BLOCK=_EW_BLOCK, num_warps=8)
     return y
 
 
 def swiglu_bwd(dy, a, b):
-    da, db = torch.empty_like(a), torch.empty_like(b)
+    da = torch.empty_like(a, memory_format=torch.contiguous_format)
+    db = torch.empty_like(b, memory_format=torch.contiguous_format)
     n = a.numel()
     _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, n, BLOCK=_EW_BLOCK, num_warps=8)
     return da, db

@@ -340,7 +340,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool,
     lse (B, Hq, S) float32, the log-sum-exp of each row of scaled, masked scores)."""
     _check(q, k, v, causal)
     out, lse = _forward(q, k, v, causal, scale)
-    return out.contiguous(), lse.contiguous()
+    return _build.contiguous(out), _build.contiguous(lse)
 
 
 @attention_op.register_fake
@@ -355,7 +355,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     """dout, q, out (B, Hq, S, D), k, v (B, Hkv, Skv, D), lse (B, Hq, S) float32 ->
     (dq (B, Hq, S, D), dk, dv (B, Hkv, Skv, D)), contiguous, in the inputs' dtypes."""
     dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, causal, scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return _build.contiguous(dq), _build.contiguous(dk), _build.contiguous(dv)
 
 
 @attention_backward.register_fake

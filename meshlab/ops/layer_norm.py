@@ -51,7 +51,7 @@ def _bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor
 def _forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float):
     k = _build.kernels("layer_norm", x)
     if k is None:
-        return _fwd_torch(x, weight, bias, eps)
+        return tuple(_build.contiguous(t) for t in _fwd_torch(x, weight, bias, eps))
     h = x.shape[-1]
     y, mean, rstd = k.layer_norm_fwd(x.reshape(-1, h).contiguous(), weight.float().contiguous(),
                                      bias.float().contiguous(), eps)
@@ -68,14 +68,15 @@ def layer_norm_op(x: Tensor, weight: Tensor, bias: Tensor,
 
 @layer_norm_op.register_fake
 def _(x, weight, bias, eps):
+    # Contiguous outputs whatever x's strides, as the kernels and the fallback return them.
     stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
-    return torch.empty_like(x), stat, torch.empty_like(stat)
+    return x.new_empty(x.shape), stat, torch.empty_like(stat)
 
 
 def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor):
     k = _build.kernels("layer_norm_backward", x)
     if k is None:
-        return _bwd_torch(dy, x, weight, mean, rstd)
+        return tuple(_build.contiguous(t) for t in _bwd_torch(dy, x, weight, mean, rstd))
     h = x.shape[-1]
     dx, dw, db = k.layer_norm_bwd(dy.to(x.dtype).reshape(-1, h).contiguous(),
                                   x.reshape(-1, h).contiguous(), weight.float().contiguous(),
@@ -93,7 +94,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor,
 
 @layer_norm_backward.register_fake
 def _(dy, x, weight, mean, rstd):
-    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output):

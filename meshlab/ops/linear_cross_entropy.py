@@ -63,11 +63,13 @@ def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, igno
     n = hidden.shape[0]
     loss = torch.zeros((), device=hidden.device, dtype=torch.float32)
     count = (target != ignore_index).sum().to(torch.float32)
-    gh = torch.empty_like(hidden) if with_grad else hidden.new_empty(0)
+    # Contiguous gradients whatever the inputs' strides, as the fake says (empty_like would
+    # copy the strides of a transposed hidden or weight).
+    gh = hidden.new_empty(hidden.shape) if with_grad else hidden.new_empty(0)
     # Accumulated in the weight's dtype, one addmm per chunk (cuBLAS sums each product in
     # float32): a float32 accumulator for a bfloat16 head would cost 2 bytes more per weight
     # element than the whole gradient.
-    gw = torch.zeros_like(weight) if with_grad else weight.new_empty(0)
+    gw = weight.new_zeros(weight.shape) if with_grad else weight.new_empty(0)
     target = target.contiguous()
     for s in range(0, n, chunk):
         h, t = hidden[s:s + chunk], target[s:s + chunk]
@@ -88,7 +90,8 @@ def linear_cross_entropy_op(hidden: Tensor, weight: Tensor, target: Tensor, igno
 def _(hidden, weight, target, ignore_index, chunk, with_grad):
     scalar = hidden.new_empty((), dtype=torch.float32)
     if with_grad:
-        return scalar, torch.empty_like(scalar), torch.empty_like(hidden), torch.empty_like(weight)
+        return (scalar, torch.empty_like(scalar), hidden.new_empty(hidden.shape),
+                weight.new_empty(weight.shape))
     return scalar, torch.empty_like(scalar), hidden.new_empty(0), weight.new_empty(0)
 
 

@@ -48,7 +48,8 @@ def _bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Ten
 def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     k = _build.kernels("rms_norm", x)
     if k is None:
-        return _fwd_torch(x, weight, eps)
+        y, rstd = _fwd_torch(x, weight, eps)
+        return _build.contiguous(y), _build.contiguous(rstd)
     h = x.shape[-1]
     y, rstd = k.rms_norm_fwd(x.reshape(-1, h).contiguous(), weight.float().contiguous(), eps)
     return y.view(x.shape), rstd.view(x.shape[:-1])
@@ -57,7 +58,8 @@ def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
     k = _build.kernels("rms_norm_backward", x)
     if k is None:
-        return _bwd_torch(dy, x, weight, rstd)
+        dx, dw = _bwd_torch(dy, x, weight, rstd)
+        return _build.contiguous(dx), _build.contiguous(dw)
     h = x.shape[-1]
     dx, dw = k.rms_norm_bwd(dy.to(x.dtype).reshape(-1, h).contiguous(),
                             x.reshape(-1, h).contiguous(), weight.float().contiguous(),
@@ -73,7 +75,8 @@ def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
 
 @rms_norm_op.register_fake
 def _(x, weight, eps):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    # Contiguous outputs whatever x's strides, as the kernels and the fallback return them.
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("meshlab::rms_norm_backward", mutates_args=())
@@ -84,7 +87,7 @@ def rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tu
 
 @rms_norm_backward.register_fake
 def _(dy, x, weight, rstd):
-    return torch.empty_like(x), torch.empty_like(weight)
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output):

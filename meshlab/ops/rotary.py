@@ -54,20 +54,22 @@ def _forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     _check(x, cos, sin)
     k = _build.kernels("rotary", x)
     if k is None:
-        return rotary_reference(x, cos, sin)
+        return _build.contiguous(rotary_reference(x, cos, sin))
     return k.rotary_fwd(x.contiguous(), cos.float().contiguous(), sin.float().contiguous())
 
 
 @torch.library.custom_op("meshlab::rotary", mutates_args=())
 def rotary_op(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, S, NH, D), cos, sin: (S, D/2) -> (B, S, NH, D)."""
+    """x: (B, S, NH, D), cos, sin: (S, D/2) -> (B, S, NH, D), contiguous whatever x's strides."""
     return _forward(x, cos, sin)
 
 
 @rotary_op.register_fake
 def _(x, cos, sin):
+    # Contiguous, as the kernel's output: not empty_like(x), which would copy the strides of
+    # a transposed x (queries as Hugging Face lays them out, or their gradient).
     _check(x, cos, sin)
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _setup_context(ctx, inputs, output):

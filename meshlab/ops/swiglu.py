@@ -47,7 +47,7 @@ def _forward(a: Tensor, b: Tensor) -> Tensor:
     _check(a, b)
     k = _build.kernels("swiglu", a)
     if k is None:
-        return swiglu_reference(a, b)
+        return _build.contiguous(swiglu_reference(a, b))
     return k.swiglu_fwd(a.contiguous(), b.contiguous()).view(a.shape)
 
 
@@ -59,14 +59,17 @@ def swiglu_op(a: Tensor, b: Tensor) -> Tensor:
 
 @swiglu_op.register_fake
 def _(a, b):
+    # Contiguous whatever a's strides (a chunk of a packed gate/up projection is not), as
+    # the kernels and the fallback return it.
     _check(a, b)
-    return torch.empty_like(a)
+    return a.new_empty(a.shape)
 
 
 def _backward_impl(dy: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     k = _build.kernels("swiglu_backward", a)
     if k is None:
-        return _bwd_torch(dy, a, b)
+        da, db = _bwd_torch(dy, a, b)
+        return _build.contiguous(da), _build.contiguous(db)
     da, db = k.swiglu_bwd(dy.to(a.dtype).contiguous(), a.contiguous(), b.contiguous())
     return da.view(a.shape), db.view(b.shape)
 
@@ -79,7 +82,7 @@ def swiglu_backward(dy: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
 
 @swiglu_backward.register_fake
 def _(dy, a, b):
-    return torch.empty_like(a), torch.empty_like(b)
+    return a.new_empty(a.shape), b.new_empty(b.shape)
 
 
 def _setup_context(ctx, inputs, output):
