@@ -56,20 +56,45 @@ class MemoryEstimate:
     def total(self) -> int:
         return sum(sum(v.values()) for v in self.by_category.values())
 
+    @property
+    def title(self) -> str:
+        return "memory per rank (" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")"
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """``(category, dtype, bytes)`` per row, bytes in B/KiB/MiB/GiB, then the total."""
+        from ._plan_view import _fmt_bytes
+
+        out = [(cat, dt, _fmt_bytes(b)) for cat, per in self.by_category.items()
+               for dt, b in sorted(per.items())]
+        return out + [("total", "", _fmt_bytes(self.total))]
+
     def __rich__(self):
         from rich.table import Table
 
-        from ._plan_view import _fmt_bytes
-
-        t = Table(title="memory per rank (" + ", ".join(f"{n}={s}" for n, s in self.mesh) + ")")
+        t = Table(title=self.title)
         t.add_column("category")
         t.add_column("dtype")
         t.add_column("bytes", justify="right")
-        for cat, per in self.by_category.items():
-            for dt, b in sorted(per.items()):
-                t.add_row(cat, dt, _fmt_bytes(b))
-        t.add_row("[bold]total[/]", "", f"[bold]{_fmt_bytes(self.total)}[/]")
+        *rows, (_, _, total) = self.rows()
+        for row in rows:
+            t.add_row(*row)
+        t.add_row("[bold]total[/]", "", f"[bold]{total}[/]")
         return t
+
+    def __repr__(self) -> str:
+        """One line: each category's bytes (all dtypes) and the total, in binary units."""
+        from ._plan_view import _fmt_bytes
+
+        cats = ", ".join(f"{c} {_fmt_bytes(sum(per.values()))}"
+                         for c, per in self.by_category.items())
+        mesh = ", ".join(f"{n}={s}" for n, s in self.mesh)
+        return f"MemoryEstimate(per rank on {mesh}: {cats}; total {_fmt_bytes(self.total)})"
+
+    def _repr_html_(self) -> str:
+        from ._plan_view import html_table
+
+        return html_table(("category", "dtype", "bytes"), self.rows(), title=self.title,
+                          bold_last=True)
 
     def __str__(self) -> str:
         from ._plan_view import render_text

@@ -302,6 +302,18 @@ class Plan:
 
         return render_text(self.table())
 
+    def __repr__(self) -> str:
+        """One line (model, mesh, counts, transforms, refusals); ``str`` is the table."""
+        from ._plan_view import plan_repr
+
+        return plan_repr(self)
+
+    def _repr_html_(self) -> str:
+        """The notebook view: refusals, transforms, parameter table, memory per rank."""
+        from ._plan_view import plan_html
+
+        return plan_html(self)
+
     def diff(self, other: "Plan") -> "PlanDiff":
         """What changes from ``self`` to ``other``, per FQN."""
         a = {e.fqn: e for e in self.params}

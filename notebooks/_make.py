@@ -1,8 +1,26 @@
-"""Writes the tutorial notebooks from the cell lists below (run: python notebooks/_make.py)."""
+"""Writes the tutorial notebooks from the cell lists below and executes them in place, so
+the committed files show their outputs on a code host (CI executes them again with
+``pytest --nbmake``).
 
+    .venv/bin/python notebooks/_make.py               # write and execute both (minutes)
+    .venv/bin/python notebooks/_make.py --no-execute  # write the cells only
+
+Executing is what ``jupyter nbconvert --to notebook --execute --inplace`` does, with the
+venv's ``python3`` kernel and the notebook's folder as working directory, and then keeps
+the files stable between runs: cell ids are numbered, per-cell timing metadata is not
+recorded and the kernel's patch version is dropped.
+"""
+
+import os
+import re
 import sys
 
 import nbformat as nbf
+
+_MACHINE_PATH = re.compile(r"/(work|home|root|tmp|Users)/")
+# What the executing machine's setup prints, not the notebook: tqdm's notice that
+# ipywidgets is missing (it names the machine's site-packages).
+_SETUP_NOISE = re.compile(r"^.*TqdmWarning: IProgress not found.*\n(  from .*tqdm.*\n)?", re.M)
 
 
 def write(path, cells):
@@ -10,7 +28,42 @@ def write(path, cells):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells = [nbf.v4.new_markdown_cell(c[3:]) if c.startswith("md:") else nbf.v4.new_code_cell(c)
                 for c in cells]
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"
     nbf.write(nb, path)
+
+
+def execute(path, timeout=1200):
+    """Run every cell of ``path`` in a fresh kernel and store the outputs in the file.
+
+    Raises ``RuntimeError`` if an output names a machine's absolute path (a warning's file
+    name, a temporary folder): the committed notebook would differ on every machine."""
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    nb = nbf.read(path, as_version=4)
+    ep = ExecutePreprocessor(timeout=timeout, kernel_name="python3", record_timing=False)
+    ep.preprocess(nb, {"metadata": {"path": os.path.dirname(os.path.abspath(path))}})
+    nb.metadata.get("language_info", {}).pop("version", None)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+        if cell.cell_type == "code":
+            cell.outputs = _without_setup_noise(cell.outputs)
+        for out in cell.get("outputs", ()):
+            if _MACHINE_PATH.search(str(out)):
+                raise RuntimeError(f"{path}: an output of cell {cell.id} names a machine "
+                                   f"path; change the cell so it does not:\n{out}")
+    nbf.write(nb, path)
+
+
+def _without_setup_noise(outputs):
+    kept = []
+    for out in outputs:
+        if out.output_type == "stream" and out.name == "stderr":
+            out.text = _SETUP_NOISE.sub("", out.text)
+            if not out.text:
+                continue
+        kept.append(out)
+    return kept
 
 
 NB01 = [
@@ -54,18 +107,24 @@ NB01 = [
     "print(a)\nassert not a.diff(b), 'both spellings give the same plan'",
     "md:## Planning a 70B model on 1,024 ranks\nThe model is built on the meta device (no "
     "memory), its Hugging Face `base_model_tp_plan` is translated into logical specs by "
-    "`policies.auto`, and the plan is bound to a fake mesh.",
+    "`policies.auto`, and the plan is bound to a fake mesh. A plan shows as a table: each "
+    "parameter's spec and per-rank shape, the transforms that made it and the memory each rank "
+    "keeps (`print(plan)` gives the same table as text).",
     "import time\nfrom meshlab import presets\n\nt0 = time.perf_counter()\n"
     "model = presets.build('llama3-70b', dtype=torch.bfloat16)\n"
     "big = ml.Mesh(fsdp=128, tp=8, fake=True)\n"
     "tp_rules = ml.Rules(batch='fsdp', heads='tp', kv_heads='tp', mlp='tp', vocab='tp', embed='fsdp')\n"
     "plan70 = ml.plan(model, ml.shard(ml.policies.auto, tp_rules), big)\n"
-    "print(f'planned in {time.perf_counter() - t0:.2f} s')\nplan70",
+    "seconds = time.perf_counter() - t0\nassert seconds < 60, f'planning took {seconds:.0f} s'\n"
+    "n = sum(e.numel for e in plan70 if e.tied_to is None)\n"
+    "print(f'planned {n / 1e9:.1f}B parameters on {big.size:,} ranks in under a minute')\n"
+    "plan70",
     "plan70.memory()",
     "md:Change the topology and compare: a plan diff says what moved.",
     "plan_tp4 = ml.plan(model, ml.shard(ml.policies.auto, tp_rules), ml.Mesh(fsdp=256, tp=4, fake=True))\n"
     "d = plan70.diff(plan_tp4)\nprint(len(d.changed), 'parameters change layout')\n"
-    "print('per-rank bytes:', plan70.memory().total / 2**30, '->', plan_tp4.memory().total / 2**30, 'GiB')",
+    "print(f'per-rank bytes: {plan70.memory().total / 2**20:.1f} MiB -> '\n"
+    "      f'{plan_tp4.memory().total / 2**20:.1f} MiB')",
     "md:Plans round-trip through JSON, so they can be saved, reviewed and golden-tested.",
     "assert ml.Plan.from_json(plan70.to_json()) == plan70\nlen(plan70.to_json()) // 1024, 'KiB'",
 ]
@@ -85,10 +144,12 @@ NB02 = [
     "spec = (ml.shard(ml.policies.auto, rules) | ml.zero_shard(3, 'dp')\n"
     "        | ml.precision('bf16') | ml.remat('full'))\n"
     "for part in spec.parts:\n    print(part)",
-    "md:A plan records which transforms made it; the table caption lists them.",
+    "md:A plan records which transforms made it; its view lists them above the parameter "
+    "table and the bytes each rank keeps. A layout `parallelize` would refuse says why there "
+    "first.",
     "tiny = presets.build('tiny-llama')          # on the meta device: no memory\n"
     "plan = ml.plan(tiny, spec, ml.Mesh(dp=2, tp=2, fake=True))\n"
-    "assert len(plan.transforms) == 4\nconsole.print(plan)",
+    "assert len(plan.transforms) == 4 and plan.runnable\nplan",
     "md:## One model, several topologies\nThe same transforms, planned for 8 ranks in five "
     "ways: replicated data parallelism, ZeRO-1, ZeRO-3 (FSDP style), 2-way data x 4-way tensor "
     "parallelism, and that with ZeRO-3 and bf16 on top. `plan.memory()` counts the bytes each "
@@ -124,7 +185,9 @@ NB02 = [
     "assert m['dp=8, ZeRO-3'].total * 8 == m['dp=8'].total\n"
     "assert m['dp=2, tp=4'].params < m['dp=8'].params / 3\n"
     "assert m['dp=2, tp=4, ZeRO-3, bf16'].params * 4 == m['dp=2, tp=4'].params\n"
-    "print('llama3-8b fits in 80 GiB per rank with:',\n"
+    "# .total: every category plan.memory() counts (parameters, gradients, optimizer state and\n"
+    "# any a transform adds); activations are not estimated, so they need room on top.\n"
+    "print('llama3-8b state fits in 80 GiB per rank with:',\n"
     "      [k for k, v in m.items() if v.total < 80 * 2**30])",
     "md:## What changes between two plans\nKeep the vocabulary replicated and add ZeRO-3: the "
     "diff lists the parameters whose layout moved and the options that changed.",
@@ -147,8 +210,9 @@ NB02 = [
     "    torch.set_num_threads(1)\n"
     "    mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)\n"
     "    rules = ml.Rules(batch='dp', heads='tp', kv_heads='tp', mlp='tp', vocab='tp', embed=None)\n"
-    "    spec = ml.shard(ml.policies.auto, rules)\n"
-    "    if zero:\n        spec = spec | ml.zero_shard(zero, 'dp')\n"
+    "    spec = ml.zero_shard(zero, 'dp')                # stage 0: plain data parallelism\n"
+    "    if 'tp' in mesh.axis_names:                     # tensor parallelism where there is tp\n"
+    "        spec = ml.shard(ml.policies.auto, rules) | spec\n"
     "    model = ml.parallelize(presets.build('tiny-llama'), spec, mesh, seed=0)\n"
     "    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.0, clip_grad_norm=1.0)\n"
     "    loader = ml.dataloader(TextDataset(seq_len=64), mesh, batch_size=8)\n"
@@ -173,6 +237,9 @@ NB02 = [
 ]
 
 if __name__ == "__main__":
-    here = sys.argv[1] if len(sys.argv) > 1 else "notebooks"
-    write(f"{here}/01_specs_and_meshes.ipynb", NB01)
-    write(f"{here}/02_compose_and_train.ipynb", NB02)
+    args = [a for a in sys.argv[1:] if a != "--no-execute"]
+    here = args[0] if args else os.path.dirname(os.path.abspath(__file__))
+    for name, cells in (("01_specs_and_meshes.ipynb", NB01), ("02_compose_and_train.ipynb", NB02)):
+        write(os.path.join(here, name), cells)
+        if "--no-execute" not in sys.argv:
+            execute(os.path.join(here, name))
