@@ -29,6 +29,7 @@ from ._api import plan as plan
 from ._parallelize import parallelize as parallelize
 from ._materialize import init_weights as init_weights
 from ._optimizer import optimizer as optimizer
+from ._step import no_sync as no_sync
 from ._step import step as step
 from ._data import dataloader as dataloader
 from . import losses as losses

@@ -41,17 +41,36 @@ class CommEstimate:
     def bytes(self, kind: str, axis: str | None = None) -> int:
         return sum(b for (k, a), (_, b) in self.ops.items() if k == kind and axis in (None, a))
 
+    TITLE = "communication per rank per step"
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """``(collective, axis, count, bytes)`` per kind and axis, bytes in binary units."""
+        from ._plan_view import _fmt_bytes
+
+        return [(k, a or "", str(c), _fmt_bytes(b))
+                for (k, a), (c, b) in sorted(self.ops.items(), key=lambda kv: (
+                    kv[0][0], kv[0][1] or ""))]
+
     def __rich__(self):
         from rich.table import Table
 
-        from ._plan_view import _fmt_bytes
-
-        t = Table(title="communication per rank per step")
+        t = Table(title=self.TITLE)
         for c in ("collective", "axis", "count", "bytes"):
             t.add_column(c, justify="right" if c in ("count", "bytes") else "left")
-        for (k, a), (c, b) in sorted(self.ops.items()):
-            t.add_row(k, a, str(c), _fmt_bytes(b))
+        for row in self.rows():
+            t.add_row(*row)
         return t
+
+    def __repr__(self) -> str:
+        """One line: ``kind/axis count× bytes`` for each collective of a step."""
+        ops = ", ".join(f"{k}/{a or '-'} {c}× {b}" for k, a, c, b in self.rows())
+        return f"CommEstimate(per rank per step: {ops or 'no collectives'})"
+
+    def _repr_html_(self) -> str:
+        from ._plan_view import html_table
+
+        return html_table(("collective", "axis", "count", "bytes"), self.rows(),
+                          title=self.TITLE)
 
     def __str__(self) -> str:
         from ._plan_view import render_text
@@ -71,16 +90,36 @@ class CommOp:
 
 def estimate_comm(plan, *, batch: int | None = None, seq: int | None = None,
                   coord: dict[str, int] | None = None) -> CommEstimate:
-    """The sum of every room's ``comm`` (see the module docstring). ``batch`` is the
+    """The backward's gradient reductions (``GradSync``'s buckets) plus every room's
+    ``comm`` (see the module docstring). ``batch`` is the
     per-data-parallel-rank batch; without ``batch``/``seq`` only parameter traffic is
     counted. ``coord`` picks the rank (mesh coordinate) whose uneven shards are counted;
     the default is the largest."""
     ops: dict = defaultdict(lambda: [0, 0])
-    for t in plan.rooms:
-        for op in t.comm(plan, batch=batch, seq=seq, coord=coord):
-            ops[(op.kind, op.axis)][0] += op.count
-            ops[(op.kind, op.axis)][1] += op.bytes
+    grads = grad_sync_ops(plan, coord)     # the backward's bucketed reductions
+    for op in grads + [op for t in plan.rooms
+                       for op in t.comm(plan, batch=batch, seq=seq, coord=coord)]:
+        ops[(op.kind, op.axis)][0] += op.count
+        ops[(op.kind, op.axis)][1] += op.bytes
     return CommEstimate({k: tuple(v) for k, v in ops.items()})
+
+
+def grad_sync_ops(plan, coord) -> list[CommOp]:
+    """The all-reduces ``GradSync`` sends per step for ``plan`` on the rank at ``coord``:
+    one per bucket and reduction, of its gradients plus one flag per parameter (the
+    buckets come from the same ``_gradsync.layout`` the backward hooks use)."""
+    from ._placement import local_shape
+    from ._dtypes import dtype_bytes
+    from .parallel._gradsync import BUCKET_MB, layout, plan_reductions, routes
+
+    sizes = plan.mesh_shape
+    items = [(e.fqn, math.prod(local_shape(e.shape, e.mesh_spec, sizes, coord)), e.dtype,
+              dtype_bytes(e.dtype)) for e in plan.params
+             if e.tied_to is None and e.requires_grad]
+    route_of = routes(plan_reductions(plan), sizes, [i[0] for i in items])
+    return [CommOp("all_reduce", "_".join(r.axes), 1, (numel + len(names)) * dtype_bytes(dt))
+            for route, names, numel, dt in layout(items, route_of, BUCKET_MB * 2 ** 20)
+            for r in route]
 
 
 class CommCounter:

@@ -9,6 +9,8 @@ optimizer, ``step`` and checkpoints read.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Iterator, Mapping
 
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 from ._errors import ConfigError, PlanError
 from ._mesh import Mesh
 from ._plan import Plan
+from .parallel._gradsync import GradSync, plan_reductions
 from .parallel._install import Install, Runtime, mesh_device
 from .parallel._protocol import Phase
 
@@ -151,8 +154,34 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     for t in [t for t in plan.rooms if t.phase > Phase.SHARD]:
         ctx.parts.append(t.install(ctx))
     ctx.parts[:] = [p for p in ctx.parts if p is not None]
-    model._meshlab = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl)
+    model._meshlab = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl,
+                             grad_sync=_grad_sync(ctx))
+    _forward_in_context(model, model._meshlab)
     return model
+
+
+def _forward_in_context(model: nn.Module, rt: Runtime) -> None:
+    """The model's forward runs in the runtime's context (``precision``'s autocast)
+    however it is called: ``model(x)`` in a plain loop computes as ``step`` does."""
+    if isinstance(rt.autocast(), contextlib.nullcontext):
+        return
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with rt.autocast():
+            return inner(*args, **kwargs)
+
+    model.forward = forward
+
+
+def _grad_sync(ctx: Install):
+    """The backward hooks that run every room's gradient reductions (or None)."""
+    reductions = plan_reductions(ctx.plan)
+    if not reductions:
+        return None
+    params = [(n, p) for n, p in ctx.model.named_parameters() if p.requires_grad]
+    return GradSync(params, reductions, ctx)
 
 
 def _initialize(ctx: Install, seed: int, state_dict) -> None:

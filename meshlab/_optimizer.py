@@ -1,12 +1,13 @@
-"""``optimizer``: a torch optimizer driven the way a parallelized model needs.
+"""``optimizer``: a torch optimizer with what only the whole mesh can add.
 
-``opt.step()`` does everything a step needs after ``backward``, in order: each room's
-gradient synchronization (``Part.sync_grads``: tensor- and sequence-parallel sums, then
-the data-parallel all-reduce or the ZeRO-1 reduce-scatter), unscaling and the overflow
-check agreed by every rank, global gradient-norm clipping across all mesh axes, the
-update, and each room's ``after_step`` (ZeRO-1's all-gather). A plain ``loss.backward();
-opt.step()`` loop is therefore correct; ``step`` adds microbatching, mixed precision and
-loss scaling around it.
+Gradients are synchronized by the backward itself (each room's ``Reduction``, run by
+``GradSync``), so a plain ``torch.optim.AdamW(model.parameters())`` trains a
+parallelized model correctly. ``meshlab.optimizer`` adds, in ``step()``: ZeRO-1's
+reduce-scatter into fp32 slices and all-gather back (``Part.sync_grads`` /
+``after_step``), unscaling and the overflow check agreed by every rank (fp16 loss
+scaling), and gradient-norm clipping over every mesh axis. It is a
+``torch.optim.Optimizer``: learning-rate schedulers, ``param_groups``,
+``state_dict()``/``load_state_dict()`` and step hooks work as with the optimizer inside.
 """
 
 from __future__ import annotations
@@ -33,11 +34,21 @@ def _params_of(cls) -> set[str]:
         return set()
 
 
-class MeshOptimizer:
-    """A torch optimizer driven the way a parallelized model needs (see module doc)."""
+class MeshOptimizer(torch.optim.Optimizer):
+    """A torch optimizer driven the way a parallelized model needs (see module doc).
+
+    It holds the optimizer it was built with as ``inner`` and shares its
+    ``param_groups`` and ``state``; under ZeRO-1 those are the fp32 slices this rank
+    owns, not the model's parameters.
+    """
 
     def __init__(self, model: nn.Module, cls: type, *, clip_grad_norm: float | None = None,
                  **kwargs: Any) -> None:
+        # Optimizer.__init__ would build param_groups of its own: this one shares inner's.
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
         self.model, self.rt = model, runtime_of(model)
         self.clip = clip_grad_norm
         seen: set[int] = set()
@@ -48,21 +59,46 @@ class MeshOptimizer:
                 self.params.append((n, p))
         prec = self.rt.part(PrecisionPart)
         self.scaler = prec.scaler() if prec is not None else None
+        self.inner = cls(self._inner_params(cls, kwargs), **kwargs)
+        self.inner._meshlab_inner = True
+        self.defaults = self.inner.defaults
+        self.last_grad_norm: float | None = None
+        self._synced = False
+
+    def _inner_params(self, cls: type, kwargs: dict) -> list:
         inner = None
         for part in self.rt.parts:
             inner = part.optimizer_params(self.params) or inner
-        if inner is None:
-            from torch.distributed.tensor import DTensor
+        if inner is not None:
+            return inner
+        from torch.distributed.tensor import DTensor
 
-            inner = [p for _, p in self.params]
-            kinds = {isinstance(p, DTensor) for p in inner}
-            if len(kinds) > 1 and "foreach" in _params_of(cls) and "foreach" not in kwargs:
-                # torch's multi-tensor kernels group by device and dtype, not by tensor
-                # type: DTensor and plain parameters in one list fail on CUDA.
-                kwargs["foreach"] = False
-        self.inner = cls(inner, **kwargs)
-        self.last_grad_norm: float | None = None
-        self._synced = False
+        inner = [p for _, p in self.params]
+        kinds = {isinstance(p, DTensor) for p in inner}
+        if len(kinds) > 1 and "foreach" in _params_of(cls) and "foreach" not in kwargs:
+            # torch's multi-tensor kernels group by device and dtype, not by tensor
+            # type: DTensor and plain parameters in one list fail on CUDA.
+            kwargs["foreach"] = False
+        return inner
+
+    @property
+    def param_groups(self) -> list:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ConfigError("meshlab.optimizer covers every trainable parameter of the model "
+                          "already; set per-group options with param_groups[i]['lr'] etc.")
+
+    def __repr__(self) -> str:
+        return f"MeshOptimizer({self.inner!r})"
+
+    def __getstate__(self):
+        raise ConfigError("a MeshOptimizer holds process groups and cannot be pickled; save "
+                          "it with meshlab.checkpoint.save(..., optimizer=opt)")
 
     # -- ZeRO-1's buffers, for checkpoints and tests -------------------------------------
     @property
@@ -86,7 +122,7 @@ class MeshOptimizer:
 
     # -- the step -------------------------------------------------------------------
     def _sync_grads(self) -> None:
-        """Every room's gradient sync (once per step: calling it again is a no-op)."""
+        """What the backward could not do (ZeRO-1's reduce-scatter; once per step)."""
         if self._synced:
             return
         self._synced = True
@@ -119,19 +155,19 @@ class MeshOptimizer:
                 dist.all_reduce(total, group=grp)
         return float(total.sqrt())
 
-    def step(self) -> bool:
-        """Synchronize, unscale, check overflow, clip, update. Returns False if skipped."""
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """ZeRO-1's reduce-scatter, unscale, check overflow, clip, update, all-gather.
+        Returns False if the step was skipped (an fp16 overflow)."""
+        if closure is not None:
+            raise ConfigError("meshlab.optimizer's step takes no closure (optimizers that "
+                              "re-evaluate the loss, such as LBFGS, are not supported)")
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
         self._sync_grads()
         items = self._grad_items()
-        if self.scaler is not None:
-            inv = 1.0 / self.scaler.scale
-            for g, _ in items:
-                g.mul_(inv)
-            overflow = self.scaler.found_inf([g for g, _ in items], self.rt.device)
-            self.scaler.update(overflow)
-            if overflow:
-                self.zero_grad()
-                return False
+        if self.scaler is not None and not self._unscale(items):
+            return False
         if self.clip is not None:
             norm = self.grad_norm()
             self.last_grad_norm = norm
@@ -143,7 +179,19 @@ class MeshOptimizer:
         for part in self.rt.parts:
             part.after_step()
         self._synced = False
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
         return True
+
+    def _unscale(self, items: list) -> bool:
+        inv = 1.0 / self.scaler.scale
+        for g, _ in items:
+            g.mul_(inv)
+        overflow = self.scaler.found_inf([g for g, _ in items], self.rt.device)
+        self.scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+        return not overflow
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._synced = False
@@ -153,20 +201,19 @@ class MeshOptimizer:
             s.grad = None
         self.inner.zero_grad(set_to_none=set_to_none)
 
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
     def state_dict(self) -> dict:
-        d = {"inner": self.inner.state_dict()}
+        """The inner optimizer's ``state_dict`` (plus ``grad_scaler`` under fp16)."""
+        d = self.inner.state_dict()
         if self.scaler is not None:
-            d["scaler"] = self.scaler.state_dict()
+            d["grad_scaler"] = self.scaler.state_dict()
         return d
 
     def load_state_dict(self, d: Mapping) -> None:
-        self.inner.load_state_dict(d["inner"])
-        if self.scaler is not None and "scaler" in d:
-            self.scaler.load_state_dict(d["scaler"])
+        d = dict(d)
+        scaler = d.pop("grad_scaler", None)
+        self.inner.load_state_dict(d)
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
 
 
 def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,

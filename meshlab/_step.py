@@ -3,6 +3,8 @@ loss scaling, and the pipeline schedule where a room runs the step itself."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from typing import Callable, Mapping
 
 import torch
@@ -27,45 +29,113 @@ def _split(batch, k: int) -> list:
     raise ConfigError(f"step: batch must be a tensor or a dict of tensors, got {type(batch).__name__}")
 
 
-def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None = None, *,
-         microbatches: int = 1) -> float:
+def _forward_params(model: nn.Module) -> tuple[set[str], bool]:
+    """The keyword names ``model.forward`` accepts, and whether it takes ``**kwargs``."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return set(), True
+    kinds = {p.kind for p in sig.parameters.values()}
+    names = {n for n, p in sig.parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, inspect.Parameter.VAR_KEYWORD in kinds
+
+
+def _call(model: nn.Module, mb, inputs):
+    """The forward of one microbatch, by ``step``'s convention (see ``step``)."""
+    if inputs is not None:
+        if callable(inputs):
+            args = inputs(mb)
+            return model(*args) if isinstance(args, tuple) else model(args)
+        missing = [k for k in inputs if k not in mb]
+        if missing:
+            raise ConfigError(f"step(inputs={list(inputs)}): the batch has no key(s) {missing}; "
+                              f"it has {sorted(mb)}")
+        return model(*[mb[k] for k in inputs])
+    if not isinstance(mb, Mapping):
+        return model(mb)
+    names, var_kw = _forward_params(model)
+    keys = [k for k in mb if k != "labels"]
+    unknown = [k for k in keys if k not in names and not var_kw]
+    if unknown:
+        raise ConfigError(
+            f"step: the batch has keys {sorted(mb)}, but {type(model).__name__}.forward takes "
+            f"{sorted(names) or 'no keyword arguments'}; key(s) {unknown} have no parameter. "
+            f"Pass inputs=['{keys[0]}'] to call model(batch['{keys[0]}']) positionally, or "
+            f"inputs=lambda b: (b['x'],) for any mapping")
+    return model(**{k: mb[k] for k in keys})
+
+
+def _loss(loss_fn, out, mb):
+    if loss_fn is not None:
+        return loss_fn(out, mb)
+    from .losses import causal_lm_loss
+
+    if not isinstance(mb, Mapping) or not ({"input_ids", "labels"} & set(mb)):
+        got = sorted(mb) if isinstance(mb, Mapping) else type(mb).__name__
+        raise ConfigError(
+            f"step: the default loss is the causal-LM loss of batch['labels'] (or "
+            f"batch['input_ids']) against output.logits; this batch has {got}. Pass "
+            f"loss_fn=lambda output, batch: ... to compute the loss yourself")
+    return causal_lm_loss(out, mb)
+
+
+def _check_optimizer(opt, rt) -> None:
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(f"step(model, opt, batch): opt must be a torch optimizer or "
+                          f"meshlab.optimizer(...), got {type(opt).__name__}")
+    if not isinstance(opt, MeshOptimizer):
+        from .parallel.precision import PrecisionPart
+
+        prec = rt.part(PrecisionPart)
+        if prec is not None and prec.scaler() is not None:
+            raise ConfigError("precision('fp16') scales the loss, so the step must unscale "
+                              "the gradients and skip overflows: build the optimizer with "
+                              "meshlab.optimizer(model, torch.optim.AdamW, ...)")
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable | None = None,
+         *, microbatches: int = 1, inputs=None) -> float:
     """One training step: forward/backward over ``microbatches`` slices of this rank's
     ``batch``, then ``opt.step()`` and ``opt.zero_grad()``. Returns the loss averaged
     over microbatches and data-parallel ranks (the single-process loss of the global batch).
 
-    ``loss_fn(output, batch) -> loss`` defaults to the causal-LM loss.
-    """
-    from .losses import causal_lm_loss
+    The convention, for a dict ``batch``: every key but ``labels`` is passed to the model
+    by name (``model(input_ids=...)``: labels go to ``loss_fn``, not to the model, which
+    would otherwise compute a second loss), and ``loss_fn(output, batch)`` defaults to the
+    causal-LM loss of ``batch['labels']`` (or ``batch['input_ids']``) against
+    ``output.logits``. A tensor ``batch`` is passed positionally. For any other model,
+    say how to call it: ``inputs=['idx']`` calls ``model(batch['idx'])``; ``inputs=fn``
+    calls ``model(*fn(batch))``. A key the forward does not take, or a batch the default
+    loss cannot read, raises ``ConfigError`` naming the keys.
 
+    ``opt`` may be any torch optimizer (gradients are synchronized by the backward);
+    ``meshlab.optimizer`` is needed for fp16 loss scaling, ZeRO-1 and clipping.
+    """
     rt = runtime_of(model)
+    _check_optimizer(opt, rt)
     fused = getattr(model, "_meshlab_fused_loss", False)
     if fused and loss_fn is not None:
         raise ConfigError("this model's loss is fused (fuse('loss')): its head returns the "
                           "causal-LM loss, not logits, so a loss_fn cannot run; leave 'loss' "
                           "out of fuse() to pass one")
-    loss_fn = loss_fn or causal_lm_loss
     for part in rt.parts:
-        done = part.run_step(rt, opt, batch, loss_fn)
+        done = part.run_step(rt, opt, batch, loss_fn or _default_loss)
         if done is not None:
             return done
+    scaler = getattr(opt, "scaler", None)
     mbs = _split(batch, microbatches)
     total = 0.0
     for i, mb in enumerate(mbs):
-        for part in rt.parts:
-            part.set_gradient_sync(model, i == len(mbs) - 1)
+        rt.set_gradient_sync(model, i == len(mbs) - 1)
         with rt.autocast():
-            # Labels go to loss_fn, not to the model (a Hugging Face model would compute
-            # its own, non-parallel loss from them).
             if fused:
                 from .parallel.fuse import causal_lm_loss as fused_causal_lm_loss
 
                 loss = fused_causal_lm_loss(model, mb) / len(mbs)
             else:
-                out = model(**{k: v for k, v in mb.items() if k != "labels"}) \
-                    if isinstance(mb, Mapping) else model(mb)
-                loss = loss_fn(out, mb) / len(mbs)
-        scaled = loss * opt.scaler.scale if opt.scaler is not None else loss
-        scaled.backward()
+                loss = _loss(loss_fn, _call(model, mb, inputs), mb) / len(mbs)
+        (loss * scaler.scale if scaler is not None else loss).backward()
         total += float(loss.detach())
     opt.step()
     opt.zero_grad()
@@ -76,3 +146,22 @@ def step(model: nn.Module, opt: MeshOptimizer, batch, loss_fn: Callable | None =
     return total
 
 
+def _default_loss(out, batch):
+    return _loss(None, out, batch)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Backwards inside accumulate gradients locally, without communication (DDP's
+    ``no_sync``); the first backward after it synchronizes the sums.
+
+    >>> with ml.no_sync(model):            # doctest: +SKIP
+    ...     model(**mb0).loss.backward()
+    >>> model(**mb1).loss.backward()       # reduces mb0 + mb1  # doctest: +SKIP
+    """
+    rt = runtime_of(model)
+    rt.set_gradient_sync(model, False)
+    try:
+        yield model
+    finally:
+        rt.set_gradient_sync(model, True)

@@ -6,7 +6,14 @@ import argparse
 import sys
 
 
+_NONE = ("None", "none")
+
+
 def _rules_arg(text: str | None):
+    """``--rules 'batch=dp|fsdp,heads=tp,embed=fsdp|None'`` as ``Rules`` (None: not given).
+
+    ``|`` separates fallbacks; ``None`` alone replicates, and as the last fallback means
+    "replicate on meshes without the others" (``Rules``' module doc)."""
     from ._rules import Rules
 
     if not text:
@@ -16,13 +23,29 @@ def _rules_arg(text: str | None):
         name, eq, value = part.partition("=")
         if not eq:
             raise SystemExit(f"--rules {text!r}: expected logical=axis pairs, e.g. heads=tp,embed=fsdp")
-        alts = tuple(v for v in value.split("|") if v)
-        pairs.append((name, None if value in ("", "None", "none") else
+        alts = tuple(None if v in _NONE else v for v in value.split("|") if v)
+        pairs.append((name, None if value in ("",) + _NONE else
                       (alts[0] if len(alts) == 1 else alts)))
     return Rules(pairs)
 
 
-DEFAULT_RULES_TEXT = ("batch=dp|fsdp,heads=tp,kv_heads=tp,mlp=tp,vocab=tp,embed=fsdp")
+DEFAULT_RULES_HELP = ("Rules.default(): heads, kv_heads, mlp, vocab -> tp; batch -> dp and "
+                      "fsdp; embed -> fsdp where present, else replicated")
+
+
+def _refusal(p, mesh_text: str) -> str:
+    """Why ``parallelize`` would refuse plan ``p``, with the likely axis for a misspelled
+    mesh axis that nothing uses (``tq`` -> ``tp``)."""
+    from ._rules import KNOWN_AXES, nearest_axis
+
+    lines = [f"meshlab plan: error: parallelize cannot run this layout on --mesh {mesh_text}:"]
+    lines += [f"  {why}" for why in p.not_runnable]
+    for a in p.unused_axes():
+        near = nearest_axis(a, KNOWN_AXES)
+        if near is not None:
+            lines.append(f"  did you mean {near!r} for the --mesh axis {a!r}? (meshlab's "
+                         f"default rules and transforms use {', '.join(KNOWN_AXES)})")
+    return "\n".join(lines)
 
 
 def cmd_plan(args) -> int:
@@ -46,8 +69,7 @@ def cmd_plan(args) -> int:
                           f"or float32")
     model = presets.build(args.model, device="meta", dtype=dtype)
     mesh = Mesh.parse(args.mesh, fake=True)
-    rules = _rules_arg(args.rules or DEFAULT_RULES_TEXT)
-    spec = shard(policies.auto, rules)
+    spec = shard(policies.auto, _rules_arg(args.rules))   # no --rules: Rules.default()
     if args.zero is not None:
         from .parallel import zero_shard
 
@@ -57,6 +79,9 @@ def cmd_plan(args) -> int:
 
         spec = spec | pipeline("pp", schedule=args.schedule, microbatches=args.microbatches)
     p = make_plan(model, spec, mesh, uneven=args.uneven)
+    if p.not_runnable:
+        print(_refusal(p, args.mesh), file=sys.stderr)
+        return 2
     console.print(p.table(collapse=not args.full))
     console.print(p.memory())
     if args.batch is not None:
@@ -132,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a preset name (see meshlab.presets) or a path to a config.json")
     p.add_argument("--mesh", default="dp=8,tp=8", help="axis=size pairs, e.g. pp=8,dp=16,tp=8")
     p.add_argument("--rules", default=None,
-                   help=f"logical=axis[|fallback] pairs (default: {DEFAULT_RULES_TEXT})")
+                   help=f"logical=axis[|fallback][|None] pairs, e.g. batch=dp,heads=tp|None "
+                        f"(default: {DEFAULT_RULES_HELP})")
     p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     p.add_argument("--uneven", action="store_true", help="allow dims not divisible by their shards")
     p.add_argument("--full", action="store_true", help="one row per parameter (no collapsing)")

@@ -109,7 +109,9 @@ def main(argv=None) -> int:
 
     # 2. The model (on the meta device: no memory yet) and how to lay it out.
     model = presets.build("tiny-llama")
-    rules = ml.Rules(batch="dp", heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+    # Each logical axis on the mesh axis of that name, replicated where the mesh lacks it.
+    rules = ml.Rules(batch=("dp", None), heads=("tp", None), kv_heads=("tp", None),
+                     mlp=("tp", None), vocab=("tp", None), embed=None)
     if args.sp:
         rules = rules | ml.Rules(seq="tp")
     spec = ml.shard(ml.policies.auto, rules)

@@ -41,7 +41,7 @@ def loss_fn(family: str):
     return ml.losses.masked_lm_loss if family == "bert" else ml.losses.causal_lm_loss
 
 
-TP_RULES = dict(batch="dp", heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+TP_RULES = dict(batch=("dp", None), heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
 
 
 def spec(name: str):
@@ -113,3 +113,133 @@ def assert_weights_match(model, ref, atol: float = 1e-4, rtol: float = 1e-3) -> 
                                    msg=lambda m, n=n: f"weight {n}: {m}")
         out[n] = w
     return out
+
+
+# -- a hand-written transformer: no Hugging Face, no policy ------------------------------
+HAND = dict(vocab=96, dim=32, n_heads=4, hidden=64, n_layers=2, max_len=16)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self):
+        torch.nn.init.ones_(self.weight)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def causal_attention(q, k, v):
+    """(B, H, S, hd) -> (B, H, S, hd) in plain ops, which DTensor propagates through."""
+    S = q.shape[-2]
+    att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    mask = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    return att.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def sdpa_attention(q, k, v):
+    """The same on local blocks, through torch's fused kernel (no DTensor rule on CPU)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class HandAttention(torch.nn.Module):
+    def __init__(self, dim: int, n_heads: int, core: str = "plain"):
+        super().__init__()
+        import meshlab as ml
+        from meshlab import P
+
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False)
+                                          for _ in range(4))
+        self.core = causal_attention
+        if core == "shard_map":     # the core over heads, each rank on its own
+            heads = P("batch", "heads", None, None)
+            self.core = ml.shard_map(sdpa_attention, in_specs=(heads,) * 3, out_specs=heads)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        y = self.core(q, k, v).transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
+        return self.o(y)
+
+
+class HandMLP(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class HandBlock(torch.nn.Module):
+    def __init__(self, dim: int, n_heads: int, hidden: int, core: str):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(dim), HandAttention(dim, n_heads, core)
+        self.mlp_norm, self.mlp = torch.nn.LayerNorm(dim), HandMLP(dim, hidden)
+
+    def forward(self, h):
+        h = h + self.attn(self.attn_norm(h))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class HandLM(torch.nn.Module):
+    """A small decoder written the way research code is: token and learned position
+    embeddings, pre-norm blocks, a head. ``sp`` splits the residual stream's sequence
+    over ``tp`` between blocks with ``constrain`` (a no-op on one process)."""
+
+    def __init__(self, vocab, dim, n_heads, hidden, n_layers, max_len, sp=False,
+                 core="plain"):
+        super().__init__()
+        self.sp = sp
+        self.embed, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(max_len, dim)
+        self.blocks = torch.nn.ModuleList(HandBlock(dim, n_heads, hidden, core)
+                                          for _ in range(n_layers))
+        self.norm, self.head = RMSNorm(dim), torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        import meshlab as ml
+        from meshlab import P
+
+        B, S = ids.shape
+        h = self.embed(ids) + self.pos(torch.arange(S, device=ids.device))
+        for block in self.blocks:
+            if self.sp:
+                h = ml.constrain(h, P("batch", "tp", None))
+            h = block(h)
+        if self.sp:
+            h = ml.constrain(h, P("batch", None, None))
+        return self.head(self.norm(h))
+
+
+def build_hand(**kw):
+    with torch.device("meta"):
+        return HandLM(**{**HAND, **kw})
+
+
+def hand_loss(logits, ids):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+HAND_RULES = dict(batch="dp", heads="tp", mlp="tp", vocab="tp", embed=None)
+HAND_SPECS = {
+    "embed.weight": ("vocab", "embed"),
+    "blocks.*.attn.[qkv].weight": ("heads", "embed"),
+    "blocks.*.attn.o.weight": ("embed", "heads"),
+    "blocks.*.mlp.up.weight": ("mlp", "embed"),
+    "blocks.*.mlp.up.bias": ("mlp",),
+    "blocks.*.mlp.down.weight": ("embed", "mlp"),
+    "head.weight": ("vocab", "embed"),
+}
+# Specs a local-shard path could not run: only q split, up split with down whole.
+HAND_MIXED = {
+    "blocks.*.attn.q.weight": ("heads", "embed"),
+    "blocks.*.mlp.up.weight": ("mlp", "embed"),
+    "blocks.*.mlp.up.bias": ("mlp",),
+}
+

@@ -23,6 +23,8 @@ CASES = {
     "non-divisible": ["--model", "tiny-llama", "--mesh", "fsdp=3,tp=2"],
     "uneven": ["--model", "tiny-llama", "--mesh", "fsdp=3,tp=2", "--uneven"],
     "bad-rules": ["--model", "tiny-llama", "--mesh", "dp=2", "--rules", "heads"],
+    "typo-rule": ["--model", "tiny-llama", "--mesh", "dp=2,tp=2", "--rules", "batch=dp,heads=tpp"],
+    "typo-mesh": ["--model", "tiny-llama", "--mesh", "dp=16,tq=8"],
 }
 
 
@@ -113,3 +115,32 @@ def test_bad_dtype_fails_with_message(runs):
 
 def test_non_divisible_mesh_fails_with_message(runs):
     _assert_clean_failure(runs["non-divisible"], "64 % 3", "uneven")
+
+
+def test_misspelled_rule_axis_names_the_nearest(runs):
+    _assert_clean_failure(runs["typo-rule"], "RulesError", "heads='tpp'", "did you mean 'tp'",
+                          "('tpp', None)")
+    assert runs["typo-rule"][0] == 2
+
+
+def test_misspelled_mesh_axis_is_refused(runs):
+    rc, stdout, stderr = runs["typo-mesh"]
+    _assert_clean_failure(runs["typo-mesh"], "'tq'", "used by no transform",
+                          "did you mean 'tp'")
+    assert rc == 2
+    assert "memory per rank" not in stdout      # refused: no plan is printed as if it ran
+
+
+def test_rules_flag_spells_fallbacks_and_none():
+    from meshlab.cli import _rules_arg
+
+    assert _rules_arg("batch=dp|fsdp,heads=tp|None,embed=None") == ml.Rules(
+        batch=("dp", "fsdp"), heads=("tp", None), embed=None)
+    assert _rules_arg(None) is None           # no --rules: shard's defaults apply
+
+
+def test_default_rules_shard_over_tp_and_show(runs):
+    rc, stdout, stderr = runs["llama3-70b"]      # no --rules
+    assert rc == 0, stderr
+    assert "with default Rules(batch=" in stdout
+    assert "P('mlp', 'embed') → P('tp', None)" in stdout

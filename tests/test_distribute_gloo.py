@@ -134,6 +134,60 @@ def case_shard_map(rank, world):
     return True
 
 
+def _raised(fn):
+    import meshlab as ml
+
+    try:
+        fn()
+    except ml.SpecError as e:
+        return str(e)
+    raise AssertionError("accepted")
+
+
+def case_shard_map_checks(rank, world):
+    """shard_map's first call checks what the specs claim, the same way on every rank."""
+    import meshlab as ml
+    from meshlab import P
+
+    mesh = _mesh()
+    full = torch.arange(16.0).reshape(4, 4)
+    x = ml.distribute(full, mesh, P("dp", "tp"))
+    out = {}
+    # a local block declared the whole (replicated) tensor
+    twice = lambda b: b * 2
+    out["replicated"] = _raised(lambda: ml.shard_map(twice, (P("dp", "tp"),), P(),
+                                                     mesh=mesh)(x))
+    y = ml.shard_map(twice, (P("dp", "tp"),), P(), mesh=mesh, check=False)(x)
+    assert ml.spec_of(y) == P()                      # unchecked: labeled as asked
+    # declared correctly, the check passes and later calls skip it
+    f = ml.shard_map(twice, (P("dp", "tp"),), P("dp", "tp"), mesh=mesh)
+    for _ in range(2):
+        torch.testing.assert_close(f(x).full_tensor(), full * 2)
+    same = ml.shard_map(twice, None, P("dp", "tp"), mesh=mesh)   # DTensors as laid out
+    torch.testing.assert_close(same(x).full_tensor(), full * 2)
+    # plain arguments are this rank's blocks: consistent ones pass, others raise
+    mine = full.chunk(2, 0)[rank // 2].chunk(2, 1)[rank % 2].clone()
+    g = ml.shard_map(lambda b: b.sum(0, keepdim=True), (P("dp", "tp"),),
+                     P(None, "tp", partial="dp"), mesh=mesh)
+    assert g(mine).shape == (1, 2)                   # local in, local out
+    bad = torch.ones(3 if rank == 1 else 2, 2)
+    out["plain"] = _raised(lambda: ml.shard_map(twice, (P("dp"),), P("dp"), mesh=mesh)(bad))
+    out["unknown"] = _raised(lambda: ml.shard_map(twice, (P("tpp"),), P(), mesh=mesh)(x))
+    out["constrain"] = _raised(lambda: ml.constrain(x, P("dpp", None)))
+    return out
+
+
+def test_shard_map_checks_what_the_specs_claim(world4):
+    out = world4.run(case_shard_map_checks)
+    assert all(o == out[0] for o in out)            # the same error on every rank
+    o = out[0]
+    assert "output 0" in o["replicated"] and "hold different values" in o["replicated"]
+    assert "check=False" in o["replicated"]
+    assert "argument 0" in o["plain"] and "dim 0 has sizes [2, 3]" in o["plain"]
+    assert "'tpp'" in o["unknown"] and "did you mean 'tp'?" in o["unknown"]
+    assert "'dpp'" in o["constrain"] and "did you mean 'dp'?" in o["constrain"]
+
+
 def case_errors_before_collectives(rank, world):
     """Bad specs raise the same typed error on every rank, before any communication."""
     import meshlab as ml

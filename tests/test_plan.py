@@ -472,7 +472,10 @@ def test_diff_between_meshes(llama):
     d = a.diff(b)
     assert d and d.changed == () and d.mesh == (a.mesh, b.mesh)
     # no 'dp' axis: every parameter that used it changes, in plan order
-    c = ml.plan(llama, t, ml.Mesh(tp=4, fake=True))
+    # (the rules say how to lay out without it: a fallback ending in None)
+    loose = Rules(batch=("dp", None), heads="tp", kv_heads="tp", mlp="tp", vocab="tp",
+                  embed=("dp", None))
+    c = ml.plan(llama, ml.shard(ml.policies.auto, loose), ml.Mesh(tp=4, fake=True))
     d = a.diff(c)
     changed = [fqn for fqn, _ in d.changed]
     assert changed == [e.fqn for e in a if "dp" in e.mesh_spec.axes]

@@ -106,7 +106,7 @@ def test_external_transform_runs_on_two_ranks(world2):
 
 
 # -- plan refuses exactly what parallelize refuses ------------------------------------
-_TP = dict(batch="dp", heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+_TP = dict(batch=("dp", None), heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
 REFUSED = [
     # (name, spec, mesh, error type, message fragment)
     ("tp over two axes", lambda: ml.shard(ml.policies.auto, ml.Rules(

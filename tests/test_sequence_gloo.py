@@ -70,7 +70,9 @@ def ulysses_comm_case(rank, world):
     ml.step(model, opt, batch)
     with CommCounter() as cc:
         ml.step(model, opt, batch)
-    block_params = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n)
+    block = [p for n, p in model.named_parameters() if ".layers." in n]
+    # the gradient bucket carries one "has a gradient" flag per parameter
+    block_params = sum(p.numel() for p in block) + len(block)
     return {k: (cc.count(k), cc.bytes(k)) for k in ("all_to_all", "all_gather", "all_reduce")}, \
         block_params
 
@@ -78,7 +80,7 @@ def ulysses_comm_case(rank, world):
 def test_ulysses_collectives(world4):
     """Per block, q, k, v and the output each cross one all-to-all in forward and one in
     backward (k/v after GQA expansion: heads x S/n x head_dim); the sequence is gathered
-    once after the blocks and once (gradients) before them; block gradients are summed."""
+    once after the blocks and once (gradients) before them; block gradients are summed (one bucket)."""
     out = world4.run(ulysses_comm_case)
     got, block_params = out[0]
     B, S, H, D, L, n = 4, 8, 4, 8, 2, 4

@@ -105,6 +105,7 @@ class Runtime(_Groups):
     mesh: Mesh
     parts: tuple
     ctrl_group: object     # gloo group for checkpoint agreement and barriers
+    grad_sync: object = None   # ``GradSync``: the reductions the backward runs
 
     def part(self, cls: type):
         """The installed part of type ``cls``, or None."""
@@ -117,6 +118,14 @@ class Runtime(_Groups):
             if ctx is not None:
                 return ctx
         return contextlib.nullcontext()
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Whether the next backward synchronizes gradients (off: they accumulate
+        locally, as under DDP's ``no_sync``)."""
+        if self.grad_sync is not None:
+            self.grad_sync.enabled = enabled
+        for p in self.parts:
+            p.set_gradient_sync(model, enabled)
 
     @property
     def sync_parts(self) -> tuple:

@@ -51,17 +51,19 @@ class Phase(enum.IntEnum):
 class Part:
     """What an installed transform leaves with the runtime: its share of the step.
 
-    ``sync_grads`` runs after backward, in ``order`` (data-parallel reductions last,
-    since they see the others' sums). The other hooks let a part own the optimizer's view
-    of the parameters (ZeRO-1), add groups to the gradient norm (pipeline), or run the
-    whole step (pipeline schedules).
+    What the backward does to the gradients is declared on the transform
+    (``Transform.reductions``; ``GradSync`` runs it). ``sync_grads`` is for what only
+    ``meshlab.optimizer`` can do (ZeRO-1's reduce-scatter into its fp32 slices), run in ``order``. The other hooks
+    let a part own the optimizer's view of the parameters (ZeRO-1), add groups to the
+    gradient norm (pipeline), or run the whole step (pipeline schedules).
     """
 
     order: ClassVar[int] = 0
     casts_params: ClassVar[bool] = False   # runs the forward in the compute dtype itself
 
     def sync_grads(self, params: list) -> None:
-        """Reduce the gradients of ``params`` (``[(fqn, parameter)]``) in place."""
+        """Reduce the gradients of ``params`` (``[(fqn, parameter)]``) in place, in
+        ``meshlab.optimizer``'s step (only what a plain optimizer cannot do)."""
 
     def optimizer_params(self, params: list) -> list | None:
         """The tensors the inner optimizer updates instead of ``params`` (or None)."""
@@ -88,24 +90,6 @@ class Part:
     def run_step(self, rt, opt, batch, loss_fn) -> float | None:
         """Run forward, backward and ``opt.step()`` for ``batch``; None leaves it to ``step``."""
         return None
-
-
-@dataclasses.dataclass
-class SumGrads(Part):
-    """Sums over ``group`` the gradients of the parameters ``names`` (replicated, but each
-    rank computed theirs from its share of the data: tensor or sequence parallel)."""
-
-    group: Any
-    names: frozenset
-    order: int = 0
-
-    def sync_grads(self, params: list) -> None:
-        from .._collectives import flat_all_reduce
-        from .._tensors import local
-
-        grads = [local(p.grad) for n, p in params if n in self.names and p.grad is not None]
-        if grads:
-            flat_all_reduce(grads, self.group)
 
 
 class Transform:
@@ -137,6 +121,11 @@ class Transform:
 
     def install(self, ctx) -> Part | None:
         return None
+
+    def reductions(self, plan: Plan) -> list:
+        """The gradient ``Reduction``s (``_gradsync``) the backward runs for this room,
+        from the plan alone: ``materialize`` installs them and ``plan.comm`` counts them."""
+        return []
 
     def memory(self, plan: Plan, rows: list[MemRow]) -> list[MemRow]:
         return rows

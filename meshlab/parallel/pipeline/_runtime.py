@@ -87,13 +87,22 @@ class PipelinePart(Part):
         target = batch.get("labels", x) if isinstance(batch, Mapping) else x
         losses: list = []
         sched = self.schedule(loss_fn)
-        with rt.autocast():
-            if self.first:
-                sched.step(x, target=target if self.last else None, losses=losses)
-            elif self.last:
-                sched.step(target=target, losses=losses)
-            else:
-                sched.step()
+        sync = rt.grad_sync
+        if sync is not None:         # the microbatches accumulate; one reduction after
+            sync.enabled = False
+        try:
+            with rt.autocast():
+                if self.first:
+                    sched.step(x, target=target if self.last else None, losses=losses)
+                elif self.last:
+                    sched.step(target=target, losses=losses)
+                else:
+                    sched.step()
+        finally:
+            if sync is not None:
+                sync.enabled = True
+        if sync is not None:
+            sync.flush()
         opt.step()
         opt.zero_grad()
         t = torch.tensor([sum(float(l.detach()) for l in losses) / len(losses) if losses else 0.0],

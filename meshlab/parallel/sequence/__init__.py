@@ -29,7 +29,8 @@ from typing import Any, ClassVar
 from ..._errors import ConfigError
 from ..._plan import Plan
 from ..._rules import Rules
-from .._protocol import Part, Phase, SumGrads, Transform
+from .._gradsync import Reduction
+from .._protocol import Part, Phase, Transform
 from ..pipeline import Pipeline
 
 MODES = ("split_gather", "all_to_all", "ring")
@@ -88,10 +89,17 @@ class Sequence(Transform):
         group = ctx.group(self.axis)
         blocks = tuple(b for b in ctx.plan.model.blocks if b not in ctx.dropped)
         (_ring if self.mode == "ring" else _ulysses).install(ctx.model, blocks, group)
-        # Every block parameter sees this rank's slice of the sequence only.
-        names = frozenset(n for n, _ in ctx.model.named_parameters()
-                          if any(n.startswith(b + ".") for b in blocks))
-        return SumGrads(group, names, order=5)
+        return None
+
+    def reductions(self, plan: Plan) -> list:
+        """Every block parameter sees this rank's slice of the sequence only: its
+        gradient is summed over the sequence axis (Megatron SP's are shard's)."""
+        if self.mode == "split_gather":
+            return []
+        blocks = plan.model.blocks
+        names = frozenset(e.fqn for e in plan.params
+                          if any(e.fqn.startswith(b + ".") for b in blocks))
+        return [Reduction((self.axis,), average=False, names=names, order=5)]
 
     def __repr__(self) -> str:
         return f"sequence({self.axis!r}, mode={self.mode!r})"

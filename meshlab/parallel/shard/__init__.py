@@ -10,22 +10,20 @@ parameters that saw partial activations are summed over tp) and its traffic esti
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, ClassVar, Mapping
 
-import torch.distributed as dist
-
-from ..._errors import PlanError
-from ..._placement import local_shape
+from ..._errors import PlanError, RulesError
 from ..._plan import ActivationEntry, Plan
 from ..._roles import implied_room
-from ..._rules import Rules
+from ..._rules import DEFAULT_RULES, Rules
 from ..._spec import P
 from ..._specs_tree import glob_match, match_specs, normalize_specs
-from .._protocol import CommOp, Part, Phase, SumGrads, Transform
+from .._gradsync import Reduction
+from .._protocol import CommOp, Part, Phase, Transform
 from ._layout import sequence_parallel, tp_layout
-from ._styles import TPGroup
-from . import _tp
+from ._loss import install_loss
+from ._styles import TPGroup, VocabHead
+from . import _dtensor, _tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +33,9 @@ class Shard(Transform):
     ``specs`` is a dict of FQN globs -> ``P`` (first match wins), a pytree of ``P``
     mirroring the module tree, a ``Policy``, or ``meshlab.policies.auto`` (the policy
     registered for the model's ``config.model_type``). ``rules`` map the logical names
-    the specs use to mesh axes; they join the plan's rules (a disagreement raises).
+    the specs use to mesh axes; they join the plan's rules (a disagreement raises). With
+    no rules here and none in the plan, ``Rules.default()`` applies (``shard``'s doc) and
+    the plan's transforms say so.
     ``activations`` maps module globs to the spec of their output.
     """
 
@@ -49,12 +49,21 @@ class Shard(Transform):
     activations: tuple[tuple[str, P], ...] = ()
 
     # -- the plan step --------------------------------------------------------------------
+    def __call__(self, plan: Plan) -> Plan:
+        """The plan step; where the default rules applied, the recorded transform names
+        them, so the plan's table shows which rules laid the parameters out."""
+        out = super().__call__(plan)
+        if _uses_default_rules(self, plan):
+            out = out.replace(transforms=out.transforms[:-1] + (
+                f"{out.transforms[-1]} with default {DEFAULT_RULES!r}",))
+        return out
+
     def apply(self, plan: Plan) -> Plan:
         from ...policies import resolve_policy
 
-        rules = plan.rules
-        if self.rules is not None:
-            rules = self.rules if rules is None else rules | self.rules
+        rules = _join_rules(plan.rules, self.rules)
+        if _uses_default_rules(self, plan):
+            rules = DEFAULT_RULES
         policy = resolve_policy(self.specs, plan)
         if policy is not None:
             param_specs, tags, acts = policy.param_specs(plan), policy.tags(plan), \
@@ -80,6 +89,17 @@ class Shard(Transform):
     def install(self, ctx) -> Part | None:
         setup = ctx.state.get("shard")
         return setup.finish(ctx) if setup is not None else None
+
+    def reductions(self, plan: Plan) -> list:
+        """Replicated parameters that see only this rank's share of the activations
+        (sequence-parallel norms, K/V replicated over tp) have their gradients summed
+        over tp. DTensor mode needs none: DTensor's autograd reduces them itself."""
+        if plan.roles.tp is None or next(t for t in plan.rooms if isinstance(t, Shard)) != self:
+            return []
+        layout, reduce = tp_layout(plan, 0)
+        if layout is None or layout.dtensor or not reduce:
+            return []
+        return [Reduction((plan.roles.tp,), average=False, names=frozenset(reduce), order=0)]
 
     def comm(self, plan: Plan, *, batch, seq, coord):
         return _comm(plan, batch, seq, coord)
@@ -122,6 +142,26 @@ class Shard(Transform):
             s = f"<{type(self.specs).__name__} spec tree>"
         r = f", {self.rules!r}" if self.rules is not None else ""
         return f"shard({s}{r})"
+
+
+def _uses_default_rules(t: Shard, plan: Plan) -> bool:
+    """Neither ``t`` nor the plan it applies to has rules: ``DEFAULT_RULES`` apply."""
+    return t.rules is None and plan.rules is None
+
+
+def _join_rules(have: Rules | None, mine: Rules | None) -> Rules | None:
+    """The plan's rules joined with a shard's; a conflict with the defaults an earlier
+    shard took says where they came from."""
+    if mine is None or have is None:
+        return mine if have is None else have
+    try:
+        return have | mine
+    except RulesError as e:
+        if have != DEFAULT_RULES:
+            raise
+        raise RulesError(f"{e}. The first side is Rules.default(), which an earlier shard "
+                         f"without rules took; pass the rules you want to that first shard "
+                         f"(explicit rules replace the defaults)") from None
 
 
 def _lay_out(plan: Plan, param_specs, tags, source: str) -> tuple:
@@ -247,8 +287,16 @@ class _Setup:
                 for k, q in list(mod._parameters.items()):
                     if q is not None and id(q) in self.swapped and self.swapped[id(q)][0] is q:
                         mod._parameters[k] = self.swapped[id(q)][1]
+        if layout.dtensor:      # no regions: DTensor mode, no hooks and no sums (``_dtensor``)
+            _dtensor.install(ctx.model, _dtensor.model_layout(ctx, self.tp.mesh),
+                             ctx.plan.model.blocks)
+            return None
         _tp.install_hooks(ctx.model, layout, self.tp)
-        return SumGrads(self.tp.group, frozenset(self.reduce), order=0)
+        _dtensor.install_context(ctx.model, _dtensor.model_layout(ctx))
+        if any(isinstance(m.style, VocabHead) and not m.style.gather_output
+               for m in layout.modules):
+            install_loss(ctx.model)
+        return None
 
 
 def _comm(plan: Plan, batch, seq, coord) -> list[CommOp]:
@@ -256,7 +304,7 @@ def _comm(plan: Plan, batch, seq, coord) -> list[CommOp]:
     axis = plan.roles.tp
     if axis is None or batch is None or seq is None:
         return []
-    sizes, blocks = plan.mesh_shape, plan.model.blocks
+    blocks = plan.model.blocks
     h = plan.model.config_get("hidden_size") or plan.model.config_get("n_embd")
     L, act = len(blocks), batch * seq * h * 4
     sp = sequence_parallel(plan, axis)
@@ -265,16 +313,7 @@ def _comm(plan: Plan, batch, seq, coord) -> list[CommOp]:
            CommOp("all_reduce", axis, 2, 2 * act)] if sp else \
         [CommOp("all_reduce", axis, 4 * L + 2, (4 * L + 2) * act)]
     ops.append(CommOp("all_reduce", axis, 3, 3 * batch * (seq - 1) * 4))  # the parallel loss
-    reduce_tags = {"kv_replicated", "replicated_with_grad_allreduce"} | \
-        ({"sequence_parallel"} if sp else set())
-    extra = sum(math.prod(local_shape(e.shape, e.mesh_spec, sizes, coord)) for e in plan.params
-                if e.tied_to is None and e.requires_grad and set(e.tags) & reduce_tags)
-    if sp:   # row-parallel biases are added to sequence shards
-        extra += sum(math.prod(e.shape) for e in plan.params if e.fqn.endswith(".bias")
-                     and set(e.tags) & {"rowwise", "conv1d_rowwise"})
-    if extra:
-        ops.append(CommOp("all_reduce", axis, 1, extra * 4))
-    return ops
+    return ops      # gradient sums over tp: ``Shard.reductions`` (``_gradsync.estimate``)
 
 
 @implied_room
@@ -302,6 +341,19 @@ def _prefixes(module: str):
 def shard(specs: Any, rules: Rules | None = None, *,
           activations: Mapping[str, P] | None = None) -> Shard:
     """Lay parameters out by ``specs`` (globs, a spec pytree, or a policy) and ``rules``.
+
+    ``rules`` (a ``Rules`` or a mapping) join the plan's rules. Without rules, and with
+    none in the plan yet, ``Rules.default()`` applies, so ``shard(policies.auto)`` on a
+    mesh with a tensor axis shards over it:
+
+    * ``heads``, ``kv_heads``, ``mlp``, ``vocab`` -> the tensor-parallel axis: the first
+      of ``tp``, ``tensor``, ``model`` in the mesh;
+    * ``batch`` -> the data axes: ``('dp', 'fsdp')`` together, else whichever exists;
+    * ``embed`` -> ``fsdp`` where the mesh has it, else replicated.
+
+    Every default ends in ``None``: on a mesh without those axes the dimension is
+    replicated, never an error. Explicit rules are used as given; the plan's transforms
+    (the caption of its table) name the default rules where they applied.
 
     >>> shard({'layers.*.mlp.up_proj.weight': P('mlp', 'embed')}, Rules(mlp='tp'))
     shard({'layers.*.mlp.up_proj.weight': P('mlp', 'embed')}, Rules(mlp='tp'))

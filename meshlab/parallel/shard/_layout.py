@@ -3,6 +3,13 @@
 Pure and model-free: it reads the plan only (the module kinds and attributes ``trace``
 recorded), so ``bind`` runs it on a fake mesh exactly as ``materialize`` does on a real
 one, and every combination it cannot run raises ``ConfigError`` there.
+
+Two modes. A plan whose policy marks tensor-parallel regions (``tp_region``: every
+Hugging Face policy) runs the local-shard path: modules compute on local shards and the
+collectives of ``_collectives`` join the regions, so within a region the specs must
+agree (a projection left whole beside split ones is refused here, naming both). A plan
+without regions (specs dicts on research models) runs in DTensor mode (``_dtensor``):
+any consistent layout DTensor can propagate, disagreeing specs included.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import dataclasses
 from ..._errors import ConfigError, NotRunnable
 from ..._plan import ModuleInfo, Plan
 from ..._spec import P
+from ._dtensor import dtensor_layout
 from ._styles import ColWise, KVReplicated, RowWise, VocabEmbed, VocabHead
 from ._tp import TPLayout, TPModule
 
@@ -50,6 +58,11 @@ def tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
     scan = _Scan(plan, axis, plan.mesh_shape[axis], rank,
                  tuple(a.module for a in plan.activations if "tp_region" in a.tags),
                  sequence_parallel(plan, axis), {m.fqn: m for m in plan.model.modules})
+    if not scan.regions:            # no policy marks regions: the model runs on DTensors
+        layout = dtensor_layout(plan, axis)
+        if layout is not None and scan.sp:
+            raise ConfigError(_sp_without_regions(plan, axis))
+        return layout, []
     by_module: dict[str, list] = {}
     for e in plan.params:
         by_module.setdefault(e.module, []).append(e)
@@ -59,9 +72,7 @@ def tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
         _classify(scan, mname, es, tied)
     if not scan.modules:
         return None, []
-    if scan.sp and not scan.regions:
-        raise ConfigError("sequence parallelism needs a policy that marks its tensor-parallel "
-                          "regions (Policy.regions); the given specs do not")
+    _refuse_mixed_regions(scan)
     _refuse_partial(scan)
     blocks = plan.model.blocks
     layout = TPLayout(axis=axis, modules=tuple(scan.modules), regions=scan.regions,
@@ -155,6 +166,84 @@ def _kv_replicated(scan: _Scan, m: ModuleInfo, es: list) -> None:
     scan.modules.append(TPModule(m.fqn, KVReplicated(heads=(first, count), head_dim=head_dim)))
     scan.grad_reduce.extend(e.fqn for e in es)
     scan.kv_attn[m.fqn.rsplit(".", 1)[0]] = (hq, count)
+
+
+def _sp_without_regions(plan: Plan, axis: str) -> str:
+    mods = [a.module for a in plan.activations if a.module in plan.model.blocks and
+            a.output is not None and len(a.output) > 1 and a.output.dim_axes(1) == (axis,)]
+    shown = ", ".join(mods[:2]) + (", ..." if len(mods) > 2 else "")
+    return (f"sequence parallelism: the activation specs split the output of {shown} on "
+            f"the sequence (dim 1) over {axis!r}, which the local-shard path runs only for "
+            f"a policy that marks the model's tensor-parallel regions (it splits the "
+            f"sequence before the first block and gathers it where each region starts). "
+            f"Write a Policy with regions and sequence_parallel for this model "
+            f"(docs/policies.md shows one), or drop the activation spec: without regions the "
+            f"model runs in DTensor mode, where ml.constrain(h, P('batch', {axis!r}, None)) "
+            f"on the residual stream between blocks shards the sequence (docs/policies.md, "
+            f"'Without a policy')")
+
+
+def _refuse_mixed_regions(scan: _Scan) -> None:
+    """Inside a region the local-shard path runs every projection on this rank's share of
+    the features, and the region's split outputs are joined by a row-parallel module: a
+    projection left whole beside split ones, or a split region nothing joins, computes on
+    mismatched shapes (or silently on the wrong heads)."""
+    styles = {m.fqn: m.style for m in scan.modules}
+    for r in scan.regions:
+        inside = [m for m in scan.plan.model.modules
+                  if m.fqn.startswith(r + ".") and m.kind in ("linear", "conv1d")]
+        split = [m for m in inside if m.fqn in styles]
+        whole = [m for m in inside if m.fqn not in styles]
+        if split and whole:
+            raise ConfigError(_mixed_message(scan, r, split[0], whole[0]))
+        col = [m.fqn for m in split if isinstance(styles[m.fqn], ColWise)]
+        parent = r.rpartition(".")[0]
+        joined = any(isinstance(st, RowWise) and (f.startswith(r + ".") or (
+            not scan.in_region(f) and (not parent or f.startswith(parent + "."))))
+            for f, st in styles.items())   # inside the region, or after it outside any
+        if col and not joined:
+            raise ConfigError(
+                f"{col[0]}: split over {scan.axis!r} on its output features inside the "
+                f"tensor-parallel region {r}, but no row-parallel module in "
+                f"{parent or 'the model'} joins the region's split outputs again. Shard the "
+                f"projection that reads {r}'s output on its input features (an nn.Linear "
+                f"weight P(None, {scan.axis!r})), or drop {r} from the policy's regions so "
+                f"the model runs in DTensor mode, where DTensor redistributes")
+
+
+def _mixed_message(scan: _Scan, region: str, peer: ModuleInfo, whole: ModuleInfo) -> str:
+    specs = {e.module: e for e in scan.plan.params if e.fqn.endswith("weight")}
+    ps, ws = specs.get(peer.fqn), specs.get(whole.fqn)
+    row = _reads_split(scan, region, peer, whole)
+    out_dim = 1 if whole.kind == "conv1d" else 0
+    fix = [None, None]
+    fix[(1 - out_dim) if row else out_dim] = scan.axis
+    how = "on its input features (row-parallel: it reads the split features)" if row else \
+        "on its output features, as its peer (column-parallel: it reads the region's input)"
+    return (f"{whole.fqn}: replicated ({ws.spec if ws else P()!r}) inside the "
+            f"tensor-parallel region {region}, where {peer.fqn} is split over {scan.axis!r} "
+            f"({ps.spec if ps else '?'!r} -> {ps.mesh_spec if ps else '?'!r}); the "
+            f"local-shard path runs each module of a region on this rank's share of the "
+            f"features, so {peer.fqn} and {whole.fqn} disagree. Shard {whole.fqn}.weight "
+            f"{how}: P{tuple(fix)!r}, or drop {region} from the policy's regions so the "
+            f"model runs in DTensor mode, where DTensor redistributes between them")
+
+
+def _reads_split(scan: _Scan, region: str, peer: ModuleInfo, whole: ModuleInfo) -> bool:
+    """Whether ``whole`` most likely reads ``peer``'s split output (so the fix is
+    row-parallel) rather than the region's input (column-parallel), from feature sizes
+    and, where they are square, from where the region's outputs are joined."""
+    inside = [m for m in scan.plan.model.modules
+              if m.fqn.startswith(region + ".") and m.kind in ("linear", "conv1d")]
+    width = inside[0].get("in_features")
+    n_in = whole.get("in_features")
+    reads_input, reads_peer = n_in == width, n_in == peer.get("out_features")
+    if reads_input != reads_peer:
+        return reads_peer
+    parent = region.rpartition(".")[0]
+    joined_outside = any(isinstance(m.style, RowWise) and not scan.in_region(m.fqn) and
+                         (not parent or m.fqn.startswith(parent + ".")) for m in scan.modules)
+    return whole.fqn == inside[-1].fqn and not joined_outside
 
 
 def _refuse_partial(scan: _Scan) -> None:

@@ -6,7 +6,8 @@ shards: its style's pre-forward hook puts the local views where the forward look
 ``self.weight`` / ``self.bias``, and the differentiable collectives of ``_collectives``
 join the regions (Megatron's f and g; all-gather / reduce-scatter under sequence
 parallelism). No Hugging Face ``forward`` is copied or replaced. The styles are in
-``_styles``.
+``_styles``. This is the path for plans whose policy marks tensor-parallel regions;
+without regions the model runs on DTensors instead (``_dtensor``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TPLayout:
     first_block: str | None = None       # SP: where the sequence is split
     last_block: str | None = None        # SP: where it is gathered again
     attrs: tuple[tuple[str, str, Any], ...] = ()   # (module, attribute, local value)
+    dtensor: bool = False                # DTensor mode (``_dtensor``): no regions, no hooks
 
 
 def _local_slice(t: torch.Tensor, placement, rank: int, n: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ from ..._plan import Plan
 from ..._roles import implied_room
 from .._protocol import Phase, Transform
 from ._estimates import zero_comm, zero_memory
-from ._install import install_zero
+from .._gradsync import Reduction
+from ._install import fsdp_ignored, install_zero
 
 
 def _axes(axis) -> tuple[str, ...]:
@@ -66,6 +67,17 @@ class ZeroShard(Transform):
 
     def install(self, ctx):
         return install_zero(self, ctx)
+
+    def reductions(self, plan: Plan) -> list:
+        """Stage 0 averages every gradient over the data axes from the backward; stages
+        2/3 only those FSDP2 leaves replicated (it reduce-scatters the rest itself);
+        stage 1 reduce-scatters in ``meshlab.optimizer``."""
+        if self.stage == 1:
+            return []
+        names = None if self.stage == 0 else fsdp_ignored(plan)
+        if names is not None and not names:
+            return []
+        return [Reduction(self.axis, average=True, names=names, order=10)]
 
     def memory(self, plan: Plan, rows: list) -> list:
         return zero_memory(self, plan, rows)

@@ -6,8 +6,8 @@ FSDP2 pads dim 0); stage 1 keeps parameters and gradients whole and updates an f
 master slice (its moments, the slice and its reduced gradient, fp32, split). Layouts
 whose specs already shard over the data axis (FSDP by spec) are counted by the specs.
 
-Traffic, with Ψ the bytes of this rank's (TP-local) gradients: stage 0 one all-reduce of
-Ψ; stage 1 a reduce-scatter and an all-gather of Ψ; stage 2 an all-gather in forward and
+Traffic, with Ψ the bytes of this rank's (TP-local) gradients: stage 0 the backward's
+bucketed all-reduces of Ψ (counted by ``_gradsync.estimate``); stage 1 a reduce-scatter and an all-gather of Ψ; stage 2 an all-gather in forward and
 a reduce-scatter in backward per FSDP unit; stage 3 also the backward all-gather. Plus
 one all-reduce of the step's loss (8 bytes).
 """
@@ -77,10 +77,7 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
 
 def _stage_ops(stage, name, dp, buckets, units, prec) -> list[CommOp]:
     if stage == 0:
-        by_dtype: dict = defaultdict(int)
-        for (dt, _), n in buckets.items():
-            by_dtype[dt] += n
-        return [CommOp("all_reduce", name, 1, n * dtype_bytes(dt)) for dt, n in by_dtype.items()]
+        return []          # the backward's all-reduces: ``_gradsync.estimate``
     if stage == 1:
         ops = []
         for n in buckets.values():

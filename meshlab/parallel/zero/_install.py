@@ -7,36 +7,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._collectives import flat_all_reduce
-from ..._tensors import local as _local
+from .._gradsync import require_mesh_optimizer
 from .._protocol import Part
 from ..precision import Precision
 from ._zero1 import Zero1Buffers
 
 
 @dataclasses.dataclass
-class AllReducePart(Part):
-    """Stage 0: every gradient averaged over the data-parallel group (one flat all-reduce
-    per dtype)."""
-
-    order: ClassVar[int] = 10     # after the tensor/sequence-parallel sums
-    group: Any
-    size: int
-    names: frozenset | None = None   # only these parameters (None: all)
-
-    def sync_grads(self, params: list) -> None:
-        if self.size == 1:
-            return
-        grads = [_local(p.grad) for n, p in params if p.grad is not None
-                 and (self.names is None or n in self.names)]
-        if grads:
-            flat_all_reduce(grads, self.group, self.size)
-
-
-@dataclasses.dataclass
-class FSDPPart(AllReducePart):
-    """Stages 2/3: FSDP2 reduce-scattered (and averaged) the gradients in backward;
-    parameters it ignored are all-reduced here."""
+class FSDPPart(Part):
+    """Stages 2/3: FSDP2 reduce-scatters (and averages) the gradients in backward;
+    parameters it leaves replicated are all-reduced by ``GradSync``."""
 
     casts_params: ClassVar[bool] = True
 
@@ -78,16 +58,18 @@ class Zero1Part(Part):
 def install_zero(t, ctx) -> Part:
     group, size = ctx.group(*t.axis), ctx.size(*t.axis)
     if t.stage == 1:
+        if size > 1:
+            require_mesh_optimizer(ctx.model.parameters(), f"zero_shard(1) keeps its "
+                                   f"optimizer state sharded over {'x'.join(t.axis)}")
         return Zero1Part(group, size)
     if t.stage == 0:
-        return AllReducePart(group, size)
-    ignored = _fully_shard(t, ctx)
-    names = frozenset(n for n, p in ctx.model.named_parameters() if p in ignored)
-    return FSDPPart(group, size, names)
+        return None                # GradSync averages every gradient (ZeroShard.reductions)
+    _fully_shard(t, ctx)
+    return FSDPPart()
 
 
-def _fully_shard(t, ctx) -> set:
-    """FSDP2 over the blocks, then the root. Returns the parameters it leaves replicated."""
+def _fully_shard(t, ctx) -> None:
+    """FSDP2 over the blocks, then the root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     prec = ctx.plan.get(Precision)
@@ -96,10 +78,9 @@ def _fully_shard(t, ctx) -> set:
         param_dtype=getattr(torch, prec.compute) if prec and prec.compute != "float32" else None,
         reduce_dtype=getattr(torch, prec.reduce) if prec else None)
     model, mods = ctx.model, dict(ctx.model.named_modules())
-    if ctx.roles.fsdp:
-        ignored, placement = _by_spec(ctx)
-    else:
-        ignored, placement = _strided_on_dim0(model), None
+    names = fsdp_ignored(ctx.plan)
+    ignored = {p for n, p in model.named_parameters() if n in names}
+    placement = _by_spec(ctx) if ctx.roles.fsdp else None
     kw = dict(mesh=ctx.device_mesh(*t.axis), reshard_after_forward=t.stage == 3,
               mp_policy=mp, ignored_params=ignored or None)
     if placement is not None:
@@ -107,22 +88,36 @@ def _fully_shard(t, ctx) -> set:
     for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
         fully_shard(mods[b], **kw)
     fully_shard(model, **kw)
-    return ignored
 
 
-def _strided_on_dim0(model) -> set:
-    """FSDP2 shards dim 0; a parameter already strided on dim 0 by TP (a packed q|k|v
-    bias) stays replicated over dp and its gradient is all-reduced instead."""
-    from torch.distributed.tensor import DTensor
+def fsdp_ignored(plan) -> frozenset:
+    """The parameters FSDP2 leaves replicated (their gradients are all-reduced instead):
+    under 2-D specs, those whose spec keeps them whole on the data axis; otherwise those a
+    packed tensor-parallel projection (q|k|v) already strides on dim 0, which FSDP2's
+    dim-0 sharding cannot split again."""
+    if plan.roles.fsdp:
+        fsdp = set(plan.roles.fsdp)
+        return frozenset(e.fqn for e in plan.params if not any(
+            set(e.mesh_spec.dim_axes(d)) & fsdp for d in range(len(e.mesh_spec))))
+    from ..shard._layout import tp_layout
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    return {p for p in model.parameters() if isinstance(p, DTensor) and any(
-        isinstance(pl, _StridedShard) and pl.dim == 0 for pl in p.placements)}
+    layout, _ = tp_layout(plan) if plan.roles.tp else (None, [])
+    if layout is None or getattr(layout, "dtensor", False):
+        return frozenset()
+    out = set()
+    for m in layout.modules:
+        for e in plan.params:
+            if e.module == m.fqn:
+                pl = m.style.placements(e.fqn.rsplit(".", 1)[-1], len(e.shape))
+                if pl and isinstance(pl[0], _StridedShard) and pl[0].dim == 0:
+                    out.add(e.fqn)
+    return frozenset(out)
 
 
 def _by_spec(ctx):
     """2-D layouts (``P('fsdp', 'tp')``): each parameter is sharded on the dimension its
-    spec gives the data axis; one its spec keeps whole there stays replicated."""
+    spec gives the data axis (parameters it keeps whole there are ``fsdp_ignored``)."""
     from torch.distributed.tensor import Shard
 
     fsdp = set(ctx.roles.fsdp)
@@ -131,11 +126,5 @@ def _by_spec(ctx):
         dims = [d for d in range(len(e.mesh_spec)) if set(e.mesh_spec.dim_axes(d)) & fsdp]
         if dims:
             dim_of[e.fqn] = dims[0]
-    by_id = {}
-    ignored = set()
-    for n, p in ctx.model.named_parameters():
-        if n in dim_of:
-            by_id[id(p)] = Shard(dim_of[n])
-        else:
-            ignored.add(p)
-    return ignored, lambda p: by_id.get(id(p), Shard(0))
+    by_id = {id(p): Shard(dim_of[n]) for n, p in ctx.model.named_parameters() if n in dim_of}
+    return lambda p: by_id.get(id(p), Shard(0))

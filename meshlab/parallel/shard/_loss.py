@@ -1,0 +1,53 @@
+"""The model's own loss under a vocabulary-parallel head.
+
+A tensor-parallel head leaves the logits sharded over the vocabulary (a DTensor), which
+transformers' losses cannot read. ``model(input_ids=x, labels=y).loss`` must still be
+the single-process loss: the labels are taken out of the call (so the model computes no
+loss of its own, whether through ``loss_function`` or a ``CrossEntropyLoss`` in its
+``forward``), and the loss of the model's kind (``loss_type``: causal or masked LM) is
+computed from the sharded logits by ``meshlab.losses.hf_loss`` and set on the output.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..._errors import ConfigError
+from ...losses import hf_loss
+
+_LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+
+
+def install_loss(model: nn.Module) -> None:
+    """Route ``labels=`` of ``model``'s forward to the vocabulary-parallel loss."""
+    # transformers reads a missing or unknown loss_type as the causal-LM loss (GPT-2's)
+    kind = getattr(model, "loss_type", None) or "ForCausalLM"
+    fn = hf_loss(kind)
+    state: dict = {}
+
+    def pre(mod, args, kwargs):
+        labels = kwargs.pop("labels", None)
+        if labels is None:
+            return None
+        if fn is None:
+            raise ConfigError(
+                f"{type(mod).__name__}(labels=...): the head is split over the vocabulary and "
+                f"meshlab computes only causal- and masked-LM losses from split logits (this "
+                f"model's loss_type is {kind!r}); compute the loss from out.logits with "
+                f"meshlab.losses.cross_entropy, or replicate the head (spec P())")
+        state["labels"] = labels
+        state["kw"] = {k: kwargs.pop(k) for k in _LOSS_KWARGS if k in kwargs}
+        return args, kwargs
+
+    def post(mod, args, kwargs, out):
+        labels = state.pop("labels", None)
+        if labels is None:
+            return out
+        kw = state.pop("kw")
+        if isinstance(out, tuple):          # return_dict=False: (logits, ...)
+            return (fn(out[0], labels, **kw),) + out
+        out["loss"] = fn(out["logits"], labels, **kw)
+        return out
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post, with_kwargs=True)
