@@ -303,3 +303,20 @@ def test_hf_refuses_what_it_cannot_do():
     enc = types.SimpleNamespace(is_causal=False)
     torch.testing.assert_close(hf_attention(enc, q, k, v, None)[0],
                                attention(q, k, v).transpose(1, 2))
+
+
+def test_causal_mask_check_compiles_without_a_graph_break():
+    """transformers passes an explicit causal mask under torch.compile; the check holds
+    inside one graph (a device-side assertion) and still rejects other masks."""
+    from meshlab.ops.attention import _is_plain_causal
+
+    s = 8
+    causal = torch.zeros(1, 1, s, s).masked_fill(
+        ~torch.ones(s, s, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    fn = torch.compile(lambda m: _is_plain_causal(m, s, s) and m.sum(), fullgraph=True,
+                       backend="aot_eager")
+    fn(causal)
+    padded = causal.clone()
+    padded[..., 0] = torch.finfo(torch.float32).min
+    with pytest.raises(RuntimeError, match="not the plain causal"):
+        fn(padded)

@@ -462,20 +462,29 @@ _HF_UNSUPPORTED = ("softcap", "s_aux", "position_bias")
 
 def _is_plain_causal(mask: Tensor, s: int, skv: int) -> bool:
     """Whether a materialized 4-D mask (bool: True = attend; float: 0 = attend, very negative
-    = masked) is exactly the top-left causal mask for every batch row and head."""
+    = masked) is exactly the top-left causal mask for every batch row and head.
+
+    Under ``torch.compile`` the values cannot be read without breaking the graph: the check
+    becomes a device-side assertion (``torch._assert_async``) that fails the step when the
+    mask is not causal, and the shapes and dtype are still checked here."""
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, skv) or s != skv:
         return False
     if mask.dtype == torch.bool:
-        seen = mask
+        ok, seen = None, mask
     elif mask.is_floating_point():
         blocked = mask <= torch.finfo(mask.dtype).min / 2
-        if not bool(((mask == 0) | blocked).all()):
-            return False
-        seen = mask == 0
+        ok, seen = ((mask == 0) | blocked).all(), mask == 0
     else:
         return False
-    tril = torch.ones(s, skv, dtype=torch.bool, device=mask.device).tril()
-    return bool((seen == tril).all())
+    # (arange, not tril: inductor of torch 2.11 fails to lower tril over symbolic sizes)
+    rows = torch.arange(s, device=mask.device).unsqueeze(1)
+    same = (seen == (torch.arange(skv, device=mask.device) <= rows)).all()
+    ok = same if ok is None else ok & same
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, "meshlab attention: the attention mask is not the plain "
+                                "causal one; use attn_implementation='sdpa'")
+        return True
+    return bool(ok)
 
 
 def _describe(mask) -> str:
