@@ -11,7 +11,8 @@ from ._spec import P as P, PartitionSpec as PartitionSpec
 from ._errors import (MeshlabError as MeshlabError, SpecError as SpecError,
                       MeshError as MeshError, RulesError as RulesError,
                       PlanError as PlanError, PolicyError as PolicyError,
-                      ConfigError as ConfigError, NotRunnable as NotRunnable)
+                      ConfigError as ConfigError, NotRunnable as NotRunnable,
+                      RankMismatchError as RankMismatchError, PeerError as PeerError)
 from ._rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
 from ._mesh import Mesh as Mesh
 from ._context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh

@@ -126,7 +126,9 @@ class CommCounter:
     """``CommDebugMode`` that also sums the bytes of every collective, per axis size.
 
     Bytes are those of the full tensor: an all-gather's output, a reduce-scatter's
-    input, an all-reduce's tensor (the convention of ``estimate_comm``).
+    input, an all-reduce's tensor (the convention of ``estimate_comm``). The ranks'
+    agreement exchanges (``meshlab._agree``, on the gloo control group) count as kind
+    ``'control'``.
 
     >>> with CommCounter() as cc:      # doctest: +SKIP
     ...     step(model, opt, batch)
@@ -169,6 +171,10 @@ class CommCounter:
                 "send": "send", "recv_": "recv"}.get(name)
         if kind is None:
             return
+        from ._agree import active
+
+        if active():          # ranks agreeing on what they run: not the model's traffic
+            kind = "control"
 
         def nbytes(x):
             if isinstance(x, torch.Tensor):

@@ -35,3 +35,13 @@ class NotRunnable(ConfigError):
     """A layout a plan may describe (JAX shards any array this way) that ``parallelize``
     cannot run. ``bind`` records it in ``plan.not_runnable`` and the plan's table shows it;
     ``parallelize`` raises it before any collective."""
+
+
+class RankMismatchError(MeshlabError, RuntimeError):
+    """The ranks of one job disagree on what they run (spec, mesh, model, batch shape, or
+    which collective call they are in); raised on every rank before any collective."""
+
+
+class PeerError(MeshlabError, RuntimeError):
+    """Another rank failed before a collective section; every rank raises instead of
+    waiting for it."""

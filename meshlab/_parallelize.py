@@ -9,8 +9,9 @@ from torch import nn
 
 from ._api import plan as make_plan
 from ._context import current_mesh
-from ._errors import MeshError
-from ._materialize import materialize
+from ._agree import agree
+from ._errors import ConfigError, MeshError, MeshlabError
+from ._materialize import control_group, materialize
 from ._mesh import Mesh
 from .parallel._protocol import Transform
 
@@ -24,7 +25,10 @@ def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, 
     to ``seed`` (the same values as ``meshlab.init_weights(model, seed)`` in one process),
     each tensor-parallel module sharded as soon as it exists; ``state_dict`` (full
     tensors) overrides the initial values. A model with real weights must hold the same
-    values on every rank. All checks run before the first collective.
+    values on every rank. All checks run before the first collective, and the ranks agree
+    on a fingerprint of what they run (transforms, mesh, model config, parameter shapes,
+    seed): a rank that differs, or fails a check alone, makes every rank raise one typed
+    error (``RankMismatchError``, ``PeerError``) instead of hanging.
 
     >>> model = parallelize(model, shard(policies.auto, rules) | zero_shard(3), mesh)  # doctest: +SKIP
     """
@@ -32,5 +36,36 @@ def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, 
     if mesh is None:
         raise MeshError("parallelize: no mesh given and none is active; pass mesh= or use "
                         "`with mesh:`")
-    bound = make_plan(model, spec, mesh, uneven=uneven)
-    return materialize(model, bound, mesh, seed=seed, state_dict=state_dict)
+    ctrl = control_group()
+    bound, error = None, None
+    try:
+        bound = make_plan(model, spec, mesh, uneven=uneven)
+        if bound.not_runnable:
+            raise ConfigError(bound.not_runnable[0])
+    except MeshlabError as e:
+        error = e
+    # Every rank runs the same program, or every rank raises here (no collective ran yet).
+    agree(ctrl, "parallelize", _fingerprint(model, spec, mesh, seed, state_dict, uneven),
+          error)
+    return materialize(model, bound, mesh, seed=seed, state_dict=state_dict, ctrl_group=ctrl)
+
+
+def _fingerprint(model: nn.Module, spec, mesh: Mesh, seed: int, state_dict, uneven) -> dict:
+    """What must be equal on every rank for ``parallelize`` to run: the transforms, the
+    mesh, the model's class, config and parameter shapes, the seed and the state's keys."""
+    try:
+        spec_json = spec.to_json()
+    except (MeshlabError, AttributeError, TypeError):
+        spec_json = repr(spec)
+    cfg = getattr(model, "config", None)
+    return {
+        "spec": spec_json,
+        "mesh": [list(mesh.shape.items()), mesh.device_type],   # axis order matters
+        "model": type(model).__name__,
+        "config": cfg.to_dict() if hasattr(cfg, "to_dict") else None,
+        "parameter shapes": [(n, list(p.shape), str(p.dtype))
+                             for n, p in model.named_parameters()],
+        "seed": seed,
+        "uneven": uneven,
+        "state_dict keys": sorted(state_dict) if state_dict is not None else None,
+    }

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._errors import ConfigError
+from ._agree import agree
+from ._errors import ConfigError, MeshlabError
 from ._optimizer import MeshOptimizer
 from .parallel._install import runtime_of
 
@@ -113,18 +114,25 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     ``meshlab.optimizer`` is needed for fp16 loss scaling, ZeRO-1 and clipping.
     """
     rt = runtime_of(model)
-    _check_optimizer(opt, rt)
     fused = getattr(model, "_meshlab_fused_loss", False)
-    if fused and loss_fn is not None:
-        raise ConfigError("this model's loss is fused (fuse('loss')): its head returns the "
-                          "causal-LM loss, not logits, so a loss_fn cannot run; leave 'loss' "
-                          "out of fuse() to pass one")
+    mbs, error = None, None
+    try:
+        _check_optimizer(opt, rt)
+        if fused and loss_fn is not None:
+            raise ConfigError("this model's loss is fused (fuse('loss')): its head returns "
+                              "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
+                              "'loss' out of fuse() to pass one")
+        mbs = _split(batch, microbatches)
+    except MeshlabError as e:
+        error = e
+    # The ranks agree on the step's shape before its first collective (one small exchange).
+    agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches},
+          error)
     for part in rt.parts:
         done = part.run_step(rt, opt, batch, loss_fn or _default_loss)
         if done is not None:
             return done
     scaler = getattr(opt, "scaler", None)
-    mbs = _split(batch, microbatches)
     total = 0.0
     for i, mb in enumerate(mbs):
         rt.set_gradient_sync(model, i == len(mbs) - 1)
@@ -144,6 +152,15 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
         dist.all_reduce(t, group=rt.dp_group)
         total = float(t) / rt.dp_size
     return total
+
+
+def _shapes(batch) -> object:
+    """The shapes and dtypes of a batch's tensors (what every rank's batch must share)."""
+    if isinstance(batch, torch.Tensor):
+        return [list(batch.shape), str(batch.dtype)]
+    if isinstance(batch, Mapping):
+        return {str(k): _shapes(v) for k, v in batch.items()}
+    return type(batch).__name__
 
 
 def _default_loss(out, batch):
