@@ -130,19 +130,25 @@ def _to_device(model: nn.Module, device: torch.device) -> None:
                     m._buffers[k] = b.to(device)
 
 
-def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
-                state_dict: Mapping[str, torch.Tensor] | None = None) -> nn.Module:
-    """Run the bound ``plan`` on ``model`` over the real ``mesh`` (see the module doc)."""
+def control_group():
+    """A gloo group beside whatever the mesh runs on, for CPU-side agreement (fingerprints,
+    weights, checkpoints); torch's fake backend, for dry runs of large meshes, has no gloo
+    to pair with. Collective: every rank calls it."""
     import torch.distributed as dist
 
+    return dist.new_group() if dist.get_backend() == "fake" else dist.new_group(backend="gloo")
+
+
+def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
+                state_dict: Mapping[str, torch.Tensor] | None = None,
+                ctrl_group=None) -> nn.Module:
+    """Run the bound ``plan`` on ``model`` over the real ``mesh`` (see the module doc)."""
     if mesh.fake or not plan.is_bound:
         raise ConfigError(f"materialize needs a plan bound to a real Mesh inside launched "
                           f"processes; got {mesh!r}{'' if plan.is_bound else ' and an unbound plan'}")
     if plan.not_runnable:     # what the plan's table shows; nothing has communicated yet
         raise ConfigError(plan.not_runnable[0])
-    # gloo beside whatever the mesh runs on: CPU-side agreement (weights, checkpoints).
-    # (torch's fake backend, for dry runs of large meshes, has no gloo to pair with.)
-    ctrl = dist.new_group() if dist.get_backend() == "fake" else dist.new_group(backend="gloo")
+    ctrl = ctrl_group if ctrl_group is not None else control_group()
     ctx = Install(model=model, plan=plan, mesh=mesh, ctrl_group=ctrl)
     for t in plan.rooms:
         t.prepare(ctx)
