@@ -12,7 +12,8 @@ from ._errors import (MeshlabError as MeshlabError, SpecError as SpecError,
                       MeshError as MeshError, RulesError as RulesError,
                       PlanError as PlanError, PolicyError as PolicyError,
                       ConfigError as ConfigError, NotRunnable as NotRunnable,
-                      RankMismatchError as RankMismatchError, PeerError as PeerError)
+                      RankMismatchError as RankMismatchError, PeerError as PeerError,
+                      BatchError as BatchError, NonFiniteError as NonFiniteError)
 from ._rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
 from ._mesh import Mesh as Mesh
 from ._context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh

@@ -59,19 +59,25 @@ def active() -> bool:
     return _ACTIVE[0] > 0
 
 
-def _exchange(payload: bytes, group) -> list[dict]:
+def _exchange(payload: bytes, group, timeout: float | None) -> list[dict]:
     _ACTIVE[0] += 1
     try:
-        return _gather_json(payload, group)
+        return _gather_json(payload, group, timeout)
     finally:
         _ACTIVE[0] -= 1
 
 
-def _gather_json(payload: bytes, group) -> list[dict]:
+def _gather_json(payload: bytes, group, timeout: float | None) -> list[dict]:
+    import datetime
+
     n = dist.get_world_size(group)
     size = torch.tensor([len(payload)], dtype=torch.int64)
     sizes = [torch.zeros_like(size) for _ in range(n)]
-    dist.all_gather(sizes, size, group=group)
+    work = dist.all_gather(sizes, size, group=group, async_op=True)
+    if timeout is None:
+        work.wait()
+    else:        # the first exchange bounds how long a missing rank is waited for
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
     width = int(max(int(s) for s in sizes))
     buf = torch.zeros(width, dtype=torch.uint8)
     buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -81,9 +87,10 @@ def _gather_json(payload: bytes, group) -> list[dict]:
 
 
 def agree(group, what: str, fields: Mapping[str, Any] | None = None,
-          error: BaseException | None = None) -> None:
+          error: BaseException | None = None, *, timeout: float | None = None) -> None:
     """Every rank of ``group`` enters section ``what`` with equal ``fields``, and none
-    failed (``error``): or every rank raises (see the module doc)."""
+    failed (``error``): or every rank raises (see the module doc). ``timeout`` bounds the
+    wait for the other ranks (default: the group's own timeout)."""
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
@@ -92,7 +99,13 @@ def agree(group, what: str, fields: Mapping[str, Any] | None = None,
         if error is not None:
             raise error
         return
-    table = _exchange(_entry(what, fields or {}, error), group)
+    try:
+        table = _exchange(_entry(what, fields or {}, error), group, timeout)
+    except RuntimeError as e:        # gloo's timeout or a peer that exited
+        within = f"within {timeout:g} s" if timeout is not None else \
+            "within the control group's timeout"
+        raise PeerError(f"{what} is collective: every rank must call it, but not every rank "
+                        f"entered it {within} (a rank stopped, or is elsewhere): {e}") from None
     ranks = dist.get_process_group_ranks(group)
     _raise_failed(table, ranks, what, error)
     _raise_sections(table, ranks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from ._context import current_mesh
-from ._errors import MeshError
+from ._errors import ConfigTypeError, MeshError, check_bool
 from ._mesh import Mesh
 from ._plan import Plan
 from ._trace import trace
@@ -23,13 +23,27 @@ def plan(model: nn.Module | Plan, spec: Transform | None = None, mesh: Mesh | No
     >>> mesh = Mesh(dp=2, tp=2, fake=True)
     >>> p = plan(torch.nn.Linear(8, 4), shard({'weight': P('tp', None)}), mesh)  # doctest: +SKIP
     """
+    check_plan_args(model, spec, mesh, uneven, "plan")
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None:
         raise MeshError("plan: no mesh given and none is active; pass mesh= or use `with mesh:`")
     p = model if isinstance(model, Plan) else trace(model, example_inputs)
     if spec is not None:
-        if not isinstance(spec, Transform):
-            raise TypeError(f"plan: spec must be a transform such as shard(...) | zero_shard(...), "
-                            f"got {type(spec).__name__}")
         p = spec(p)
     return p.bind(mesh, uneven=uneven)
+
+
+def check_plan_args(model, spec, mesh, uneven, call: str) -> None:
+    """The arguments ``plan`` and ``parallelize`` share: a module (or plan), a transform,
+    a mesh and a flag, each refused by name when it is something else."""
+    if not isinstance(model, (nn.Module, Plan)):
+        raise ConfigTypeError(f"{call}: model must be a torch nn.Module (on the meta device to "
+                              f"plan any size) or a Plan, got {type(model).__name__}")
+    if spec is not None and not isinstance(spec, Transform):
+        raise ConfigTypeError(f"{call}: spec must be a transform such as shard(...) | "
+                              f"zero_shard(...), got {type(spec).__name__}; a dict of specs "
+                              f"goes into shard({{...}})")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise MeshError(f"{call}: mesh must be a meshlab.Mesh, e.g. Mesh(dp=2, tp=2, "
+                        f"fake=True), got {type(mesh).__name__}")
+    check_bool(uneven, call, "uneven")

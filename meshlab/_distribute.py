@@ -19,11 +19,49 @@ import torch
 
 from ._context import (ModelLayout, current_layout, current_mesh, current_rules,
                        layout_of_mesh, local_region)
-from ._errors import ConfigError, MeshError, SpecError
+from ._errors import (ConfigError, ConfigTypeError, MeshError, RulesError, SpecError,
+                      check_bool, check_int)
 from ._mesh import Mesh
 from ._placement import check_spec, dim_block, from_placements, to_placements
 from ._rules import LOGICAL_AXES, Rules, nearest_axis
 from ._spec import P
+
+
+def _check_common(fn: str, mesh=None, rules=None, x=None, tensor: bool = False) -> None:
+    """The arguments ``distribute``, ``constrain`` and ``shard_map`` share, each refused by
+    name when it is something else."""
+    if tensor and not isinstance(x, torch.Tensor):
+        raise ConfigTypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise MeshError(f"{fn}(mesh=...): a meshlab.Mesh such as Mesh(dp=2, tp=2), or None "
+                        f"for the active one; got {type(mesh).__name__}")
+    if rules is not None and not isinstance(rules, Rules):
+        raise RulesError(f"{fn}(rules={rules!r}): a Rules such as Rules(batch='dp'), or None "
+                         f"for the active ones")
+
+
+def _spec_list(specs, fn: str, arg: str, none_ok: bool) -> None:
+    """``in_specs``/``out_specs``: a ``P``, or a list/tuple of ``P`` (or ``None``)."""
+    if isinstance(specs, P) or (none_ok and specs is None):
+        return
+    if not isinstance(specs, (tuple, list)) or not all(
+            isinstance(s, P) or s is None for s in specs):
+        raise SpecError(f"shard_map({fn}): {arg} must be a P(...) or a tuple of them (None "
+                        f"for a non-tensor), e.g. {arg}=(P('dp', None), None); got {specs!r}")
+
+
+def _check_shard_map(fn, in_specs, out_specs, mesh, rules, check) -> str:
+    """``shard_map``'s arguments, refused by name when it wraps ``fn``; returns the name
+    its messages use."""
+    if not callable(fn):
+        raise ConfigTypeError(f"shard_map: fn must be a function of the local blocks, got "
+                              f"{type(fn).__name__}")
+    name = getattr(fn, "__name__", repr(fn))
+    _check_common(f"shard_map({name})", mesh, rules)
+    _spec_list(in_specs, name, "in_specs", none_ok=True)
+    _spec_list(out_specs, name, "out_specs", none_ok=False)
+    check_bool(check, f"shard_map({name})", "check")
+    return name
 
 
 def _mesh_or_ambient(mesh: Mesh | None, fn: str) -> Mesh:
@@ -117,7 +155,9 @@ def distribute(tensor: torch.Tensor, mesh: Mesh | None = None, spec: P = P(), *,
     """
     from torch.distributed.tensor import distribute_tensor
 
+    _check_common("distribute", mesh, rules, tensor, tensor=True)
     mesh = _mesh_or_ambient(mesh, "distribute")
+    check_int(src_rank, "distribute", "src_rank", low=0, high=mesh.size - 1, error=MeshError)
     what = f"distribute({tuple(tensor.shape)})"
     spec = _resolve(spec, mesh.axis_names, rules, what)
     if spec.partial:
@@ -179,6 +219,7 @@ def constrain(x, spec: P, *, rules: Rules | None = None):
     """
     from torch.distributed.tensor import DTensor, Replicate
 
+    _check_common("constrain", None, rules, x, tensor=True)
     if not isinstance(spec, P):
         raise SpecError(f"constrain: expected a P(...) spec, got {spec!r}")
     what = f"constrain({tuple(x.shape)})"
@@ -350,7 +391,7 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
     round of tiny collectives once per wrapped function (none on torch's fake process
     group, whose collectives return no data); ``check=False`` skips it.
     """
-    name = getattr(fn, "__name__", repr(fn))
+    name = _check_shard_map(fn, in_specs, out_specs, mesh, rules, check)
     single = isinstance(out_specs, P)
     outs_given = (out_specs,) if single else tuple(out_specs)
     pending = [bool(check)]

@@ -16,9 +16,11 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
+from ._agree import agree
 from ._errors import ConfigError, PlanError
 from ._mesh import Mesh
 from ._plan import Plan
+from ._tensors import local as _local
 from .parallel._gradsync import GradSync, plan_reductions
 from .parallel._install import Install, Runtime, mesh_device
 from .parallel._protocol import Phase
@@ -99,20 +101,60 @@ def _load_state(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> Non
             t.copy_(v)
 
 
+_CHUNK = 1 << 22     # elements per pass of ``_checksum`` (bounds its scratch memory)
+
+
+def _checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Two 64-bit sums over the bytes of ``t`` read as integers: plain, and weighted by
+    each word's position, so a transposed or permuted tensor differs in the second. The
+    arithmetic wraps, so the order of the additions cannot change them: the same bytes
+    give the same sums on every rank (NaNs included, which a float sum would not)."""
+    flat = _local(t).detach().reshape(-1)
+    word = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(flat.element_size())
+    w = flat.view(word) if word is not None else flat.view(torch.uint8)
+    s1 = torch.zeros((), dtype=torch.int64, device=w.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=w.device)
+    for i in range(0, w.numel(), _CHUNK):
+        part = w[i:i + _CHUNK].to(torch.int64)
+        pos = torch.arange(i + 1, i + 1 + part.numel(), dtype=torch.int64, device=w.device)
+        s1 += part.sum()
+        s2 += (part * pos).sum()
+    return int(s1), int(s2)
+
+
 def _check_same_everywhere(model: nn.Module, group) -> None:
-    """Parameters built outside meshlab must agree on every rank before sharding."""
+    """Parameters built outside meshlab (or loaded from a ``state_dict``) must hold the
+    same bytes on every rank before sharding: a digest of each parameter (``_checksum``)
+    is reduced with MIN and MAX over the control group, and where they differ every rank
+    raises ``RankMismatchError`` naming the first parameter that differs and which ranks
+    hold which value."""
     import torch.distributed as dist
 
-    s = torch.zeros(1, dtype=torch.float64)
-    for p in model.parameters():
-        s += p.detach().double().sum().cpu()
-    lo, hi = s.clone(), s.clone()
+    from ._errors import RankMismatchError
+
+    named = list(model.named_parameters())
+    mine = torch.tensor([_checksum(p) for _, p in named] or [[0, 0]], dtype=torch.int64)
+    lo, hi = mine.clone(), mine.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    if not torch.equal(lo, hi):
-        raise ConfigError("the model's parameters differ across ranks; seed every rank the same "
-                          "before building it, or build it on the meta device and let "
-                          "parallelize initialize it (seed=...)")
+    differ = (lo != hi).any(dim=1).nonzero().flatten().tolist()
+    if not differ or not named:
+        return
+    i = differ[0]
+    held = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(held, mine[i].clone(), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    groups: dict = {}
+    for r, h in zip(ranks, held):
+        groups.setdefault(tuple(h.tolist()), []).append(r)
+    who = "; ".join(f"ranks {rs} hold digest {d[1] & 0xffff_ffff_ffff_ffff:016x}"
+                    for d, rs in groups.items())
+    raise RankMismatchError(
+        f"parameter {named[i][0]} differs across ranks ({who}; {len(differ)} of "
+        f"{len(named)} parameters differ): data-parallel replicas would train different "
+        f"models. Seed every rank the same before building the model and load the same "
+        f"weights everywhere, or build it on the meta device and let parallelize "
+        f"initialize it (seed=...)")
 
 
 def _to_device(model: nn.Module, device: torch.device) -> None:
@@ -134,9 +176,16 @@ def control_group():
     """A gloo group beside whatever the mesh runs on, for CPU-side agreement (fingerprints,
     weights, checkpoints); torch's fake backend, for dry runs of large meshes, has no gloo
     to pair with. Collective: every rank calls it."""
+    import datetime
+    import os
+
     import torch.distributed as dist
 
-    return dist.new_group() if dist.get_backend() == "fake" else dist.new_group(backend="gloo")
+    if dist.get_backend() == "fake":
+        return dist.new_group()
+    # bounded: a rank that never reaches an agreement fails the others after this long
+    secs = float(os.environ.get("MESHLAB_CONTROL_TIMEOUT", "600"))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=secs))
 
 
 def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
@@ -163,7 +212,18 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     model._meshlab = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl,
                              grad_sync=_grad_sync(ctx))
     _forward_in_context(model, model._meshlab)
+    _check_vocabulary(model, model._meshlab)
     return model
+
+
+def _check_vocabulary(model: nn.Module, rt: Runtime) -> None:
+    """Every forward checks its token ids and labels against the vocabulary
+    (``meshlab.losses.guard_model``); the ranks agree on the outcome where they read
+    different batches (data-parallel ranks), outside a pipeline."""
+    from .losses import guard_model
+
+    guard_model(model, rt.ctrl_group, agreed=rt.dp_size > 1, pipelined=rt.roles.pp is not None,
+                tp_axis=rt.roles.tp)
 
 
 def _forward_in_context(model: nn.Module, rt: Runtime) -> None:
@@ -191,10 +251,15 @@ def _grad_sync(ctx: Install):
 
 
 def _initialize(ctx: Install, seed: int, state_dict) -> None:
-    """Meta parameters are initialized (each room's ``on_module`` sees every module right
-    after); real ones must agree across ranks. ``state_dict`` then overrides."""
+    """Meta parameters are initialized from ``seed``, which every rank must share (each
+    room's ``on_module`` sees every module right after); ``state_dict`` then overrides.
+    Values that did not come from the seed (real weights, a ``state_dict``) must hold the
+    same bytes on every rank (``_check_same_everywhere``)."""
     model = ctx.model
-    if _has_meta(model):
+    seeded = _has_meta(model)
+    if seeded:
+        # the values come from the seed alone: the ranks agree on it before drawing any
+        agree(ctx.ctrl_group, "initialize", {"seed": seed})
         names = {id(m): n for n, m in model.named_modules()}
         hooks = ctx.on_module if state_dict is None else []
 
@@ -203,9 +268,9 @@ def _initialize(ctx: Install, seed: int, state_dict) -> None:
                 fn(names.get(id(m)), m)
 
         init_weights(model, seed, on_module=on_module if hooks else None)
-    else:
-        _check_same_everywhere(model, ctx.ctrl_group)
     if state_dict is not None:
         _load_state(model, state_dict)
+    if not seeded or state_dict is not None:
+        _check_same_everywhere(model, ctx.ctrl_group)
     for fn in ctx.after_init:
         fn(model)

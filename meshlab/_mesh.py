@@ -74,6 +74,36 @@ def _shutdown() -> None:
     dist.destroy_process_group()
 
 
+MAX_RANKS = 2 ** 31
+"""The most ranks a mesh may have: ``torch.distributed`` numbers ranks with 32-bit ints."""
+
+
+def _checked_axes(axes, sizes: Mapping) -> tuple[tuple[str, int], ...]:
+    """The ``(name, size)`` pairs of ``Mesh(axes, **sizes)``, each checked: identifier
+    names, distinct, integer sizes >= 1, at most ``MAX_RANKS`` ranks in all."""
+    if axes is not None and not isinstance(axes, Mapping):
+        raise MeshError(f"Mesh({axes!r}): the positional argument must be a dict of axis name "
+                        f"-> size, e.g. Mesh({{'dp': 2, 'tp': 2}}), or use Mesh(dp=2, tp=2)")
+    items = list((axes or {}).items()) + list(sizes.items())
+    if not items:
+        raise MeshError("a Mesh needs at least one axis, e.g. Mesh(dp=4) or Mesh(dp=2, tp=2)")
+    for n, s in items:
+        if not isinstance(n, str) or not n.isidentifier():
+            raise MeshError(f"mesh axis names must be identifiers such as 'dp', got {n!r}")
+        if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1:
+            raise MeshError(f"mesh axis {n!r} has size {s!r}; sizes must be integers >= 1, "
+                            f"e.g. {n}=2")
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        raise MeshError(f"mesh axis names must be distinct, got {names}; give each axis once")
+    size = math.prod(int(s) for _, s in items)
+    if size > MAX_RANKS:
+        raise MeshError(
+            f"Mesh({', '.join(f'{n}={s}' for n, s in items)}) has {size:,} ranks, more than "
+            f"the {MAX_RANKS:,} torch.distributed can number (32-bit ranks); use smaller axes")
+    return tuple((n, int(s)) for n, s in items)
+
+
 class Mesh:
     """Named mesh axes, major first; real (over started ranks) or ``fake`` (planning only)."""
 
@@ -82,24 +112,20 @@ class Mesh:
     def __init__(self, axes: Mapping[str, int] | None = None, /, *, fake: bool = False,
                  device_type: str | None = None, _device_mesh=None, _ranks=None,
                  **sizes: int) -> None:
-        items = list((axes or {}).items()) + list(sizes.items())
-        if not items:
-            raise MeshError("a Mesh needs at least one axis, e.g. Mesh(dp=4) or Mesh(dp=2, tp=2)")
-        names = [n for n, _ in items]
-        if len(set(names)) != len(names):
-            raise MeshError(f"mesh axis names must be distinct, got {names}")
-        for n, s in items:
-            if not isinstance(n, str) or not n.isidentifier():
-                raise MeshError(f"mesh axis names must be identifiers, got {n!r}")
-            if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 1:
-                raise MeshError(f"mesh axis {n!r} has size {s!r}; sizes must be integers >= 1")
+        items = _checked_axes(axes, sizes)
+        if not isinstance(fake, bool):
+            raise MeshError(f"Mesh(fake={fake!r}): fake must be True (plan only) or False "
+                            f"(over launched processes)")
+        if device_type is not None and not (isinstance(device_type, str) and device_type):
+            raise MeshError(f"Mesh(device_type={device_type!r}): give a device type such as "
+                            f"'cpu' or 'cuda', or None for the default")
         set_ = object.__setattr__
-        set_(self, "_axes", tuple((n, int(s)) for n, s in items))
-        set_(self, "_fake", bool(fake))
+        set_(self, "_axes", items)
+        set_(self, "_fake", fake)
         set_(self, "_device_type", device_type or ("meta" if fake else _default_device_type()))
         size = math.prod(s for _, s in items)
-        if _ranks is None:
-            _ranks = np.arange(size).reshape([s for _, s in items])
+        # None: the row-major layout, computed when asked for (a fake mesh of 2**30 ranks
+        # would otherwise allocate 8 GiB of rank numbers to plan nothing with them).
         set_(self, "_ranks", _ranks)
         if fake:
             set_(self, "_device_mesh", None)
@@ -162,14 +188,36 @@ class Mesh:
     @property
     def ranks(self) -> np.ndarray:
         """Global rank of every mesh position, shaped like the mesh."""
+        if self._ranks is None:
+            return np.arange(self.size).reshape(self.shape_tuple)
         return self._ranks
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """The position of global ``rank`` on each axis."""
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+            raise MeshError(f"{self!r}.coordinate({rank!r}): a rank is an integer from 0 to "
+                            f"{self.size - 1}")
+        if self._ranks is None:          # row-major: computed, not searched
+            if not 0 <= rank < self.size:
+                raise MeshError(f"rank {rank} is not part of {self!r} (ranks 0 to "
+                                f"{self.size - 1})")
+            where = np.unravel_index(int(rank), self.shape_tuple)
+            return dict(zip(self.axis_names, (int(i) for i in where)))
         where = np.argwhere(self._ranks == rank)
         if len(where) == 0:
             raise MeshError(f"rank {rank} is not part of {self!r}")
         return dict(zip(self.axis_names, (int(i) for i in where[0])))
+
+    def _block(self, index: tuple) -> np.ndarray:
+        """``self.ranks[index]`` (integers and full slices), without building every rank
+        of a row-major mesh."""
+        if self._ranks is not None:
+            return self._ranks[index]
+        strides = [math.prod(self.shape_tuple[d + 1:]) for d in range(self.ndim)]
+        offset = sum(i * st for i, st in zip(index, strides) if not isinstance(i, slice))
+        grids = np.ix_(*[np.arange(s) * st for i, s, st in
+                         zip(index, self.shape_tuple, strides) if isinstance(i, slice)])
+        return np.asarray(offset + sum(grids, np.int64(0)))
 
     @property
     def device_mesh(self):
@@ -193,6 +241,9 @@ class Mesh:
     # -- slicing -----------------------------------------------------------------------
     def __getitem__(self, names) -> "Mesh":
         """``mesh['tp']`` (one axis), ``mesh['dp', 'tp']`` (a sub-mesh over those axes)."""
+        if not isinstance(names, (str, tuple, list)):
+            raise MeshError(f"{self!r}[{names!r}]: index a mesh by axis names, e.g. "
+                            f"mesh[{self.axis_names[0]!r}] or mesh[{self.axis_names!r}]")
         names = (names,) if isinstance(names, str) else tuple(names)
         return self.sub(*names)
 
@@ -205,7 +256,7 @@ class Mesh:
         dims = [self.axis_names.index(n) for n in names]
         coord = self.coordinate(self.rank)
         index = tuple(slice(None) if n in names else coord[n] for n in self.axis_names)
-        ranks = self._ranks[index]
+        ranks = self._block(index)
         # keep the requested axis order
         order = sorted(range(len(names)), key=lambda i: dims[i])
         ranks = np.transpose(ranks, [order.index(i) for i in range(len(names))])
@@ -217,6 +268,9 @@ class Mesh:
         """This mesh with adjacent axes ``names`` merged into one (default name ``a_b``)."""
         if len(names) < 2:
             raise MeshError(f"flatten needs at least two axes, got {names}")
+        if name is not None and not (isinstance(name, str) and name.isidentifier()):
+            raise MeshError(f"flatten(..., name={name!r}): the new axis name must be an "
+                            f"identifier such as 'dp_fsdp'")
         idx = [self.axis_names.index(n) if n in self.axis_names else None for n in names]
         if None in idx:
             missing = [n for n, i in zip(names, idx) if i is None]
@@ -236,7 +290,8 @@ class Mesh:
                 axes[new] = axes.get(new, 1) * s
             else:
                 axes[n] = s
-        ranks = self._ranks.reshape([axes[n] for n in axes])
+        # Merging adjacent axes keeps a row-major layout row-major.
+        ranks = None if self._ranks is None else self._ranks.reshape([axes[n] for n in axes])
         dm = None
         if not self._fake:
             dm_flat = self._device_mesh[names]._flatten(new)
@@ -259,7 +314,9 @@ class Mesh:
     # -- value semantics ---------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Mesh) and self._axes == other._axes
-                and self._fake == other._fake and np.array_equal(self._ranks, other._ranks))
+                and self._fake == other._fake and (
+                    self._ranks is None and other._ranks is None
+                    or np.array_equal(self.ranks, other.ranks)))
 
     def __hash__(self) -> int:
         return hash((self._axes, self._fake))
@@ -274,6 +331,8 @@ class Mesh:
     @classmethod
     def parse(cls, text: str, *, fake: bool = True) -> "Mesh":
         """``Mesh.parse('pp=8,dp=16,tp=8')`` (the CLI's ``--mesh`` syntax)."""
+        if not isinstance(text, str):
+            raise MeshError(f"Mesh.parse({text!r}): give the mesh as text, e.g. 'dp=16,tp=8'")
         axes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, eq, size = part.partition("=")

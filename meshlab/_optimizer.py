@@ -5,7 +5,8 @@ Gradients are synchronized by the backward itself (each room's ``Reduction``, ru
 parallelized model correctly. ``meshlab.optimizer`` adds, in ``step()``: ZeRO-1's
 reduce-scatter into fp32 slices and all-gather back (``Part.sync_grads`` /
 ``after_step``), unscaling and the overflow check agreed by every rank (fp16 loss
-scaling), and gradient-norm clipping over every mesh axis. It is a
+scaling), gradient-norm clipping over every mesh axis, and the skip of a step whose
+global gradient norm is NaN or infinite (``nonfinite``). It is a
 ``torch.optim.Optimizer``: learning-rate schedulers, ``param_groups``,
 ``state_dict()``/``load_state_dict()`` and step hooks work as with the optimizer inside.
 """
@@ -13,18 +14,23 @@ scaling), and gradient-norm clipping over every mesh axis. It is a
 from __future__ import annotations
 
 import inspect
+import math
+import warnings
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._errors import ConfigError
+from ._errors import ConfigError, NonFiniteError
 from ._tensors import local as _local
 from .parallel._install import runtime_of
 from .parallel.precision import PrecisionPart
 from .parallel.zero._install import Zero1Part
 from .parallel.zero._zero1 import shard_groups
+
+
+_NONFINITE = (None, "skip", "raise")
 
 
 def _params_of(cls) -> set[str]:
@@ -43,14 +49,17 @@ class MeshOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, cls: type, *, clip_grad_norm: float | None = None,
-                 **kwargs: Any) -> None:
+                 nonfinite: str | None = None, **kwargs: Any) -> None:
+        if nonfinite not in _NONFINITE:
+            raise ConfigError(f"optimizer(nonfinite={nonfinite!r}): use one of "
+                              f"{sorted(k for k in _NONFINITE if k)} (or leave it out)")
         # Optimizer.__init__ would build param_groups of its own: this one shares inner's.
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
         self._optimizer_load_state_dict_pre_hooks = {}
         self._optimizer_load_state_dict_post_hooks = {}
         self.model, self.rt = model, runtime_of(model)
-        self.clip = clip_grad_norm
+        self.clip, self.nonfinite = clip_grad_norm, nonfinite
         seen: set[int] = set()
         self.params: list[tuple[str, nn.Parameter]] = []
         for n, p in model.named_parameters():
@@ -63,6 +72,8 @@ class MeshOptimizer(torch.optim.Optimizer):
         self.inner._meshlab_inner = True
         self.defaults = self.inner.defaults
         self.last_grad_norm: float | None = None
+        self.steps = 0                  # step() calls, skipped ones included
+        self.skipped_steps = 0          # steps skipped for a non-finite gradient norm
         self._synced = False
 
     def _inner_params(self, cls: type, kwargs: dict) -> list:
@@ -158,20 +169,24 @@ class MeshOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None) -> bool:
         """ZeRO-1's reduce-scatter, unscale, check overflow, clip, update, all-gather.
-        Returns False if the step was skipped (an fp16 overflow)."""
+        Returns False if the step was skipped (an fp16 overflow, or a non-finite gradient
+        norm under ``nonfinite='skip'``)."""
         if closure is not None:
             raise ConfigError("meshlab.optimizer's step takes no closure (optimizers that "
                               "re-evaluate the loss, such as LBFGS, are not supported)")
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
+        self.steps += 1
         self._sync_grads()
         items = self._grad_items()
         if self.scaler is not None and not self._unscale(items):
             return False
-        if self.clip is not None:
+        if self.clip is not None or self.nonfinite is not None:
             norm = self.grad_norm()
             self.last_grad_norm = norm
-            coef = self.clip / (norm + 1e-6)
+            if not math.isfinite(norm):
+                return self._nonfinite(norm)
+            coef = self.clip / (norm + 1e-6) if self.clip is not None else 1.0
             if coef < 1.0:
                 for g, _ in items:
                     g.mul_(coef)
@@ -182,6 +197,24 @@ class MeshOptimizer(torch.optim.Optimizer):
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return True
+
+    def _nonfinite(self, norm: float) -> bool:
+        """A NaN or infinite global norm: every rank computed the same value (it is reduced
+        over every axis the gradients are split over, and replicated gradients are equal
+        after the backward's reduction), so every rank skips, or raises, alike. The
+        gradients are dropped either way, leaving the optimizer ready for the next step."""
+        self.zero_grad()
+        self.skipped_steps += 1
+        what = (f"step {self.steps}: the global gradient norm is {norm} (a NaN or infinity in "
+                f"some rank's loss or gradients, spread to every rank by the reduction)")
+        if self.nonfinite == "raise":
+            raise NonFiniteError(f"meshlab.optimizer {what}; the step did not run. Look for the "
+                                 f"batch or operation that overflows, lower the learning rate, "
+                                 f"or pass nonfinite='skip' to skip such steps")
+        warnings.warn(f"meshlab.optimizer {what}: the step was skipped on every rank and the "
+                      f"weights are unchanged ({self.skipped_steps} skipped so far); pass "
+                      f"nonfinite='raise' to stop instead", RuntimeWarning, stacklevel=3)
+        return False
 
     def _unscale(self, items: list) -> bool:
         inv = 1.0 / self.scaler.scale
@@ -217,15 +250,27 @@ class MeshOptimizer(torch.optim.Optimizer):
 
 
 def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
-              clip_grad_norm: float | None = None, **kwargs: Any) -> MeshOptimizer:
+              clip_grad_norm: float | None = None, nonfinite: str | None = None,
+              **kwargs: Any) -> MeshOptimizer:
     """An optimizer over a parallelized model's parameters (``cls(**kwargs)`` inside).
 
     ``clip_grad_norm`` clips by the global norm over all mesh axes. ZeRO-1 keeps the
     optimizer state for this rank's slice only.
+
+    ``nonfinite`` says what a step whose global gradient norm is NaN or infinite does (a
+    NaN on one rank reaches every rank through the gradient reduction, and one update
+    would turn every weight NaN): ``'skip'`` skips it on every rank, weights and optimizer
+    state unchanged, and warns with the step and the norm (``step()`` returns False);
+    ``'raise'`` raises ``NonFiniteError`` on every rank. The check reads the global norm:
+    with ``clip_grad_norm`` it is computed anyway, and a non-finite one is skipped unless
+    ``nonfinite='raise'``. Without clipping the norm costs one all-reduce per group of
+    gradients split alike (none for replicated ones), so it runs only when ``nonfinite`` is
+    given. Under ``precision('fp16')`` the loss scaler skips overflowing steps first.
 
     >>> opt = optimizer(model, torch.optim.AdamW, lr=3e-4, clip_grad_norm=1.0)  # doctest: +SKIP
     """
     if not isinstance(cls, type):
         raise ConfigError(f"optimizer(model, cls, ...): cls must be an optimizer class such as "
                           f"torch.optim.AdamW, got {cls!r}")
-    return MeshOptimizer(model, cls, clip_grad_norm=clip_grad_norm, **kwargs)
+    return MeshOptimizer(model, cls, clip_grad_norm=clip_grad_norm, nonfinite=nonfinite,
+                         **kwargs)

@@ -17,7 +17,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from ._dtypes import DTYPE_BYTES as DTYPE_BYTES, dtype_bytes as dtype_bytes, dtype_name as dtype_name
-from ._errors import NotRunnable, PlanError, SpecError
+from ._errors import (ConfigError, MeshlabError, NotRunnable, PlanError, SpecError,
+                      check_choice, check_int)
 from ._placement import check_spec, local_shape, uneven_dims
 from ._roles import AxisRoles, derive_roles, implied_rooms
 from ._rules import Rules
@@ -276,8 +277,10 @@ class Plan:
     # -- memory --------------------------------------------------------------------------
     def memory(self, *, optimizer: str = "adamw"):
         """Per-rank bytes of parameters, gradients and optimizer state (a bound plan)."""
-        from ._memory import estimate_memory
+        from ._memory import _OPT_STATES, estimate_memory
 
+        check_choice(optimizer, "plan.memory", "optimizer", sorted(_OPT_STATES))
+        self._need_bound("memory")
         return estimate_memory(self, optimizer=optimizer)
 
     def comm(self, *, batch: int | None = None, seq: int | None = None,
@@ -286,7 +289,35 @@ class Plan:
         ``batch`` and ``seq`` to include activation traffic (see ``meshlab._comm``)."""
         from ._comm import estimate_comm
 
+        self._need_bound("comm")
+        batch, seq, coord = self._comm_args(batch, seq, coord)
         return estimate_comm(self, batch=batch, seq=seq, coord=coord)
+
+    def _need_bound(self, what: str) -> None:
+        if self.mesh is None:
+            raise PlanError(f"plan.{what}(): this plan is not bound to a mesh; estimate a plan "
+                            f"from meshlab.plan(model, spec, mesh), or call plan.bind(mesh)")
+
+    def _comm_args(self, batch, seq, coord):
+        """``comm``'s arguments checked: ``batch`` and ``seq`` positive integers given
+        together (one alone would be ignored), ``coord`` a position on this plan's mesh."""
+        if (batch is None) != (seq is None):
+            given = "batch" if seq is None else "seq"
+            raise ConfigError(f"plan.comm({given}=...): activation traffic needs both batch= "
+                              f"(per data-parallel rank) and seq=; pass both, or neither for "
+                              f"the gradient traffic alone")
+        if batch is not None:
+            batch = check_int(batch, "plan.comm", "batch", example=8)
+            seq = check_int(seq, "plan.comm", "seq", example=2048)
+        if coord is None:
+            return batch, seq, None
+        sizes = self.mesh_shape
+        if not isinstance(coord, Mapping) or any(k not in sizes for k in coord):
+            raise ConfigError(f"plan.comm(coord={coord!r}): coord maps mesh axes "
+                              f"{tuple(sizes)} to positions, e.g. "
+                              f"{ {a: 0 for a in sizes}!r}")
+        return batch, seq, {a: check_int(i, "plan.comm", f"coord[{a!r}]", low=0,
+                                         high=sizes[a] - 1) for a, i in coord.items()}
 
     # -- presentation --------------------------------------------------------------------
     def table(self, *, collapse: bool = True, max_rows: int = 200):
@@ -358,11 +389,32 @@ class Plan:
         return json.dumps(d, **dump_kw)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        d = json.loads(text)
-        if d.get("format") != "meshlab.plan/1":
-            raise PlanError(f"not a meshlab plan (format {d.get('format')!r}); expected "
-                            f"'meshlab.plan/1'")
+    def from_json(cls, text: str | bytes) -> "Plan":
+        """The plan ``to_json`` wrote. Text that is not JSON, or JSON that is not a
+        meshlab plan, raises ``PlanError`` saying what is wrong."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise PlanError(f"Plan.from_json: expected the JSON text plan.to_json() writes, "
+                            f"got {type(text).__name__}")
+        try:
+            d = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise PlanError(f"Plan.from_json: the text is not JSON ({e}); pass what "
+                            f"plan.to_json() wrote") from None
+        if not isinstance(d, dict) or d.get("format") != "meshlab.plan/1":
+            fmt = d.get("format") if isinstance(d, dict) else None
+            raise PlanError(f"not a meshlab plan (format {fmt!r}); expected "
+                            f"'meshlab.plan/1', as plan.to_json() writes")
+        try:
+            return cls._from_dict(d)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            if isinstance(e, MeshlabError):
+                raise
+            raise PlanError(f"Plan.from_json: a meshlab.plan/1 document with a missing or "
+                            f"malformed field ({type(e).__name__}: {e}); pass what "
+                            f"plan.to_json() wrote, unedited") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "Plan":
         return cls(
             params=tuple(ParamEntry.from_json(e) for e in d["params"]),
             activations=tuple(ActivationEntry.from_json(a) for a in d["activations"]),

@@ -46,7 +46,7 @@ from __future__ import annotations
 import difflib
 from typing import Iterable, Mapping, Sequence, Union
 
-from ._errors import RulesError, SpecError
+from ._errors import RulesError, RulesTypeError, SpecError
 from ._spec import P
 
 LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
@@ -79,11 +79,19 @@ def nearest_axis(name: str, axes: Sequence[str]) -> str | None:
     return hits[0] if hits else None
 
 
+def _axis(name: str, value: RuleValue, v: object) -> str:
+    """One mesh axis name of rule ``name``'s ``value``: an identifier."""
+    if not v.isidentifier():
+        raise RulesError(f"rule {name}={value!r}: {v!r} is not a mesh axis name; axis names "
+                         f"are identifiers such as 'tp' or 'dp'")
+    return v
+
+
 def _norm_value(name: str, value: RuleValue) -> tuple[Alternative, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
-        return ((value,),)
+        return ((_axis(name, value, value),),)
     if isinstance(value, (tuple, list)):
         alts = []
         for i, v in enumerate(value):
@@ -94,9 +102,9 @@ def _norm_value(name: str, value: RuleValue) -> tuple[Alternative, ...]:
                     f"rule {name}={value!r}: None means 'replicate' and ends the fallbacks; "
                     f"put it last, e.g. {name}=('tp', None)")
             elif isinstance(v, str):
-                alts.append((v,))
+                alts.append((_axis(name, value, v),))
             elif isinstance(v, (tuple, list)) and v and all(isinstance(x, str) for x in v):
-                alts.append(tuple(v))
+                alts.append(tuple(_axis(name, value, x) for x in v))
             else:
                 raise RulesError(
                     f"rule {name}={value!r}: each fallback must be a mesh axis name, a "
@@ -135,6 +143,22 @@ def _absent_error(name: str, alts: tuple[Alternative, ...], mesh_axes: tuple[str
         f"None: {name}={_fmt_value(alts + ((),))} (a tuple ending in None never raises)")
 
 
+def _pairs(pairs) -> list:
+    """``Rules``' positional argument as ``[(name, value)]``: a mapping or an iterable of
+    pairs."""
+    if isinstance(pairs, Mapping):
+        return list(pairs.items())
+    if isinstance(pairs, (str, bytes)) or not hasattr(pairs, "__iter__"):
+        raise RulesError(f"Rules({pairs!r}): give a mapping of logical axis -> mesh axes, "
+                         f"pairs, or keywords, e.g. Rules(mlp='tp') or Rules({{'mlp': 'tp'}})")
+    out = list(pairs)
+    for x in out:
+        if not (isinstance(x, (tuple, list)) and len(x) == 2):
+            raise RulesError(f"Rules([..., {x!r}, ...]): each pair must be (logical axis, "
+                             f"mesh axes), e.g. ('mlp', 'tp')")
+    return out
+
+
 class Rules:
     """An ordered, immutable mapping from logical axis names to mesh-axis fallbacks."""
 
@@ -142,7 +166,7 @@ class Rules:
 
     def __init__(self, pairs: Iterable[tuple[str, RuleValue]] | Mapping[str, RuleValue] = (),
                  /, **rules: RuleValue) -> None:
-        items = list(pairs.items() if isinstance(pairs, Mapping) else pairs) + list(rules.items())
+        items = _pairs(pairs) + list(rules.items())
         table: dict[str, tuple[Alternative, ...]] = {}
         for name, value in items:
             if not isinstance(name, str) or not name.isidentifier():
@@ -177,7 +201,8 @@ class Rules:
     def __or__(self, other: "Rules") -> "Rules":
         """Union of two rule sets; a logical axis mapped differently by each raises."""
         if not isinstance(other, Rules):
-            return NotImplemented
+            raise RulesTypeError(f"{self!r} | {other!r}: both sides of | must be Rules; wrap "
+                                 f"a mapping first: rules | Rules({other!r})")
         for name, alts in other._table.items():
             mine = self._table.get(name)
             if mine is not None and mine != alts:
@@ -190,6 +215,10 @@ class Rules:
         out = Rules.__new__(Rules)
         object.__setattr__(out, "_table", merged)
         return out
+
+    def __ror__(self, other: object) -> "Rules":
+        raise RulesTypeError(f"{other!r} | {self!r}: both sides of | must be Rules; wrap "
+                             f"a mapping first: Rules({other!r}) | rules")
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Rules) and list(self._table.items()) == list(other._table.items())
@@ -205,6 +234,13 @@ class Rules:
 
     @classmethod
     def from_json(cls, data: list) -> "Rules":
+        """The ``Rules`` that ``to_json`` wrote: ``[[name, [[axis, ...], ...]], ...]``."""
+        if not isinstance(data, list) or not all(
+                isinstance(x, list) and len(x) == 2 and isinstance(x[1], list)
+                and all(isinstance(a, list) for a in x[1]) for x in data):
+            raise RulesError(f"Rules.from_json({data!r}): expected [[logical, [[axis, ...], "
+                             f"...]], ...] as Rules.to_json() writes it, e.g. "
+                             f"{Rules(mlp='tp').to_json()!r}")
         return cls([(k, tuple(tuple(a) if a else None for a in v) if v else None)
                     for k, v in data])
 
@@ -221,6 +257,11 @@ class Rules:
         a mesh axis raises ``SpecError``, listing both vocabularies; a rule whose every
         fallback names an axis the mesh lacks raises ``RulesError`` (module doc).
         """
+        if not isinstance(spec, P):
+            raise SpecError(f"{what}: Rules.resolve takes a P(...) spec, got {spec!r}")
+        if isinstance(mesh_axes, str) or not all(isinstance(a, str) for a in mesh_axes):
+            raise SpecError(f"{what}: mesh_axes must be a sequence of axis names such as "
+                            f"('dp', 'tp'), got {mesh_axes!r}")
         mesh_axes = tuple(mesh_axes)
         used: set[str] = set()
         # Mesh axes named directly are claimed first so a logical fallback cannot take them.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterator, Union
 
-from ._errors import SpecError
+from ._errors import SpecError, check_int
 
 Entry = Union[None, str, tuple]
 
@@ -108,6 +108,8 @@ class P:
 
     def dim_axes(self, dim: int) -> tuple[str, ...]:
         """The axes that shard tensor dimension ``dim``, major first (empty: replicated)."""
+        if type(dim) is not int or dim < 0:       # the message is built only when it fails
+            dim = check_int(dim, f"{self!r}.dim_axes", "dim", low=0, error=SpecError, example=0)
         if dim >= len(self._dims):
             return ()
         e = self._dims[dim]
@@ -115,6 +117,8 @@ class P:
 
     def padded(self, ndim: int) -> "P":
         """This spec with trailing ``None`` entries up to ``ndim`` dimensions."""
+        if type(ndim) is not int or ndim < 0:
+            ndim = check_int(ndim, f"{self!r}.padded", "ndim", low=0, error=SpecError, example=2)
         if len(self) > ndim:
             raise SpecError(f"{self!r} has {len(self)} entries but the tensor has {ndim} dims")
         return P(*self._dims, *([None] * (ndim - len(self))), partial=self._partial or None)
@@ -166,8 +170,15 @@ class P:
 
     @classmethod
     def from_json(cls, d: dict) -> "P":
-        return cls(*[tuple(e) if isinstance(e, list) else e for e in d["dims"]],
-                   partial=tuple(d.get("partial", ())) or None)
+        """The ``P`` that ``to_json`` wrote: ``{'dims': [...], 'partial': [...]}``."""
+        dims = d.get("dims") if isinstance(d, dict) else None
+        partial = d.get("partial", ()) if isinstance(d, dict) else None
+        if not isinstance(dims, list) or not isinstance(partial, (list, tuple)):
+            raise SpecError(f"P.from_json({d!r}): expected {{'dims': [entry, ...], 'partial': "
+                            f"[axis, ...]}} as P.to_json() writes it, e.g. "
+                            f"{P('dp', None).to_json()!r}")
+        return cls(*[tuple(e) if isinstance(e, list) else e for e in dims],
+                   partial=tuple(partial) or None)
 
 
 def _rebuild(dims: tuple, partial: tuple) -> P:

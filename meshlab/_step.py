@@ -12,16 +12,25 @@ import torch.distributed as dist
 from torch import nn
 
 from ._agree import agree
-from ._errors import ConfigError, MeshlabError
+from ._errors import ConfigError, MeshlabError, check_int
 from ._optimizer import MeshOptimizer
 from .parallel._install import runtime_of
 
 
 def _split(batch, k: int) -> list:
+    """``batch`` cut into ``k`` equal microbatches along dim 0 (every tensor of a dict; other
+    values repeated). Checked before the step's first collective: batch shapes are the same
+    on every rank, so a batch that does not divide raises on every rank alike."""
+    k = check_int(k, "step", "microbatches", example=2)
     if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] == 0:
+            raise ConfigError(f"step: a batch tensor of shape {tuple(batch.shape)} holds no "
+                              f"samples along dim 0, where microbatches are cut; give a "
+                              f"batch of shape (batch, ...) with batch >= 1")
         if batch.shape[0] % k:
             raise ConfigError(f"step(microbatches={k}): local batch size {batch.shape[0]} does "
-                              f"not divide into {k} microbatches")
+                              f"not divide into {k} microbatches; use a batch size that is a "
+                              f"multiple of {k}, or microbatches that divide {batch.shape[0]}")
         return list(batch.chunk(k))
     if isinstance(batch, Mapping):
         parts = {key: _split(v, k) if isinstance(v, torch.Tensor) else [v] * k

@@ -14,6 +14,7 @@ def _rules_arg(text: str | None):
 
     ``|`` separates fallbacks; ``None`` alone replicates, and as the last fallback means
     "replicate on meshes without the others" (``Rules``' module doc)."""
+    from ._errors import RulesError
     from ._rules import Rules
 
     if not text:
@@ -22,7 +23,8 @@ def _rules_arg(text: str | None):
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, value = part.partition("=")
         if not eq:
-            raise SystemExit(f"--rules {text!r}: expected logical=axis pairs, e.g. heads=tp,embed=fsdp")
+            raise RulesError(f"--rules {text!r}: expected logical=axis pairs, e.g. "
+                             f"heads=tp,embed=fsdp")
         alts = tuple(None if v in _NONE else v for v in value.split("|") if v)
         pairs.append((name, None if value in ("",) + _NONE else
                       (alts[0] if len(alts) == 1 else alts)))
@@ -48,6 +50,29 @@ def _refusal(p, mesh_text: str) -> str:
     return "\n".join(lines)
 
 
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _check_plan_flags(args) -> None:
+    """``meshlab plan``'s numeric and path flags, refused by name before anything is built
+    (exit code 2, one line)."""
+    import os
+
+    from ._errors import ConfigError
+
+    if args.dtype not in _DTYPES:
+        raise ConfigError(f"--dtype {args.dtype!r}: parameters are planned in one of "
+                          f"{', '.join(_DTYPES)}; pass e.g. --dtype bfloat16")
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq),
+                        ("--microbatches", args.microbatches)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value}: must be an integer >= 1")
+    where = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+    if where is not None and not os.path.isdir(where):
+        raise ConfigError(f"--json {args.json!r}: the directory {where!r} does not exist; "
+                          f"create it or write the plan elsewhere")
+
+
 def cmd_plan(args) -> int:
     import time
 
@@ -61,12 +86,8 @@ def cmd_plan(args) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     t0 = time.perf_counter()
-    from ._errors import ConfigError
-
-    dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"--dtype {args.dtype!r} is not a torch dtype; use bfloat16, float16 "
-                          f"or float32")
+    _check_plan_flags(args)
+    dtype = getattr(torch, args.dtype)
     model = presets.build(args.model, device="meta", dtype=dtype)
     mesh = Mesh.parse(args.mesh, fake=True)
     spec = shard(policies.auto, _rules_arg(args.rules))   # no --rules: Rules.default()

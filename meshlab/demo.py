@@ -130,7 +130,7 @@ def main(argv=None) -> int:
 
     # 4. Data: every dp rank reads distinct windows; tp peers read the same ones.
     data = TextDataset(args.seq_len)
-    loader = ml.dataloader(data, mesh, args.batch_size, seed=args.seed)
+    loader = ml.dataloader(data, mesh, args.batch_size, model=model, seed=args.seed)
     steps_per_epoch = len(loader)
     if steps_per_epoch == 0:
         raise ml.ConfigError(f"--batch-size {args.batch_size} is larger than the "

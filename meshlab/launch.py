@@ -37,6 +37,8 @@ import textwrap
 import time
 import traceback
 
+from ._errors import ConfigTypeError, check_int, check_number
+
 __all__ = ["notebook_launcher", "RankFailedError"]
 
 
@@ -63,22 +65,24 @@ def _interactive_main(fn) -> bool:
 def _payload(fn):
     """('ref', fn) for an importable function, ('src', name, source) for a notebook one."""
     if isinstance(fn, str) or not callable(fn):
-        raise TypeError(f"notebook_launcher: fn must be a function, got {type(fn).__name__}")
+        raise ConfigTypeError(f"notebook_launcher: fn must be a function, got "
+                              f"{type(fn).__name__}; pass the function itself, e.g. "
+                              f"notebook_launcher(train, args=(20,))")
     if not _interactive_main(fn):
         return ("ref", fn)
     if not inspect.isfunction(fn) or fn.__name__ == "<lambda>":
-        raise TypeError("notebook_launcher: a lambda or callable object defined in the notebook "
-                        "cannot reach fresh processes; define it with `def` (imports inside "
-                        "its body) or import it from a module")
+        raise ConfigTypeError("notebook_launcher: a lambda or callable object defined in the "
+                              "notebook cannot reach fresh processes; define it with `def` "
+                              "(imports inside its body) or import it from a module")
     if fn.__code__.co_freevars:
-        raise TypeError(f"notebook_launcher: {fn.__name__} uses variables of an enclosing "
-                        f"function ({', '.join(fn.__code__.co_freevars)}); define it at the top "
-                        f"level of a cell and pass them through args")
+        raise ConfigTypeError(f"notebook_launcher: {fn.__name__} uses variables of an "
+                              f"enclosing function ({', '.join(fn.__code__.co_freevars)}); "
+                              f"define it at the top level of a cell and pass them through args")
     try:
         src = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError) as e:
-        raise TypeError(f"notebook_launcher: the source of {fn.__name__} is not available ({e}); "
-                        f"put it in a module and import it") from None
+        raise ConfigTypeError(f"notebook_launcher: the source of {fn.__name__} is not "
+                              f"available ({e}); put it in a module and import it") from None
     return ("src", fn.__name__, src)
 
 
@@ -186,8 +190,7 @@ def notebook_launcher(fn, args: tuple = (), nprocs: int = 4, *, timeout: float =
     """
     import multiprocessing as mp
 
-    if not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"notebook_launcher: nprocs must be an integer >= 1, got {nprocs!r}")
+    _check_launch_args(args, nprocs, timeout, env)
     payload = _payload(fn)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -206,6 +209,19 @@ def notebook_launcher(fn, args: tuple = (), nprocs: int = 4, *, timeout: float =
     finally:
         _stop(procs)
         q.close()
+
+
+def _check_launch_args(args, nprocs, timeout, env) -> None:
+    """``notebook_launcher``'s arguments, refused by name before any process starts."""
+    check_int(nprocs, "notebook_launcher", "nprocs", example=4)
+    if not isinstance(args, (tuple, list)):
+        raise ConfigTypeError(f"notebook_launcher(args={args!r}): args is a tuple of the "
+                              f"positional arguments fn takes, e.g. args=(20,)")
+    check_number(timeout, "notebook_launcher", "timeout", example=600)
+    if env is not None and not (isinstance(env, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise ConfigTypeError(f"notebook_launcher(env={env!r}): env maps variable names to "
+                              f"string values, e.g. env={{'OMP_NUM_THREADS': '2'}}")
 
 
 def _collect(procs, q, nprocs: int, timeout: float, from_source: bool) -> list:

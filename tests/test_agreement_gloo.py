@@ -99,3 +99,26 @@ def test_step_agrees_on_batch_shapes(world4, what):
     for (kind, msg, secs), loss in out:
         assert kind == "RankMismatchError" and "batch" in msg and "ranks [1]" in msg, msg
         assert loss > 0
+
+
+def save_while_stepping_case(rank, world, tmp):
+    """Rank 3's data ran out: it saves while the others still step."""
+    import meshlab as ml
+
+    model = ml.parallelize(M.build("llama"), ml.data_parallel("dp"), ml.Mesh(dp=world), seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 97, (2, 8))
+    if rank == 3:
+        return _outcome(lambda: ml.checkpoint.save(f"{tmp}/ckpt", model, opt))
+    return _outcome(lambda: ml.step(model, opt, {"input_ids": x}))
+
+
+def test_a_rank_saving_while_others_step_fails_everywhere(world4, tmp_path):
+    out = world4.run(save_while_stepping_case, tmp=str(tmp_path))
+    for kind, msg, secs in out:
+        # (CheckpointMismatchError on the saving rank: a RankMismatchError and a
+        # CheckpointError both)
+        assert kind.endswith("MismatchError") and "different collective calls" in msg, out
+        assert "ranks [3] in checkpoint.save" in msg, msg
+        assert secs < 30
+    assert not (tmp_path / "ckpt").exists()

@@ -3,9 +3,12 @@ the refusal of pickles (their payload never runs)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
+import shutil
+import warnings
 
 import pytest
 import torch
@@ -78,7 +81,7 @@ def test_keep_last_never_deletes_the_newest_valid(tmp_path):
         ml.checkpoint.save(tmp_path / f"step-{s}", m, opt, extra={"step": s}, keep_last=2)
     left = sorted(p for p in os.listdir(tmp_path) if ml.checkpoint.is_complete(tmp_path / p))
     assert left == ["step-3", "step-4"]
-    with pytest.raises(CheckpointError, match="keep at least"):
+    with pytest.raises(ml.MeshlabError, match="keep at least|keep_last must be"):
         ml.checkpoint.save(tmp_path / "step-5", m, opt, keep_last=0)
     assert ml.checkpoint.latest(tmp_path) == str(tmp_path / "step-4")
 
@@ -123,12 +126,26 @@ class _Payload:
         return (os.system, (f"touch {self.path}",))
 
 
+def _forge(path, name, data: bytes):
+    """Write ``data`` as file ``name`` of checkpoint ``path`` and record its checksum in
+    the marker, as a crafted checkpoint would: only the content checks remain."""
+    with open(path / name, "wb") as f:
+        f.write(data)
+    marker = json.loads((path / "meshlab.json").read_text())
+    marker["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "meshlab.json").write_text(json.dumps(marker))
+
+
 def test_pickle_payload_in_metadata_never_runs(tmp_path):
     m, opt = _trained()
     ml.checkpoint.save(tmp_path / "s", m, opt)
     sentinel = tmp_path / "pwned"
+    payload = pickle.dumps({"x": _Payload(sentinel)})
     with open(tmp_path / "s" / ".metadata", "wb") as f:
-        pickle.dump({"x": _Payload(sentinel)}, f)
+        f.write(payload)
+    with pytest.raises(CheckpointError, match=r"\.metadata is truncated"):
+        ml.checkpoint.load(tmp_path / "s", _model())
+    _forge(tmp_path / "s", ".metadata", payload)      # the checksum matches: the unpickler
     with pytest.raises(CheckpointError, match="posix.system|os.system|refuses"):
         ml.checkpoint.load(tmp_path / "s", _model())
     assert not sentinel.exists()
@@ -143,7 +160,8 @@ def test_pickled_objects_in_a_dcp_checkpoint_are_refused(tmp_path):
              no_dist=True)
     with open(path / "meshlab.json", "w") as f:   # even when it looks committed
         json.dump({"format": "meshlab.checkpoint/1", "world_size": 1}, f)
-    with pytest.raises(CheckpointError, match="pickled objects"):
+    with pytest.warns(UserWarning, match="cannot be verified"), \
+            pytest.raises(CheckpointError, match="pickled objects"):
         ml.checkpoint.load(path, _model())
 
 
@@ -165,3 +183,153 @@ def test_scheduler_and_dataloader_position_resume(tmp_path):
     assert sched2.state_dict() == sched.state_dict()
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert [b[0].tolist() for b in dl2] == rest and len(seen) + len(rest) == 10
+
+
+# -- damage is named, never loaded -------------------------------------------------------
+def _shard(path):
+    return next(n for n in sorted(os.listdir(path)) if n.endswith(".distcp"))
+
+
+def _flip(path, offset=200):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _damage(kind, ck, other):
+    shard = ck / _shard(ck)
+    if kind == "flip":
+        _flip(shard)
+    elif kind == "truncate":
+        shard.write_bytes(shard.read_bytes()[:-7])
+    elif kind == "missing":
+        os.remove(shard)
+    elif kind == "swap":              # the same file of another checkpoint: sizes agree
+        shutil.copy(other / shard.name, shard)
+    elif kind == "metadata":
+        _forge(ck, ".metadata", b"\x80\x04garbage, not a pickle")
+    elif kind == "rank-file":
+        _forge(ck, "rank-00000.json", b'{"rng": {"torch": "@@"}}')
+    elif kind == "no-rank-file":
+        marker = json.loads((ck / "meshlab.json").read_text())
+        del marker["files"]["rank-00000.json"]
+        (ck / "meshlab.json").write_text(json.dumps(marker))
+        os.remove(ck / "rank-00000.json")
+    return shard.name
+
+
+@pytest.mark.parametrize("kind, damage", [
+    ("flip", "is damaged: its SHA-256"), ("truncate", "is truncated"),
+    ("missing", "is missing"), ("swap", "is damaged: its SHA-256"),
+    ("metadata", r"\.metadata is damaged: it is not DCP metadata"),
+    ("rank-file", r"rank-00000\.json is damaged: its random-number states"),
+    ("no-rank-file", r"rank-00000\.json is missing")])
+def test_damaged_files_are_named_before_anything_is_written(tmp_path, kind, damage):
+    m, opt = _trained()
+    ml.checkpoint.save(tmp_path / "a", m, opt)
+    ml.checkpoint.save(tmp_path / "b", *_trained(seed=4))
+    name = _damage(kind, tmp_path / "a", tmp_path / "b")
+    fresh = _model(seed=7)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError, match=damage) as ei:
+        ml.checkpoint.load(tmp_path / "a", fresh, torch.optim.AdamW(fresh.parameters()))
+    if kind in ("flip", "truncate", "missing", "swap"):
+        assert name in str(ei.value)
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+
+def _crafted(tmp_path, where):
+    """A checkpoint whose .metadata (checksum forged) points its shard at ``where``."""
+    m, opt = _trained()
+    ck = tmp_path / "s"
+    ml.checkpoint.save(ck, m, opt)
+    md = pickle.loads((ck / ".metadata").read_bytes())  # our own file: safe to unpickle here
+    for info in md.storage_data.values():
+        info.relative_path = where
+    _forge(ck, ".metadata", pickle.dumps(md))
+    return ck
+
+
+@pytest.mark.parametrize("where", ["../secret.distcp", "/etc/hostname", "link.distcp"])
+def test_metadata_pointing_outside_the_directory_is_refused(tmp_path, where):
+    ck = _crafted(tmp_path, where)
+    shutil.copy(ck / _shard(ck), tmp_path / "secret.distcp")
+    os.symlink(tmp_path / "secret.distcp", ck / "link.distcp")
+    with pytest.raises(CheckpointError, match="outside the checkpoint directory|leading out"):
+        ml.checkpoint.load(ck, _model())
+
+
+def test_metadata_pointing_at_an_unlisted_file_is_refused(tmp_path):
+    ck = _crafted(tmp_path, "extra.distcp")
+    shutil.copy(ck / _shard(ck), ck / "extra.distcp")
+    with pytest.raises(CheckpointError, match="not one of the files the checkpoint's marker"):
+        ml.checkpoint.load(ck, _model())
+
+
+# -- bad markers are skipped; extra is a dict ----------------------------------------------
+def test_latest_skips_bad_markers_and_returns_the_newest_good(tmp_path):
+    m, opt = _trained()
+    for s in (1, 2, 3, 4):
+        ml.checkpoint.save(tmp_path / f"step-{s}", m, opt, extra={"step": s})
+    marker = (tmp_path / "step-2" / "meshlab.json").read_text()
+    (tmp_path / "step-4" / "meshlab.json").write_text(marker[:len(marker) // 2])  # truncated
+    (tmp_path / "step-3" / "meshlab.json").write_text("[]")
+    (tmp_path / "step-5").mkdir()
+    (tmp_path / "step-5" / "meshlab.json").write_text(json.dumps({**json.loads(marker),
+                                                                  "extra": [1, 2]}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ml.checkpoint.latest(tmp_path) == str(tmp_path / "step-2")
+    text = "\n".join(str(w.message) for w in caught)
+    for bad in ("step-3", "step-4", "step-5"):
+        assert f"skipping {tmp_path / bad}" in text, text
+    with pytest.raises(CheckpointError, match="not a JSON document"):
+        ml.checkpoint.load(tmp_path / "step-4", _model())
+    with pytest.raises(CheckpointError, match="holds a JSON list"):
+        ml.checkpoint.load(tmp_path / "step-3", _model())
+
+
+@pytest.mark.parametrize("extra", [[1, 2], "step-3", {1: "a"}, {"f": object()}])
+def test_extra_must_be_a_dict_of_json_values(tmp_path, extra):
+    m, opt = _trained()        # a typed error: ConfigTypeError (argument check) or CheckpointError
+    with pytest.raises((CheckpointError, ml.ConfigError), match="extra"):
+        ml.checkpoint.save(tmp_path / "s", m, opt, extra=extra)
+    assert os.listdir(tmp_path) == []           # refused before anything was written
+
+
+# -- a save before the first step changes nothing -----------------------------------------
+def _run(tmp_path=None, save_at_start=False, resume=None, steps=3):
+    m = _model(seed=2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    if resume is not None:          # an optimizer with state of its own loads "no state yet"
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ml.checkpoint.load(resume, m, opt)
+        assert not opt.state
+    if save_at_start:
+        ml.checkpoint.save(tmp_path / "step-0", m, opt, extra={"step": 0})
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        loss = m(torch.randn(5, 4, generator=g)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in m.state_dict().items()}, opt
+
+
+def test_a_save_before_the_first_step_changes_nothing(tmp_path):
+    plain_losses, plain_w, plain_opt = _run()
+    losses, w, opt = _run(tmp_path, save_at_start=True)
+    assert losses == plain_losses
+    assert all(torch.equal(plain_w[k], v) for k, v in w.items())
+    for p, q in zip(plain_opt.state.values(), opt.state.values()):
+        assert all(torch.equal(p[k], q[k]) for k in p)       # step counters included
+    # and a run resumed from that checkpoint is the same run
+    resumed_losses, resumed_w, _ = _run(resume=tmp_path / "step-0")
+    assert resumed_losses == plain_losses
+    assert all(torch.equal(plain_w[k], v) for k, v in resumed_w.items())

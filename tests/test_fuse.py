@@ -135,7 +135,7 @@ def test_fuse_transform_repr_and_validation():
     assert repr(ml.fuse()) == "fuse()"
     assert repr(ml.fuse("rms_norm")) == "fuse('rms_norm')"
     assert eval(repr(ml.fuse("rms_norm", "loss")), {"fuse": ml.fuse}) == ml.fuse("rms_norm", "loss")
-    with pytest.raises(ml.ConfigError, match="choose distinct ops"):
+    with pytest.raises(ml.ConfigError, match="choose distinct op names"):
         ml.fuse("rms_norm", "rms_norm")
 
 

@@ -10,17 +10,22 @@ parallelism — are read whole, one at a time). No pickle is involved either way
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
-import shutil
+import re
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ._dcp import LoadReport, _barrier, _distributed, _enter, _fsync_dir, _rank
+from ._commit import commit, discard, recover, resolve
+from ._load import LoadReport, held_anywhere
+from ._ranks import agree, as_error, ctrl_group, enter, rank
 from ._safe import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
 
 _UNITS = {"KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20,
           "GIB": 2 ** 30}
@@ -47,16 +52,13 @@ def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
-                    max_shard_size: int | str = "5GB", timeout: float = 300.0) -> str:
-    """Write ``config.json``, safetensors shards and ``model.safetensors.index.json``."""
-    from safetensors.torch import save_file
+def exported(path: str) -> bool:
+    """Whether directory ``path`` holds a finished export (its weights or their index)."""
+    return os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))
 
-    directory = os.fspath(directory).rstrip("/")
-    _enter("save_pretrained", directory, model, timeout)
-    limit = _parse_size(max_shard_size)
-    items = _tensors(model)
-    # Shard assignment from shapes alone: no communication needed to plan the files.
+
+def _plan(items: list, limit: int) -> tuple[list[list[str]], dict[str, int]]:
+    """Shard assignment from shapes alone: no communication needed to plan the files."""
     shards: list[list[str]] = [[]]
     size = 0
     sizes = {}
@@ -68,56 +70,135 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
             size = 0
         shards[-1].append(n)
         size += b
+    return shards, sizes
+
+
+def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
+                    max_shard_size: int | str = "5GB", timeout: float = 300.0) -> str:
+    """Write ``config.json``, safetensors shards and ``model.safetensors.index.json``.
+
+    The export is written into ``<directory>.partial`` and replaces ``directory``
+    atomically (the old export is set aside as ``<directory>.old`` until the new one is in
+    place), so a crash at any point leaves the old export or the new one, which
+    ``load_pretrained`` finds. A failure on any rank (a full disk) raises a
+    ``CheckpointError`` on every rank and removes what was written.
+    """
+    directory = os.fspath(directory).rstrip("/")
+    enter("save_pretrained", directory, model, timeout)
+    group, tmp, err = ctrl_group(model), directory + ".partial", None
+    items = _tensors(model)
+    shards, sizes = _plan(items, _parse_size(max_shard_size))
+    if rank() == 0:
+        try:
+            recover(directory, exported)
+            os.makedirs(tmp)
+        except OSError as e:
+            err = as_error(e, "save_pretrained", directory)
+    _agree_or_discard(group, "checkpoint.save_pretrained: start", tmp, err)
+    weight_map, err = _write_shards(dict(items), shards, tmp, directory)
+    if rank() == 0 and err is None:
+        try:
+            _finish_export(model, tmp, directory, weight_map, sum(sizes.values()),
+                           len(shards))
+        except Exception as e:      # the others wait in the agreement below
+            err = as_error(e, "save_pretrained", directory)
+            try:
+                recover(directory, exported)
+            except OSError:
+                pass                    # the next save_pretrained tidies it
+    _agree_or_discard(group, "checkpoint.save_pretrained: commit", tmp, err)
+    return directory
+
+
+def _agree_or_discard(group, what: str, tmp: str, err) -> None:
+    try:
+        agree(group, what, error=err)
+    except BaseException:
+        if rank() == 0 and os.path.lexists(tmp):
+            discard(tmp)
+        raise
+
+
+def _write_shards(lookup: dict, shards: list[list[str]], tmp: str, directory: str):
+    """Every rank gathers each parameter in turn; rank 0 writes the files. A write that
+    fails stops the writing but not the gathering, so no rank is left waiting."""
+    from safetensors.torch import save_file
+
     total = len(shards)
-    fname = (lambda i: "model.safetensors") if total == 1 else \
-        (lambda i: f"model-{i + 1:05d}-of-{total:05d}.safetensors")
-    tmp = directory + ".partial"
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(model)
-    lookup = dict(items)
-    weight_map = {}
+    weight_map, err = {}, None
     for i, names in enumerate(shards):
+        name = SINGLE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
         buf = {}
         for n in names:
             t = lookup[n]
             full = t.full_tensor() if hasattr(t, "full_tensor") else t
-            if _rank() == 0:
+            if rank() == 0 and err is None:
                 buf[n] = full.detach().to("cpu").contiguous().clone()
-            weight_map[n] = fname(i)
-        if _rank() == 0:
-            save_file(buf, os.path.join(tmp, fname(i)), metadata={"format": "pt"})
+            weight_map[n] = name
+        if rank() == 0 and err is None:
+            try:
+                save_file(buf, os.path.join(tmp, name), metadata={"format": "pt"})
+            except Exception as e:   # OSError, or safetensors' own error for the same
+                if not isinstance(e, OSError):   # safetensors reports the OS error code
+                    code = re.search(r"code: (\d+)", str(e))
+                    e = OSError(int(code.group(1)) if code else None, str(e),
+                                os.path.join(tmp, name))
+                err = as_error(e, "save_pretrained", directory)
         del buf
-    if _rank() == 0:
-        if total > 1:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": sum(sizes.values())},
-                           "weight_map": weight_map}, f, indent=2)
-        cfg = getattr(model, "config", None)
-        if cfg is not None:
-            cfg.save_pretrained(tmp)
-        if os.path.exists(directory):
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-        _fsync_dir(os.path.dirname(os.path.abspath(directory)))
-    _barrier(model)
-    return directory
+    return weight_map, err
+
+
+def _finish_export(model, tmp: str, directory: str, weight_map: dict, total_size: int,
+                   files: int) -> None:
+    """Rank 0: the index and config, then the atomic replacement."""
+    from ._commit import fsync_dir
+
+    if files > 1:
+        with open(os.path.join(tmp, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map},
+                      f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        cfg.save_pretrained(tmp)
+    fsync_dir(tmp)
+    commit(tmp, directory)
 
 
 def _index(directory: str) -> dict[str, str]:
-    idx = os.path.join(directory, "model.safetensors.index.json")
+    idx = os.path.join(directory, INDEX)
     if os.path.exists(idx):
-        with open(idx) as f:
-            return json.load(f)["weight_map"]
-    single = os.path.join(directory, "model.safetensors")
+        try:
+            with open(idx, "rb") as f:
+                wmap = json.loads(f.read().decode())["weight_map"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{idx} is damaged ({type(e).__name__}: {e}); export the "
+                                  f"model again") from None
+        if not isinstance(wmap, dict) or not all(
+                isinstance(v, str) and os.path.basename(v) == v and v not in ("", ".", "..")
+                for v in wmap.values()):
+            raise CheckpointError(f"{idx}: its weight_map must name files inside {directory}; "
+                                  f"meshlab refuses to read others")
+        return wmap
+    single = os.path.join(directory, SINGLE)
     if os.path.exists(single):
-        from safetensors import safe_open
+        with _open_safetensors(single) as f:
+            return {k: SINGLE for k in f.keys()}
+    raise CheckpointError(f"{directory} has neither {SINGLE} nor {INDEX} (meshlab reads "
+                          f"safetensors only); export it with save_pretrained, or pass the "
+                          f"directory that holds them")
 
-        with safe_open(single, framework="pt") as f:
-            return {k: "model.safetensors" for k in f.keys()}
-    raise CheckpointError(f"{directory} has neither model.safetensors nor "
-                          f"model.safetensors.index.json (meshlab reads safetensors only)")
+
+def _open_safetensors(path: str):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as e:        # missing, truncated or garbage header
+        what = "missing" if not os.path.exists(path) else "damaged"
+        raise CheckpointError(f"{path} is {what} ({type(e).__name__}: {e}); export the model "
+                              f"again") from None
 
 
 def _block(t) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -133,53 +214,92 @@ def _block(t) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 def load_pretrained(directory: str | os.PathLike, model: nn.Module, *, strict: bool = True,
                     timeout: float = 300.0) -> LoadReport:
-    """Stream a Hugging Face safetensors checkpoint into ``model`` (sharded or not)."""
-    from safetensors import safe_open
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    """Stream a Hugging Face safetensors checkpoint into ``model`` (sharded or not).
 
+    Every name, shape and file is checked on every rank before any weight is written
+    (pipeline stages check the names they hold; a name is unexpected only when no stage
+    holds it); a failure on one rank raises a ``CheckpointError`` on every rank. After a
+    crash mid-export, the export that was committed is read (``<directory>.old``)."""
     directory = os.fspath(directory).rstrip("/")
-    _enter("load_pretrained", directory, model, timeout)
-    wmap = _index(directory)
-    all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    enter("load_pretrained", directory, model, timeout)
+    group, err, handles = ctrl_group(model), None, {}
+    d = resolve(directory, exported) or directory
     items = _tensors(model)
-    first = {n for n, _ in items}
-    aliases = [n for n in all_names if n not in first]        # tied: loaded through the first
-    missing = [n for n, _ in items if n not in wmap]
-    unexpected = [k for k in wmap if k not in first and k not in aliases]
-    mism = []
-    handles: dict[str, object] = {}
     try:
-        for n, t in items:
-            if n not in wmap:
-                continue
-            f = handles.get(wmap[n])
-            if f is None:
-                f = handles[wmap[n]] = safe_open(os.path.join(directory, wmap[n]),
-                                                 framework="pt").__enter__()
-            sl = f.get_slice(n)
-            saved = tuple(sl.get_shape())
-            if saved != tuple(t.shape):
-                mism.append((n, saved, tuple(t.shape), str(sl.get_dtype()), str(t.dtype)))
-                continue
-            with torch.no_grad():
-                if isinstance(t, DTensor):
-                    blk = _block(t)
-                    if blk is not None:
-                        shape, off = blk
-                        idx = tuple(slice(o, o + s) for o, s in zip(off, shape))
-                        t.to_local().copy_(sl[idx] if idx else sl[:])
-                    else:
-                        full = sl[:].to(t.dtype)
-                        local = distribute_tensor(full, t.device_mesh, t.placements,
-                                                  src_data_rank=None).to_local()
-                        t.to_local().copy_(local)
-                else:
-                    t.copy_(sl[:] if t.dim() else f.get_tensor(n))
+        report, slices = None, {}
+        try:
+            report, slices = _check_import(d, model, items, handles, group)
+            if strict and not report.ok:
+                raise CheckpointError(f"{d} does not fit {type(model).__name__}:\n{report}")
+        except Exception as e:
+            err = as_error(e, "load_pretrained", d)
+        agree(group, "checkpoint.load_pretrained: check", error=err)
+        try:
+            _copy_in(items, slices)
+        except Exception as e:
+            err = as_error(e, "load_pretrained", d)
+        agree(group, "checkpoint.load_pretrained: read", error=err)
     finally:
         for f in handles.values():
             f.__exit__(None, None, None)
-    report = LoadReport(missing, unexpected, mism)
-    if strict and not report.ok:
-        raise CheckpointError(f"{directory} does not fit {type(model).__name__}:\n{report}")
-    _barrier(model)
     return report
+
+
+def _check_import(d: str, model: nn.Module, items: list, handles: dict, group):
+    """The report, and the open slice of every parameter that fits. The exchange of which
+    names some rank holds runs on every rank, even one whose files failed to open."""
+    all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    first = {n for n, _ in items}
+    held = first | set(all_names)             # tied aliases load through the first name
+    wmap, err = {}, None
+    try:
+        wmap = _index(d)
+    except CheckpointError as e:
+        err = e
+    keys = sorted(wmap) if err is None else []
+    agree(group, "checkpoint.load_pretrained: index",
+          {"names": hashlib.sha256("\n".join(keys).encode()).hexdigest()}, err)
+    flags = held_anywhere(keys, dict.fromkeys(held), group)
+    unexpected = [k for k, h in zip(keys, flags) if not h]
+    missing = [n for n, _ in items if n not in wmap]
+    mism, slices = [], {}
+    for n, t in items:
+        if n not in wmap:
+            continue
+        if wmap[n] not in handles:
+            handles[wmap[n]] = _open_safetensors(os.path.join(d, wmap[n])).__enter__()
+        try:
+            sl = handles[wmap[n]].get_slice(n)
+        except Exception as e:
+            raise CheckpointError(f"{os.path.join(d, wmap[n])} does not hold {n}, though the "
+                                  f"index says so ({e}); export the model again") from None
+        saved = tuple(sl.get_shape())
+        if saved != tuple(t.shape):
+            mism.append((n, saved, tuple(t.shape), str(sl.get_dtype()), str(t.dtype)))
+            continue
+        slices[n] = (sl, handles[wmap[n]])
+    return LoadReport(missing, unexpected, mism), slices
+
+
+def _copy_in(items: list, slices: dict) -> None:
+    """Each rank copies its block of every parameter that fits (no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for n, t in items:
+            if n not in slices:
+                continue
+            sl, f = slices[n]
+            if isinstance(t, DTensor):
+                blk = _block(t)
+                if blk is not None:
+                    shape, off = blk
+                    idx = tuple(slice(o, o + s) for o, s in zip(off, shape))
+                    t.to_local().copy_(sl[idx] if idx else sl[:])
+                else:
+                    full = sl[:].to(t.dtype)
+                    local = distribute_tensor(full, t.device_mesh, t.placements,
+                                              src_data_rank=None).to_local()
+                    t.to_local().copy_(local)
+            else:
+                t.copy_(sl[:] if t.dim() else f.get_tensor(n))

@@ -66,24 +66,61 @@ def _params(opt, model: nn.Module | None = None) -> list[tuple[str, nn.Parameter
     return out
 
 
+def has_state(opt) -> bool:
+    """Whether the optimizer holds any state yet (AdamW creates it on its first step)."""
+    return any(bool(v) for v in getattr(opt, "inner", opt).state.values())
+
+
 def ensure_state(opt) -> None:
-    """Create the optimizer's state (AdamW makes it on its first step) without changing
-    any parameter: one step with zero gradients and learning rate 0."""
+    """Create the optimizer's state (AdamW makes it on its first step) so that a load can
+    write into it in place: one step with zero gradients and learning rate 0, after which
+    every parameter, gradient and learning rate is what it was. A strict load overwrites
+    every counter and moment this creates (``strict=False`` keeps them where the
+    checkpoint has nothing that fits, as it keeps those weights)."""
     inner = getattr(opt, "inner", opt)
-    if inner.state:
+    if has_state(opt):
         return
     targets = list(getattr(opt, "shards", [])) if getattr(opt, "zero1", None) is not None else \
         [p for g in inner.param_groups for p in g["params"]]
     saved = [g["lr"] for g in inner.param_groups]
+    grads = [p.grad for p in targets]
     for p in targets:
         p.grad = torch.zeros_like(p)
     for g in inner.param_groups:
         g["lr"] = 0.0
-    inner.step()
-    for g, lr in zip(inner.param_groups, saved):
-        g["lr"] = lr
-    for p in targets:
-        p.grad = None
+    try:
+        inner.step()
+    finally:
+        for g, lr in zip(inner.param_groups, saved):
+            g["lr"] = lr
+        for p, grad in zip(targets, grads):
+            p.grad = grad
+
+
+def clear_state(opt) -> None:
+    """Drop the optimizer's state: it starts afresh at its next step, as it did in the run
+    that saved a checkpoint before its first step."""
+    getattr(opt, "inner", opt).state.clear()
+    if hasattr(opt, "refresh_master"):
+        opt.refresh_master()
+
+
+def check_optimizer(opt, rest: dict[str, Any], where: str) -> None:
+    """What ``load_optimizer_state`` will need from the checkpoint, checked before the
+    load writes anything."""
+    inner = getattr(opt, "inner", opt)
+    groups = rest.get("param_groups")
+    if groups is not None and (not isinstance(groups, list) or
+                               not all(isinstance(g, dict) for g in groups)):
+        raise CheckpointError(f"{where}: the optimizer's param_groups are damaged "
+                              f"({type(groups).__name__}); load an older checkpoint")
+    if groups is not None and len(groups) != len(inner.param_groups):
+        raise CheckpointError(f"{where} has {len(groups)} optimizer param groups, this "
+                              f"optimizer {len(inner.param_groups)}; build the optimizer as "
+                              f"the saved run did, or load without it (optimizer=None)")
+    if getattr(opt, "scaler", None) is not None and rest.get("scaler") is not None and \
+            not isinstance(rest["scaler"], dict):
+        raise CheckpointError(f"{where}: the loss scaler's state is damaged")
 
 
 def optimizer_state(opt, model: nn.Module | None = None
@@ -115,13 +152,17 @@ def optimizer_state(opt, model: nn.Module | None = None
 
 
 def load_optimizer_state(opt, tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
-    """Write loaded canonical tensors (and JSON rest) back into ``opt``."""
+    """Write loaded canonical tensors (and JSON rest) back into ``opt``.
+
+    ``tensors`` holds every key ``optimizer_state`` made: those the load did not fill
+    (``strict=False``) still hold the current state, so a ZeRO-1 slice that mixes loaded
+    and unloaded parameters keeps the current values of the latter."""
     inner = getattr(opt, "inner", opt)
     z = getattr(opt, "zero1", None)
     if z is not None:
         names = {id(p): n for n, p in opt.params}
         for b, shard in zip(z.buckets, z.shards):
-            for key, flat_local in inner.state[shard].items():
+            for key, flat_local in inner.state.get(shard, {}).items():
                 if flat_local.dim() == 0:
                     flat_local.copy_(tensors[f"{OPT_PREFIX}{names[id(b.params[0])]}.{key}"])
                     continue
@@ -129,20 +170,32 @@ def load_optimizer_state(opt, tensors: dict[str, torch.Tensor], rest: dict[str, 
                 flat_local.copy_(z.slice_state(parts, b, flat_local))
         opt.refresh_master()
     groups = rest.get("param_groups")
-    if groups is not None:
-        if len(groups) != len(inner.param_groups):
-            raise CheckpointError(f"the checkpoint has {len(groups)} optimizer param groups, "
-                                  f"this optimizer {len(inner.param_groups)}")
+    if groups is not None:          # check_optimizer made sure they fit
         for g, saved in zip(inner.param_groups, groups):
             g.update(saved)
     if getattr(opt, "scaler", None) is not None and "scaler" in rest:
         opt.scaler.load_state_dict(rest["scaler"])
 
 
+def check_extra(extra: Any) -> None:
+    """``extra`` is the user's own state: a JSON object with string keys."""
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"save(extra=...) takes a dict of JSON values (such as "
+                              f"{{'step': 100}}), got a {type(extra).__name__}: {extra!r:.80}; "
+                              f"wrap it, e.g. extra={{'value': ...}}")
+    bad = [k for k in extra if not isinstance(k, str)]
+    if bad:
+        raise CheckpointError(f"save(extra=...): keys must be strings (JSON would turn "
+                              f"{bad[:3]} into strings and the load would not give them back)")
+    _jsonable(extra, "extra")
+
+
 def _jsonable(v: Any, what: str) -> Any:
     try:
         json.dumps(v)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:
         raise CheckpointError(f"{what} is not JSON-serializable ({e}); meshlab stores "
                               f"everything but tensors as JSON so that loading runs no code")
     return v

@@ -32,10 +32,15 @@ class Fuse(Transform):
     ops: tuple[str, ...] = FUSABLE
 
     def __post_init__(self):
-        ops = (self.ops,) if isinstance(self.ops, str) else tuple(self.ops)
-        bad = [o for o in ops if o not in FUSABLE]
-        if bad or not ops or len(set(ops)) != len(ops):
-            raise ConfigError(f"fuse{ops!r}: choose distinct ops from {FUSABLE}")
+        ops = (self.ops,) if isinstance(self.ops, str) else \
+            tuple(self.ops) if isinstance(self.ops, (tuple, list)) else None
+        bad = None if ops is None else [o for o in ops if not isinstance(o, str)
+                                        or o not in FUSABLE]
+        if ops is None or bad or not ops or len(set(ops)) != len(ops):
+            given = ", ".join(map(repr, ops if ops is not None else (self.ops,)))
+            raise ConfigError(f"fuse({given}): choose "
+                              f"distinct op names from {FUSABLE}, e.g. fuse('rms_norm', "
+                              f"'loss'), or fuse() for all of them")
         object.__setattr__(self, "ops", ops)
 
     def check(self, plan: Plan) -> None:

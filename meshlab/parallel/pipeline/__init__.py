@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from ..._errors import ConfigError, PlanError
+from ..._errors import ConfigError, PlanError, check_choice, check_int, check_name
 from ..._plan import Plan
 from .._protocol import Phase, Transform
 from ..shard._layout import sequence_parallel
@@ -44,10 +44,13 @@ class Pipeline(Transform):
     layers_per_stage: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"pipeline(schedule={self.schedule!r}): one of {sorted(SCHEDULES)}")
-        if self.microbatches < 1:
-            raise ConfigError(f"pipeline(microbatches={self.microbatches}): at least 1")
+        check_name(self.axis, "pipeline", "axis", example="pp")
+        check_choice(self.schedule, "pipeline", "schedule", tuple(SCHEDULES))
+        object.__setattr__(self, "microbatches", check_int(
+            self.microbatches, "pipeline", "microbatches", example=4))
+        if self.virtual_stages is not None:
+            object.__setattr__(self, "virtual_stages", check_int(
+                self.virtual_stages, "pipeline", "virtual_stages", example=2))
         v = self.v
         if self.schedule in ("gpipe", "1f1b") and v != 1:
             raise ConfigError(f"{self.schedule} runs one stage per rank; use "
@@ -56,7 +59,7 @@ class Pipeline(Transform):
             raise ConfigError("zbv runs exactly two stages per rank (a V shape)")
         object.__setattr__(self, "virtual_stages", v)
         if self.layers_per_stage is not None:
-            object.__setattr__(self, "layers_per_stage", tuple(self.layers_per_stage))
+            object.__setattr__(self, "layers_per_stage", _layers(self.layers_per_stage))
 
     @property
     def v(self) -> int:
@@ -96,6 +99,15 @@ class Pipeline(Transform):
                 f"microbatches={self.microbatches}, virtual_stages={self.v})")
 
 
+def _layers(value) -> tuple[int, ...]:
+    """``layers_per_stage``: a non-empty tuple (or list) of block counts, each >= 1."""
+    if not isinstance(value, (tuple, list)) or not value:
+        raise ConfigError(f"pipeline(layers_per_stage={value!r}): give one block count per "
+                          f"stage, e.g. layers_per_stage=(3, 3, 2), or None to balance them")
+    return tuple(check_int(n, "pipeline", f"layers_per_stage[{i}]", example=2)
+                 for i, n in enumerate(value))
+
+
 def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
              virtual_stages: int | None = None,
              layers_per_stage: tuple[int, ...] | list[int] | None = None) -> Pipeline:
@@ -104,8 +116,7 @@ def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
     >>> pipeline('pp', schedule='interleaved', microbatches=8)
     pipeline('pp', schedule='interleaved', microbatches=8, virtual_stages=2)
     """
-    return Pipeline(axis, schedule, microbatches, virtual_stages,
-                    None if layers_per_stage is None else tuple(layers_per_stage))
+    return Pipeline(axis, schedule, microbatches, virtual_stages, layers_per_stage)
 
 
 def stages(plan: Plan) -> list[Stage]:

@@ -50,6 +50,34 @@ class PipelineSetup:
         return PipelinePart(self.t, group, built, self.kept, self.first, self.last)
 
 
+def _pipeline_batch(batch, microbatches: int):
+    """The schedule's input ids and targets, checked before its first send: the schedule
+    cuts dim 0 into ``microbatches`` equal parts, and a batch that does not divide would
+    fail on the last stage alone. Batch shapes are the same on every rank (``step`` agreed
+    on them), so this raises ``ConfigError`` on every rank alike."""
+    from ..._errors import ConfigError
+
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch:
+            raise ConfigError(f"step: a pipelined model reads batch['input_ids'] (and "
+                              f"batch['labels'], default the ids); this batch has "
+                              f"{sorted(map(str, batch))}")
+        x, target = batch["input_ids"], batch.get("labels", batch["input_ids"])
+    else:
+        x = target = batch
+    for name, t in (("input_ids", x), ("labels", target)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ConfigError(f"step: a pipelined model's batch[{name!r}] must be a tensor of "
+                              f"shape (batch, seq), got {type(t).__name__}")
+    if x.shape[0] % microbatches or x.shape[0] == 0 or target.shape[0] != x.shape[0]:
+        raise ConfigError(
+            f"step: pipeline(microbatches={microbatches}) cuts the local batch into "
+            f"{microbatches} equal microbatches, but input_ids has {x.shape[0]} rows (labels "
+            f"{target.shape[0]}); use a batch size per data-parallel rank that is a multiple "
+            f"of {microbatches}, or pipeline(microbatches=...) that divides {x.shape[0]}")
+    return x, target
+
+
 @dataclasses.dataclass
 class PipelinePart(Part):
     """Runs the step through the schedule; the gradient norm is summed over the stages."""
@@ -83,8 +111,7 @@ class PipelinePart(Part):
 
     def run_step(self, rt, opt, batch, loss_fn) -> float:
         """The schedule runs the microbatches; the loss comes from the last stage."""
-        x = batch["input_ids"] if isinstance(batch, Mapping) else batch
-        target = batch.get("labels", x) if isinstance(batch, Mapping) else x
+        x, target = _pipeline_batch(batch, self.t.microbatches)
         losses: list = []
         sched = self.schedule(loss_fn)
         sync = rt.grad_sync

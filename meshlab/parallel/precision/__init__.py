@@ -12,18 +12,33 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._errors import ConfigError
+from ..._errors import ConfigError, check_int, check_number
 from ..._plan import Plan
 from .._protocol import Part, Phase, Transform
 
 _ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-            "fp16": "float16", "float16": "float16", None: None}
+            "fp16": "float16", "float16": "float16"}
 
 
 def _dtype(name, what):
-    if name not in _ALIASES:
-        raise ConfigError(f"precision({what}={name!r}): use one of 'fp32', 'bf16', 'fp16'")
+    """A dtype name (``'bf16'``, ``'bfloat16'``, ...) as torch spells it; anything else,
+    ``None`` included (it would silently mean fp32), lists the names."""
+    if not isinstance(name, str) or name not in _ALIASES:
+        raise ConfigError(f"precision({what}={name!r}): use one of 'fp32', 'bf16', 'fp16' (or "
+                          f"'float32', 'bfloat16', 'float16')")
     return _ALIASES[name]
+
+
+def _loss_scale(value):
+    """``None`` (no scaling), ``'dynamic'``, or a fixed scale: a finite number > 0 (a scale
+    of 0 zeroes every gradient, NaN poisons them)."""
+    if value is None or (isinstance(value, str) and value == "dynamic"):
+        return value
+    if isinstance(value, str):
+        raise ConfigError(f"precision(loss_scale={value!r}): use None, 'dynamic' or a fixed "
+                          f"scale such as 1024.0")
+    x = check_number(value, "precision", "loss_scale", example=1024.0)
+    return value if type(value) in (int, float) else x     # as written (repr, JSON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +58,13 @@ class Precision(Transform):
     growth_interval: int = 2000
 
     def __post_init__(self):
-        object.__setattr__(self, "compute", _dtype(self.compute, "compute") or "float32")
-        object.__setattr__(self, "reduce", _dtype(self.reduce, "reduce") or "float32")
-        if self.loss_scale not in (None, "dynamic") and (
-                isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float))):
-            raise ConfigError(f"precision(loss_scale={self.loss_scale!r}): None, 'dynamic' or "
-                              f"a number")
+        object.__setattr__(self, "compute", _dtype(self.compute, "compute"))
+        object.__setattr__(self, "reduce", _dtype(self.reduce, "reduce"))
+        object.__setattr__(self, "loss_scale", _loss_scale(self.loss_scale))
+        object.__setattr__(self, "init_scale", check_number(
+            self.init_scale, "precision", "init_scale", example=65536.0))
+        object.__setattr__(self, "growth_interval", check_int(
+            self.growth_interval, "precision", "growth_interval", example=2000))
 
     def install(self, ctx) -> Part:
         cast = None if self.compute == "float32" else getattr(torch, self.compute)
@@ -68,7 +84,7 @@ def precision(compute: str = "bf16", reduce: str = "fp32", loss_scale: str | flo
     """
     if loss_scale is ...:       # Precision validates and normalizes the rest
         loss_scale = "dynamic" if _dtype(compute, "compute") == "float16" else None
-    return Precision(compute, reduce, loss_scale, float(init_scale), int(growth_interval))
+    return Precision(compute, reduce, loss_scale, init_scale, growth_interval)
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from ..._errors import ConfigError
+from ..._errors import check_choice
 from .._protocol import Phase, Transform
 
 POLICIES = ("none", "full", "selective")
@@ -29,8 +29,7 @@ class Remat(Transform):
     policy: str = "full"
 
     def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ConfigError(f"remat({self.policy!r}): choose one of {POLICIES}")
+        check_choice(self.policy, "remat", "policy", POLICIES)
 
     def install(self, ctx) -> None:
         if self.policy == "none":

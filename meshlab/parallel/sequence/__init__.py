@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ..._errors import ConfigError
+from ..._errors import ConfigError, check_choice, check_name
 from ..._plan import Plan
 from ..._rules import Rules
 from .._gradsync import Reduction
@@ -45,8 +45,8 @@ class Sequence(Transform):
     mode: str = "all_to_all"
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ConfigError(f"sequence(mode={self.mode!r}): one of {MODES}")
+        check_name(self.axis, "sequence", "axis", example="sp")
+        check_choice(self.mode, "sequence", "mode", MODES)
 
     def apply(self, plan: Plan) -> Plan:
         if self.mode == "split_gather":

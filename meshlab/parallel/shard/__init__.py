@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
-from ..._errors import PlanError, RulesError
+from ..._errors import PlanError, RulesError, SpecError
 from ..._plan import ActivationEntry, Plan
 from ..._roles import implied_room
 from ..._rules import DEFAULT_RULES, Rules
@@ -359,13 +359,32 @@ def shard(specs: Any, rules: Rules | None = None, *,
     shard({'layers.*.mlp.up_proj.weight': P('mlp', 'embed')}, Rules(mlp='tp'))
     """
     if rules is not None and not isinstance(rules, Rules):
+        if not isinstance(rules, Mapping):
+            raise RulesError(f"shard(rules={rules!r}): rules must be a Rules or a mapping of "
+                             f"logical axis -> mesh axes, e.g. Rules(mlp='tp')")
         rules = Rules(rules)
-    from ...policies import Policy, _Auto
+    from ...policies import Policy, _Auto, get
 
-    if not isinstance(specs, (Policy, _Auto, str)):
+    if isinstance(specs, str):                   # a registered policy, by name
+        specs = get(specs)
+    if not isinstance(specs, (Policy, _Auto)):
         specs = _Frozen(normalize_specs(specs))  # one spelling from here on: FQN globs
-    return Shard(specs=specs, rules=rules,
-                 activations=tuple((activations or {}).items()))
+    return Shard(specs=specs, rules=rules, activations=_activation_specs(activations))
+
+
+def _activation_specs(activations) -> tuple[tuple[str, P], ...]:
+    """``shard(activations=)``: module globs -> the ``P`` of each module's output."""
+    if activations is None:
+        return ()
+    if not isinstance(activations, Mapping):
+        raise SpecError(f"shard(activations={activations!r}): give a dict of module globs -> "
+                        f"P, e.g. {{'layers.*': P('batch', 'seq', None)}}")
+    for glob, spec in activations.items():
+        glob_match(glob, "")                     # a glob that cannot match raises here
+        if not isinstance(spec, P):
+            raise SpecError(f"shard(activations={{{glob!r}: {spec!r}}}): each module glob "
+                            f"maps to a P(...) describing the module's output")
+    return tuple(activations.items())
 
 
 class _Frozen(dict):

@@ -58,6 +58,7 @@ def tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
     scan = _Scan(plan, axis, plan.mesh_shape[axis], rank,
                  tuple(a.module for a in plan.activations if "tp_region" in a.tags),
                  sequence_parallel(plan, axis), {m.fqn: m for m in plan.model.modules})
+    _refuse_split_heads(scan)
     if not scan.regions:            # no policy marks regions: the model runs on DTensors
         layout = dtensor_layout(plan, axis)
         if layout is not None and scan.sp:
@@ -73,6 +74,7 @@ def tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
     if not scan.modules:
         return None, []
     _refuse_mixed_regions(scan)
+    _refuse_unpaired_rows(scan)
     _refuse_partial(scan)
     blocks = plan.model.blocks
     layout = TPLayout(axis=axis, modules=tuple(scan.modules), regions=scan.regions,
@@ -114,11 +116,13 @@ def _classify(scan: _Scan, mname: str, es: list, tied: set) -> None:
     _linear(scan, m, es, w, styles)
 
 
-def _packing(mname: str, styles: set) -> int:
+def _packing(mname: str, styles: set, check: bool = True) -> int:
+    """How many parts a fused projection packs (q|k|v: 3); ``check`` refuses the packed
+    q/k/v whose parts differ under GQA."""
     if "conv1d_packed_colwise" in styles:
         return 3
     if "packed_colwise" in styles:
-        if "qkv" in mname:
+        if check and "qkv" in mname:
             raise ConfigError(f"{mname}: packed q/k/v projections have unequal parts under "
                               f"GQA; give this module a replicated spec")
         return 2
@@ -244,6 +248,90 @@ def _reads_split(scan: _Scan, region: str, peer: ModuleInfo, whole: ModuleInfo) 
     joined_outside = any(isinstance(m.style, RowWise) and not scan.in_region(m.fqn) and
                          (not parent or m.fqn.startswith(parent + ".")) for m in scan.modules)
     return whole.fqn == inside[-1].fqn and not joined_outside
+
+
+def _joins(scan: _Scan, fqn: str, region: str) -> bool:
+    """Whether a row-parallel ``fqn`` can join ``region``'s split outputs: it sits inside
+    the region, or after it outside any region, under the region's parent."""
+    parent = region.rpartition(".")[0]
+    return fqn.startswith(region + ".") or (
+        not scan.in_region(fqn) and (not parent or fqn.startswith(parent + ".")))
+
+
+def _refuse_unpaired_rows(scan: _Scan) -> None:
+    """A row-parallel module runs on this rank's share of its input features, which a
+    column-parallel module of the region it joins has split. With none (only ``down_proj``
+    sharded, outside any region or alone in one), its whole input meets a slice of its
+    weight and the forward fails on mismatched shapes."""
+    styles = {m.fqn: m.style for m in scan.modules}
+    split = [r for r in scan.regions if any(isinstance(st, ColWise) and f.startswith(r + ".")
+                                            for f, st in styles.items())]
+    for f, st in styles.items():
+        if not isinstance(st, RowWise) or any(_joins(scan, f, r) for r in split):
+            continue
+        e = next((e for e in scan.plan.params if e.module == f and e.fqn.endswith("weight")),
+                 None)
+        spec = f" ({e.spec!r} -> {e.mesh_spec!r})" if e is not None else ""
+        where = next((r for r in scan.regions if f.startswith(r + ".")), None)
+        place = f"inside the tensor-parallel region {where}" if where else \
+            "outside every tensor-parallel region"
+        out_spec = "P(None, 'tp')" if st.conv1d else "P('tp', None)"
+        raise ConfigError(
+            f"{f}: split over {scan.axis!r} on its input features{spec} (row-parallel), "
+            f"{place}, but no column-parallel module splits the features it reads: the "
+            f"local-shard path would multiply its whole input by this rank's slice of the "
+            f"weight. Shard the projections that feed {f} on their output features (a "
+            f"weight {out_spec.replace('tp', scan.axis)}) in a region it joins, or replicate "
+            f"{f}.weight with P()")
+
+
+def _is_attention(info: ModuleInfo | None) -> bool:
+    return info is not None and ("Attention" in info.cls or "Attn" in info.cls)
+
+
+def _head_dim(scan: _Scan, attn: ModuleInfo) -> int | None:
+    """The width of one head of attention module ``attn``: its own integer attribute,
+    else the config's ``head_dim``, else the hidden size over the head count."""
+    for attr in ("head_dim", "attention_head_size", "head_size"):
+        if attn.get(attr):
+            return attn.get(attr)
+    model = scan.plan.model
+    if model.config_get("head_dim"):
+        return model.config_get("head_dim")
+    hidden = model.config_get("hidden_size") or model.config_get("n_embd")
+    heads = model.config_get("num_attention_heads") or model.config_get("n_head")
+    return hidden // heads if hidden and heads and hidden % heads == 0 else None
+
+
+def _refuse_split_heads(scan: _Scan) -> None:
+    """Attention projections split on their output features are split at head
+    boundaries: each rank must hold whole heads (of each packed part), or the forward's
+    reshape to (batch, seq, heads, head_dim) fails on the local shard, and DTensor cannot
+    unflatten a dim split mid-head. Logical ``kv_heads`` fewer than the shards are
+    replicated by ``bind``; mesh-axis specs and axis overrides arrive here as written."""
+    for e in scan.plan.params:
+        m = scan.infos.get(e.module)
+        if m is None or m.kind not in ("linear", "conv1d") or e.mesh_spec is None or \
+                e.fqn != f"{e.module}.weight":
+            continue
+        out_dim = 1 if m.kind == "conv1d" else 0
+        attn = scan.infos.get(e.module.rpartition(".")[0])
+        if scan.axis not in e.mesh_spec.dim_axes(out_dim) or not _is_attention(attn):
+            continue
+        hd, parts = _head_dim(scan, attn), _packing(e.module, set(e.tags), check=False)
+        out = e.shape[out_dim]
+        if not hd or out % (hd * parts) or (out // (hd * parts)) % scan.n == 0:
+            continue
+        heads = out // (hd * parts)
+        raise ConfigError(
+            f"{e.fqn} {e.shape}: {e.spec!r} -> {e.mesh_spec!r} splits the {heads} "
+            f"head{'s' if heads != 1 else ''} "
+            f"(head_dim {hd}{f', in each of {parts} packed parts' if parts > 1 else ''}) of "
+            f"{e.module} over {scan.axis!r} (size {scan.n}), but {heads} % {scan.n} != 0: "
+            f"a rank would hold part of a head, and the attention's reshape to (batch, seq, "
+            f"heads, head_dim) fails. Replicate it with P(), spell the dim with the logical "
+            f"axis 'kv_heads' (K/V heads fewer than the shards are then replicated), or use "
+            f"a {scan.axis!r} size that divides {heads}")
 
 
 def _refuse_partial(scan: _Scan) -> None:

@@ -6,6 +6,8 @@ the single-process loss: the labels are taken out of the call (so the model comp
 loss of its own, whether through ``loss_function`` or a ``CrossEntropyLoss`` in its
 ``forward``), and the loss of the model's kind (``loss_type``: causal or masked LM) is
 computed from the sharded logits by ``meshlab.losses.hf_loss`` and set on the output.
+The labels are checked against the vocabulary once per forward: by the parallelized
+model's first pre-hook (``meshlab.losses.guard_model``) where it ran, else by the loss.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..._errors import ConfigError
-from ...losses import hf_loss
+from ...losses import _GUARD, hf_loss, mark
 
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
@@ -44,9 +46,14 @@ def install_loss(model: nn.Module) -> None:
         if labels is None:
             return out
         kw = state.pop("kw")
-        if isinstance(out, tuple):          # return_dict=False: (logits, ...)
-            return (fn(out[0], labels, **kw),) + out
-        out["loss"] = fn(out["logits"], labels, **kw)
+        logits = out[0] if isinstance(out, tuple) else out["logits"]   # tuple: return_dict=False
+        guard = getattr(mod, _GUARD, None)
+        mark(logits, guard)       # a check the loss makes is agreed as the forward's
+        kw["check"] = guard is None or "shift_labels" in kw or not guard.covers(
+            labels, logits.shape[-1], kw.get("ignore_index", -100))
+        if isinstance(out, tuple):
+            return (fn(logits, labels, **kw),) + out
+        out["loss"] = fn(logits, labels, **kw)
         return out
 
     model.register_forward_pre_hook(pre, with_kwargs=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ..._errors import ConfigError, NotRunnable
+from ..._errors import ConfigError, NotRunnable, check_int, check_names
 from ..._plan import Plan
 from ..._roles import implied_room
 from .._protocol import Phase, Transform
@@ -23,11 +23,14 @@ from .._gradsync import Reduction
 from ._install import fsdp_ignored, install_zero
 
 
-def _axes(axis) -> tuple[str, ...]:
-    axes = (axis,) if isinstance(axis, str) else tuple(axis)
-    if not axes or not all(isinstance(a, str) and a.isidentifier() for a in axes):
-        raise ConfigError(f"axis must be a mesh axis name or a tuple of them, got {axis!r}")
-    return axes
+def _axes(axis, call: str = "zero_shard") -> tuple[str, ...]:
+    """``axis`` as a tuple of distinct mesh axis names."""
+    return check_names(axis, call, "axis")
+
+
+def _stage(stage) -> int:
+    """ZeRO's stage, 0 to 3; a bool or a float (``True``, ``1.0``) is refused."""
+    return check_int(stage, "zero_shard", "stage", low=0, high=3, example=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +46,7 @@ class ZeroShard(Transform):
     axis: tuple[str, ...] = ("dp",)
 
     def __post_init__(self):
-        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
-            raise ConfigError(f"zero_shard(stage={self.stage!r}): stage must be 0, 1, 2 or 3")
+        object.__setattr__(self, "stage", _stage(self.stage))
         object.__setattr__(self, "axis", _axes(self.axis))
 
     def claims(self, plan: Plan):
@@ -111,13 +113,13 @@ def zero_shard(stage: int = 3, axis: str | tuple[str, ...] = "dp") -> ZeroShard:
     >>> zero_shard(3, 'dp')
     zero_shard(stage=3, axis='dp')
     """
-    return ZeroShard(stage=stage, axis=_axes(axis))
+    return ZeroShard(stage=_stage(stage), axis=_axes(axis))
 
 
 def data_parallel(axis: str | tuple[str, ...] = "dp") -> ZeroShard:
     """Plain data parallelism over ``axis`` (``zero_shard(0, axis)``): replicated
     parameters, gradients all-reduced once per step."""
-    return ZeroShard(stage=0, axis=_axes(axis))
+    return ZeroShard(stage=0, axis=_axes(axis, "data_parallel"))
 
 
 @implied_room

@@ -1,0 +1,153 @@
+"""The commit marker ``meshlab.json`` and the checksums of a checkpoint's files.
+
+The marker lists every file of the checkpoint with its size and SHA-256 (``files``).
+Each rank hashes the shards it wrote; rank 0 adds ``.metadata`` and the per-rank files
+before it writes the marker. On load every rank checks that every file is present and
+of its size, and hashes its share of them (plus ``.metadata`` and its own RNG file,
+which it reads itself), so a truncated, missing, swapped or bit-flipped file is named
+before anything is read into the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import warnings
+from typing import Any
+
+from ._safe import CheckpointError
+
+MARKER = "meshlab.json"
+FORMAT = "meshlab.checkpoint/2"
+LEGACY = "meshlab.checkpoint/1"        # written before checksums: loaded unverified
+_CHUNK = 1 << 22
+
+
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(_CHUNK)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def entry(path: str) -> dict:
+    """What the marker records of one file."""
+    return {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+
+
+def rank_file(r: int) -> str:
+    return f"rank-{r:05d}.json"
+
+
+def shard_prefix(r: int) -> str:
+    """DCP names the files rank ``r`` of its group writes ``__<r>_<n>.distcp``."""
+    return f"__{r}_"
+
+
+def is_complete(path: str) -> bool:
+    """Whether directory ``path`` carries a commit marker (a complete checkpoint)."""
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def read_marker(path: str) -> dict:
+    """The marker of checkpoint directory ``path``, checked; a ``CheckpointError``
+    naming the file and the damage if it is unreadable or malformed."""
+    where = os.path.join(path, MARKER)
+    try:
+        with open(where, "rb") as f:
+            meta = json.loads(f.read().decode())
+    except FileNotFoundError:
+        hint = " (an interrupted save: no commit marker)" if os.path.isdir(path) else ""
+        raise CheckpointError(f"{path} is not a complete meshlab checkpoint{hint}; use "
+                              f"meshlab.checkpoint.latest(dir) to find the newest valid one"
+                              ) from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{where} is damaged: not a JSON document ({e}); this "
+                              f"checkpoint cannot be used, load an older one") from None
+    _check_marker(meta, where)
+    return meta
+
+
+def _check_marker(meta: Any, where: str) -> None:
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{where} is damaged: it holds a JSON {type(meta).__name__}, "
+                              f"not the object meshlab writes; load an older checkpoint")
+    fmt = meta.get("format")
+    if fmt not in (FORMAT, LEGACY):
+        raise CheckpointError(f"{where}: format {fmt!r}, expected {FORMAT!r}; this is not a "
+                              f"meshlab checkpoint, or one from a newer meshlab")
+    bad = []
+    if meta.get("extra") is not None and not isinstance(meta["extra"], dict):
+        bad.append(f"extra is a {type(meta['extra']).__name__}, not an object")
+    t = meta.get("time", 0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+        bad.append(f"time is {t!r}, not a number")
+    ws = meta.get("world_size")
+    if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
+        bad.append(f"world_size is {ws!r}")
+    for key in ("optimizer", "mesh"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            bad.append(f"{key} is a {type(meta[key]).__name__}, not an object")
+    if fmt == FORMAT:
+        bad += _check_files(meta.get("files"))
+    if bad:
+        raise CheckpointError(f"{where} is damaged: {'; '.join(bad)}; load an older checkpoint")
+
+
+def _check_files(files: Any) -> list[str]:
+    if not isinstance(files, dict) or not files:
+        return ["it lists no files with checksums"]
+    for name, e in files.items():
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
+            return [f"it lists the file {name!r}, which is not a name inside the directory"]
+        if not (isinstance(e, dict) and isinstance(e.get("sha256"), str)
+                and isinstance(e.get("bytes"), int) and not isinstance(e.get("bytes"), bool)):
+            return [f"its entry for {name} is {e!r}, not a size and a SHA-256"]
+    return []
+
+
+def order_key(meta: dict) -> tuple:
+    """Newest first by ``extra['step']`` (when a number), then by save time."""
+    step = (meta.get("extra") or {}).get("step")
+    ok = isinstance(step, (int, float)) and not isinstance(step, bool)
+    return (step if ok else -1, meta.get("time", 0))
+
+
+def checked(path: str) -> dict | None:
+    """The marker of ``path``, or None with a warning when it is damaged."""
+    try:
+        return read_marker(path)
+    except CheckpointError as e:
+        warnings.warn(f"skipping {path}: {e}", stacklevel=3)
+        return None
+
+
+def verify(path: str, files: dict, mine: list[str]) -> dict[str, int]:
+    """Every file listed is present with its size; those in ``mine`` also match their
+    SHA-256. Returns name -> size. Raises a ``CheckpointError`` naming the file."""
+    sizes = {}
+    for name, e in sorted(files.items()):
+        full = os.path.join(path, name)
+        try:
+            size = os.path.getsize(full)
+        except OSError:
+            raise CheckpointError(f"{full} is missing: the checkpoint lists it "
+                                  f"({e['bytes']} bytes). The checkpoint is incomplete; load an "
+                                  f"older one") from None
+        if size != e["bytes"]:
+            damage = "truncated" if size < e["bytes"] else "longer than written"
+            raise CheckpointError(f"{full} is {damage}: it has {size} bytes, the checkpoint "
+                                  f"wrote {e['bytes']}. Load an older checkpoint")
+        sizes[name] = size
+    for name in mine:
+        full = os.path.join(path, name)
+        if sha256(full) != files[name]["sha256"]:
+            raise CheckpointError(f"{full} is damaged: its SHA-256 differs from the one "
+                                  f"recorded when it was written (flipped bits or a file "
+                                  f"swapped with another). Load an older checkpoint")
+    return sizes
