@@ -269,8 +269,12 @@ def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
 
     >>> opt = optimizer(model, torch.optim.AdamW, lr=3e-4, clip_grad_norm=1.0)  # doctest: +SKIP
     """
-    if not isinstance(cls, type):
+    from ._errors import check_number
+
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
         raise ConfigError(f"optimizer(model, cls, ...): cls must be an optimizer class such as "
                           f"torch.optim.AdamW, got {cls!r}")
+    if clip_grad_norm is not None:
+        check_number(clip_grad_norm, "optimizer", "clip_grad_norm", example=1.0)
     return MeshOptimizer(model, cls, clip_grad_norm=clip_grad_norm, nonfinite=nonfinite,
                          **kwargs)

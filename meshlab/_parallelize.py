@@ -32,6 +32,12 @@ def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, 
 
     >>> model = parallelize(model, shard(policies.auto, rules) | zero_shard(3), mesh)  # doctest: +SKIP
     """
+    from ._errors import check_int
+
+    check_int(seed, "parallelize", "seed", low=0, example=0)
+    if state_dict is not None and not isinstance(state_dict, Mapping):
+        raise ConfigError(f"parallelize(state_dict=...): a mapping of parameter names to full "
+                          f"tensors, got {type(state_dict).__name__}")
     mesh = mesh if mesh is not None else current_mesh()
     if mesh is None:
         raise MeshError("parallelize: no mesh given and none is active; pass mesh= or use "

@@ -300,3 +300,26 @@ def test_microbatches_that_do_not_divide_raise_on_every_rank(world2, pipelined):
     for name, msg, ok in out:
         assert name == "ConfigError" and ("does not divide" in msg or "4 rows" in msg), out
         assert ok
+
+
+def test_transform_json_round_trip_keeps_shard_specs():
+    from meshlab.parallel._protocol import Transform
+
+    s = ml.shard(ml.policies.auto, ml.Rules(mlp="tp"))
+    assert Transform.from_json(s.to_json()) == s
+    composed = s | ml.zero_shard(1)
+    assert Transform.from_json(composed.to_json()) == composed
+
+
+def test_entry_points_refuse_bad_arguments_typed():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ml.MeshlabError, match="takes a Plan"):
+        ml.zero_shard(1)(3)
+    with pytest.raises(ml.ConfigError, match="optimizer class"):
+        ml.optimizer(model, torch.nn.Linear)
+    with pytest.raises(ml.ConfigError, match="clip_grad_norm"):
+        ml.optimizer(model, torch.optim.SGD, clip_grad_norm=-1.0)
+    with pytest.raises(ml.ConfigError, match="seed"):
+        ml.parallelize(model, ml.data_parallel("dp"), ml.Mesh(dp=2, fake=True), seed=1.5)
+    with pytest.raises(ml.ConfigError, match="state_dict"):
+        ml.parallelize(model, ml.data_parallel("dp"), ml.Mesh(dp=2, fake=True), state_dict=[1])

@@ -137,8 +137,10 @@ class Transform:
     # -- composition --------------------------------------------------------------------
     def __call__(self, plan: Plan) -> Plan:
         if not isinstance(plan, Plan):
-            raise TypeError(f"{self!r} takes a Plan, got {type(plan).__name__}; build one with "
-                            f"meshlab.plan(model, spec, mesh) or meshlab.trace(model)")
+            from .._errors import ConfigTypeError
+
+            raise ConfigTypeError(f"{self!r} takes a Plan, got {type(plan).__name__}; build one "
+                                  f"with meshlab.plan(model, spec, mesh) or meshlab.trace(model)")
         _refuse_second(self, plan.options)
         out = self.apply(plan)
         return dataclasses.replace(out, options=out.options + (self,),
@@ -169,7 +171,10 @@ class Transform:
     def from_json(cls, d: Mapping[str, Any]) -> "Transform":
         if d.get("kind") == "compose":
             return Compose(tuple(Transform.from_json(x) for x in d["transforms"]))
-        return option_type(d.get("kind"))._from_fields({k: decode(v) for k, v in d.items() if k != "kind"})
+        cls = option_type(d.get("kind"))
+        if cls.from_json.__func__ is not Transform.from_json.__func__:
+            return cls.from_json(d)          # a transform with its own JSON form (shard)
+        return cls._from_fields({k: decode(v) for k, v in d.items() if k != "kind"})
 
     @classmethod
     def _from_fields(cls, fields: dict) -> "Transform":
