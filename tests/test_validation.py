@@ -323,3 +323,12 @@ def test_entry_points_refuse_bad_arguments_typed():
         ml.parallelize(model, ml.data_parallel("dp"), ml.Mesh(dp=2, fake=True), seed=1.5)
     with pytest.raises(ml.ConfigError, match="state_dict"):
         ml.parallelize(model, ml.data_parallel("dp"), ml.Mesh(dp=2, fake=True), state_dict=[1])
+
+
+def test_glob_split_hf_attention_is_refused_at_plan_time():
+    """Without the family's policy, glob specs would run HF attention on DTensors."""
+    specs = {"model.layers.*.self_attn.q_proj.weight": P("tp", None),
+             "model.layers.*.self_attn.o_proj.weight": P(None, "tp")}
+    plan = ml.plan(M.build("llama"), ml.shard(specs), ml.Mesh(tp=2, fake=True))
+    assert plan.not_runnable and "LlamaAttention" in plan.not_runnable[0]
+    assert "policies.auto" in plan.not_runnable[0]

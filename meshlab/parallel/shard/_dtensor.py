@@ -86,8 +86,28 @@ def dtensor_layout(plan: Plan, axis: str) -> TPLayout | None:
         split = split or bool(dims)
     if not split:
         return None
+    _refuse_hf_attention(plan, axis)
     return TPLayout(axis=axis, modules=tuple(TPModule(m, Placed(tuple(v)))
                                              for m, v in mods.items()), dtensor=True)
+
+
+def _refuse_hf_attention(plan: Plan, axis: str) -> None:
+    """Hugging Face attention has not been shown to run on DTensors (its masks, rotary
+    tables and cache code index plain tensors): a Hugging Face model whose attention is
+    split by glob specs is refused, and its policy is the way to split it."""
+    if plan.model.config_get("model_type") is None:
+        return
+    cls = {m.fqn: m.cls for m in plan.model.modules}
+    for e in plan.params:
+        ms = e.mesh_spec or P()
+        parent = e.module.rpartition(".")[0]
+        if axis in ms.axes and any(w in (cls.get(parent) or "") for w in ("Attention", "Attn")):
+            raise NotRunnable(
+                f"{e.fqn}: glob specs split a Hugging Face attention module "
+                f"({cls.get(parent)}) over {axis!r} with no policy, which would run it on "
+                f"DTensors, and Hugging Face attention is not shown to run that way. Use the "
+                f"family's policy: shard(policies.auto, rules), adding your globs with "
+                f"| shard({{...}})")
 
 
 def model_layout(ctx, tp_mesh=None) -> ModelLayout:
