@@ -25,23 +25,6 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> Non
     (fn or dist.reduce_scatter_tensor)(out, inp, group=group)
 
 
-def flat_all_reduce(grads: list[torch.Tensor], group, divide: int = 1) -> None:
-    """Sum ``grads`` over ``group`` in place (then divide): one flat all-reduce per dtype
-    and device, so a step pays one collective latency per bucket, not per tensor."""
-    buckets: dict = {}
-    for g in grads:
-        buckets.setdefault((g.dtype, g.device), []).append(g)
-    for same in buckets.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        if divide != 1:
-            flat.div_(divide)
-        off = 0
-        for g in same:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-
-
 def _gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     n = dist.get_world_size(group)
     if n == 1:

@@ -16,7 +16,6 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
-from ._agree import agree
 from ._errors import ConfigError, PlanError
 from ._mesh import Mesh
 from ._plan import Plan
@@ -251,15 +250,14 @@ def _grad_sync(ctx: Install):
 
 
 def _initialize(ctx: Install, seed: int, state_dict) -> None:
-    """Meta parameters are initialized from ``seed``, which every rank must share (each
+    """Meta parameters are initialized from ``seed`` (which ``parallelize`` agreed on; each
     room's ``on_module`` sees every module right after); ``state_dict`` then overrides.
     Values that did not come from the seed (real weights, a ``state_dict``) must hold the
     same bytes on every rank (``_check_same_everywhere``)."""
     model = ctx.model
     seeded = _has_meta(model)
     if seeded:
-        # the values come from the seed alone: the ranks agree on it before drawing any
-        agree(ctx.ctrl_group, "initialize", {"seed": seed})
+        # the values come from the seed alone; parallelize's fingerprint agreed on it
         names = {id(m): n for n, m in model.named_modules()}
         hooks = ctx.on_module if state_dict is None else []
 
