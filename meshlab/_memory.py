@@ -22,12 +22,14 @@ _OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 @dataclasses.dataclass(frozen=True)
 class MemRow:
     """One tensor one rank keeps between steps: ``category`` (``params``, ``grads``,
-    ``optimizer`` or one a transform adds), dtype and per-rank shape."""
+    ``optimizer`` or one a transform adds), dtype, per-rank shape, and ``where`` it
+    lives (``device``, or ``host`` memory under ``offload``)."""
 
     fqn: str
     category: str
     dtype: str
     shape: tuple[int, ...]
+    where: str = "device"            # or "host": kept in host memory (offload)
 
     @property
     def bytes(self) -> int:
@@ -35,10 +37,17 @@ class MemRow:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank: ``by_category['params'|'grads'|'optimizer'] -> {dtype: bytes}``."""
+    """Bytes per rank: ``by_category['params'|'grads'|'optimizer'] -> {dtype: bytes}`` on
+    the device; ``host_by_category`` the same for what ``offload`` keeps in host memory.
+    ``total`` is the device's, ``host`` the host's."""
 
     by_category: dict
     mesh: tuple
+    host_by_category: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def host(self) -> int:
+        return sum(sum(v.values()) for v in self.host_by_category.values())
 
     @property
     def params(self) -> int:
@@ -66,7 +75,12 @@ class MemoryEstimate:
 
         out = [(cat, dt, _fmt_bytes(b)) for cat, per in self.by_category.items()
                for dt, b in sorted(per.items())]
-        return out + [("total", "", _fmt_bytes(self.total))]
+        if not self.host_by_category:
+            return out + [("total", "", _fmt_bytes(self.total))]
+        out += [(f"host {cat}", dt, _fmt_bytes(b)) for cat, per in self.host_by_category.items()
+                for dt, b in sorted(per.items())]
+        return out + [("host total", "", _fmt_bytes(self.host)),
+                      ("total", "", _fmt_bytes(self.total))]
 
     def __rich__(self):
         from rich.table import Table
@@ -88,7 +102,9 @@ class MemoryEstimate:
         cats = ", ".join(f"{c} {_fmt_bytes(sum(per.values()))}"
                          for c, per in self.by_category.items())
         mesh = ", ".join(f"{n}={s}" for n, s in self.mesh)
-        return f"MemoryEstimate(per rank on {mesh}: {cats}; total {_fmt_bytes(self.total)})"
+        host = f"; host {_fmt_bytes(self.host)}" if self.host_by_category else ""
+        return (f"MemoryEstimate(per rank on {mesh}: {cats}; total {_fmt_bytes(self.total)}"
+                f"{host})")
 
     def _repr_html_(self) -> str:
         from ._plan_view import html_table
@@ -121,11 +137,22 @@ def estimate_memory(plan, *, optimizer: str = "adamw") -> MemoryEstimate:
     n_states = _OPT_STATES.get(optimizer)
     if n_states is None:
         raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(_OPT_STATES)}")
-    rows = base_rows(plan, n_states)
-    for t in plan.rooms:
-        rows = list(t.memory(plan, rows))
+    rows = room_rows(plan, n_states)
     cats: dict = {"params": defaultdict(int), "grads": defaultdict(int),
                   "optimizer": defaultdict(int)}
+    host: dict = {}
     for r in rows:
-        cats.setdefault(r.category, defaultdict(int))[r.dtype] += r.bytes
-    return MemoryEstimate({k: dict(v) for k, v in cats.items()}, plan.mesh)
+        into = cats if r.where == "device" else host
+        into.setdefault(r.category, defaultdict(int))[r.dtype] += r.bytes
+    return MemoryEstimate({k: dict(v) for k, v in cats.items()}, plan.mesh,
+                          {k: dict(v) for k, v in host.items()})
+
+
+def room_rows(plan, n_states: int = 2, *, until=None) -> list[MemRow]:
+    """The rows after every room's ``memory`` (or those before room ``until``)."""
+    rows = base_rows(plan, n_states)
+    for t in plan.rooms:
+        if t is until:
+            break
+        rows = list(t.memory(plan, rows))
+    return rows

@@ -68,7 +68,12 @@ class MeshOptimizer(torch.optim.Optimizer):
                 self.params.append((n, p))
         prec = self.rt.part(PrecisionPart)
         self.scaler = prec.scaler() if prec is not None else None
-        self.inner = cls(self._inner_params(cls, kwargs), **kwargs)
+        tensors = self._inner_params(cls, kwargs)
+        self.inner = None
+        for part in self.rt.parts:          # offload splits it between host and device
+            self.inner = part.make_optimizer(self, cls, kwargs, tensors) or self.inner
+        if self.inner is None:
+            self.inner = cls(tensors, **kwargs)
         self.inner._meshlab_inner = True
         self.defaults = self.inner.defaults
         self.last_grad_norm: float | None = None
@@ -127,9 +132,20 @@ class MeshOptimizer(torch.optim.Optimizer):
         return self.zero1.shards if self.zero1 is not None else []
 
     def refresh_master(self) -> None:
-        """Copy the parameters into this rank's fp32 master slices (after a load)."""
+        """Copy the parameters into this rank's fp32 master copies (after a load)."""
         if self.zero1 is not None:
             self.zero1.refresh_master()
+        for part in self.rt.parts:
+            part.refresh_master()
+
+    def tensor_of(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor the inner optimizer updates for parameter ``p`` (its key in
+        ``state``): ``p``, or offload's host master of it."""
+        for part in self.rt.parts:
+            t = getattr(part, "tensor_of", None)
+            if t is not None:
+                p = t(p)
+        return p
 
     # -- the step -------------------------------------------------------------------
     def _sync_grads(self) -> None:
@@ -178,7 +194,9 @@ class MeshOptimizer(torch.optim.Optimizer):
             hook(self, (), {})
         self.steps += 1
         self._sync_grads()
-        items = self._grad_items()
+        # Read only when needed: offloaded gradients are then waited for on the host.
+        items = self._grad_items() if self.scaler is not None or self.clip is not None or \
+            self.nonfinite is not None else []
         if self.scaler is not None and not self._unscale(items):
             return False
         if self.clip is not None or self.nonfinite is not None:

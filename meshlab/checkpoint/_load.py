@@ -226,15 +226,7 @@ def _read(src: _Source, fill: dict, group, path: str) -> None:
 def _apply(model, optimizer, scheduler, dataloader, src: _Source, fill: dict, opt_all: dict,
            strict: bool) -> None:
     model_keys = {k: v for k, v in fill.items() if not k.startswith(_state.OPT_PREFIX)}
-    if strict:
-        _state.set_model_state(model, model_keys)
-    else:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
-
-        if distributed() and getattr(model, "_meshlab", None) is not None:
-            set_model_state_dict(model, model_keys, options=StateDictOptions(strict=False))
-        else:
-            model.load_state_dict(model_keys, strict=False)
+    _state.set_model_state(model, model_keys, strict=strict)
     meta = src.meta
     if optimizer is not None:
         if not opt_all:                   # saved before the first step: no state yet

@@ -26,7 +26,7 @@ def _like(param, local: torch.Tensor):
     """``local`` (this rank's block) laid out like ``param``."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(param, DTensor):
+    if isinstance(param, DTensor) and not isinstance(local, DTensor):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
     return local
@@ -36,17 +36,42 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if getattr(model, "_meshlab", None) is not None and dist.is_initialized():
-        return get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=False))
+        sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=False))
+        params = dict(model.named_parameters())
+        for fqn, master in _masters(model).items():      # offload's fp32 masters
+            sd[fqn] = _like(params[fqn], master)
+        return sd
     return {k: v for k, v in model.state_dict().items()}
 
 
-def set_model_state(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
+def _masters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """FQN -> the fp32 master that holds a parameter's value where the device keeps only
+    a compute-dtype copy (``offload`` on one rank under bf16)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in getattr(getattr(model, "_meshlab", None), "parts", ()):
+        out.update(getattr(part, "model_state", dict)())
+    return out
+
+
+def refresh_masters(model: nn.Module) -> None:
+    """After a model load: master copies kept by parts (offload) agree with it again."""
+    for part in getattr(getattr(model, "_meshlab", None), "parts", ()):
+        part.refresh_master()
+
+
+def set_model_state(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if getattr(model, "_meshlab", None) is not None and dist.is_initialized():
-        set_model_state_dict(model, sd, options=StateDictOptions(strict=True))
+        masters = _masters(model)
+        set_model_state_dict(model, {k: v for k, v in sd.items() if k not in masters},
+                             options=StateDictOptions(strict=strict and not masters))
+        for fqn, master in masters.items():
+            if fqn in sd and sd[fqn] is not master:
+                master.copy_(_local(sd[fqn]))
+        refresh_masters(model)
     else:
-        model.load_state_dict(sd, strict=True)
+        model.load_state_dict(sd, strict=strict)
 
 
 def _params(opt, model: nn.Module | None = None) -> list[tuple[str, nn.Parameter]]:
@@ -140,10 +165,11 @@ def optimizer_state(opt, model: nn.Module | None = None
                 for p, loc in zip(b.params, z.full_state(flat_local, b)):
                     tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = _like(p, loc)
     else:
+        key_of = getattr(opt, "tensor_of", lambda p: p)        # offload's host masters
         for name, p in _params(opt, model):
-            for key, v in inner.state.get(p, {}).items():
+            for key, v in inner.state.get(key_of(p), {}).items():
                 if isinstance(v, torch.Tensor):
-                    tensors[f"{OPT_PREFIX}{name}.{key}"] = v
+                    tensors[f"{OPT_PREFIX}{name}.{key}"] = v if v.dim() == 0 else _like(p, v)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     rest: dict[str, Any] = {"param_groups": _jsonable(groups, "optimizer param_groups")}
     if getattr(opt, "scaler", None) is not None:

@@ -4,7 +4,8 @@
 ``exp_avg_sq``) and its arithmetic (decoupled weight decay, bias correction), so a state
 dict moves between the two. Its step hands every float32 CPU parameter of a group to
 ``csrc/cpu_adam.cpp`` in one call: one OpenMP loop that reads and writes each element once,
-where the unfused update makes several passes over memory. Parameters that are not
+where the unfused update makes several passes over memory. Gradients may be float32 or
+bfloat16 (read as they are, converted in the loop). Parameters that are not
 contiguous float32 CPU tensors, or a machine where the extension cannot be built, take
 :func:`adamw_reference` instead (same numbers, more passes).
 
@@ -66,41 +67,67 @@ class CPUAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        kernels = cpu_adam_kernels()
-        self.native = kernels is not None
-        self.fallback_reason = None if kernels is not None else (
-            _build.native_disabled_reason() or _build.failure("meshlab_cpu_adam"))
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            # Parameters at one step count share the scalars, and so one kernel call.
-            batches: dict[int, list[tuple[Tensor, ...]]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("CPUAdamW does not support sparse gradients; use "
-                                       "torch.optim.SparseAdam")
-                state = self.state[p]
-                if not state:
-                    # The same layout as torch.optim.AdamW, so state dicts move between them.
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                step = int(state["step"].item())
-                t = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
-                fast = kernels is not None and all(
-                    x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-                    for x in t)
-                if fast:
-                    batches.setdefault(step, []).append(t)
-                else:
-                    adamw_reference(*t, lr=group["lr"], beta1=beta1, beta2=beta2,
-                                    eps=group["eps"], weight_decay=group["weight_decay"],
-                                    step=step)
-            for step, items in batches.items():
-                ps, gs, ms, vs = (list(col) for col in zip(*items))
-                kernels.adamw_step(ps, gs, ms, vs, group["lr"], beta1, beta2, group["eps"],
-                                   group["weight_decay"], group["lr"] / (1 - beta1 ** step),
-                                   math.sqrt(1 - beta2 ** step))
+            self.native = step_group(self.state, group, group["params"])
+            self.fallback_reason = None if self.native else _fallback_reason()
         return loss
+
+
+def _fallback_reason() -> str | None:
+    return _build.native_disabled_reason() or _build.failure("meshlab_cpu_adam")
+
+
+def init_state(state: dict, p: Tensor) -> dict:
+    """``torch.optim.AdamW``'s state layout for ``p``, created on first use."""
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def step_group(states, group: dict, params, outs: dict | None = None) -> bool:
+    """One AdamW update of ``params`` (CPU tensors of one param group, gradients in
+    ``.grad``, float32 or bfloat16) with ``states[p]`` in ``torch.optim.AdamW``'s layout.
+    ``outs`` maps a parameter to a bfloat16 CPU tensor that receives the updated values
+    (the copy an offloaded step sends back to the device). Returns whether the C++ loop
+    ran (else the reference did, for every parameter)."""
+    kernels = cpu_adam_kernels()
+    beta1, beta2 = group["betas"]
+    outs = outs or {}
+    # Parameters at one step count share the scalars, and so one kernel call.
+    batches: dict[int, list[tuple[Tensor, ...]]] = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError("CPUAdamW does not support sparse gradients; use "
+                               "torch.optim.SparseAdam")
+        state = init_state(states[p], p)
+        state["step"] += 1
+        step = int(state["step"].item())
+        t = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+        out = outs.get(p)
+        fast = kernels is not None and all(
+            x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
+            for x in (p, t[2], t[3])) and p.grad.device.type == "cpu" and \
+            p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous()
+        if fast:
+            batches.setdefault(step, []).append(t + (out,))
+            continue
+        adamw_reference(p, p.grad.to(p.dtype), t[2], t[3], lr=group["lr"], beta1=beta1,
+                        beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                        step=step)
+        if out is not None:
+            out.copy_(p)
+    for step, items in batches.items():
+        with_out = [x for x in items if x[4] is not None]
+        for sel, o in ((with_out, [x[4] for x in with_out]),
+                       ([x for x in items if x[4] is None], [])):
+            if not sel:
+                continue
+            ps, gs, ms, vs = (list(col) for col in zip(*(x[:4] for x in sel)))
+            kernels.adamw_step(ps, gs, ms, vs, group["lr"], beta1, beta2, group["eps"],
+                               group["weight_decay"], group["lr"] / (1 - beta1 ** step),
+                               math.sqrt(1 - beta2 ** step), o)
+    return kernels is not None

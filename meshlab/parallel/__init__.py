@@ -13,3 +13,4 @@ from .remat import Remat as Remat, remat as remat
 from .pipeline import Pipeline as Pipeline, pipeline as pipeline
 from .sequence import Sequence as Sequence, sequence as sequence
 from .fuse import Fuse as Fuse, fuse as fuse
+from .offload import Offload as Offload, offload as offload

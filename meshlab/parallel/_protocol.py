@@ -43,6 +43,7 @@ class Phase(enum.IntEnum):
     KERNELS = 40     # fused ops routed in
     REMAT = 50       # activation checkpointing of the blocks
     DATA = 60        # data-parallel sharding (FSDP2)
+    OFFLOAD = 65     # host-resident optimizer state, gradients and parameters
     SEQUENCE = 70    # sequence-parallel attention
     SCHEDULE = 80    # pipeline stages and their schedule
     USER = 90        # the default for transforms written outside meshlab
@@ -68,6 +69,14 @@ class Part:
     def optimizer_params(self, params: list) -> list | None:
         """The tensors the inner optimizer updates instead of ``params`` (or None)."""
         return None
+
+    def make_optimizer(self, opt, cls: type, kwargs: dict, tensors: list):
+        """The inner optimizer over ``tensors`` (what ``optimizer_params`` chose), or None
+        for ``cls(tensors, **kwargs)``; ``offload`` splits it between host and device."""
+        return None
+
+    def refresh_master(self) -> None:
+        """Copy the model's parameters into master copies a part keeps (after a load)."""
 
     def grad_items(self, items: list) -> list:
         """``[(local gradient, groups it is sharded over)]`` for norms and overflow."""

@@ -33,11 +33,13 @@ class Zero1Part(Part):
     group: Any
     size: int
     buffers: Zero1Buffers | None = None
+    apart: frozenset = frozenset()      # FQNs bucketed on their own (offload's host ones)
 
     def optimizer_params(self, params: list) -> list | None:
         if self.size == 1:
             return None
-        self.buffers = Zero1Buffers([p for _, p in params], self.group, self.size)
+        self.buffers = Zero1Buffers([p for _, p in params], self.group, self.size,
+                                    frozenset(id(p) for n, p in params if n in self.apart))
         return self.buffers.shards
 
     def sync_grads(self, params: list) -> None:
@@ -61,7 +63,7 @@ def install_zero(t, ctx) -> Part:
         if size > 1:
             require_mesh_optimizer(ctx.model.parameters(), f"zero_shard(1) keeps its "
                                    f"optimizer state sharded over {'x'.join(t.axis)}")
-        return Zero1Part(group, size)
+        return Zero1Part(group, size, apart=ctx.state.get("offload.host", frozenset()))
     if t.stage == 0:
         return None                # GradSync averages every gradient (ZeroShard.reductions)
     _fully_shard(t, ctx)
@@ -85,9 +87,17 @@ def _fully_shard(t, ctx) -> None:
               mp_policy=mp, ignored_params=ignored or None)
     if placement is not None:
         kw["shard_placement_fn"] = placement
+    # offload(params=...) names the units whose shards FSDP2 keeps on the host ('' = root).
+    host_units, pin = ctx.state.get("offload.units", ((), False))
+    if host_units:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+    def policy(unit: str) -> dict:
+        return {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if unit in host_units else {}
+
     for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
-        fully_shard(mods[b], **kw)
-    fully_shard(model, **kw)
+        fully_shard(mods[b], **kw, **policy(b))
+    fully_shard(model, **kw, **policy(""))
 
 
 def fsdp_ignored(plan) -> frozenset:

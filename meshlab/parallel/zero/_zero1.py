@@ -42,14 +42,17 @@ class Bucket(NamedTuple):
 class Zero1Buffers:
     """The buckets and this rank's master slices (``shards``, fp32 parameters)."""
 
-    def __init__(self, params: list, group, size: int):
+    def __init__(self, params: list, group, size: int, apart: frozenset = frozenset()):
+        # ``apart``: ids of parameters bucketed on their own (offload moves their slices to
+        # the host; a slice may then live on another device than the parameters).
         self.group, self.size, self.rank = group, size, dist.get_rank(group)
+        self.device = _local(params[0]).device if params else None
         by_key: dict = {}
         for p in params:
-            by_key.setdefault((p.dtype, shard_groups(p)), []).append(p)
+            by_key.setdefault((p.dtype, shard_groups(p), id(p) in apart), []).append(p)
         self.buckets: list[Bucket] = []
         self.shards: list[nn.Parameter] = []
-        for (dtype, groups), ps in by_key.items():
+        for (dtype, groups, _), ps in by_key.items():
             numels = [_local(p).numel() for p in ps]
             per = -(-sum(numels) // size)
             # The master slice is fp32 (fp64 for fp64 parameters).
@@ -73,22 +76,22 @@ class Zero1Buffers:
         with torch.no_grad():
             for b, shard in zip(self.buckets, self.shards):
                 flat = self._flat(b.params, b.numels, b.per, shard.dtype, lambda p: p.detach())
-                shard.copy_(flat[self.rank * b.per:(self.rank + 1) * b.per])
+                shard.copy_(flat[self.rank * b.per:(self.rank + 1) * b.per].to(shard.device))
 
     def sync(self) -> None:
         """Reduce-scatter (and average) every bucket's gradients into the slices."""
         for b, shard in zip(self.buckets, self.shards):
             flat = self._flat(b.params, b.numels, b.per, shard.dtype, lambda p: p.grad)
-            out = torch.empty(b.per, dtype=shard.dtype, device=shard.device)
+            out = torch.empty(b.per, dtype=shard.dtype, device=self.device)
             reduce_scatter_into(out, flat, self.group)
-            shard.grad = out.div_(self.size)
+            shard.grad = out.div_(self.size).to(shard.device)
 
     def gather(self) -> None:
         """All-gather the updated slices back into the parameters."""
         with torch.no_grad():
             for b, shard in zip(self.buckets, self.shards):
-                full = torch.empty(b.per * self.size, dtype=shard.dtype, device=shard.device)
-                all_gather_into(full, shard.detach(), self.group)
+                full = torch.empty(b.per * self.size, dtype=shard.dtype, device=self.device)
+                all_gather_into(full, shard.detach().to(self.device), self.group)
                 off = 0
                 for p, n in zip(b.params, b.numels):
                     loc = _local(p)
@@ -97,8 +100,8 @@ class Zero1Buffers:
 
     def full_state(self, flat_local: torch.Tensor, b: Bucket) -> list[torch.Tensor]:
         """One optimizer-state slice -> the local block of every parameter of ``b``."""
-        full = torch.empty(b.per * self.size, dtype=flat_local.dtype, device=flat_local.device)
-        all_gather_into(full, flat_local.contiguous(), self.group)
+        full = torch.empty(b.per * self.size, dtype=flat_local.dtype, device=self.device)
+        all_gather_into(full, flat_local.contiguous().to(self.device), self.group)
         out, off = [], 0
         for p, n in zip(b.params, b.numels):
             out.append(full[off:off + n].view(_local(p).shape).clone())
@@ -110,6 +113,6 @@ class Zero1Buffers:
         full = torch.zeros(b.per * self.size, dtype=like.dtype, device=like.device)
         off = 0
         for t, n in zip(parts, b.numels):
-            full[off:off + n] = _local(t).reshape(-1)
+            full[off:off + n] = _local(t).reshape(-1).to(like.device)
             off += n
         return full[self.rank * b.per:(self.rank + 1) * b.per]
