@@ -26,16 +26,18 @@ from . import _models as M
 pytestmark = pytest.mark.timeout(900)
 LR = 1e-2
 STEPS = 3
+CHUNK = 3000
 VOCAB = 96          # divisible by 4: every rank's shard the size plan.memory() counts
 
 
 def _offload(kind: str, f: float):
     import meshlab as ml
 
+    c = CHUNK       # small chunks: the step's pipeline runs over several
     return {"none": ml.parallel.Identity(),
-            "optimizer": ml.offload(optimizer=f),
-            "grads": ml.offload(grads=f, optimizer=f),
-            "params": ml.offload(params=f, grads=f, optimizer=f)}[kind]
+            "optimizer": ml.offload(optimizer=f, chunk_elements=c),
+            "grads": ml.offload(grads=f, optimizer=f, chunk_elements=c),
+            "params": ml.offload(params=f, grads=f, optimizer=f, chunk_elements=c)}[kind]
 
 
 def _train(world, stage, extra, data, *, accumulate: int = 1):

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from ..._errors import ConfigError, NotRunnable, check_bool, check_choice, check_number
+from ..._errors import (ConfigError, NotRunnable, check_bool, check_choice, check_int,
+                        check_number)
 from ..._plan import Plan
 from .._protocol import Phase, Transform
 from ._estimates import Profile, StepCost, measure_profile, offload_memory, step_cost
@@ -54,8 +55,11 @@ class Offload(Transform):
     pin_memory: bool = True
     policy: str = "static"
     budget: int | None = None
+    chunk_elements: int = 64 << 20     # elements per CPU AdamW call: sizes the staging
 
     def __post_init__(self):
+        object.__setattr__(self, "chunk_elements", check_int(
+            self.chunk_elements, "offload", "chunk_elements", example=64 << 20))
         for name in ("params", "grads", "optimizer"):
             object.__setattr__(self, name, _frac(getattr(self, name), name))
         object.__setattr__(self, "pin_memory", check_bool(self.pin_memory, "offload",
@@ -129,7 +133,7 @@ class Offload(Transform):
         def device_bytes(fr) -> int:
             c = choose(plan, fr, zero_stage=stage)
             rows = offload_memory(c, self.cast(plan, c), self._compute(plan), stage == 1,
-                                  before)
+                                  before, self.chunk_elements)
             return sum(r.bytes for r in rows if r.where == "device")
 
         fr, why = auto_fractions(plan, budget, device_bytes, can_grads=self._grads_ok(plan),
@@ -180,7 +184,7 @@ class Offload(Transform):
     def memory(self, plan: Plan, rows: list) -> list:
         c = self.choice(plan)
         return offload_memory(c, self.cast(plan, c), self._compute(plan),
-                              self._stage(plan) == 1, rows)
+                              self._stage(plan) == 1, rows, self.chunk_elements)
 
     def step_cost(self, plan: Plan, profile: Profile | None = None) -> StepCost:
         """The copies and CPU AdamW work a step adds, and their predicted time from
@@ -225,16 +229,18 @@ def _default_budget() -> int:
 
 def offload(params: float = 0.0, grads: float = 0.0, optimizer: float = 0.0, *,
             pin_memory: bool = True, policy: str = "static",
-            budget: int | str | None = None) -> Offload:
+            budget: int | str | None = None, chunk_elements: int = 64 << 20) -> Offload:
     """Keep fractions of the parameters, gradients and optimizer state in host memory.
 
     Fractions are of each rank's trainable bytes, largest tensors first; an offloaded
     parameter's gradient and optimizer state are offloaded too (``params <= grads <=
     optimizer``). ``policy='auto'`` picks the smallest fractions that fit ``budget``.
+    ``chunk_elements`` is how many elements the step's pipeline updates per CPU AdamW
+    call (two chunks of staging live in pinned host memory).
 
     >>> offload(optimizer=1.0)
     offload(params=0.0, grads=0.0, optimizer=1.0, pin_memory=True)
     >>> offload(policy='auto', budget='80GiB')
     offload(policy='auto', budget=85899345920)
     """
-    return Offload(params, grads, optimizer, pin_memory, policy, budget)
+    return Offload(params, grads, optimizer, pin_memory, policy, budget, chunk_elements)

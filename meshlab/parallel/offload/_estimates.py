@@ -8,8 +8,9 @@ Memory, per offloaded FQN (the rows ``zero_shard`` left):
   the master);
 * a device copy kept in the compute dtype (``cast``): the parameter and gradient rows
   change dtype;
-* gradients: the row goes to the host (it leaves the device in the backward); a gradient
-  that stays on the device is copied to a host buffer of its size for the step;
+* gradients: the row goes to the host (it leaves the device in the backward); those that
+  stay on the device pass through two pinned staging slots of one chunk each in the step
+  (the ``staging`` row), as do the bf16 copies going back;
 * parameters (ZeRO-3): the shard row goes to the host.
 
 Time: per step the offloaded gradients cross to the host, the CPU AdamW updates the
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 
 from ..._dtypes import dtype_bytes
+from ..._memory import MemRow
 
 # Measured host<->device copy bandwidth and CPU AdamW throughput of one machine: what
 # ``predict`` uses when given no profile. ``measure_profile()`` measures the machine it
@@ -35,8 +37,10 @@ PROFILE_FILE = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / 
     "offload_profile_h200.json"
 
 
-def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: list) -> list:
+def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: list,
+                   chunk: int) -> list:
     out, seen_grad = [], set()
+    staged: list[tuple[int, int, int]] = []      # (elements, gradient bytes in, bf16 bytes out)
     for r in rows:
         f = r.fqn
         if f not in choice.optimizer:
@@ -51,9 +55,12 @@ def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: lis
                 out.append(r if first else dataclasses.replace(r, where="host"))
             elif f in choice.grads or f in choice.params:
                 out.append(dataclasses.replace(r, where="host"))
-            else:                # stays on the device; the step copies it to a host buffer
+            else:                # stays on the device; the step stages it chunk by chunk
                 dev = dataclasses.replace(r, dtype=compute) if f in cast else r
-                out += [dev, dataclasses.replace(dev, where="host")]
+                out.append(dev)
+                n = math.prod(r.shape)
+                staged.append((n, dev.bytes, 2 * n if f in cast and compute == "bfloat16"
+                               else 0))
         elif r.category == "params":
             if f in choice.params:
                 out.append(dataclasses.replace(r, where="host"))
@@ -64,7 +71,19 @@ def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: lis
                                                where="host"))
         else:
             out.append(r)
+    if staged and not zero1:
+        out.append(MemRow("(staging)", "staging", "uint8", (_staging(staged, chunk),), "host"))
     return out
+
+
+def _staging(staged: list[tuple[int, int, int]], chunk: int) -> int:
+    """Bytes of the step's two pinned staging slots (``_install._Slot``)."""
+    from ._install import _aligned, chunk_indices
+
+    groups = chunk_indices([n for n, _, _ in staged], chunk)
+    g = max(sum(_aligned(staged[i][1]) for i in c) for c in groups)
+    o = max(sum(_aligned(staged[i][2]) for i in c) for c in groups)
+    return 2 * (max(g, 1) + max(o, 1))
 
 
 @dataclasses.dataclass(frozen=True)

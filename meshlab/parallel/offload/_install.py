@@ -30,8 +30,6 @@ from .._gradsync import require_mesh_optimizer
 from .._protocol import Part
 from ._hybrid import HybridAdamW, adamw_family
 
-_CHUNK = 64 << 20          # elements per CPU AdamW call in the step pipeline
-
 
 @dataclasses.dataclass
 class Entry:
@@ -43,12 +41,13 @@ class Entry:
     param: Any
     master: torch.Tensor
     grad: torch.Tensor | None = None
-    out: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None        # bf16 copy the C++ loop writes for the device
     cast: bool = False
     resident: bool = False
     streamed: bool = False
     event: Any = None
-    has_grad: bool = False
+    has_grad: bool = False       # the backward sent the gradient to ``grad``
+    staged: bool = False         # ``master.grad`` is a view into a staging slot
 
     @property
     def device_local(self) -> torch.Tensor:
@@ -76,12 +75,14 @@ class OffloadPart(Part):
         self.d2h = torch.cuda.Stream() if self.cuda else None
         self.h2d = torch.cuda.Stream() if self.cuda else None
         self.copied = {"d2h_bytes": 0, "h2d_bytes": 0}
+        self.chunk = t.chunk_elements     # elements per CPU AdamW call
+        self._staging: list | None = None
         self._hooks = [self.params[n].register_post_accumulate_grad_hook(self._hook(n))
                        for n in sorted(choice.grads - choice.params) if n in self.params]
 
     # -- building the optimizer ------------------------------------------------------------
-    def _host(self, t: torch.Tensor, dtype=None) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=dtype or t.dtype, pin_memory=self.pin)
+    def _host(self, t: torch.Tensor, dtype=None, pin: bool = True) -> torch.Tensor:
+        out = torch.empty(t.shape, dtype=dtype or t.dtype, pin_memory=self.pin and pin)
         out.copy_(t)
         return out
 
@@ -104,12 +105,13 @@ class OffloadPart(Part):
         if resident:                    # FSDP2 keeps this shard on the host: it is the master
             e = Entry(fqn, p, loc, resident=True)
         else:
-            e = Entry(fqn, p, self._host(loc, torch.float32),
-                      cast=fqn in self.cast_names, streamed=fqn in self.choice.grads)
-            if e.cast:
+            cast = fqn in self.cast_names
+            out = torch.bfloat16 if cast and self.compute == torch.bfloat16 else None
+            # Pinned only where the device copy is sent from it (fp32 device copies).
+            e = Entry(fqn, p, self._host(loc, torch.float32, pin=out is None), out_dtype=out,
+                      cast=cast, streamed=fqn in self.choice.grads)
+            if cast:
                 p.data = p.data.to(self.compute)
-                e.out = torch.empty(loc.shape, dtype=self.compute, pin_memory=self.pin) \
-                    if self.compute == torch.bfloat16 else None
         self.entries.append(e)
         self.by_param[id(p)] = e
         return e.master
@@ -181,72 +183,120 @@ class OffloadPart(Part):
         self.sync_enabled = enabled
 
     def sync_grads(self, params: list) -> None:
-        """Copy the offloaded gradients the backward left on the device to the host."""
+        """Point the host masters at their gradients: FSDP2's host shards' and those the
+        backward already sent; the rest are fetched by ``host_step``, chunk by chunk."""
         for e in self.entries:
             if e.resident:
                 g = getattr(e.param, "grad", None)
                 e.master.grad = None if g is None else _local(g)
-                continue
-            if not e.has_grad and e.param.grad is not None:
-                self._send_grad(e, e.param)
-            e.master.grad = e.grad if e.has_grad else None
+            elif e.has_grad:
+                e.master.grad = e.grad
 
     def grad_items(self, items: list) -> list:
-        """The host gradients stand for the device ones (norms and clipping see and scale
-        what the CPU AdamW reads)."""
+        """Gradients the backward sent to the host stand for the device ones (norms and
+        clipping see and scale what the CPU AdamW reads)."""
         if not self.entries or self.zero1:
             return items
         from ..zero._zero1 import shard_groups
 
-        dev = {_local(e.param.grad).data_ptr() for e in self.entries
-               if not e.resident and e.param.grad is not None}
-        out = [(g, grp) for g, grp in items if g.data_ptr() not in dev]
+        out = list(items)
         for e in self.entries:
-            if e.resident:
-                continue
-            if e.event is not None:
-                e.event.synchronize()
             if e.has_grad:
+                if e.event is not None:
+                    e.event.synchronize()
                 out.append((e.grad, shard_groups(e.param)))
         return out
 
     # -- the step ----------------------------------------------------------------------------
     def host_step(self, opt, group: dict, host: list) -> None:
+        """Update the host tensors chunk by chunk: while the CPU AdamW runs on one chunk,
+        the next chunk's gradients come in and the previous chunk's results go out."""
         from ...ops.cpu_adam import step_group
 
         by_master = {id(e.master): e for e in self.entries}
-        todo = [by_master[id(m)] for m in host if m.grad is not None]
-        i = 0
-        while i < len(todo):
-            chunk, n = [], 0
-            while i < len(todo) and (not chunk or n < _CHUNK):
-                chunk.append(todo[i])
-                n += todo[i].master.numel()
-                i += 1
+        todo = [by_master[id(m)] for m in host]
+        todo = [e for e in todo if e.master.grad is not None or self._fetched(e)]
+        chunks = [[todo[i] for i in c] for c in
+                  chunk_indices([e.master.numel() for e in todo], self.chunk)]
+        if not chunks:
+            return
+        slots = self._slots(chunks)
+        self._fetch(chunks[0], slots[0])
+        for i, chunk in enumerate(chunks):
+            slot = slots[i % 2]
+            if i + 1 < len(chunks):
+                self._fetch(chunks[i + 1], slots[(i + 1) % 2])
+            slot.wait_in()
             for e in chunk:
                 if e.event is not None:
                     e.event.synchronize()
-            outs = {e.master: e.out for e in chunk if e.out is not None}
+            outs = {e.master: slot.out_view(e) for e in chunk if e.out_dtype is not None}
             step_group(opt.state, group, [e.master for e in chunk], outs)
-            for e in chunk:
-                self._send_param(e)
+            self._send(chunk, slot, outs)
+        for e in todo:
+            if e.staged:
+                e.master.grad, e.staged = None, False     # a view into a staging slot
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.h2d)
 
-    def _send_param(self, e: Entry) -> None:
-        if e.resident:
+    def _fetched(self, e: Entry) -> bool:
+        """Whether the step copies ``e``'s gradient from the device itself."""
+        return not e.resident and e.master.grad is None and e.param.grad is not None
+
+    def _slots(self, chunks) -> list:
+        need_g = max(sum(_aligned(_local(e.param.grad).numel() * e.param.grad.element_size())
+                         for e in c if self._fetched(e)) for c in chunks)
+        need_o = max(sum(_aligned(e.master.numel() * 2) for e in c if e.out_dtype is not None)
+                     for c in chunks)
+        if self._staging is None or self._staging[0].cap_g < need_g or \
+                self._staging[0].cap_o < need_o:
+            self._staging = [_Slot(need_g, need_o, self.pin) for _ in range(2)]
+        return self._staging
+
+    def _fetch(self, chunk, slot) -> None:
+        """Copy a chunk's device gradients into ``slot`` (on the ``d2h`` stream)."""
+        slot.wait_out()                       # the slot's previous results have left
+        slot.reset()
+        todo = [e for e in chunk if self._fetched(e)]
+        if not todo:
             return
-        dst = e.device_local
-        src = e.out if e.out is not None else e.master
         if self.cuda:
-            with torch.cuda.stream(self.h2d):
-                if src.dtype == dst.dtype:
-                    dst.copy_(src, non_blocking=True)
-                else:
-                    dst.copy_(src.to(self.device, non_blocking=True))
-        else:
-            dst.copy_(src)
-        self.copied["h2d_bytes"] += src.numel() * src.element_size()
+            self.d2h.wait_stream(torch.cuda.current_stream())
+        for e in todo:
+            g = _local(e.param.grad)
+            buf = slot.grad_view(g)
+            if self.cuda:
+                with torch.cuda.stream(self.d2h):
+                    buf.copy_(g, non_blocking=True)
+            else:
+                buf.copy_(g)
+            e.master.grad, e.staged = buf.view(e.master.shape), True
+            self.copied["d2h_bytes"] += g.numel() * g.element_size()
+        if self.cuda:
+            slot.d2h = torch.cuda.Event()
+            slot.d2h.record(self.d2h)
+
+    def _send(self, chunk, slot, outs) -> None:
+        """The updated chunk to the device (on the ``h2d`` stream)."""
+        if self.cuda:
+            self.h2d.wait_stream(torch.cuda.current_stream())
+        for e in chunk:
+            if e.resident:
+                continue
+            dst = e.device_local
+            src = outs.get(e.master, e.master)
+            if self.cuda:
+                with torch.cuda.stream(self.h2d):
+                    if src.dtype == dst.dtype:
+                        dst.copy_(src.view_as(dst), non_blocking=True)
+                    else:
+                        dst.copy_(src.to(self.device, non_blocking=True).view_as(dst))
+            else:
+                dst.copy_(src.view_as(dst))
+            self.copied["h2d_bytes"] += src.numel() * src.element_size()
+        if self.cuda:
+            slot.h2d = torch.cuda.Event()
+            slot.h2d.record(self.h2d)
 
     def zero_grad(self) -> None:
         for e in self.entries:
@@ -305,6 +355,7 @@ class OffloadPart(Part):
             if not e.resident:
                 add(e.master, "optimizer", "host")
             add(e.grad if e.has_grad else None, "grads", "host")
+        out["host"]["staging"] = sum(s.g.numel() + s.o.numel() for s in self._staging or ())
         host_ids = {id(e.master) for e in self.entries}
         for t in opt.inner.param_groups[0]["params"]:
             for v in opt.inner.state.get(t, {}).values():
@@ -328,3 +379,54 @@ def install_offload(t, ctx) -> OffloadPart:
     params = [p for n, p in ctx.model.named_parameters() if n in choice.optimizer]
     require_mesh_optimizer(params, f"keeps optimizer state in host memory ({t!r})")
     return OffloadPart(t, ctx, choice, t.cast(plan, choice))
+
+def _aligned(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def chunk_indices(numels: list[int], cap: int) -> list[list[int]]:
+    """Consecutive tensors grouped into chunks of at most ``cap`` elements (a larger
+    tensor is a chunk of its own)."""
+    out: list[list[int]] = []
+    n = 0
+    for i, k in enumerate(numels):
+        if not out or n + k > cap:
+            out.append([])
+            n = 0
+        out[-1].append(i)
+        n += k
+    return out
+
+
+class _Slot:
+    """Pinned staging for one chunk: its device gradients in, its bf16 results out."""
+
+    def __init__(self, cap_g: int, cap_o: int, pin: bool):
+        self.cap_g, self.cap_o = cap_g, cap_o
+        self.g = torch.empty(max(cap_g, 1), dtype=torch.uint8, pin_memory=pin)
+        self.o = torch.empty(max(cap_o, 1), dtype=torch.uint8, pin_memory=pin)
+        self.d2h = self.h2d = None
+        self.off_g = self.off_o = 0
+
+    def reset(self) -> None:
+        self.off_g = self.off_o = 0
+
+    def grad_view(self, g: torch.Tensor) -> torch.Tensor:
+        n = g.numel() * g.element_size()
+        v = self.g[self.off_g:self.off_g + n].view(g.dtype).view(g.shape)
+        self.off_g += _aligned(n)
+        return v
+
+    def out_view(self, e: Entry) -> torch.Tensor:
+        n = e.master.numel() * 2
+        v = self.o[self.off_o:self.off_o + n].view(torch.bfloat16).view(e.master.shape)
+        self.off_o += _aligned(n)
+        return v
+
+    def wait_in(self) -> None:
+        if self.d2h is not None:
+            self.d2h.synchronize()
+
+    def wait_out(self) -> None:
+        if self.h2d is not None:
+            self.h2d.synchronize()
