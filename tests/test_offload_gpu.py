@@ -33,13 +33,13 @@ def _train(extra, data, chunk=None):
     model = ml.parallelize(M.build("llama", vocab_size=96), spec, ml.Mesh(dp=1), seed=0)
     opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-2)
     losses = []
-    for b in data:
+    for i, b in enumerate(data):
         b = b.cuda()
         loss = M.loss_fn("llama")(model(input_ids=b), {"input_ids": b, "labels": b})
         loss.backward()
         opt.step()
         losses.append(float(loss))
-        if b is not data[-1]:
+        if i < len(data) - 1:            # the last step's gradients stay for measure()
             opt.zero_grad()
     return model, opt, losses
 
