@@ -249,7 +249,8 @@ def main() -> None:
     results = dict(prev.get("results", {}))
     for name in args.configs.split(","):
         cmd = [sys.executable, __file__, "--child", name] + [
-            a for a in sys.argv[1:] if not a.startswith("--configs")]
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("configs", "child", "copy_to") and v is not None]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]

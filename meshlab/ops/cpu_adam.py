@@ -86,36 +86,40 @@ def init_state(state: dict, p: Tensor) -> dict:
     return state
 
 
-def step_group(states, group: dict, params, outs: dict | None = None) -> bool:
+def step_group(states, group: dict, params, outs: dict | None = None,
+               grads: dict | None = None) -> bool:
     """One AdamW update of ``params`` (CPU tensors of one param group, gradients in
     ``.grad``, float32 or bfloat16) with ``states[p]`` in ``torch.optim.AdamW``'s layout.
     ``outs`` maps a parameter to a bfloat16 CPU tensor that receives the updated values
-    (the copy an offloaded step sends back to the device). Returns whether the C++ loop
+    (the copy an offloaded step sends back to the device); ``grads`` maps a parameter to
+    its gradient where ``.grad`` cannot hold it (a bfloat16 gradient of a float32
+    parameter). Returns whether the C++ loop
     ran (else the reference did, for every parameter)."""
     kernels = cpu_adam_kernels()
     beta1, beta2 = group["betas"]
-    outs = outs or {}
+    outs, grads = outs or {}, grads or {}
     # Parameters at one step count share the scalars, and so one kernel call.
     batches: dict[int, list[tuple[Tensor, ...]]] = {}
     for p in params:
-        if p.grad is None:
+        g = p.grad if p.grad is not None else grads.get(p)
+        if g is None:
             continue
-        if p.grad.is_sparse:
+        if g.is_sparse:
             raise RuntimeError("CPUAdamW does not support sparse gradients; use "
                                "torch.optim.SparseAdam")
         state = init_state(states[p], p)
         state["step"] += 1
         step = int(state["step"].item())
-        t = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+        t = (p, g, state["exp_avg"], state["exp_avg_sq"])
         out = outs.get(p)
         fast = kernels is not None and all(
             x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous()
-            for x in (p, t[2], t[3])) and p.grad.device.type == "cpu" and \
-            p.grad.dtype in (torch.float32, torch.bfloat16) and p.grad.is_contiguous()
+            for x in (p, t[2], t[3])) and g.device.type == "cpu" and \
+            g.dtype in (torch.float32, torch.bfloat16) and g.is_contiguous()
         if fast:
             batches.setdefault(step, []).append(t + (out,))
             continue
-        adamw_reference(p, p.grad.to(p.dtype), t[2], t[3], lr=group["lr"], beta1=beta1,
+        adamw_reference(p, g.to(p.dtype), t[2], t[3], lr=group["lr"], beta1=beta1,
                         beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                         step=step)
         if out is not None:

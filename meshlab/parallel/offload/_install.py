@@ -47,7 +47,6 @@ class Entry:
     streamed: bool = False
     event: Any = None
     has_grad: bool = False       # the backward sent the gradient to ``grad``
-    staged: bool = False         # ``master.grad`` is a view into a staging slot
 
     @property
     def device_local(self) -> torch.Tensor:
@@ -77,6 +76,9 @@ class OffloadPart(Part):
         self.copied = {"d2h_bytes": 0, "h2d_bytes": 0}
         self.chunk = t.chunk_elements     # elements per CPU AdamW call
         self._staging: list | None = None
+        # host tensor -> its gradient for the step (bf16 gradients of fp32 masters cannot
+        # be a ``.grad``): host buffers, FSDP2's host shards' gradients, staging views
+        self.grads: dict = {}
         self._hooks = [self.params[n].register_post_accumulate_grad_hook(self._hook(n))
                        for n in sorted(choice.grads - choice.params) if n in self.params]
 
@@ -185,12 +187,14 @@ class OffloadPart(Part):
     def sync_grads(self, params: list) -> None:
         """Point the host masters at their gradients: FSDP2's host shards' and those the
         backward already sent; the rest are fetched by ``host_step``, chunk by chunk."""
+        self.grads.clear()
         for e in self.entries:
             if e.resident:
                 g = getattr(e.param, "grad", None)
-                e.master.grad = None if g is None else _local(g)
+                if g is not None:
+                    self.grads[e.master] = _local(g)
             elif e.has_grad:
-                e.master.grad = e.grad
+                self.grads[e.master] = e.grad
 
     def grad_items(self, items: list) -> list:
         """Gradients the backward sent to the host stand for the device ones (norms and
@@ -215,7 +219,8 @@ class OffloadPart(Part):
 
         by_master = {id(e.master): e for e in self.entries}
         todo = [by_master[id(m)] for m in host]
-        todo = [e for e in todo if e.master.grad is not None or self._fetched(e)]
+        todo = [e for e in todo if e.master.grad is not None or e.master in self.grads
+                or self._fetched(e)]
         chunks = [[todo[i] for i in c] for c in
                   chunk_indices([e.master.numel() for e in todo], self.chunk)]
         if not chunks:
@@ -231,17 +236,16 @@ class OffloadPart(Part):
                 if e.event is not None:
                     e.event.synchronize()
             outs = {e.master: slot.out_view(e) for e in chunk if e.out_dtype is not None}
-            step_group(opt.state, group, [e.master for e in chunk], outs)
+            step_group(opt.state, group, [e.master for e in chunk], outs, self.grads)
             self._send(chunk, slot, outs)
-        for e in todo:
-            if e.staged:
-                e.master.grad, e.staged = None, False     # a view into a staging slot
+        self.grads.clear()                     # views into staging slots among them
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.h2d)
 
     def _fetched(self, e: Entry) -> bool:
         """Whether the step copies ``e``'s gradient from the device itself."""
-        return not e.resident and e.master.grad is None and e.param.grad is not None
+        return not e.resident and e.master.grad is None and e.master not in self.grads and \
+            e.param.grad is not None
 
     def _slots(self, chunks) -> list:
         need_g = max(sum(_aligned(_local(e.param.grad).numel() * e.param.grad.element_size())
@@ -270,7 +274,7 @@ class OffloadPart(Part):
                     buf.copy_(g, non_blocking=True)
             else:
                 buf.copy_(g)
-            e.master.grad, e.staged = buf.view(e.master.shape), True
+            self.grads[e.master] = buf.view(e.master.shape)
             self.copied["d2h_bytes"] += g.numel() * g.element_size()
         if self.cuda:
             slot.d2h = torch.cuda.Event()
@@ -299,6 +303,7 @@ class OffloadPart(Part):
             slot.h2d.record(self.h2d)
 
     def zero_grad(self) -> None:
+        self.grads.clear()
         for e in self.entries:
             e.has_grad, e.event = False, None
             e.master.grad = None
