@@ -73,6 +73,30 @@ def _check_plan_flags(args) -> None:
                           f"create it or write the plan elsewhere")
 
 
+def _offload_arg(text: str):
+    """``--offload optimizer=1.0,grads=0.5`` or ``--offload auto=120GiB``."""
+    from ._errors import ConfigError
+    from .parallel import offload
+
+    kw: dict = {}
+    for part in text.split(","):
+        k, sep, v = part.partition("=")
+        k = k.strip()
+        if not sep or k not in ("params", "grads", "optimizer", "auto"):
+            raise ConfigError(f"--offload {text!r}: write kind=fraction pairs of params, grads, "
+                              f"optimizer (e.g. optimizer=1.0,grads=0.5) or auto=<budget> "
+                              f"(e.g. auto=120GiB)")
+        if k == "auto":
+            kw.update(policy="auto", budget=v.strip())
+            continue
+        try:
+            kw[k] = float(v)
+        except ValueError:
+            raise ConfigError(f"--offload {k}={v!r}: a fraction from 0 to 1, e.g. "
+                              f"{k}=0.5") from None
+    return offload(**kw)
+
+
 def cmd_plan(args) -> int:
     import time
 
@@ -95,6 +119,8 @@ def cmd_plan(args) -> int:
         from .parallel import zero_shard
 
         spec = spec | zero_shard(args.zero, args.zero_axis)
+    if args.offload:
+        spec = spec | _offload_arg(args.offload)
     if "pp" in mesh.axis_names:
         from .parallel import pipeline
 
@@ -111,6 +137,12 @@ def cmd_plan(args) -> int:
 
     if p.get(Pipeline) is not None:
         console.print(stage_table(p))
+    if args.offload:
+        from .parallel import Offload
+
+        off = p.get(Offload)
+        console.print(off.choice(p).describe())
+        console.print(str(off.step_cost(p)))
     if args.json:
         with open(args.json, "w") as f:
             f.write(p.to_json(indent=1))
@@ -194,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="pipeline schedule when the mesh has a 'pp' axis (gpipe, 1f1b, "
                         "interleaved, zero_bubble, zbv)")
     p.add_argument("--microbatches", type=int, default=8, help="pipeline microbatches")
+    p.add_argument("--offload", default=None,
+                   help="add offload(): kind=fraction pairs (optimizer=1.0,grads=0.5,params=0) "
+                        "or auto=<device budget per rank> (auto=120GiB); prints host and device "
+                        "bytes and the predicted step cost")
     p.set_defaults(fn=cmd_plan)
 
     e = sub.add_parser("env", help="versions of meshlab and what it runs on (for bug reports)")

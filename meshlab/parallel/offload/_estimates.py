@@ -46,8 +46,8 @@ def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: lis
         if f not in choice.optimizer:
             out.append(r)
             continue
-        if r.category == "optimizer":
-            out.append(dataclasses.replace(r, where="host"))
+        if r.category == "optimizer":    # moments of the fp32 master (ZeRO-1: already)
+            out.append(dataclasses.replace(r, where="host", dtype="float32"))
         elif r.category == "grads":
             first = f not in seen_grad
             seen_grad.add(f)
