@@ -217,3 +217,27 @@ def test_zero1_refusals_agree_with_plan(world2):
         with pytest.raises(ml.MeshlabError) as e:
             ml.plan(M.build("llama"), spec, ml.Mesh(dp=2, fake=True))
         assert g == (type(e.value).__name__, str(e.value))
+
+
+def host_memory_case(rank, world):
+    """A host too small for the moments is refused before any host tensor is made."""
+    import meshlab as ml
+    from meshlab.parallel.offload import _install
+
+    model = ml.parallelize(M.build("llama", vocab_size=VOCAB),
+                           ml.zero_shard(3, "dp") | ml.offload(optimizer=1.0),
+                           ml.Mesh(dp=world), seed=0)
+    real = _install.os.sysconf
+    _install.os.sysconf = lambda name: 1        # one byte free
+    try:
+        ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    except ml.ConfigError as e:
+        part = model._meshlab.part(_install.OffloadPart)
+        return "host has" in str(e) and part.entries == []
+    finally:
+        _install.os.sysconf = real
+    return False
+
+
+def test_host_too_small_is_refused_before_allocating(world2):
+    assert all(world2.run(host_memory_case))

@@ -91,12 +91,12 @@ class OffloadPart(Part):
     def make_optimizer(self, opt, cls: type, kwargs: dict, tensors: list):
         device_kwargs = adamw_family(cls, kwargs)
         hyper = {k: v for k, v in kwargs.items() if k not in device_kwargs}
+        self._check_host_memory(opt)
         if self.zero1 and opt.zero1 is not None:
             tensors = self._zero1_entries(opt.zero1, tensors)
         else:
             tensors = [self._entry(n, p) if n in self.choice.optimizer else p
                        for n, p in opt.params]
-        self._check_host_memory()
         host = {id(e.master) for e in self.entries}
         return HybridAdamW(tensors, host=host, pipeline=self, device_cls=cls,
                            device_kwargs=device_kwargs, **hyper)
@@ -131,11 +131,16 @@ class OffloadPart(Part):
             self.entries.append(e)
         return tensors
 
-    def _check_host_memory(self) -> None:
-        """Refuse before the moments are allocated when the host cannot hold them."""
-        need = sum(e.master.numel() * 4 * 2 for e in self.entries)        # exp_avg, exp_avg_sq
-        need += sum(self.params[e.fqn].numel() * self.params[e.fqn].element_size()
-                    for e in self.entries if e.streamed and e.fqn in self.params)
+    def _check_host_memory(self, opt) -> None:
+        """Refuse before anything is allocated on the host when it cannot hold the masters,
+        the moments and the offloaded gradients (12 bytes per element, plus the gradient)."""
+        need = 0
+        for n, p in opt.params:
+            if n in self.choice.optimizer:
+                k = _local(p).numel()
+                need += k * (8 if n in self.choice.params or self.zero1 else 12)
+                if n in self.choice.grads and n not in self.choice.params:
+                    need += k * p.element_size()
         try:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):
