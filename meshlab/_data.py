@@ -101,7 +101,7 @@ def _data_axes(mesh, axes, model, plan) -> tuple:
         if dict(mesh.shape) != plan.mesh_shape:
             raise ConfigError(f"dataloader: {mesh!r} is not the mesh the plan is bound to "
                               f"{plan.mesh_shape}; pass that mesh (or mesh=None with model=)")
-        data = tuple(plan.roles.dp)
+        data = tuple(plan.roles.data)
         if axes is not None and tuple(axes) != data:
             raise ConfigError(f"dataloader(axes={tuple(axes)}): the plan's data axes are "
                               f"{data}; leave axes out to use them")

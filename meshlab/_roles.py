@@ -9,7 +9,8 @@ estimates, ``dataloader`` and the runtime (process groups are found by axis name
 * ``fsdp``: the ``dp`` axes that parameter specs also shard (``P('fsdp', 'tp')``, the
   JAX way of writing 2-D sharding): FSDP2 over them, on the dimension the spec names;
 * ``tp``: the one other axis parameter specs shard (tensor parallelism);
-* ``pp``, ``sp`` and any role a transform outside meshlab claims, as claimed.
+* ``pp``, ``sp``, ``ep`` (``expert_route``: tokens split over it like ``dp``, expert
+  weights sharded over it) and any role a transform outside meshlab claims, as claimed.
 
 An axis of size > 1 with no role is a layout a plan may describe (JAX replicates over
 it) but not one meshlab trains on: nothing would keep its ranks' data apart or their
@@ -54,6 +55,12 @@ class AxisRoles:
         if role in ("dp", "fsdp"):
             return getattr(self, role)
         return dict(self.other).get(role, ())
+
+    @property
+    def data(self) -> tuple[str, ...]:
+        """The axes whose ranks read different batches: ``dp`` and ``expert_route``'s
+        ``ep`` (tokens are split over it too; the experts are exchanged there)."""
+        return self.dp + tuple(a for a in self.axes("ep") if a not in self.dp)
 
     @property
     def used(self) -> tuple[str, ...]:
@@ -131,7 +138,8 @@ def derive_roles(plan: "Plan", sizes: Mapping[str, int]) -> AxisRoles:
     else:
         batch = (plan.rules.resolve(P("batch"), tuple(sizes)) if plan.rules else P()).dim_axes(0)
         dp = tuple(a for a in batch if a not in claimed)
-    tp = tuple(a for a in sharded if a not in dp)
+    # Axes expert_route claims shard the experts' weights, not tensor parallel ones.
+    tp = tuple(a for a in sharded if a not in dp and a not in claims.get("ep", ()))
     if len(tp) > 1 and "dp" not in claims:
         # Parameters sharded over several axes no data maps to: the one sharding heads,
         # MLP or vocabulary is tensor parallel; the others shard like FSDP — data axes

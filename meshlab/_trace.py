@@ -14,7 +14,7 @@ _CONFIG_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
                 "tie_word_embeddings", "n_embd", "n_head", "n_layer", "n_inner",
                 "max_position_embeddings", "num_local_experts", "num_experts",
-                "num_experts_per_tok")
+                "num_experts_per_tok", "n_routed_experts")
 
 
 def _config_subset(config: Any) -> tuple:
@@ -68,6 +68,11 @@ def _modules(model: nn.Module) -> tuple[ModuleInfo, ...]:
     for name, m in model.named_modules():
         ints = tuple((k, v) for k, v in vars(m).items()
                      if type(v) is int and not k.startswith("_"))
+        if hasattr(type(m), "_apply_gate"):       # transformers' ExpertsInterface layout
+            ints += (("experts_interface", 1),) + tuple(
+                (k, int(getattr(m, k))) for k in ("has_gate", "has_bias", "is_transposed",
+                                                   "is_concatenated", "has_post_expert_norm")
+                if isinstance(getattr(m, k, None), bool))
         out.append(ModuleInfo(name, type(m).__name__, _module_kind(m), ints))
     return tuple(out)
 

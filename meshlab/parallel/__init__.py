@@ -8,6 +8,7 @@ from ._protocol import (Compose as Compose, CommOp as CommOp, Identity as Identi
                         MemRow as MemRow, Part as Part, Phase as Phase, Transform as Transform)
 from .precision import Precision as Precision, precision as precision
 from .shard import Shard as Shard, shard as shard
+from .expert import ExpertRoute as ExpertRoute, expert_route as expert_route
 from .zero import ZeroShard as ZeroShard, data_parallel as data_parallel, zero_shard as zero_shard
 from .remat import Remat as Remat, remat as remat
 from .pipeline import Pipeline as Pipeline, pipeline as pipeline

@@ -64,11 +64,12 @@ class _Groups:
 
     @property
     def dp_group(self):
-        return self.group(*self.roles.dp) if self.roles.dp else None
+        """The group over every axis whose ranks read different batches (``roles.data``)."""
+        return self.group(*self.roles.data) if self.roles.data else None
 
     @property
     def dp_size(self) -> int:
-        return self.size(*self.roles.dp)
+        return self.size(*self.roles.data)
 
     @property
     def tp_group(self):

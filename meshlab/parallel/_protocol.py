@@ -39,6 +39,7 @@ class Phase(enum.IntEnum):
     """The fixed order in which ``materialize`` runs the install steps."""
 
     SHARD = 20       # parameters become DTensors (tensor parallel)
+    EXPERTS = 25     # expert weights sharded over the expert axis; tokens dispatched
     HOOKS = 30       # forward hooks of the sharded modules
     KERNELS = 40     # fused ops routed in
     REMAT = 50       # activation checkpointing of the blocks

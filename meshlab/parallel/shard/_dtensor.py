@@ -113,7 +113,7 @@ def _refuse_hf_attention(plan: Plan, axis: str) -> None:
 def model_layout(ctx, tp_mesh=None) -> ModelLayout:
     """What ``constrain`` and ``shard_map`` read inside this model's forward."""
     return ModelLayout(mesh=ctx.mesh, rules=ctx.plan.rules,
-                       data_axes=tuple(ctx.roles.dp or ()), tp_axis=ctx.roles.tp,
+                       data_axes=tuple(ctx.roles.data or ()), tp_axis=ctx.roles.tp,
                        tp_mesh=tp_mesh)
 
 

@@ -1,0 +1,174 @@
+"""expert_route: expert parallelism for Hugging Face mixture-of-experts models.
+
+The room: ``ExpertRoute`` (claims the ``ep`` role), the layout it finds in the plan
+(every experts module in transformers' common layout: 3-D ``gate_up_proj [E, 2I, H]`` /
+``down_proj [E, H, I]`` weights behind ``ExpertsInterface``), its checks, its install
+(the expert weights become DTensors sharded on their expert dimension over ``ep``; the
+experts' implementation becomes the dispatching one of ``_dispatch``), its gradient
+reductions (the dense weights are averaged over ``ep``: its ranks read different tokens)
+and its estimates (expert bytes per rank, all-to-all volume, expected load).
+
+The router, its auxiliary loss and shared experts are the family's own code and dense
+parameters; nothing of a family's forward is copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+from ..._errors import ConfigError, NotRunnable, check_choice, check_name, check_number
+from ..._plan import Plan
+from ..._spec import P
+from .._gradsync import Reduction
+from .._protocol import CommOp, Phase, Transform
+
+__all__ = ["ExpertRoute", "expert_route", "experts_of"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """One experts module of the plan: its FQN, expert count and expert parameters."""
+
+    fqn: str
+    cls: str
+    num_experts: int
+    params: tuple[str, ...]
+
+
+def experts_of(plan: Plan) -> list[ExpertLayout]:
+    """Every experts module in the common layout (``ExpertsInterface``), from the plan."""
+    out = []
+    by_module: dict[str, list] = {}
+    for e in plan.params:
+        by_module.setdefault(e.module, []).append(e)
+    for m in plan.model.modules:
+        ints = dict(m.ints)
+        if not ints.get("experts_interface"):
+            continue
+        n = ints.get("num_experts")
+        params = tuple(e.fqn for e in by_module.get(m.fqn, ())
+                       if n and len(e.shape) >= 2 and e.shape[0] == n)
+        out.append(ExpertLayout(m.fqn, m.cls, n or 0, params))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertRoute(Transform):
+    """Experts sharded on their expert dimension over ``axis``; tokens dispatched to the
+    ranks that hold their experts and combined back (see the module doc)."""
+
+    kind: ClassVar[str] = "expert_route"
+    phase: ClassVar[Phase] = Phase.EXPERTS
+
+    axis: str = "ep"
+    capacity_factor: float | None = None
+    dispatch: str = "all_to_all"
+
+    def __post_init__(self):
+        object.__setattr__(self, "axis", check_name(self.axis, "expert_route", "axis",
+                                                    example="ep"))
+        if self.capacity_factor is not None:
+            object.__setattr__(self, "capacity_factor", check_number(
+                self.capacity_factor, "expert_route", "capacity_factor", example=1.25))
+        object.__setattr__(self, "dispatch", check_choice(self.dispatch, "expert_route",
+                                                          "dispatch", ("all_to_all",)))
+
+    def claims(self, plan: Plan):
+        return {"ep": (self.axis,)}
+
+    def apply(self, plan: Plan) -> Plan:
+        names = {f for x in experts_of(plan) for f in x.params}
+        params = tuple(dataclasses.replace(e, spec=P(self.axis, *([None] * (len(e.shape) - 1))))
+                       if e.fqn in names else e for e in plan.params)
+        return plan.replace(params=params)
+
+    def check(self, plan: Plan) -> None:
+        layouts = experts_of(plan)
+        if self.axis not in plan.mesh_shape:
+            raise ConfigError(f"{self!r}: {self.axis!r} is not a mesh axis "
+                              f"{tuple(plan.mesh_shape)}; add it, e.g. Mesh(ep=2)")
+        if not layouts:
+            raise ConfigError(
+                f"{self!r}: {plan.model.cls or 'the model'} has no experts module in the "
+                f"common layout (transformers' ExpertsInterface: 3-D gate_up_proj/down_proj "
+                f"weights behind @use_experts_implementation); expert_route shards those only")
+        n = plan.mesh_shape[self.axis]
+        for x in layouts:
+            if not x.params or not any(p.endswith(("gate_up_proj", "up_proj")) for p in x.params) \
+                    or not any(p.endswith("down_proj") for p in x.params):
+                raise ConfigError(
+                    f"{x.fqn} ({x.cls}): its experts differ from the common layout (expected "
+                    f"3-D gate_up_proj or up_proj and down_proj with {x.num_experts} experts "
+                    f"on dim 0; found {list(x.params) or 'none'}); expert_route cannot shard "
+                    f"them")
+            if x.num_experts % n:
+                raise ConfigError(f"{x.fqn}: {x.num_experts} experts do not divide over "
+                                  f"{self.axis}={n}; use an {self.axis} size that divides "
+                                  f"{x.num_experts}")
+        for t in plan.rooms:
+            kind = getattr(t, "kind", "")
+            if kind in ("pipeline", "sequence", "offload"):
+                raise NotRunnable(f"{self!r} with {t!r}: not yet shown to match the single "
+                                  f"process; drop one of them")
+        if plan.roles.tp:
+            raise NotRunnable(f"{self!r} with tensor parallelism over {plan.roles.tp!r}: not "
+                              f"yet shown to match the single process (the families' "
+                              f"tensor-parallel plans shard the experts themselves); use "
+                              f"expert_route with data parallelism or ZeRO")
+
+    def prepare(self, ctx) -> None:
+        from ._install import check_model
+
+        check_model(self, ctx)
+
+    def install(self, ctx):
+        from ._install import install_experts
+
+        return install_experts(self, ctx)
+
+    def reductions(self, plan: Plan) -> list:
+        """The dense weights are averaged over ``axis`` (its ranks read different
+        tokens); the experts' gradients are complete where they live (scaled by 1/n in
+        the forward)."""
+        experts = {f for x in experts_of(plan) for f in x.params}
+        dense = frozenset(e.fqn for e in plan.params if e.requires_grad and
+                          e.fqn not in experts and e.tied_to is None)
+        return [Reduction((self.axis,), average=True, names=dense, order=5)]
+
+    def comm(self, plan: Plan, *, batch, seq, coord):
+        """Per MoE layer and step: one all-to-all of the counts, and the rows out and back
+        in the forward and again in the backward; a uniform router sends ``(n-1)/n`` of
+        the ``tokens * k`` rows away."""
+        n = plan.mesh_shape[self.axis]
+        if n == 1 or batch is None:
+            return []
+        k = plan.model.config_get("num_experts_per_tok") or 1
+        hidden = plan.model.config_get("hidden_size") or 0
+        tokens = batch * (seq or 1)
+        per = tokens * k * (n - 1) / n * hidden * 2        # bf16/fp32 rows: 2 bytes a value
+        layers = len(experts_of(plan))
+        # per layer: the counts (E int64s), then the rows there and back, each way again
+        # in the backward
+        return [CommOp("all_to_all", self.axis, layers,
+                       layers * 8 * (experts_of(plan)[0].num_experts if layers else 0)),
+                CommOp("all_to_all", self.axis, 4 * layers, int(4 * layers * per))]
+        return ops
+
+    def __repr__(self) -> str:
+        cap = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"
+        return f"expert_route(axis={self.axis!r}{cap})"
+
+
+def expert_route(axis: str = "ep", capacity_factor: float | None = None,
+                 dispatch: str = "all_to_all") -> ExpertRoute:
+    """Expert parallelism over ``axis`` for a Hugging Face MoE model.
+
+    Dropless by default; ``capacity_factor`` keeps at most ``ceil(factor * tokens * k /
+    E)`` pairs per expert from each rank and counts the rest as dropped.
+
+    >>> expert_route('ep')
+    expert_route(axis='ep')
+    """
+    return ExpertRoute(axis, capacity_factor, dispatch)

@@ -1,0 +1,85 @@
+"""The router's load-balancing loss over the global batch.
+
+A family's ``load_balancing_loss_func`` (Switch Transformer's ``E * sum_e f_e * P_e``:
+``f_e`` the fraction of (token, top-k) assignments to expert ``e``, ``P_e`` its mean
+router probability) reads the batch it is given. Under expert (and data) parallelism each
+rank holds part of the batch, so the same function would compute a different, local
+loss. Inside a parallelized forward, meshlab's version sums the two statistics and the
+row count over the data axes first (the probabilities through a differentiable
+all-reduce), so every rank gets the loss of the whole batch: what the single process
+computes. Outside it (any other model in the process) the family's function runs as is.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+
+_GROUP: contextvars.ContextVar = contextvars.ContextVar("meshlab_aux_group", default=None)
+
+
+def global_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None,
+                               *, group):
+    from torch.distributed.nn.functional import all_reduce
+
+    if gate_logits is None or not isinstance(gate_logits, tuple):
+        return 0
+    dev = gate_logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=dev)
+    rows = torch.zeros((), dtype=torch.float32, device=dev)
+    mask = None if attention_mask is None else \
+        attention_mask.reshape(-1).to(device=dev, dtype=torch.float32)
+    for layer in gate_logits:
+        w = F.softmax(layer.to(dev), dim=-1)
+        _, sel = torch.topk(w, top_k, dim=-1)
+        m = torch.ones(w.shape[0], dtype=torch.float32, device=dev) if mask is None else mask
+        counts = counts.scatter_add(0, sel.reshape(-1), m.repeat_interleave(top_k))
+        probs = probs + (w.float() * m.unsqueeze(-1)).sum(0)
+        rows = rows + m.sum()
+    stats = torch.cat([counts, rows.reshape(1)]).detach()
+    torch.distributed.all_reduce(stats, group=group)
+    probs = all_reduce(probs, group=group)
+    counts, rows = stats[:-1], stats[-1]
+    return torch.sum((counts / rows) * (probs / rows)) * num_experts
+
+
+def patch_family(module_cls: type) -> bool:
+    """Route ``module_cls``'s modeling file's ``load_balancing_loss_func`` through the
+    global version inside parallelized forwards; False if the file has none."""
+    mod = sys.modules.get(module_cls.__module__)
+    fn = getattr(mod, "load_balancing_loss_func", None)
+    if fn is None:
+        return False
+    if getattr(fn, "_meshlab_global", False):
+        return True
+
+    @functools.wraps(fn)
+    def dispatch(*args, **kwargs):
+        group = _GROUP.get()
+        if group is None:
+            return fn(*args, **kwargs)
+        return global_load_balancing_loss(*args, **kwargs, group=group)
+
+    dispatch._meshlab_global = True
+    mod.load_balancing_loss_func = dispatch
+    return True
+
+
+def scope_forward(model, group) -> None:
+    """The model's forward computes the global loss (its data group set for the call)."""
+    tokens = []
+
+    def pre(_m, _args):
+        tokens.append(_GROUP.set(group))
+
+    def post(_m, _args, _out):
+        if tokens:
+            _GROUP.reset(tokens.pop())
+
+    model.register_forward_pre_hook(pre)
+    model.register_forward_hook(post, always_call=True)

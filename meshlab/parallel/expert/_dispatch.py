@@ -1,0 +1,186 @@
+"""The experts forward under expert parallelism: dispatch, local experts, combine.
+
+Registered in transformers' ``ExpertsInterface`` as ``"meshlab_ep"``, it replaces the
+*implementation* of a family's experts module, never its model code: the router and
+everything around the experts run as the family wrote them, and the local experts run
+through the implementation the model had chosen before (``grouped_mm`` — one grouped
+matmul, ``torch._grouped_mm`` on the GPU — or the eager loop), on this rank's slice of
+the expert weights.
+
+Per call, with ``T`` local tokens, top-``k`` routing, ``E`` experts over ``n`` ranks
+(``L = E / n`` each):
+
+1. the ``T*k`` (token, expert) pairs are sorted by expert (stably);
+2. the per-expert counts are exchanged (one all-to-all of ``E`` integers), so each rank
+   knows how many rows it receives for each of its experts (dropless), or every slot is
+   ``capacity`` rows (with ``capacity_factor``: no host synchronization; pairs past the
+   capacity of their (rank, expert) slot are dropped and counted);
+3. the rows go to the ranks holding their experts (all-to-all), are regrouped by local
+   expert and run through the local experts with weight 1;
+4. the results come back (the reverse all-to-all), are weighted by the router's
+   probabilities and summed per token.
+
+Gradients follow the same path backwards. The expert weights' gradient is scaled by
+``1/n``: each rank's loss is the mean over its own tokens and the model's loss is their
+mean (as for the dense weights, whose gradients are averaged over ``n``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+IMPL = "meshlab_ep"
+_EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias",
+                  "up_proj_bias", "down_proj_bias")
+
+
+@dataclasses.dataclass
+class EPStats:
+    """What the exchanges moved since the last ``reset``: all-to-all calls, rows and
+    bytes that left this rank (forward and backward), (token, expert) pairs routed, those
+    whose expert is on another rank (``away``), and those dropped over capacity."""
+
+    all_to_all: int = 0
+    rows: int = 0
+    bytes: int = 0
+    routed: int = 0
+    away: int = 0
+    dropped: int = 0
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+
+
+@dataclasses.dataclass
+class EPState:
+    """One experts module's expert-parallel setup."""
+
+    group: Any
+    size: int
+    rank: int
+    impl: str | None                 # the implementation the local experts run with
+    capacity_factor: float | None
+    stats: EPStats
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to other ranks (``in_splits`` sent, ``out_splits`` received); the backward
+    sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, st):
+        ctx.out_splits, ctx.in_splits, ctx.st = out_splits, in_splits, st
+        return _exchange(x.contiguous(), out_splits, in_splits, st)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _exchange(g.contiguous(), ctx.in_splits, ctx.out_splits, ctx.st), None, None, None
+
+
+def _exchange(x, out_splits, in_splits, st):
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=st.group)
+    away = sum(in_splits) - in_splits[st.rank]          # rows that leave this rank
+    st.stats.all_to_all += 1
+    st.stats.rows += away
+    st.stats.bytes += away * (x.numel() // max(x.shape[0], 1)) * x.element_size()
+    return out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class _Local:
+    """The experts module seen with this rank's slice of the weights: attributes the
+    implementation reads come from the module unless overridden here."""
+
+    def __init__(self, module: nn.Module, **overrides):
+        self.__dict__["_module"] = module
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_module"], name)
+
+
+def _local_weights(module: nn.Module, n: int) -> dict:
+    out = {}
+    for name in _EXPERT_PARAMS:
+        p = module._parameters.get(name)
+        if p is None:
+            continue
+        loc = p.to_local() if hasattr(p, "to_local") else p
+        out[name] = _ScaleGrad.apply(loc, 1.0 / n) if n > 1 else loc
+    return out
+
+
+def _run_local(module, st: EPState, x, local_ids, n_local: int):
+    """The family's own experts implementation over the local experts."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    eager = type(module).forward.__wrapped__
+    fn = eager if st.impl in (None, "eager") else \
+        ALL_EXPERTS_FUNCTIONS.get_interface(st.impl, eager)
+    proxy = _Local(module, num_experts=n_local, _is_expert_parallel=False,
+                   **_local_weights(module, st.size))
+    ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+    return fn(proxy, x, local_ids.unsqueeze(-1), ones)
+
+
+def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    st: EPState = self._meshlab_ep
+    n, E = st.size, self.num_experts
+    L = E // n
+    T, k = top_k_index.shape
+    dev = hidden_states.device
+    ids = top_k_index.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    ids_s, tok = ids[order], order // k
+    w = top_k_weights.reshape(-1)[order]
+    counts = torch.bincount(ids_s, minlength=E)
+    st.stats.routed += ids.numel()
+    if st.capacity_factor is not None:
+        keep, counts = _capacity(ids_s, counts, st, T * k, E)
+        st.stats.dropped += int(ids.numel() - keep.numel()) if keep is not None else 0
+        ids_s, tok, w = ids_s[keep], tok[keep], w[keep]
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=st.group)
+    st.stats.all_to_all += 1
+    send = counts.view(n, L).sum(1).tolist()
+    recv_mat = recv_counts.view(n, L)
+    recv = recv_mat.sum(1).tolist()
+    st.stats.away += sum(send) - send[st.rank]
+    x = _AllToAll.apply(hidden_states[tok], recv, send, st)
+    local_ids = torch.repeat_interleave(torch.arange(L, device=dev).repeat(n),
+                                        recv_mat.reshape(-1))
+    lo = torch.argsort(local_ids, stable=True)
+    y = _run_local(self, st, x[lo], local_ids[lo], L)
+    y = y.new_zeros(y.shape).index_copy(0, lo, y)          # back to the order received
+    y = _AllToAll.apply(y, send, recv, st)
+    y = y * w.unsqueeze(-1).to(y.dtype)
+    out = torch.zeros(T, y.shape[-1], dtype=y.dtype, device=dev).index_add(0, tok, y)
+    return out.to(hidden_states.dtype)
+
+
+def _capacity(ids_s, counts, st: EPState, pairs: int, E: int):
+    """Keep at most ``capacity`` pairs per expert from this rank (the first ones in
+    token order); returns (kept positions, kept counts)."""
+    cap = max(1, math.ceil(st.capacity_factor * pairs / E))
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(ids_s.numel(), device=ids_s.device) - starts[ids_s]
+    keep = torch.nonzero(rank_in_expert < cap).squeeze(-1)
+    return keep, counts.clamp(max=cap)
