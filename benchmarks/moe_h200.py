@@ -1,0 +1,153 @@
+"""Mixture-of-experts on one GPU: the experts block through meshlab's dispatching path
+against transformers' own implementations, and a small Mixtral-shaped model's training
+throughput against a dense model of the same active parameters.
+
+* block: ``MixtralSparseMoeBlock`` (hidden 2048, expert intermediate 1408, top-2, E=8 and
+  E=64) on 2 x 4096 bf16 tokens, forward + backward, with the experts implementation
+  ``eager`` (transformers' loop over experts), ``grouped_mm`` (transformers' grouped
+  matmul) and ``meshlab_ep`` (``expert_route``'s dispatch at ep=1, whose local experts run
+  through ``grouped_mm``);
+* model: Mixtral-shaped (hidden 1024, 8 layers, 8 experts of 2816, top-2) against a
+  Llama of the same shape whose MLP is 5632 wide (the same active parameters per token),
+  bf16 parameters, AdamW(fused=True), 4 x 2048 tokens per step.
+
+Times: CUDA events, median of 20 (block) / 10 (model) after 3 warm-up runs. Writes
+``benchmarks/results/moe_<card>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
+
+
+def _time(fn, n: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def block(E: int) -> dict:
+    import torch.distributed as dist
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from meshlab.parallel.expert._dispatch import IMPL, EPState, EPStats, ep_experts_forward
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(IMPL, ep_experts_forward)
+    cfg = transformers.MixtralConfig(hidden_size=2048, intermediate_size=1408,
+                                     num_local_experts=E, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        blk = MixtralSparseMoeBlock(cfg).to(torch.bfloat16)
+    for p in blk.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(2 * 4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    blk.experts._meshlab_ep = EPState(dist.group.WORLD, 1, 0, "grouped_mm", None, EPStats())
+    out, ref = {}, None
+    for impl in ("eager", "grouped_mm", IMPL):
+        cfg._experts_implementation = impl
+
+        def step():
+            x.grad = None
+            for p in blk.parameters():
+                p.grad = None
+            y = blk(x)
+            y = y[0] if isinstance(y, tuple) else y
+            y.backward(g)
+            return y
+
+        y = step()
+        if ref is None:
+            ref = (y.detach().float(), x.grad.float().clone())
+        err = float((y.detach().float() - ref[0]).norm() / ref[0].norm())
+        out[impl] = {"ms": _time(step, 20), "rel_err_vs_eager": err,
+                     "grad_rel_err_vs_eager": float((x.grad.float() - ref[1]).norm()
+                                                    / ref[1].norm())}
+        print(f"E={E} {impl:>11}: {out[impl]['ms']:.2f} ms  err {err:.1e}", flush=True)
+    return out
+
+
+def model(kind: str) -> dict:
+    import transformers
+
+    import meshlab as ml
+
+    common = dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048,
+                  attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if kind == "dense":
+        cfg = transformers.LlamaConfig(intermediate_size=5632, **common)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.MixtralConfig(intermediate_size=2816, num_local_experts=8,
+                                         num_experts_per_tok=2, **common)
+        cls = transformers.MixtralForCausalLM
+    with torch.device("cuda"):
+        m = cls(cfg).to(torch.bfloat16)
+    n_params = sum(p.numel() for p in m.parameters())
+    if kind != "dense":
+        m.config._experts_implementation = "grouped_mm"
+    if kind == "moe_meshlab":
+        m = ml.parallelize(m, ml.expert_route("ep"), ml.Mesh(ep=1), seed=0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, 32000, (4, 2048), device="cuda")
+
+    def step():
+        loss = ml.losses.causal_lm_loss(m(input_ids=ids), {"input_ids": ids, "labels": ids})
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    ms = _time(step, 10)
+    res = {"params": n_params, "ms_per_step": ms, "tokens_per_s": ids.numel() / (ms / 1e3),
+           "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
+    print(kind, json.dumps(res), flush=True)
+    del m, opt
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return res
+
+
+def main() -> None:
+    import torch.distributed as dist
+    import transformers
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29641")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    out = {"card": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "transformers": transformers.__version__,
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "method": "CUDA events, median of 20 (block) / 10 (model) after 3 warm-ups; bf16",
+           "block": {f"E{E}": block(E) for E in (8, 64)},
+           "model": {k: model(k) for k in ("dense", "moe_hf", "moe_meshlab")}}
+    copy = sys.argv[sys.argv.index("--copy-to") + 1] if "--copy-to" in sys.argv else None
+    print(_results.write("moe", out["card"], out, copy))
+
+
+if __name__ == "__main__":
+    main()
