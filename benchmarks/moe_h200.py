@@ -63,7 +63,7 @@ def block(E: int) -> dict:
         blk = MixtralSparseMoeBlock(cfg).to(torch.bfloat16)
     for p in blk.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(2 * 4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(2, 4096, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
     blk.experts._meshlab_ep = EPState(dist.group.WORLD, 1, 0, "grouped_mm", None, EPStats())
     out, ref = {}, None
