@@ -124,8 +124,14 @@ def model(kind: str) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def fwd_bwd():
+        loss = ml.losses.causal_lm_loss(m(input_ids=ids), {"input_ids": ids, "labels": ids})
+        loss.backward()
+        opt.zero_grad(set_to_none=True)
+
     ms = _time(step, 10)
     res = {"params": n_params, "ms_per_step": ms, "tokens_per_s": ids.numel() / (ms / 1e3),
+           "fwd_bwd_ms": _time(fwd_bwd, 10),
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
     print(kind, json.dumps(res), flush=True)
     del m, opt
