@@ -15,7 +15,6 @@ parameters; nothing of a family's forward is copied.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import ClassVar
 
 from ..._errors import ConfigError, NotRunnable, check_choice, check_name, check_number
@@ -23,35 +22,9 @@ from ..._plan import Plan
 from ..._spec import P
 from .._gradsync import Reduction
 from .._protocol import CommOp, Phase, Transform
+from ._layout import ExpertLayout, experts_of
 
-__all__ = ["ExpertRoute", "expert_route", "experts_of"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertLayout:
-    """One experts module of the plan: its FQN, expert count and expert parameters."""
-
-    fqn: str
-    cls: str
-    num_experts: int
-    params: tuple[str, ...]
-
-
-def experts_of(plan: Plan) -> list[ExpertLayout]:
-    """Every experts module in the common layout (``ExpertsInterface``), from the plan."""
-    out = []
-    by_module: dict[str, list] = {}
-    for e in plan.params:
-        by_module.setdefault(e.module, []).append(e)
-    for m in plan.model.modules:
-        ints = dict(m.ints)
-        if not ints.get("experts_interface"):
-            continue
-        n = ints.get("num_experts")
-        params = tuple(e.fqn for e in by_module.get(m.fqn, ())
-                       if n and len(e.shape) >= 2 and e.shape[0] == n)
-        out.append(ExpertLayout(m.fqn, m.cls, n or 0, params))
-    return out
+__all__ = ["ExpertRoute", "ExpertLayout", "expert_route", "experts_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,21 +113,23 @@ class ExpertRoute(Transform):
     def comm(self, plan: Plan, *, batch, seq, coord):
         """Per MoE layer and step: one all-to-all of the counts, and the rows out and back
         in the forward and again in the backward; a uniform router sends ``(n-1)/n`` of
-        the ``tokens * k`` rows away."""
+        the ``tokens * k`` rows away (rows in the experts' dtype)."""
+        from ..._dtypes import dtype_bytes
+
         n = plan.mesh_shape[self.axis]
-        if n == 1 or batch is None:
+        layouts = experts_of(plan)
+        if n == 1 or batch is None or not layouts:
             return []
         k = plan.model.config_get("num_experts_per_tok") or 1
         hidden = plan.model.config_get("hidden_size") or 0
         tokens = batch * (seq or 1)
-        per = tokens * k * (n - 1) / n * hidden * 2        # bf16/fp32 rows: 2 bytes a value
-        layers = len(experts_of(plan))
+        per = tokens * k * (n - 1) / n * hidden * dtype_bytes(plan[layouts[0].params[0]].dtype)
+        layers = len(layouts)
         # per layer: the counts (E int64s), then the rows there and back, each way again
         # in the backward
         return [CommOp("all_to_all", self.axis, layers,
                        layers * 8 * (experts_of(plan)[0].num_experts if layers else 0)),
                 CommOp("all_to_all", self.axis, 4 * layers, int(4 * layers * per))]
-        return ops
 
     def __repr__(self) -> str:
         cap = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"

@@ -8,6 +8,7 @@ from torch import nn
 from ..._errors import ConfigError
 from .._protocol import Part
 from ._aux import patch_family, scope_forward
+from ._layout import experts_of
 from ._dispatch import IMPL, EPState, EPStats, ep_experts_forward
 
 
@@ -26,8 +27,6 @@ def check_model(t, ctx) -> None:
 
         raise ConfigError(f"{t!r} needs transformers' ExpertsInterface (transformers >= 5); "
                           f"this is transformers {transformers.__version__}")
-    from . import experts_of
-
     mods = dict(ctx.model.named_modules())
     for x in experts_of(ctx.plan):
         m = mods[x.fqn]
@@ -39,8 +38,6 @@ def check_model(t, ctx) -> None:
 
 def install_experts(t, ctx):
     from torch.distributed.tensor import DTensor, Shard
-
-    from . import experts_of
 
     _interface().register(IMPL, ep_experts_forward)
     mesh = ctx.device_mesh(t.axis)

@@ -125,7 +125,7 @@ class Offload(Transform):
         stage = self._stage(plan)
         if self.policy == "static":
             return choose(plan, (self.params, self.grads, self.optimizer), zero_stage=stage)
-        from ..._memory import MemoryEstimate, room_rows
+        from ..._memory import room_rows
 
         budget = self.budget if self.budget is not None else _default_budget()
         before = room_rows(plan, until=self)

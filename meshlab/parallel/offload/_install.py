@@ -22,7 +22,6 @@ import os
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from ..._errors import ConfigError
 from ..._tensors import local as _local
