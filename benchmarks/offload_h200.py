@@ -83,6 +83,31 @@ def _time_steps(step, steps: int) -> list[float]:
     return out
 
 
+def _training_step(model, opt, args, set_sync):
+    """One optimizer step over ``args.accum`` microbatches of the same random tokens
+    (``set_sync(last)`` before each: gradients synchronize on the last), and the list the
+    losses go to."""
+    import torch
+
+    import meshlab as ml
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, 32000, (args.accum, args.micro, args.seq), device="cuda", generator=g)
+    losses: list[float] = []
+
+    def step():
+        for i in range(args.accum):
+            set_sync(i == args.accum - 1)
+            x = ids[i]
+            loss = ml.losses.causal_lm_loss(model(input_ids=x), {"input_ids": x, "labels": x})
+            (loss / args.accum).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+
+    return step, losses
+
+
 def run_meshlab(shape: str, frac: float, args) -> dict:
     import torch
 
@@ -98,20 +123,8 @@ def run_meshlab(shape: str, frac: float, args) -> dict:
     model = ml.parallelize(model, spec, ml.Mesh(dp=1), seed=0)
     opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-5, fused=True)
     rt = model._meshlab
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, 32000, (args.accum, args.micro, args.seq), device="cuda", generator=g)
-    losses = []
-
-    def step():
-        for i in range(args.accum):
-            rt.set_gradient_sync(model, i == args.accum - 1)
-            x = ids[i]
-            loss = ml.losses.causal_lm_loss(model(input_ids=x), {"input_ids": x, "labels": x})
-            (loss / args.accum).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-
+    step, losses = _training_step(model, opt, args,
+                                  lambda last: rt.set_gradient_sync(model, last))
     times = _time_steps(step, args.steps)
     out = _summary(times, n_params, args)
     est = rt.plan.memory()
@@ -170,20 +183,7 @@ def run_fsdp(shape: str, args) -> dict:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, 32000, (args.accum, args.micro, args.seq), device="cuda", generator=g)
-    losses = []
-
-    def step():
-        for i in range(args.accum):
-            model.set_requires_gradient_sync(i == args.accum - 1)
-            x = ids[i]
-            loss = ml.losses.causal_lm_loss(model(input_ids=x), {"input_ids": x, "labels": x})
-            (loss / args.accum).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-
+    step, losses = _training_step(model, opt, args, model.set_requires_gradient_sync)
     times = _time_steps(step, args.fsdp_steps)
     out = _summary(times, n_params, args)
     out.update(first_loss=losses[0], losses=losses)
