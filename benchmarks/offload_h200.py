@@ -166,15 +166,11 @@ def run_fsdp(shape: str, args) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from torch.utils.checkpoint import checkpoint
-
-    import meshlab as ml
 
     _init_dist()
     model = _model(shape, args.seq)
     n_params = sum(p.numel() for p in model.parameters())
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    del checkpoint
     mesh = init_device_mesh("cuda", (1,))
     kw = dict(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=True),
               mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
