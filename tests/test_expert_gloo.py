@@ -221,3 +221,25 @@ def test_refusals_agree_with_plan(world2):
             if p.not_runnable:
                 raise ml.ConfigError(p.not_runnable[0])
         assert g is not None and g[1] == str(e.value), (g, str(e.value))
+
+
+def test_every_layer_keeps_the_familys_implementation():
+    """Each experts module runs its local experts through what the model used before
+    (its modules share one config object, which now names the dispatching one)."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    from ._world import _free_port
+
+    assert not dist.is_initialized()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = M.build("mixtral")
+        model.config._experts_implementation = "grouped_mm"
+        model = ml.parallelize(model, ml.expert_route("ep"), ml.Mesh(ep=1), seed=0)
+        impls = [m._meshlab_ep.impl for m in model.modules() if hasattr(m, "_meshlab_ep")]
+    finally:
+        dist.destroy_process_group()
+    assert impls == ["grouped_mm"] * 2

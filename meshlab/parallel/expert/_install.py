@@ -46,7 +46,10 @@ def install_experts(t, ctx):
     stats = EPStats()
     aux = False
     mods = dict(ctx.model.named_modules())
-    for x in experts_of(ctx.plan):
+    layouts = experts_of(ctx.plan)
+    # What each module ran before: read all first, as modules share one config object.
+    before = {x.fqn: mods[x.fqn].config._experts_implementation for x in layouts}
+    for x in layouts:
         m = mods[x.fqn]
         for fqn in x.params if n > 1 else ():      # one rank holds them all as they are
             name = fqn.rsplit(".", 1)[-1]
@@ -56,7 +59,7 @@ def install_experts(t, ctx):
             d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                    shape=full.shape, stride=full.stride())
             m._parameters[name] = nn.Parameter(d, requires_grad=p.requires_grad)
-        prev = m.config._experts_implementation
+        prev = before[x.fqn]
         m._meshlab_ep = EPState(group, n, rank, None if prev == IMPL else prev,
                                 t.capacity_factor, stats)
         m.config._experts_implementation = IMPL
