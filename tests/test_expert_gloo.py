@@ -243,3 +243,59 @@ def test_every_layer_keeps_the_familys_implementation():
     finally:
         dist.destroy_process_group()
     assert impls == ["grouped_mm"] * 2
+
+
+def capacity_parity_case(rank, world, family, factor):
+    """Capacity mode against one process that applies the same rule: each rank's tokens
+    through experts that keep at most ``capacity`` pairs per expert (the same
+    implementation on a one-rank group), losses averaged over the chunks."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.parallel.expert._dispatch import IMPL, EPState, EPStats, ep_experts_forward
+    from meshlab.parallel.expert._install import _interface
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    data = M.batches(3, batch=4)
+    ref = ml.init_weights(M.build(family), seed=0)
+    _interface().register(IMPL, ep_experts_forward)
+    stats = EPStats()
+    prev = ref.config._experts_implementation
+    for m in ref.modules():
+        if hasattr(type(m), "_apply_gate"):
+            m._meshlab_ep = EPState(alone, 1, 0, prev, factor, stats)
+    ref.config._experts_implementation = IMPL
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    model = ml.parallelize(M.build(family), ml.expert_route("ep", capacity_factor=factor),
+                           ml.Mesh(ep=world), seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    part = model._meshlab.part(ml.parallel.expert._install.ExpertPart)
+    got, want = [], []
+    for b in data:
+        chunks = b.chunk(world)
+        loss = M.loss_fn(family)(model(input_ids=chunks[rank]),
+                                 {"input_ids": chunks[rank], "labels": chunks[rank]})
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        got.append(float(t) / world)
+        ref_loss = sum(M.loss_fn(family)(ref(input_ids=c), {"input_ids": c, "labels": c})
+                       for c in chunks) / world
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(float(ref_loss))
+    M.assert_weights_match(model, ref)
+    return dict(got=got, want=want, dropped=part.stats.dropped, ref_dropped=stats.dropped)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_capacity_matches_one_process_with_the_same_drops(world2, family):
+    res = world2.run(capacity_parity_case, family=family, factor=0.75)
+    for r in res:
+        torch.testing.assert_close(r["got"], r["want"], atol=1e-5, rtol=1e-4)
+    # the ranks together drop exactly what the one process drops over all the chunks
+    assert sum(r["dropped"] for r in res) > 0
+    assert sum(r["dropped"] for r in res) == res[0]["ref_dropped"]

@@ -11,10 +11,12 @@ Per call, with ``T`` local tokens, top-``k`` routing, ``E`` experts over ``n`` r
 (``L = E / n`` each):
 
 1. the ``T*k`` (token, expert) pairs are sorted by expert (stably);
-2. the per-expert counts are exchanged (one all-to-all of ``E`` integers), so each rank
-   knows how many rows it receives for each of its experts (dropless), or every slot is
-   ``capacity`` rows (with ``capacity_factor``: no host synchronization; pairs past the
-   capacity of their (rank, expert) slot are dropped and counted);
+2. dropless (the default): the per-expert counts are exchanged (one all-to-all of ``E``
+   integers), so each rank knows how many rows it receives for each of its experts (the
+   split sizes are read on the host); with ``capacity_factor``: every rank sends every
+   expert exactly ``capacity`` rows, zeros where it has fewer, so the splits are known in
+   advance and nothing waits on the device; pairs past an expert's capacity (in token
+   order) are dropped and counted;
 3. the rows go to the ranks holding their experts (all-to-all), are regrouped by local
    expert and run through the local experts with weight 1;
 4. the results come back (the reverse all-to-all), are weighted by the router's
@@ -51,11 +53,16 @@ class EPStats:
     bytes: int = 0
     routed: int = 0
     away: int = 0
-    dropped: int = 0
+    dropped_on_device: list = dataclasses.field(default_factory=list)   # counts, unread
+
+    @property
+    def dropped(self) -> int:
+        """Pairs dropped over capacity (reading it waits for the device)."""
+        return int(sum(int(d) for d in self.dropped_on_device))
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, 0)
+            setattr(self, f.name, [] if f.name == "dropped_on_device" else 0)
 
 
 @dataclasses.dataclass
@@ -143,6 +150,8 @@ def _run_local(module, st: EPState, x, local_ids, n_local: int):
 
 def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     st: EPState = self._meshlab_ep
+    if st.capacity_factor is not None:
+        return _capacity_forward(self, st, hidden_states, top_k_index, top_k_weights)
     n, E = st.size, self.num_experts
     L = E // n
     T, k = top_k_index.shape
@@ -153,10 +162,6 @@ def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     w = top_k_weights.reshape(-1)[order]
     counts = torch.bincount(ids_s, minlength=E)
     st.stats.routed += ids.numel()
-    if st.capacity_factor is not None:
-        keep, counts = _capacity(ids_s, counts, st, T * k, E)
-        st.stats.dropped += int(ids.numel() - keep.numel()) if keep is not None else 0
-        ids_s, tok, w = ids_s[keep], tok[keep], w[keep]
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=st.group)
     st.stats.all_to_all += 1
@@ -176,11 +181,43 @@ def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return out.to(hidden_states.dtype)
 
 
-def _capacity(ids_s, counts, st: EPState, pairs: int, E: int):
-    """Keep at most ``capacity`` pairs per expert from this rank (the first ones in
-    token order); returns (kept positions, kept counts)."""
-    cap = max(1, math.ceil(st.capacity_factor * pairs / E))
+def capacity(factor: float, pairs: int, experts: int) -> int:
+    """Rows each rank may send each expert: ``ceil(factor * pairs / experts)``."""
+    return max(1, math.ceil(factor * pairs / experts))
+
+
+def _capacity_forward(self, st: EPState, hidden_states, top_k_index, top_k_weights):
+    """The fixed-size path: every rank sends every expert exactly ``capacity`` rows
+    (zeros where it has fewer), so both exchanges have equal splits known in advance and
+    nothing waits on the device. Pairs past an expert's capacity, in token order, are
+    dropped: their contribution is zero, and ``stats.dropped`` counts them."""
+    n, E = st.size, self.num_experts
+    L = E // n
+    T, k = top_k_index.shape
+    H = hidden_states.shape[-1]
+    dev = hidden_states.device
+    cap = capacity(st.capacity_factor, T * k, E)
+    ids = top_k_index.reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    ids_s, tok = ids[order], order // k
+    w = top_k_weights.reshape(-1)[order]
+    counts = torch.zeros(E, dtype=torch.long, device=dev).scatter_add_(
+        0, ids_s, torch.ones_like(ids_s))
     starts = torch.cumsum(counts, 0) - counts
-    rank_in_expert = torch.arange(ids_s.numel(), device=ids_s.device) - starts[ids_s]
-    keep = torch.nonzero(rank_in_expert < cap).squeeze(-1)
-    return keep, counts.clamp(max=cap)
+    slot_in_expert = torch.arange(ids_s.numel(), device=dev) - starts[ids_s]
+    kept = slot_in_expert < cap
+    slots = torch.where(kept, ids_s * cap + slot_in_expert, E * cap)     # E*cap: the bin
+    st.stats.routed += ids.numel()
+    st.stats.dropped_on_device.append((~kept).sum())
+    send = hidden_states.new_zeros(E * cap + 1, H).index_copy(0, slots, hidden_states[tok])
+    splits = [L * cap] * n
+    x = _AllToAll.apply(send[:-1], splits, splits, st)                  # [n, L, cap] rows
+    local_ids = torch.arange(L, device=dev).repeat_interleave(cap).repeat(n)
+    lo = torch.argsort(local_ids, stable=True)
+    y = _run_local(self, st, x[lo], local_ids[lo], L)
+    y = y.new_zeros(y.shape).index_copy(0, lo, y)
+    y = _AllToAll.apply(y, splits, splits, st)
+    y = torch.cat([y, y.new_zeros(1, H)])[slots]                          # the bin reads 0
+    y = y * (w * kept).unsqueeze(-1).to(y.dtype)
+    out = torch.zeros(T, H, dtype=y.dtype, device=dev).index_add(0, tok, y)
+    return out.to(hidden_states.dtype)
