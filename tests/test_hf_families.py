@@ -48,9 +48,23 @@ def test_cross_head_norm_is_refused():
         ml.plan(model, ml.shard(ml.policies.auto, RULES), MESH)
 
 
-def test_moe_styles_are_named_in_the_error():
+def test_moe_plans_leave_the_experts_to_expert_route():
+    """A mixture-of-experts tp plan: attention and shared experts sharded as it says; the
+    experts (and their ``moe_tp_experts`` style) are left out, replicated over tp, and the
+    MoE block is no tensor-parallel region (its shared expert is one)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.for_model("mixtral")
-    with pytest.raises(ml.PolicyError, match="moe_tp_experts"):
-        ml.policies.from_hf_tp_plan("mixtral", cfg.base_model_tp_plan)
+    pol = ml.policies.from_hf_tp_plan("qwen2_moe", AutoConfig.for_model("qwen2_moe")
+                                      .base_model_tp_plan)
+    globs = {r.glob: r.style for r in pol.modules}
+    assert not any("experts" in g.split(".") for g in globs)
+    assert globs["layers.*.self_attn.q_proj"] == "colwise"
+    assert pol.regions == ("layers.*.self_attn",)
+    ds = ml.policies.from_hf_tp_plan("deepseek_v3", AutoConfig.for_model("deepseek_v3")
+                                     .base_model_tp_plan)
+    assert "layers.*.mlp" not in ds.regions and "layers.*.mlp.shared_experts" in ds.regions
+
+
+def test_unknown_styles_are_named_in_the_error():
+    with pytest.raises(ml.PolicyError, match="moe_weird"):
+        ml.policies.from_hf_tp_plan("x", {"layers.*.mlp.router": "moe_weird"})

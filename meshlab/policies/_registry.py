@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Callable
 
 from .._errors import PolicyError
@@ -35,8 +37,33 @@ def from_hf_tp_plan(model_type: str, tp_plan: dict[str, str]) -> Policy:
     shared decoder defaults: vocab-parallel embedding and LM head, sharded norms)."""
     from ._decoder import DECODER
 
+    if any("experts" in g.split(".") for g in tp_plan):
+        return _moe(model_type, tp_plan)
     rules = tuple(ModuleRule(glob, style) for glob, style in tp_plan.items())
     return DECODER + Policy(name=model_type, modules=rules)
+
+
+def _moe(model_type: str, tp_plan: dict[str, str]) -> Policy:
+    """A mixture-of-experts plan: attention and the dense MLPs (shared experts) sharded
+    as the plan says; the experts themselves, which ``expert_route`` shards over its own
+    axis, and the router are replicated over the tensor-parallel axis, every rank running
+    them on the same tokens. The MoE block is then no tensor-parallel region; each shared
+    expert is one."""
+    from ._decoder import DECODER
+
+    rules, regions = [], ["layers.*.self_attn"]
+    for glob, style in tp_plan.items():
+        parts = glob.split(".")
+        if "experts" in parts:
+            continue
+        rules.append(ModuleRule(glob, style))
+        parent = ".".join(parts[:-1])
+        if parent.startswith("layers.*.mlp.") and parent not in regions:
+            regions.append(parent)
+    base = dataclasses.replace(DECODER, regions=tuple(regions),
+                               optional=DECODER.optional + tuple(regions))
+    return base + Policy(name=model_type, modules=tuple(rules), optional=tuple(
+        r.glob for r in rules if r.glob.startswith("layers.*.mlp.")))
 
 
 def get(model_type: str, tp_plan: dict[str, str] | None = None) -> Policy:

@@ -85,11 +85,12 @@ class ExpertRoute(Transform):
             if kind in ("pipeline", "sequence", "offload"):
                 raise NotRunnable(f"{self!r} with {t!r}: not yet shown to match the single "
                                   f"process; drop one of them")
-        if plan.roles.tp:
-            raise NotRunnable(f"{self!r} with tensor parallelism over {plan.roles.tp!r}: not "
-                              f"yet shown to match the single process (the families' "
-                              f"tensor-parallel plans shard the experts themselves); use "
-                              f"expert_route with data parallelism or ZeRO")
+        if plan.roles.tp and plan.rules is not None and plan.roles.tp in \
+                plan.rules.resolve(P("seq"), tuple(plan.mesh_shape)).axes:
+            raise NotRunnable(f"{self!r} with sequence parallelism over {plan.roles.tp!r} "
+                              f"(seq -> {plan.roles.tp!r} in the rules): each tensor-parallel "
+                              f"rank would route another part of every sequence; not yet "
+                              f"shown to match the single process")
 
     def prepare(self, ctx) -> None:
         from ._install import check_model
