@@ -313,3 +313,31 @@ def test_capacity_matches_one_process_with_the_same_drops(world2, family):
     # the ranks together drop exactly what the one process drops over all the chunks
     assert sum(r["dropped"] for r in res) > 0
     assert sum(r["dropped"] for r in res) == res[0]["ref_dropped"]
+
+
+def pipeline_case(rank, world, family, schedule):
+    """pp=2 x ep=2: each stage's experts sharded over its ep ranks, the schedule's
+    microbatches dispatched within them, against the single-process model."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    layers = dict(num_hidden_layers=4)
+    data = M.batches(3, batch=8)
+    ref, ref_losses, _ = M.reference(family, data, LR, **layers)
+    spec = ml.pipeline("pp", schedule=schedule, microbatches=2) | ml.expert_route("ep")
+    model = ml.parallelize(M.build(family, **layers), spec, ml.Mesh(pp=2, ep=2), seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    rt = model._meshlab
+    r = dist.get_rank(rt.dp_group)
+    losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[r]}) for b in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                               atol=1e-5, rtol=1e-3)
+    return sorted(M.assert_weights_match(model, ref))
+
+
+@pytest.mark.parametrize("family,schedule", [("mixtral", "1f1b"), ("qwen2_moe", "gpipe"),
+                                             ("deepseek_v3", "1f1b")])
+def test_pipeline_with_expert_parallelism(world4, family, schedule):
+    owned = world4.run(pipeline_case, family=family, schedule=schedule)
+    assert owned[0] != owned[2] and owned[0] == owned[1]       # pp stages hold different layers

@@ -82,7 +82,7 @@ class ExpertRoute(Transform):
                                   f"{x.num_experts}")
         for t in plan.rooms:
             kind = getattr(t, "kind", "")
-            if kind in ("pipeline", "sequence", "offload"):
+            if kind in ("sequence", "offload"):
                 raise NotRunnable(f"{self!r} with {t!r}: not yet shown to match the single "
                                   f"process; drop one of them")
         if plan.roles.tp and plan.rules is not None and plan.roles.tp in \

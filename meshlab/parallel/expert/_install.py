@@ -46,7 +46,8 @@ def install_experts(t, ctx):
     stats = EPStats()
     aux = False
     mods = dict(ctx.model.named_modules())
-    layouts = experts_of(ctx.plan)
+    # The experts of this rank's pipeline stage (the others' modules are gone).
+    layouts = [x for x in experts_of(ctx.plan) if x.fqn in mods]
     # What each module ran before: read all first, as modules share one config object.
     before = {x.fqn: mods[x.fqn].config._experts_implementation for x in layouts}
     for x in layouts:
