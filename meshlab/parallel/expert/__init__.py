@@ -15,6 +15,7 @@ parameters; nothing of a family's forward is copied.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 from ..._errors import ConfigError, NotRunnable, check_choice, check_name, check_number
@@ -24,7 +25,7 @@ from .._gradsync import Reduction
 from .._protocol import CommOp, Phase, Transform
 from ._layout import ExpertLayout, experts_of
 
-__all__ = ["ExpertRoute", "ExpertLayout", "expert_route", "experts_of"]
+__all__ = ["ExpertRoute", "ExpertLayout", "ExpertLoad", "expert_route", "experts_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,9 +133,69 @@ class ExpertRoute(Transform):
                        layers * 8 * (experts_of(plan)[0].num_experts if layers else 0)),
                 CommOp("all_to_all", self.axis, 4 * layers, int(4 * layers * per))]
 
+    def load(self, plan: Plan, *, batch: int, seq: int) -> "ExpertLoad":
+        """What each rank holds and moves per step for ``batch`` sequences of ``seq``
+        tokens per rank, with a uniform router (every expert equally likely)."""
+        from ..._dtypes import dtype_bytes
+        from ..._placement import local_shape
+
+        n = plan.mesh_shape[self.axis]
+        layouts = experts_of(plan)
+        k = plan.model.config_get("num_experts_per_tok") or 1
+        hidden = plan.model.config_get("hidden_size") or 0
+        pairs = batch * seq * k
+        sizes = plan.mesh_shape
+        held = sum(math.prod(local_shape(plan[f].shape, plan[f].mesh_spec, sizes)) *
+                   dtype_bytes(plan[f].dtype) for x in layouts for f in x.params)
+        elem = dtype_bytes(plan[layouts[0].params[0]].dtype) if layouts else 4
+        if self.capacity_factor is None:
+            away = pairs * (n - 1) / n
+        else:
+            from ._dispatch import capacity
+
+            E = layouts[0].num_experts if layouts else 1
+            away = capacity(self.capacity_factor, pairs, E) * E * (n - 1) / n
+        return ExpertLoad(
+            layers=len(layouts), experts=layouts[0].num_experts if layouts else 0,
+            per_rank=(layouts[0].num_experts // n) if layouts else 0, expert_bytes=held,
+            pairs=pairs, received=pairs, away=int(away),
+            all_to_all_bytes=int(4 * len(layouts) * away * hidden * elem))
+
     def __repr__(self) -> str:
         cap = "" if self.capacity_factor is None else f", capacity_factor={self.capacity_factor}"
         return f"expert_route(axis={self.axis!r}{cap})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLoad:
+    """Per rank and step under a uniform router: MoE layers, experts per layer and per
+    rank, bytes of expert weights held, (token, expert) pairs routed per layer, pairs
+    received per layer (as many as routed, on average), rows sent to other ranks per
+    layer, and all-to-all bytes (there and back, forward and backward, every layer)."""
+
+    layers: int
+    experts: int
+    per_rank: int
+    expert_bytes: int
+    pairs: int
+    received: int
+    away: int
+    all_to_all_bytes: int
+
+    def rows(self) -> list[tuple[str, str]]:
+        from ..._plan_view import _fmt_bytes
+
+        return [("MoE layers", str(self.layers)),
+                ("experts per layer / per rank", f"{self.experts} / {self.per_rank}"),
+                ("expert weights held", _fmt_bytes(self.expert_bytes)),
+                ("pairs routed per layer", f"{self.pairs:,}"),
+                ("pairs received per layer (uniform router)", f"{self.received:,}"),
+                ("rows sent to other ranks per layer", f"{self.away:,}"),
+                ("all-to-all bytes per step", _fmt_bytes(self.all_to_all_bytes))]
+
+    def __str__(self) -> str:
+        w = max(len(k) for k, _ in self.rows())
+        return "\n".join(f"{k:<{w}}  {v}" for k, v in self.rows())
 
 
 def expert_route(axis: str = "ep", capacity_factor: float | None = None,
