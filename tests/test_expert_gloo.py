@@ -27,6 +27,14 @@ from . import _models as M
 pytestmark = pytest.mark.timeout(900)
 LR = 1e-3
 FAMILIES = ("mixtral", "qwen2_moe", "deepseek_v3")
+# more families of the common experts layout, each shown at ep=2
+MORE = ("qwen3_moe", "olmoe", "granitemoe", "glm4_moe", "gpt_oss")
+
+
+def test_the_shown_families_are_the_tested_ones():
+    from meshlab.parallel.expert import SHOWN
+
+    assert SHOWN == frozenset(FAMILIES + MORE)
 
 
 def _spec(layout: str):
@@ -36,6 +44,8 @@ def _spec(layout: str):
     spec, mesh = {"ep2": (ep, dict(ep=2)), "ep4": (ep, dict(ep=4)),
                   "ep2_dp2": (ml.data_parallel("dp") | ep, dict(dp=2, ep=2)),
                   "ep2_zero3": (ml.zero_shard(3, "dp") | ep, dict(dp=2, ep=2)),
+                  "ep2_remat": (ep | ml.remat("full"), dict(ep=2)),
+                  "ep2_bf16": (ml.precision("bf16") | ep, dict(ep=2)),
                   "ep2_tp2": (ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ep,
                               dict(ep=2, tp=2)),
                   # no expert parallelism: the experts replicated over tp, as the plan says
@@ -58,7 +68,7 @@ def _loss(model, family, x, aux: bool):
     return M.loss_fn(family)(model(input_ids=x), {"input_ids": x, "labels": x}), None
 
 
-def parity_case(rank, world, family, layout, aux=False):
+def parity_case(rank, world, family, layout, aux=False, bf16=False):
     import torch.distributed as dist
 
     import meshlab as ml
@@ -80,14 +90,15 @@ def parity_case(rank, world, family, layout, aux=False):
         t = loss.detach().clone()
         dist.all_reduce(t, group=model._meshlab.dp_group)
         got.append(float(t) / n)
-        want_loss, want_aux = _loss(ref, family, b, aux)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            want_loss, want_aux = _loss(ref, family, b, aux)
         want_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
         want.append(float(want_loss))
         if aux:
             auxes.append((float(a), float(want_aux)))
-    M.assert_weights_match(model, ref)
+    M.assert_weights_match(model, ref, **(dict(atol=5e-3, rtol=5e-2) if bf16 else {}))
     part = model._meshlab.part(ExpertPart)
     return dict(got=got, want=want, aux=auxes, dropped=part.stats.dropped if part else 0,
                 routed=part.stats.routed if part else None)
@@ -101,9 +112,21 @@ def _check(results):
         assert res["dropped"] == 0 and (res["routed"] is None or res["routed"] > 0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MORE)
 def test_ep2_matches_one_process(world2, family):
     _check(world2.run(parity_case, family=family, layout="ep2"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ep2_with_remat_matches_one_process(world2, family):
+    _check(world2.run(parity_case, family=family, layout="ep2_remat"))
+
+
+def test_ep2_under_bf16_matches_one_process_under_autocast(world2):
+    # bf16 rounding differs with the order of operations: losses within 2e-2, weights
+    # after three steps within 5e-3 (the updates are 1e-3 a step)
+    for r in world2.run(parity_case, family="mixtral", layout="ep2_bf16", bf16=True):
+        torch.testing.assert_close(r["got"], r["want"], atol=2e-2, rtol=1e-2)
 
 
 def test_router_aux_loss_is_the_whole_batch_loss(world2):
@@ -116,8 +139,9 @@ def test_router_aux_loss_is_the_whole_batch_loss(world2):
 @pytest.mark.parametrize("family,layout", [("mixtral", "ep4"), ("qwen2_moe", "ep4"),
                                            ("deepseek_v3", "ep4"),
                                            ("mixtral", "ep2_dp2"), ("deepseek_v3", "ep2_dp2"),
-                                           ("qwen2_moe", "ep2_zero3"),
-                                           ("mixtral", "ep2_zero3"),
+                                           ("qwen2_moe", "ep2_dp2"),
+                                           ("qwen2_moe", "ep2_zero3"), ("mixtral", "ep2_zero3"),
+                                           ("deepseek_v3", "ep2_zero3"),
                                            ("mixtral", "ep2_tp2"), ("qwen2_moe", "ep2_tp2"),
                                            ("mixtral", "tp2_dp2")])
 def test_four_ranks_match_one_process(world4, family, layout):
@@ -216,8 +240,10 @@ def _refused():
              lambda fake: ml.Mesh(ep=2, fake=fake)),
             (lambda: M.build("mixtral", num_local_experts=3), ml.expert_route("ep"),
              lambda fake: ml.Mesh(ep=2, fake=fake)),
-            (lambda: M.build("mixtral"), ml.expert_route("ep") | ml.pipeline("pp", microbatches=2),
-             lambda fake: ml.Mesh(pp=1, ep=2, fake=fake)),
+            (lambda: M.build("mixtral"), ml.expert_route("ep") | ml.sequence("sp"),
+             lambda fake: ml.Mesh(sp=1, ep=2, fake=fake)),
+            (lambda: M.build("phimoe"), ml.expert_route("ep"),
+             lambda fake: ml.Mesh(ep=2, fake=fake)),
             # DeepSeek-V3's dense first layer shards its MLP outside any region once the
             # MoE blocks are no region: the tensor-parallel scan refuses it
             (lambda: M.build("deepseek_v3"),

@@ -52,3 +52,8 @@ def test_refusals_name_the_fix():
         _plan(dict(ep=2, tp=2), ml.shard(ml.policies.auto, ml.Rules(**{**M.TP_RULES,
                                                                       "seq": "tp"}))
               | ml.expert_route("ep"))
+
+
+def test_families_not_yet_shown_are_refused_by_name():
+    p = ml.plan(M.build("phimoe"), ml.expert_route("ep"), ml.Mesh(ep=2, fake=True))
+    assert any("'phimoe'" in why and "not yet shown" in why for why in p.not_runnable)
