@@ -143,6 +143,7 @@ def test_router_aux_loss_is_the_whole_batch_loss(world2):
                                            ("qwen2_moe", "ep2_zero3"), ("mixtral", "ep2_zero3"),
                                            ("deepseek_v3", "ep2_zero3"),
                                            ("mixtral", "ep2_tp2"), ("qwen2_moe", "ep2_tp2"),
+                                           ("deepseek_v3", "ep2_tp2"),
                                            ("mixtral", "tp2_dp2")])
 def test_four_ranks_match_one_process(world4, family, layout):
     _check(world4.run(parity_case, family=family, layout=layout))
@@ -244,11 +245,7 @@ def _refused():
              lambda fake: ml.Mesh(sp=1, ep=2, fake=fake)),
             (lambda: M.build("phimoe"), ml.expert_route("ep"),
              lambda fake: ml.Mesh(ep=2, fake=fake)),
-            # DeepSeek-V3's dense first layer shards its MLP outside any region once the
-            # MoE blocks are no region: the tensor-parallel scan refuses it
-            (lambda: M.build("deepseek_v3"),
-             ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.expert_route("ep"),
-             lambda fake: ml.Mesh(ep=1, tp=2, fake=fake))]
+]
 
 
 def test_refusals_agree_with_plan(world2):

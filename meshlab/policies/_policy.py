@@ -85,6 +85,7 @@ class Policy:
     activations: tuple[tuple[str, P], ...] = ()     # module glob -> output spec
     sequence_parallel: tuple[str, ...] = ()         # replicated modules on sequence shards (SP)
     regions: tuple[str, ...] = ()                   # modules whose input enters a TP region
+    dense_regions: tuple[str, ...] = ()             # the same, for modules holding no experts
     local_attrs: tuple[tuple[str, str], ...] = ()   # (module glob, int attribute) divided by tp
     optional: tuple[str, ...] = ()                   # globs allowed to match nothing
 
@@ -98,6 +99,7 @@ class Policy:
             activations=tuple({**dict(self.activations), **dict(other.activations)}.items()),
             sequence_parallel=tuple(dict.fromkeys(self.sequence_parallel + other.sequence_parallel)),
             regions=tuple(dict.fromkeys(self.regions + other.regions)),
+            dense_regions=tuple(dict.fromkeys(self.dense_regions + other.dense_regions)),
             local_attrs=tuple(dict.fromkeys(self.local_attrs + other.local_attrs)),
             optional=tuple(dict.fromkeys(self.optional + other.optional)),
         )
@@ -196,7 +198,18 @@ class Policy:
     def module_tags(self, plan) -> dict[str, tuple[str, ...]]:
         """Module glob -> tags (``tp_region``: the module's input enters a TP region)."""
         prefix = plan.model.base_prefix
-        return {self._abs(g, prefix): ("tp_region",) for g in self.regions if self._keep(g, plan)}
+        out = {self._abs(g, prefix): ("tp_region",) for g in self.regions if self._keep(g, plan)}
+        if self.dense_regions:
+            from .._specs_tree import glob_match
+
+            experts = [m.fqn for m in plan.model.modules if dict(m.ints).get("experts_interface")]
+            for g in self.dense_regions:
+                a = self._abs(g, prefix)
+                for m in plan.model.modules:      # a dense MLP, not an MoE block
+                    if glob_match(a, m.fqn) and not any(x.startswith(m.fqn + ".")
+                                                        for x in experts):
+                        out[m.fqn] = ("tp_region",)
+        return out
 
     def module_attrs(self, plan) -> dict[str, tuple[str, ...]]:
         """Module glob -> integer attributes that must hold this rank's share under TP."""

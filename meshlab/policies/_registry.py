@@ -47,10 +47,13 @@ def _moe(model_type: str, tp_plan: dict[str, str]) -> Policy:
     as the plan says; the experts themselves, which ``expert_route`` shards over its own
     axis, and the router are replicated over the tensor-parallel axis, every rank running
     them on the same tokens. The MoE block is then no tensor-parallel region; each shared
-    expert is one."""
+    expert is one, and so is the MLP of each dense layer."""
     from ._decoder import DECODER
 
-    rules, regions = [], ["layers.*.self_attn"]
+    # attention is a region only where the plan shards it (DeepSeek's MLA it leaves whole)
+    rules, dense = [], []
+    regions = ["layers.*.self_attn"] if any(g.startswith("layers.*.self_attn.")
+                                            for g in tp_plan) else []
     for glob, style in tp_plan.items():
         parts = glob.split(".")
         if "experts" in parts:
@@ -58,8 +61,10 @@ def _moe(model_type: str, tp_plan: dict[str, str]) -> Policy:
         rules.append(ModuleRule(glob, style))
         parent = ".".join(parts[:-1])
         if parent.startswith("layers.*.mlp.") and parent not in regions:
-            regions.append(parent)
-    base = dataclasses.replace(DECODER, regions=tuple(regions),
+            regions.append(parent)              # a shared expert
+        elif parent == "layers.*.mlp" and parent not in dense:
+            dense.append(parent)                # the dense layers' MLP (not the MoE blocks)
+    base = dataclasses.replace(DECODER, regions=tuple(regions), dense_regions=tuple(dense),
                                optional=DECODER.optional + tuple(regions))
     return base + Policy(name=model_type, modules=tuple(rules), optional=tuple(
         r.glob for r in rules if r.glob.startswith("layers.*.mlp.")))
