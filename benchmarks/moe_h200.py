@@ -67,8 +67,10 @@ def block(E: int) -> dict:
     g = torch.randn_like(x)
     blk.experts._meshlab_ep = EPState(dist.group.WORLD, 1, 0, "grouped_mm", None, EPStats())
     out, ref = {}, None
-    for impl in ("eager", "grouped_mm", IMPL):
-        cfg._experts_implementation = impl
+    for impl in ("eager", "grouped_mm", IMPL, IMPL + "_capacity"):
+        cfg._experts_implementation = IMPL if impl.startswith(IMPL) else impl
+        # the fixed-size exchange (capacity 2x the uniform share): no host synchronization
+        blk.experts._meshlab_ep.capacity_factor = 2.0 if impl.endswith("capacity") else None
 
         def step():
             x.grad = None
@@ -83,7 +85,10 @@ def block(E: int) -> dict:
         if ref is None:
             ref = (y.detach().float(), x.grad.float().clone())
         err = float((y.detach().float() - ref[0]).norm() / ref[0].norm())
-        out[impl] = {"ms": _time(step, 20), "rel_err_vs_eager": err,
+        blk.experts._meshlab_ep.stats.reset()
+        step()
+        dropped = blk.experts._meshlab_ep.stats.dropped
+        out[impl] = {"ms": _time(step, 20), "rel_err_vs_eager": err, "dropped_pairs": dropped,
                      "grad_rel_err_vs_eager": float((x.grad.float() - ref[1]).norm()
                                                     / ref[1].norm())}
         print(f"E={E} {impl:>11}: {out[impl]['ms']:.2f} ms  err {err:.1e}", flush=True)

@@ -121,6 +121,10 @@ def cmd_plan(args) -> int:
         spec = spec | zero_shard(args.zero, args.zero_axis)
     if args.offload:
         spec = spec | _offload_arg(args.offload)
+    if "ep" in mesh.axis_names:
+        from .parallel import expert_route
+
+        spec = spec | expert_route("ep")
     if "pp" in mesh.axis_names:
         from .parallel import pipeline
 
@@ -137,6 +141,10 @@ def cmd_plan(args) -> int:
 
     if p.get(Pipeline) is not None:
         console.print(stage_table(p))
+    from .parallel import ExpertRoute
+
+    if p.get(ExpertRoute) is not None and args.batch is not None:
+        console.print(str(p.get(ExpertRoute).load(p, batch=args.batch, seq=args.seq)))
     if args.offload:
         from .parallel import Offload
 
@@ -208,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plan", help="plan a model on a fake mesh and print its layout and memory")
     p.add_argument("--model", default="llama3-8b",
                    help="a preset name (see meshlab.presets) or a path to a config.json")
-    p.add_argument("--mesh", default="dp=8,tp=8", help="axis=size pairs, e.g. pp=8,dp=16,tp=8")
+    p.add_argument("--mesh", default="dp=8,tp=8",
+                   help="axis=size pairs, e.g. pp=8,dp=16,tp=8 (an 'ep' axis adds expert_route)")
     p.add_argument("--rules", default=None,
                    help=f"logical=axis[|fallback][|None] pairs, e.g. batch=dp,heads=tp|None "
                         f"(default: {DEFAULT_RULES_HELP})")

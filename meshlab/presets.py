@@ -29,6 +29,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
                      num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                      vocab_size=152064, tie_word_embeddings=False),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+                         tie_word_embeddings=False),
     "gpt2-small": dict(model_type="gpt2", n_embd=768, n_layer=12, n_head=12, vocab_size=50257),
     # The demo model: small enough to train on CPU processes in a minute.
     "tiny-llama": dict(model_type="llama", hidden_size=64, intermediate_size=128,

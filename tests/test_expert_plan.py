@@ -57,3 +57,12 @@ def test_refusals_name_the_fix():
 def test_families_not_yet_shown_are_refused_by_name():
     p = ml.plan(M.build("phimoe"), ml.expert_route("ep"), ml.Mesh(ep=2, fake=True))
     assert any("'phimoe'" in why and "not yet shown" in why for why in p.not_runnable)
+
+
+def test_cli_plans_expert_parallelism_on_an_ep_axis(capsys):
+    from meshlab.cli import main
+
+    assert main(["plan", "--model", "mixtral-8x7b", "--mesh", "dp=2,ep=4", "--batch", "1",
+                 "--seq", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "experts per layer / per rank" in out and "8 / 2" in out and "all_to_all" in out
