@@ -27,7 +27,10 @@ from ._specs_tree import specs_like as specs_like
 from .parallel import (Transform as Transform, shard as shard, zero_shard as zero_shard,
                        data_parallel as data_parallel, precision as precision, remat as remat,
                        pipeline as pipeline, sequence as sequence, fuse as fuse,
-                       offload as offload, expert_route as expert_route)
+                       offload as offload, expert_route as expert_route,
+                       lora as lora)
+from .parallel.lora import (save_adapter as save_adapter, load_adapter as load_adapter,
+                            save_merged as save_merged)
 from ._api import plan as plan
 from ._parallelize import parallelize as parallelize
 from ._materialize import init_weights as init_weights

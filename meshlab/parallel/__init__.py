@@ -15,3 +15,4 @@ from .pipeline import Pipeline as Pipeline, pipeline as pipeline
 from .sequence import Sequence as Sequence, sequence as sequence
 from .fuse import Fuse as Fuse, fuse as fuse
 from .offload import Offload as Offload, offload as offload
+from .lora import Lora as Lora, lora as lora

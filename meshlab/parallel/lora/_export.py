@@ -1,0 +1,174 @@
+"""Adapters out of and into a parallelized model, in PEFT's format.
+
+``save_adapter(directory, model)`` writes ``adapter_config.json`` and
+``adapter_model.safetensors`` as ``PeftModel.save_pretrained`` does (keys
+``base_model.model.<fqn>`` without the adapter name), so ``PeftModel.from_pretrained``
+loads it on one process; ``load_adapter`` reads one into a parallelized model (each rank
+takes its shard). ``save_merged`` writes the base model with the adapters merged in
+(``W + scale * B @ A``; a module to save as its trained copy) as a Hugging Face
+checkpoint for ``AutoModelForCausalLM.from_pretrained``. Writes go to ``<dir>.partial``
+and replace ``<dir>`` in one rename. Every rank calls these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ADAPTER = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+
+
+def _full(p) -> torch.Tensor:
+    to = getattr(p, "full_tensor", None)
+    return (to() if to is not None else p).detach().to("cpu").clone()
+
+
+def _gathered(model: nn.Module, keep) -> dict[str, torch.Tensor]:
+    """``{fqn: full tensor}`` of the parameters ``keep(fqn)`` selects, on rank 0 (every
+    rank calls; pipeline stages each contribute theirs)."""
+    mine = {n: _full(p) for n, p in model.named_parameters() if keep(n)}
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, parts, dst=0)
+    out: dict[str, torch.Tensor] = {}
+    for part in parts or ():
+        for n, t in part.items():
+            out.setdefault(n, t)
+    return out
+
+
+def _peft_key(fqn: str) -> str:
+    return "base_model.model." + fqn.replace(".default.", ".").replace(".modules_to_save.", ".")
+
+
+def _adapter(n: str) -> bool:
+    return ".lora_A." in n or ".lora_B." in n or ".modules_to_save." in n
+
+
+def _lora_config(model):
+    t = next((t for t in model._meshlab.plan.rooms if getattr(t, "kind", "") == "lora"), None)
+    if t is None:
+        from ..._errors import ConfigError
+
+        raise ConfigError("this model was parallelized without lora(); it has no adapters")
+    return t.config
+
+
+def _write(directory: str, files: dict) -> None:
+    """Rank 0 writes ``files`` (name -> bytes or a tensor dict) and swaps the folder in."""
+    from safetensors.torch import save_file
+
+    directory = os.fspath(directory).rstrip("/")
+    tmp = directory + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    for name, data in files.items():
+        if isinstance(data, dict):
+            save_file({k: v.contiguous() for k, v in data.items()}, os.path.join(tmp, name),
+                      metadata={"format": "pt"})
+        else:
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(data)
+    old = directory + ".old"
+    if os.path.exists(directory):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier(model) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=model._meshlab.ctrl_group)
+
+
+def save_adapter(directory, model: nn.Module, *, base_model_name_or_path: str | None = None):
+    """Write the adapters in PEFT format (see the module doc); returns ``directory``."""
+    from ._peft import jsonable as _jsonable
+
+    cfg = _lora_config(model)
+    tensors = _gathered(model, _adapter)
+    if _rank0():
+        d = _jsonable(cfg.to_dict())
+        d["base_model_name_or_path"] = base_model_name_or_path or \
+            getattr(model.config, "_name_or_path", None)
+        _write(directory, {ADAPTER: {_peft_key(n): t for n, t in tensors.items()},
+                           CONFIG: json.dumps(d, indent=2)})
+    _barrier(model)
+    return os.fspath(directory)
+
+
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's state with every adapter merged in, keyed as the model was before
+    peft (on rank 0; empty elsewhere)."""
+    cfg = _lora_config(model)
+    full = _gathered(model, lambda n: True)
+    if not _rank0():
+        return {}
+    scale = cfg.lora_alpha / (cfg.r ** 0.5 if cfg.use_rslora else cfg.r)
+    out: dict[str, torch.Tensor] = {}
+    for n, t in full.items():
+        if ".lora_A." in n or ".lora_B." in n or ".original_module." in n:
+            continue
+        if ".base_layer." in n:
+            mod, name = n.split(".base_layer.")
+            key = f"{mod}.{name}"
+            a = full.get(f"{mod}.lora_A.default.weight")
+            if name == "weight" and a is not None:
+                b = full[f"{mod}.lora_B.default.weight"]
+                t = (t.float() + scale * (b.float() @ a.float())).to(t.dtype)
+            out[key] = t
+            continue
+        out[n.replace(".modules_to_save.default.", ".")] = t
+    return out
+
+
+def save_merged(directory, model: nn.Module) -> str:
+    """The merged model as a Hugging Face checkpoint (``config.json`` and
+    ``model.safetensors``)."""
+    sd = merged_state(model)
+    if _rank0():
+        _write(directory, {"model.safetensors": sd, "config.json": model.config.to_json_string()})
+    _barrier(model)
+    return os.fspath(directory)
+
+
+def load_adapter(directory, model: nn.Module) -> None:
+    """Read a PEFT adapter into a parallelized model made with the same ``lora`` config
+    (each rank copies its own shard of every adapter tensor)."""
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from ..._errors import ConfigError
+
+    files = load_file(os.path.join(os.fspath(directory), ADAPTER))
+    params = {n: p for n, p in model.named_parameters() if _adapter(n)}
+    by_key = {_peft_key(n): n for n in params}
+    missing = sorted(set(by_key) - set(files))
+    if missing:
+        raise ConfigError(f"load_adapter({os.fspath(directory)!r}): the adapter lacks "
+                          f"{missing[:3]} ({len(missing)} in all); it was made for another "
+                          f"lora config or model")
+    with torch.no_grad():
+        for key, n in by_key.items():
+            p, t = params[n], files[key]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ConfigError(f"load_adapter: {key} is {tuple(t.shape)}, the model's "
+                                  f"{n} {tuple(p.shape)}")
+            if isinstance(p, DTensor):
+                t = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements,
+                                      src_data_rank=None).to_local()
+                p.to_local().copy_(t)
+            else:
+                p.copy_(t.to(p.dtype))

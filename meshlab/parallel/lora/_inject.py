@@ -1,0 +1,54 @@
+"""peft's adapters put into the model before it is initialized, as the plan said."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..._errors import ConfigError
+
+
+def inject(t, ctx) -> None:
+    from ._peft import peft_module
+
+    peft = peft_module()
+    model = ctx.model
+    meta = any(p.is_meta for p in model.parameters())
+    device = "meta" if meta else next(model.parameters()).device
+    with torch.device(device):
+        peft.inject_adapter_in_model(t.config, model)
+    want = {e.fqn: e for e in ctx.plan.params}
+    got = dict(model.named_parameters())
+    if set(got) != set(want):
+        raise ConfigError(
+            f"{t!r}: peft wrapped other parameters than the plan predicted (in the model, not "
+            f"the plan: {sorted(set(got) - set(want))[:4]}; in the plan, not the model: "
+            f"{sorted(set(want) - set(got))[:4]}); narrow target_modules to Linear modules")
+    for n, p in got.items():
+        p.requires_grad_(want[n].requires_grad)
+    if meta:
+        ctx.after_init.append(start)       # after the seeded initialization
+    else:
+        start(model, generator=torch.Generator().manual_seed(0))
+
+
+def start(model, generator=None) -> None:
+    """The adapters' starting values, the same on every rank: B zero (the model starts
+    equal to its base), A from the seeded initialization (or, for a model with real
+    weights, Kaiming-uniform from a fixed generator, as peft draws it); each module to
+    save starts as a copy of the original."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoraLayer):
+                for name in m.lora_A:
+                    if generator is not None:
+                        torch.nn.init.kaiming_uniform_(m.lora_A[name].weight, a=math.sqrt(5),
+                                                       generator=generator)
+                    m.lora_B[name].weight.zero_()
+            elif isinstance(m, ModulesToSaveWrapper):
+                for copy in m.modules_to_save.values():
+                    copy.load_state_dict(m.original_module.state_dict())
