@@ -30,7 +30,8 @@ from .parallel import (Transform as Transform, shard as shard, zero_shard as zer
                        offload as offload, expert_route as expert_route,
                        lora as lora)
 from .parallel.lora import (save_adapter as save_adapter, load_adapter as load_adapter,
-                            save_merged as save_merged)
+                            save_merged as save_merged, merge as merge_adapters,
+                            unmerge as unmerge_adapters)
 from ._api import plan as plan
 from ._parallelize import parallelize as parallelize
 from ._materialize import init_weights as init_weights

@@ -219,3 +219,47 @@ def test_refusals_name_the_fix():
     p = ml.plan(M.build("llama"), ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES))
                 | ml.lora(LoraConfig(target_modules=["q_proj"])), ml.Mesh(tp=2, fake=True))
     assert any("not yet shown" in why for why in p.not_runnable)
+
+
+def merge_case(rank, world, layout):
+    """Merging on the sharded model gives the same logits without the adapters' path;
+    unmerging gives the base weights back (within float32 rounding)."""
+    import meshlab as ml
+
+    spec, mesh = _spec(layout, _config(False))
+    model = ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(**mesh), seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    b = M.batches(1, batch=4)[0]
+    ml.step(model, opt, {"input_ids": b.chunk(world)[rank]})     # B is no longer zero
+    x = M.batches(1, batch=2, seed=3)[0]
+    base = {n: M.full(p).detach().clone() for n, p in model.named_parameters()
+            if ".base_layer." in n}
+    with torch.no_grad():
+        before = model(input_ids=x).logits
+        layers = ml.merge_adapters(model)
+        merged = model(input_ids=x).logits
+        changed = sum(not torch.equal(M.full(p), base[n]) for n, p in model.named_parameters()
+                      if n in base)
+        ml.unmerge_adapters(model)
+        after = model(input_ids=x).logits
+    back = max(float((M.full(p) - base[n]).abs().max()) for n, p in model.named_parameters()
+               if n in base)
+    return layers, changed, float((merged - before).abs().max()), \
+        float((after - before).abs().max()), back
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero3"])
+def test_merge_and_unmerge_on_the_sharded_model(world2, layout):
+    for layers, changed, merged, after, back in world2.run(merge_case, layout=layout):
+        assert layers == 3 * LAYERS["num_hidden_layers"] and changed == layers
+        assert merged < 1e-5 and after < 1e-5 and back < 1e-6
+
+
+def test_without_peft_the_error_names_the_install(monkeypatch):
+    import sys
+
+    import meshlab as ml
+
+    monkeypatch.setitem(sys.modules, "peft", None)          # import peft now fails
+    with pytest.raises(ml.ConfigError, match=r"pip install 'meshlab\[lora\]'"):
+        ml.lora(r=4, target_modules=["q_proj"])

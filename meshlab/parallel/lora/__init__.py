@@ -27,7 +27,8 @@ from ..._spec import P
 from .._protocol import Phase, Transform
 from ._peft import jsonable as _jsonable, peft_module as _peft
 
-__all__ = ["Lora", "lora", "save_adapter", "load_adapter", "merged_state", "save_merged"]
+__all__ = ["Lora", "lora", "save_adapter", "load_adapter", "merged_state", "save_merged",
+           "merge", "unmerge"]
 
 
 def _targets(config, plan: Plan) -> list[ModuleInfo]:
@@ -163,4 +164,5 @@ def lora(config=None, **kwargs) -> Lora:
     return Lora(config)
 
 
-from ._export import load_adapter, merged_state, save_adapter, save_merged  # noqa: E402
+from ._export import (load_adapter, merge, merged_state, save_adapter,  # noqa: E402
+                      save_merged, unmerge)

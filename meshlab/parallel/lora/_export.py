@@ -172,3 +172,29 @@ def load_adapter(directory, model: nn.Module) -> None:
                 p.to_local().copy_(t)
             else:
                 p.copy_(t.to(p.dtype))
+
+
+def merge(model: nn.Module) -> int:
+    """Merge every adapter into its base weight in place, on the sharded model (peft's
+    own ``merge`` on each LoRA layer: its arithmetic runs on the DTensors, which
+    communicate what they need); the forward then skips the adapters. Returns the layers
+    merged."""
+    return _each_layer(model, lambda m: m.merge())
+
+
+def unmerge(model: nn.Module) -> int:
+    """Undo ``merge``: the base weights again, the adapters in the forward."""
+    return _each_layer(model, lambda m: m.unmerge())
+
+
+def _each_layer(model: nn.Module, fn) -> int:
+    from peft.tuners.lora import LoraLayer
+
+    _lora_config(model)
+    n = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoraLayer):
+                fn(m)
+                n += 1
+    return n
