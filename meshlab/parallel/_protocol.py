@@ -38,6 +38,7 @@ from .._plan import Plan, option_type, register_option
 class Phase(enum.IntEnum):
     """The fixed order in which ``materialize`` runs the install steps."""
 
+    ADAPTERS = 10    # adapters put into the model (lora), before anything is sharded
     SHARD = 20       # parameters become DTensors (tensor parallel)
     EXPERTS = 25     # expert weights sharded over the expert axis; tokens dispatched
     HOOKS = 30       # forward hooks of the sharded modules

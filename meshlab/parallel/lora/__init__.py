@@ -75,10 +75,21 @@ def lora_entries(config, plan: Plan) -> tuple[ParamEntry, ...]:
                     raise ConfigError(f"lora: target {e.module} shares its weight with "
                                       f"{e.tied_to}; untie them or target other modules")
                 spec = e.spec
+                out_ax, in_ax = _axis(spec, 0), _axis(spec, 1)
+                # Under tensor parallelism: a base split on its outputs has B split alike
+                # and A replicated, reading the region's input, its gradient partial like
+                # every input's there (summed over tp); a base split on its inputs has A
+                # split alike and B replicated after the reduction, its gradient whole.
+                row = any("rowwise" in t for t in e.tags)
+                col = any("colwise" in t for t in e.tags)
+                a_tags = ("replicated_with_grad_allreduce",) if col else ()
+                b_tags = ("full_grad",) if row else ()
                 A = ParamEntry(f"{e.module}.lora_A.default.weight", (r, e.shape[1]), e.dtype,
-                               P(None, _axis(spec, 1)), True, None, f"{e.module}.lora_A.default")
+                               P(None, in_ax), True, None, f"{e.module}.lora_A.default",
+                               tags=a_tags)
                 B = ParamEntry(f"{e.module}.lora_B.default.weight", (e.shape[0], r), e.dtype,
-                               P(_axis(spec, 0), None), True, None, f"{e.module}.lora_B.default")
+                               P(out_ax, None), True, None, f"{e.module}.lora_B.default",
+                               tags=b_tags)
                 out += [A, B]
             continue
         owner = next((s for s in saved if e.module == s or e.module.startswith(s + ".")), None)
@@ -99,12 +110,44 @@ def lora_entries(config, plan: Plan) -> tuple[ParamEntry, ...]:
     return tuple(out)
 
 
+def lora_modules(config, plan: Plan) -> tuple[ModuleInfo, ...]:
+    """The module table after injection: each target gains ``base_layer`` (the original
+    Linear) and its two adapter Linears."""
+    targets = {m.fqn for m in _targets(config, plan)}
+    saved = set(_saved(config, plan))
+    out = []
+    for m in plan.model.modules:
+        if m.fqn in saved:      # peft's ModulesToSaveWrapper around the original and a copy
+            out += [dataclasses.replace(m, cls="ModulesToSaveWrapper", kind=""),
+                    dataclasses.replace(m, fqn=f"{m.fqn}.original_module"),
+                    dataclasses.replace(m, fqn=f"{m.fqn}.modules_to_save.default")]
+            continue
+        owner = next((o for o in saved if m.fqn.startswith(o + ".")), None)
+        if owner is not None:   # a submodule of a saved module: in both copies
+            sub = m.fqn[len(owner):]
+            out += [dataclasses.replace(m, fqn=f"{owner}.original_module{sub}"),
+                    dataclasses.replace(m, fqn=f"{owner}.modules_to_save.default{sub}")]
+            continue
+        if m.fqn not in targets:
+            out.append(m)
+        else:                   # peft's wrapper: no weight of its own
+            out.append(dataclasses.replace(m, cls=f"lora.{m.cls}", kind=""))
+            ints = dict(m.ints)
+            fin, fout = ints.get("in_features"), ints.get("out_features")
+            out += [dataclasses.replace(m, fqn=f"{m.fqn}.base_layer"),
+                    ModuleInfo(f"{m.fqn}.lora_A.default", "Linear", "linear",
+                               (("in_features", fin), ("out_features", config.r))),
+                    ModuleInfo(f"{m.fqn}.lora_B.default", "Linear", "linear",
+                               (("in_features", config.r), ("out_features", fout)))]
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Lora(Transform):
     """LoRA adapters from a ``peft.LoraConfig`` (see the module doc)."""
 
     kind: ClassVar[str] = "lora"
-    phase: ClassVar[Phase] = Phase.USER
+    phase: ClassVar[Phase] = Phase.ADAPTERS
 
     config: Any
 
@@ -112,16 +155,15 @@ class Lora(Transform):
         if plan.is_bound:
             raise ConfigError("lora() rewrites the parameter table: apply it to an unbound "
                               "plan, as part of the spec given to plan/parallelize")
-        return plan.replace(params=lora_entries(self.config, plan))
+        return plan.replace(params=lora_entries(self.config, plan),
+                            model=dataclasses.replace(plan.model, modules=lora_modules(
+                                self.config, plan)))
 
     def check(self, plan: Plan) -> None:
         for t in plan.rooms:
             if getattr(t, "kind", "") in ("sequence", "expert_route", "offload"):
                 raise NotRunnable(f"{self!r} with {t!r}: not yet shown to match single-process "
                                   f"peft; drop one of them")
-        if plan.roles.tp:
-            raise NotRunnable(f"{self!r} with tensor parallelism over {plan.roles.tp!r}: not "
-                              f"yet shown to match single-process peft")
 
     def prepare(self, ctx) -> None:
         from ._inject import inject

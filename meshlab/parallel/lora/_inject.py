@@ -27,28 +27,29 @@ def inject(t, ctx) -> None:
             f"{sorted(set(want) - set(got))[:4]}); narrow target_modules to Linear modules")
     for n, p in got.items():
         p.requires_grad_(want[n].requires_grad)
-    if meta:
-        ctx.after_init.append(start)       # after the seeded initialization
+    if meta:     # right after each wrapper is initialized, before its block is sharded
+        ctx.on_module.append(lambda _name, m: start(m))
     else:
-        start(model, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(0)
+        for m in model.modules():
+            start(m, generator=g)
 
 
-def start(model, generator=None) -> None:
-    """The adapters' starting values, the same on every rank: B zero (the model starts
-    equal to its base), A from the seeded initialization (or, for a model with real
-    weights, Kaiming-uniform from a fixed generator, as peft draws it); each module to
-    save starts as a copy of the original."""
+def start(m, generator=None) -> None:
+    """An adapter wrapper's starting values, the same on every rank: B zero (the model
+    starts equal to its base), A from the seeded initialization (or, for a model with real
+    weights, Kaiming-uniform from a fixed generator, as peft draws it); a module to save
+    starts as a copy of the original."""
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LoraLayer):
-                for name in m.lora_A:
-                    if generator is not None:
-                        torch.nn.init.kaiming_uniform_(m.lora_A[name].weight, a=math.sqrt(5),
-                                                       generator=generator)
-                    m.lora_B[name].weight.zero_()
-            elif isinstance(m, ModulesToSaveWrapper):
-                for copy in m.modules_to_save.values():
-                    copy.load_state_dict(m.original_module.state_dict())
+        if isinstance(m, LoraLayer):
+            for name in m.lora_A:
+                if generator is not None:
+                    torch.nn.init.kaiming_uniform_(m.lora_A[name].weight, a=math.sqrt(5),
+                                                   generator=generator)
+                m.lora_B[name].weight.zero_()
+        elif isinstance(m, ModulesToSaveWrapper):
+            for copy in m.modules_to_save.values():
+                copy.load_state_dict(m.original_module.state_dict())

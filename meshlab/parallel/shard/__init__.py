@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
-from ..._errors import PlanError, RulesError, SpecError
+from ..._errors import ConfigError, PlanError, RulesError, SpecError
 from ..._plan import ActivationEntry, Plan
 from ..._roles import implied_room
 from ..._rules import DEFAULT_RULES, Rules
@@ -64,6 +64,9 @@ class Shard(Transform):
         rules = _join_rules(plan.rules, self.rules)
         if _uses_default_rules(self, plan):
             rules = DEFAULT_RULES
+        if any(getattr(t, "kind", "") == "lora" for t in plan.options):
+            raise ConfigError(f"lora(...) | {self!r}: the sharding reads the model as it was "
+                              f"before adapters; write {self!r} | lora(...)")
         policy = resolve_policy(self.specs, plan)
         if policy is not None:
             param_specs, tags, acts = policy.param_specs(plan), policy.tags(plan), \

@@ -193,9 +193,13 @@ def _refuse_mixed_regions(scan: _Scan) -> None:
     projection left whole beside split ones, or a split region nothing joins, computes on
     mismatched shapes (or silently on the wrong heads)."""
     styles = {m.fqn: m.style for m in scan.modules}
+    # replicated on purpose beside split peers (LoRA's factors): whole gradients, or
+    # partial ones summed over tp
+    whole_ok = {e.module for e in scan.plan.params
+                if {"full_grad", "replicated_with_grad_allreduce"} & set(e.tags)}
     for r in scan.regions:
-        inside = [m for m in scan.plan.model.modules
-                  if m.fqn.startswith(r + ".") and m.kind in ("linear", "conv1d")]
+        inside = [m for m in scan.plan.model.modules if m.fqn.startswith(r + ".")
+                  and m.kind in ("linear", "conv1d") and m.fqn not in whole_ok]
         split = [m for m in inside if m.fqn in styles]
         whole = [m for m in inside if m.fqn not in styles]
         if split and whole:
@@ -343,6 +347,8 @@ def _refuse_partial(scan: _Scan) -> None:
     for e in scan.plan.params:
         if e.fqn in reduced or e.module in tp_fqns or not e.requires_grad:
             continue
+        if "full_grad" in e.tags and not scan.sp:
+            continue          # replicated, its gradient whole on every rank (LoRA's factors)
         partial_in_region = scan.in_region(e.module) or e.module in scan.regions
         partial_seq = scan.sp and any(e.module == b or e.module.startswith(b + ".")
                                       for b in blocks)
