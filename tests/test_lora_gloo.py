@@ -134,10 +134,10 @@ def _check(results, layout):
             assert abs(r["grad_bytes"] - want) <= 0.15 * want, (r, want)
         # the optimizer's state, measured: AdamW's two moments of this rank's adapters
         # (ZeRO-1: of its fp32 slices), as plan.memory() counts them
-        # (plan.memory() under a pipeline counts every stage's rows: checked elsewhere)
-        if layout != "pp2":
-            moments = r["opt_bytes"] * (2 / 3 if layout == "zero1" else 1)   # ZeRO-1: + master
-            assert abs(r["state_bytes"] - moments) <= 0.15 * moments, r
+        # (under a pipeline the plan counts the heaviest stage's rank: the most any holds)
+        held = max(x["state_bytes"] for x in results) if layout == "pp2" else r["state_bytes"]
+        moments = r["opt_bytes"] * (2 / 3 if layout == "zero1" else 1)   # ZeRO-1: + master
+        assert abs(held - moments) <= 0.15 * moments, (r, held)
 
 
 @pytest.mark.parametrize("layout", ["dp", "zero1", "zero2", "zero3", "pp2"])

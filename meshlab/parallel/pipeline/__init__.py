@@ -65,6 +65,12 @@ class Pipeline(Transform):
     def v(self) -> int:
         return self.virtual_stages or SCHEDULES[self.schedule]
 
+    def memory(self, plan: Plan, rows: list) -> list:
+        """Each rank holds its own stages' parameters: the rows of the heaviest rank."""
+        from ._schedule import rank_rows
+
+        return rank_rows(plan, self, rows)
+
     def apply(self, plan: Plan) -> Plan:
         if not plan.model.blocks:
             raise PlanError(f"pipeline: {plan.model.cls or 'the model'} has no repeated blocks "

@@ -77,6 +77,34 @@ def stages(plan: Plan, opt) -> list[Stage]:
     return out
 
 
+def rank_rows(plan: Plan, opt, rows: list) -> list:
+    """The memory rows of the pipeline rank that holds the most bytes: its stages' blocks,
+    the embedding on the first stage's rank, the rest outside the blocks on the last's
+    (as ``stages`` places them). Rows of no parameter (a room's own) stay."""
+    st = stages(plan, opt)
+    blocks = {b: s.rank for s in st for b in s.blocks}
+    first = next(s.rank for s in st if s.first)
+    last = next(s.rank for s in st if s.last)
+    fqns = {e.fqn for e in plan.params}
+
+    def rank_of(fqn: str) -> int | None:
+        if fqn not in fqns:
+            return None
+        owner = next((b for b in blocks if fqn.startswith(b + ".")), None)
+        if owner is not None:
+            return blocks[owner]
+        return first if ("embed" in fqn or "wte" in fqn) else last
+
+    by_rank: dict = {}
+    for r in rows:
+        by_rank.setdefault(rank_of(r.fqn), []).append(r)
+    shared = by_rank.pop(None, [])
+    if not by_rank:
+        return rows
+    heaviest = max(by_rank, key=lambda k: (sum(r.bytes for r in by_rank[k]), -k))
+    return by_rank[heaviest] + shared
+
+
 def _balanced(weights: list[int], n: int, head: int, tail: int) -> list[int]:
     """Contiguous split of ``weights`` into ``n`` non-empty parts minimizing the heaviest
     part, with ``head`` added to the first part and ``tail`` to the last (binary search on
