@@ -142,9 +142,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         """The tensor the inner optimizer updates for parameter ``p`` (its key in
         ``state``): ``p``, or offload's host master of it."""
         for part in self.rt.parts:
-            t = getattr(part, "tensor_of", None)
-            if t is not None:
-                p = t(p)
+            p = part.tensor_of(p)
         return p
 
     # -- the step -------------------------------------------------------------------

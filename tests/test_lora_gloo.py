@@ -252,6 +252,8 @@ def test_refusals_name_the_fix():
                 ml.Mesh(dp=1, fake=True))
     with pytest.raises(ml.ConfigError, match="LoraConfig"):
         ml.lora("q_proj")
+    with pytest.raises(ml.ConfigError, match="rank_pattern"):     # per-module ranks: unplanned
+        ml.lora(LoraConfig(target_modules=["q_proj"], rank_pattern={"q_proj": 8}))
     with pytest.raises(ml.ConfigError):           # the policy would not see the model
         ml.plan(M.build("llama"), ml.lora(LoraConfig(target_modules=["q_proj"]))
                 | ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)), ml.Mesh(tp=2, fake=True))

@@ -49,7 +49,7 @@ def _masters(model: nn.Module) -> dict[str, torch.Tensor]:
     a compute-dtype copy (``offload`` on one rank under bf16)."""
     out: dict[str, torch.Tensor] = {}
     for part in getattr(getattr(model, "_meshlab", None), "parts", ()):
-        out.update(getattr(part, "model_state", dict)())
+        out.update(part.model_state())
     return out
 
 

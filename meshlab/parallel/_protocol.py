@@ -80,6 +80,16 @@ class Part:
     def refresh_master(self) -> None:
         """Copy the model's parameters into master copies a part keeps (after a load)."""
 
+    def tensor_of(self, p):
+        """The tensor the inner optimizer updates for model parameter ``p`` (its state's
+        key): ``p``, or a copy the part keeps (offload's host master)."""
+        return p
+
+    def model_state(self) -> dict:
+        """FQN -> the tensor that holds a parameter's value when it is not the parameter
+        itself (offload's fp32 master of a bf16 device copy); checkpoints save that."""
+        return {}
+
     def grad_items(self, items: list) -> list:
         """``[(local gradient, groups it is sharded over)]`` for norms and overflow."""
         return items

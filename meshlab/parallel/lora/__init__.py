@@ -200,6 +200,13 @@ def lora(config=None, **kwargs) -> Lora:
         raise ConfigError("lora(config, ...): give a LoraConfig or its keywords, not both")
     if not isinstance(config, peft.LoraConfig):
         raise ConfigError(f"lora(config): a peft.LoraConfig, got {type(config).__name__}")
+    for name in ("rank_pattern", "alpha_pattern"):
+        if getattr(config, name, None):
+            raise ConfigError(f"lora: LoraConfig({name}=...) gives modules their own rank or "
+                              f"alpha, which meshlab does not plan yet; use one r and alpha")
+    if getattr(config, "use_dora", False):
+        raise ConfigError("lora: LoraConfig(use_dora=True) is not planned by meshlab yet; "
+                          "use plain LoRA")
     if not config.target_modules:
         raise ConfigError("lora: the LoraConfig names no target_modules; name some, e.g. "
                           "target_modules=['q_proj', 'v_proj']")

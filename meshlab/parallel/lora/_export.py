@@ -7,14 +7,14 @@ loads it on one process; ``load_adapter`` reads one into a parallelized model (e
 takes its shard). ``save_merged`` writes the base model with the adapters merged in
 (``W + scale * B @ A``; a module to save as its trained copy) as a Hugging Face
 checkpoint for ``AutoModelForCausalLM.from_pretrained``. Writes go to ``<dir>.partial``
-and replace ``<dir>`` in one rename. Every rank calls these.
+and are committed over ``<dir>`` as checkpoints are (``checkpoint._commit``). Every rank
+calls these.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
@@ -61,36 +61,46 @@ def _lora_config(model):
     return t.config
 
 
-def _write(directory: str, files: dict) -> None:
-    """Rank 0 writes ``files`` (name -> bytes or a tensor dict) and swaps the folder in."""
+def _export(directory, model, what: str, files) -> str:
+    """Rank 0 writes ``files()`` (name -> text, or a tensor dict for safetensors) into
+    ``<dir>.partial`` and commits it over ``<dir>`` as the checkpoints do (``_commit``: a
+    crash leaves the old export or the new one); a failure raises a ``CheckpointError``
+    on every rank."""
     from safetensors.torch import save_file
 
+    from ...checkpoint._commit import commit, discard, fsync_dir, recover
+    from ...checkpoint._ranks import agree, as_error, ctrl_group
+
     directory = os.fspath(directory).rstrip("/")
-    tmp = directory + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for name, data in files.items():
-        if isinstance(data, dict):
-            save_file({k: v.contiguous() for k, v in data.items()}, os.path.join(tmp, name),
-                      metadata={"format": "pt"})
-        else:
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(data)
-    old = directory + ".old"
-    if os.path.exists(directory):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-    os.replace(tmp, directory)
-    shutil.rmtree(old, ignore_errors=True)
+    tmp, err = directory + ".partial", None
+    if _rank0():
+        try:
+            recover(directory, os.path.isdir)
+            os.makedirs(tmp)
+            for name, data in files().items():
+                path = os.path.join(tmp, name)
+                if isinstance(data, dict):
+                    save_file({k: v.contiguous() for k, v in data.items()}, path,
+                              metadata={"format": "pt"})
+                else:
+                    with open(path, "w") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+            fsync_dir(tmp)
+            commit(tmp, directory)
+        except Exception as e:
+            err = as_error(e, what, directory)
+            try:
+                discard(tmp)
+            except OSError:
+                pass                      # the next export tidies it
+    agree(ctrl_group(model), f"lora.{what}", error=err)
+    return directory
 
 
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier(model) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=model._meshlab.ctrl_group)
 
 
 def save_adapter(directory, model: nn.Module, *, base_model_name_or_path: str | None = None):
@@ -99,14 +109,15 @@ def save_adapter(directory, model: nn.Module, *, base_model_name_or_path: str | 
 
     cfg = _lora_config(model)
     tensors = _gathered(model, _adapter)
-    if _rank0():
+
+    def files():
         d = _jsonable(cfg.to_dict())
         d["base_model_name_or_path"] = base_model_name_or_path or \
             getattr(model.config, "_name_or_path", None)
-        _write(directory, {ADAPTER: {_peft_key(n): t for n, t in tensors.items()},
-                           CONFIG: json.dumps(d, indent=2)})
-    _barrier(model)
-    return os.fspath(directory)
+        return {ADAPTER: {_peft_key(n): t for n, t in tensors.items()},
+                CONFIG: json.dumps(d, indent=2)}
+
+    return _export(directory, model, "save_adapter", files)
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -138,10 +149,8 @@ def save_merged(directory, model: nn.Module) -> str:
     """The merged model as a Hugging Face checkpoint (``config.json`` and
     ``model.safetensors``)."""
     sd = merged_state(model)
-    if _rank0():
-        _write(directory, {"model.safetensors": sd, "config.json": model.config.to_json_string()})
-    _barrier(model)
-    return os.fspath(directory)
+    return _export(directory, model, "save_merged", lambda: {
+        "model.safetensors": sd, "config.json": model.config.to_json_string()})
 
 
 def load_adapter(directory, model: nn.Module) -> None:
@@ -152,7 +161,11 @@ def load_adapter(directory, model: nn.Module) -> None:
 
     from ..._errors import ConfigError
 
-    files = load_file(os.path.join(os.fspath(directory), ADAPTER))
+    from ...checkpoint._commit import resolve
+
+    d = os.fspath(directory).rstrip("/")      # after a crash mid-export: the committed one
+    d = resolve(d, lambda x: os.path.isfile(os.path.join(x, ADAPTER))) or d
+    files = load_file(os.path.join(d, ADAPTER))
     params = {n: p for n, p in model.named_parameters() if _adapter(n)}
     by_key = {_peft_key(n): n for n in params}
     missing = sorted(set(by_key) - set(files))
