@@ -110,7 +110,7 @@ def grad_sync_ops(plan, coord) -> list[CommOp]:
     buckets come from the same ``_gradsync.layout`` the backward hooks use)."""
     from ._placement import local_shape
     from ._dtypes import dtype_bytes
-    from .parallel._gradsync import BUCKET_MB, layout, plan_reductions, routes
+    from .parallel._gradsync import bucket_mb, layout, plan_reductions, routes
 
     sizes = plan.mesh_shape
     items = [(e.fqn, math.prod(local_shape(e.shape, e.mesh_spec, sizes, coord)), e.dtype,
@@ -118,7 +118,7 @@ def grad_sync_ops(plan, coord) -> list[CommOp]:
              if e.tied_to is None and e.requires_grad]
     route_of = routes(plan_reductions(plan), sizes, [i[0] for i in items])
     return [CommOp("all_reduce", "_".join(r.axes), 1, (numel + len(names)) * dtype_bytes(dt))
-            for route, names, numel, dt in layout(items, route_of, BUCKET_MB * 2 ** 20)
+            for route, names, numel, dt in layout(items, route_of, bucket_mb(plan) * 2 ** 20)
             for r in route]
 
 

@@ -20,7 +20,7 @@ from ._errors import ConfigError, PlanError
 from ._mesh import Mesh
 from ._plan import Plan
 from ._tensors import local as _local
-from .parallel._gradsync import GradSync, plan_reductions
+from .parallel._gradsync import GradSync, bucket_mb, plan_reductions
 from .parallel._install import Install, Runtime, mesh_device
 from .parallel._protocol import Phase
 
@@ -246,7 +246,7 @@ def _grad_sync(ctx: Install):
     if not reductions:
         return None
     params = [(n, p) for n, p in ctx.model.named_parameters() if p.requires_grad]
-    return GradSync(params, reductions, ctx)
+    return GradSync(params, reductions, ctx, bucket_mb=bucket_mb(ctx.plan))
 
 
 def _initialize(ctx: Install, seed: int, state_dict) -> None:

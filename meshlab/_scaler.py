@@ -9,17 +9,22 @@ import torch
 
 @dataclasses.dataclass
 class LossScaler:
-    """Scale the loss; on inf/NaN gradients on *any* rank, every rank skips the step and
-    the scale is multiplied by ``backoff``; after ``growth_interval`` clean steps it is
-    multiplied by ``growth``. ``found_inf`` is all-reduced with MAX over the world, so
+    """Scale the loss; on inf/NaN gradients on *any* rank, every rank skips the step, and
+    at the ``hysteresis``-th overflow since the scale last changed it is multiplied by
+    ``backoff`` (not below ``min_scale``); after ``growth_interval`` clean steps it is
+    multiplied by ``growth`` (not above ``max_scale``). ``found_inf`` is all-reduced with MAX over the world, so
     no rank can step while another skips (the Megatron rule)."""
 
     scale: float = 2.0 ** 16
     growth: float = 2.0
     backoff: float = 0.5
     growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
     clean_steps: int = 0
     skipped: int = 0
+    overflows: int = 0          # since the scale last changed (counted against hysteresis)
 
     def found_inf(self, grads: list[torch.Tensor], device=None) -> bool:
         import torch.distributed as dist
@@ -35,13 +40,21 @@ class LossScaler:
 
     def update(self, overflow: bool) -> None:
         if overflow:
-            self.scale *= self.backoff
             self.clean_steps = 0
             self.skipped += 1
+            self.overflows += 1
+            if self.overflows >= self.hysteresis:
+                self.scale *= self.backoff
+                self.overflows = 0
+                if self.min_scale is not None:
+                    self.scale = max(self.scale, self.min_scale)
         else:
             self.clean_steps += 1
             if self.clean_steps % self.growth_interval == 0:
                 self.scale *= self.growth
+                self.overflows = 0
+                if self.max_scale is not None:
+                    self.scale = min(self.scale, self.max_scale)
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -43,7 +43,8 @@ def _check_args(call: str, args: dict) -> None:
     if args.get("extra") is not None and not isinstance(args["extra"], dict):
         raise ConfigTypeError(f"{call}(extra={args['extra']!r}): extra is a dict of JSON "
                               f"values, e.g. extra={{'step': 100}}")
-    for name in ("overwrite", "async_save", "strict", "trust_pickles", "restore_rng"):
+    for name in ("overwrite", "async_save", "strict", "trust_pickles", "restore_rng",
+                 "weights"):
         if name in args:
             check_bool(args[name], call, name)
     if args.get("keep_last") is not None:

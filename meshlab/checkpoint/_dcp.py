@@ -47,7 +47,7 @@ def _fault(point: str) -> None:
 def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None,
          extra: dict | None = None, *, dataloader=None, overwrite: bool = False,
          keep_last: int | None = None, async_save: bool = False,
-         timeout: float = 300.0) -> str:
+         timeout: float = 300.0, weights: bool = True) -> str:
     """Save a sharded checkpoint into directory ``path``; every rank calls it.
 
     ``extra`` (a dict of JSON values) is for the user's own state (``{'step': 100}``).
@@ -56,6 +56,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     ``keep_last=k`` deletes older complete checkpoints next to ``path``, never the newest
     valid one. A save before the optimizer's first step records that it has no state yet
     (it creates none, so the run goes on exactly as without the save).
+    ``weights=False`` leaves the model's tensors out (an optimizer-only checkpoint; the
+    model still names the optimizer's parameters); ``load(..., weights=False)`` reads it.
     """
     path = os.fspath(path).rstrip("/")
     wait()
@@ -63,7 +65,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     group, tmp = ctrl_group(model), path + ".partial"
     meta = _start(path, tmp, model, scheduler, extra, dataloader, overwrite, keep_last, group)
     try:                               # collective (ZeRO-1 assembles the optimizer state)
-        tensors = dict(_state.model_state(model))
+        tensors = dict(_state.model_state(model)) if weights else {}
+        meta["weights"] = weights
         if optimizer is not None:
             opt_t, rest = _state.optimizer_state(optimizer, model)
             tensors.update(opt_t)

@@ -116,10 +116,10 @@ def _read_rng(d: str, files: dict | None) -> dict:
     return _rng.parse(st.get("rng") if isinstance(st, dict) else None, where)
 
 
-def _template(model: nn.Module, optimizer, src: _Source) -> tuple[dict, dict]:
-    """The model's tensors and (when the checkpoint has optimizer state) the optimizer's,
-    keyed as saved. Collective under ZeRO-1 (its state is assembled)."""
-    template = dict(_state.model_state(model))
+def _template(model: nn.Module, optimizer, src: _Source, weights: bool) -> tuple[dict, dict]:
+    """The model's tensors (``weights``) and (when the checkpoint has optimizer state) the
+    optimizer's, keyed as saved. Collective under ZeRO-1 (its state is assembled)."""
+    template = dict(_state.model_state(model)) if weights else {}
     opt_all: dict = {}
     if optimizer is not None and (src.meta.get("optimizer") or {}).get("has_state", True):
         _state.ensure_state(optimizer)
@@ -135,11 +135,13 @@ def held_anywhere(keys: list[str], mine: dict, group) -> list[bool]:
     return [bool(f) for f in flags.tolist()]
 
 
-def _report(src: _Source, full: dict, with_optimizer: bool, group) -> LoadReport:
+def _report(src: _Source, full: dict, with_optimizer: bool, group,
+            weights: bool = True) -> LoadReport:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = {k: v for k, v in src.md.state_dict_metadata.items()
-             if with_optimizer or not k.startswith(_state.OPT_PREFIX)}
+             if (with_optimizer or not k.startswith(_state.OPT_PREFIX))
+             and (weights or k.startswith(_state.OPT_PREFIX))}
     keys = sorted(saved)
     missing = sorted(k for k in full if k not in saved)
     unexpected = [k for k, held in zip(keys, held_anywhere(keys, full, group)) if not held]
@@ -155,12 +157,16 @@ def _report(src: _Source, full: dict, with_optimizer: bool, group) -> LoadReport
     return LoadReport(missing, unexpected, mism)
 
 
-def _fit(src: _Source, template: dict, opt_all: dict, optimizer, strict: bool, group):
+def _fit(src: _Source, template: dict, opt_all: dict, optimizer, strict: bool, group,
+         weights: bool = True):
     """Phase 2: the report, the tensors DCP will fill, and every check of what the rest
     of the load needs; every rank agrees before anything is written."""
     full = {**template, **opt_all}
-    report, err = _report(src, full, bool(opt_all), group), None
+    report, err = _report(src, full, bool(opt_all), group, weights), None
     try:
+        if weights and src.meta.get("weights") is False:
+            raise CheckpointError(f"{src.directory} holds optimizer state only (saved with "
+                                  f"weights=False); load it with load(..., weights=False)")
         if strict and not report.ok:
             mesh = src.meta.get("mesh")
             raise CheckpointError(f"{src.directory} (saved on mesh {mesh}, "
@@ -176,7 +182,7 @@ def _fit(src: _Source, template: dict, opt_all: dict, optimizer, strict: bool, g
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, *,
          dataloader=None, strict: bool = True, trust_pickles: bool = False,
-         restore_rng: bool = True, timeout: float = 300.0):
+         restore_rng: bool = True, timeout: float = 300.0, weights: bool = True):
     """Load a checkpoint saved on any mesh into ``model`` (and the rest) laid out on this one.
 
     Returns ``(extra, report)``. ``strict`` raises ``CheckpointError`` naming each missing
@@ -184,7 +190,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     and returns the report. Damaged, missing or misplaced files raise a
     ``CheckpointError`` naming the file, before anything is written. Pickled objects
     are refused unless ``trust_pickles``. RNG states are restored when the checkpoint was
-    saved by as many ranks (``restore_rng``).
+    saved by as many ranks (``restore_rng``). ``weights=False`` leaves the model's
+    tensors as they are and loads the rest (a checkpoint saved with ``weights=False``
+    holds nothing else).
     """
     path = os.fspath(path).rstrip("/")
     wait()
@@ -198,11 +206,11 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     agree(group, "checkpoint.load: check",
           {"checkpoint keys": src.digest if src else None, "strict": strict,
            "optimizer": optimizer is not None}, err)
-    template, opt_all = _template(model, optimizer, src)
-    report, fill = _fit(src, template, opt_all, optimizer, strict, group)
+    template, opt_all = _template(model, optimizer, src, weights)
+    report, fill = _fit(src, template, opt_all, optimizer, strict, group, weights)
     _read(src, fill, group, path)
     try:
-        _apply(model, optimizer, scheduler, dataloader, src, fill, opt_all, strict)
+        _apply(model, optimizer, scheduler, dataloader, src, fill, opt_all, strict, weights)
     except Exception as e:           # a scheduler that refuses its state, say
         err = as_error(e, "load", path)
     agree(group, "checkpoint.load: done", error=err)
@@ -224,9 +232,10 @@ def _read(src: _Source, fill: dict, group, path: str) -> None:
 
 
 def _apply(model, optimizer, scheduler, dataloader, src: _Source, fill: dict, opt_all: dict,
-           strict: bool) -> None:
-    model_keys = {k: v for k, v in fill.items() if not k.startswith(_state.OPT_PREFIX)}
-    _state.set_model_state(model, model_keys, strict=strict)
+           strict: bool, weights: bool = True) -> None:
+    if weights:
+        model_keys = {k: v for k, v in fill.items() if not k.startswith(_state.OPT_PREFIX)}
+        _state.set_model_state(model, model_keys, strict=strict)
     meta = src.meta
     if optimizer is not None:
         if not opt_all:                   # saved before the first step: no state yet

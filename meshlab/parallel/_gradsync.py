@@ -84,6 +84,16 @@ def layout(items: list, route_of: Mapping[str, tuple], cap_bytes: float) -> list
 BUCKET_MB = 25.0
 
 
+def bucket_mb(plan) -> float:
+    """The bucket size of ``plan``'s gradient all-reduces: its data-parallel room's
+    ``bucket_mb`` (DDP's ``bucket_cap_mb``), else ``BUCKET_MB``."""
+    for t in plan.rooms:
+        b = getattr(t, "bucket_mb", None)
+        if b is not None:
+            return b
+    return BUCKET_MB
+
+
 class _Bucket:
     def __init__(self, params: list, groups: list, divide: int):
         self.params = params                    # [(fqn, parameter)]

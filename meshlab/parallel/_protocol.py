@@ -203,6 +203,9 @@ class Transform:
 
 
 def _flat(t: Transform) -> tuple[Transform, ...]:
+    """``t``'s transforms in order; ``identity()`` is the neutral element and drops out."""
+    if isinstance(t, Identity):
+        return ()
     return t.transforms if isinstance(t, Compose) else (t,)
 
 

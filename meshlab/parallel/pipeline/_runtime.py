@@ -89,6 +89,7 @@ class PipelinePart(Part):
     first: bool
     last: bool
     _schedules: dict = dataclasses.field(default_factory=dict)
+    _scale: float = 1.0
 
     def norm_groups(self) -> tuple:
         return (self.group,)
@@ -99,7 +100,8 @@ class PipelinePart(Part):
         key = id(loss_fn)
         if key not in self._schedules:
             def stage_loss(out, target):
-                return loss_fn(out, {"input_ids": target, "labels": target})
+                loss = loss_fn(out, {"input_ids": target, "labels": target})
+                return loss * self._scale if self._scale != 1.0 else loss
 
             cls = {"gpipe": P.ScheduleGPipe, "1f1b": P.Schedule1F1B,
                    "interleaved": P.ScheduleInterleaved1F1B,
@@ -111,31 +113,46 @@ class PipelinePart(Part):
 
     def run_step(self, rt, opt, batch, loss_fn) -> float:
         """The schedule runs the microbatches; the loss comes from the last stage."""
+        scaler = getattr(opt, "scaler", None)
+        loss, _ = self.forward_backward(rt, batch, loss_fn,
+                                        scale=scaler.scale if scaler is not None else 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def forward_backward(self, rt, batch, loss_fn, *, return_outputs: bool = False,
+                         scale: float = 1.0):
+        """Forward and backward of every microbatch through the schedule, the gradients
+        reduced; no optimizer step. The backward runs on the loss times ``scale`` (fp16's
+        loss scale). Returns (the unscaled loss averaged over microbatches and data ranks,
+        on every rank; the last stage's merged outputs when ``return_outputs``, else
+        None)."""
         x, target = _pipeline_batch(batch, self.t.microbatches)
         losses: list = []
         sched = self.schedule(loss_fn)
+        self._scale = scale
         sync = rt.grad_sync
         if sync is not None:         # the microbatches accumulate; one reduction after
             sync.enabled = False
         try:
             with rt.autocast():
                 if self.first:
-                    sched.step(x, target=target if self.last else None, losses=losses)
+                    out = sched.step(x, target=target if self.last else None, losses=losses,
+                                     return_outputs=return_outputs)
                 elif self.last:
-                    sched.step(target=target, losses=losses)
+                    out = sched.step(target=target, losses=losses,
+                                     return_outputs=return_outputs)
                 else:
-                    sched.step()
+                    out = sched.step(return_outputs=return_outputs)
         finally:
             if sync is not None:
                 sync.enabled = True
         if sync is not None:
             sync.flush()
-        opt.step()
-        opt.zero_grad()
-        t = torch.tensor([sum(float(l.detach()) for l in losses) / len(losses) if losses else 0.0],
-                         dtype=torch.float64, device=rt.device)
+        t = torch.tensor([sum(float(l.detach()) for l in losses) / len(losses) / scale
+                          if losses else 0.0], dtype=torch.float64, device=rt.device)
         dist.all_reduce(t, group=self.group)      # only the last stage holds a loss
         if rt.dp_group is not None and rt.dp_size > 1:
             dist.all_reduce(t, group=rt.dp_group)
             t /= rt.dp_size
-        return float(t)
+        return float(t), (out if self.last and return_outputs else None)

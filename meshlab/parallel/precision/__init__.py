@@ -56,6 +56,11 @@ class Precision(Transform):
     loss_scale: str | float | None = None
     init_scale: float = 2.0 ** 16
     growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "compute", _dtype(self.compute, "compute"))
@@ -65,26 +70,74 @@ class Precision(Transform):
             self.init_scale, "precision", "init_scale", example=65536.0))
         object.__setattr__(self, "growth_interval", check_int(
             self.growth_interval, "precision", "growth_interval", example=2000))
+        object.__setattr__(self, "growth_factor", check_number(
+            self.growth_factor, "precision", "growth_factor", example=2.0))
+        object.__setattr__(self, "backoff_factor", check_number(
+            self.backoff_factor, "precision", "backoff_factor", example=0.5))
+        object.__setattr__(self, "hysteresis", check_int(
+            self.hysteresis, "precision", "hysteresis", example=2))
+        for name in ("min_scale", "max_scale"):
+            v = getattr(self, name)
+            if v is not None:
+                object.__setattr__(self, name, check_number(v, "precision", name,
+                                                            example=1.0))
+        if self.growth_factor < 1.0 or self.backoff_factor > 1.0:
+            raise ConfigError(f"precision(growth_factor={self.growth_factor}, backoff_factor="
+                              f"{self.backoff_factor}): the scale grows by a factor >= 1 and "
+                              f"backs off by one <= 1, e.g. 2.0 and 0.5")
+        if (self.min_scale is not None and self.max_scale is not None
+                and self.min_scale > self.max_scale):
+            raise ConfigError(f"precision(min_scale={self.min_scale}, max_scale="
+                              f"{self.max_scale}): min_scale must not exceed max_scale")
+
+    def check(self, plan: Plan) -> None:
+        """A reduction dtype other than fp32 is honoured by FSDP2 (``zero_shard(2|3)``),
+        which reduces in it; the all-reduces of ``data_parallel`` and ``zero_shard(1)``
+        reduce the gradients as they are (fp32), so the request is refused there."""
+        if self.reduce == "float32":
+            return
+        from ..zero import ZeroShard
+
+        zero = [t for t in plan.rooms if isinstance(t, ZeroShard)]
+        sizes = plan.mesh_shape
+        live = [t for t in zero if any(sizes[a] > 1 for a in t.axis)]
+        if live and not any(t.stage >= 2 for t in live):
+            raise ConfigError(f"{self!r}: gradients are reduced in {self.reduce} only by "
+                              f"FSDP2 (zero_shard(2) or zero_shard(3)); {live[0]!r} reduces "
+                              f"them in fp32. Use reduce='fp32', or zero_shard(2)")
 
     def install(self, ctx) -> Part:
         cast = None if self.compute == "float32" else getattr(torch, self.compute)
         return PrecisionPart(self, cast, "cuda" if ctx.mesh.device_type == "cuda" else "cpu")
 
     def __repr__(self) -> str:
+        extra = "".join(f", {f.name}={getattr(self, f.name)!r}"
+                        for f in dataclasses.fields(self)[3:]
+                        if getattr(self, f.name) != f.default)
         return (f"precision(compute={self.compute!r}, reduce={self.reduce!r}, "
-                f"loss_scale={self.loss_scale!r})")
+                f"loss_scale={self.loss_scale!r}{extra})")
 
 
 def precision(compute: str = "bf16", reduce: str = "fp32", loss_scale: str | float | None = ...,
-              *, init_scale: float = 2.0 ** 16, growth_interval: int = 2000) -> Precision:
+              *, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
+              growth_factor: float = 2.0, backoff_factor: float = 0.5, hysteresis: int = 1,
+              min_scale: float | None = None, max_scale: float | None = None) -> Precision:
     """bf16 / fp16 / fp32 training. fp16 defaults to dynamic loss scaling.
+
+    The dynamic scale starts at ``init_scale``; an overflowing step is skipped, and after
+    ``hysteresis`` overflows the scale is multiplied by ``backoff_factor`` (never below
+    ``min_scale``); after ``growth_interval`` clean steps it is multiplied by
+    ``growth_factor`` (never above ``max_scale``).
 
     >>> precision('bf16')
     precision(compute='bfloat16', reduce='float32', loss_scale=None)
+    >>> precision('fp16', init_scale=2.0 ** 32, hysteresis=2)
+    precision(compute='float16', reduce='float32', loss_scale='dynamic', init_scale=4294967296.0, hysteresis=2)
     """
     if loss_scale is ...:       # Precision validates and normalizes the rest
         loss_scale = "dynamic" if _dtype(compute, "compute") == "float16" else None
-    return Precision(compute, reduce, loss_scale, init_scale, growth_interval)
+    return Precision(compute, reduce, loss_scale, init_scale, growth_interval, growth_factor,
+                     backoff_factor, hysteresis, min_scale, max_scale)
 
 
 @dataclasses.dataclass
@@ -107,8 +160,11 @@ class PrecisionPart(Part):
 
         ls = self.value.loss_scale
         if ls == "dynamic":
-            return LossScaler(scale=self.value.init_scale,
-                              growth_interval=self.value.growth_interval)
+            v = self.value
+            return LossScaler(scale=v.init_scale, growth=v.growth_factor,
+                              backoff=v.backoff_factor, growth_interval=v.growth_interval,
+                              hysteresis=v.hysteresis, min_scale=v.min_scale,
+                              max_scale=v.max_scale)
         if isinstance(ls, (int, float)):
             return LossScaler(scale=float(ls), growth=1.0, backoff=1.0)
         return None

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ..._errors import ConfigError, NotRunnable, check_int, check_names
+from ..._errors import ConfigError, NotRunnable, check_int, check_names, check_number
 from ..._plan import Plan
 from ..._roles import implied_room
 from .._protocol import Phase, Transform
 from ._estimates import zero_comm, zero_memory
-from .._gradsync import Reduction
+from .._gradsync import BUCKET_MB, Reduction
 from ._install import fsdp_ignored, install_zero
 
 
@@ -44,10 +44,13 @@ class ZeroShard(Transform):
 
     stage: int
     axis: tuple[str, ...] = ("dp",)
+    bucket_mb: float = BUCKET_MB       # the gradient all-reduce buckets (stage 0, leftovers)
 
     def __post_init__(self):
         object.__setattr__(self, "stage", _stage(self.stage))
         object.__setattr__(self, "axis", _axes(self.axis))
+        object.__setattr__(self, "bucket_mb", check_number(
+            self.bucket_mb, "zero_shard", "bucket_mb", example=25.0))
 
     def claims(self, plan: Plan):
         return {"dp": self.axis}
@@ -89,7 +92,8 @@ class ZeroShard(Transform):
 
     def __repr__(self) -> str:
         a = self.axis[0] if len(self.axis) == 1 else self.axis
-        return f"zero_shard(stage={self.stage}, axis={a!r})"
+        b = "" if self.bucket_mb == BUCKET_MB else f", bucket_mb={self.bucket_mb!r}"
+        return f"zero_shard(stage={self.stage}, axis={a!r}{b})"
 
 
 def _check_fsdp_specs(plan: Plan, fsdp: tuple[str, ...]) -> None:
@@ -107,19 +111,22 @@ def _check_fsdp_specs(plan: Plan, fsdp: tuple[str, ...]) -> None:
                 f"dimension exactly {fsdp} in the spec")
 
 
-def zero_shard(stage: int = 3, axis: str | tuple[str, ...] = "dp") -> ZeroShard:
+def zero_shard(stage: int = 3, axis: str | tuple[str, ...] = "dp", *,
+               bucket_mb: float = BUCKET_MB) -> ZeroShard:
     """Shard optimizer state (1), + gradients (2), + parameters (3) over ``axis``.
 
     >>> zero_shard(3, 'dp')
     zero_shard(stage=3, axis='dp')
     """
-    return ZeroShard(stage=_stage(stage), axis=_axes(axis))
+    return ZeroShard(stage=_stage(stage), axis=_axes(axis), bucket_mb=bucket_mb)
 
 
-def data_parallel(axis: str | tuple[str, ...] = "dp") -> ZeroShard:
+def data_parallel(axis: str | tuple[str, ...] = "dp", *,
+                  bucket_mb: float = BUCKET_MB) -> ZeroShard:
     """Plain data parallelism over ``axis`` (``zero_shard(0, axis)``): replicated
-    parameters, gradients all-reduced once per step."""
-    return ZeroShard(stage=0, axis=_axes(axis, "data_parallel"))
+    parameters, gradients all-reduced from the backward in buckets of ``bucket_mb`` MiB
+    (DDP's ``bucket_cap_mb``)."""
+    return ZeroShard(stage=0, axis=_axes(axis, "data_parallel"), bucket_mb=bucket_mb)
 
 
 @implied_room

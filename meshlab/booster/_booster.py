@@ -1,0 +1,416 @@
+"""``Booster``: Colossal-AI's training surface over ``meshlab.parallelize``.
+
+``boost`` is one ``parallelize(model, plugin.spec [| precision] [| lora], plugin.mesh)``
+and one ``meshlab.optimizer(...)``; everything after it is meshlab's own step machinery
+(gradient sync from the backward, ZeRO, the pipeline schedule, checkpoints). The
+Booster holds no state of its own beyond which optimizer belongs to which model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._errors import ConfigError, ConfigTypeError
+from ._args import UnsupportedArgument
+from ._plugins import Plugin, Stack, TorchDDPPlugin
+
+_MIXED = {"fp16": "fp16", "bf16": "bf16", "fp32": None, None: None}
+
+
+def launch_from_torch(backend: str | None = None, seed: int = 1024, verbose: bool = True):
+    """Join the process group torchrun (or ``meshlab run``) described in the environment
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), pick this rank's GPU
+    from ``LOCAL_RANK``, and seed Python's, NumPy's and torch's generators with ``seed`` on
+    every rank alike (so a model built after it holds the same weights everywhere).
+    ``backend`` defaults to NCCL with GPUs, gloo without. A process group that already
+    exists is used as it is."""
+    import os
+    import random
+
+    from .._errors import check_int
+
+    check_int(seed, "launch_from_torch", "seed", low=0, example=1024)
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if k not in os.environ]
+        if missing:
+            raise ConfigError(f"launch_from_torch: {', '.join(missing)} not set; start the "
+                              f"script with torchrun --nproc_per_node N (or meshlab run -n N)")
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+    torch.manual_seed(seed)
+    if verbose and dist.get_rank() == 0:
+        print(f"meshlab: {dist.get_world_size()} processes ({dist.get_backend()}), seed {seed}")
+
+
+@dataclasses.dataclass
+class _Lora:
+    config: Any
+    pretrained_dir: str | None
+
+
+class Booster:
+    """``Booster(plugin=..., mixed_precision=...)``: ``boost`` parallelizes a model as the
+    plugin's transforms say; ``backward``, ``execute_pipeline``, ``no_sync``,
+    ``enable_lora`` and the checkpoint methods run on what it built.
+
+    ``mixed_precision`` ('fp16', 'bf16', or a ``meshlab.precision(...)`` value) is for the
+    plugins that leave precision to the Booster (``TorchDDPPlugin``, ``TorchFSDPPlugin``);
+    the others take ``precision=`` themselves, and a Booster precision that disagrees with
+    theirs is refused rather than ignored.
+    """
+
+    def __init__(self, device: str | None = None, mixed_precision=None,
+                 plugin: Plugin | None = None) -> None:
+        if plugin is not None and not isinstance(plugin, Plugin):
+            raise ConfigTypeError(f"Booster(plugin={plugin!r}): a meshlab.booster plugin such "
+                                  f"as TorchDDPPlugin() or HybridParallelPlugin(tp_size=2, "
+                                  f"pp_size=1)")
+        if plugin is None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if world > 1:
+                raise ConfigError(f"Booster(plugin=None) on {world} processes would train "
+                                  f"{world} unrelated copies; pass a plugin, e.g. "
+                                  f"TorchDDPPlugin()")
+            plugin = TorchDDPPlugin()
+        self.plugin = plugin
+        self.device = _device(device)
+        self._precision = self._mixed(mixed_precision)
+        self._owner: dict[int, weakref.ref] = {}      # id(optimizer) -> its model
+        self._criteria: dict[int, Callable] = {}
+
+    def _mixed(self, mixed):
+        from ..parallel import Precision, precision
+
+        if mixed is None:
+            mine = None
+        elif isinstance(mixed, Precision):
+            mine = mixed
+        elif isinstance(mixed, str) and mixed in _MIXED:
+            mine = precision(_MIXED[mixed]) if _MIXED[mixed] else None
+        elif isinstance(mixed, str) and mixed in ("fp16_apex", "fp16_naive", "fp8"):
+            raise UnsupportedArgument("Booster", "mixed_precision", mixed, "apex, naive fp16 "
+                                      "and fp8 amp are not implemented",
+                                      "mixed_precision='fp16' (autocast and dynamic loss "
+                                      "scaling) or 'bf16'")
+        else:
+            raise ConfigError(f"Booster(mixed_precision={mixed!r}): 'fp16', 'bf16', 'fp32', "
+                              f"None, or a meshlab.precision(...) value")
+        own = self.plugin.stack.precision
+        if self.plugin.control_precision():
+            if mine is not None:
+                have = _stack_precision(self.plugin.stack)
+                if repr(have) != repr(mine):
+                    raise ConfigError(f"Booster(mixed_precision={mixed!r}) with "
+                                      f"{self.plugin!r}: this plugin sets the precision itself "
+                                      f"({have!r}); pass precision=... to the plugin and drop "
+                                      f"mixed_precision")
+            return None
+        if own is not None and mine is not None and repr(own) != repr(mine):
+            raise ConfigError(f"Booster(mixed_precision={mixed!r}) and {self.plugin!r} "
+                              f"(mixed_precision={own!r}) disagree; give one")
+        return mine if mine is not None else own
+
+    # -- the plan ---------------------------------------------------------------------
+    def stack(self, model: nn.Module | None = None, dataloader=None) -> Stack:
+        """The plugin's stack with the Booster's precision, the model's LoRA, and the
+        pipeline's microbatches from the dataloader's batch size (``microbatch_size``)."""
+        st = self.plugin.stack
+        parts = list(getattr(st.spec, "parts", (st.spec,)))
+        parts = [t for t in parts if getattr(t, "kind", None) != "identity"]
+        lo = getattr(model, "_meshlab_booster_lora", None) if model is not None else None
+        if lo is not None:
+            from ..parallel import lora
+
+            at = next((i + 1 for i, t in enumerate(parts) if t.kind == "shard"), 0)
+            parts.insert(at, lora(lo.config))
+        if st.microbatch_size is not None:
+            parts = [_microbatches(t, st.microbatch_size, dataloader) if t.kind == "pipeline"
+                     else t for t in parts]
+        if self._precision is not None:
+            parts.append(self._precision)
+        spec = parts[0] if len(parts) == 1 else _compose(parts)
+        return dataclasses.replace(st, spec=spec)
+
+    @property
+    def spec(self):
+        """The transforms ``boost`` runs (the plugin's and the Booster's precision)."""
+        return self.stack().spec
+
+    def plan(self, model: nn.Module, world_size: int | None = None):
+        """What ``boost(model)`` runs, as a bound plan (``plan.table()``, ``.memory()``,
+        ``.comm()``); a boosted model's own plan. ``world_size`` plans on a fake mesh."""
+        from .._api import plan as make_plan
+        from .._mesh import Mesh
+
+        rt = getattr(model, "_meshlab", None)
+        if rt is not None:
+            return rt.plan
+        mesh = (self.plugin.mesh if world_size is None
+                else Mesh(self.plugin.mesh_shape(world_size), fake=True))
+        return make_plan(model, self.stack(model).spec, mesh)
+
+    # -- boost ------------------------------------------------------------------------
+    def boost(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+              criterion: Callable | None = None, dataloader=None, lr_scheduler=None) -> list:
+        """Parallelize ``model`` as the plugin says; returns ``[model, optimizer,
+        criterion, dataloader, lr_scheduler]``. The optimizer is rebuilt over the sharded
+        parameters (same class and hyper-parameters, ``meshlab.optimizer`` around it, with
+        the plugin's clipping); a scheduler built on it is pointed at the new one."""
+        from .._optimizer import optimizer as mesh_optimizer
+        from .._parallelize import parallelize
+        from ._optim import rebind_scheduler, recipe
+
+        if not isinstance(model, nn.Module):
+            raise ConfigTypeError(f"boost(model=...): an nn.Module, got {type(model).__name__}")
+        if getattr(model, "_meshlab", None) is not None:
+            raise ConfigError("boost: this model was boosted (or parallelized) already; build "
+                              "a fresh model to boost again")
+        if lr_scheduler is not None and optimizer is None:
+            raise ConfigError("boost(lr_scheduler=...) needs the optimizer it was built on")
+        st = self.stack(model, dataloader)
+        made = recipe(optimizer, model) if optimizer is not None else None
+        if st.sync_module_states:
+            _broadcast_state(model)
+        lo = getattr(model, "_meshlab_booster_lora", None)
+        model = parallelize(model, st.spec, self.plugin.mesh)
+        if lo is not None and lo.pretrained_dir is not None:
+            from ..parallel.lora import load_adapter
+
+            load_adapter(lo.pretrained_dir, model)
+        if st.broadcast_buffers:
+            _buffer_broadcast(model)
+        new_opt = None
+        if made is not None:
+            cls, kwargs = made
+            new_opt = mesh_optimizer(model, cls, clip_grad_norm=st.clip_grad_norm, **kwargs)
+            self._owner[id(new_opt)] = weakref.ref(model)
+            if lr_scheduler is not None:
+                rebind_scheduler(lr_scheduler, optimizer, new_opt)
+        if st.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
+            from rich.console import Console
+
+            c = Console()
+            c.print(model._meshlab.plan.table())
+            c.print(model._meshlab.plan.memory())
+        return [model, new_opt, criterion, dataloader, lr_scheduler]
+
+    # -- the step ---------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        """``loss.backward()``, scaled by the optimizer's loss scale under fp16 (its step
+        unscales, and skips the step on every rank if any gradient overflowed)."""
+        self._model_of(optimizer, "backward")
+        scaler = getattr(optimizer, "scaler", None)
+        (loss * scaler.scale if scaler is not None else loss).backward()
+
+    def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Callable,
+                         optimizer: torch.optim.Optimizer | None = None,
+                         return_loss: bool = True, return_outputs: bool = False) -> dict:
+        """Forward and backward of the next batch of ``data_iter`` through the pipeline
+        schedule, in the plugin's microbatches; then call ``optimizer.step()`` yourself.
+
+        ``criterion(outputs, inputs)`` runs on the last stage for each microbatch:
+        ``outputs`` is the Hugging Face output (``.logits``, and ``.loss`` — the model's
+        own loss of the labels), ``inputs`` holds the microbatch's ``labels``. Returns
+        ``{'loss': the loss averaged over microbatches and data ranks (on every rank),
+        'outputs': the last stage's logits (there; None elsewhere)}``."""
+        from ..parallel.pipeline._runtime import PipelinePart
+
+        rt = getattr(model, "_meshlab", None)
+        part = rt.part(PipelinePart) if rt is not None else None
+        if part is None:
+            raise ConfigError(f"execute_pipeline: this model runs no pipeline ({self.plugin!r});"
+                              f" call model(**batch), booster.backward(loss, optimizer)")
+        if optimizer is None:
+            raise UnsupportedArgument("execute_pipeline", "optimizer", None, "a forward-only "
+                                      "pipeline pass is not implemented", "pass the optimizer "
+                                      "(the step is still yours to call)")
+        self._model_of(optimizer, "execute_pipeline")
+        batch = next(data_iter)
+        _check_pipeline_batch(batch)
+        scaler = getattr(optimizer, "scaler", None)
+        loss, out = part.forward_backward(rt, batch, self._criterion(model, criterion),
+                                          return_outputs=return_outputs,
+                                          scale=scaler.scale if scaler is not None else 1.0)
+        return {"loss": torch.tensor(loss) if return_loss else None,
+                "outputs": out if return_outputs else None}
+
+    def _criterion(self, model: nn.Module, criterion: Callable) -> Callable:
+        """``criterion(outputs, inputs)`` as the schedule's ``loss_fn(logits, batch)``
+        (one adapter per criterion: the schedule is built once per loss function)."""
+        key = id(criterion)
+        if key not in self._criteria:
+            from transformers.modeling_outputs import CausalLMOutputWithPast
+
+            vocab = model.config.vocab_size
+
+            def loss_fn(logits, batch):
+                from torch.distributed.tensor import DTensor
+
+                labels = batch["labels"]
+                if isinstance(logits, DTensor):
+                    logits = logits.full_tensor()
+                own = model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+                return criterion(CausalLMOutputWithPast(loss=own, logits=logits),
+                                 {"labels": labels})
+
+            self._criteria[key] = loss_fn
+        return self._criteria[key]
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None = None, optimizer=None):
+        """Backwards inside accumulate gradients without communicating; the first
+        backward after it reduces the sums (meshlab.no_sync)."""
+        from .._step import no_sync
+
+        if model is None and optimizer is not None:
+            model = self._model_of(optimizer, "no_sync")
+        if model is None:
+            raise ConfigError("booster.no_sync(model=...): pass the boosted model")
+        with no_sync(model):
+            yield
+
+    def enable_lora(self, model: nn.Module, pretrained_dir: str | None = None,
+                    lora_config=None, bnb_quantization_config=None, quantize: bool = False):
+        """Mark ``model`` for LoRA: ``boost`` adds ``meshlab.lora(lora_config)`` after the
+        plugin's ``shard`` and loads ``pretrained_dir``'s adapter into the sharded model.
+        Returns the model."""
+        if quantize or bnb_quantization_config is not None:
+            raise UnsupportedArgument("enable_lora", "quantize", quantize or
+                                      bnb_quantization_config, "quantized (QLoRA) bases are "
+                                      "not implemented", "meshlab.lora(config) on a bf16 base "
+                                      "(precision('bf16'))")
+        if getattr(model, "_meshlab", None) is not None:
+            raise ConfigError("enable_lora: call it before boost (the adapters are part of "
+                              "the plan boost runs)")
+        if not self.plugin.support_lora():
+            raise ConfigError(f"enable_lora: {self.plugin!r} does not run LoRA")
+        if lora_config is None:
+            if pretrained_dir is None:
+                raise ConfigError("enable_lora: give lora_config (peft.LoraConfig) or "
+                                  "pretrained_dir (a saved adapter)")
+            from peft import LoraConfig
+
+            lora_config = LoraConfig.from_pretrained(pretrained_dir)
+        model._meshlab_booster_lora = _Lora(lora_config, pretrained_dir)
+        return model
+
+    def _model_of(self, optimizer, call: str) -> nn.Module:
+        ref = self._owner.get(id(optimizer))
+        model = ref() if ref is not None else None
+        if model is None:
+            raise ConfigError(f"booster.{call}: this optimizer was not returned by this "
+                              f"booster's boost; use the one boost returned")
+        return model
+
+    # -- checkpoints ------------------------------------------------------------------
+    from ._ckpt import (save_model, load_model, save_optimizer, load_optimizer,  # noqa: E402
+                        save_lr_scheduler, load_lr_scheduler, save_lora_as_pretrained)
+
+    def __repr__(self) -> str:
+        return f"Booster(plugin={self.plugin!r})"
+
+
+def _compose(parts: list):
+    out = parts[0]
+    for t in parts[1:]:
+        out = out | t
+    return out
+
+
+def _stack_precision(st: Stack):
+    from ..parallel import Precision, precision
+
+    parts = getattr(st.spec, "parts", (st.spec,))
+    have = next((t for t in parts if isinstance(t, Precision)), None)
+    return have if have is not None else precision("fp32")
+
+
+def _device(device):
+    if device is None:
+        return None
+    if not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu"):
+        raise ConfigError(f"Booster(device={device!r}): 'cuda' or 'cpu' (the mesh's device); "
+                          f"or leave it None")
+    want = device.split(":")[0]
+    have = "cuda" if torch.cuda.is_available() else "cpu"
+    if want != have:
+        raise ConfigError(f"Booster(device={device!r}): this machine's ranks run on {have}; "
+                          f"leave device None")
+    return want
+
+
+def _microbatches(t, size: int, dataloader):
+    """``pipeline(microbatches=...)`` from ``microbatch_size`` and the per-rank batch."""
+    bs = getattr(dataloader, "batch_size", None)
+    if not isinstance(bs, int):
+        raise ConfigError(f"microbatch_size={size}: the number of microbatches is the per-rank "
+                          f"batch over microbatch_size; pass the dataloader to boost, or give "
+                          f"num_microbatches instead")
+    if bs % size:
+        raise ConfigError(f"microbatch_size={size} does not divide the per-rank batch {bs}; "
+                          f"use a divisor of {bs}")
+    return dataclasses.replace(t, microbatches=bs // size)
+
+
+def _check_pipeline_batch(batch) -> None:
+    """The pipeline reads ``input_ids`` and ``labels``: any other key is refused unless it
+    is an all-ones attention mask (which changes nothing)."""
+    if not isinstance(batch, dict):
+        return
+    for k, v in batch.items():
+        if k in ("input_ids", "labels"):
+            continue
+        if k == "attention_mask" and isinstance(v, torch.Tensor) and bool((v == 1).all()):
+            continue
+        raise ConfigError(f"execute_pipeline: the pipeline reads batch['input_ids'] and "
+                          f"batch['labels'] only; batch[{k!r}] would be dropped (a padding "
+                          f"mask: mark padded labels -100 and drop the mask)")
+
+
+def _broadcast_state(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank (``sync_module_states``)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.device.type != "meta":
+                dist.broadcast(t.data, src=0)
+
+
+def _buffer_broadcast(model: nn.Module) -> None:
+    """Before each forward, every buffer from data-parallel rank 0 of this rank's group
+    (DDP's ``broadcast_buffers``)."""
+    rt = model._meshlab
+    group = rt.dp_group
+    if group is None or rt.dp_size == 1:
+        return
+    from torch.distributed.tensor import DTensor
+
+    bufs = [b for b in model.buffers() if not isinstance(b, DTensor) and b.numel()]
+    if not bufs:
+        return
+    src = dist.get_global_rank(group, 0)
+
+    def hook(_module, _args):
+        with torch.no_grad():
+            for b in bufs:
+                dist.broadcast(b, src=src, group=group)
+
+    model.register_forward_pre_hook(hook)

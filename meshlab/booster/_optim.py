@@ -1,0 +1,149 @@
+"""The optimizers Colossal-AI scripts build, and how ``boost`` rebuilds any optimizer over
+the parallelized parameters.
+
+``HybridAdam``, ``CPUAdam`` and ``FusedAdam`` are real torch optimizers (Adam, or AdamW in
+``adamw_mode``), so a script can build a learning-rate scheduler on one before ``boost``.
+``boost`` replaces every optimizer by ``meshlab.optimizer(model, cls, **hyper-parameters)``
+over the sharded parameters — where the state lives (device, host under ``offload``,
+sharded under ZeRO) is the transforms' business, not the optimizer class's — and points
+the scheduler at the new one.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from .._errors import ConfigError, ConfigTypeError
+from ._args import UnsupportedArgument
+
+
+class _ColossalAdam:
+    """Colossal-AI's Adam arguments on a torch Adam/AdamW."""
+
+    owner = "HybridAdam"
+
+    def _meshlab_init(self, lr, bias_correction, betas, eps, weight_decay, adamw_mode,
+                      nvme_offload_fraction=0.0, nvme_offload_dir=None, amsgrad=False):
+        if not bias_correction:
+            raise UnsupportedArgument(self.owner, "bias_correction", False, "Adam without bias "
+                                      "correction is not implemented", "torch.optim.AdamW")
+        if nvme_offload_fraction or nvme_offload_dir is not None:
+            raise UnsupportedArgument(self.owner, "nvme_offload_fraction",
+                                      nvme_offload_fraction, "NVMe offload is not implemented",
+                                      "offload(optimizer=1.0) (host memory)")
+        kw = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        if amsgrad:
+            kw["amsgrad"] = True
+        self.meshlab_class = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+        self.meshlab_kwargs = kw
+        return kw
+
+
+class HybridAdam(_ColossalAdam, torch.optim.Adam):
+    """Colossal-AI's ``HybridAdam``: Adam (decoupled weight decay, AdamW, with
+    ``adamw_mode``, the default). Under
+    ``offload`` meshlab steps the host part with its CPU AdamW and the device part with
+    torch's, as HybridAdam does."""
+
+    owner = "HybridAdam"
+
+    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999),
+                 eps=1e-8, weight_decay=0, adamw_mode=True, nvme_offload_fraction=0.0,
+                 nvme_offload_dir=None, **defaults: Any):
+        if defaults:
+            raise ConfigTypeError(f"{self.owner}: unknown arguments {sorted(defaults)}")
+        kw = self._meshlab_init(lr, bias_correction, betas, eps, weight_decay, adamw_mode,
+                                nvme_offload_fraction, nvme_offload_dir)
+        torch.optim.Adam.__init__(self, model_params, **kw, decoupled_weight_decay=adamw_mode)
+
+
+class CPUAdam(HybridAdam):
+    """Colossal-AI's ``CPUAdam``: the same update; put the state on the host with
+    ``offload(optimizer=1.0)`` (``cpu_offload=True`` of the plugins)."""
+
+    owner = "CPUAdam"
+
+
+class FusedAdam(_ColossalAdam, torch.optim.Adam):
+    """Colossal-AI's ``FusedAdam``: torch's AdamW (``fused=True`` on CUDA)."""
+
+    owner = "FusedAdam"
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 adamw_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True):
+        if not set_grad_none:
+            raise UnsupportedArgument(self.owner, "set_grad_none", False, "zero_grad sets "
+                                      "gradients to None", "optimizer.zero_grad(set_to_none=True)")
+        kw = self._meshlab_init(lr, bias_correction, betas, eps, weight_decay, adamw_mode,
+                                amsgrad=amsgrad)
+        torch.optim.Adam.__init__(self, params, **kw, decoupled_weight_decay=adamw_mode)
+        self.meshlab_fused = True
+
+
+_GROUP_KEYS = ("params", "initial_lr", "param_names")
+
+
+def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, dict]:
+    """(class, keyword arguments) that rebuild ``opt`` over ``model``'s parameters: the
+    class and the hyper-parameters of its one group (its current values: a scheduler
+    built on it may have set the learning rate)."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigTypeError(f"boost(optimizer=...): a torch.optim.Optimizer, got "
+                              f"{type(opt).__name__}")
+    if len(opt.param_groups) != 1:
+        raise UnsupportedArgument("boost", "optimizer", f"{len(opt.param_groups)} parameter "
+                                  f"groups", "meshlab.optimizer covers every trainable "
+                                  "parameter with one group",
+                                  "one group; change a group's options after boost with "
+                                  "optimizer.param_groups[0][...]")
+    mine = {id(p) for p in opt.param_groups[0]["params"]}
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in mine]
+    if missing and len(missing) != len(trainable):
+        raise ConfigError(f"boost(optimizer=...): the optimizer leaves out trainable "
+                          f"parameters {missing[:3]}{'...' if len(missing) > 3 else ''}; "
+                          f"build it over model.parameters(), or freeze those "
+                          f"(requires_grad=False)")
+    cls = getattr(opt, "meshlab_class", type(opt))
+    if getattr(opt, "meshlab_kwargs", None) is not None:
+        kwargs = dict(opt.meshlab_kwargs)
+        kwargs["lr"] = opt.param_groups[0]["lr"]
+        if getattr(opt, "meshlab_fused", False) and torch.cuda.is_available():
+            kwargs["fused"] = True
+    else:
+        kwargs = {k: v for k, v in opt.param_groups[0].items() if k not in _GROUP_KEYS}
+        for k in ("foreach", "fused", "capturable", "differentiable"):
+            if kwargs.get(k) in (None, False):
+                kwargs.pop(k, None)
+    return cls, kwargs
+
+
+def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """Point ``sched`` (built on ``old``) at ``new``: the groups' learning rates and
+    ``initial_lr`` carried over, ``new.step`` counted as torch's schedulers count it."""
+    import functools
+
+    if getattr(sched, "optimizer", None) is not old:
+        raise ConfigError("boost(lr_scheduler=...): the scheduler was built on another "
+                          "optimizer than the one passed to boost; build it on that one")
+    for g_old, g_new in zip(old.param_groups, new.param_groups):
+        for k in ("lr", "initial_lr"):
+            if k in g_old:
+                g_new[k] = g_old[k]
+    sched.optimizer = new
+    step = new.step
+    if not hasattr(step, "_wrapped_by_lr_sched"):
+        ref = weakref.ref(new)
+
+        @functools.wraps(step)
+        def counted(*args, **kwargs):
+            o = ref()
+            if o is not None:
+                o._opt_called = True
+            return step(*args, **kwargs)
+
+        counted._wrapped_by_lr_sched = True
+        new.step = counted
