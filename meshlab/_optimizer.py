@@ -133,8 +133,6 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     def refresh_master(self) -> None:
         """Copy the parameters into this rank's fp32 master copies (after a load)."""
-        if self.zero1 is not None:
-            self.zero1.refresh_master()
         for part in self.rt.parts:
             part.refresh_master()
 

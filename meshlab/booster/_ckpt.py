@@ -44,7 +44,8 @@ LOAD_MODEL = (
     hint("num_threads", 1, "DCP and safetensors read each rank's own slices", 4),
 )
 SAVE_OPTIMIZER = (
-    hint("shard", False, "optimizer state is always saved sharded by rank (DCP)", True),
+    maps("shard", False, "either value: the state is saved sharded by rank (DCP, one file "
+         "per rank, reshardable); no single-file form is written", True),
     hint("gather_dtensor", True, "DCP saves each rank's shards with the global layout, "
          "loadable on any mesh", False),
     only("prefix", None, "DCP names its files by rank", "a directory per checkpoint"),

@@ -21,7 +21,7 @@ from torch import nn
 
 from ._commit import commit, discard, recover, resolve
 from ._load import LoadReport, held_anywhere
-from ._ranks import agree, as_error, ctrl_group, enter, rank
+from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank
 from ._safe import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -57,6 +57,36 @@ def exported(path: str) -> bool:
     return os.path.isfile(os.path.join(path, SINGLE)) or os.path.isfile(os.path.join(path, INDEX))
 
 
+class _Meta:
+    """A tensor's global shape and dtype, as ``_plan`` and the receiving rank need them."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def _owners(items: list, group) -> tuple[dict[str, int], list[tuple[str, _Meta]]]:
+    """Every tensor of the whole model (under a pipeline each rank holds its stages' only),
+    in stage order, and the lowest rank holding each: that rank sends it to rank 0."""
+    mine = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in items]
+    if not distributed():
+        return {n: 0 for n, _ in items}, [(n, _Meta(s, getattr(torch, d))) for n, s, d in mine]
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=group)
+    owners: dict[str, int] = {}
+    metas = []
+    for r, listing in enumerate(every):
+        for n, s, d in listing:
+            if n not in owners:
+                owners[n] = dist.get_global_rank(group, r) if group is not None else r
+                metas.append((n, _Meta(s, getattr(torch, d))))
+    return owners, metas
+
+
 def _plan(items: list, limit: int) -> tuple[list[list[str]], dict[str, int]]:
     """Shard assignment from shapes alone: no communication needed to plan the files."""
     shards: list[list[str]] = [[]]
@@ -87,7 +117,8 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
     enter("save_pretrained", directory, model, timeout)
     group, tmp, err = ctrl_group(model), directory + ".partial", None
     items = _tensors(model)
-    shards, sizes = _plan(items, _parse_size(max_shard_size))
+    owners, metas = _owners(items, group)
+    shards, sizes = _plan(metas, _parse_size(max_shard_size))
     if rank() == 0:
         try:
             recover(directory, exported)
@@ -95,7 +126,8 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
         except OSError as e:
             err = as_error(e, "save_pretrained", directory)
     _agree_or_discard(group, "checkpoint.save_pretrained: start", tmp, err)
-    weight_map, err = _write_shards(dict(items), shards, tmp, directory)
+    weight_map, err = _write_shards(dict(items), shards, tmp, directory, owners,
+                                    dict(metas), group)
     if rank() == 0 and err is None:
         try:
             _finish_export(model, tmp, directory, weight_map, sum(sizes.values()),
@@ -119,22 +151,37 @@ def _agree_or_discard(group, what: str, tmp: str, err) -> None:
         raise
 
 
-def _write_shards(lookup: dict, shards: list[list[str]], tmp: str, directory: str):
-    """Every rank gathers each parameter in turn; rank 0 writes the files. A write that
-    fails stops the writing but not the gathering, so no rank is left waiting."""
+def _write_shards(lookup: dict, shards: list[list[str]], tmp: str, directory: str,
+                  owners: dict, metas: dict, group):
+    """The ranks holding each tensor gather it in turn (a pipeline stage's tensors only
+    on that stage's ranks) and the lowest of them sends it to rank 0, which writes the
+    files. A write that fails stops the writing but not the gathering, so no rank is left
+    waiting."""
+    import torch.distributed as dist
     from safetensors.torch import save_file
 
     total = len(shards)
     weight_map, err = {}, None
+    me = rank()
     for i, names in enumerate(shards):
         name = SINGLE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
         buf = {}
         for n in names:
-            t = lookup[n]
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t
-            if rank() == 0 and err is None:
-                buf[n] = full.detach().to("cpu").contiguous().clone()
             weight_map[n] = name
+            t = lookup.get(n)
+            full = None
+            if t is not None:
+                full = t.full_tensor() if hasattr(t, "full_tensor") else t
+                full = full.detach().to("cpu").contiguous()
+            owner = owners[n]
+            if owner != 0 and me == owner:
+                dist.send(full, dst=0, group=group)
+            elif owner != 0 and me == 0:
+                m = metas[n]
+                full = torch.empty(m.shape, dtype=m.dtype)
+                dist.recv(full, src=owner, group=group)
+            if me == 0 and err is None:
+                buf[n] = full.clone()
         if rank() == 0 and err is None:
             try:
                 save_file(buf, os.path.join(tmp, name), metadata={"format": "pt"})
@@ -235,7 +282,14 @@ def load_pretrained(directory: str | os.PathLike, model: nn.Module, *, strict: b
             err = as_error(e, "load_pretrained", d)
         agree(group, "checkpoint.load_pretrained: check", error=err)
         try:
-            _copy_in(items, slices)
+            from . import _state
+
+            # A parameter whose value lives in a part's master (offload's fp32 copy of a
+            # bf16 device tensor) is read into the master; then every master copy (ZeRO-1's
+            # slices, offload's host masters) is made to agree with the loaded weights.
+            masters = _state._masters(model)
+            _copy_in([(n, masters.get(n, t)) for n, t in items], slices)
+            _state.refresh_masters(model)
         except Exception as e:
             err = as_error(e, "load_pretrained", d)
         agree(group, "checkpoint.load_pretrained: read", error=err)

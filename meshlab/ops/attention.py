@@ -530,6 +530,12 @@ def hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
         # Prefill into an empty static cache: the slots past S are empty (the mask function
         # returned None only because of that), so drop them, as the SDPA integration does.
         key, value = key[:, :, :s], value[:, :, :s]
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        # What autocast does to SDPA: q, k and v in the autocast dtype (under autocast
+        # q and k leave the rotary embedding in fp32, v its projection in bf16).
+        dt = torch.get_autocast_dtype(dev)
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
     out = attention(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

@@ -56,6 +56,11 @@ class Zero1Part(Part):
         if self.buffers is not None:
             self.buffers.gather()
 
+    def refresh_master(self) -> None:
+        """After a load of the weights: the fp32 master slices take their values."""
+        if self.buffers is not None:
+            self.buffers.refresh_master()
+
 
 def install_zero(t, ctx) -> Part:
     group, size = ctx.group(*t.axis), ctx.size(*t.axis)
