@@ -42,6 +42,25 @@ class NoEffectWarning(UserWarning):
 
 
 @dataclasses.dataclass(frozen=True)
+class With:
+    """A probe value that needs companions (``sp_size=2`` needs the sequence mode); a
+    callable ``value`` is called for it (torch's FSDP configuration objects)."""
+
+    value: Any
+    also: tuple = ()
+
+    def kwargs(self, name: str) -> dict:
+        v = self.value() if callable(self.value) else self.value
+        return {name: v, **dict(self.also)}
+
+
+def probe_kwargs(arg: "Arg") -> dict:
+    """The keyword arguments that give ``arg`` its probe value."""
+    p = arg.probe if isinstance(arg.probe, With) else With(arg.probe)
+    return p.kwargs(arg.name)
+
+
+@dataclasses.dataclass(frozen=True)
 class Arg:
     name: str
     default: Any

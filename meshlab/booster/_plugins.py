@@ -19,7 +19,8 @@ import math
 from typing import Any, ClassVar
 
 from .._errors import ConfigError, ConfigTypeError, MeshError
-from ._args import REQUIRED, Arg, UnsupportedArgument, bind, hint, maps, only, signature
+from ._args import (REQUIRED, Arg, UnsupportedArgument, With, bind, hint, maps, only,
+                    signature)
 
 FP8 = "FP8 compute and communication are not implemented"
 
@@ -327,6 +328,13 @@ class TorchDDPPlugin(Plugin):
                      broadcast_buffers=v["broadcast_buffers"])
 
 
+def _fsdp(name: str):
+    """torch's FSDP configuration type ``name`` (what TorchFSDPPlugin users pass)."""
+    import torch.distributed.fsdp as fsdp
+
+    return getattr(fsdp, name)
+
+
 def _enum_name(value) -> str | None:
     return None if value is None else getattr(value, "name", str(value))
 
@@ -341,17 +349,19 @@ class TorchFSDPPlugin(Plugin):
              "launched rank", "meshlab.parallelize(model, spec, ml.Mesh(...))"),
         maps("sharding_strategy", None, "None or FULL_SHARD: zero_shard(3); SHARD_GRAD_OP: "
              "zero_shard(2); NO_SHARD: data_parallel(); HYBRID_SHARD is refused (not yet "
-             "shown)", "SHARD_GRAD_OP"),
+             "shown)", With(lambda: _fsdp("ShardingStrategy").SHARD_GRAD_OP)),
         maps("cpu_offload", None, "CPUOffload(offload_params=True): offload(params=1.0, "
              "grads=1.0, optimizer=1.0) (FSDP2's CPUOffloadPolicy, CPU Adam on the host)",
-             "CPUOffload(offload_params=True)"),
+             With(lambda: _fsdp("CPUOffload")(offload_params=True))),
         only("auto_wrap_policy", None, "meshlab's FSDP units are the model's repeated blocks "
              "(plan.model.blocks) and the root", "a policy listing the blocks "
              "(meshlab.policies)"),
-        maps("backward_prefetch", None, "None or BACKWARD_PRE: FSDP2 prefetches the next "
-             "block's all-gather in backward; BACKWARD_POST is refused", "BACKWARD_PRE"),
+        hint("backward_prefetch", None, "FSDP2 prefetches the next block's all-gather before "
+             "its backward (BACKWARD_PRE's order)",
+             With(lambda: _fsdp("BackwardPrefetch").BACKWARD_POST)),
         maps("mixed_precision", None, "MixedPrecision(param_dtype, reduce_dtype): "
-             "precision(param_dtype, reduce_dtype or param_dtype)", "MixedPrecision(bf16)"),
+             "precision(param_dtype, reduce_dtype or param_dtype)",
+             With(lambda: _fsdp("MixedPrecision")(param_dtype=__import__("torch").bfloat16))),
         only("ignored_modules", None, "every parameter is sharded", "freeze a module "
              "(requires_grad=False) to leave it out of gradients and optimizer state"),
         only("param_init_fn", None, "a model on the meta device is initialized by "
@@ -377,15 +387,9 @@ class TorchFSDPPlugin(Plugin):
             raise ConfigError(f"{owner}(sharding_strategy={v['sharding_strategy']!r}): use "
                               f"ShardingStrategy.FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
         spec = specs[strategy]
-        prefetch = _enum_name(v["backward_prefetch"])
-        if prefetch not in (None, "BACKWARD_PRE"):
-            raise UnsupportedArgument(owner, "backward_prefetch", prefetch, "FSDP2 prefetches "
-                                      "before each block's backward", "BACKWARD_PRE (or None)")
         off = v["cpu_offload"]
         if off is not None:
-            if isinstance(off, str) and off == "CPUOffload(offload_params=True)":
-                params = True
-            elif hasattr(off, "offload_params"):
+            if hasattr(off, "offload_params"):
                 params = bool(off.offload_params)
             else:
                 raise ConfigTypeError(f"{owner}(cpu_offload={off!r}): pass torch's "
@@ -406,8 +410,6 @@ def _fsdp_precision(owner: str, mp):
 
     from ..parallel import precision
 
-    if isinstance(mp, str) and mp == "MixedPrecision(bf16)":
-        return precision("bf16", "bf16")
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", None: None}
     param = getattr(mp, "param_dtype", "missing")
     if param == "missing":
@@ -438,7 +440,8 @@ class LowLevelZeroPlugin(Plugin):
         hint("reduce_bucket_size_in_m", 12, "stage 1 reduce-scatters one flat bucket per "
              "dtype and tensor-parallel layout; stage 2 one per FSDP unit", 25),
         maps("communication_dtype", None, "precision(reduce=...): the dtype gradients are "
-             "reduced in (None: fp32)", "torch.bfloat16"),
+             "reduced in (None: fp32)",
+             With(lambda: __import__("torch").bfloat16)),
         hint("overlap_communication", True, "stage 2's reduce-scatters overlap the backward "
              "(FSDP2); stage 1 reduce-scatters at the step", False),
         hint("overlap_allgather", False, "stage 1 all-gathers the updated slices right after "
@@ -504,7 +507,8 @@ class GeminiPlugin(Plugin):
              "(which Colossal-AI's chunks refuse): no precision transform", "bf16"),
         only("master_weights", True, "meshlab keeps fp32 parameters as the masters",
              "precision('bf16')"),
-        maps("pin_memory", False, "offload(pin_memory=...)", True),
+        maps("pin_memory", False, "offload(pin_memory=...)",
+             With(True, (("offload_optim_frac", 0.5),))),
         only("force_outputs_fp32", False, "outputs keep the compute dtype",
              "outputs.logits.float()"),
         only("strict_ddp_mode", False, "GeminiPlugin shards", "TorchDDPPlugin()"),
@@ -524,7 +528,8 @@ class GeminiPlugin(Plugin):
              "you need"),
     ) + _shardformer_args()[:3] + (
         maps("enable_sequence_parallelism", False, "sequence('tp', 'split_gather') (Megatron "
-             "sequence parallelism inside tensor parallelism; needs tp_size > 1)", True),
+             "sequence parallelism inside tensor parallelism; needs tp_size > 1)",
+             With(True, (("tp_size", 2),))),
     ) + _shardformer_args()[3:] + (
         hint("enable_async_reduce", True, "FSDP2's reduce-scatters run asynchronously on "
              "their own stream", False),
@@ -580,10 +585,11 @@ class GeminiPlugin(Plugin):
 def _hybrid_args(overlap_default: bool) -> tuple[Arg, ...]:
     return (
         maps("tp_size", REQUIRED, "a 'tp' mesh axis of this size and shard(policies.auto) (or "
-             "shard(custom_policy))", 2),
-        maps("pp_size", REQUIRED, "a 'pp' mesh axis of this size and pipeline('pp', ...)", 2),
+             "shard(custom_policy))", 4),
+        maps("pp_size", REQUIRED, "a 'pp' mesh axis of this size and pipeline('pp', ...)", 4),
         maps("sp_size", None, "the 'sp' mesh axis of sequence_parallelism_mode 'all_to_all' "
-             "or 'ring_attn'", 2),
+             "or 'ring_attn'", With(2, (("enable_sequence_parallelism", True),
+                                        ("sequence_parallelism_mode", "all_to_all")))),
         maps("precision", "fp16", "precision('fp16'|'bf16'); 'fp32': no precision transform",
              "bf16"),
         maps("zero_stage", 0, "0: data_parallel('dp'); 1, 2: zero_shard(stage, 'dp')", 1),
@@ -593,37 +599,42 @@ def _hybrid_args(overlap_default: bool) -> tuple[Arg, ...]:
         maps("sequence_parallelism_mode", None, "'split_gather' and 'ring': sequence('tp', "
              "'split_gather') (Megatron SP; 'ring' is the same math, gathered in one "
              "collective); 'all_to_all': sequence('sp', 'all_to_all') (Ulysses); 'ring_attn': "
-             "sequence('sp', 'ring') (ring attention)", "all_to_all"),
+             "sequence('sp', 'ring') (ring attention)",
+             With("all_to_all", (("enable_sequence_parallelism", True), ("sp_size", 2)))),
         hint("parallel_output", True, "the vocabulary-parallel head's logits are whole on "
              "every rank and the loss is the single process's", False),
-        maps("num_microbatches", None, "pipeline(microbatches=...)", 4),
+        maps("num_microbatches", None, "pipeline(microbatches=...)", 8),
         maps("microbatch_size", None, "pipeline(microbatches=per-rank batch // "
-             "microbatch_size) (the batch size comes from the dataloader given to boost)", 1),
+             "microbatch_size) (the batch size comes from the dataloader given to boost)",
+             With(1, (("num_microbatches", None),))),
     ) + _scaler_args(2 ** 16) + (
         maps("max_norm", 0, "meshlab.optimizer(clip_grad_norm=max_norm): clipping by the "
              "global norm over every mesh axis (0: off)", 1.0),
     ) + _ddp_args("ddp_") + (
         hint("zero_bucket_size_in_m", 12, "stage 1 reduce-scatters one flat bucket per dtype "
              "and tensor-parallel layout; stage 2 one per FSDP unit", 25),
-        maps("cpu_offload", False, "offload(optimizer=1.0) (with zero_stage 1 or 2)", True),
+        maps("cpu_offload", False, "offload(optimizer=1.0) (with zero_stage 1 or 2)",
+             With(True, (("zero_stage", 1),))),
         maps("communication_dtype", None, "precision(reduce=...): the dtype gradients are "
-             "reduced in (None: fp32)", "torch.bfloat16"),
+             "reduced in (None: fp32)",
+             With(lambda: __import__("torch").bfloat16)),
         hint("overlap_communication", overlap_default, "the backward's all-reduces (stage 0) "
              "and reduce-scatters (stage 2) always overlap it; stage 1 reduce-scatters at the "
              "step", not overlap_default),
         maps("custom_policy", None, "shard(custom_policy): a meshlab Policy or a mapping of "
-             "parameter globs to specs", "Policy"),
+             "parameter globs to specs", With(lambda: {"lm_head.weight": _P()("tp", None)})),
         maps("pp_style", "1f1b", "pipeline(schedule=...): '1f1b', 'interleaved' "
              "(pipeline(schedule='interleaved', virtual_stages=num_model_chunks)), 'zbv'",
-             "interleaved"),
+             With("interleaved", (("num_model_chunks", 2),))),
         maps("num_model_chunks", 1, "pipeline(virtual_stages=...) (pp_style 'interleaved' or "
-             "'zbv')", 2),
+             "'zbv')", With(2, (("pp_style", "interleaved"),))),
         only("scheduler_nodes", None, "meshlab's schedules are torch.distributed.pipelining's",
              "pipeline(schedule='zbv')"),
         maps("num_layers_per_stage", None, "pipeline(layers_per_stage=...)", [1, 1]),
         maps("gradient_checkpoint_config", None, "remat('full') for a config whose "
              "gradient_checkpointing_ratio is 1.0 (or a meshlab remat(...) value); other ratios "
-             "are refused", "remat('full')"),
+             "are refused",
+             With(lambda: __import__("types").SimpleNamespace(gradient_checkpointing_ratio=1.0))),
         hint("enable_metadata_cache", True, "torch's pipeline stages infer their shapes once",
              False),
         hint("make_vocab_size_divisible_by", 64, "meshlab never pads the vocabulary: a "
@@ -727,13 +738,17 @@ class HybridParallelPlugin(Plugin):
                      microbatch_size=mbs)
 
 
+def _P():
+    from .._spec import P
+
+    return P
+
+
 def _policy(owner: str, custom):
     from .. import policies
     from ..policies._policy import Policy
 
     if custom is None:
-        return policies.auto
-    if isinstance(custom, str) and custom == "Policy":       # the table's probe
         return policies.auto
     if isinstance(custom, Policy) or isinstance(custom, dict):
         return custom
@@ -795,8 +810,6 @@ def _remat(owner: str, cfg):
 
     if cfg is None or isinstance(cfg, Remat):
         return cfg
-    if isinstance(cfg, str) and cfg == "remat('full')":
-        return remat("full")
     ratio = getattr(cfg, "gradient_checkpointing_ratio", None)
     if ratio is not None and float(ratio) == 1.0:
         return remat("full")
@@ -812,7 +825,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
 
     POSITIONAL = 3
     ARGS = _hybrid_args(False)[:2] + (
-        maps("ep_size", REQUIRED, "an 'ep' mesh axis of this size and expert_route('ep')", 2),
+        maps("ep_size", REQUIRED, "an 'ep' mesh axis of this size and expert_route('ep')", 4),
     ) + _hybrid_args(False)[2:] + (
         maps("moe_dp_outside", True, "the mesh's axis order: dp, ep, pp, tp (True) or ep, dp, "
              "pp, tp (False)", False),

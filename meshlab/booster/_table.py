@@ -1,14 +1,12 @@
 """The argument mapping table of ``docs/booster.md``, generated from the plugins' and
 methods' own argument lists.
 
-``python -m meshlab.booster._table docs/booster.md`` rewrites the block between the
+``python -m meshlab.booster.table docs/booster.md`` rewrites the block between the
 page's ``<!-- mapping:begin -->`` and ``<!-- mapping:end -->`` markers; a test checks the
 page holds exactly what this module generates.
 """
 
 from __future__ import annotations
-
-import sys
 
 BEGIN, END = "<!-- mapping:begin -->", "<!-- mapping:end -->"
 
@@ -55,7 +53,3 @@ def generated_block(path: str) -> str:
     with open(path) as f:
         text = f.read()
     return text.partition(BEGIN)[2].partition(END)[0].strip("\n") + "\n"
-
-
-if __name__ == "__main__":
-    print("rewritten" if rewrite(sys.argv[1]) else "up to date")

@@ -101,8 +101,10 @@ class Pipeline(Transform):
         return ctx.state["pipeline"].build(ctx)
 
     def __repr__(self) -> str:
+        layers = ("" if self.layers_per_stage is None
+                  else f", layers_per_stage={self.layers_per_stage!r}")
         return (f"pipeline({self.axis!r}, schedule={self.schedule!r}, "
-                f"microbatches={self.microbatches}, virtual_stages={self.v})")
+                f"microbatches={self.microbatches}, virtual_stages={self.v}{layers})")
 
 
 def _layers(value) -> tuple[int, ...]:
