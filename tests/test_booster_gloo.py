@@ -48,7 +48,8 @@ def _global_batches(model, plugin_name: str, steps: int, batch_size: int, seed: 
     return [torch.cat([by_index[i][s] for i in sorted(by_index)]) for s in range(steps)]
 
 
-def _reference(plugin_name: str, data, lr: float = 1e-3, clip=None, bf16: bool = False):
+def _reference(plugin_name: str, data, lr: float = 1e-3, clip=None, bf16: bool = False,
+               schedule: bool = True):
     """One process: the same model, AdamW, scheduler and clipping (one max-norm, or one per
     step) on the global batches."""
     from examples import booster_loop as L
@@ -67,7 +68,8 @@ def _reference(plugin_name: str, data, lr: float = 1e-3, clip=None, bf16: bool =
             torch.nn.utils.clip_grad_norm_(ref.parameters(), c)
         opt.step()
         opt.zero_grad()
-        sched.step()
+        if schedule:
+            sched.step()
         losses.append(loss.item())
     return ref, losses
 
@@ -98,6 +100,19 @@ def _assert_weights(model, ref, atol, rtol):
         n += 1
     assert n > 0
     return n
+
+
+def _assert_updates(model, ref, start: dict, frac: float = 0.15) -> None:
+    """Each weight's update is the one process's within ``frac`` of its norm (for bf16 and
+    fp16, whose last-bit differences Adam's normalized step amplifies elementwise)."""
+    from torch.distributed.tensor import DTensor
+
+    refp = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        w = p.full_tensor() if isinstance(p, DTensor) else p
+        moved = (refp[n].detach() - start[n]).norm()
+        off = (w.detach().float() - refp[n].detach().float()).norm()
+        assert moved > 0 and off <= frac * moved, (n, float(off), float(moved))
 
 
 CLIP = {"zero2": 1.0}
@@ -187,14 +202,7 @@ def scaffold_case(rank, world):
     # gradient's sign into a whole step: compare each weight's update with the one
     # process's (relative norm), and every element within a few steps of lr.
     held = _assert_weights(model, ref, atol=1e-3, rtol=0)
-    from torch.distributed.tensor import DTensor
-
-    refp = dict(ref.named_parameters())
-    for n, p in model.named_parameters():
-        w = p.full_tensor() if isinstance(p, DTensor) else p
-        moved = (refp[n].detach() - start[n]).norm()
-        off = (w.detach() - refp[n].detach()).norm()
-        assert off <= 0.15 * moved + 1e-6, (n, float(off), float(moved))
+    _assert_updates(model, ref, start)
     spec = repr(model._meshlab.plan.transforms)
     return {"losses": losses, "want": want, "params": held, "spec": spec}
 
@@ -236,3 +244,195 @@ def test_checkpoints_load_under_another_plugin(world, tmp_path_factory, src, dst
     if src == "hybrid":            # its model went out as a Hugging Face export
         assert os.path.isfile(os.path.join(path, "model", "model.safetensors"))
         assert os.path.isfile(os.path.join(path, "model", "config.json"))
+
+
+# -- the rest of the Booster surface -----------------------------------------------------------
+def _boosted(plugin, mixed=None, lr=1e-3, lora=None, name="ddp"):
+    from examples import booster_loop as L
+    from meshlab.booster import Booster
+
+    L.colossalai.launch_from_torch(seed=42, verbose=False)
+    booster = Booster(plugin=plugin, mixed_precision=mixed)
+    model = L.make_model(name)
+    if lora is not None:
+        model = booster.enable_lora(model, lora_config=lora)
+    opt = L.HybridAdam([p for p in model.parameters() if p.requires_grad] if lora is None
+                       else model.parameters(), lr=lr, weight_decay=0.01)
+    model, opt, *_ = booster.boost(model, opt)
+    return booster, model, opt
+
+
+def _local(batch):
+    import torch.distributed as dist
+
+    return batch.chunk(dist.get_world_size())[dist.get_rank()]
+
+
+def accumulate_case(rank, world):
+    """Two microbatches per step under booster.no_sync equal one process's global batch."""
+    from meshlab.booster import TorchDDPPlugin
+
+    booster, model, opt = _boosted(TorchDDPPlugin())
+    data = [torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(s))
+            for s in range(2)]
+    sent = []
+    for b in data:
+        mb0, mb1 = _local(b).chunk(2)
+        with booster.no_sync(model):
+            booster.backward(model(input_ids=mb0, labels=mb0).loss / 2, opt)
+        grads_local = [p.grad.clone() for p in model.parameters()][:1]
+        booster.backward(model(input_ids=mb1, labels=mb1).loss / 2, opt)
+        sent.append(not torch.equal(grads_local[0], next(model.parameters()).grad))
+        opt.step()
+        opt.zero_grad()
+    ref, _ = _reference("ddp", data, schedule=False)
+    _assert_weights(model, ref, atol=2e-5, rtol=1e-4)
+    return sent
+
+
+def test_no_sync_accumulates_like_one_process(world):
+    assert all(all(s) for s in world.run(accumulate_case))
+
+
+def lora_case(rank, world, path):
+    """enable_lora under ZeRO-2 trains the adapters as single-process peft does; the
+    adapter written by save_lora_as_pretrained loads with PeftModel."""
+    import torch.distributed as dist
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from examples import booster_loop as L
+    from meshlab.booster import LowLevelZeroPlugin
+
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    booster, model, opt = _boosted(LowLevelZeroPlugin(stage=2, precision="fp32"), lora=cfg,
+                                   lr=1e-2)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    torch.manual_seed(42)
+    ref = get_peft_model(L.make_model("ddp"), cfg)
+    with torch.no_grad():                      # the adapters' A as the sharded model drew it
+        own = dict(ref.base_model.model.named_parameters())
+        for n, p in model.named_parameters():
+            own[n].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
+    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+                             weight_decay=0.01)
+    for s in range(2):
+        b = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(s))
+        x = _local(b)
+        booster.backward(model(input_ids=x, labels=x).loss, opt)
+        opt.step()
+        opt.zero_grad()
+        ref(input_ids=b, labels=b).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    own = dict(ref.base_model.model.named_parameters())
+    for n in sorted(trainable):               # the same order on every rank (collectives)
+        p = dict(model.named_parameters())[n]
+        torch.testing.assert_close(p.full_tensor() if hasattr(p, "full_tensor") else p,
+                                   own[n], atol=2e-5, rtol=1e-4)
+    booster.save_lora_as_pretrained(model, path)
+    dist.barrier()
+    torch.manual_seed(0)
+    back = PeftModel.from_pretrained(L.make_model("ddp"), path)
+    x = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        base = dict(ref.base_model.model.named_parameters())
+        for n, p in back.base_model.model.named_parameters():
+            if "lora_" not in n:
+                p.copy_(base[n])
+        torch.testing.assert_close(back(input_ids=x).logits, ref(input_ids=x).logits,
+                                   atol=1e-5, rtol=1e-4)
+    return len(trainable)
+
+
+def test_enable_lora_and_save_lora_as_pretrained(world, tmp_path):
+    pytest.importorskip("peft")
+    assert min(world.run(lora_case, path=str(tmp_path / "adapter"))) > 0
+
+
+def precision_case(rank, world, plugin):
+    """fp16 (dynamic loss scale) and bf16 through the Booster train as one process does
+    under the same autocast, within the dtype's rounding; the loss scale moves alike on
+    every rank."""
+    import torch.distributed as dist
+
+    from meshlab.booster import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+
+    kind, dtype = {"zero_fp16": (LowLevelZeroPlugin(stage=1, precision="fp16",
+                                                    initial_scale=2 ** 10), torch.float16),
+                   "ddp_bf16": (TorchDDPPlugin(), torch.bfloat16),
+                   "pp_fp16": (HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp16",
+                                                    num_microbatches=2,
+                                                    initial_scale=2 ** 10), torch.float16)
+                   }[plugin]
+    booster, model, opt = _boosted(kind, mixed="bf16" if plugin == "ddp_bf16" else None)
+    data = [torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(s))
+            for s in range(3)]
+    pp = dist.get_world_size() // model._meshlab.dp_size
+    losses = []
+    for b in data:
+        if plugin == "pp_fp16":
+            x = b.chunk(model._meshlab.dp_size)[model._meshlab.mesh.coordinate(rank)["dp"]]
+            loss = booster.execute_pipeline(iter([{"input_ids": x, "labels": x}]), model,
+                                            lambda o, i: o.loss, opt)["loss"]
+        else:
+            x = _local(b)
+            loss = model(input_ids=x, labels=x).loss
+            booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    from examples import booster_loop as L
+
+    torch.manual_seed(42)
+    ref = L.make_model("ddp")
+    start = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.01)
+    want = []
+    for b in data:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = ref(input_ids=b, labels=b).loss
+        loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        want.append(loss.item())
+    got = _mean_loss(model, losses)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=2e-2, rtol=0)
+    _assert_updates(model, ref, start)       # elementwise, a few lr-sized steps apart at most
+    scaler = getattr(opt, "scaler", None)
+    return (pp, None if scaler is None else (scaler.scale, scaler.skipped))
+
+
+@pytest.mark.parametrize("plugin", ["zero_fp16", "ddp_bf16", "pp_fp16"])
+def test_mixed_precision_through_the_booster(world, plugin):
+    out = world.run(precision_case, plugin=plugin)
+    assert all(o == out[0] for o in out)
+    if plugin.endswith("fp16"):
+        scale, skipped = out[0][1]
+        assert skipped == 0 and scale == 2 ** 10       # no overflow at this scale
+
+
+def buffers_case(rank, world):
+    """broadcast_buffers (TorchDDPPlugin's default) makes every rank's buffers rank 0's
+    before each forward, as DDP does."""
+    import torch.distributed as dist
+
+    from meshlab.booster import TorchDDPPlugin
+
+    out = []
+    for on in (True, False):
+        _, model, _ = _boosted(TorchDDPPlugin(broadcast_buffers=on))
+        name, buf = next((n, b) for n, b in model.named_buffers() if b.is_floating_point())
+        with torch.no_grad():
+            buf.add_(float(dist.get_rank()))
+        x = torch.randint(0, 256, (1, 8))
+        model(input_ids=x)
+        flat = torch.stack([b.detach().sum() for b in [buf]])
+        every = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, flat)
+        out.append(all(torch.equal(e, every[0]) for e in every))
+    return out
+
+
+def test_broadcast_buffers(world):
+    assert all(o == [True, False] for o in world.run(buffers_case))
