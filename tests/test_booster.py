@@ -275,3 +275,15 @@ def test_launch_without_a_launcher_names_the_fix(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(ConfigError, match="torchrun"):
         launch_from_torch()
+
+
+def test_readme_booster_example_is_true():
+    import doctest
+    import re
+
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = re.search(r"```python\n(>>> from meshlab\.booster import .*?)```", text, re.S).group(1)
+    test = doctest.DocTestParser().get_doctest(block, {}, "README", "README.md", 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries >= 2

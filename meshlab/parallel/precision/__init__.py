@@ -90,22 +90,6 @@ class Precision(Transform):
             raise ConfigError(f"precision(min_scale={self.min_scale}, max_scale="
                               f"{self.max_scale}): min_scale must not exceed max_scale")
 
-    def check(self, plan: Plan) -> None:
-        """A reduction dtype other than fp32 is honoured by FSDP2 (``zero_shard(2|3)``),
-        which reduces in it; the all-reduces of ``data_parallel`` and ``zero_shard(1)``
-        reduce the gradients as they are (fp32), so the request is refused there."""
-        if self.reduce == "float32":
-            return
-        from ..zero import ZeroShard
-
-        zero = [t for t in plan.rooms if isinstance(t, ZeroShard)]
-        sizes = plan.mesh_shape
-        live = [t for t in zero if any(sizes[a] > 1 for a in t.axis)]
-        if live and not any(t.stage >= 2 for t in live):
-            raise ConfigError(f"{self!r}: gradients are reduced in {self.reduce} only by "
-                              f"FSDP2 (zero_shard(2) or zero_shard(3)); {live[0]!r} reduces "
-                              f"them in fp32. Use reduce='fp32', or zero_shard(2)")
-
     def install(self, ctx) -> Part:
         cast = None if self.compute == "float32" else getattr(torch, self.compute)
         return PrecisionPart(self, cast, "cuda" if ctx.mesh.device_type == "cuda" else "cpu")

@@ -20,6 +20,7 @@ from ..._roles import implied_room
 from .._protocol import Phase, Transform
 from ._estimates import zero_comm, zero_memory
 from .._gradsync import BUCKET_MB, Reduction
+from ..precision import Precision
 from ._install import fsdp_ignored, install_zero
 
 
@@ -69,6 +70,15 @@ class ZeroShard(Transform):
                 f"map that logical axis to None in Rules")
         if fsdp:
             _check_fsdp_specs(plan, fsdp)
+        prec = plan.get(Precision)
+        if (prec is not None and prec.reduce != "float32" and self.stage < 2
+                and any(plan.mesh_shape[a] > 1 for a in self.axis)):
+            # Only FSDP2 reduces in another dtype; these all-reduces and reduce-scatters
+            # reduce the gradients as they are (fp32), so the request is refused.
+            raise ConfigError(f"{prec!r} with {self!r}: gradients are reduced in "
+                              f"{prec.reduce} only by FSDP2 (zero_shard(2) or zero_shard(3)); "
+                              f"this room reduces them in fp32. Use reduce='fp32', or "
+                              f"zero_shard(2)")
 
     def install(self, ctx):
         return install_zero(self, ctx)
