@@ -1,4 +1,4 @@
-"""fuse(): Hugging Face models' RMSNorm, rotary, attention and loss on meshlab's ops.
+"""fuse(): Hugging Face models' RMSNorm, rotary, attention, gated MLP and loss on meshlab's ops.
 
 One process: the routed model's loss and gradients equal the unrouted one's for several
 families; other models are untouched; probes refuse modules whose math differs; families
@@ -16,7 +16,7 @@ from . import _models as M
 
 pytestmark = pytest.mark.timeout(600)
 
-OPS = ("rms_norm", "rotary", "attention", "loss")
+OPS = ("rms_norm", "rotary", "attention", "mlp", "loss")
 
 
 def _model(family: str, **overrides):
@@ -36,7 +36,8 @@ def test_fused_equals_unfused(family):
     report = fuse(model, OPS)
     layers = M.TINY[family]["num_hidden_layers"]
     norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)   # + q/k norms
-    assert report.counts() == {"rms_norm": norms, "rotary": layers, "attention": 1, "loss": 1}
+    assert report.counts() == {"rms_norm": norms, "rotary": layers, "attention": 1,
+                               "mlp": layers, "loss": 1}
     ids = M.batches(1, batch=3, seq=11)[0]
     ids[0, :3] = -100                      # ignored labels pass through
     batch = {"input_ids": ids.clamp_min(0), "labels": ids}
@@ -45,7 +46,7 @@ def test_fused_equals_unfused(family):
     _build.LAST_PATH.clear()
     got = causal_lm_loss(model, batch)
     got.backward()
-    for op in ("rms_norm", "rotary", "attention", "linear_cross_entropy"):
+    for op in ("rms_norm", "rotary", "attention", "swiglu", "linear_cross_entropy"):
         assert (op, "cpu") in _build.LAST_PATH, op          # each routed op actually ran
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     refp = dict(ref.named_parameters())
@@ -112,6 +113,49 @@ def test_probe_refuses_different_math():
         fuse(_model("llama"), ("softmax",))
 
 
+def test_mlp_route_saves_less_for_backward_and_refuses_other_math():
+    """A routed MLP keeps its two projections' outputs for the backward, not three tensors
+    of the intermediate width; an MLP whose forward differs is refused by its probe, and
+    one with another activation (GELU) is not a SwiGLU and is left alone."""
+    import meshlab as ml
+    from meshlab.parallel.fuse import fuse_model as fuse
+
+    ref = _model("llama")
+    model = copy.deepcopy(ref)
+    fuse(model, ("mlp",))
+    x = torch.randn(2, 5, ref.config.hidden_size)
+
+    def saved_bytes(mlp) -> int:
+        total = []
+
+        def pack(t):
+            total.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mlp(x.clone().requires_grad_()).sum()
+        return sum(total)
+
+    inter = 2 * 5 * ref.config.intermediate_size * 4
+    unfused, fused = saved_bytes(ref.model.layers[0].mlp), saved_bytes(model.model.layers[0].mlp)
+    assert unfused - fused == inter, (unfused, fused)     # silu(gate) is no longer kept
+    torch.testing.assert_close(model.model.layers[0].mlp(x), ref.model.layers[0].mlp(x))
+
+    class OddMLP(type(ref.model.layers[0].mlp)):         # gated, but not silu(g) * u
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
+
+    odd = copy.deepcopy(ref)
+    odd.model.layers[0].mlp.__class__ = OddMLP
+    with pytest.raises(ml.ConfigError, match="OddMLP.*does not reproduce"):
+        fuse(odd, ("mlp",))
+    gelu = copy.deepcopy(ref)
+    for layer in gelu.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(ml.ConfigError, match="nothing in LlamaForCausalLM to route"):
+        fuse(gelu, ("mlp",))
+
+
 def test_loss_refused_where_logits_are_transformed():
     import meshlab as ml
     from meshlab.parallel.fuse import fuse_model as fuse
@@ -166,7 +210,7 @@ def fuse_case(rank, world, spec_name, ops):
 
 
 @pytest.mark.parametrize("spec_name,ops", [("zero3", OPS), ("zero1", OPS),
-                                           ("tp", ("rms_norm", "rotary", "attention"))])
+                                           ("tp", ("rms_norm", "rotary", "attention", "mlp"))])
 def test_fuse_composes_gloo(world2, spec_name, ops):
     out = world2.run(fuse_case, spec_name=spec_name, ops=ops)
     if "loss" in ops:

@@ -17,7 +17,7 @@ import copy
 import pytest
 import torch
 
-OPS = ("rms_norm", "rotary", "attention", "loss")
+OPS = ("rms_norm", "rotary", "attention", "mlp", "loss")
 STEPS, BATCH, SEQ = 4, 2, 32
 
 

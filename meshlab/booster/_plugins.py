@@ -85,25 +85,25 @@ def _ddp_args(prefix: str) -> tuple[Arg, ...]:
 
 def _shardformer_args() -> tuple[Arg, ...]:
     return (
-        maps("enable_all_optimization", False, "fuse('rms_norm', 'rotary', 'attention'): "
-             "meshlab's fused kernels on the model's norms, rotary embedding and attention",
-             True),
+        maps("enable_all_optimization", False, "fuse('rms_norm', 'rotary', 'attention', "
+             "'mlp'): meshlab's fused kernels on the model's norms, rotary embedding, attention "
+             "and gated MLP", True),
         maps("enable_fused_normalization", False, "fuse('rms_norm')", True),
         maps("enable_flash_attention", False, "fuse('attention') (flash attention where "
              "installed, else SDPA's)", True),
-        maps("enable_jit_fused", False, "fuse('rotary') (meshlab's fused elementwise op)",
-             True),
+        maps("enable_jit_fused", False, "fuse('rotary', 'mlp') (meshlab's fused elementwise "
+             "ops: the rotary embedding and the SwiGLU gate)", True),
     )
 
 
 def _fuse_ops(v: dict) -> tuple[str, ...]:
     ops: list[str] = []
     if v.get("enable_all_optimization"):
-        ops += ["rms_norm", "rotary", "attention"]
+        ops += ["rms_norm", "rotary", "attention", "mlp"]
     if v.get("enable_fused_normalization"):
         ops.append("rms_norm")
     if v.get("enable_jit_fused"):
-        ops.append("rotary")
+        ops += ["rotary", "mlp"]
     if v.get("enable_flash_attention"):
         ops.append("attention")
     return tuple(dict.fromkeys(ops))

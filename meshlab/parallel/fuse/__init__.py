@@ -1,4 +1,4 @@
-"""fuse: run a Hugging Face model's RMSNorm, rotary embedding, attention and loss on
+"""fuse: run a Hugging Face model's RMSNorm, rotary embedding, attention, gated MLP and loss on
 meshlab's fused ops (``meshlab.ops``), routed at materialize time.
 
 The room: ``Fuse`` (a plan value), its checks (combinations whose loss or attention
@@ -22,7 +22,7 @@ from ._hf import fuse as fuse_model, fused_labels as fused_labels
 
 @dataclasses.dataclass(frozen=True)
 class Fuse(Transform):
-    """Route ``ops`` (any of ``rms_norm``, ``rotary``, ``attention``, ``loss``) to
+    """Route ``ops`` (any of ``rms_norm``, ``rotary``, ``attention``, ``mlp``, ``loss``) to
     meshlab's custom ops without replacing any ``forward``; each routing is probed against
     the module it replaces when it is installed."""
 
@@ -70,6 +70,6 @@ class Fuse(Transform):
 
 
 def fuse(*ops: str) -> Fuse:
-    """Fused ops for a Hugging Face model: ``fuse()`` routes all four, ``fuse('rms_norm',
+    """Fused ops for a Hugging Face model: ``fuse()`` routes all of them, ``fuse('rms_norm',
     'loss')`` those named."""
     return Fuse(tuple(ops) or FUSABLE)

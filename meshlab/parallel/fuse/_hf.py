@@ -14,6 +14,11 @@ fails loudly instead of training on different math:
   the original function otherwise, so other models in the process are untouched.
 * ``attention``: ``meshlab::attention`` is registered in transformers'
   ``AttentionInterface`` as ``"meshlab"`` and the model switched to it.
+* ``mlp``: each gated MLP with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU
+  ``act_fn`` (Llama's, Mistral's, Qwen's, ...) gets an instance ``forward`` computing
+  ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``: the backward keeps the two
+  projections' outputs only (the unfused module also keeps ``silu(gate)``), and the gate
+  is one kernel. The projections stay the module's own, hooks and sharding included.
 * ``loss``: the output head gets an instance ``forward`` that, inside
   :func:`fused_labels`, returns the causal-LM loss from ``meshlab::linear_cross_entropy``
   (the logits never exist), and the plain projection otherwise. :func:`causal_lm_loss`
@@ -44,7 +49,7 @@ from torch import Tensor, nn
 
 from ..._errors import ConfigError
 
-FUSABLE = ("rms_norm", "rotary", "attention", "loss")
+FUSABLE = ("rms_norm", "rotary", "attention", "mlp", "loss")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +247,69 @@ def _probe_rotary(fn, owner: str) -> None:
                          "leave 'rotary' out of fuse(ops=...)")
 
 
+# ------------------------------------------------------------------------ mlp
+
+_SILU = ("SiLU", "SiLUActivation")
+
+
+def _is_swiglu_mlp(m: nn.Module) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Module) for a in
+               ("gate_proj", "up_proj", "down_proj")) \
+        and type(getattr(m, "act_fn", None)).__name__ in _SILU
+
+
+def _fused_mlp_forward(self, x: Tensor) -> Tensor:
+    from ...ops.swiglu import swiglu
+
+    a, b = self.gate_proj(x), self.up_proj(x)
+    if a.dtype != b.dtype:                 # autocast leaves both in its dtype; be exact
+        b = b.to(a.dtype)
+    return self.down_proj(swiglu(a, b))
+
+
+def _probe_mlp(m: nn.Module) -> None:
+    """The class built small (its config with hidden 8, intermediate 16) computes what the
+    fused forward computes on the same weights."""
+    cfg = getattr(m, "config", None)
+    what = type(m).__name__
+    fix = "leave 'mlp' out of fuse(ops=...)"
+    if cfg is None:
+        raise ConfigError(f"{what}: a gated MLP without a config to build a probe from; {fix}")
+    small = copy.deepcopy(cfg)
+    for attr, v in (("hidden_size", 8), ("intermediate_size", 16)):
+        if hasattr(small, attr):
+            setattr(small, attr, v)
+    try:
+        with torch.device("cpu"):
+            clone = type(m)(small).float()
+    except Exception as e:
+        raise ConfigError(f"{what}: cannot build a small copy to probe the fused MLP against "
+                          f"({type(e).__name__}: {e}); {fix}") from None
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(3, clone.gate_proj.in_features, generator=g)
+    _probe_close(_fused_mlp_forward(clone, x), type(m).forward(clone, x), what, fix)
+
+
+def _route_mlp(model: nn.Module) -> list[str]:
+    done, probed = [], set()
+    for name, m in model.named_modules():
+        if getattr(m, "_meshlab_mlp", False):                    # routed before
+            done.append(name)
+            continue
+        if not _is_swiglu_mlp(m):
+            continue
+        if type(m) not in probed:
+            _probe_mlp(m)
+            probed.add(type(m))
+        m.forward = types.MethodType(_fused_mlp_forward, m)
+        m._meshlab_mlp = True
+        done.append(name)
+    return done
+
+
 # ------------------------------------------------------------------------ loss
 
 _LABELS = threading.local()
@@ -339,7 +407,7 @@ def _route_attention(model: nn.Module) -> list[str]:
 
 
 _ROUTES = {"rms_norm": _route_norms, "rotary": _route_rotary, "attention": _route_attention,
-           "loss": _route_loss}
+           "mlp": _route_mlp, "loss": _route_loss}
 
 
 def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:

@@ -1,0 +1,194 @@
+"""One GPU, one training step, every path a Hugging Face user picks from, in one run.
+
+Rows (each from the same bf16 weights, on the same batch):
+
+* ``hf_eager``          -- transformers as shipped (SDPA), ``model(ids, labels=ids).loss``;
+* ``hf_compile``        -- the same under ``torch.compile(model)``;
+* ``hf_liger``          -- transformers after Liger-Kernel's ``apply_liger_kernel_to_llama``
+  (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy);
+* ``meshlab_fuse``      -- ``meshlab.parallel.fuse.fuse_model(model)`` (RMSNorm, rotary,
+  attention, SwiGLU MLP, the loss without logits) and meshlab's ``FusedAdamW``;
+* ``meshlab_step``      -- ``ml.parallelize(model, ml.fuse(), Mesh(dp=1))`` and ``ml.step``
+  with ``ml.optimizer(model, FusedAdamW)``: the same kernels through meshlab's API;
+* ``meshlab_compile``   -- ``fuse_model`` and then ``torch.compile``.
+
+The other rows step ``torch.optim.AdamW(fused=True)``. Time: CUDA events around each step,
+the median of ``--steps`` steps after ``--warmup``; peak memory is
+``max_memory_allocated`` over the timed steps. A row that fails records its error. Writes
+``benchmarks/results/single_gpu_<shape>_<card>.json``.
+
+    python benchmarks/single_gpu.py --shape tinyllama      # hidden 2048, 22 layers, 8 x 2048
+    python benchmarks/single_gpu.py --shape llama3-8b      # hidden 4096, 32 layers, 2 x 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
+
+SHAPES = {
+    "tinyllama": dict(cfg=dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                               num_hidden_layers=22, num_attention_heads=32,
+                               num_key_value_heads=4), batch=8, seq=2048, checkpointing=False),
+    "llama3-8b": dict(cfg=dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                               num_hidden_layers=32, num_attention_heads=32,
+                               num_key_value_heads=8, rope_theta=500000.0), batch=2, seq=4096,
+                      checkpointing=True),
+}
+# Liger patches the modeling module's functions for every later model of the process: last.
+ROWS = ("hf_eager", "hf_compile", "meshlab_fuse", "meshlab_step", "meshlab_compile", "hf_liger")
+PEAK_TFLOPS = 989.0          # H200 dense bf16
+
+
+def _flops_per_token(cfg, seq: int) -> float:
+    """6 N (matmul parameters) + attention's 12 L H S (forward and backward)."""
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
+    n = layers * per_layer + h * cfg.vocab_size
+    return 6 * n + 12 * layers * h * seq
+
+
+def _step_fn(name: str, model, batch):
+    """(step callable, the model as run) for one row."""
+    import meshlab as ml
+    from meshlab.ops import FusedAdamW
+    from meshlab.parallel.fuse import causal_lm_loss, fuse_model
+
+    ids = batch["input_ids"]
+    if name in ("hf_eager", "hf_compile", "hf_liger"):
+        if name == "hf_liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True,
+                                        cross_entropy=False, fused_linear_cross_entropy=True,
+                                        model=model)
+        run = torch.compile(model) if name == "hf_compile" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+        def step():
+            loss = run(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+        return step
+    if name == "meshlab_step":
+        model = ml.parallelize(model, ml.fuse(), ml.Mesh(dp=1))
+        opt = ml.optimizer(model, FusedAdamW, lr=1e-5)
+        return lambda: torch.tensor(ml.step(model, opt, batch))
+    fuse_model(model)
+    run = torch.compile(model) if name == "meshlab_compile" else model
+    opt = FusedAdamW(model.parameters(), lr=1e-5)
+
+    def step():
+        loss = causal_lm_loss(run, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool) -> dict:
+    model = copy.deepcopy(base)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    step = _step_fn(name, model, batch)
+    first = [float(step().detach()) for _ in range(min(3, warmup))]
+    for _ in range(warmup - len(first)):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    ms = statistics.median(times)
+    tokens = batch["input_ids"].numel()
+    return {"first_losses": first, "ms_per_step": ms, "tokens_per_s": tokens / (ms * 1e-3),
+            "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30, "step_ms": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="tinyllama")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--copy-to", default=None)
+    args = ap.parse_args()
+    import transformers
+
+    shape = SHAPES[args.shape]
+    cfg = transformers.LlamaConfig(**shape["cfg"], max_position_embeddings=shape["seq"],
+                                   tie_word_embeddings=False, attn_implementation="sdpa",
+                                   use_cache=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (shape["batch"], shape["seq"]), device="cuda",
+                        generator=g)
+    batch = {"input_ids": ids}
+    fpt = _flops_per_token(cfg, shape["seq"])
+    results = {}
+    for name in args.rows.split(","):
+        try:
+            r = run_row(name, base, batch, args.steps, args.warmup, shape["checkpointing"])
+            r["mfu"] = r["tokens_per_s"] * fpt / (PEAK_TFLOPS * 1e12)
+            print(f"{name:>16}: {r['tokens_per_s']:>9,.0f} tokens/s  {100 * r['mfu']:.1f}% MFU  "
+                  f"peak {r['peak_GiB']:.1f} GiB  first losses "
+                  f"{' '.join(f'{x:.4f}' for x in r['first_losses'])}", flush=True)
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {str(e)[:500]}",
+                 "traceback": traceback.format_exc()[-3000:]}
+            print(f"{name:>16}: failed: {r['error'][:200]}", flush=True)
+        results[name] = r
+        gc.collect()
+        torch.cuda.empty_cache()
+    import importlib.metadata as md
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    dev = torch.cuda.get_device_properties(0)
+    ok = {k: v for k, v in results.items() if "tokens_per_s" in v}
+    out = {"card": dev.name, "torch": torch.__version__, "transformers": transformers.__version__,
+           "liger_kernel": version("liger-kernel"), "triton": version("triton"),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "shape": args.shape, "model": shape["cfg"], "batch": shape["batch"],
+           "seq": shape["seq"], "gradient_checkpointing": shape["checkpointing"],
+           "params": sum(p.numel() for p in base.parameters()),
+           "flops_per_token": fpt, "peak_tflops": PEAK_TFLOPS,
+           "method": f"median of {args.steps} steps (CUDA events) after {args.warmup} warm-up "
+                     f"steps; bf16 parameters; peak = max_memory_allocated over the timed steps",
+           "vs_liger": ({k: v["tokens_per_s"] / ok["hf_liger"]["tokens_per_s"] for k, v in ok.items()}
+                        if "hf_liger" in ok else None),
+           "results": results}
+    path = _results.write(f"single_gpu_{args.shape}", dev.name, out, args.copy_to)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
