@@ -222,9 +222,19 @@ def _cudnn_fwd(q, k, v, causal, scale):
     return out, lse.reshape(b, h, s)                               # (B, H, S, 1) -> (B, H, S)
 
 
+def _bshd(t: Tensor) -> Tensor:
+    """``t`` (B, H, S, D) laid out as (B, S, H, D) memory (a no-op for such a view)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
     s, skv = q.shape[2], k.shape[2]
     lse_native = lse.unsqueeze(-1) if _cudnn_lse_rank() == 4 else lse
+    # cuDNN's backward reads out and dout with one layout: given a contiguous out (what the
+    # custom op returns) and a dout laid out otherwise (the transpose Hugging Face hands
+    # back), it returns wrong gradients without an error. Both go in as the (B, S, H, D)
+    # memory its forward writes for such inputs; in eager mode they already are.
+    out, dout = _bshd(out), _bshd(dout)
     # Dropout is off, so the philox seed and offset are never read; cum_seq_q/k are None for
     # dense (not nested) tensors, as the forward returns them.
     zero = _zero(q.device)
