@@ -10,7 +10,9 @@ Rows (each from the same bf16 weights, on the same batch):
   attention, SwiGLU MLP, the loss without logits) and meshlab's ``FusedAdamW``;
 * ``meshlab_step``      -- ``ml.parallelize(model, ml.fuse(), Mesh(dp=1))`` and ``ml.step``
   with ``ml.optimizer(model, FusedAdamW)``: the same kernels through meshlab's API;
-* ``meshlab_compile``   -- ``fuse_model`` and then ``torch.compile``.
+* ``meshlab_compile``   -- ``fuse_model`` and then ``torch.compile`` of the whole model;
+* ``meshlab_blocks``    -- ``ml.parallelize(model, ml.fuse() | ml.compile_blocks(), ...)`` and
+  ``ml.step``: each block compiled with ``fullgraph=True``.
 
 The other rows step ``torch.optim.AdamW(fused=True)``. Time: CUDA events around each step,
 the median of ``--steps`` steps after ``--warmup``; peak memory is
@@ -49,7 +51,8 @@ SHAPES = {
                       checkpointing=True),
 }
 # Liger patches the modeling module's functions for every later model of the process: last.
-ROWS = ("hf_eager", "hf_compile", "meshlab_fuse", "meshlab_step", "meshlab_compile", "hf_liger")
+ROWS = ("hf_eager", "hf_compile", "meshlab_fuse", "meshlab_step", "meshlab_compile",
+        "meshlab_blocks", "hf_liger")
 PEAK_TFLOPS = 989.0          # H200 dense bf16
 
 
@@ -86,8 +89,9 @@ def _step_fn(name: str, model, batch):
             opt.zero_grad(set_to_none=True)
             return loss
         return step
-    if name == "meshlab_step":
-        model = ml.parallelize(model, ml.fuse(), ml.Mesh(dp=1))
+    if name in ("meshlab_step", "meshlab_blocks"):
+        spec = ml.fuse() | ml.compile_blocks() if name == "meshlab_blocks" else ml.fuse()
+        model = ml.parallelize(model, spec, ml.Mesh(dp=1))
         opt = ml.optimizer(model, FusedAdamW, lr=1e-5)
         return lambda: torch.tensor(ml.step(model, opt, batch))
     fuse_model(model)

@@ -16,3 +16,4 @@ from .sequence import Sequence as Sequence, sequence as sequence
 from .fuse import Fuse as Fuse, fuse as fuse
 from .offload import Offload as Offload, offload as offload
 from .lora import Lora as Lora, lora as lora
+from .compile import Compile as Compile, compile_blocks as compile_blocks

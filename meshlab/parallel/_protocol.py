@@ -44,6 +44,7 @@ class Phase(enum.IntEnum):
     HOOKS = 30       # forward hooks of the sharded modules
     KERNELS = 40     # fused ops routed in
     REMAT = 50       # activation checkpointing of the blocks
+    COMPILE = 55     # torch.compile of the blocks (after remat, before FSDP2)
     DATA = 60        # data-parallel sharding (FSDP2)
     OFFLOAD = 65     # host-resident optimizer state, gradients and parameters
     SEQUENCE = 70    # sequence-parallel attention

@@ -1,0 +1,72 @@
+"""compile: each repeated block under ``torch.compile``, in place.
+
+The room: ``Compile`` (a plan value), its checks (the compositions not yet shown compiled
+are refused by name) and its install: every block this rank runs is compiled with
+``nn.Module.compile`` after its activation checkpointing is wrapped and before FSDP2
+shards it (``Phase.COMPILE``), as torchtitan orders them. ``fullgraph=True`` (the default)
+makes a graph break inside a block an error at its first forward instead of a silent
+fall back to eager for part of it. Every meshlab op is a custom op with a fake kernel, so
+the fused ops compile inside the blocks.
+
+>>> compile_blocks()
+compile_blocks(fullgraph=True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from ..._errors import ConfigError, check_bool, check_choice
+from ..._plan import Plan
+from .._protocol import Phase, Transform
+
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compile(Transform):
+    """``torch.compile`` of every repeated block (``mode`` and ``dynamic`` as torch's)."""
+
+    kind: ClassVar[str] = "compile"
+    phase: ClassVar[Phase] = Phase.COMPILE
+
+    fullgraph: bool = True
+    mode: str | None = None
+    dynamic: bool | None = False
+
+    def __post_init__(self):
+        check_bool(self.fullgraph, "compile_blocks", "fullgraph")
+        if self.mode is not None:
+            check_choice(self.mode, "compile_blocks", "mode", MODES[1:])
+        if self.dynamic is not None:
+            check_bool(self.dynamic, "compile_blocks", "dynamic")
+
+    def check(self, plan: Plan) -> None:
+        if not plan.model.blocks:
+            raise ConfigError("compile_blocks(): the model has no repeated blocks to compile; "
+                              "call torch.compile(model) on it instead")
+        for t in plan.rooms:
+            if t.kind in ("pipeline", "sequence", "offload", "expert_route", "lora"):
+                raise ConfigError(f"compile_blocks() with {t!r} is not yet shown to train like "
+                                  f"the eager model; leave one of them out")
+
+    def install(self, ctx) -> None:
+        mods = dict(ctx.model.named_modules())
+        kw = {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.mode is not None:
+            kw["mode"] = self.mode
+        for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
+            mods[b].compile(**kw)
+        return None
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:]
+                        if getattr(self, f.name) != f.default)
+        return f"compile_blocks(fullgraph={self.fullgraph!r}{extra})"
+
+
+def compile_blocks(fullgraph: bool = True, mode: str | None = None,
+                   dynamic: bool | None = False) -> Compile:
+    """Compile each repeated block with ``torch.compile`` (see the module doc)."""
+    return Compile(fullgraph, mode, dynamic)
