@@ -73,3 +73,32 @@ def test_refused_compositions():
         ml.plan(model, ml.pipeline("pp", microbatches=2) | ml.compile_blocks(), mesh)
     with pytest.raises(ml.ConfigError, match="mode"):
         ml.compile_blocks(mode="fastest")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_blocks_on_cuda_without_graph_breaks():
+    """On CUDA (cuDNN attention, Triton kernels) every fused block compiles as one graph and
+    trains to the eager model's losses within bf16 rounding."""
+    import transformers
+
+    import meshlab as ml
+
+    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, use_cache=False,
+                                   tie_word_embeddings=False)
+    ids = torch.randint(0, 1024, (4, 128), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def train(spec) -> list[float]:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = ml.parallelize(model, spec, ml.Mesh(dp=1))
+        opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+        return [ml.step(model, opt, {"input_ids": ids}) for _ in range(4)]
+
+    eager = train(ml.fuse())
+    compiled = train(ml.fuse() | ml.compile_blocks())
+    assert eager[-1] < eager[0] - 0.5
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=5e-3, rtol=0)

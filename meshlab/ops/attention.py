@@ -448,8 +448,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
     """
     _check(q, k, v, causal)
     scale = _default_scale(q, scale)
+    # Under torch.compile the custom op runs (its fake kernel is what the graph needs);
+    # flash-attn's Python entry point cannot be traced, and importing it breaks the graph.
     if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] <= 256 and _build.native_disabled_reason() is None
+            and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
+            and _build.native_disabled_reason() is None
             and all(_is_plain(t) for t in (q, k, v))):
         fa = _flash_attn()
         if fa is not None:

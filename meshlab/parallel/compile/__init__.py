@@ -6,7 +6,9 @@ are refused by name) and its install: every block this rank runs is compiled wit
 shards it (``Phase.COMPILE``), as torchtitan orders them. ``fullgraph=True`` (the default)
 makes a graph break inside a block an error at its first forward instead of a silent
 fall back to eager for part of it. Every meshlab op is a custom op with a fake kernel, so
-the fused ops compile inside the blocks.
+the fused ops compile inside the blocks. Dynamo keeps one cache entry per block (they
+share ``Module._call_impl``), so the install raises its recompile limit to the number of
+blocks plus its default margin.
 
 >>> compile_blocks()
 compile_blocks(fullgraph=True)
@@ -52,11 +54,21 @@ class Compile(Transform):
                                   f"the eager model; leave one of them out")
 
     def install(self, ctx) -> None:
+        import torch._dynamo
+
         mods = dict(ctx.model.named_modules())
         kw = {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
         if self.mode is not None:
             kw["mode"] = self.mode
-        for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
+        blocks = [b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped]
+        # Every block shares one code object (Module._call_impl), so dynamo keeps one
+        # cache entry per block: its recompile limit (8) must cover the model's depth, or
+        # fullgraph turns the ninth block into an error.
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), len(blocks) + 8))
+        for b in blocks:
             mods[b].compile(**kw)
         return None
 
