@@ -299,3 +299,23 @@ def test_swiglu_wide_range():
     want = (torch.nn.functional.silu(a.double()) * b.double()).float()
     got = OPS["swiglu"][0](a, b)
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+
+
+def test_rotary_keeps_only_the_angles_for_backward():
+    """The input's gradient is the output's rotated back: x is not kept for the backward
+    (queries and keys of every layer would stay alive), unless the angles want gradients."""
+    from meshlab.ops import rotary, rotary_reference
+
+    x = torch.randn(2, 16, 4, 32, requires_grad=True)
+    ang = torch.outer(torch.arange(16.0), torch.rand(16))
+    for angles_grad in (False, True):
+        cos, sin = ang.cos().requires_grad_(angles_grad), ang.sin().requires_grad_(angles_grad)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.shape) or t,
+                                                      lambda t: t):
+            y = rotary(x, cos, sin)
+        assert (tuple(x.shape) in map(tuple, kept)) == angles_grad, kept
+        y.sum().backward()
+        want = torch.autograd.grad(rotary_reference(x, cos, sin).sum(), x)[0]
+        torch.testing.assert_close(x.grad, want, atol=1e-5, rtol=1e-5)
+        x.grad = None

@@ -74,17 +74,21 @@ def _(x, cos, sin):
 
 def _setup_context(ctx, inputs, output):
     x, cos, sin = inputs
-    ctx.save_for_backward(x, cos, sin)
+    # x's gradient is dy rotated back, which needs only the angles; x itself is kept only
+    # for the angles' own gradients (they are buffers, so usually not): queries and keys
+    # would otherwise stay alive for the backward of every layer.
+    ctx.keep_x = bool(cos.requires_grad or sin.requires_grad)
+    ctx.save_for_backward(*((x, cos, sin) if ctx.keep_x else (cos, sin)))
     ctx.cos_dtype, ctx.sin_dtype = cos.dtype, sin.dtype
 
 
 def _backward(ctx, dy):
-    x, cos, sin = ctx.saved_tensors
+    x, cos, sin = ctx.saved_tensors if ctx.keep_x else (None, *ctx.saved_tensors)
     # A rotation's transpose is the rotation by the opposite angle.
     # (Through rotary(): the custom op where it must be seen, the kernel directly otherwise.)
     dx = rotary(dy, cos, -sin) if ctx.needs_input_grad[0] else None
     dcos = dsin = None
-    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+    if x is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
         half = x.shape[-1] // 2
         x1, x2 = x.float()[..., :half], x.float()[..., half:]
         g1, g2 = dy.float()[..., :half], dy.float()[..., half:]
