@@ -1,6 +1,6 @@
 """A Colossal-AI Booster training loop in which only the imports are meshlab's.
 
-    meshlab run -n 4 examples/booster_loop.py --plugin hybrid
+    meshlab run --nproc-per-node 4 examples/booster_loop.py --plugin hybrid
     torchrun --nproc_per_node 4 examples/booster_loop.py --plugin gemini --steps 20
 
 Everything below the import block is written against Colossal-AI's API (``launch_from_torch``,

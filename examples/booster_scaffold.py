@@ -1,6 +1,6 @@
 """Colossal-AI's minimal training scaffold, with its imports changed to meshlab's.
 
-    meshlab run -n 4 examples/booster_scaffold.py
+    meshlab run --nproc-per-node 4 examples/booster_scaffold.py
 
 Between the markers is the scaffold as Colossal-AI's guide gives it (tensor parallel 2 x
 pipeline 2, ZeRO-1, bf16, 8 microbatches, every fused kernel, HybridAdam); the lines

@@ -42,7 +42,7 @@ def launch_from_torch(backend: str | None = None, seed: int = 1024, verbose: boo
                    if k not in os.environ]
         if missing:
             raise ConfigError(f"launch_from_torch: {', '.join(missing)} not set; start the "
-                              f"script with torchrun --nproc_per_node N (or meshlab run -n N)")
+                              f"script with torchrun --nproc_per_node N (or meshlab run --nproc-per-node N)")
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
