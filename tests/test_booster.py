@@ -230,6 +230,11 @@ def test_optimizers_rebuild_from_their_arguments():
     assert cls is torch.optim.Adam
     cls, kw = recipe(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), m)
     assert cls is torch.optim.SGD and kw["momentum"] == 0.9 and kw["lr"] == 0.1
+    for opt in (torch.optim.AdamW(m.parameters(), lr=2e-3, weight_decay=0.1),
+                torch.optim.Adam(m.parameters(), lr=2e-3), torch.optim.RMSprop(m.parameters())):
+        cls, kw = recipe(opt, m)        # every kind rebuilds from what its group holds
+        again = cls(m.parameters(), **kw)
+        assert {k: again.param_groups[0][k] for k in kw} == kw
     with pytest.raises(UnsupportedArgument, match="bias_correction"):
         FusedAdam(m.parameters(), bias_correction=False)
     with pytest.raises(UnsupportedArgument, match="parameter groups"):

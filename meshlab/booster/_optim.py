@@ -114,7 +114,13 @@ def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, di
         if getattr(opt, "meshlab_fused", False) and torch.cuda.is_available():
             kwargs["fused"] = True
     else:
-        kwargs = {k: v for k, v in opt.param_groups[0].items() if k not in _GROUP_KEYS}
+        # The group's hyper-parameters that the class's constructor takes (a group also
+        # holds keys a subclass fixes: AdamW's decoupled_weight_decay).
+        import inspect
+
+        takes = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in opt.param_groups[0].items()
+                  if k not in _GROUP_KEYS and k in takes}
         for k in ("foreach", "fused", "capturable", "differentiable"):
             if kwargs.get(k) in (None, False):
                 kwargs.pop(k, None)
