@@ -436,3 +436,27 @@ def buffers_case(rank, world):
 
 def test_broadcast_buffers(world):
     assert all(o == [True, False] for o in world.run(buffers_case))
+
+
+def dropped_key_case(rank, world):
+    """A pipelined model reads input_ids and labels only: a padding mask is refused on
+    every rank (by the pipeline room, so ml.step refuses it too), an all-ones one is fine."""
+    import meshlab as ml
+    from meshlab.booster import HybridParallelPlugin
+
+    booster, model, opt = _boosted(HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32",
+                                                        num_microbatches=2))
+    x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    ones = {"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)}
+    booster.execute_pipeline(iter([ones]), model, lambda o, i: o.loss, opt)
+    padded = {**ones, "attention_mask": torch.ones_like(x).index_fill_(1, torch.tensor([15]), 0)}
+    try:
+        booster.execute_pipeline(iter([padded]), model, lambda o, i: o.loss, opt)
+    except ml.ConfigError as e:
+        return str(e)
+    raise AssertionError("a padding mask was dropped silently")
+
+
+def test_pipeline_refuses_keys_it_would_drop(world):
+    assert all("batch['attention_mask'] would be dropped" in m
+               for m in world.run(dropped_key_case))

@@ -243,7 +243,6 @@ class Booster:
                                       "(the step is still yours to call)")
         self._model_of(optimizer, "execute_pipeline")
         batch = next(data_iter)
-        _check_pipeline_batch(batch)
         scaler = getattr(optimizer, "scaler", None)
         loss, out = part.forward_backward(rt, batch, self._criterion(model, criterion),
                                           return_outputs=return_outputs,
@@ -367,21 +366,6 @@ def _microbatches(t, size: int, dataloader):
         raise ConfigError(f"microbatch_size={size} does not divide the per-rank batch {bs}; "
                           f"use a divisor of {bs}")
     return dataclasses.replace(t, microbatches=bs // size)
-
-
-def _check_pipeline_batch(batch) -> None:
-    """The pipeline reads ``input_ids`` and ``labels``: any other key is refused unless it
-    is an all-ones attention mask (which changes nothing)."""
-    if not isinstance(batch, dict):
-        return
-    for k, v in batch.items():
-        if k in ("input_ids", "labels"):
-            continue
-        if k == "attention_mask" and isinstance(v, torch.Tensor) and bool((v == 1).all()):
-            continue
-        raise ConfigError(f"execute_pipeline: the pipeline reads batch['input_ids'] and "
-                          f"batch['labels'] only; batch[{k!r}] would be dropped (a padding "
-                          f"mask: mark padded labels -100 and drop the mask)")
 
 
 def _broadcast_state(model: nn.Module) -> None:

@@ -63,6 +63,13 @@ def _pipeline_batch(batch, microbatches: int):
                               f"batch['labels'], default the ids); this batch has "
                               f"{sorted(map(str, batch))}")
         x, target = batch["input_ids"], batch.get("labels", batch["input_ids"])
+        for k, v in batch.items():
+            if k in ("input_ids", "labels") or (
+                    k == "attention_mask" and isinstance(v, torch.Tensor) and bool((v == 1).all())):
+                continue     # an all-ones mask changes nothing; anything else would be lost
+            raise ConfigError(f"step: a pipelined model reads batch['input_ids'] and "
+                              f"batch['labels'] only; batch[{k!r}] would be dropped (for "
+                              f"padding, mark the padded labels -100 and drop the mask)")
     else:
         x = target = batch
     for name, t in (("input_ids", x), ("labels", target)):
