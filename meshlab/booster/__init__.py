@@ -13,11 +13,11 @@ plugins' own argument lists (``mapping_table()``).
 """
 
 from ._args import NoEffectWarning as NoEffectWarning, UnsupportedArgument as UnsupportedArgument
-from ._plugins import (Plugin as Plugin, TorchDDPPlugin as TorchDDPPlugin,
-                       TorchFSDPPlugin as TorchFSDPPlugin, LowLevelZeroPlugin as LowLevelZeroPlugin,
-                       GeminiPlugin as GeminiPlugin, HybridParallelPlugin as HybridParallelPlugin,
-                       MoeHybridParallelPlugin as MoeHybridParallelPlugin, PLUGINS as PLUGINS)
+from .plugin import (Plugin as Plugin, TorchDDPPlugin as TorchDDPPlugin,
+                     TorchFSDPPlugin as TorchFSDPPlugin, LowLevelZeroPlugin as LowLevelZeroPlugin,
+                     GeminiPlugin as GeminiPlugin, HybridParallelPlugin as HybridParallelPlugin,
+                     MoeHybridParallelPlugin as MoeHybridParallelPlugin, PLUGINS as PLUGINS)
 from ._optim import HybridAdam as HybridAdam, CPUAdam as CPUAdam, FusedAdam as FusedAdam
 from ._booster import Booster as Booster, launch_from_torch as launch_from_torch
 from ._table import mapping_table as mapping_table
-from . import optimizer as optimizer, plugin as plugin
+from . import optimizer as optimizer

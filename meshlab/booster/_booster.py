@@ -19,7 +19,9 @@ from torch import nn
 
 from .._errors import ConfigError, ConfigTypeError
 from ._args import UnsupportedArgument
-from ._plugins import Plugin, Stack, TorchDDPPlugin
+from ._base import Plugin
+from ._common import Stack
+from ._plugins import TorchDDPPlugin
 
 _MIXED = {"fp16": "fp16", "bf16": "bf16", "fp32": None, None: None}
 

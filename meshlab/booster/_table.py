@@ -26,7 +26,7 @@ def mapping_table() -> str:
     """Markdown: one table per plugin and per checkpoint method, every argument listed."""
     from ._args import table_rows
     from ._ckpt import METHODS
-    from ._plugins import PLUGINS
+    from .plugin import PLUGINS
 
     lines: list[str] = []
     for cls in PLUGINS:

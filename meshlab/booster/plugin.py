@@ -1,6 +1,10 @@
 """The plugins, where Colossal-AI scripts import them from (``...booster.plugin``)."""
 
-from ._plugins import (Plugin as Plugin, TorchDDPPlugin as TorchDDPPlugin,
-                       TorchFSDPPlugin as TorchFSDPPlugin, LowLevelZeroPlugin as LowLevelZeroPlugin,
-                       GeminiPlugin as GeminiPlugin, HybridParallelPlugin as HybridParallelPlugin,
-                       MoeHybridParallelPlugin as MoeHybridParallelPlugin)
+from ._base import Plugin as Plugin
+from ._hybrid import (HybridParallelPlugin as HybridParallelPlugin,
+                      MoeHybridParallelPlugin as MoeHybridParallelPlugin)
+from ._plugins import (GeminiPlugin as GeminiPlugin, LowLevelZeroPlugin as LowLevelZeroPlugin,
+                       TorchDDPPlugin as TorchDDPPlugin, TorchFSDPPlugin as TorchFSDPPlugin)
+
+PLUGINS = (TorchDDPPlugin, TorchFSDPPlugin, LowLevelZeroPlugin, GeminiPlugin,
+           HybridParallelPlugin, MoeHybridParallelPlugin)

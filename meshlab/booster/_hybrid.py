@@ -1,0 +1,276 @@
+"""``HybridParallelPlugin`` and ``MoeHybridParallelPlugin``: tensor, pipeline, sequence,
+expert and data parallelism with ZeRO, on a mesh ``dp x pp x [sp x] [ep x] tp``.
+
+>>> from meshlab.booster import HybridParallelPlugin
+>>> HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1, precision='bf16',
+...                      num_microbatches=4).mesh_shape(8)
+{'dp': 2, 'pp': 2, 'tp': 2}
+"""
+
+from __future__ import annotations
+
+from .._errors import ConfigError
+from ._args import REQUIRED, Arg, UnsupportedArgument, With, hint, maps, only
+from ._base import Plugin
+from ._common import (FP8, Stack, clip, communication, ddp_args, fuse_ops, positive_int,
+                      precision_of, scaler_args, shardformer_args)
+
+
+def _hybrid_args(overlap_default: bool) -> tuple[Arg, ...]:
+    return (
+        maps("tp_size", REQUIRED, "a 'tp' mesh axis of this size and shard(policies.auto) (or "
+             "shard(custom_policy))", 4),
+        maps("pp_size", REQUIRED, "a 'pp' mesh axis of this size and pipeline('pp', ...)", 4),
+        maps("sp_size", None, "the 'sp' mesh axis of sequence_parallelism_mode 'all_to_all' "
+             "or 'ring_attn'", With(2, (("enable_sequence_parallelism", True),
+                                        ("sequence_parallelism_mode", "all_to_all")))),
+        maps("precision", "fp16", "precision('fp16'|'bf16'); 'fp32': no precision transform",
+             "bf16"),
+        maps("zero_stage", 0, "0: data_parallel('dp'); 1, 2: zero_shard(stage, 'dp')", 1),
+    ) + shardformer_args() + (
+        maps("enable_sequence_parallelism", False, "sequence(...) in the mode of "
+             "sequence_parallelism_mode (default 'split_gather')", True),
+        maps("sequence_parallelism_mode", None, "'split_gather' and 'ring': sequence('tp', "
+             "'split_gather') (Megatron SP; 'ring' is the same math, gathered in one "
+             "collective); 'all_to_all': sequence('sp', 'all_to_all') (Ulysses); 'ring_attn': "
+             "sequence('sp', 'ring') (ring attention)",
+             With("all_to_all", (("enable_sequence_parallelism", True), ("sp_size", 2)))),
+        hint("parallel_output", True, "the vocabulary-parallel head's logits are whole on "
+             "every rank and the loss is the single process's", False),
+        maps("num_microbatches", None, "pipeline(microbatches=...)", 8),
+        maps("microbatch_size", None, "pipeline(microbatches=per-rank batch // "
+             "microbatch_size) (the batch size comes from the dataloader given to boost)",
+             With(1, (("num_microbatches", None),))),
+    ) + scaler_args(2 ** 16) + (
+        maps("max_norm", 0, "meshlab.optimizer(clip_grad_norm=max_norm): clipping by the "
+             "global norm over every mesh axis (0: off)", 1.0),
+    ) + ddp_args("ddp_") + (
+        hint("zero_bucket_size_in_m", 12, "stage 1 reduce-scatters one flat bucket per dtype "
+             "and tensor-parallel layout; stage 2 one per FSDP unit", 25),
+        maps("cpu_offload", False, "offload(optimizer=1.0) (with zero_stage 1 or 2)",
+             With(True, (("zero_stage", 1),))),
+        maps("communication_dtype", None, "precision(reduce=...): the dtype gradients are "
+             "reduced in (None: fp32)",
+             With(lambda: __import__("torch").bfloat16)),
+        hint("overlap_communication", overlap_default, "the backward's all-reduces (stage 0) "
+             "and reduce-scatters (stage 2) always overlap it; stage 1 reduce-scatters at the "
+             "step", not overlap_default),
+        maps("custom_policy", None, "shard(custom_policy): a meshlab Policy or a mapping of "
+             "parameter globs to specs", With(lambda: {"lm_head.weight": _P()("tp", None)})),
+        maps("pp_style", "1f1b", "pipeline(schedule=...): '1f1b', 'interleaved' "
+             "(pipeline(schedule='interleaved', virtual_stages=num_model_chunks)), 'zbv'",
+             With("interleaved", (("num_model_chunks", 2),))),
+        maps("num_model_chunks", 1, "pipeline(virtual_stages=...) (pp_style 'interleaved' or "
+             "'zbv')", With(2, (("pp_style", "interleaved"),))),
+        only("scheduler_nodes", None, "meshlab's schedules are torch.distributed.pipelining's",
+             "pipeline(schedule='zbv')"),
+        maps("num_layers_per_stage", None, "pipeline(layers_per_stage=...)", [1, 1]),
+        maps("gradient_checkpoint_config", None, "remat('full') for a config whose "
+             "gradient_checkpointing_ratio is 1.0 (or a meshlab remat(...) value); other ratios "
+             "are refused",
+             With(lambda: __import__("types").SimpleNamespace(gradient_checkpointing_ratio=1.0))),
+        hint("enable_metadata_cache", True, "torch's pipeline stages infer their shapes once",
+             False),
+        hint("make_vocab_size_divisible_by", 64, "meshlab never pads the vocabulary: a "
+             "vocabulary tp does not divide is split unevenly or refused by plan with the fix",
+             128),
+    )
+
+
+def _hybrid_tail() -> tuple[Arg, ...]:
+    return (
+        hint("overlap_p2p", True, "torch.distributed.pipelining's schedules post sends and "
+             "receives asynchronously", False),
+        hint("overlap_allgather", False, "stage 1 all-gathers the updated slices right after "
+             "the step", True),
+        only("fp8_communication", False, FP8, "precision('bf16', reduce='bf16')"),
+        only("use_fp8", False, FP8, "precision('bf16')"),
+    )
+
+
+class HybridParallelPlugin(Plugin):
+    """Tensor, pipeline, sequence and data parallelism with ZeRO: a mesh
+    ``dp x pp x [sp x] tp`` and ``shard | sequence | zero | pipeline | remat | fuse |
+    precision``."""
+
+    POSITIONAL = 2
+    supports_pipeline = True
+    ARGS = _hybrid_args(True) + (
+        maps("dp_outside", True, "the mesh's axis order: dp, pp, [sp,] tp (True) or pp, dp, "
+             "[sp,] tp (False)", False),
+    ) + _hybrid_tail() + (
+        only("inner_ring_size", None, "ring attention runs one ring over the 'sp' axis",
+             "sequence('sp', 'ring')"),
+    )
+
+    def _sizes(self) -> dict:
+        v = self.arguments
+        out = {"pp": v["pp_size"]} if v["pp_size"] > 1 else {}
+        if v.get("sp_size") and v["sp_size"] > 1:
+            out["sp"] = v["sp_size"]
+        if v.get("ep_size") and v["ep_size"] > 1:
+            out["ep"] = v["ep_size"]
+        if v["tp_size"] > 1:
+            out["tp"] = v["tp_size"]
+        return out
+
+    def _order(self, fixed: dict) -> dict:
+        if self.arguments["dp_outside"] or "pp" not in fixed:
+            return {"dp": None, **fixed}
+        return {"pp": fixed["pp"], "dp": None, **{k: s for k, s in fixed.items() if k != "pp"}}
+
+    def _build(self, v: dict) -> Stack:
+        from ..parallel import Identity, data_parallel, fuse, offload, shard, zero_shard
+
+        owner = type(self).__name__
+        tp = positive_int(owner, "tp_size", v["tp_size"])
+        pp = positive_int(owner, "pp_size", v["pp_size"])
+        sp = 1 if v["sp_size"] is None else positive_int(owner, "sp_size", v["sp_size"])
+        ep = v.get("ep_size", 1)
+        spec = Identity()
+        if tp > 1:
+            spec = shard(_policy(owner, v["custom_policy"]))
+        elif v["custom_policy"] is not None:
+            raise ConfigError(f"{owner}(custom_policy=...): a policy says how tensor "
+                              f"parallelism splits the model; set tp_size > 1")
+        spec = spec | _sequence(owner, v, tp, sp)
+        if ep > 1:
+            from ..parallel import expert_route
+
+            spec = spec | expert_route("ep")
+        stage = v["zero_stage"]
+        if stage not in (0, 1, 2) or isinstance(stage, bool):
+            raise ConfigError(f"{owner}(zero_stage={stage!r}): 0, 1 or 2")
+        spec = spec | (data_parallel("dp", bucket_mb=float(v["ddp_bucket_cap_mb"]))
+                       if stage == 0 else zero_shard(stage, "dp"))
+        mbs = None
+        if pp > 1:
+            spec, mbs = _pipeline(owner, v, spec, pp)
+        elif v["num_microbatches"] is not None or v["microbatch_size"] is not None:
+            raise ConfigError(f"{owner}(num_microbatches/microbatch_size): microbatches are "
+                              f"the pipeline's; set pp_size > 1, or accumulate with "
+                              f"booster.no_sync")
+        remat = _remat(owner, v["gradient_checkpoint_config"])
+        if remat is not None:
+            spec = spec | remat
+        ops = fuse_ops(v)
+        if ops:
+            spec = spec | fuse(*ops)
+        if v["cpu_offload"]:
+            if stage == 0:
+                raise ConfigError(f"{owner}(cpu_offload=True): offloading the optimizer "
+                                  f"state needs zero_stage 1 or 2")
+            spec = spec | offload(optimizer=1.0)
+        prec = precision_of(self, v, ("fp16", "bf16", "fp32"), communication(owner, v))
+        if prec is not None:
+            spec = spec | prec
+        data = ("dp", "ep") if ep > 1 else ("dp",)
+        return Stack({}, spec, data, clip_grad_norm=clip(v),
+                     broadcast_buffers=v["broadcast_buffers"] and stage == 0,
+                     microbatch_size=mbs)
+
+
+def _P():
+    from .._spec import P
+
+    return P
+
+
+def _policy(owner: str, custom):
+    from .. import policies
+    from ..policies._policy import Policy
+
+    if custom is None:
+        return policies.auto
+    if isinstance(custom, Policy) or isinstance(custom, dict):
+        return custom
+    raise UnsupportedArgument(owner, "custom_policy", type(custom).__name__, "Colossal-AI's "
+                              "Shardformer policies replace model code", "a meshlab Policy "
+                              "(meshlab.policies) or a dict of parameter globs to P specs")
+
+
+def _sequence(owner: str, v: dict, tp: int, sp: int):
+    from ..parallel import Identity, sequence
+
+    mode = v["sequence_parallelism_mode"]
+    on = v["enable_sequence_parallelism"]
+    if not on:
+        if mode is not None or sp > 1:
+            raise ConfigError(f"{owner}(sequence_parallelism_mode={mode!r}, sp_size={sp}): "
+                              f"set enable_sequence_parallelism=True to split the sequence")
+        return Identity()
+    mode = mode or "split_gather"
+    if mode in ("split_gather", "ring"):
+        if tp == 1 or sp > 1:
+            raise ConfigError(f"{owner}(sequence_parallelism_mode={mode!r}): splits the "
+                              f"sequence inside tensor parallelism; set tp_size > 1 and leave "
+                              f"sp_size unset")
+        return sequence("tp", "split_gather")
+    if mode in ("all_to_all", "ring_attn"):
+        if sp == 1:
+            raise ConfigError(f"{owner}(sequence_parallelism_mode={mode!r}): give sp_size > 1 "
+                              f"(the ranks the sequence is split over)")
+        return sequence("sp", "all_to_all" if mode == "all_to_all" else "ring")
+    raise ConfigError(f"{owner}(sequence_parallelism_mode={mode!r}): one of 'split_gather', "
+                      f"'ring', 'all_to_all', 'ring_attn'")
+
+
+def _pipeline(owner: str, v: dict, spec, pp: int):
+    from ..parallel import pipeline
+
+    n, size = v["num_microbatches"], v["microbatch_size"]
+    if (n is None) == (size is None):
+        raise ConfigError(f"{owner}(pp_size={pp}): give one of num_microbatches or "
+                          f"microbatch_size")
+    style = v["pp_style"]
+    schedule = {"1f1b": "1f1b", "interleaved": "interleaved", "zbv": "zbv"}.get(style)
+    if schedule is None:
+        raise ConfigError(f"{owner}(pp_style={style!r}): '1f1b', 'interleaved' or 'zbv'")
+    chunks = v["num_model_chunks"]
+    if schedule == "1f1b" and chunks != 1:
+        raise ConfigError(f"{owner}(num_model_chunks={chunks}): several chunks per stage "
+                          f"need pp_style='interleaved' or 'zbv'")
+    layers = v["num_layers_per_stage"]
+    kw = dict(schedule=schedule, microbatches=n if n is not None else 1,
+              virtual_stages=chunks if schedule != "1f1b" else None,
+              layers_per_stage=tuple(layers) if layers is not None else None)
+    return spec | pipeline("pp", **kw), size
+
+
+def _remat(owner: str, cfg):
+    from ..parallel import Remat, remat
+
+    if cfg is None or isinstance(cfg, Remat):
+        return cfg
+    ratio = getattr(cfg, "gradient_checkpointing_ratio", None)
+    if ratio is not None and float(ratio) == 1.0:
+        return remat("full")
+    raise UnsupportedArgument(owner, "gradient_checkpoint_config", cfg, "only a ratio of 1.0 "
+                              "(every block) is implemented", "remat('full') or "
+                              "remat('selective')")
+
+
+class MoeHybridParallelPlugin(HybridParallelPlugin):
+    """``HybridParallelPlugin`` with expert parallelism: an ``ep`` mesh axis of
+    ``ep_size`` and ``expert_route('ep')``; the dense parameters' data axes are
+    ``dp x ep`` (Colossal-AI's dp size includes ep)."""
+
+    POSITIONAL = 3
+    ARGS = _hybrid_args(False)[:2] + (
+        maps("ep_size", REQUIRED, "an 'ep' mesh axis of this size and expert_route('ep')", 4),
+    ) + _hybrid_args(False)[2:] + (
+        maps("moe_dp_outside", True, "the mesh's axis order: dp, ep, pp, tp (True) or ep, dp, "
+             "pp, tp (False)", False),
+    ) + _hybrid_tail()
+
+    def _order(self, fixed: dict) -> dict:
+        out = {"dp": None, **fixed}
+        if "ep" in fixed:
+            rest = {k: s for k, s in fixed.items() if k != "ep"}
+            out = ({"dp": None, "ep": fixed["ep"], **rest} if self.arguments["moe_dp_outside"]
+                   else {"ep": fixed["ep"], "dp": None, **rest})
+        return out
+
+    def _build(self, v: dict) -> Stack:
+        positive_int(type(self).__name__, "ep_size", v["ep_size"])
+        return super()._build(v)
