@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _results  # noqa: E402
+from _timing import cuda_times  # noqa: E402
 
 import meshlab as ml  # noqa: E402
 from meshlab.parallel.fuse import causal_lm_loss, fuse_model as fuse  # noqa: E402
@@ -51,16 +52,7 @@ def run(model, batch, steps: int, fused: bool) -> dict:
     first = float(step())
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    times = cuda_times(step, steps)
     ms = statistics.median(times)
     tokens = batch["input_ids"].numel()
     return {"first_loss": first, "ms_per_step": ms, "tokens_per_s": tokens / (ms * 1e-3),

@@ -33,18 +33,11 @@ import _results  # noqa: E402
 
 
 def _time(fn, n: int) -> float:
+    from _timing import cuda_times
+
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    return statistics.median(cuda_times(fn, n))
 
 
 def block(E: int) -> dict:

@@ -67,20 +67,10 @@ def _init_dist():
 
 
 def _time_steps(step, steps: int) -> list[float]:
-    import torch
+    from _timing import cuda_times
 
     step()                                  # warm-up (allocations, CPU AdamW build)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    out = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return out
+    return [ms / 1e3 for ms in cuda_times(step, steps)]
 
 
 def _training_step(model, opt, args, set_sync):

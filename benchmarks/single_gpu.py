@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _results  # noqa: E402
+from _timing import cuda_times  # noqa: E402
 
 SHAPES = {
     "tinyllama": dict(cfg=dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
@@ -115,16 +116,7 @@ def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool
     first = [float(step().detach()) for _ in range(min(3, warmup))]
     for _ in range(warmup - len(first)):
         step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+    times = cuda_times(step, steps)
     ms = statistics.median(times)
     tokens = batch["input_ids"].numel()
     return {"first_losses": first, "ms_per_step": ms, "tokens_per_s": tokens / (ms * 1e-3),
