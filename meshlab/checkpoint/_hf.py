@@ -169,11 +169,11 @@ def _write_shards(lookup: dict, shards: list[list[str]], tmp: str, directory: st
         for n in names:
             weight_map[n] = name
             t = lookup.get(n)
-            full = None
-            if t is not None:
+            owner, full = owners[n], None
+            if t is not None:            # every holder joins the gather; two ranks keep it
                 full = t.full_tensor() if hasattr(t, "full_tensor") else t
-                full = full.detach().to("cpu").contiguous()
-            owner = owners[n]
+                if me in (0, owner):
+                    full = full.detach().to("cpu").contiguous()
             if owner != 0 and me == owner:
                 dist.send(full, dst=0, group=group)
             elif owner != 0 and me == 0:
