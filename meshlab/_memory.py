@@ -4,7 +4,14 @@ The core counts what lives on each rank between steps without any transform: the
 shard of every parameter (tied parameters once) in the dtype it was built in, a gradient
 like it, and the optimizer's states like it (AdamW: two). Each room of the plan then
 rewrites those rows (``zero_shard`` splits them over its axis; ZeRO-1 keeps fp32
-slices) or adds its own (``Transform.memory``). Activations are not counted here.
+slices) or adds its own (``Transform.memory``). Given a batch and a sequence length,
+the activations saved for backward and the step's peak come from ``meshlab._activations``:
+
+* forward/backward peak = parameters + optimizer state + the activation peak (the other
+  blocks' saved activations, one block's backward, the loss, the gradients made so far)
+  + the rooms' transients (ZeRO's gathered parameters);
+* step peak = parameters + optimizer state + every gradient;
+* ``peak`` is the larger; ``fits(gpu)`` compares it with a card's memory.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from collections import defaultdict
 
 from ._placement import local_shape
 from ._dtypes import dtype_bytes
+from ._errors import PlanError
 
 _OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
@@ -44,6 +52,29 @@ class MemoryEstimate:
     by_category: dict
     mesh: tuple
     host_by_category: dict = dataclasses.field(default_factory=dict)
+    activations: object = None          # an ActivationEstimate, given batch and seq
+    transients: tuple = ()              # the rooms' ActRows at the peak
+
+    @property
+    def persistent(self) -> int:
+        """Device bytes held across steps, except gradients (freed by ``zero_grad``)."""
+        return self.total - self.grads
+
+    @property
+    def peak(self) -> int:
+        """The step's highest device bytes (module docstring); needs batch and seq."""
+        if self.activations is None:
+            raise PlanError("the peak needs the activations: plan.memory(batch=, seq=)")
+        fb = self.persistent + self.activations.peak + int(sum(r.total for r in self.transients))
+        return max(fb, self.persistent + self.grads)
+
+    def fits(self, gpu="h200") -> bool:
+        """Whether ``peak`` fits the memory of ``gpu`` (a preset name, a ``Machine``, or
+        bytes)."""
+        from ._machine import machine
+
+        cap = gpu if isinstance(gpu, (int, float)) else machine(gpu).memory
+        return self.peak <= cap
 
     @property
     def host(self) -> int:
@@ -75,12 +106,17 @@ class MemoryEstimate:
 
         out = [(cat, dt, _fmt_bytes(b)) for cat, per in self.by_category.items()
                for dt, b in sorted(per.items())]
-        if not self.host_by_category:
+        if self.host_by_category:
+            out += [(f"host {cat}", dt, _fmt_bytes(b))
+                    for cat, per in self.host_by_category.items() for dt, b in sorted(per.items())]
+            out.append(("host total", "", _fmt_bytes(self.host)))
+        if self.activations is None:
             return out + [("total", "", _fmt_bytes(self.total))]
-        out += [(f"host {cat}", dt, _fmt_bytes(b)) for cat, per in self.host_by_category.items()
-                for dt, b in sorted(per.items())]
-        return out + [("host total", "", _fmt_bytes(self.host)),
-                      ("total", "", _fmt_bytes(self.total))]
+        a = self.activations
+        out += [("activations saved", f"b={a.batch} s={a.seq}", _fmt_bytes(a.saved)),
+                ("activations at peak", "", _fmt_bytes(a.peak))]
+        out += [(f"transient {r.module}", "", _fmt_bytes(r.total)) for r in self.transients]
+        return out + [("total", "", _fmt_bytes(self.total)), ("peak", "", _fmt_bytes(self.peak))]
 
     def __rich__(self):
         from rich.table import Table
@@ -89,10 +125,9 @@ class MemoryEstimate:
         t.add_column("category")
         t.add_column("dtype")
         t.add_column("bytes", justify="right")
-        *rows, (_, _, total) = self.rows()
-        for row in rows:
-            t.add_row(*row)
-        t.add_row("[bold]total[/]", "", f"[bold]{total}[/]")
+        for row in self.rows():
+            bold = row[0] in ("total", "peak")
+            t.add_row(*(f"[bold]{c}[/]" if bold and c else c for c in row))
         return t
 
     def __repr__(self) -> str:
@@ -103,8 +138,11 @@ class MemoryEstimate:
                          for c, per in self.by_category.items())
         mesh = ", ".join(f"{n}={s}" for n, s in self.mesh)
         host = f"; host {_fmt_bytes(self.host)}" if self.host_by_category else ""
+        acts = "" if self.activations is None else \
+            (f"; activations {_fmt_bytes(self.activations.saved)}; peak "
+             f"{_fmt_bytes(self.peak)}")
         return (f"MemoryEstimate(per rank on {mesh}: {cats}; total {_fmt_bytes(self.total)}"
-                f"{host})")
+                f"{host}{acts})")
 
     def _repr_html_(self) -> str:
         from ._plan_view import html_table
@@ -133,7 +171,8 @@ def base_rows(plan, n_states: int) -> list[MemRow]:
     return rows
 
 
-def estimate_memory(plan, *, optimizer: str = "adamw") -> MemoryEstimate:
+def estimate_memory(plan, *, optimizer: str = "adamw", batch: int | None = None,
+                    seq: int | None = None) -> MemoryEstimate:
     n_states = _OPT_STATES.get(optimizer)
     if n_states is None:
         raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(_OPT_STATES)}")
@@ -144,8 +183,14 @@ def estimate_memory(plan, *, optimizer: str = "adamw") -> MemoryEstimate:
     for r in rows:
         into = cats if r.where == "device" else host
         into.setdefault(r.category, defaultdict(int))[r.dtype] += r.bytes
+    acts, extra = None, ()
+    if batch is not None:
+        from ._activations import estimate_activations
+
+        acts = estimate_activations(plan, batch, seq)
+        extra = tuple(r for t in plan.rooms for r in t.transients(plan, batch=batch, seq=seq))
     return MemoryEstimate({k: dict(v) for k, v in cats.items()}, plan.mesh,
-                          {k: dict(v) for k, v in host.items()})
+                          {k: dict(v) for k, v in host.items()}, acts, extra)
 
 
 def room_rows(plan, n_states: int = 2, *, until=None) -> list[MemRow]:

@@ -122,7 +122,7 @@ def trace(model: nn.Module, example_inputs: tuple | dict | None = None) -> Plan:
     acts = ()
     if example_inputs is not None:
         acts = _trace_activations(model, info.blocks, example_inputs)
-    return Plan(params=tuple(entries), activations=acts, model=info)
+    return Plan(params=tuple(entries), activations=acts, model=info, source=model)
 
 
 def _trace_activations(model: nn.Module, blocks, example_inputs) -> tuple:

@@ -65,8 +65,18 @@ class Fuse(Transform):
     def install(self, ctx) -> None:
         fuse_model(ctx.model, self.ops)
 
+    def profile(self, plan: Plan, model) -> dict | None:
+        fuse_model(model, self.ops)
+        return {"loss": _fused_loss} if "loss" in self.ops else None
+
     def __repr__(self) -> str:
         return "fuse()" if self.ops == FUSABLE else f"fuse{self.ops!r}".replace(",)", ")")
+
+
+def _fused_loss(forward, batch):
+    """The step's loss through the fused head, for the activation profile."""
+    with fused_labels(batch["labels"]):
+        return forward(input_ids=batch["input_ids"], use_cache=False).logits
 
 
 def fuse(*ops: str) -> Fuse:

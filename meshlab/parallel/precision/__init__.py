@@ -94,6 +94,13 @@ class Precision(Transform):
         cast = None if self.compute == "float32" else getattr(torch, self.compute)
         return PrecisionPart(self, cast, "cuda" if ctx.mesh.device_type == "cuda" else "cpu")
 
+    def profile(self, plan: Plan, model) -> dict | None:
+        """The forward under autocast to the compute dtype (fake CPU tensors)."""
+        if self.compute == "float32":
+            return None
+        return {"contexts": [torch.autocast(device_type="cpu",
+                                            dtype=getattr(torch, self.compute))]}
+
     def __repr__(self) -> str:
         extra = "".join(f", {f.name}={getattr(self, f.name)!r}"
                         for f in dataclasses.fields(self)[3:]

@@ -43,6 +43,14 @@ class Remat(Transform):
             mods[b].forward = _remat_forward(mods[b].forward, self.policy)
         return None
 
+    def profile(self, plan, model) -> None:
+        if self.policy == "none":
+            return None
+        for b in plan.model.blocks[:1]:
+            m = model.get_submodule(b)
+            m.forward = _remat_forward(m.forward, self.policy)
+        return None
+
     def __repr__(self) -> str:
         return f"remat({self.policy!r})"
 

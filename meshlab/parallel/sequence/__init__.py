@@ -59,6 +59,14 @@ class Sequence(Transform):
     def claims(self, plan: Plan):
         return {} if self.mode == "split_gather" else {"sp": (self.axis,)}
 
+    def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
+        """Every rank holds its share of the sequence (Ulysses: of the heads inside
+        attention, the same bytes); split_gather is shard()'s sequence parallelism."""
+        n = plan.mesh_shape.get(self.axis, 1)
+        if self.mode == "split_gather" or n == 1:
+            return rows
+        return [r if r.grad or not r.shape else r.split(n, f"/{n} sp") for r in rows]
+
     def check(self, plan: Plan) -> None:
         sizes = plan.mesh_shape
         if self.axis not in sizes:

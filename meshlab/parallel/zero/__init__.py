@@ -18,7 +18,7 @@ from ..._errors import ConfigError, NotRunnable, check_int, check_names, check_n
 from ..._plan import Plan
 from ..._roles import implied_room
 from .._protocol import Phase, Transform
-from ._estimates import zero_comm, zero_memory
+from ._estimates import zero_comm, zero_memory, zero_transients
 from .._gradsync import BUCKET_MB, Reduction
 from ..precision import Precision
 from ._install import fsdp_ignored, install_zero
@@ -99,6 +99,9 @@ class ZeroShard(Transform):
 
     def comm(self, plan: Plan, *, batch, seq, coord):
         return zero_comm(self, plan, coord)
+
+    def transients(self, plan: Plan, *, batch: int, seq: int) -> list:
+        return zero_transients(self, plan)
 
     def __repr__(self) -> str:
         a = self.axis[0] if len(self.axis) == 1 else self.axis

@@ -94,3 +94,35 @@ def _stage_ops(stage, name, dp, buckets, units, prec) -> list[CommOp]:
         if stage == 3:                 # re-gathered for backward (the root too)
             ops.append(CommOp("all_gather", name, 1, n * pbytes))
     return ops
+
+
+def zero_transients(t, plan: Plan) -> list:
+    """What FSDP2 gathers at the peak, beyond the shards counted in memory: ZeRO-3 one
+    unit in use and the next prefetched (the largest two), ZeRO-2 every unit (kept
+    gathered from forward to backward); each unit's whole gradient before its
+    reduce-scatter. Layouts sharded by spec (FSDP by spec) and stage < 2 add nothing."""
+    from ..._activations import ActRow
+
+    if t.stage < 2 or plan.roles.fsdp:
+        return []
+    n = math.prod(plan.mesh_shape[a] for a in t.axis)
+    if n == 1:
+        return []
+    prec = plan.get(Precision)
+    sizes = plan.mesh_shape
+    units: dict = defaultdict(int)
+    for e in plan.params:
+        if e.tied_to is not None:
+            continue
+        ls = local_shape(e.shape, e.mesh_spec, sizes)
+        unit = next((b for b in plan.model.blocks if e.fqn.startswith(b + ".")), "")
+        units[unit] += math.prod(ls)
+    pb = dtype_bytes(prec.compute) if prec else 4
+    gb = dtype_bytes(prec.reduce) if prec else 4
+    held = sorted(units.values(), reverse=True)[:2] if t.stage == 3 else list(units.values())
+    rows = [ActRow(module="(gathered parameters)", op="all_gather", dtype="",
+                   shape=(sum(held),), bytes=sum(held) * pb * (n - 1) / n)]
+    rows.append(ActRow(module="(unit gradient)", op="reduce_scatter", dtype="",
+                       shape=(max(units.values(), default=0),),
+                       bytes=max(units.values(), default=0) * gb * (n - 1) / n))
+    return rows
