@@ -37,6 +37,7 @@ class ActRow:
     copies: float = 1.0
     in_block: bool = False
     grad: str = ""
+    users: tuple[str, ...] = ()
     note: str = ""
 
     @property
@@ -77,7 +78,7 @@ class ActivationEstimate:
 def _row(s: Saved, block: str, copies: float = 1.0) -> ActRow:
     inside = s.in_block(block)
     return ActRow(module=s.module, op=s.op, dtype=s.dtype, shape=s.shape, bytes=float(s.bytes),
-                  copies=copies, in_block=inside, grad=s.grad)
+                  copies=copies, in_block=inside, grad=s.grad, users=s.users)
 
 
 def estimate_activations(plan, batch: int, seq: int) -> ActivationEstimate:

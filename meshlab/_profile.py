@@ -48,6 +48,7 @@ class Saved:
     shape: tuple[int, ...]
     bytes: int
     grad: str = ""
+    users: tuple[str, ...] = ()     # modules of the ops that read it in the forward
 
     def in_block(self, block: str) -> bool:
         return self.module == block or self.module.startswith(block + ".")
@@ -154,6 +155,12 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         from torch.utils.flop_counter import flop_registry
 
         mod = self._module()
+        if self.fake and self.phase == "fwd":
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    v = self.made.get(a.untyped_storage()._cdata)
+                    if v is not None and mod not in v[7]:
+                        v[7].append(mod)
         outs = [_local(o) for o in (out if isinstance(out, (tuple, list)) else (out,))
                 if isinstance(o, torch.Tensor)]
         new = 0
@@ -163,7 +170,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
             if k not in self.made and k not in self.skip:
                 self.made[k] = [StorageWeakRef(st), st.nbytes(), mod, str(func.overloadpacket
                                                                           .__name__),
-                                dtype_name(o.dtype), tuple(o.shape), self.t]
+                                dtype_name(o.dtype), tuple(o.shape), self.t, []]
                 new += st.nbytes()
         if not self.fake:
             return out
@@ -191,7 +198,8 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def _row(v: list, grad: str = "") -> Saved:
-    return Saved(module=v[2], op=v[3], dtype=v[4], shape=v[5], bytes=v[1], grad=grad)
+    return Saved(module=v[2], op=v[3], dtype=v[4], shape=v[5], bytes=v[1], grad=grad,
+                 users=tuple(v[7]))
 
 
 def _patched_tracing():

@@ -5,7 +5,7 @@ row-parallel linear: the outputs of column-parallel linears, the inputs of row-p
 ones, and everything a module holding sharded linears makes itself (attention scores,
 the gated MLP's products). Inputs of column-parallel linears and the residual stream
 (norms, the block's adds) stay whole, unless sequence parallelism splits them over the
-sequence too. Outside the blocks, a vocabulary-parallel head splits the logits and the
+sequence too (a column-parallel linear then keeps its gathered input whole). Outside the blocks, a vocabulary-parallel head splits the logits and the
 loss's per-token-per-word tensors.
 """
 
@@ -71,14 +71,37 @@ def tp_activations(plan: Plan, rows: list) -> list:
             kind, m = style
             is_out = last == (m.get("out_features") or m.get("nf") or m.get("embedding_dim"))
             if m.kind == "embedding":
-                split = sp
+                split = False
             elif kind == "col":
                 split = is_out
             else:
                 split = not is_out or sp
         elif r.in_block:
-            split = _inside(r.module, regions) or sp
+            # Under SP a column-parallel linear keeps its gathered (whole) input instead
+            # of the norm's split output.
+            split = _inside(r.module, regions) or (
+                sp and not any(styles.get(u, ("",))[0] == "col" for u in r.users))
+        elif head_split and last == vocab and r.module == "":
+            out += _parallel_loss(r, n)
+            continue
         else:
             split = head_split and last == vocab
         out.append(r.split(n, f"/{n} tp") if split else r)
     return out
+
+
+def _parallel_loss(r, n: int) -> list:
+    """The vocabulary-parallel cross-entropy (``meshlab.losses.cross_entropy`` on sharded
+    logits) keeps, in place of the whole-vocabulary log-softmax, its shard of the shifted
+    logits in float32 and their exponentials."""
+    import dataclasses
+    import math
+
+    if r.op != "_log_softmax":
+        return []               # the log-softmax's gradient and the like: not kept
+    tokens = math.prod(r.shape[:-1])
+    local = -(-r.shape[-1] // n)
+    part = dataclasses.replace(r, op="parallel cross-entropy", dtype="float32",
+                               shape=(tokens, local), bytes=float(tokens * local * 4),
+                               note="vocab-parallel loss")
+    return [part, dataclasses.replace(part, op="parallel cross-entropy exp")]
