@@ -33,6 +33,8 @@ from .parallel.lora import (save_adapter as save_adapter, load_adapter as load_a
                             save_merged as save_merged, merge as merge_adapters,
                             unmerge as unmerge_adapters)
 from ._api import plan as plan
+from ._advise import advise as advise
+from ._machine import Machine as Machine, machine as machine, calibrate as calibrate
 from ._parallelize import parallelize as parallelize
 from ._materialize import init_weights as init_weights
 from ._optimizer import optimizer as optimizer

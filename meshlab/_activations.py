@@ -81,9 +81,11 @@ def _row(s: Saved, block: str, copies: float = 1.0) -> ActRow:
                   copies=copies, in_block=inside, grad=s.grad, users=s.users)
 
 
-def estimate_activations(plan, batch: int, seq: int) -> ActivationEstimate:
+def estimate_activations(plan, batch: int, seq: int,
+                         grad_bytes: dict[str, int]) -> ActivationEstimate:
     """The per-rank activation rows of ``plan`` for ``batch`` sequences of ``seq`` tokens
-    per data-parallel rank (the module docstring)."""
+    per data-parallel rank (the module docstring); ``grad_bytes``: FQN -> the bytes of the
+    gradient the rank keeps (``plan.memory()``'s rows)."""
     from ._errors import PlanError
 
     model = plan.source
@@ -99,18 +101,12 @@ def estimate_activations(plan, batch: int, seq: int) -> ActivationEstimate:
     for t in plan.rooms:
         saved = list(t.activation_memory(plan, saved, batch=batch, seq=seq))
         peak = list(t.activation_memory(plan, peak, batch=batch, seq=seq))
-    peak = _local_grads(plan, peak)
+    peak = _local_grads(plan, peak, grad_bytes)
     return ActivationEstimate(tuple(saved), tuple(peak), batch, seq)
 
 
-def _local_grads(plan, rows: list[ActRow]) -> list[ActRow]:
+def _local_grads(plan, rows: list[ActRow], local: dict[str, int]) -> list[ActRow]:
     """Gradients in the peak at the size the rank keeps them (the rooms' memory rows)."""
-    from ._memory import room_rows
-
-    local: dict[str, int] = {}
-    for r in room_rows(plan):
-        if r.category == "grads" and r.where == "device":
-            local.setdefault(r.fqn, r.bytes)
     full = {e.fqn: e.numel * _bytes(e.dtype) for e in plan.params}
     out = []
     for r in rows:

@@ -113,8 +113,10 @@ def grad_sync_ops(plan, coord) -> list[CommOp]:
     from .parallel._gradsync import bucket_mb, layout, plan_reductions, routes
 
     sizes = plan.mesh_shape
+    from ._memory import rank_params
+
     items = [(e.fqn, math.prod(local_shape(e.shape, e.mesh_spec, sizes, coord)), e.dtype,
-              dtype_bytes(e.dtype)) for e in plan.params
+              dtype_bytes(e.dtype)) for e in rank_params(plan, coord)
              if e.tied_to is None and e.requires_grad]
     route_of = routes(plan_reductions(plan), sizes, [i[0] for i in items])
     return [CommOp("all_reduce", "_".join(r.axes), 1, (numel + len(names)) * dtype_bytes(dt))
@@ -184,7 +186,8 @@ class CommCounter:
             return 0
 
         # c10d signatures: allreduce_(tensors, pg, ...), _allgather_base_(out, in, pg, ...),
-        # _reduce_scatter_base_(out, in, pg, ...)
+        # _reduce_scatter_base_(out, in, pg, ...); the pipeline's point-to-point ops
+        # (batch_isend_irecv on gloo): send(tensors, pg, dst, tag), recv_(tensors, pg, src, tag)
         if kind == "all_reduce":
             b, pg = nbytes(args[0]), args[1]
         elif kind == "all_gather":
@@ -196,8 +199,10 @@ class CommCounter:
         else:
             b, pg = nbytes(args[0]), None
         try:
+            if isinstance(pg, torch.ScriptObject):     # how c10d's ops receive the group
+                pg = dist.ProcessGroup.unbox(pg)
             size = pg.size() if pg is not None else dist.get_world_size()
-        except (AttributeError, RuntimeError):
+        except (AttributeError, RuntimeError, TypeError):
             size = -1
         self.calls.append((kind, size, b))
 

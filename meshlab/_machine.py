@@ -94,3 +94,99 @@ def parse_memory(text: str) -> int:
         return int(float(t))
     except ValueError:
         raise ConfigError(f"memory {text!r}: write it as 141GB, 80GiB or a number of bytes")
+
+
+def _timer(cuda: bool, reps: int):
+    """``timed(fn)``: the median seconds of ``reps`` calls after two warm-ups (CUDA
+    events on a GPU, ``perf_counter`` on a CPU)."""
+    import statistics
+    import time
+
+    import torch
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        out = []
+        for _ in range(reps):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                out.append(a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    return timed
+
+
+def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
+    """Matmul (a 2048-wide block's shape and a large square), elementwise, attention."""
+    import statistics
+
+    import torch
+    import torch.nn.functional as F
+
+    dt = torch.bfloat16 if cuda else torch.float32
+    scale = 1 if cuda else 8          # smaller problems on a CPU
+    rates = []
+    for m, k, n in ((16384 // scale, 2048 // scale, 5632 // scale),
+                    (8192 // scale, 8192 // scale, 8192 // scale)):
+        a = torch.randn(m, k, device=dev, dtype=dt)
+        b = torch.randn(k, n, device=dev, dtype=dt)
+        rates.append(2 * m * k * n / timed(lambda: a @ b))
+        progress(f"matmul {m}x{k}x{n}: {rates[-1] / 1e12:.1f} TFLOP/s")
+    x = torch.randn(64 * 2 ** 20 // scale, device=dev, dtype=dt)
+    y = torch.randn_like(x)
+    hbm = 3 * x.numel() * x.element_size() / timed(lambda: x * y)
+    progress(f"elementwise x*y: {hbm / 1e9:.0f} GB/s")
+    b_, h, s, d = (4, 16, 4096, 128) if cuda else (1, 4, 512, 64)
+    q, kk, v = (torch.randn(b_, h, s, d, device=dev, dtype=dt, requires_grad=True)
+                for _ in range(3))
+
+    def attn():
+        F.scaled_dot_product_attention(q, kk, v, is_causal=True).sum().backward()
+
+    attention = 3.5 * 4 * b_ * h * s * s * d * 0.5 / timed(attn)
+    progress(f"attention fwd+bwd: {attention / 1e12:.1f} TFLOP/s")
+    tiny = torch.ones(8, device=dev)
+
+    def launches():
+        for _ in range(100):
+            tiny.add_(1)
+
+    launch = timed(launches) / 100
+    progress(f"launch: {launch * 1e6:.1f} us per op")
+    return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention, launch=launch)
+
+
+def calibrate(device: str | None = None, *, name: str | None = None, quick: bool = False,
+              progress=print) -> Machine:
+    """Measure the card at hand (CUDA if present, else the CPU): a bf16 matmul of the
+    shape a 2048-wide block runs and a large one, a memory-bound elementwise op, fused
+    attention forward and backward, the launch cost of a tiny op, pinned host copies.
+    Timed with CUDA events (CPU: ``perf_counter``), after warm-up, the median of the
+    repeats. Links between cards keep the preset's figures."""
+    import os
+
+    import torch
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = dev.startswith("cuda")
+    timed = _timer(cuda, 3 if quick else 10)
+    rates = _compute_rates(dev, cuda, timed, progress)
+    base = PRESETS["h200"]
+    host, memory = base.host, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if cuda:
+        pinned = torch.empty(256 * 2 ** 20, dtype=torch.uint8, pin_memory=True)
+        on_dev = torch.empty_like(pinned, device=dev)
+        host = pinned.numel() / timed(lambda: on_dev.copy_(pinned, non_blocking=True))
+        progress(f"host to device: {host / 1e9:.1f} GB/s")
+        memory = torch.cuda.get_device_properties(dev).total_memory
+    label = name or (torch.cuda.get_device_name(dev) if cuda else "cpu")
+    return base.replace(name=label, memory=int(memory), host=host, **rates)

@@ -187,7 +187,11 @@ def estimate_memory(plan, *, optimizer: str = "adamw", batch: int | None = None,
     if batch is not None:
         from ._activations import estimate_activations
 
-        acts = estimate_activations(plan, batch, seq)
+        grads: dict[str, int] = {}
+        for r in rows:
+            if r.category == "grads" and r.where == "device":
+                grads.setdefault(r.fqn, r.bytes)
+        acts = estimate_activations(plan, batch, seq, grads)
         extra = tuple(r for t in plan.rooms for r in t.transients(plan, batch=batch, seq=seq))
     return MemoryEstimate({k: dict(v) for k, v in cats.items()}, plan.mesh,
                           {k: dict(v) for k, v in host.items()}, acts, extra)
@@ -201,3 +205,26 @@ def room_rows(plan, n_states: int = 2, *, until=None) -> list[MemRow]:
             break
         rows = list(t.memory(plan, rows))
     return rows
+
+
+def rank_params(plan, coord=None) -> list:
+    """The parameter entries the rank at ``coord`` holds: those of its blocks
+    (``plan.local_blocks``), those before the first block on the rank that runs it, those
+    after the last on the rank that runs that one (every entry without a pipeline)."""
+    blocks = plan.model.blocks
+    mine = set(plan.local_blocks(coord))
+    if not blocks or len(mine) == len(blocks):
+        return list(plan.params)
+    order = [m.fqn for m in plan.model.modules]
+    first = order.index(blocks[0]) if blocks[0] in order else 0
+    out = []
+    for e in plan.params:
+        owner = next((b for b in blocks if e.fqn.startswith(b + ".")), None)
+        if owner is not None:
+            if owner in mine:
+                out.append(e)
+            continue
+        before = e.module in order and order.index(e.module) < first
+        if (blocks[0] in mine) if before else (blocks[-1] in mine):
+            out.append(e)
+    return out

@@ -182,6 +182,9 @@ class Plan:
     roles: AxisRoles | None = None
     rooms: tuple[Any, ...] = ()
     not_runnable: tuple[str, ...] = ()   # why parallelize cannot run this layout, if it cannot
+    # The traced module, for the estimates that run it on fake tensors (activations, time);
+    # not part of the value: never compared, printed or written to JSON.
+    source: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     # -- lookup --------------------------------------------------------------------------
     def __getitem__(self, fqn: str) -> ParamEntry:
@@ -275,13 +278,28 @@ class Plan:
                            self.mesh_shape)
 
     # -- memory --------------------------------------------------------------------------
-    def memory(self, *, optimizer: str = "adamw"):
-        """Per-rank bytes of parameters, gradients and optimizer state (a bound plan)."""
+    def memory(self, *, optimizer: str = "adamw", batch: int | None = None,
+               seq: int | None = None):
+        """Per-rank bytes of parameters, gradients and optimizer state (a bound plan); with
+        the per-data-parallel-rank ``batch`` and ``seq``, also the activations saved for
+        backward and the step's peak (``meshlab._activations``)."""
         from ._memory import _OPT_STATES, estimate_memory
 
         check_choice(optimizer, "plan.memory", "optimizer", sorted(_OPT_STATES))
         self._need_bound("memory")
-        return estimate_memory(self, optimizer=optimizer)
+        if (batch is None) != (seq is None):
+            raise ConfigError("plan.memory(batch=, seq=): give both (the per-data-parallel-"
+                              "rank batch and the sequence length) or neither")
+        return estimate_memory(self, optimizer=optimizer, batch=batch, seq=seq)
+
+    def time(self, *, batch: int, seq: int, gpu="h200"):
+        """Predicted seconds of one training step per rank on ``gpu`` (a preset name such
+        as ``'h200'``, a ``meshlab calibrate`` JSON file or a ``Machine``), for ``batch``
+        sequences of ``seq`` tokens per data-parallel rank (``meshlab._time``)."""
+        from ._time import estimate_time
+
+        self._need_bound("time")
+        return estimate_time(self, batch=batch, seq=seq, gpu=gpu)
 
     def comm(self, *, batch: int | None = None, seq: int | None = None,
              coord: dict[str, int] | None = None):
@@ -292,6 +310,23 @@ class Plan:
         self._need_bound("comm")
         batch, seq, coord = self._comm_args(batch, seq, coord)
         return estimate_comm(self, batch=batch, seq=seq, coord=coord)
+
+    def local_blocks(self, coord: Mapping[str, int] | None = None) -> tuple[str, ...]:
+        """The repeated blocks (``model.blocks``, in order) the rank at mesh ``coord`` runs:
+        every block unless a room splits them (``pipeline``: its stages' blocks). Without
+        ``coord`` (or without that room's axis in it) the room picks its rank, the one
+        ``plan.comm()`` counts by default. What comes before the first block (embeddings)
+        runs on the rank that runs the first block, what comes after the last (final norm,
+        head, loss) on the one that runs the last."""
+        self._need_bound("local_blocks")
+        blocks = self.model.blocks
+        for t in self.rooms:
+            hook = getattr(t, "local_blocks", None)
+            mine = hook(self, coord) if hook is not None else None
+            if mine is not None:
+                keep = set(mine)
+                blocks = tuple(b for b in blocks if b in keep)
+        return blocks
 
     def _need_bound(self, what: str) -> None:
         if self.mesh is None:
@@ -346,7 +381,8 @@ class Plan:
         return plan_html(self)
 
     def diff(self, other: "Plan") -> "PlanDiff":
-        """What changes from ``self`` to ``other``, per FQN."""
+        """What changes from ``self`` to ``other``: per FQN, the options, the mesh, and
+        between bound plans what one rank holds (``PlanDiff``'s doc)."""
         a = {e.fqn: e for e in self.params}
         b = {e.fqn: e for e in other.params}
         changed = []
@@ -362,12 +398,15 @@ class Plan:
         after = {t.kind: t for t in other.options if not getattr(t, "in_table", False)}
         opts = tuple((k, before.get(k), after.get(k)) for k in dict.fromkeys([*before, *after])
                      if before.get(k) != after.get(k))
+        local, memory = _rank_diff(self, other, list(order))
         return PlanDiff(
             removed=tuple(f for f in a if f not in b),
             added=tuple(f for f in b if f not in a),
             changed=tuple(sorted(changed, key=lambda c: order[c[0]])),
             options=opts,
             mesh=(self.mesh, other.mesh) if self.mesh != other.mesh else None,
+            local=local,
+            memory=memory,
         )
 
     # -- JSON ----------------------------------------------------------------------------
@@ -509,38 +548,129 @@ def _mesh_repr(sizes: Mapping[str, int]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class PlanDiff:
+    """What changes between two plans. ``changed``: per FQN, the entry fields that differ;
+    ``options``: the transforms that differ; ``mesh``: both meshes where they differ.
+    Between two bound plans also what one rank holds: ``local`` has ``(fqn, local shape
+    before, after, bytes per rank before, after)`` for every parameter whose per-rank shape
+    or bytes differ after every room's share of the memory (``meshlab._memory.room_rows``,
+    category ``params``; a shape is None where the rank does not hold the parameter), and
+    ``memory`` ``(category, bytes per rank before, after)`` for params, grads and optimizer
+    state where any of them differs."""
+
     removed: tuple[str, ...]
     added: tuple[str, ...]
     changed: tuple[tuple[str, tuple], ...]
     options: tuple = ()
     mesh: tuple | None = None
+    local: tuple[tuple[str, tuple | None, tuple | None, int, int], ...] = ()
+    memory: tuple[tuple[str, int, int], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.removed or self.added or self.changed or self.options or self.mesh)
+        return bool(self.removed or self.added or self.changed or self.options or self.mesh
+                    or self.local or self.memory)
+
+    HEADER = ("fqn / option", "field", "before", "after")
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        """The diff as text cells ``(fqn / option, field, before, after)``; the per-rank
+        rows fold block indices into ``*`` where every block changes alike."""
+        from ._plan_view import _fmt_bytes
+
+        out = []
+        if self.mesh:
+            out.append(("(mesh)", "", _mesh_repr(dict(self.mesh[0] or ())),
+                        _mesh_repr(dict(self.mesh[1] or ()))))
+        out += [(f, "", "present", "removed") for f in self.removed]
+        out += [(f, "", "", "added") for f in self.added]
+        out += [(fqn, name, repr(x), repr(y)) for fqn, fields in self.changed
+                for name, x, y in fields]
+        out += [(f"option {k}", "", repr(x), repr(y)) for k, x, y in self.options]
+
+        def held(shape, nbytes):
+            return "not held" if shape is None else f"{tuple(shape)} {_fmt_bytes(nbytes)}"
+
+        for name, n, sa, sb, ba, bb in _fold_local(self.local):
+            label = f"{name} (×{n})" if n > 1 else name
+            out.append((label, "local shape, bytes/rank", held(sa, ba), held(sb, bb)))
+        out += [(f"(per rank) {cat}", "bytes/rank", _fmt_bytes(x), _fmt_bytes(y))
+                for cat, x, y in self.memory]
+        return out
 
     def __rich__(self):
         from rich.table import Table
 
         t = Table(title="plan diff")
-        t.add_column("fqn / option")
-        t.add_column("field")
-        t.add_column("before")
-        t.add_column("after")
-        if self.mesh:
-            t.add_row("(mesh)", "", _mesh_repr(dict(self.mesh[0] or ())),
-                      _mesh_repr(dict(self.mesh[1] or ())))
-        for f in self.removed:
-            t.add_row(f, "", "present", "[red]removed[/]")
-        for f in self.added:
-            t.add_row(f, "", "", "[green]added[/]")
-        for fqn, fields in self.changed:
-            for name, x, y in fields:
-                t.add_row(fqn, name, repr(x), repr(y))
-        for k, x, y in self.options:
-            t.add_row(f"option {k}", "", repr(x), repr(y))
+        for c in self.HEADER:
+            t.add_column(c)
+        for label, field, before, after in self.rows():
+            if after in ("removed", "added") and not field:
+                after = "[red]removed[/]" if after == "removed" else "[green]added[/]"
+            t.add_row(label, field, before, after)
         return t
+
+    def _repr_html_(self) -> str:
+        from ._plan_view import html_table
+
+        return html_table(self.HEADER, self.rows(), title="plan diff")
 
     def __str__(self) -> str:
         from ._plan_view import render_text
 
         return render_text(self.__rich__())
+
+
+def _fold_local(local) -> list[tuple]:
+    """``local`` rows with the block index folded into ``*`` where the shapes and bytes
+    are the same: ``(fqn pattern, count, shape before, after, bytes before, after)``."""
+    from ._plan_view import _INDEX
+
+    groups: dict = {}
+    for fqn, sa, sb, ba, bb in local:
+        key = (_INDEX.sub(".*.", fqn, count=1), sa, sb, ba, bb)
+        groups.setdefault(key, []).append(fqn)
+    out = []
+    for (pattern, sa, sb, ba, bb), fqns in groups.items():
+        out.append((pattern if len(fqns) > 1 else fqns[0], len(fqns), sa, sb, ba, bb))
+    return out
+
+
+def _per_rank(plan: Plan):
+    """``({fqn: (local shape, device bytes)}, {category: device bytes})`` of what one rank
+    of a bound plan holds, after every room (``room_rows``); None for an unbound plan or
+    one whose memory cannot be estimated."""
+    if plan.mesh is None:
+        return None
+    from ._memory import room_rows
+
+    try:
+        rows = room_rows(plan)
+    except MeshlabError:
+        return None
+    params: dict = {}
+    totals = {"params": 0, "grads": 0, "optimizer": 0}
+    for r in rows:
+        device = r.bytes if r.where == "device" else 0
+        if r.category in totals:
+            totals[r.category] += device
+        if r.category == "params":
+            shape, nb = params.get(r.fqn, (tuple(r.shape), 0))
+            params[r.fqn] = (shape, nb + device)
+    return params, totals
+
+
+def _rank_diff(a: Plan, b: Plan, order: Sequence[str]) -> tuple[tuple, tuple]:
+    """``PlanDiff.local`` and ``PlanDiff.memory`` between two bound plans."""
+    pa, pb = _per_rank(a), _per_rank(b)
+    if pa is None or pb is None:
+        return (), ()
+    (la, ta), (lb, tb) = pa, pb
+    local = []
+    for fqn in order:
+        if fqn not in la and fqn not in lb:
+            continue
+        sa, ba = la.get(fqn, (None, 0))
+        sb, bb = lb.get(fqn, (None, 0))
+        if (sa, ba) != (sb, bb):
+            local.append((fqn, sa, sb, ba, bb))
+    memory = tuple((c, ta[c], tb[c]) for c in ta)
+    return tuple(local), memory if ta != tb else ()

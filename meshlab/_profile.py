@@ -56,17 +56,21 @@ class Saved:
 
 @dataclasses.dataclass(frozen=True)
 class Work:
-    """One part's work in one direction: matmul FLOPs, bytes other ops move, op count."""
+    """One part's work in one direction: matmul FLOPs, bytes other ops move, op count,
+    fused-attention FLOPs."""
 
     flops: int = 0
     bytes: int = 0
     ops: int = 0
+    attn: int = 0          # FLOPs of fused attention (a rate of its own)
 
     def __add__(self, o: "Work") -> "Work":
-        return Work(self.flops + o.flops, self.bytes + o.bytes, self.ops + o.ops)
+        return Work(self.flops + o.flops, self.bytes + o.bytes, self.ops + o.ops,
+                    self.attn + o.attn)
 
-    def scale(self, k: float) -> "Work":
-        return Work(int(self.flops * k), int(self.bytes * k), int(self.ops * k))
+    def scale(self, k: float, ops: float | None = None) -> "Work":
+        return Work(int(self.flops * k), int(self.bytes * k),
+                    int(self.ops * (k if ops is None else ops)), int(self.attn * k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,25 +180,57 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
             return out
         packet = func.overloadpacket
         flops = 0
-        if packet in flop_registry:
+        name = str(packet.__name__)
+        attn = _attention_flops(name, args, kwargs or {})
+        if attn:
+            self._add("attn", attn)
+        elif name == "linear_cross_entropy":
+            t, h = math.prod(args[0].shape[:-1]), args[0].shape[-1]
+            flops = 2 * t * h * args[1].shape[0] * (1 if self.phase == "fwd" else 2)
+        elif packet in flop_registry:
             shapes = torch.utils._pytree.tree_map(
                 lambda x: x.shape if isinstance(x, torch.Tensor) else x, (args, kwargs or {},
                                                                             out))
             flops = flop_registry[packet](*shapes[0], **shapes[1], out_val=shapes[2])
         moved = 0
-        if new and not flops:
+        if new and not flops and not attn:
             moved = new + sum(a.untyped_storage().nbytes() if a.numel() else 0
                               for a in args if isinstance(a, torch.Tensor))
-        part = "block" if self._block and (mod == self._block or
-                                           mod.startswith(self._block + ".")) else "rest"
-        key = (part, self.phase)
-        self.work[key] = self.work.get(key, Work()) + Work(flops, moved, 1 if new else 0)
+        self._add("work", Work(flops, moved, 1 if new else 0))
         self.t += 1
         self.snapshots.append((self.t, tuple(k for k, v in self.made.items()
                                              if not v[0].expired())))
         return out
 
     _block = ""
+
+    def _add(self, what: str, amount) -> None:
+        mod = self._module()
+        part = "block" if self._block and (mod == self._block or
+                                           mod.startswith(self._block + ".")) else "rest"
+        key = (part, self.phase)
+        w = self.work.get(key, Work())
+        if what == "attn":
+            amount = Work(attn=int(amount), ops=1)
+        self.work[key] = w + amount
+
+
+def _attention_flops(name: str, args, kwargs) -> int:
+    """FLOPs of a fused attention op: 4 b h s s_k d forward (half when causal), 2.5 times
+    that backward (the recomputed scores and three products)."""
+    if "scaled_dot_product" not in name and not name.startswith("attention"):
+        return 0
+    q, k = args[0], args[1]
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.ndim != 4:
+        return 0
+    if name.endswith("backward"):
+        q, k = args[1], args[2]
+    b, h, s, d = q.shape
+    causal = kwargs.get("is_causal", kwargs.get("causal", True))
+    if name.startswith("attention") and len(args) > 3 and isinstance(args[3], bool):
+        causal = args[3]
+    f = 4 * b * h * s * k.shape[-2] * d * (0.5 if causal else 1.0)
+    return int(f * (2.5 if name.endswith("backward") else 1.0))
 
 
 def _row(v: list, grad: str = "") -> Saved:
@@ -334,9 +370,9 @@ def profile(model: nn.Module, plan, batch: int, seq: int) -> Profile:
 
 
 def _profiles(t) -> bool:
-    from .parallel._protocol import Transform
-
-    return type(t).profile is not Transform.profile
+    """Whether room ``t`` changes the profiled copy (overrides ``Transform.profile``)."""
+    base = next(c for c in type(t).__mro__ if c.__name__ == "Transform")
+    return type(t).profile is not base.profile
 
 
 def tokens(batch: int, seq: int) -> int:

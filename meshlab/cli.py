@@ -1,4 +1,5 @@
-"""The ``meshlab`` command: ``plan``, ``run``, ``demo``, ``env``, ``check``."""
+"""The ``meshlab`` command: ``plan`` (``--advise``), ``calibrate``, ``run``, ``demo``, ``env``,
+``check``."""
 
 from __future__ import annotations
 
@@ -115,6 +116,16 @@ def cmd_plan(args) -> int:
     model = presets.build(args.model, device="meta", dtype=dtype)
     mesh = Mesh.parse(args.mesh, fake=True)
     spec = shard(policies.auto, _rules_arg(args.rules))   # no --rules: Rules.default()
+    if args.advise:
+        return _advise(console, model, args)
+    if args.remat:
+        from .parallel import remat
+
+        spec = spec | remat(args.remat)
+    if args.fuse:
+        from .parallel import fuse
+
+        spec = spec | fuse()
     if args.zero is not None:
         from .parallel import zero_shard
 
@@ -134,9 +145,10 @@ def cmd_plan(args) -> int:
         print(_refusal(p, args.mesh), file=sys.stderr)
         return 2
     console.print(p.table(collapse=not args.full))
-    console.print(p.memory())
-    if args.batch is not None:
-        console.print(p.comm(batch=args.batch, seq=args.seq))
+    if args.batch is None:
+        console.print(p.memory())
+    else:
+        _print_costs(console, p, args)
     from .parallel.pipeline import Pipeline, stage_table
 
     if p.get(Pipeline) is not None:
@@ -157,6 +169,54 @@ def cmd_plan(args) -> int:
         console.print(f"plan written to {args.json}")
     console.print(f"planned {len(p)} parameters ({sum(e.numel for e in p if not e.tied_to):,} "
                   f"elements) on {mesh.size:,} ranks in {time.perf_counter() - t0:.2f} s")
+    return 0
+
+
+def _card(args):
+    """``--gpu`` (a preset or a calibrate JSON) with ``--memory`` overriding its bytes."""
+    from ._machine import machine, parse_memory
+
+    card = machine(args.gpu)
+    return card.replace(memory=parse_memory(args.memory)) if args.memory else card
+
+
+def _print_costs(console, p, args) -> None:
+    """Memory with activations and the peak, communication, and the step time."""
+    card = _card(args)
+    mem = p.memory(batch=args.batch, seq=args.seq)
+    console.print(mem)
+    console.print(p.comm(batch=args.batch, seq=args.seq))
+    fits = mem.peak <= card.memory
+    from ._plan_view import _fmt_bytes
+
+    console.print(f"peak {_fmt_bytes(mem.peak)} per rank: "
+                  f"{'fits' if fits else 'does NOT fit'} {card.name} "
+                  f"({_fmt_bytes(card.memory)})")
+    console.print(f"predicted step on {card.name}: {p.time(batch=args.batch, seq=args.seq, gpu=card)!r}")
+
+
+def _advise(console, model, args) -> int:
+    from ._advise import advise
+    from ._errors import ConfigError
+
+    if args.gpus is None:
+        raise ConfigError("--advise needs --gpus N, the number of cards to lay the model out on")
+    card = _card(args)
+    a = advise(model, gpus=args.gpus, gpu=card, batch=args.batch, seq=args.seq,
+               memory=card.memory, progress=sys.stderr.isatty())
+    console.print(a)
+    return 0 if a.best else 1
+
+
+def cmd_calibrate(args) -> int:
+    import json
+
+    from ._machine import calibrate
+
+    m = calibrate(args.device, quick=args.quick)
+    with open(args.out, "w") as f:
+        json.dump(m.to_json(), f, indent=1)
+    print(f"{m!r}\nwritten to {args.out}; use it as meshlab plan --gpu {args.out}")
     return 0
 
 
@@ -229,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="add zero_shard(stage) over --zero-axis")
     p.add_argument("--zero-axis", default="dp", help="the ZeRO axis (default dp)")
     p.add_argument("--batch", type=int, default=None,
-                   help="per-data-parallel-rank batch: also print the communication per step")
+                   help="per-data-parallel-rank batch (with --advise: the global batch): also "
+                        "print activations, the peak per rank, communication and step time")
     p.add_argument("--seq", type=int, default=2048, help="sequence length for --batch")
     p.add_argument("--schedule", default="1f1b",
                    help="pipeline schedule when the mesh has a 'pp' axis (gpipe, 1f1b, "
@@ -239,7 +300,25 @@ def main(argv: list[str] | None = None) -> int:
                    help="add offload(): kind=fraction pairs (optimizer=1.0,grads=0.5,params=0) "
                         "or auto=<device budget per rank> (auto=120GiB); prints host and device "
                         "bytes and the predicted step cost")
+    p.add_argument("--remat", default=None, choices=("none", "full", "selective"),
+                   help="add remat(policy)")
+    p.add_argument("--fuse", action="store_true", help="add fuse() (meshlab's fused ops)")
+    p.add_argument("--gpu", default="h200",
+                   help="the card: h100, h200, a100, b200 or a JSON from meshlab calibrate")
+    p.add_argument("--memory", default=None,
+                   help="the card's memory, overriding --gpu's (e.g. 141GB, 80GiB)")
+    p.add_argument("--advise", action="store_true",
+                   help="search meshes x ZeRO stage x remat x microbatches over --gpus cards "
+                        "and print the fastest layouts that fit")
+    p.add_argument("--gpus", type=int, default=None, help="cards for --advise")
     p.set_defaults(fn=cmd_plan)
+
+    k = sub.add_parser("calibrate", help="measure this machine's matmul, memory, attention, "
+                                         "launch and host-copy rates for plan --gpu")
+    k.add_argument("--out", default="machine.json", help="where to write the profile")
+    k.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    k.add_argument("--quick", action="store_true", help="fewer repeats")
+    k.set_defaults(fn=cmd_calibrate)
 
     e = sub.add_parser("env", help="versions of meshlab and what it runs on (for bug reports)")
     e.set_defaults(fn=cmd_env)

@@ -236,10 +236,61 @@ NB02 = [
     "assert worst < 1e-3",
 ]
 
+NB03 = [
+    "md:# 03 · Will it fit, and how fast?\n\nBefore buying time on a cluster: plan a model on a "
+    "*fake* mesh and ask what one rank holds at the step's peak, whether that fits the card, "
+    "and how long a step takes. Nothing here needs a GPU or more than one process: the "
+    "model is built on the meta device, and the activations come from a shape-only run of "
+    "one block (fake tensors).",
+    "import torch\nimport meshlab as ml\nfrom meshlab import presets\n\n"
+    "def gib(n):\n    return f'{n / 2**30:,.1f} GiB'\n\n"
+    "llama70 = presets.build('llama3-70b', device='meta', dtype=torch.bfloat16)\n"
+    "h200 = ml.machine('h200')\nprint(h200)",
+    "md:## Llama-3-70B on 64 H200: tp=8 inside a node, ZeRO-3 over the rest\n"
+    "`plan.memory(batch=, seq=)` adds the activations the forward saves for the backward and "
+    "the step's peak: the other blocks' saved activations, one block's backward, the loss, "
+    "ZeRO-3's gathered units.",
+    "spec = ml.shard(ml.policies.auto) | ml.zero_shard(3, 'dp')\n"
+    "mesh = ml.Mesh(dp=8, tp=8, fake=True)\n"
+    "plain = ml.plan(llama70, spec, mesh).memory(batch=2, seq=8192)\n"
+    "print(plain)\nprint('fits an H200:', plain.fits('h200'))",
+    "md:Without recomputation the saved activations alone are larger than the card. "
+    "`remat('full')` keeps only each block's input:",
+    "full = ml.plan(llama70, spec | ml.remat('full'), mesh)\nmem = full.memory(batch=2, seq=8192)\n"
+    "print(f'saved activations {gib(plain.activations.saved)} -> {gib(mem.activations.saved)}; "
+    "peak {gib(plain.peak)} -> {gib(mem.peak)}; fits: {mem.fits(\"h200\")}')\n"
+    "assert not plain.fits('h200') and mem.fits('h200')",
+    "md:## How fast?\n`plan.time()` prices the profile's work (matmul and attention FLOPs, "
+    "the bytes the other ops move, the kernels launched) at the card's measured rates, and "
+    "every collective of `plan.comm()` at the link it crosses (NVLink inside a node, the "
+    "network across), hiding what each room overlaps.",
+    "st = full.time(batch=2, seq=8192, gpu='h200')\nprint(st)\n"
+    "flops_per_token = 6 * 70.6e9\n"
+    "print(f'MFU {st.mfu(flops_per_token, ranks=64):.1%} per card')",
+    "md:## Let the planner search\n`ml.advise` walks meshes (pp x dp x tp), the ZeRO stage, "
+    "remat and microbatches, keeps what every room's check accepts and what fits, and ranks "
+    "by predicted tokens/s.",
+    "advice = ml.advise(llama70, gpus=64, gpu='h200', batch=64, seq=4096)\nadvice",
+    "advice.plot();",
+    "md:## Llama-3-405B on 16,384 ranks\nThe same search at the scale of a large cluster "
+    "(a global batch of 2,048 sequences of 8,192 tokens, 16M tokens per step).",
+    "llama405 = presets.build('llama3-405b', device='meta', dtype=torch.bfloat16)\n"
+    "big = ml.advise(llama405, gpus=16384, gpu='h200', batch=2048, seq=8192)\n"
+    "print(big)\nassert big.best, 'some layout fits'",
+    "big.plot();",
+    "md:The machine is a small value: presets for H100, H200, A100 and B200, or "
+    "`meshlab calibrate` on the machine at hand writes one (`--gpu machine.json`).",
+    "for name in ('a100', 'h100', 'h200', 'b200'):\n"
+    "    m = ml.machine(name)\n"
+    "    st = full.time(batch=2, seq=8192, gpu=m)\n"
+    "    print(f'{name}: memory {gib(m.memory)}, step {st.step:.2f} s, {st.tokens_per_s:,.0f} tokens/s')",
+]
+
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--no-execute"]
     here = args[0] if args else os.path.dirname(os.path.abspath(__file__))
-    for name, cells in (("01_specs_and_meshes.ipynb", NB01), ("02_compose_and_train.ipynb", NB02)):
+    for name, cells in (("01_specs_and_meshes.ipynb", NB01), ("02_compose_and_train.ipynb", NB02),
+                        ("03_will_it_fit.ipynb", NB03)):
         write(os.path.join(here, name), cells)
         if "--no-execute" not in sys.argv:
             execute(os.path.join(here, name))

@@ -3,6 +3,8 @@
 * Collectives of one training step, counted with CommDebugMode (``CommCounter`` adds the
   bytes), equal ``plan.comm()``: the formulas are in ``meshlab/_comm.py`` (DP and ZeRO-1/2:
   2Ψ; ZeRO-3: ≈3Ψ; TP: 2L + 1 all-reduces of the activations each way, plus the loss).
+  Under a pipeline (pp=2 x tp=2) each rank's sends, receives and TP all-reduces equal the
+  plan's at its coordinate: its own blocks, per microbatch.
 * The bytes of parameters, gradients and optimizer state each rank holds at the optimizer
   step are within 15% of ``plan.memory()``.
 * fp16 with an overflow on one rank: every rank skips, weights stay, the scale halves.
@@ -66,6 +68,47 @@ def test_collectives_match_the_plan(world4, spec_name):
         expected = {"dp": 2, "zero1": 2, "zero2": 2, "zero3": 3}[spec_name]
         # Padding every parameter's first dim to a multiple of dp adds a few elements.
         assert expected * psi <= moved - 16 <= expected * psi * 1.02, (moved, psi)
+
+
+PP_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv")
+
+
+def pp_comm_case(rank, world, schedule):
+    """pp=2 x tp=2, four blocks: each rank's counted step against ``plan.comm`` at its
+    own coordinate, and the plan's default (the busiest pipeline rank)."""
+    import meshlab as ml
+    from meshlab._comm import CommCounter
+
+    mesh = ml.Mesh(pp=2, tp=2)
+    spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | \
+        ml.pipeline("pp", schedule=schedule, microbatches=2)
+    plan = ml.plan(M.build("llama", num_hidden_layers=4), spec, mesh)
+    model = ml.parallelize(M.build("llama", num_hidden_layers=4), spec, mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    data = M.batches(2, batch=B, seq=S)
+    _run_step(model, opt, data[0])                 # warm-up: the stages' shape inference
+    with CommCounter(per_module=False) as cc:      # a schedule runs stages outside parents
+        _run_step(model, opt, data[1])
+    coord = mesh.coordinate(rank)
+    est = plan.comm(batch=B, seq=S, coord=coord)
+    got = {k: (cc.count(k), cc.bytes(k)) for k in PP_KINDS}
+    want = {k: (est.count(k), est.bytes(k)) for k in PP_KINDS}
+    assert got == want, (schedule, coord, got, want)
+    assert got["send"][0] > 0 and got["recv"][0] > 0
+    # the pipeline's sends go to one peer of the pp group, of size 2
+    assert {size for kind, size, _ in cc.calls if kind in ("send", "recv")} == {2}
+    default = plan.comm(batch=B, seq=S)
+    return coord, got, {k: (default.count(k), default.bytes(k)) for k in PP_KINDS}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pipeline_collectives_match_the_plan(world4, schedule):
+    out = world4.run(pp_comm_case, schedule=schedule)
+    default = out[0][2]
+    assert default in [got for _, got, _ in out]    # the default is one real rank's step
+    # ... the busiest: no rank sends or all-reduces more
+    for _, got, _ in out:
+        assert all(got[k] <= default[k] for k in ("send", "all_reduce")), (got, default)
 
 
 def memory_case(rank, world, spec_name):

@@ -676,3 +676,166 @@ def test_llama3_70b_on_16384_ranks_is_fast_and_exact():
     # AdamW on bf16 params: 2 moments, each like the parameter
     assert mem.optimizer == 2 * expected
     assert len(plan) == 2 + layers * 9 + 1
+
+
+# ---------------------------------------------------------------------------------------
+# pipeline ranks: point-to-point traffic, the blocks a rank runs, stage bytes; diff per rank
+# ---------------------------------------------------------------------------------------
+
+TP_ONLY = Rules(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+
+
+@pytest.fixture(scope="module")
+def llama8():
+    """Eight equal blocks of hidden 64 (fp32): a pipeline of 4 stages takes 2 each."""
+    return _hf(transformers.LlamaConfig, tie_word_embeddings=False,
+               **{**TINY, "num_hidden_layers": 8})
+
+
+def _pp(model, schedule, m, mesh, spec=None):
+    pipe = ml.pipeline("pp", schedule=schedule, microbatches=m)
+    return ml.plan(model, pipe if spec is None else spec | pipe, mesh)
+
+
+def test_pipeline_p2p_1f1b(llama8):
+    # batch 8 x seq 16 in 4 microbatches: 32 tokens x hidden 64 x 4 bytes per message
+    p = _pp(llama8, "1f1b", 4, ml.Mesh(pp=4, fake=True))
+    one = 32 * 64 * 4
+    c = p.comm(batch=8, seq=16)                 # default: the busiest rank, a middle one
+    assert (c.count("send", "pp"), c.bytes("send", "pp")) == (2 * 4, 2 * 4 * one)
+    assert (c.count("recv", "pp"), c.bytes("recv", "pp")) == (2 * 4, 2 * 4 * one)
+    assert c.ops[("all_reduce", "pp")] == (1, 8)                   # the step's loss
+    for r, sides in ((0, 1), (1, 2), (2, 2), (3, 1)):   # the ends sit on one boundary
+        c = p.comm(batch=8, seq=16, coord={"pp": r})
+        assert c.ops[("send", "pp")] == c.ops[("recv", "pp")] == (4 * sides, 4 * sides * one)
+    assert p.local_blocks() == ("model.layers.2", "model.layers.3")
+    assert p.local_blocks({"pp": 3}) == ("model.layers.6", "model.layers.7")
+    assert ("send", "pp") not in p.comm().ops                     # no activations given
+
+
+@pytest.mark.parametrize("schedule,v", [("interleaved", 2), ("zbv", 2)])
+def test_pipeline_p2p_virtual_stages(llama8, schedule, v):
+    m = 8
+    one = (8 * 16 // m) * 64 * 4
+    p = _pp(llama8, schedule, m, ml.Mesh(pp=4, fake=True))
+    from meshlab.parallel.pipeline import stages
+
+    ranks = [s.rank for s in stages(p)]
+    if schedule == "interleaved":
+        # stages on ranks 0 1 2 3 0 1 2 3: rank 0 sits on boundaries 0|1, 3|4, 4|5; rank 1
+        # on 0|1, 1|2, 4|5, 5|6
+        assert ranks == [0, 1, 2, 3, 0, 1, 2, 3]
+        sides = {0: 3, 1: 4, 2: 4, 3: 3}
+    else:
+        # the V: 0 1 2 3 3 2 1 0; stages 3 and 4 share rank 3 and exchange nothing
+        assert ranks == [0, 1, 2, 3, 3, 2, 1, 0]
+        sides = {0: 2, 1: 4, 2: 4, 3: 2}
+    for r, k in sides.items():
+        c = p.comm(batch=8, seq=16, coord={"pp": r})
+        assert c.ops[("send", "pp")] == c.ops[("recv", "pp")] == (k * m, k * m * one)
+    busiest = p.comm(batch=8, seq=16)
+    assert busiest.ops[("send", "pp")] == (4 * m, 4 * m * one)
+    assert len(p.local_blocks()) == 2
+
+
+def test_pipeline_p2p_dtype_is_the_residual_streams(llama8):
+    """precision's autocast leaves the hidden states between blocks in the parameters'
+    dtype (fp32 here; what a real run sends); a bf16 model sends bf16."""
+    mesh = ml.Mesh(pp=4, fake=True)
+    fp32 = _pp(llama8, "1f1b", 4, mesh).comm(batch=8, seq=16).bytes("send")
+    autocast = _pp(llama8, "1f1b", 4, mesh, ml.precision("bf16")).comm(batch=8, seq=16)
+    assert autocast.bytes("send") == fp32 == 8 * 32 * 64 * 4
+    bf16 = _hf(transformers.LlamaConfig, dtype=torch.bfloat16, tie_word_embeddings=False,
+               **{**TINY, "num_hidden_layers": 8})
+    assert _pp(bf16, "1f1b", 4, mesh).comm(batch=8, seq=16).bytes("send") == fp32 // 2
+
+
+def test_tp_all_reduces_count_the_blocks_of_the_rank(llama8):
+    # pp=4 x tp=2, 8 blocks (2 per rank), 4 microbatches of 2 x 16 tokens; per microbatch
+    # 4 all-reduces of T h per block, the embedding's on the first rank, the head input's
+    # and the loss's 3 (of T' = 2 x 15 scalars) on the last
+    m, L, act, loss = 4, 2, 32 * 64 * 4, 2 * 15 * 4
+    p = _pp(llama8, "1f1b", m, ml.Mesh(pp=4, tp=2, fake=True), ml.shard(ml.policies.auto, TP_ONLY))
+    want = {0: (m * (4 * L + 1), m * (4 * L + 1) * act),
+            1: (m * 4 * L, m * 4 * L * act), 2: (m * 4 * L, m * 4 * L * act),
+            3: (m * (4 * L + 1) + 3 * m, m * (4 * L + 1) * act + 3 * m * loss)}
+    for r, (count, nbytes) in want.items():
+        c = p.comm(batch=8, seq=16, coord={"pp": r, "tp": 0})
+        assert c.ops[("all_reduce", "tp")] == (count, nbytes), r
+        assert len(p.local_blocks({"pp": r})) == L
+    assert p.comm(batch=8, seq=16).ops[("all_reduce", "tp")] == want[1]   # the busiest
+    # without a pipeline every rank runs all 8 blocks, the ends included, in one batch
+    q = ml.plan(llama8, ml.shard(ml.policies.auto, TP_ONLY), ml.Mesh(tp=2, fake=True))
+    assert q.local_blocks() == q.model.blocks
+    act1 = 8 * 16 * 64 * 4
+    assert q.comm(batch=8, seq=16).ops[("all_reduce", "tp")] == (
+        4 * 8 + 2 + 3, (4 * 8 + 2) * act1 + 3 * 8 * 15 * 4)
+
+
+def test_stage_table_shows_one_ranks_bytes(llama8):
+    from meshlab._plan_view import _fmt_bytes, render_text
+    from meshlab.parallel.pipeline import stage_table, stages
+    from meshlab.parallel.pipeline._schedule import stage_rank_bytes
+
+    p = _pp(llama8, "1f1b", 4, ml.Mesh(pp=2, tp=2, fake=True), ml.shard(ml.policies.auto, TP_ONLY))
+    # one block over tp=2 (fp32): q, o 32 x 64; k, v 16 x 64; gate, up, down 64 x 64; norms
+    block = 4 * (2 * 32 * 64 + 2 * 16 * 64 + 3 * 64 * 64 + 2 * 64)
+    embed = head = 4 * 128 * 64                              # vocab 256 over tp=2
+    st = stages(p)
+    assert [len(s.blocks) for s in st] == [4, 4]
+    assert stage_rank_bytes(p, st[0]) == 4 * block + embed
+    assert stage_rank_bytes(p, st[1]) == 4 * block + head + 4 * 64     # + the final norm
+    text = render_text(stage_table(p))
+    assert "params per rank" in text
+    assert _fmt_bytes(4 * block + embed) in text and _fmt_bytes(4 * block + head + 256) in text
+    assert p.memory().params == 4 * block + head + 256        # memory: the heavier rank
+
+
+@pytest.fixture(scope="module")
+def llama_8kv():
+    """Eight K/V heads: tp=4 and tp=8 both split them."""
+    return _hf(transformers.LlamaConfig, tie_word_embeddings=False,
+               **{**TINY, "num_attention_heads": 8, "num_key_value_heads": 8})
+
+
+def test_diff_tp4_tp8_shows_local_shapes_and_bytes(llama_8kv):
+    t = ml.shard(ml.policies.auto, TP_ONLY)
+    a = ml.plan(llama_8kv, t, ml.Mesh(tp=4, fake=True))
+    b = ml.plan(llama_8kv, t, ml.Mesh(tp=8, fake=True))
+    d = a.diff(b)
+    assert d.changed == () and d.mesh == (a.mesh, b.mesh)
+    local = {fqn: rest for fqn, *rest in d.local}
+    assert local["model.layers.0.self_attn.q_proj.weight"] == [(16, 64), (8, 64), 4096, 2048]
+    assert local["model.layers.1.mlp.down_proj.weight"] == [(64, 32), (64, 16), 8192, 4096]
+    assert local["lm_head.weight"] == [(64, 64), (32, 64), 16384, 8192]
+    assert "model.norm.weight" not in local                     # replicated either way
+    assert d.memory == tuple((c, getattr(a.memory(), c), getattr(b.memory(), c))
+                             for c in ("params", "grads", "optimizer"))
+    text = str(d)
+    assert "model.layers.*.self_attn.q_proj.weight (×2)" in text
+    assert "(16, 64) 4.00 KiB" in text
+    assert "(8, 64) 2.00 KiB" in text and "(per rank) params" in text
+    html = d._repr_html_()
+    assert "(8, 64) 2.00 KiB" in html and "(per rank) optimizer" in html
+    assert not a.diff(a) and a.diff(a).local == () and a.diff(a).memory == ()
+
+
+def test_diff_zero1_zero3_shows_the_dim0_split(llama):
+    t = ml.shard(ml.policies.auto, TP_ONLY)
+    a = ml.plan(llama, t | ml.zero_shard(1, "dp"), MESH)
+    b = ml.plan(llama, t | ml.zero_shard(3, "dp"), MESH)
+    d = a.diff(b)
+    assert d.options == (("zero", ml.zero_shard(1, "dp"), ml.zero_shard(3, "dp")),)
+    assert d.changed == () and d.mesh is None
+    local = {fqn: rest for fqn, *rest in d.local}
+    # ZeRO-3 splits dim 0 of the tp-local shard over dp=2 (parameters stay fp32)
+    assert local["model.layers.0.self_attn.q_proj.weight"] == [(32, 64), (16, 64), 8192, 4096]
+    assert local["model.norm.weight"] == [(64,), (32,), 256, 128]
+    assert len(local) == len(a)                              # every parameter is split
+    before, after = a.memory(), b.memory()
+    assert d.memory == (("params", before.params, after.params),
+                        ("grads", before.grads, after.grads),
+                        ("optimizer", before.optimizer, after.optimizer))
+    assert after.params * 2 == before.params
+    text = str(d)
+    assert "option zero" in text and "(64,) 256 B" in text and "(32,) 128 B" in text

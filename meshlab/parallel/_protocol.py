@@ -16,6 +16,18 @@ under ``meshlab/parallel/``), written against the hooks below, each optional:
 rows)``            extended
 ``comm(plan,       its share of ``plan.comm()``: ``CommOp`` rows
 ...)``
+``local_blocks(    the repeated blocks the rank at ``coord`` runs (``plan.local_blocks``),
+plan, coord)``     or None for all of them (pipeline: its stages' blocks)
+``profile(plan,    change the one-block meta copy the activation profile runs as
+model)``           ``install`` would change the model (fused ops, checkpointing)
+``activation_memory(  its share of the activation estimate: rewrite the per-rank
+plan, rows, ...)`` ``ActRow``s (split by TP, multiplied by microbatches in flight)
+``transients(      what it adds to the step's peak only (ZeRO's gathered parameters)
+plan, ...)``
+``work_share``,    its share of ``plan.time()``: the compute a rank does, how much of its
+``hidden``,        collectives hide behind it, a pipeline's idle fraction, host work
+``idle``,
+``host_seconds``
 =================  ======================================================================
 
 ``t1 | t2`` composes; two transforms of one kind (``kind``) refuse to compose unless the
@@ -155,6 +167,42 @@ class Transform:
     def comm(self, plan: Plan, *, batch: int | None, seq: int | None,
              coord: Mapping[str, int] | None) -> Iterable[CommOp]:
         return ()
+
+    def local_blocks(self, plan: Plan, coord: Mapping[str, int] | None) -> tuple[str, ...] | None:
+        """The blocks of ``plan.model.blocks`` the rank at ``coord`` runs (None: the room's
+        default rank), or None when this room runs every block on every rank."""
+        return None
+
+    def profile(self, plan: Plan, model) -> dict | None:
+        """Change ``model`` (a meta copy cut to one block, ``meshlab._profile``) the way
+        ``install`` would, so the activation profile sees what this room changes; may
+        return ``{'loss': loss_fn, 'contexts': [context managers the step runs in]}``."""
+        return None
+
+    def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
+        """Its share of the activation estimate: rewrite the per-rank ``ActRow``s."""
+        return rows
+
+    def transients(self, plan: Plan, *, batch: int, seq: int) -> list:
+        """``ActRow``s this room adds to the step's peak only (gathered parameters)."""
+        return []
+
+    # -- its share of the step time (``meshlab._time``) ---------------------------------
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """The compute one rank does: ``{'blocks': Work, 'rest': Work}`` rewritten."""
+        return parts
+
+    def hidden(self, plan: Plan, kind: str) -> float:
+        """The fraction of this room's ``kind`` collectives hidden behind compute."""
+        return 0.0
+
+    def idle(self, plan: Plan) -> float:
+        """The fraction of the step a rank waits (a pipeline's bubble)."""
+        return 0.0
+
+    def host_seconds(self, plan: Plan) -> float:
+        """Seconds of host work a step adds after the backward (offload's step)."""
+        return 0.0
 
     # -- composition --------------------------------------------------------------------
     def __call__(self, plan: Plan) -> Plan:

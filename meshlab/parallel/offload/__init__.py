@@ -195,6 +195,9 @@ class Offload(Transform):
         return step_cost(plan, c, self.cast(plan, c), self._compute(plan), self._stage(plan),
                          profile if profile is not None else default_profile())
 
+    def host_seconds(self, plan: Plan) -> float:
+        return self.step_cost(plan).seconds or 0.0
+
     def prepare(self, ctx) -> None:
         """Tell ``zero_shard``'s install what it builds differently: the FSDP2 units that
         keep their shards on the host, the ZeRO-1 parameters bucketed apart."""

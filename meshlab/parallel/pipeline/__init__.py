@@ -71,6 +71,45 @@ class Pipeline(Transform):
 
         return rank_rows(plan, self, rows)
 
+    def comm(self, plan: Plan, *, batch, seq, coord):
+        """The stage boundaries' sends and receives of the rank at ``coord`` (``_p2p``)."""
+        from ._p2p import p2p_comm
+
+        return p2p_comm(plan, self, batch, seq, coord)
+
+    def local_blocks(self, plan: Plan, coord) -> tuple[str, ...]:
+        """The blocks of the stages the rank at ``coord`` runs (default: the busiest)."""
+        from ._p2p import rank_blocks
+
+        return rank_blocks(plan, self, coord)
+
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """The busiest pipeline rank: its stages' blocks, the head and loss if it holds them."""
+        st = _schedule.stages(plan, self)
+        L = len(plan.model.blocks)
+        b, r = parts["blocks"], parts["rest"]
+        best = None
+        for rank in sorted({s.rank for s in st}):
+            n = sum(len(s.blocks) for s in st if s.rank == rank)
+            ends = any(s.last or s.first for s in st if s.rank == rank)
+            cand = {"blocks": b.scale(n / L), "rest": r if ends else r.scale(0.0)}
+            if best is None or cand["blocks"].flops + cand["rest"].flops > \
+                    best["blocks"].flops + best["rest"].flops:
+                best = cand
+        return best
+
+    def hidden(self, plan: Plan, kind: str) -> float:
+        return 0.5      # sends and receives are batched with the neighbour's, half waited
+
+    def idle(self, plan: Plan) -> float:
+        return _schedule.bubble(plan, self)
+
+    def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
+        """The rank holding the most: its stages' blocks per microbatch in flight."""
+        from ._schedule import rank_activations
+
+        return rank_activations(plan, self, rows, _head_modules(plan))
+
     def apply(self, plan: Plan) -> Plan:
         if not plan.model.blocks:
             raise PlanError(f"pipeline: {plan.model.cls or 'the model'} has no repeated blocks "
@@ -152,6 +191,15 @@ def draw_schedule(plan: Plan) -> str:
 def stage_table(plan: Plan):
     """A rich table: each stage's rank, blocks and parameter bytes, and the bubble."""
     return _schedule.stage_table(plan, _need(plan))
+
+
+def _head_modules(plan: Plan) -> set[str]:
+    """Modules after the last block: the final norm, the head (the last stage's)."""
+    last = plan.model.blocks[-1]
+    names = [m.fqn for m in plan.model.modules]
+    after = names[names.index(last) + 1:] if last in names else []
+    return {n for n in after if n and not n.startswith(last + ".")} | (
+        {plan.model.head} if plan.model.head else set())
 
 
 def _need(plan: Plan) -> Pipeline:

@@ -19,6 +19,7 @@ import dataclasses
 import math
 
 from ..._errors import ConfigError
+from ..._placement import local_shape
 from ..._plan import Plan, dtype_bytes
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +102,36 @@ def rank_rows(plan: Plan, opt, rows: list) -> list:
     shared = by_rank.pop(None, [])
     if not by_rank:
         return rows
-    heaviest = max(by_rank, key=lambda k: (sum(r.bytes for r in by_rank[k]), -k))
+    # Among equals, the rank ``plan.comm()`` counts by default (``busiest_rank``'s order).
+    heaviest = max(by_rank, key=lambda k: (sum(r.bytes for r in by_rank[k]),
+                                           sum(len(s.blocks) for s in st if s.rank == k),
+                                           boundaries(st, k), -k))
     return by_rank[heaviest] + shared
+
+
+def boundaries(st: list, rank: int) -> int:
+    """The boundaries between stages on two different ranks that ``rank`` sits on."""
+    return sum(1 for a, b in zip(st, st[1:]) if a.rank != b.rank and rank in (a.rank, b.rank))
+
+
+def stage_rank_bytes(plan: Plan, s: Stage) -> int:
+    """The parameter bytes one rank of stage ``s`` holds: the local shards of its blocks'
+    parameters, of the embeddings on the first stage and of the rest outside the blocks on
+    the last (tied parameters once)."""
+    sizes = plan.mesh_shape
+    blocks = tuple(b + "." for b in plan.model.blocks)
+    mine = tuple(b + "." for b in s.blocks)
+    total = 0
+    for e in plan.params:
+        if e.tied_to:
+            continue
+        if e.fqn.startswith(blocks):
+            if not e.fqn.startswith(mine):
+                continue
+        elif not (s.first if ("embed" in e.fqn or "wte" in e.fqn) else s.last):
+            continue
+        total += math.prod(local_shape(e.shape, e.mesh_spec, sizes)) * dtype_bytes(e.dtype)
+    return total
 
 
 def _balanced(weights: list[int], n: int, head: int, tail: int) -> list[int]:
@@ -150,19 +179,20 @@ def bubble(plan: Plan, opt) -> float:
 
 
 def stage_table(plan: Plan, opt):
-    """A rich table: each stage's rank, blocks and parameter bytes, and the bubble."""
+    """A rich table: each stage's rank, blocks and the parameter bytes one rank of it holds
+    (its local shards, ``stage_rank_bytes``), and the bubble."""
     from rich.table import Table
 
     from ..._plan_view import _fmt_bytes
 
     t = Table(title=f"pipeline: {opt.schedule}, {opt.microbatches} microbatches, expected "
                     f"idle fraction {bubble(plan, opt):.1%}")
-    for c in ("stage", "rank", "blocks", "params"):
-        t.add_column(c, justify="right" if c in ("stage", "rank", "params") else "left")
+    for c in ("stage", "rank", "blocks", "params per rank"):
+        t.add_column(c, justify="left" if c == "blocks" else "right")
     for s in stages(plan, opt):
         extra = (" + embeddings" if s.first else "") + (" + norm, head" if s.last else "")
         span = f"{s.blocks[0]} .. {s.blocks[-1].rsplit('.', 1)[-1]} ({len(s.blocks)}){extra}"
-        t.add_row(str(s.index), str(s.rank), span, _fmt_bytes(s.param_bytes))
+        t.add_row(str(s.index), str(s.rank), span, _fmt_bytes(stage_rank_bytes(plan, s)))
     return t
 
 
@@ -257,3 +287,57 @@ def draw_schedule(plan: Plan, opt) -> str:
     lines = [f"rank {r}: " + "".join(row) for r, row in enumerate(grid)]
     lines.append(f"(digits: forward of microbatch k; letters: its backward; idle {1 - busy:.1%})")
     return "\n".join(lines)
+
+
+def in_flight(plan: Plan, opt) -> dict[int, dict[int, int]]:
+    """Pipeline rank -> stage -> the most microbatches whose forward on that stage has
+    run and whose backward has not (weight-gradient steps included) at any one time."""
+    p, m, v = plan.mesh_shape[opt.axis], opt.microbatches, opt.v
+    out: dict[int, dict[int, int]] = {}
+    for r, row in enumerate(_actions(opt.schedule, p, m, v)):
+        live: dict[int, set] = {}
+        most: dict[int, int] = {}
+        for kind, st, mb in row:
+            if kind == "FORWARD":
+                live.setdefault(st, set()).add(mb)
+                most[st] = max(most.get(st, 0), len(live[st]))
+            elif kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT"):   # the input half keeps them
+                live.get(st, set()).discard(mb)
+        out[r] = most
+    return out
+
+
+def rank_activations(plan: Plan, opt, rows: list, head_modules: set[str]) -> list:
+    """The activation rows of the pipeline rank that holds the most: each row of the
+    block (profiled at the whole batch) once per block of each of its stages and per
+    microbatch in flight there, at a microbatch's size; the embedding side on the first
+    stage's rank, the head and loss on the last's (as ``stages`` places them)."""
+    m = opt.microbatches
+    st = stages(plan, opt)
+    flight = in_flight(plan, opt)
+    L = len(plan.model.blocks)
+    first = next(s.rank for s in st if s.first)
+    last = next(s.rank for s in st if s.last)
+    best, best_total = rows, -1.0
+    for r in sorted({s.rank for s in st}):
+        held = sum(len(s.blocks) * flight[r].get(s.index, 0) for s in st if s.rank == r)
+        out = []
+        for row in rows:
+            if row.in_block:
+                out.append(dataclasses.replace(row, bytes=row.bytes / m,
+                                               copies=row.copies * held / L,
+                                               note=f"{held} block-microbatches in flight"))
+            elif _head_side(row.module, head_modules):
+                if r == last:
+                    out.append(dataclasses.replace(row, bytes=row.bytes / m))
+            elif r == first:
+                n_first = max(flight[r].values(), default=1)
+                out.append(dataclasses.replace(row, bytes=row.bytes / m, copies=n_first))
+        total = sum(x.total for x in out)
+        if total > best_total:
+            best, best_total = out, total
+    return best
+
+
+def _head_side(module: str, head_modules: set[str]) -> bool:
+    return module == "" or any(module == h or module.startswith(h + ".") for h in head_modules)

@@ -59,6 +59,13 @@ class Sequence(Transform):
     def claims(self, plan: Plan):
         return {} if self.mode == "split_gather" else {"sp": (self.axis,)}
 
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """Each rank computes its share of the sequence (Ulysses: of the heads)."""
+        n = plan.mesh_shape.get(self.axis, 1)
+        if self.mode == "split_gather" or n == 1:
+            return parts
+        return {k: w.scale(1 / n, ops=1.0) for k, w in parts.items()}
+
     def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
         """Every rank holds its share of the sequence (Ulysses: of the heads inside
         attention, the same bytes); split_gather is shard()'s sequence parallelism."""

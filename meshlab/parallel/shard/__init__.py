@@ -19,7 +19,7 @@ from ..._rules import DEFAULT_RULES, Rules
 from ..._spec import P
 from ..._specs_tree import glob_match, match_specs, normalize_specs
 from .._gradsync import Reduction
-from .._protocol import CommOp, Part, Phase, Transform
+from .._protocol import Part, Phase, Transform
 from ._layout import sequence_parallel, tp_layout
 from ._loss import install_loss
 from ._styles import TPGroup, VocabHead
@@ -104,8 +104,32 @@ class Shard(Transform):
             return []
         return [Reduction((plan.roles.tp,), average=False, names=frozenset(reduce), order=0)]
 
+    def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
+        from ._saved import tp_activations
+
+        return tp_activations(plan, rows)
+
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """Each TP rank does 1/n of the blocks' matmuls and attention; the elementwise work
+        of the residual stream is split only under sequence parallelism."""
+        axis = plan.roles.tp
+        n = plan.mesh_shape[axis] if axis else 1
+        if n == 1:
+            return parts
+        sp = sequence_parallel(plan, axis)
+        b = parts["blocks"]
+        out = dict(parts)
+        out["blocks"] = dataclasses.replace(b, flops=b.flops // n, attn=b.attn // n,
+                                            bytes=b.bytes // n if sp else
+                                            int(b.bytes * (1 + 1 / n) / 2))
+        r = parts["rest"]
+        out["rest"] = dataclasses.replace(r, flops=r.flops // n)
+        return out
+
     def comm(self, plan: Plan, *, batch, seq, coord):
-        return _comm(plan, batch, seq, coord)
+        from ._comm import tp_comm
+
+        return tp_comm(plan, batch, seq, coord)
 
     # -- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -300,23 +324,6 @@ class _Setup:
                for m in layout.modules):
             install_loss(ctx.model)
         return None
-
-
-def _comm(plan: Plan, batch, seq, coord) -> list[CommOp]:
-    """Activation traffic of tensor parallelism (``meshlab._comm``'s docstring)."""
-    axis = plan.roles.tp
-    if axis is None or batch is None or seq is None:
-        return []
-    blocks = plan.model.blocks
-    h = plan.model.config_get("hidden_size") or plan.model.config_get("n_embd")
-    L, act = len(blocks), batch * seq * h * 4
-    sp = sequence_parallel(plan, axis)
-    ops = [CommOp("all_gather", axis, 4 * L + 2, (4 * L + 2) * act),
-           CommOp("reduce_scatter", axis, 4 * L, 4 * L * act),
-           CommOp("all_reduce", axis, 2, 2 * act)] if sp else \
-        [CommOp("all_reduce", axis, 4 * L + 2, (4 * L + 2) * act)]
-    ops.append(CommOp("all_reduce", axis, 3, 3 * batch * (seq - 1) * 4))  # the parallel loss
-    return ops      # gradient sums over tp: ``Shard.reductions`` (``_gradsync.estimate``)
 
 
 @implied_room

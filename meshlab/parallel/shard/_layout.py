@@ -40,7 +40,12 @@ class _Scan:
     kv_attn: dict = dataclasses.field(default_factory=dict)
 
     def in_region(self, fqn: str) -> bool:
-        return any(fqn.startswith(r + ".") for r in self.regions)
+        """Whether ``fqn`` lies under one of the regions (its ancestors looked up)."""
+        rs = self.__dict__.get("_region_set")
+        if rs is None:
+            rs = self.__dict__["_region_set"] = frozenset(self.regions)
+        parts = fqn.split(".")
+        return any(".".join(parts[:i]) in rs for i in range(1, len(parts)))
 
 
 def sequence_parallel(plan: Plan, axis: str) -> bool:
@@ -49,7 +54,23 @@ def sequence_parallel(plan: Plan, axis: str) -> bool:
                and a.output.dim_axes(1) == (axis,) for a in plan.activations)
 
 
+_RECENT: list = []        # (plan, rank, result): the bound plans asked last (checks, estimates)
+
+
 def tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
+    """The TP modules of a bound plan on tensor-parallel rank ``rank``, and the FQNs whose
+    gradients are summed over the TP axis (replicated, but computed from partial data);
+    the last few answers are kept, as a plan's check and estimates ask the same."""
+    for p, r, (layout, reduce) in _RECENT:
+        if p is plan and r == rank:
+            return layout, list(reduce)
+    layout, reduce = _tp_layout(plan, rank)
+    _RECENT.insert(0, (plan, rank, (layout, tuple(reduce))))
+    del _RECENT[4:]
+    return layout, list(reduce)
+
+
+def _tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
     """The TP modules of a bound plan on tensor-parallel rank ``rank``, and the FQNs whose
     gradients are summed over the TP axis (replicated, but computed from partial data)."""
     axis = plan.roles.tp

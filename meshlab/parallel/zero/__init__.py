@@ -103,6 +103,12 @@ class ZeroShard(Transform):
     def transients(self, plan: Plan, *, batch: int, seq: int) -> list:
         return zero_transients(self, plan)
 
+    def hidden(self, plan: Plan, kind: str) -> float:
+        """Stage 0 all-reduces buckets as the backward makes them, FSDP2 (2, 3) prefetches
+        its gathers and reduce-scatters during the backward: all hidden but the last
+        bucket or unit (~10%); ZeRO-1 reduces and gathers in the optimizer step."""
+        return 0.0 if self.stage == 1 else 0.9
+
     def __repr__(self) -> str:
         a = self.axis[0] if len(self.axis) == 1 else self.axis
         b = "" if self.bucket_mb == BUCKET_MB else f", bucket_mb={self.bucket_mb!r}"

@@ -62,8 +62,10 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
     grad_dt = prec.reduce if prec else None
     buckets: dict = defaultdict(int)      # (dtype, tp-sharded?) -> elements
     units: dict = defaultdict(int)        # FSDP unit -> padded elements
+    from ..._memory import rank_params
+
     blocks = plan.model.blocks
-    for e in plan.params:
+    for e in rank_params(plan, coord):       # a pipeline rank: its stages' parameters
         if e.tied_to is not None or not e.requires_grad:
             continue
         ls = local_shape(e.shape, e.mesh_spec, sizes, coord)

@@ -1,0 +1,161 @@
+"""Step time of a bound plan on a ``Machine``: compute from the profile, communication from
+``plan.comm()``, each room saying how its share overlaps.
+
+Compute, per rank: the profile's work (``meshlab._profile``: matmul FLOPs, fused-attention
+FLOPs, bytes the other ops move, ops launched; forward, backward and any recompute) at the
+machine's rates, ``flops / matmul + attn / attention + bytes / hbm + ops * launch``. The
+rooms then scale it (``Transform.step_time``): tensor and sequence parallelism divide the
+block's work, a pipeline rank runs its stages' blocks and idles for the bubble, offload
+adds its host step.
+
+Communication: every collective of ``plan.comm()`` takes ``latency + moved / bandwidth``,
+where ``moved`` is a ring's traffic (all-reduce ``2 (n-1)/n`` of the tensor, all-gather and
+reduce-scatter ``(n-1)/n``, send/recv the tensor) and the bandwidth is the node's
+(``intra``) when the axis spans no more ranks than a node holds, else the network's. The
+room that claims the axis says what its collectives hide behind: the data-parallel rooms'
+behind the backward and (ZeRO-3) the forward, the pipeline's sends behind the stage's
+compute; tensor- and sequence-parallel collectives sit on the critical path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ._machine import Machine, machine as _machine
+from ._profile import Work, profile
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds of one training step per rank, by part; ``tokens_per_s`` for the mesh."""
+
+    compute: float
+    comm: float                      # all collectives, serialized
+    exposed: float                   # what of ``comm`` is not hidden behind compute
+    bubble: float = 0.0              # pipeline idle fraction
+    extra: float = 0.0               # offload's host step
+    tokens: int = 0                  # tokens one step trains, over the whole mesh
+    parts: tuple = ()                # (name, seconds)
+    machine: str = ""
+
+    @property
+    def step(self) -> float:
+        return (self.compute + self.exposed) / (1.0 - self.bubble) + self.extra
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step if self.step else 0.0
+
+    def mfu(self, flops_per_token: float, peak: float = 989e12, ranks: int = 1) -> float:
+        """Model FLOPs utilization at ``peak`` FLOP/s per card."""
+        return self.tokens_per_s * flops_per_token / (peak * ranks)
+
+    def __repr__(self) -> str:
+        return (f"StepTime({self.step * 1e3:.1f} ms on {self.machine}: compute "
+                f"{self.compute * 1e3:.1f} ms, communication {self.comm * 1e3:.1f} ms of "
+                f"which {self.exposed * 1e3:.1f} ms exposed, bubble {self.bubble:.1%}, extra "
+                f"{self.extra * 1e3:.1f} ms; {self.tokens_per_s:,.0f} tokens/s)")
+
+
+def work_seconds(w: Work, m: Machine) -> float:
+    attn = m.attention or m.matmul * 0.66
+    return w.flops / m.matmul + w.attn / attn + w.bytes / m.hbm + w.ops * m.launch
+
+
+def comm_seconds(kind: str, n: int, nbytes: float, bandwidth: float, latency: float,
+                 count: int) -> float:
+    if n <= 1 or not count:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "send": 1.0, "recv": 0.0,
+              "all_to_all": (n - 1) / n}.get(kind, (n - 1) / n)
+    return count * latency + nbytes * factor / bandwidth
+
+
+def axis_bandwidth(plan, axis: str, m: Machine) -> float:
+    """The node's bandwidth if ``axis`` (with every axis inside it) fits in a node."""
+    names = [n for n, _ in plan.mesh]
+    sizes = plan.mesh_shape
+    span = 1
+    for name in reversed(names):
+        span *= sizes[name]
+        if name == axis:
+            break
+    return m.intra if span <= m.gpus_per_node else m.inter
+
+
+def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
+    """The step time of ``plan`` (module docstring) for ``batch`` sequences of ``seq``
+    tokens per data-parallel rank, on ``gpu`` (a preset, a JSON profile or a Machine)."""
+    from ._errors import PlanError
+
+    m = _machine(gpu)
+    if plan.source is None:
+        raise PlanError("plan.time(): this plan has no model to profile (read from JSON); "
+                        "plan the model with meshlab.plan(model, spec, mesh)")
+    pr = profile(plan.source, plan, batch, seq)
+    n_blocks = len(plan.model.blocks)
+    block = pr.work.get(("block", "fwd"), Work()) + pr.work.get(("block", "bwd"), Work())
+    rest = pr.work.get(("rest", "fwd"), Work()) + pr.work.get(("rest", "bwd"), Work())
+    parts = {"blocks": block.scale(n_blocks), "rest": rest}
+    for t in plan.rooms:
+        parts = t.work_share(plan, parts)
+    compute = sum(work_seconds(w, m) for w in parts.values())
+    comm, hidable, fixed = 0.0, 0.0, 0.0
+    est = plan.comm(batch=batch, seq=seq)
+    owner = _owners(plan)
+    for (kind, axis), (count, nbytes) in est.ops.items():
+        if axis is None or kind == "control":
+            continue
+        n = _axis_size(plan, axis)
+        s = comm_seconds(kind, n, nbytes, _bandwidth(plan, axis, m), m.latency, count)
+        comm += s
+        room = owner.get(axis)
+        frac = room.hidden(plan, kind) if room is not None else 0.0
+        hidable += s * frac
+        fixed += s * (1 - frac)
+    exposed = fixed + max(0.0, hidable - compute)
+    bubble, extra = 0.0, 0.0
+    for t in plan.rooms:
+        bubble = max(bubble, t.idle(plan))
+        extra += t.host_seconds(plan)
+    dp = _dp_size(plan)
+    return StepTime(compute=compute, comm=comm, exposed=exposed, bubble=bubble, extra=extra,
+                    tokens=batch * seq * dp,
+                    parts=tuple((k, work_seconds(w, m)) for k, w in parts.items()),
+                    machine=m.name)
+
+
+def _axis_size(plan, axis: str) -> int:
+    import math
+
+    sizes = plan.mesh_shape
+    return math.prod(sizes[a] for a in axis.split("_") if a in sizes) if axis not in sizes \
+        else sizes[axis]
+
+
+def _bandwidth(plan, axis: str, m: Machine) -> float:
+    names = [a for a in axis.split("_") if a in plan.mesh_shape] if axis not in \
+        plan.mesh_shape else [axis]
+    return min(axis_bandwidth(plan, a, m) for a in names) if names else m.inter
+
+
+def _owners(plan) -> dict:
+    """Mesh axis (or joined axes) -> the room that claims it."""
+    out = {}
+    for t in plan.rooms:
+        if t.kind == "shard" and plan.roles.tp:
+            out[plan.roles.tp] = t
+        for axes in t.claims(plan).values():
+            axes = tuple(axes)
+            out["_".join(axes)] = t
+            for a in axes:
+                out.setdefault(a, t)
+    return out
+
+
+def _dp_size(plan) -> int:
+    import math
+
+    r = plan.roles
+    axes = tuple(getattr(r, "dp", ()) or ()) + tuple(getattr(r, "fsdp", ()) or ())
+    return math.prod(plan.mesh_shape[a] for a in axes if a in plan.mesh_shape) or 1
