@@ -3,7 +3,8 @@
 
 Compute, per rank: the profile's work (``meshlab._profile``: matmul FLOPs, fused-attention
 FLOPs, bytes the other ops move, ops launched; forward, backward and any recompute) at the
-machine's rates, ``flops / matmul + attn / attention + bytes / hbm + ops * launch``. The
+machine's rates, ``flops / matmul + attn / attention + bytes / hbm + ops * launch``, plus
+the optimizer step (the bytes AdamW reads and writes on the device). The
 rooms then scale it (``Transform.step_time``): tensor and sequence parallelism divide the
 block's work, a pipeline rank runs its stages' blocks and idles for the bubble, offload
 adds its host step.
@@ -99,6 +100,7 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
     parts = {"blocks": block.scale(n_blocks), "rest": rest}
     for t in plan.rooms:
         parts = t.work_share(plan, parts)
+    parts["optimizer"] = _optimizer_work(plan)
     compute = sum(work_seconds(w, m) for w in parts.values())
     comm, hidable, fixed = 0.0, 0.0, 0.0
     est = plan.comm(batch=batch, seq=seq)
@@ -123,6 +125,19 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
                     tokens=batch * seq * dp,
                     parts=tuple((k, work_seconds(w, m)) for k, w in parts.items()),
                     machine=m.name)
+
+
+def _optimizer_work(plan) -> Work:
+    """The optimizer step on the device: AdamW reads the parameters, gradients and its
+    states and writes the parameters and states back (fused: a few launches)."""
+    from ._memory import room_rows
+
+    by: dict[str, int] = {}
+    for r in room_rows(plan):
+        if r.where == "device":
+            by[r.category] = by.get(r.category, 0) + r.bytes
+    moved = 2 * by.get("params", 0) + by.get("grads", 0) + 2 * by.get("optimizer", 0)
+    return Work(bytes=moved, ops=8)
 
 
 def _axis_size(plan, axis: str) -> int:

@@ -36,7 +36,7 @@ def zero_memory(t, plan: Plan, rows: list) -> list:
     n = math.prod(plan.mesh_shape[a] for a in t.axis)
     if t.stage >= 2:
         return [dataclasses.replace(r, shape=_split(r.shape, n)) for r in rows]
-    if t.stage == 0:
+    if t.stage == 0 or n == 1:         # ZeRO-1 over one rank keeps no slices
         return rows
     out = []
     for r in rows:
@@ -99,16 +99,13 @@ def _stage_ops(stage, name, dp, buckets, units, prec) -> list[CommOp]:
 
 
 def zero_transients(t, plan: Plan) -> list:
-    """What FSDP2 gathers at the peak, beyond the shards counted in memory: ZeRO-3 one
-    unit in use and the next prefetched (the largest two), ZeRO-2 every unit (kept
-    gathered from forward to backward); each unit's whole gradient before its
-    reduce-scatter. Layouts sharded by spec (FSDP by spec) and stage < 2 add nothing."""
+    """What FSDP2 gathers at the peak, in buffers beside the shards counted in memory
+    (at any world size): ZeRO-3 one unit in use and the next prefetched (the largest two),
+    ZeRO-2 every unit (kept gathered from forward to backward); a unit's whole gradient
+    before its reduce-scatter. Layouts sharded by spec (FSDP by spec) and stage < 2 add nothing."""
     from ..._activations import ActRow
 
     if t.stage < 2 or plan.roles.fsdp:
-        return []
-    n = math.prod(plan.mesh_shape[a] for a in t.axis)
-    if n == 1:
         return []
     prec = plan.get(Precision)
     sizes = plan.mesh_shape
@@ -122,9 +119,10 @@ def zero_transients(t, plan: Plan) -> list:
     pb = dtype_bytes(prec.compute) if prec else 4
     gb = dtype_bytes(prec.reduce) if prec else 4
     held = sorted(units.values(), reverse=True)[:2] if t.stage == 3 else list(units.values())
+    # FSDP2 gathers into buffers of its own, beside the shards (at any world size).
     rows = [ActRow(module="(gathered parameters)", op="all_gather", dtype="",
-                   shape=(sum(held),), bytes=sum(held) * pb * (n - 1) / n)]
+                   shape=(sum(held),), bytes=sum(held) * pb)]
     rows.append(ActRow(module="(unit gradient)", op="reduce_scatter", dtype="",
                        shape=(max(units.values(), default=0),),
-                       bytes=max(units.values(), default=0) * gb * (n - 1) / n))
+                       bytes=max(units.values(), default=0) * gb))
     return rows
