@@ -10,7 +10,7 @@ trains ``warmup`` then ``steps`` steps through ``ml.parallelize`` + ``ml.step`` 
 parameters, torch's fused AdamW); measured = the median step (CUDA events) and
 ``max_memory_allocated`` over the timed steps; predicted = ``plan.memory(batch=,
 seq=).peak`` and ``plan.time(batch=, seq=).step`` of the same spec on a fake mesh of one.
-Writes ``results/plan_accuracy_<card>.json`` with every row.
+Writes ``results/plan_accuracy[_<shape>]_<card>.json`` after every row.
 """
 
 from __future__ import annotations
@@ -108,8 +108,10 @@ def measure(name: str, steps: int, warmup: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=None)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--shape", choices=tuple(SHAPES), default=None,
+                    help="only this shape's rows; the JSON is named after it")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--copy-to", default=None)
     args = ap.parse_args()
     import torch.distributed as dist
@@ -121,8 +123,10 @@ def main() -> None:
         os.environ.setdefault("MASTER_PORT", "29533")
         dist.init_process_group("nccl", rank=0, world_size=1)
     card = ml.calibrate(progress=lambda s: print("calibrate:", s, flush=True))
-    rows = args.only.split(",") if args.only else list(ROWS)
+    rows = args.only.split(",") if args.only else [
+        n for n in ROWS if args.shape is None or ROWS[n][0] == args.shape]
     results = {}
+    prefix = "plan_accuracy" + (f"_{args.shape}" if args.shape else "")
     for name in rows:
         r: dict = {"batch": ROWS[name][1], "seq": ROWS[name][2],
                    "spec": repr(ROWS[name][3](ml))}
@@ -143,6 +147,11 @@ def main() -> None:
         results[name] = r
         gc.collect()
         torch.cuda.empty_cache()
+        _write(prefix, card, args, results)        # after every row: a cut run keeps its rows
+    dist.destroy_process_group()
+
+
+def _write(prefix, card, args, results) -> None:
     import transformers
 
     dev = torch.cuda.get_device_properties(0)
@@ -156,10 +165,9 @@ def main() -> None:
                      f"from meshlab.calibrate's rates on this card",
            "worst_peak_error": max((abs(r["peak_error"]) for r in ok), default=None),
            "worst_time_error": max((abs(r["time_error"]) for r in ok), default=None),
-           "results": results}
-    path = _results.write("plan_accuracy", dev.name, out, args.copy_to)
-    print(f"wrote {path}")
-    dist.destroy_process_group()
+           "rows_planned": len(ROWS), "results": results}
+    path = _results.write(prefix, dev.name, out, args.copy_to)
+    print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ Two sets of rows come out, each an ``ActRow`` (a storage of the profile, the mod
 made it, and how many copies of it a rank holds):
 
 * ``saved``: what the forward leaves for the backward, on the rank that holds most:
-  one copy per block the rank runs, one of what lives outside the blocks;
+  one copy per block the rank runs, one of what lives outside the blocks; the hidden
+  states between blocks once per block when the block keeps its input (checkpointing),
+  the last block's output once when the final norm keeps it;
 * ``peak``: what is alive at the step's highest moment: the profile's own peak (one
   block's backward, the loss and its gradient, the gradients made so far) plus the other
   blocks' saved activations, and the transients the rooms add there (ZeRO-3's gathered
@@ -76,7 +78,7 @@ class ActivationEstimate:
 
 
 def _row(s: Saved, block: str, copies: float = 1.0) -> ActRow:
-    inside = s.in_block(block)
+    inside = s.in_block(block) or s.role == "block_input"
     return ActRow(module=s.module, op=s.op, dtype=s.dtype, shape=s.shape, bytes=float(s.bytes),
                   copies=copies, in_block=inside, grad=s.grad, users=s.users)
 
@@ -95,14 +97,27 @@ def estimate_activations(plan, batch: int, seq: int,
                         "mesh) to count activations")
     pr = profile(model, plan, batch, seq)
     n_blocks = len(plan.model.blocks)
-    saved = [_row(s, pr.block, n_blocks if s.in_block(pr.block) else 1) for s in pr.saved]
-    others = [_row(s, pr.block, n_blocks - 1) for s in pr.saved if s.in_block(pr.block)]
+    saved = [_row(s, pr.block, _copies(s, pr.block, n_blocks)) for s in pr.saved]
+    others = [_row(s, pr.block, _copies(s, pr.block, n_blocks) - 1) for s in pr.saved
+              if _copies(s, pr.block, n_blocks) > 1]
     peak = [_row(s, pr.block) for s in pr.peak] + others
     for t in plan.rooms:
         saved = list(t.activation_memory(plan, saved, batch=batch, seq=seq))
         peak = list(t.activation_memory(plan, peak, batch=batch, seq=seq))
     peak = _local_grads(plan, peak, grad_bytes)
     return ActivationEstimate(tuple(saved), tuple(peak), batch, seq)
+
+
+def _copies(s: Saved, block: str, n_blocks: int) -> int:
+    """How many of ``s`` a model of ``n_blocks`` blocks holds. A block's input is the
+    previous block's output: kept once per block if the profiled block keeps its input
+    (checkpointing, a norm that saves it); its own output once (the last block's, if the
+    final norm keeps it)."""
+    if s.role == "block_input":
+        return n_blocks
+    if s.role == "block_output":
+        return 1
+    return n_blocks if s.in_block(block) else 1
 
 
 def _local_grads(plan, rows: list[ActRow], local: dict[str, int]) -> list[ActRow]:

@@ -27,7 +27,7 @@ class Machine:
     memory: int                    # bytes the framework can allocate on one card
     matmul: float                  # dense bf16 matmul FLOP/s reached (large GEMMs)
     hbm: float                     # device memory bandwidth reached (bytes/s, read+write)
-    launch: float = 6e-6           # seconds per kernel launched by an eager step
+    launch: float = 25e-6          # host seconds per op of an eager step (its dispatch)
     intra: float = 370e9           # collective bus bandwidth inside a node (bytes/s)
     inter: float = 45e9            # collective bus bandwidth across nodes, per card
     latency: float = 15e-6         # seconds per collective (start-up)
@@ -154,15 +154,34 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
 
     attention = 3.5 * 4 * b_ * h * s * s * d * 0.5 / timed(attn)
     progress(f"attention fwd+bwd: {attention / 1e12:.1f} TFLOP/s")
-    tiny = torch.ones(8, device=dev)
-
-    def launches():
-        for _ in range(100):
-            tiny.add_(1)
-
-    launch = timed(launches) / 100
-    progress(f"launch: {launch * 1e6:.1f} us per op")
+    launch = _host_per_op(dev, timed)
+    progress(f"host: {launch * 1e6:.1f} us per op of an eager training step")
     return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention, launch=launch)
+
+
+def _host_per_op(dev: str, timed) -> float:
+    """Seconds of host work per op of an eager training step: a tiny Llama's step (whose
+    device work is negligible) over the ops its profile counts."""
+    import torch
+
+    from . import presets
+    from ._profile import profile
+    from ._trace import trace
+
+    model = presets.build("tiny-llama", device=dev, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = torch.randint(0, 256, (1, 16), device=dev)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    seconds = timed(step)
+    pr = profile(presets.build("tiny-llama"), trace(presets.build("tiny-llama")), 1, 16)
+    blocks = len(trace(model).model.blocks)
+    ops = sum(w.ops * (blocks if part == "block" else 1) for (part, _), w in pr.work.items())
+    return seconds / max(ops + 8, 1)
 
 
 def calibrate(device: str | None = None, *, name: str | None = None, quick: bool = False,
@@ -171,7 +190,8 @@ def calibrate(device: str | None = None, *, name: str | None = None, quick: bool
     shape a 2048-wide block runs and a large one, a memory-bound elementwise op, fused
     attention forward and backward, the launch cost of a tiny op, pinned host copies.
     Timed with CUDA events (CPU: ``perf_counter``), after warm-up, the median of the
-    repeats. Links between cards keep the preset's figures."""
+    repeats; the host cost per op from a tiny model's eager step. Links between cards keep
+    the preset's figures."""
     import os
 
     import torch

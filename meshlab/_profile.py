@@ -49,6 +49,7 @@ class Saved:
     bytes: int
     grad: str = ""
     users: tuple[str, ...] = ()     # modules of the ops that read it in the forward
+    role: str = ""                  # 'block_input' / 'block_output': the hidden states
 
     def in_block(self, block: str) -> bool:
         return self.module == block or self.module.startswith(block + ".")
@@ -233,6 +234,25 @@ def _attention_flops(name: str, args, kwargs) -> int:
     return int(f * (2.5 if name.endswith("backward") else 1.0))
 
 
+def _watch_ends(block: nn.Module) -> dict:
+    """Storage ids of the block's hidden-state input and output, filled as it runs."""
+    ends: dict = {}
+
+    def first(x):
+        x = x[0] if isinstance(x, (tuple, list)) and x else x
+        return x.untyped_storage()._cdata if isinstance(x, torch.Tensor) else None
+
+    def pre(_m, args, kwargs):
+        ends["block_input"] = first(args) if args else first(kwargs.get("hidden_states"))
+
+    def post(_m, _args, out):
+        ends["block_output"] = first(out)
+
+    ends["hooks"] = [block.register_forward_pre_hook(pre, with_kwargs=True),
+                     block.register_forward_hook(post)]
+    return ends
+
+
 def _row(v: list, grad: str = "") -> Saved:
     return Saved(module=v[2], op=v[3], dtype=v[4], shape=v[5], bytes=v[1], grad=grad,
                  users=tuple(v[7]))
@@ -262,6 +282,7 @@ def _run(model: nn.Module, block: str, batch: int, seq: int, loss_fn, contexts) 
         tracker = ModuleTracker()
         rec = _Recorder(tracker, skip)
         rec._block = block
+        ends = _watch_ends(model.get_submodule(block))
         with tracker, rec, contextlib.ExitStack() as stack:
             for c in contexts:
                 stack.enter_context(c)
@@ -275,8 +296,12 @@ def _run(model: nn.Module, block: str, batch: int, seq: int, loss_fn, contexts) 
         # The peak: the moment the most bytes are alive (gradients included).
         best = max(rec.snapshots, key=lambda s: sum(rec.made[k][1] for k in s[1]),
                    default=(0, ()))
+        for h in ends.pop("hooks"):
+            h.remove()
+        role = {v: k for k, v in ends.items()}
         return Profile(batch=batch, seq=seq, block=block,
-                       saved=tuple(_row(rec.made[k]) for k in saved),
+                       saved=tuple(dataclasses.replace(_row(rec.made[k]), role=role.get(k, ""))
+                                   for k in saved),
                        peak=tuple(_row(rec.made[k], grads.get(k, "")) for k in best[1]),
                        work=dict(rec.work))
 
