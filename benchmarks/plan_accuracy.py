@@ -89,8 +89,13 @@ def measure(name: str, steps: int, warmup: int) -> dict:
     import meshlab as ml
 
     shape, batch, seq, make = ROWS[name]
+    import transformers
+
     spec = make(ml)
-    model = ml.parallelize(_meta_model(shape, seq), spec, ml.Mesh(dp=1), seed=0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):      # initialized on the card (a meta model would be on the host)
+        model = transformers.LlamaForCausalLM(_config(shape, seq)).to(torch.bfloat16)
+    model = ml.parallelize(model, spec, ml.Mesh(dp=1))
     opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-5, fused=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, SHAPES[shape]["vocab_size"], (batch, seq), device="cuda",

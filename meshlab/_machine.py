@@ -27,7 +27,8 @@ class Machine:
     memory: int                    # bytes the framework can allocate on one card
     matmul: float                  # dense bf16 matmul FLOP/s reached (large GEMMs)
     hbm: float                     # device memory bandwidth reached (bytes/s, read+write)
-    launch: float = 25e-6          # host seconds per op of an eager step (its dispatch)
+    launch: float = 10e-6          # device seconds lost per kernel (launch gap)
+    host_op: float = 35e-6         # host seconds per op of an eager training step
     intra: float = 370e9           # collective bus bandwidth inside a node (bytes/s)
     inter: float = 45e9            # collective bus bandwidth across nodes, per card
     latency: float = 15e-6         # seconds per collective (start-up)
@@ -50,18 +51,20 @@ class Machine:
         return dataclasses.replace(self, **kw)
 
 
-# H200: measured on one H200 SXM (bf16 8192^3 matmul 799 TFLOP/s; copy 4.3 TB/s; pinned
-# copies 55 GB/s; cuDNN attention fwd+bwd ~530 TFLOP/s); NVLink ring busBw ~370 GB/s with
-# NVLS off. The others: datasheet peaks scaled by the H200's reached fractions.
+# H200: what ``calibrate`` measured on one H200 SXM (benchmarks/results/plan_accuracy_*):
+# bf16 matmul 680-770 TFLOP/s by shape, x*y 3.5-3.75 TB/s, cuDNN attention forward and
+# backward ~440 TFLOP/s, 10.8 us per tiny op, 35-42 us of host per op of an eager step,
+# pinned copies 55 GB/s; NVLink ring busBw ~370 GB/s with NVLS off. The others: datasheet
+# peaks scaled by the fractions the H200 reaches of its own.
 PRESETS: dict[str, Machine] = {
-    "h200": Machine("h200", memory=int(139.8 * GiB), matmul=790e12, hbm=4.3e12,
-                    attention=530e12, host=55e9),
-    "h100": Machine("h100", memory=int(79.2 * GiB), matmul=790e12, hbm=3.0e12,
-                    attention=530e12, host=55e9),
-    "a100": Machine("a100", memory=int(79.2 * GiB), matmul=250e12, hbm=1.8e12,
-                    attention=180e12, intra=230e9, inter=22e9, host=24e9),
-    "b200": Machine("b200", memory=int(178 * GiB), matmul=1800e12, hbm=7.0e12,
-                    attention=1100e12, intra=740e9, inter=90e9, host=55e9),
+    "h200": Machine("h200", memory=int(139.8 * GiB), matmul=720e12, hbm=3.6e12,
+                    attention=440e12, launch=10.8e-6, host_op=35e-6, host=55e9),
+    "h100": Machine("h100", memory=int(79.2 * GiB), matmul=720e12, hbm=2.5e12,
+                    attention=440e12, launch=10.8e-6, host_op=35e-6, host=55e9),
+    "a100": Machine("a100", memory=int(79.2 * GiB), matmul=230e12, hbm=1.5e12,
+                    attention=150e12, intra=230e9, inter=22e9, host=24e9),
+    "b200": Machine("b200", memory=int(178 * GiB), matmul=1640e12, hbm=6.0e12,
+                    attention=1000e12, intra=740e9, inter=90e9, host=55e9),
 }
 
 
@@ -154,9 +157,18 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
 
     attention = 3.5 * 4 * b_ * h * s * s * d * 0.5 / timed(attn)
     progress(f"attention fwd+bwd: {attention / 1e12:.1f} TFLOP/s")
-    launch = _host_per_op(dev, timed)
-    progress(f"host: {launch * 1e6:.1f} us per op of an eager training step")
-    return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention, launch=launch)
+    tiny = torch.ones(8, device=dev)
+
+    def launches():
+        for _ in range(100):
+            tiny.add_(1)
+
+    launch = timed(launches) / 100
+    progress(f"launch: {launch * 1e6:.1f} us per op")
+    host_op = _host_per_op(dev, timed)
+    progress(f"host: {host_op * 1e6:.1f} us per op of an eager training step")
+    return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention, launch=launch,
+                host_op=host_op)
 
 
 def _host_per_op(dev: str, timed) -> float:
@@ -190,8 +202,8 @@ def calibrate(device: str | None = None, *, name: str | None = None, quick: bool
     shape a 2048-wide block runs and a large one, a memory-bound elementwise op, fused
     attention forward and backward, the launch cost of a tiny op, pinned host copies.
     Timed with CUDA events (CPU: ``perf_counter``), after warm-up, the median of the
-    repeats; the host cost per op from a tiny model's eager step. Links between cards keep
-    the preset's figures."""
+    repeats; the launch gap from a loop of tiny ops, the host cost per op from a tiny
+    model's eager step. Links between cards keep the preset's figures."""
     import os
 
     import torch

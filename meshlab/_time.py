@@ -3,8 +3,9 @@
 
 Compute, per rank: the profile's work (``meshlab._profile``: matmul FLOPs, fused-attention
 FLOPs, bytes the other ops move, ops launched; forward, backward and any recompute) at the
-machine's rates, ``flops / matmul + attn / attention + bytes / hbm`` on the device or
-``ops * launch`` on the host (an eager step's dispatch), whichever is longer, plus
+machine's rates, ``flops / matmul + attn / attention + bytes / hbm + ops * launch`` on the
+device or ``ops * host_op`` on the host (an eager step's dispatch), whichever is longer,
+plus
 the optimizer step (the bytes AdamW reads and writes on the device). The
 rooms then scale it (``Transform.step_time``): tensor and sequence parallelism divide the
 block's work, a pipeline rank runs its stages' blocks and idles for the bubble, offload
@@ -60,11 +61,12 @@ class StepTime:
 
 
 def work_seconds(w: Work, m: Machine) -> float:
-    """The device's time or the host's, whichever is longer (the host queues kernels
-    ahead of the device)."""
+    """The device's time (its work, and a launch gap per kernel) or the host's (issuing
+    every op of an eager step), whichever is longer: the host runs ahead of the device
+    until the device waits on it."""
     attn = m.attention or m.matmul * 0.66
-    device = w.flops / m.matmul + w.attn / attn + w.bytes / m.hbm
-    return max(device, w.ops * m.launch)
+    device = w.flops / m.matmul + w.attn / attn + w.bytes / m.hbm + w.ops * m.launch
+    return max(device, w.ops * m.host_op)
 
 
 def comm_seconds(kind: str, n: int, nbytes: float, bandwidth: float, latency: float,
