@@ -173,12 +173,11 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
 
 def _host_per_op(dev: str, timed) -> float:
     """Seconds of host work per op of an eager training step: a tiny Llama's step (whose
-    device work is negligible) over the ops its profile counts."""
+    device work is negligible) over its ops that make a new tensor (the profile's count)."""
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from . import presets
-    from ._profile import profile
-    from ._trace import trace
 
     model = presets.build("tiny-llama", device=dev, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -190,10 +189,24 @@ def _host_per_op(dev: str, timed) -> float:
         opt.zero_grad(set_to_none=True)
 
     seconds = timed(step)
-    pr = profile(presets.build("tiny-llama"), trace(presets.build("tiny-llama")), 1, 16)
-    blocks = len(trace(model).model.blocks)
-    ops = sum(w.ops * (blocks if part == "block" else 1) for (part, _), w in pr.work.items())
-    return seconds / max(ops + 8, 1)
+
+    class _Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            new = {o.untyped_storage()._cdata for o in outs if isinstance(o, torch.Tensor)}
+            old = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
+            self.ops += bool(new - old)          # made a tensor (not a view, not in place)
+            return out
+
+    with _Count() as c:
+        model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    return seconds / max(c.ops + 8, 1)      # + the optimizer's few fused launches
 
 
 def calibrate(device: str | None = None, *, name: str | None = None, quick: bool = False,
