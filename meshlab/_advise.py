@@ -1,7 +1,7 @@
 """``advise``: search the layouts of a model over ``gpus`` cards and rank those that fit.
 
-The search walks meshes (``pp`` x ``dp`` x ``tp``, tensor parallelism inside a node and
-dividing the heads), the ZeRO stage (1, or 3 without a pipeline), ``remat`` (none,
+The search walks meshes (``pp`` x ``dp`` x ``sp`` x ``tp``, tensor parallelism inside a
+node and dividing the heads, Ulysses sequence parallelism from 16k tokens), the ZeRO stage (1, or 3 without a pipeline), ``remat`` (none,
 selective, full) and, with a pipeline, the microbatches (2 and 4 per stage), for a global
 batch of ``batch`` sequences of ``seq`` tokens. Each layout is planned on a fake mesh
 (every room's check runs: what ``parallelize`` would refuse is skipped), its peak memory
@@ -123,14 +123,19 @@ def _pow2_divisors(n: int, cap: int) -> list[int]:
     return out
 
 
-def meshes(gpus: int, *, heads: int, blocks: int, tp_max: int = 8, pp_max: int = 64):
-    """``(pp, dp, tp)`` with ``pp * dp * tp == gpus``, tp dividing the heads."""
+def meshes(gpus: int, *, heads: int, blocks: int, tp_max: int = 8, pp_max: int = 64,
+           sp_max: int = 1):
+    """``(pp, dp, sp, tp)`` with ``pp * dp * sp * tp == gpus``, ``tp * sp`` dividing the
+    heads (Ulysses splits them over sp inside attention), no sp with a pipeline."""
     out = []
     for tp in _pow2_divisors(gpus, tp_max):
         if heads % tp:
             continue
-        for pp in _pow2_divisors(gpus // tp, min(pp_max, blocks)):
-            out.append((pp, gpus // (tp * pp), tp))
+        for sp in _pow2_divisors(gpus // tp, sp_max):
+            if heads % (tp * sp):
+                continue
+            for pp in _pow2_divisors(gpus // (tp * sp), 1 if sp > 1 else min(pp_max, blocks)):
+                out.append((pp, gpus // (tp * sp * pp), sp, tp))
     return out
 
 
@@ -145,7 +150,7 @@ def advise(model, *, gpus: int, gpu="h200", batch: int | None = None, seq: int =
     from ._machine import machine
     from ._mesh import Mesh
     from ._trace import trace
-    from .parallel import pipeline, remat, shard, zero_shard
+    from .parallel import pipeline, remat, sequence, shard, zero_shard
 
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"advise(gpus={gpus!r}): the number of cards, an integer >= 1")
@@ -159,7 +164,8 @@ def advise(model, *, gpus: int, gpu="h200", batch: int | None = None, seq: int =
     L = len(info.blocks)
     tried, refused = [], 0
     cands = []
-    for pp, dp, tp in meshes(gpus, heads=heads, blocks=L, tp_max=tp_max):
+    sp_max = 8 if seq >= 16384 else 1          # long sequences: Ulysses is searched too
+    for pp, dp, sp, tp in meshes(gpus, heads=heads, blocks=L, tp_max=tp_max, sp_max=sp_max):
         if batch % dp:
             continue
         per_dp = batch // dp
@@ -167,12 +173,14 @@ def advise(model, *, gpus: int, gpu="h200", batch: int | None = None, seq: int =
             if pp > 1 else [None]
         for zero in ((1,) if pp > 1 else (1, 3)):
             for mb in mbs:
-                cands.append((pp, dp, tp, zero, mb, per_dp))
+                cands.append((pp, dp, sp, tp, zero, mb, per_dp))
     bar = _progress(progress, len(cands) * len(remats))
-    for pp, dp, tp, zero, mb, per_dp in cands:
-        axes = {k: v for k, v in (("pp", pp), ("dp", dp), ("tp", tp)) if v > 1} or {"dp": 1}
+    for pp, dp, sp, tp, zero, mb, per_dp in cands:
+        axes = {k: v for k, v in (("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp))
+                if v > 1} or {"dp": 1}
         parts = [zero_shard(zero, "dp")] if "dp" in axes else []
         parts += [pipeline("pp", microbatches=mb)] if mb is not None else []
+        parts += [sequence("sp", "all_to_all")] if sp > 1 else []
         try:
             base = traced
             for t in parts:

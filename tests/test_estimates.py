@@ -191,3 +191,12 @@ def test_saved_counter_matches_the_profile_on_one_process():
             loss = ml.losses.causal_lm_loss(model(input_ids=ids), {"input_ids": ids})
         got = sc.saved(exclude=[loss])
         assert abs(want / got - 1) < 0.02, (family, got, want)
+
+
+def test_advise_searches_sequence_parallelism_for_long_sequences():
+    a = ml.advise(_llama(), gpus=16, batch=4, seq=32768)
+    sps = {dict(t.mesh).get("sp", 1) for t in a.tried}
+    assert sps >= {1, 2, 4}, sps
+    assert all("sequence" in t.spec for t in a.tried if dict(t.mesh).get("sp", 1) > 1)
+    short = ml.advise(_llama(**SMALL), gpus=16, batch=16, seq=2048)
+    assert all("sp" not in dict(t.mesh) for t in short.tried)

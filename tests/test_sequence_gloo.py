@@ -88,6 +88,12 @@ def test_ulysses_collectives(world4):
     assert got["all_to_all"] == (8 * L, 8 * L * a2a)
     assert got["all_gather"] == (2, 2 * B * S * H * D * 4)
     assert got["all_reduce"] == (1, block_params * 4)
+    import meshlab as ml
+
+    plan = ml.plan(M.build("llama"), ml.sequence("sp", "all_to_all"), ml.Mesh(sp=4, fake=True))
+    est = plan.comm(batch=B, seq=S)
+    assert {k: (est.count(k), est.bytes(k)) for k in ("all_to_all", "all_gather")} == \
+        {k: got[k] for k in ("all_to_all", "all_gather")}
 
 
 def ring_comm_case(rank, world):
@@ -112,3 +118,8 @@ def test_ring_point_to_point_volume(world4):
     B, S, H, D, L, n = 4, 16, 4, 8, 2, 4
     block = B * H * (S // n) * D * 4
     assert all(o == (4 * L * (n - 1), 4 * L * (n - 1) * block) for o in out), out
+    import meshlab as ml
+
+    plan = ml.plan(M.build("llama"), ml.sequence("sp", "ring"), ml.Mesh(sp=4, fake=True))
+    est = plan.comm(batch=B, seq=S)
+    assert (est.count("send"), est.bytes("send")) == out[0]

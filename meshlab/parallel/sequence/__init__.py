@@ -116,6 +116,32 @@ class Sequence(Transform):
                           if any(e.fqn.startswith(b + ".") for b in blocks))
         return [Reduction((self.axis,), average=False, names=names, order=5)]
 
+    def comm(self, plan: Plan, *, batch, seq, coord):
+        """Per block, Ulysses moves q, k, v and the output through one all-to-all each way
+        (k and v after GQA expansion: heads x seq/n x head_dim), and the sequence is
+        gathered once after the blocks and once (gradients) before them; ring sends K and
+        V n - 1 steps forward and their gradients n - 1 steps back."""
+        from .._protocol import CommOp
+
+        n = plan.mesh_shape.get(self.axis, 1)
+        if self.mode == "split_gather" or n == 1 or batch is None or seq is None:
+            return []
+        from ..._dtypes import dtype_bytes
+
+        cfg = plan.model.config_get
+        h = cfg("hidden_size") or cfg("n_embd")
+        heads = cfg("num_attention_heads") or cfg("n_head")
+        d = cfg("head_dim") or h // heads
+        wb = dtype_bytes(plan.params[0].dtype) if plan.params else 4
+        L = len(plan.model.blocks)
+        piece = batch * heads * (seq // n) * d * wb
+        if self.mode == "ring":
+            k = 4 * L * (n - 1)
+            return [CommOp("send", self.axis, k, k * piece), CommOp("recv", self.axis, k,
+                                                                     k * piece)]
+        return [CommOp("all_to_all", self.axis, 8 * L, 8 * L * piece),
+                CommOp("all_gather", self.axis, 2, 2 * batch * seq * h * wb)]
+
     def __repr__(self) -> str:
         return f"sequence({self.axis!r}, mode={self.mode!r})"
 
