@@ -74,6 +74,25 @@ def _check_plan_flags(args) -> None:
                           f"create it or write the plan elsewhere")
 
 
+def _specs_arg(path: str) -> dict:
+    """``--specs specs.json``: ``{"<fqn glob>": [axis or null or [axes], ...]}`` as P's."""
+    import json
+
+    from ._errors import ConfigError
+    from ._spec import P
+
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--specs {path!r}: cannot read it as JSON ({e}); write "
+                          f'{{"layers.*.mlp.up_proj.weight": ["mlp", "embed"]}}') from None
+    if not isinstance(raw, dict) or not all(isinstance(v, list) for v in raw.values()):
+        raise ConfigError(f"--specs {path!r}: expected an object of FQN globs to lists, e.g. "
+                          f'{{"layers.*.mlp.up_proj.weight": ["mlp", "embed"]}}')
+    return {k: P(*(tuple(x) if isinstance(x, list) else x for x in v)) for k, v in raw.items()}
+
+
 def _offload_arg(text: str):
     """``--offload optimizer=1.0,grads=0.5`` or ``--offload auto=120GiB``."""
     from ._errors import ConfigError
@@ -115,7 +134,8 @@ def cmd_plan(args) -> int:
     dtype = getattr(torch, args.dtype)
     model = presets.build(args.model, device="meta", dtype=dtype)
     mesh = Mesh.parse(args.mesh, fake=True)
-    spec = shard(policies.auto, _rules_arg(args.rules))   # no --rules: Rules.default()
+    # no --rules: Rules.default(); --specs: the user's specs instead of the family's policy
+    spec = shard(_specs_arg(args.specs) if args.specs else policies.auto, _rules_arg(args.rules))
     if args.advise:
         return _advise(console, model, args)
     if args.remat:
@@ -275,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("plan", help="plan a model on a fake mesh and print its layout and memory")
     p.add_argument("--model", default="llama3-8b",
-                   help="a preset name (see meshlab.presets) or a path to a config.json")
+                   help="a preset name (see meshlab.presets) or a path to a config.json (any "
+                        "family: built with its architectures' class or the auto class that "
+                        "maps it)")
     p.add_argument("--mesh", default="dp=8,tp=8",
                    help="axis=size pairs, e.g. pp=8,dp=16,tp=8 (an 'ep' axis adds expert_route)")
     p.add_argument("--rules", default=None,
@@ -300,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="add offload(): kind=fraction pairs (optimizer=1.0,grads=0.5,params=0) "
                         "or auto=<device budget per rank> (auto=120GiB); prints host and device "
                         "bytes and the predicted step cost")
+    p.add_argument("--specs", default=None,
+                   help="a JSON file of FQN glob -> spec lists (null replicates a dim), used "
+                        "instead of the family's policy, e.g. for a family no policy covers")
     p.add_argument("--remat", default=None, choices=("none", "full", "selective"),
                    help="add remat(policy)")
     p.add_argument("--fuse", action="store_true", help="add fuse() (meshlab's fused ops)")

@@ -64,13 +64,43 @@ def config(name_or_path: str, **overrides: Any):
     return AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
+# The auto classes tried, in order, for a config without a known ``architectures`` entry.
+AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
+                "AutoModelForSpeechSeq2Seq", "AutoModelForImageClassification",
+                "AutoModelForVision2Seq", "AutoModel")
+
+
+def model_class(cfg):
+    """The class to build ``cfg`` with: its ``architectures[0]`` when transformers has it,
+    else the first of ``AUTO_CLASSES`` that maps the config's type."""
+    import transformers
+
+    for arch in getattr(cfg, "architectures", None) or ():
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    order = AUTO_CLASSES
+    if getattr(cfg, "is_encoder_decoder", False):      # T5, Whisper: the whole model
+        order = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq") + AUTO_CLASSES
+    for name in order:
+        auto = getattr(transformers, name, None)
+        mapping = getattr(auto, "_model_mapping", None)
+        if mapping is not None and type(cfg) in mapping:
+            return auto
+    raise ConfigError(f"model type {getattr(cfg, 'model_type', None)!r}: no transformers class "
+                      f"builds this config (tried its architectures "
+                      f"{getattr(cfg, 'architectures', None)} and {', '.join(AUTO_CLASSES)}); "
+                      f"build the model yourself and call meshlab.plan(model, spec, mesh)")
+
+
 def build(name_or_path: str, *, device: str = "meta", dtype=None, **overrides: Any):
-    """Build ``AutoModelForCausalLM`` from a preset or config, on ``device`` (meta: no memory)."""
+    """Build the model of a preset or config on ``device`` (meta: no memory), with the class
+    ``model_class`` picks (a causal LM for the presets)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     cfg = config(name_or_path, **overrides)
+    cls = model_class(cfg)
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype) if dtype is not None \
-            else AutoModelForCausalLM.from_config(cfg)
+        model = make(cfg, dtype=dtype) if dtype is not None else make(cfg)
     return model

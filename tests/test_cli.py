@@ -152,3 +152,43 @@ def test_default_rules_shard_over_tp_and_show(runs):
     assert rc == 0, stderr
     assert "with default Rules(batch=" in stdout
     assert "P('mlp', 'embed') → P('tp', None)" in stdout
+
+
+def _saved_config(tmp_path, name, cfg):
+    d = tmp_path / name
+    cfg.save_pretrained(d)
+    return str(d)
+
+
+def test_plan_builds_any_family_from_its_config(tmp_path, capsys):
+    """Encoder-decoder, vision and speech configs build with their own class; a family
+    without a policy is refused by name (not transformers' list of causal-LM classes)."""
+    import transformers
+
+    from meshlab import presets
+    from meshlab.cli import main
+
+    cfgs = {"t5": transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4,
+                                        vocab_size=64),
+            "vit": transformers.ViTConfig(hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, intermediate_size=64),
+            "whisper": transformers.WhisperConfig(d_model=32, encoder_layers=1,
+                                                  decoder_layers=1, encoder_attention_heads=4,
+                                                  decoder_attention_heads=4)}
+    built = {k: type(presets.build(_saved_config(tmp_path, k, c))).__name__
+             for k, c in cfgs.items()}
+    assert built == {"t5": "T5ForConditionalGeneration", "vit": "ViTForImageClassification",
+                     "whisper": "WhisperForConditionalGeneration"}
+    assert main(["plan", "--model", str(tmp_path / "t5"), "--mesh", "dp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "PolicyError" in err and "'t5'" in err and "Unrecognized" not in err
+    # --specs: the user's own specs instead of the policy (here: FSDP-style rows only)
+    specs = tmp_path / "specs.json"
+    specs.write_text('{"shared.weight": ["vocab", null]}')
+    assert main(["plan", "--model", str(tmp_path / "t5"), "--mesh", "dp=2", "--specs",
+                 str(specs), "--rules", "vocab=dp"]) == 0
+    assert "shared.weight" in capsys.readouterr().out
+    specs.write_text("[1, 2]")
+    assert main(["plan", "--model", str(tmp_path / "t5"), "--mesh", "dp=2", "--specs",
+                 str(specs)]) == 2
+    assert "FQN globs" in capsys.readouterr().err
