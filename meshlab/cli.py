@@ -289,10 +289,8 @@ def cmd_build(args) -> int:
     return 0 if all(built.values()) else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshlab", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
+def _plan_parser(sub) -> None:
+    """``meshlab plan``'s arguments."""
     p = sub.add_parser("plan", help="plan a model on a fake mesh and print its layout and memory")
     p.add_argument("--model", default="llama3-8b",
                    help="a preset name (see meshlab.presets) or a path to a config.json (any "
@@ -337,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
                         "and print the fastest layouts that fit")
     p.add_argument("--gpus", type=int, default=None, help="cards for --advise")
     p.set_defaults(fn=cmd_plan)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="meshlab", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    _plan_parser(sub)
 
     k = sub.add_parser("calibrate", help="measure this machine's matmul, memory, attention, "
                                          "launch and host-copy rates for plan --gpu")
