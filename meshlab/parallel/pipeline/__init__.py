@@ -120,8 +120,9 @@ class Pipeline(Transform):
         return {"pp": (self.axis,)}
 
     def check(self, plan: Plan) -> None:
-        from ._stage import check_untied
+        from ._stage import check_layout, check_untied
 
+        check_layout(plan)
         check_untied(plan, _schedule.stages(plan, self))
         zero = plan.get(ZeroShard)
         if zero is not None and zero.stage >= 2:

@@ -80,6 +80,30 @@ def prune(model: nn.Module, blocks_kept: set[str]) -> None:
             base.layers[i] = nn.Module()
 
 
+NEEDS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def check_layout(plan) -> None:
+    """The stages run decoders laid out as ``embed_tokens -> layers -> norm`` (with the
+    model's ``rotary_emb``), the base_model_pp_plan of Llama-like families; refuse others
+    at plan time, as ``DecoderStage`` would at install."""
+    prefix = plan.model.base_prefix
+    names = {m.fqn for m in plan.model.modules}
+    missing = [n for n in NEEDS if (f"{prefix}.{n}" if prefix else n) not in names]
+    if not missing:
+        return
+    cls = plan.model.cls or "the model"
+    tops = {n.split(".")[-1] for n in names if n.count(".") <= (1 if prefix else 0)}
+    if {"encoder", "decoder"} <= tops:
+        raise ConfigError(f"pipeline: {cls} is an encoder-decoder model; meshlab pipelines "
+                          f"decoder-only models (embed_tokens -> layers -> norm) and does not "
+                          f"yet split an encoder and a decoder into stages; use zero_shard, "
+                          f"shard or remat for it")
+    raise ConfigError(f"pipeline: {cls} lacks {missing} under {prefix or 'the model'!r}; meshlab "
+                      f"pipelines decoders laid out as embed_tokens -> layers -> norm (the "
+                      f"base_model_pp_plan of Llama-like families)")
+
+
 def check_untied(plan, stages) -> None:
     first = {s.index for s in stages if s.first}
     last = {s.index for s in stages if s.last}
