@@ -189,7 +189,10 @@ def test_plan_builds_any_family_from_its_config(tmp_path, capsys):
                  str(specs), "--rules", "vocab=dp"]) == 0
     assert "shared.weight" in capsys.readouterr().out
     # a pipeline over an encoder-decoder is refused at plan time, naming why
-    assert main(["plan", "--model", str(tmp_path / "whisper"), "--mesh", "pp=2"]) == 2
+    plain = tmp_path / "plain.json"
+    plain.write_text('{"proj_out.weight": [null, null]}')
+    assert main(["plan", "--model", str(tmp_path / "whisper"), "--mesh", "pp=2", "--specs",
+                 str(plain)]) == 2
     assert "encoder-decoder" in capsys.readouterr().err
     specs.write_text("[1, 2]")
     assert main(["plan", "--model", str(tmp_path / "t5"), "--mesh", "dp=2", "--specs",
