@@ -69,8 +69,8 @@ class ActivationEstimate:
         """Activations, temporaries and gradients alive at the forward/backward's peak."""
         return int(sum(r.total for r in self.peak_rows))
 
-    def by_module(self, rows: str = "saved", depth: int = 1) -> dict[str, int]:
-        """Bytes per module, the block's modules named relative to the block."""
+    def by_module(self, rows: str = "saved") -> dict[str, int]:
+        """Bytes per module (``rows``: ``'saved'`` or ``'peak'``)."""
         out: dict[str, int] = {}
         for r in getattr(self, f"{rows}_rows"):
             out[r.module] = out.get(r.module, 0) + int(r.total)
@@ -136,11 +136,3 @@ def _bytes(dtype: str) -> int:
     from ._dtypes import dtype_bytes
 
     return dtype_bytes(dtype)
-
-
-def block_relative(module: str, block: str) -> str:
-    """``model.layers.0.mlp.up_proj`` -> ``mlp.up_proj`` (``''`` for the block itself)."""
-    if module == block:
-        return ""
-    return module[len(block) + 1:] if module.startswith(block + ".") else module
-

@@ -121,3 +121,8 @@ def uneven_dims(shape: Sequence[int], spec: P, axis_sizes: dict[str, int]) -> li
         if k > 1 and n % k:
             out.append((d, k))
     return out
+
+
+def mesh_repr(sizes) -> str:
+    """``Mesh(dp=2, tp=4)`` for a mapping of axis sizes."""
+    return "Mesh(" + ", ".join(f"{n}={s}" for n, s in sizes.items()) + ")"

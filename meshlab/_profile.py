@@ -399,6 +399,3 @@ def _profiles(t) -> bool:
     base = next(c for c in type(t).__mro__ if c.__name__ == "Transform")
     return type(t).profile is not base.profile
 
-
-def tokens(batch: int, seq: int) -> int:
-    return math.prod((batch, seq))
