@@ -108,6 +108,22 @@ def _step_fn(name: str, model, batch):
     return step
 
 
+def build(shape: dict):
+    """(the bf16 Llama of ``shape`` on the GPU, its batch of random ids), seeded."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**shape["cfg"], max_position_embeddings=shape["seq"],
+                                   tie_word_embeddings=False, attn_implementation="sdpa",
+                                   use_cache=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (shape["batch"], shape["seq"]), device="cuda",
+                        generator=g)
+    return base, {"input_ids": ids}
+
+
 def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool) -> dict:
     model = copy.deepcopy(base)
     if checkpointing:
@@ -134,16 +150,8 @@ def main() -> None:
     import transformers
 
     shape = SHAPES[args.shape]
-    cfg = transformers.LlamaConfig(**shape["cfg"], max_position_embeddings=shape["seq"],
-                                   tie_word_embeddings=False, attn_implementation="sdpa",
-                                   use_cache=False)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (shape["batch"], shape["seq"]), device="cuda",
-                        generator=g)
-    batch = {"input_ids": ids}
+    base, batch = build(shape)
+    cfg = base.config
     fpt = _flops_per_token(cfg, shape["seq"])
     results = {}
     for name in args.rows.split(","):

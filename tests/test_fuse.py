@@ -114,9 +114,11 @@ def test_probe_refuses_different_math():
 
 
 def test_mlp_route_saves_less_for_backward_and_refuses_other_math():
-    """A routed MLP keeps its two projections' outputs for the backward, not three tensors
-    of the intermediate width; an MLP whose forward differs is refused by its probe, and
-    one with another activation (GELU) is not a SwiGLU and is left alone."""
+    """A routed MLP of bare linears keeps its gate and up outputs for the backward and
+    nothing else of the intermediate width (the unfused one keeps four such tensors); with
+    a hook on a projection the module's own calls run and the gate's product is kept too.
+    An MLP whose forward differs is refused by its probe, and one with another activation
+    (GELU) is not a SwiGLU and is left alone."""
     import meshlab as ml
     from meshlab.parallel.fuse import fuse_model as fuse
 
@@ -125,21 +127,34 @@ def test_mlp_route_saves_less_for_backward_and_refuses_other_math():
     fuse(model, ("mlp",))
     x = torch.randn(2, 5, ref.config.hidden_size)
 
-    def saved_bytes(mlp) -> int:
-        total = []
+    def saved_wide(mlp) -> int:
+        """Distinct activations of the intermediate width the backward keeps."""
+        seen = set()
 
         def pack(t):
-            total.append(t.numel() * t.element_size())
+            if t.shape[-1] == ref.config.intermediate_size and t.numel() == 2 * 5 * t.shape[-1]:
+                seen.add(t.untyped_storage().data_ptr())
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             mlp(x.clone().requires_grad_()).sum()
-        return sum(total)
+        return len(seen)
 
-    inter = 2 * 5 * ref.config.intermediate_size * 4
-    unfused, fused = saved_bytes(ref.model.layers[0].mlp), saved_bytes(model.model.layers[0].mlp)
-    assert unfused - fused == inter, (unfused, fused)     # silu(gate) is no longer kept
+    assert saved_wide(ref.model.layers[0].mlp) == 4        # gate, silu(gate), up, product
+    assert saved_wide(model.model.layers[0].mlp) == 2      # gate, up
     torch.testing.assert_close(model.model.layers[0].mlp(x), ref.model.layers[0].mlp(x))
+    hooked = model.model.layers[1].mlp
+    handle = hooked.down_proj.register_forward_hook(lambda m, i, o: None)
+    assert saved_wide(hooked) == 3                         # the module's calls: product kept
+    handle.remove()
+    xg = x.clone().requires_grad_()
+    model.model.layers[0].mlp(xg).square().sum().backward()
+    xr = x.clone().requires_grad_()
+    ref.model.layers[0].mlp(xr).square().sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad)
+    for (n, p), q in zip(model.model.layers[0].mlp.named_parameters(),
+                         ref.model.layers[0].mlp.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
 
     class OddMLP(type(ref.model.layers[0].mlp)):         # gated, but not silu(g) * u
         def forward(self, x):

@@ -154,7 +154,10 @@ def _swiglu(layout: str) -> list[Case]:
     return [Case(torch.ops.meshlab.swiglu.default, (a, b), (0, 1),
                  lambda a, b: (swiglu_reference(a, b),)),
             Case(torch.ops.meshlab.swiglu_backward.default, (dy, a, b), (),
-                 lambda dy, a, b: _vjp(swiglu_reference, (a, b), (0, 1), dy))]
+                 lambda dy, a, b: _vjp(swiglu_reference, (a, b), (0, 1), dy)),
+            Case(torch.ops.meshlab.swiglu_backward_y.default, (dy, a, b), (),
+                 lambda dy, a, b: (*_vjp(swiglu_reference, (a, b), (0, 1), dy),
+                                   swiglu_reference(a, b)))]
 
 
 # ---------------------------------------------------------------------------- attention

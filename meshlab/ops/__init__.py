@@ -28,7 +28,8 @@ the first transposed input.
 from .rms_norm import rms_norm as rms_norm, rms_norm_reference as rms_norm_reference
 from .rotary import (rotary as rotary, apply_rotary as apply_rotary,
                      rotary_reference as rotary_reference)
-from .swiglu import swiglu as swiglu, swiglu_reference as swiglu_reference
+from .swiglu import (swiglu as swiglu, swiglu_mlp as swiglu_mlp,
+                     swiglu_reference as swiglu_reference)
 from .layer_norm import layer_norm as layer_norm, layer_norm_reference as layer_norm_reference
 from .linear_cross_entropy import (linear_cross_entropy as linear_cross_entropy,
                                    linear_cross_entropy_reference as

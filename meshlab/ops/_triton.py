@@ -233,6 +233,31 @@ def swiglu_bwd(dy, a, b):
     return da, db
 
 
+@triton.jit
+def _swiglu_bwd_y(DY, A, B, DA, DB, Y, n, BLOCK: tl.constexpr):
+    # The backward that also rebuilds y = silu(a) * b from the a and b it reads anyway, for
+    # a caller that did not keep y (the fused MLP's down projection needs it for dW).
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    sg = tl.sigmoid(a)
+    tl.store(DA + offs, (g * b * sg * (1.0 + a * (1.0 - sg))).to(DA.dtype.element_ty), mask=mask)
+    tl.store(DB + offs, (g * a * sg).to(DB.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, (a * sg * b).to(Y.dtype.element_ty), mask=mask)
+
+
+def swiglu_bwd_y(dy, a, b):
+    da = torch.empty_like(a, memory_format=torch.contiguous_format)
+    db = torch.empty_like(b, memory_format=torch.contiguous_format)
+    y = torch.empty_like(a, memory_format=torch.contiguous_format)
+    n = a.numel()
+    _swiglu_bwd_y[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, y, n, BLOCK=_EW_BLOCK,
+                                                num_warps=8)
+    return da, db, y
+
+
 # ------------------------------------------------------------------ cross-entropy gradient
 
 _CE_BLOCK = 4096

@@ -16,9 +16,13 @@ fails loudly instead of training on different math:
   ``AttentionInterface`` as ``"meshlab"`` and the model switched to it.
 * ``mlp``: each gated MLP with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU
   ``act_fn`` (Llama's, Mistral's, Qwen's, ...) gets an instance ``forward`` computing
-  ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``: the backward keeps the two
-  projections' outputs only (the unfused module also keeps ``silu(gate)``), and the gate
-  is one kernel. The projections stay the module's own, hooks and sharding included.
+  ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``, the gate one kernel. Where the
+  three projections are bare ``nn.Linear`` (no bias, hooks or subclass; plain weights, no
+  autocast) the whole MLP is :func:`meshlab.ops.swiglu_mlp`: the backward keeps the
+  gate and up projections' outputs only and rebuilds their product in its swiglu pass
+  (2 x intermediate values per token, where the module with the fused gate keeps 3 and
+  the unfused module 4). Otherwise the projections stay the module's own, hooks and
+  sharding included, and the product is kept.
 * ``loss``: the output head gets an instance ``forward`` that, inside
   :func:`fused_labels`, returns the causal-LM loss from ``meshlab::linear_cross_entropy``
   (the logits never exist), and the plain projection otherwise. :func:`causal_lm_loss`
@@ -258,9 +262,28 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
         and type(getattr(m, "act_fn", None)).__name__ in _SILU
 
 
-def _fused_mlp_forward(self, x: Tensor) -> Tensor:
-    from ...ops.swiglu import swiglu
+def _bare_linear(m: nn.Module, dtype: torch.dtype) -> bool:
+    """An ``nn.Linear`` whose call is its weight's matmul and nothing else: no bias, no hooks
+    (tensor parallelism, LoRA and the like act through them or through a subclass), a plain
+    weight of ``dtype``."""
+    w = getattr(m, "weight", None)
+    return type(m) is nn.Linear and m.bias is None and not m._forward_hooks and \
+        not m._forward_pre_hooks and not _is_dtensor(w) and w.dtype == dtype
 
+
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _fused_mlp_forward(self, x: Tensor) -> Tensor:
+    from ...ops.swiglu import swiglu, swiglu_mlp
+
+    projs = (self.gate_proj, self.up_proj, self.down_proj)
+    if not _is_dtensor(x) and not torch.is_autocast_enabled(x.device.type) and \
+            all(_bare_linear(m, x.dtype) for m in projs):
+        return swiglu_mlp(x, *(m.weight for m in projs))
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype != b.dtype:                 # autocast leaves both in its dtype; be exact
         b = b.to(a.dtype)
