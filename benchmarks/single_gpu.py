@@ -12,7 +12,11 @@ Rows (each from the same bf16 weights, on the same batch):
   with ``ml.optimizer(model, FusedAdamW)``: the same kernels through meshlab's API;
 * ``meshlab_compile``   -- ``fuse_model`` and then ``torch.compile`` of the whole model;
 * ``meshlab_blocks``    -- ``ml.parallelize(model, ml.fuse() | ml.compile_blocks(), ...)`` and
-  ``ml.step``: each block compiled with ``fullgraph=True``.
+  ``ml.step``: each block compiled with ``fullgraph=True``;
+* ``meshlab_remat2``    -- (8B) ``ml.parallelize(model, ml.fuse() | ml.remat('full', every=2),
+  ...)`` and ``ml.step``: every other block checkpointed, in place of transformers'
+  checkpointing of all of them;
+* ``meshlab_noremat``   -- (8B) ``ml.fuse()`` and ``ml.step`` with no checkpointing at all.
 
 The other rows step ``torch.optim.AdamW(fused=True)``. Time: CUDA events around each step,
 the median of ``--steps`` steps after ``--warmup``; peak memory is
@@ -54,6 +58,9 @@ SHAPES = {
 # Liger patches the modeling module's functions for every later model of the process: last.
 ROWS = ("hf_eager", "hf_compile", "meshlab_fuse", "meshlab_step", "meshlab_compile",
         "meshlab_blocks", "hf_liger")
+ROWS_8B = ("hf_eager", "meshlab_fuse", "meshlab_step", "meshlab_remat2", "meshlab_noremat",
+           "hf_liger")
+NO_HF_CHECKPOINTING = ("meshlab_remat2", "meshlab_noremat")    # their own remat, or none
 PEAK_TFLOPS = 989.0          # H200 dense bf16
 
 
@@ -90,8 +97,9 @@ def _step_fn(name: str, model, batch):
             opt.zero_grad(set_to_none=True)
             return loss
         return step
-    if name in ("meshlab_step", "meshlab_blocks"):
-        spec = ml.fuse() | ml.compile_blocks() if name == "meshlab_blocks" else ml.fuse()
+    if name in ("meshlab_step", "meshlab_blocks", "meshlab_remat2", "meshlab_noremat"):
+        spec = {"meshlab_blocks": ml.fuse() | ml.compile_blocks(),
+                "meshlab_remat2": ml.fuse() | ml.remat("full", every=2)}.get(name, ml.fuse())
         model = ml.parallelize(model, spec, ml.Mesh(dp=1))
         opt = ml.optimizer(model, FusedAdamW, lr=1e-5)
         return lambda: torch.tensor(ml.step(model, opt, batch))
@@ -126,7 +134,7 @@ def build(shape: dict):
 
 def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool) -> dict:
     model = copy.deepcopy(base)
-    if checkpointing:
+    if checkpointing and name not in NO_HF_CHECKPOINTING:
         model.gradient_checkpointing_enable()
     step = _step_fn(name, model, batch)
     first = [float(step().detach()) for _ in range(min(3, warmup))]
@@ -135,14 +143,15 @@ def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool
     times = cuda_times(step, steps)
     ms = statistics.median(times)
     tokens = batch["input_ids"].numel()
-    return {"first_losses": first, "ms_per_step": ms, "tokens_per_s": tokens / (ms * 1e-3),
+    return {"hf_gradient_checkpointing": checkpointing and name not in NO_HF_CHECKPOINTING,
+            "first_losses": first, "ms_per_step": ms, "tokens_per_s": tokens / (ms * 1e-3),
             "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30, "step_ms": times}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=tuple(SHAPES), default="tinyllama")
-    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--rows", default=None, help="default: every row of the shape")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--copy-to", default=None)
@@ -154,7 +163,8 @@ def main() -> None:
     cfg = base.config
     fpt = _flops_per_token(cfg, shape["seq"])
     results = {}
-    for name in args.rows.split(","):
+    rows = args.rows or ",".join(ROWS_8B if args.shape == "llama3-8b" else ROWS)
+    for name in rows.split(","):
         try:
             r = run_row(name, base, batch, args.steps, args.warmup, shape["checkpointing"])
             r["mfu"] = r["tokens_per_s"] * fpt / (PEAK_TFLOPS * 1e12)

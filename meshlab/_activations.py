@@ -41,6 +41,7 @@ class ActRow:
     grad: str = ""
     users: tuple[str, ...] = ()
     note: str = ""
+    role: str = ""          # "block_input" / "block_output" where the profile says so
 
     @property
     def total(self) -> float:
@@ -80,7 +81,7 @@ class ActivationEstimate:
 def _row(s: Saved, block: str, copies: float = 1.0) -> ActRow:
     inside = s.in_block(block) or s.role == "block_input"
     return ActRow(module=s.module, op=s.op, dtype=s.dtype, shape=s.shape, bytes=float(s.bytes),
-                  copies=copies, in_block=inside, grad=s.grad, users=s.users)
+                  copies=copies, in_block=inside, grad=s.grad, users=s.users, role=s.role)
 
 
 def estimate_activations(plan, batch: int, seq: int,

@@ -32,6 +32,8 @@ def _spec(layout: str, policy: str):
             "tp": ml.shard(ml.policies.auto, rules),
             "tp_sp": ml.shard(ml.policies.auto, rules | ml.Rules(seq="tp")),
             "pp": ml.pipeline("pp", microbatches=4)}[layout]
+    if policy == "full/2":                           # every other block checkpointed
+        return base | ml.remat("full", every=2)
     return base if policy == "none" else base | ml.remat(policy)
 
 
@@ -120,7 +122,8 @@ def _planned(family, layout, policy) -> int:
 
 # GPT-2 ties its head to the embedding across the stages, which pipeline() refuses.
 CASES = [(f, lay, pol) for f in FAMILIES for lay in ("dp", "tp") for pol in POLICIES] + \
-        [(f, "tp_sp", "none") for f in FAMILIES] + [(f, "pp", "none") for f in FAMILIES[:2]]
+        [(f, "tp_sp", "none") for f in FAMILIES] + [(f, "pp", "none") for f in FAMILIES[:2]] + \
+        [(f, "dp", "full/2") for f in FAMILIES]
 
 
 @pytest.mark.parametrize("family,layout,policy", CASES)

@@ -33,6 +33,22 @@ def test_remat_orders_the_saved_activations():
     assert saved["full"] >= 4 * per_block
 
 
+def test_remat_every_other_block_sits_between_none_and_full():
+    """remat('full', every=2) keeps half the blocks whole: saved activations and step time
+    between no checkpointing and checkpointing all of them; every is refused off 'full'."""
+    m = _llama(**SMALL)
+    plans = {k: ml.plan(m, t, ml.Mesh(dp=1, fake=True)) for k, t in
+             (("none", None), ("half", ml.remat("full", every=2)), ("full", ml.remat("full")))}
+    saved = {k: p.memory(batch=2, seq=256).activations.saved for k, p in plans.items()}
+    step = {k: p.time(batch=2, seq=256).step for k, p in plans.items()}
+    assert saved["none"] > saved["half"] > saved["full"], saved
+    assert step["none"] < step["half"] < step["full"], step
+    with pytest.raises(ml.ConfigError, match="every applies to remat\\('full'\\) only"):
+        ml.remat("selective", every=2)
+    with pytest.raises(ml.ConfigError, match="every must be an int >= 1"):
+        ml.remat("full", every=0)
+
+
 def test_activations_scale_with_the_batch_and_split_under_tp():
     m = _llama(**SMALL)
     one = ml.plan(m, None, ml.Mesh(dp=1, fake=True))

@@ -38,7 +38,8 @@ def remat_case(rank, world, policy, spec_name):
     import meshlab as ml
 
     orig = M.spec
-    M.spec = lambda name: orig(name) | ml.remat(policy)
+    r = ml.remat("full", every=2) if policy == "full/2" else ml.remat(policy)
+    M.spec = lambda name: orig(name) | r
     try:
         return parity_case(rank, world, "llama", spec_name)
     finally:
@@ -46,7 +47,7 @@ def remat_case(rank, world, policy, spec_name):
 
 
 @pytest.mark.parametrize("policy,spec_name", [("full", "tp"), ("selective", "tp_sp"),
-                                              ("full", "zero3")])
+                                              ("full", "zero3"), ("full/2", "zero3")])
 def test_remat_keeps_the_numbers(world4, policy, spec_name):
     world4.run(remat_case, policy=policy, spec_name=spec_name)
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from ..._errors import check_choice
+from ..._errors import ConfigError, check_choice
 from .._protocol import Phase, Transform
 
 POLICIES = ("none", "full", "selective")
@@ -21,15 +21,29 @@ POLICIES = ("none", "full", "selective")
 @dataclasses.dataclass(frozen=True)
 class Remat(Transform):
     """Recompute activations in backward. ``full`` keeps only each block's input;
-    ``selective`` also keeps matmul outputs (recomputes the cheap elementwise ops)."""
+    ``selective`` also keeps matmul outputs (recomputes the cheap elementwise ops).
+    ``every=n`` (``full`` only) checkpoints the first of every ``n`` blocks and keeps the
+    others' activations: memory between none and full for a fraction of the recompute."""
 
     kind: ClassVar[str] = "remat"
     phase: ClassVar[Phase] = Phase.REMAT
 
     policy: str = "full"
+    every: int = 1
 
     def __post_init__(self):
         check_choice(self.policy, "remat", "policy", POLICIES)
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ConfigError(f"remat(every={self.every!r}): every must be an int >= 1 (1 "
+                              f"checkpoints every block, 2 every other one)")
+        if self.every > 1 and self.policy != "full":
+            raise ConfigError(f"remat({self.policy!r}, every={self.every}): every applies to "
+                              f"remat('full') only; use remat('full', every={self.every}) or "
+                              f"remat({self.policy!r})")
+
+    def checkpointed(self, blocks) -> list:
+        """The blocks of ``blocks`` (in order) this remat checkpoints."""
+        return [] if self.policy == "none" else list(blocks)[::self.every]
 
     def install(self, ctx) -> None:
         if self.policy == "none":
@@ -39,29 +53,60 @@ class Remat(Transform):
             # A KV cache would grow again on every recomputed block (HF does the same).
             cfg.use_cache = False
         mods = dict(ctx.model.named_modules())
-        for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
+        local = [b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped]
+        for b in self.checkpointed(local):
             mods[b].forward = _remat_forward(mods[b].forward, self.policy)
         return None
 
     def profile(self, plan, model) -> None:
-        if self.policy == "none":
+        # With every > 1 the profiled block runs as the blocks kept whole do; the estimate
+        # hooks below take the checkpointed share out.
+        if self.policy == "none" or self.every > 1:
             return None
         for b in plan.model.blocks[:1]:
             m = model.get_submodule(b)
             m.forward = _remat_forward(m.forward, self.policy)
         return None
 
+    def _share(self, plan) -> float:
+        """The fraction of the blocks checkpointed under ``every`` (0 when every is 1: the
+        profile itself is checkpointed then)."""
+        n = len(plan.model.blocks)
+        return len(self.checkpointed(range(n))) / n if self.every > 1 and n else 0.0
+
+    def activation_memory(self, plan, rows: list, *, batch: int, seq: int) -> list:
+        """A checkpointed block keeps its input only: its share of every block's other
+        saved rows goes."""
+        share = self._share(plan)
+        if not share:
+            return rows
+        return [dataclasses.replace(r, copies=r.copies * (1 - share),
+                                    note=(r.note + f" x{1 - share:.2f} not checkpointed").strip())
+                if r.in_block and r.role != "block_input" and r.copies > 1 else r for r in rows]
+
+    def work_share(self, plan, parts: dict) -> dict:
+        """The checkpointed blocks run their forward again: a third of a block's forward and
+        backward work (the matmuls' share) per checkpointed block."""
+        share = self._share(plan)
+        if not share or "blocks" not in parts:
+            return parts
+        return {**parts, "blocks": parts["blocks"] + parts["blocks"].scale(share / 3)}
+
     def __repr__(self) -> str:
-        return f"remat({self.policy!r})"
+        every = f", every={self.every}" if self.every != 1 else ""
+        return f"remat({self.policy!r}{every})"
 
 
-def remat(policy: str = "full") -> Remat:
-    """Activation checkpointing for every repeated block (``'none'|'full'|'selective'``).
+def remat(policy: str = "full", every: int = 1) -> Remat:
+    """Activation checkpointing of the repeated blocks (``'none'|'full'|'selective'``);
+    ``every=n`` checkpoints one block in ``n`` (``full`` only).
 
     >>> remat('selective')
     remat('selective')
+    >>> remat('full', every=2).checkpointed(['l0', 'l1', 'l2', 'l3', 'l4'])
+    ['l0', 'l2', 'l4']
     """
-    return Remat(policy)
+    return Remat(policy, every)
 
 
 def _remat_forward(forward, policy: str):
