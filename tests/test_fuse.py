@@ -128,16 +128,21 @@ def test_mlp_route_saves_less_for_backward_and_refuses_other_math():
     x = torch.randn(2, 5, ref.config.hidden_size)
 
     def saved_wide(mlp) -> int:
-        """Distinct activations of the intermediate width the backward keeps."""
-        seen = set()
-
-        def pack(t):
-            if t.shape[-1] == ref.config.intermediate_size and t.numel() == 2 * 5 * t.shape[-1]:
-                seen.add(t.untyped_storage().data_ptr())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mlp(x.clone().requires_grad_()).sum()
+        """Distinct activations of the intermediate width the backward keeps, read off the
+        autograd graph (saved-tensor hooks would change the route)."""
+        seen, todo, done = set(), [mlp(x.clone().requires_grad_()).grad_fn], {}
+        while todo:
+            fn = todo.pop()
+            if fn is None or id(fn) in done:
+                continue
+            done[id(fn)] = fn                  # held: a freed node's id could come back
+            held = list(getattr(fn, "saved_tensors", ()) or ())
+            held += [getattr(fn, a) for a in dir(fn) if a.startswith("_saved_")]
+            for t in held:
+                if isinstance(t, torch.Tensor) and t.shape[-1:] == (ref.config.intermediate_size,) \
+                        and t.numel() == 2 * 5 * t.shape[-1]:
+                    seen.add(t.untyped_storage().data_ptr())
+            todo += [f for f, _ in fn.next_functions]
         return len(seen)
 
     assert saved_wide(ref.model.layers[0].mlp) == 4        # gate, silu(gate), up, product
@@ -147,6 +152,8 @@ def test_mlp_route_saves_less_for_backward_and_refuses_other_math():
     handle = hooked.down_proj.register_forward_hook(lambda m, i, o: None)
     assert saved_wide(hooked) == 3                         # the module's calls: product kept
     handle.remove()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert saved_wide(model.model.layers[0].mlp) == 3   # hooks decide: the module's calls
     xg = x.clone().requires_grad_()
     model.model.layers[0].mlp(xg).square().sum().backward()
     xr = x.clone().requires_grad_()
