@@ -18,8 +18,9 @@ fails loudly instead of training on different math:
   ``act_fn`` (Llama's, Mistral's, Qwen's, ...) gets an instance ``forward`` computing
   ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``, the gate one kernel. Where the
   three projections are bare ``nn.Linear`` (no bias, hooks or subclass; plain weights, no
-  autocast, no saved-tensor hooks such as checkpointing's) the whole MLP is :func:`meshlab.ops.swiglu_mlp`: the backward keeps the
-  gate and up projections' outputs only and rebuilds their product in its swiglu pass
+  autocast, no saved-tensor hooks such as checkpointing's, not compiling) the whole MLP
+  is :func:`meshlab.ops.swiglu_mlp`: the backward keeps the gate and up projections'
+  outputs only and rebuilds their product in its swiglu pass
   (2 x intermediate values per token, where the module with the fused gate keeps 3 and
   the unfused module 4). Otherwise the projections stay the module's own, hooks and
   sharding included, and the product is kept.
@@ -289,8 +290,10 @@ def _fused_mlp_forward(self, x: Tensor) -> Tensor:
     from ...ops.swiglu import swiglu, swiglu_mlp
 
     projs = (self.gate_proj, self.up_proj, self.down_proj)
-    if not _is_dtensor(x) and not torch.is_autocast_enabled(x.device.type) and \
-            not _saved_tensors_hooked() and all(_bare_linear(m, x.dtype) for m in projs):
+    # Compiled, the module's calls: the compiler's partitioner picks what to keep.
+    if not torch.compiler.is_compiling() and not _is_dtensor(x) and \
+            not torch.is_autocast_enabled(x.device.type) and not _saved_tensors_hooked() and \
+            all(_bare_linear(m, x.dtype) for m in projs):
         return swiglu_mlp(x, *(m.weight for m in projs))
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype != b.dtype:                 # autocast leaves both in its dtype; be exact
