@@ -207,7 +207,9 @@ def _swiglu_fwd(A, B, Y, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd(DY, A, B, DA, DB, n, BLOCK: tl.constexpr):
+def _swiglu_bwd(DY, A, B, DA, DB, Y, n, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr):
+    # WRITE_Y: also rebuild y = silu(a) * b from the a and b read anyway, for a caller that
+    # did not keep y (the fused MLP's down projection needs it for its weight's gradient).
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
@@ -216,6 +218,8 @@ def _swiglu_bwd(DY, A, B, DA, DB, n, BLOCK: tl.constexpr):
     sg = tl.sigmoid(a)
     tl.store(DA + offs, (g * b * sg * (1.0 + a * (1.0 - sg))).to(DA.dtype.element_ty), mask=mask)
     tl.store(DB + offs, (g * a * sg).to(DB.dtype.element_ty), mask=mask)
+    if WRITE_Y:
+        tl.store(Y + offs, (a * sg * b).to(Y.dtype.element_ty), mask=mask)
 
 
 def swiglu_fwd(a, b):
@@ -225,37 +229,22 @@ def swiglu_fwd(a, b):
     return y
 
 
-def swiglu_bwd(dy, a, b):
+def _swiglu_backward(dy, a, b, write_y: bool):
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
     db = torch.empty_like(b, memory_format=torch.contiguous_format)
+    y = torch.empty_like(a, memory_format=torch.contiguous_format) if write_y else da
     n = a.numel()
-    _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, n, BLOCK=_EW_BLOCK, num_warps=8)
-    return da, db
+    _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, y, n, BLOCK=_EW_BLOCK,
+                                              WRITE_Y=write_y, num_warps=8)
+    return (da, db, y) if write_y else (da, db)
 
 
-@triton.jit
-def _swiglu_bwd_y(DY, A, B, DA, DB, Y, n, BLOCK: tl.constexpr):
-    # The backward that also rebuilds y = silu(a) * b from the a and b it reads anyway, for
-    # a caller that did not keep y (the fused MLP's down projection needs it for dW).
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    sg = tl.sigmoid(a)
-    tl.store(DA + offs, (g * b * sg * (1.0 + a * (1.0 - sg))).to(DA.dtype.element_ty), mask=mask)
-    tl.store(DB + offs, (g * a * sg).to(DB.dtype.element_ty), mask=mask)
-    tl.store(Y + offs, (a * sg * b).to(Y.dtype.element_ty), mask=mask)
+def swiglu_bwd(dy, a, b):
+    return _swiglu_backward(dy, a, b, False)
 
 
 def swiglu_bwd_y(dy, a, b):
-    da = torch.empty_like(a, memory_format=torch.contiguous_format)
-    db = torch.empty_like(b, memory_format=torch.contiguous_format)
-    y = torch.empty_like(a, memory_format=torch.contiguous_format)
-    n = a.numel()
-    _swiglu_bwd_y[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, y, n, BLOCK=_EW_BLOCK,
-                                                num_warps=8)
-    return da, db, y
+    return _swiglu_backward(dy, a, b, True)
 
 
 # ------------------------------------------------------------------ cross-entropy gradient

@@ -135,11 +135,6 @@ def _(dy, a, b):
     return a.new_empty(a.shape), b.new_empty(b.shape), a.new_empty(a.shape)
 
 
-def _mm(a: Tensor, b: Tensor) -> Tensor:
-    """(..., k) @ (k, n) -> (..., n)."""
-    return (a.reshape(-1, a.shape[-1]) @ b).view(*a.shape[:-1], b.shape[-1])
-
-
 class _MLP(torch.autograd.Function):
     """``down(silu(x @ gate.T) * (x @ up.T))`` keeping x, the gate and the up projections
     for the backward but not their product: the backward's swiglu pass rebuilds it (one
@@ -155,11 +150,12 @@ class _MLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x, a, b, w_gate, w_up, w_down = ctx.saved_tensors
-        if _build.eager(dout, a, b):
-            da, db, y = _backward_y_impl(_mm(dout, w_down), a, b)
-        else:
-            da, db, y = torch.ops.meshlab.swiglu_backward_y(_mm(dout, w_down), a, b)
         flat = lambda t: t.reshape(-1, t.shape[-1])                       # noqa: E731
+        dy = (flat(dout) @ w_down).view(a.shape)
+        if _build.eager(dy, a, b):
+            da, db, y = _backward_y_impl(dy, a, b)
+        else:
+            da, db, y = torch.ops.meshlab.swiglu_backward_y(dy, a, b)
         dx = dwg = dwu = dwd = None
         if ctx.needs_input_grad[0]:
             dx = flat(da) @ w_gate
@@ -177,7 +173,8 @@ class _MLP(torch.autograd.Function):
 def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
     """A gated MLP without biases, ``(silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``, that
     keeps for the backward what a fused kernel needs and not the gate's output: per token
-    ``2 * intermediate`` values saved where the unfused MLP keeps ``3 * intermediate``.
+    ``2 * intermediate`` values saved, where ``down(swiglu(gate(x), up(x)))`` keeps 3 and
+    the unfused MLP 4.
 
     x: (..., hidden); w_gate, w_up: (intermediate, hidden); w_down: (hidden, intermediate),
     all of one dtype. Plain tensors only (a DTensor's layout belongs to its modules' hooks).
