@@ -39,7 +39,17 @@ def _init_fn(model: nn.Module):
     """The function that initializes one module the way the model itself would."""
     hf = getattr(model, "_initialize_weights", None)
     if hf is not None:
-        return lambda m: hf(m)
+        # A composite model (SAM, BLIP-2) holds sub-models with configs of their own:
+        # each module is initialized by its nearest enclosing model, as transformers'
+        # ``initialize_weights`` dispatches.
+        owner: dict[int, object] = {}
+        todo = [(model, hf)]
+        while todo:
+            m, fn = todo.pop()
+            fn = getattr(m, "_initialize_weights", None) or fn
+            owner[id(m)] = fn
+            todo.extend((c, fn) for c in m.children())
+        return lambda m: owner.get(id(m), hf)(m)
 
     def plain(m: nn.Module) -> None:
         reset = getattr(m, "reset_parameters", None)

@@ -21,10 +21,14 @@ _STYLES: dict[str, tuple[tuple, tuple | None]] = {
     "colwise": (("{tp}", "embed"), ("{tp}",)),
     "colwise_gather_output": (("{tp}", "embed"), ("{tp}",)),
     "packed_colwise": (("{tp}", "embed"), ("{tp}",)),
+    # An nn.Linear packing q|k|v of equal widths (no GQA): each of the three parts split.
+    "packed_qkv_colwise": (("{tp}", "embed"), ("{tp}",)),
     "rowwise": (("embed", "{tp}"), ("embed",)),
     "rowwise_split_input": (("embed", "{tp}"), ("embed",)),
     "packed_rowwise": (("embed", "{tp}"), ("embed",)),
     "embedding_rowwise": (("vocab", "embed"), None),
+    # An nn.Embedding whose columns are split (T5's relative position bias: (buckets, heads)).
+    "embedding_colwise": ((None, "{tp}"), None),
     "vocab": (("vocab", "embed"), ("vocab",)),
     "norm": (("embed",), ("embed",)),
     "replicate": ((), ()),
@@ -88,6 +92,13 @@ class Policy:
     dense_regions: tuple[str, ...] = ()             # the same, for modules holding no experts
     local_attrs: tuple[tuple[str, str], ...] = ()   # (module glob, int attribute) divided by tp
     optional: tuple[str, ...] = ()                   # globs allowed to match nothing
+    # regions whose every tensor input enters (attention called with query=, key=, value=)
+    multi_input_regions: tuple[str, ...] = ()
+    # (module glob, keyword, head-count attribute, dim): a tensor keyword argument of the
+    # module that carries every attention head on ``dim`` (from the end when negative; as
+    # the first dim, batch x heads, heads inner), as ALiBi biases do; under TP each rank
+    # is passed its own heads' share
+    head_args: tuple[tuple[str, str, str, int], ...] = ()
 
     def __add__(self, other: "Policy") -> "Policy":
         mine = {r.glob: r for r in self.modules}
@@ -102,6 +113,9 @@ class Policy:
             dense_regions=tuple(dict.fromkeys(self.dense_regions + other.dense_regions)),
             local_attrs=tuple(dict.fromkeys(self.local_attrs + other.local_attrs)),
             optional=tuple(dict.fromkeys(self.optional + other.optional)),
+            multi_input_regions=tuple(dict.fromkeys(self.multi_input_regions +
+                                                    other.multi_input_regions)),
+            head_args=tuple(dict.fromkeys(self.head_args + other.head_args)),
         )
 
     def without(self, *globs: str) -> "Policy":
@@ -199,6 +213,13 @@ class Policy:
         """Module glob -> tags (``tp_region``: the module's input enters a TP region)."""
         prefix = plan.model.base_prefix
         out = {self._abs(g, prefix): ("tp_region",) for g in self.regions if self._keep(g, plan)}
+        for g in self.multi_input_regions:
+            if self._keep(g, plan):
+                out[self._abs(g, prefix)] = ("tp_region", "tp_region_all_inputs")
+        for g, kw, attr, dim in self.head_args:
+            if self._keep(g, plan):
+                k = self._abs(g, prefix)
+                out[k] = out.get(k, ()) + (head_arg_tag(kw, attr, dim),)
         if self.dense_regions:
             from .._specs_tree import glob_match
 
@@ -220,6 +241,19 @@ class Policy:
                 k = self._abs(g, prefix)
                 out[k] = out.get(k, ()) + (attr,)
         return out
+
+
+def head_arg_tag(keyword: str, attr: str, dim: int) -> str:
+    """The module tag of one ``Policy.head_args`` entry; ``parse_head_arg`` reads it."""
+    return f"head_arg:{keyword}:{attr}:{dim}"
+
+
+def parse_head_arg(tag: str) -> tuple[str, str, int] | None:
+    """``(keyword, attribute, dim)`` of a ``head_arg_tag``; None for any other tag."""
+    if not tag.startswith("head_arg:"):
+        return None
+    _, kw, attr, dim = tag.split(":")
+    return kw, attr, int(dim)
 
 
 def _prefixes(module: str):

@@ -304,7 +304,9 @@ class _Setup:
         layout = dataclasses.replace(
             self.layout, modules=tuple(m for m in self.layout.modules if m.fqn in self.mods),
             regions=tuple(r for r in self.layout.regions if r in self.mods),
-            attrs=tuple(a for a in self.layout.attrs if a[0] in self.mods))
+            all_inputs=tuple(r for r in self.layout.all_inputs if r in self.mods),
+            attrs=tuple(a for a in self.layout.attrs if a[0] in self.mods),
+            head_args=tuple(a for a in self.layout.head_args if a[0] in self.mods))
         for m in layout.modules:
             if m.fqn not in self.done:
                 self.shard(m.fqn)

@@ -20,7 +20,7 @@ from ..._errors import ConfigError, NotRunnable
 from ..._plan import ModuleInfo, Plan
 from ..._spec import P
 from ._dtensor import dtensor_layout
-from ._styles import ColWise, KVReplicated, RowWise, VocabEmbed, VocabHead
+from ._styles import ColWise, EmbedColWise, KVReplicated, RowWise, VocabEmbed, VocabHead
 from ._tp import TPLayout, TPModule
 
 
@@ -80,6 +80,8 @@ def _tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
                  tuple(a.module for a in plan.activations if "tp_region" in a.tags),
                  sequence_parallel(plan, axis), {m.fqn: m for m in plan.model.modules})
     _refuse_split_heads(scan)
+    if scan.sp:
+        _refuse_sp_stacks(scan)
     if not scan.regions:            # no policy marks regions: the model runs on DTensors
         layout = dtensor_layout(plan, axis)
         if layout is not None and scan.sp:
@@ -96,11 +98,14 @@ def _tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
         return None, []
     _refuse_mixed_regions(scan)
     _refuse_unpaired_rows(scan)
+    _refuse_sp_outside_regions(scan)
+    all_inputs = _refuse_sp_regions(scan)
     _refuse_partial(scan)
     blocks = plan.model.blocks
     layout = TPLayout(axis=axis, modules=tuple(scan.modules), regions=scan.regions,
                       sequence_parallel=scan.sp, first_block=blocks[0] if blocks else None,
-                      last_block=blocks[-1] if blocks else None, attrs=tuple(_attrs(scan)))
+                      last_block=blocks[-1] if blocks else None, attrs=tuple(_attrs(scan)),
+                      head_args=tuple(_head_args(scan)), all_inputs=all_inputs)
     return layout, scan.grad_reduce
 
 
@@ -125,10 +130,7 @@ def _classify(scan: _Scan, mname: str, es: list, tied: set) -> None:
         raise NotRunnable(f"{mname}: sharded parameters {[e.fqn for e in es]} but no weight; "
                           f"meshlab shards Linear, Embedding and Conv1D modules")
     if m.kind == "embedding":
-        if w.mesh_spec.dim_axes(0) != (scan.axis,):
-            raise ConfigError(f"{w.fqn}: embeddings shard over the vocabulary (dim 0) only; "
-                              f"got {w.mesh_spec!r}")
-        scan.modules.append(TPModule(mname, VocabEmbed()))
+        scan.modules.append(TPModule(mname, _embedding(scan, m, w)))
         return
     if m.kind not in ("linear", "conv1d"):
         raise NotRunnable(
@@ -137,10 +139,50 @@ def _classify(scan: _Scan, mname: str, es: list, tied: set) -> None:
     _linear(scan, m, es, w, styles)
 
 
+def _embedding(scan: _Scan, m: ModuleInfo, w):
+    """An embedding split over the vocabulary (its rows), or over its columns inside a
+    region (``embedding_colwise``: T5's per-head position bias, each rank its heads)."""
+    ws = w.mesh_spec
+    if ws.dim_axes(0) == (scan.axis,):
+        return VocabEmbed()
+    if len(ws) < 2 or ws.dim_axes(1) != (scan.axis,) or ws.dim_axes(0):
+        raise ConfigError(f"{w.fqn}: embeddings shard over the vocabulary (dim 0), or over "
+                          f"their columns (dim 1) inside a tensor-parallel region; got {ws!r}")
+    if not scan.in_region(m.fqn):
+        raise ConfigError(
+            f"{w.fqn}: {ws!r} splits the embedding's columns over {scan.axis!r} outside every "
+            f"tensor-parallel region; its output stays split (this rank's columns), which "
+            f"only a region's split features can use. List its attention module in the "
+            f"policy's regions, or replicate {w.fqn} with P()")
+    if w.shape[1] % scan.n:
+        raise ConfigError(f"{w.fqn} {w.shape}: {w.shape[1]} columns do not divide over "
+                          f"{scan.axis!r} (size {scan.n}); replicate it with P() or use a "
+                          f"{scan.axis!r} size that divides {w.shape[1]}")
+    return EmbedColWise()
+
+
+def _refuse_sp_stacks(scan: _Scan) -> None:
+    """Sequence parallelism splits the sequence before the first block and gathers it
+    after the last: one chain of blocks. An encoder-decoder model has two."""
+    stacks = list(dict.fromkeys(
+        a.module.rpartition(".")[0] for a in scan.plan.activations
+        if a.output is not None and len(a.output) > 1 and a.output.dim_axes(1) ==
+        (scan.axis,) and a.module.rpartition(".")[2].isdigit()))
+    if len(stacks) < 2:
+        return
+    raise ConfigError(
+        f"sequence parallelism over {scan.axis!r}: the activation specs split the sequence "
+        f"of the blocks of {len(stacks)} stacks ({', '.join(stacks)}): "
+        f"{scan.plan.model.cls or 'the model'} is an encoder-decoder model, and meshlab "
+        f"splits the sequence once before the first block and gathers it after the last, "
+        f"one chain of blocks (the decoder's cross-attention would read the encoder's "
+        f"output split). Run it with tensor parallelism alone: map 'seq' to None in Rules")
+
+
 def _packing(mname: str, styles: set, check: bool = True) -> int:
     """How many parts a fused projection packs (q|k|v: 3); ``check`` refuses the packed
     q/k/v whose parts differ under GQA."""
-    if "conv1d_packed_colwise" in styles:
+    if "conv1d_packed_colwise" in styles or "packed_qkv_colwise" in styles:
         return 3
     if "packed_colwise" in styles:
         if check and "qkv" in mname:
@@ -359,6 +401,77 @@ def _refuse_split_heads(scan: _Scan) -> None:
             f"a {scan.axis!r} size that divides {heads}")
 
 
+def _refuse_sp_outside_regions(scan: _Scan) -> None:
+    """Under sequence parallelism the residual stream between regions holds this rank's
+    share of the sequence; only a region's entry gathers it. A column-parallel module
+    outside every region (the output head aside) would read a sequence shard as if it
+    were the whole input, and the row-parallel module after it scatter a dim that is not
+    the sequence."""
+    if not scan.sp:
+        return
+    for m in scan.modules:
+        if isinstance(m.style, ColWise) and not m.style.in_region and \
+                m.fqn not in scan.regions:
+            raise ConfigError(
+                f"{m.fqn}: column-parallel outside every tensor-parallel region, under "
+                f"sequence parallelism: its input is this rank's share of the sequence, "
+                f"which only a region's entry gathers (a module that takes the (batch, "
+                f"seq, hidden) stream, listed in the policy's regions). This model gives "
+                f"{m.fqn} no such module to enter by; drop 'seq' from the rules (tensor "
+                f"parallelism without sequence parallelism runs it)")
+
+
+def _refuse_sp_regions(scan: _Scan) -> tuple[str, ...]:
+    """The regions every tensor input of which enters (``Policy.multi_input_regions``);
+    under sequence parallelism, refuses those and any region outside the blocks: the
+    sequence is split only between the first block and the last, so a region after them
+    (SAM's mask decoder) would gather a whole sequence again, and its row-parallel join
+    scatter it."""
+    multi = tuple(a.module for a in scan.plan.activations if "tp_region_all_inputs" in a.tags)
+    if not scan.sp:
+        return multi
+    blocks = scan.plan.model.blocks
+    for r in scan.regions:
+        inside = any(r == b or r.startswith(b + ".") for b in blocks)
+        if inside and r not in multi:
+            continue
+        why = ("takes several inputs (query, key, value), each of which would need its "
+               "own sequence gather" if inside else
+               f"lies outside the repeated blocks ({blocks[0] if blocks else 'none'}, ...), "
+               f"where the sequence is whole")
+        raise ConfigError(
+            f"sequence parallelism over {scan.axis!r}: the tensor-parallel region {r} {why}; "
+            f"meshlab splits the sequence before the first block and gathers it after the "
+            f"last, and runs every region's row-parallel join as a reduce-scatter of the "
+            f"sequence. Run {scan.plan.model.cls or 'this model'} with tensor parallelism "
+            f"alone: map 'seq' to None in Rules")
+    return multi
+
+
+def _head_args(scan: _Scan) -> list:
+    """``(module, keyword, dim, heads, first, count)`` for each tensor argument that
+    carries every head (``Policy.head_args``): this rank keeps heads [first, first+count),
+    the contiguous share its split projections hold."""
+    from ...policies._policy import parse_head_arg
+
+    out = []
+    for a in scan.plan.activations:
+        for tag in a.tags:
+            parsed = parse_head_arg(tag)
+            if parsed is None:
+                continue
+            kw, attr, dim = parsed
+            heads = _info(scan, a.module).get(attr)
+            if heads is None or heads % scan.n:
+                raise ConfigError(
+                    f"{a.module}.{kw}: carries one slice per head, counted by {attr!r} "
+                    f"({heads}), which must be an integer attribute that divides over "
+                    f"tp={scan.n}; fix the policy's head_args or the tp size")
+            count = heads // scan.n
+            out.append((a.module, kw, dim, heads, scan.rank * count, count))
+    return out
+
+
 def _refuse_partial(scan: _Scan) -> None:
     """A replicated parameter that sees only this rank's part of the data has a partial
     gradient: it must be summed over tp, or the run silently diverges."""
@@ -392,7 +505,13 @@ def _attrs(scan: _Scan) -> list:
                 raise ConfigError(f"{a.module} has no integer attribute {attr!r} to divide "
                                   f"over tp; fix the policy's local_attrs")
             if v % n:
-                raise ConfigError(f"{a.module}.{attr} = {v} does not divide over tp={n}")
+                raise ConfigError(
+                    f"{a.module}.{attr} = {v} does not divide over tp={n}: the policy gives "
+                    f"each rank 1/{n} of {a.module}'s projections, and its forward reshapes "
+                    f"by {attr}, so a rank would hold part of one of them. "
+                    + (f"Use a tp size that divides {v}, or replicate" if v > 1 else
+                       "With one, it cannot be split: replicate") +
+                    f" {a.module}'s projections with P()")
             out.append((a.module, attr, v // n))
     for spec in scan.modules:
         if spec.style.conv1d and isinstance(spec.style, ColWise):

@@ -11,6 +11,7 @@ style          parameters (DTensor on tp)    forward
 ColWise        weight/bias split on out      local matmul; region entry does f / gather
 RowWise        weight split on in; bias R    local matmul, then g / reduce-scatter, + bias
 VocabEmbed     weight split on vocab rows    ids outside the shard masked, then g
+EmbedColWise   weight split on columns       local lookup; output stays split (heads)
 VocabHead      weight (and bias) on vocab    f / gather on input; logits stay vocab-sharded
 KVReplicated   weight/bias replicated        local heads of a replicated K/V projection
 =============  ===========================  ==============================================
@@ -158,6 +159,31 @@ class VocabEmbed:
             mod.padding_idx = state.pop("pad")
             out = out.masked_fill(state.pop("mask").unsqueeze(-1), 0.0)
             return C.reduce_from_region(out, tp.group)
+
+        return pre, post
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedColWise:
+    """Embedding columns split, inside a TP region: each rank looks up its own columns
+    (T5's relative position bias, (buckets, heads): this rank's heads); no collective."""
+
+    conv1d: bool = False
+
+    def placements(self, name: str, ndim: int):
+        from torch.distributed.tensor import Shard
+
+        return (Shard(1),)
+
+    def hooks(self, m, tp: TPGroup):
+        local = _LocalParams(_names(m), zero_bias=False, conv1d=False)
+
+        def pre(mod, args):
+            local.enter(mod)
+
+        def post(mod, args, out):
+            local.exit(mod)
+            return out
 
         return pre, post
 

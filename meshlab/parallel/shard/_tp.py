@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ... import _collectives as C
+from ..._errors import ConfigError
 from ..._placement import dim_block
 from .._seqsplit import gather_after, hidden_arg, split_before, with_hidden
 from ._styles import TPGroup
@@ -42,6 +43,10 @@ class TPLayout:
     last_block: str | None = None        # SP: where it is gathered again
     attrs: tuple[tuple[str, str, Any], ...] = ()   # (module, attribute, local value)
     dtensor: bool = False                # DTensor mode (``_dtensor``): no regions, no hooks
+    all_inputs: tuple[str, ...] = ()     # regions whose every tensor input enters (q=, k=, v=)
+    # (module, keyword, dim, heads, first, count): an argument over every head, cut to
+    # this rank's heads [first, first + count) before the module runs
+    head_args: tuple[tuple[str, str, int, int, int, int], ...] = ()
 
 
 def _local_slice(t: torch.Tensor, placement, rank: int, n: int) -> torch.Tensor:
@@ -102,7 +107,8 @@ def install_hooks(model: nn.Module, layout: TPLayout, tp: TPGroup) -> None:
             x = C.gather_seq(x, tp.group, 1) if tp.sp else C.copy_to_region(x, tp.group)
             return with_hidden(args, kwargs, where, x)
 
-        mods[fqn].register_forward_pre_hook(region_entry, with_kwargs=True)
+        entry = _all_inputs_entry(tp) if fqn in layout.all_inputs else region_entry
+        mods[fqn].register_forward_pre_hook(entry, with_kwargs=True)
 
     if tp.sp and layout.first_block is not None:
         # Everything after the blocks (final norm, head, model-specific reshapes) runs on
@@ -112,5 +118,53 @@ def install_hooks(model: nn.Module, layout: TPLayout, tp: TPGroup) -> None:
         mods[layout.first_block].register_forward_pre_hook(split_before(split), with_kwargs=True)
         mods[layout.last_block].register_forward_hook(gather_after(gather, layout.last_block))
 
+    for fqn, kw, dim, heads, first, count in layout.head_args:
+        mods[fqn].register_forward_pre_hook(_head_slicer(kw, dim, heads, first, count),
+                                            with_kwargs=True)
+
     for fqn, attr, value in layout.attrs:
         setattr(mods[fqn], attr, value)
+
+
+def _all_inputs_entry(tp: TPGroup):
+    """A region entry for a module with several inputs (SAM's attention takes query, key
+    and value by keyword): each floating-point tensor argument enters the region (f), so
+    the gradient reaching each input is summed over tp. The layout refuses these regions
+    under sequence parallelism."""
+    enter = lambda x: C.copy_to_region(x, tp.group) if isinstance(x, torch.Tensor) and \
+        x.is_floating_point() else x
+
+    def hook(_m, args, kwargs):
+        return tuple(enter(a) for a in args), {k: enter(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def own_heads(x: torch.Tensor, dim: int, heads: int, first: int, count: int) -> torch.Tensor:
+    """This rank's heads of ``x``, whose ``dim`` (from the end when negative) holds every
+    head; as the first dim it is batch x heads, heads inner. A dim of size 1 broadcasts
+    over the heads and is kept whole."""
+    dim %= x.dim()
+    size = x.shape[dim]
+    if size == 1:
+        return x
+    if size % heads if dim == 0 else size != heads:
+        raise ConfigError(f"a tensor of shape {tuple(x.shape)} does not carry {heads} heads "
+                          f"on dim {dim}, where the policy's head_args say it does")
+    lead, tail = x.shape[:dim], x.shape[dim + 1:]
+    y = x.reshape(-1, heads, *tail)[:, first:first + count]
+    return y.reshape(*lead, size // heads * count, *tail)
+
+
+def _head_slicer(kw: str, dim: int, heads: int, first: int, count: int):
+    def hook(_m, args, kwargs):
+        if kw not in kwargs:
+            raise ConfigError(f"{type(_m).__name__} was called without the keyword {kw!r}, "
+                              f"which the policy cuts to this rank's heads (head_args); "
+                              f"passed by position it would reach the module whole")
+        x = kwargs[kw]
+        if not isinstance(x, torch.Tensor):
+            return None
+        return args, {**kwargs, kw: own_heads(x, dim, heads, first, count)}
+
+    return hook
