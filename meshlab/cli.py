@@ -74,23 +74,103 @@ def _check_plan_flags(args) -> None:
                           f"create it or write the plan elsewhere")
 
 
+_SPECS_EXAMPLE = '{"model.layers.*.mlp.up_proj.weight": ["mlp", "embed"], "score.weight": []}'
+
+
 def _specs_arg(path: str) -> dict:
-    """``--specs specs.json``: ``{"<fqn glob>": [axis or null or [axes], ...]}`` as P's."""
+    """``--specs FILE``: an object of FQN globs -> one entry per dimension (a logical axis,
+    null for an unsharded dim, or a list of axes), as ``P``'s; JSON, or YAML (``.yaml``,
+    ``.yml``) with pyyaml installed. A malformed file or entry raises ``ConfigError`` naming
+    the file and the entry."""
+    from ._errors import ConfigError, SpecError
+    from ._spec import P
+    from ._specs_tree import glob_match
+
+    raw = _read_specs(path)
+    out = {}
+    for glob, dims in raw.items():
+        where = f"--specs {path!r}, entry {glob!r}: {dims!r}"
+        if not isinstance(glob, str) or not glob:
+            raise ConfigError(f"{where}: keys are FQN globs (strings), e.g. {_SPECS_EXAMPLE}")
+        if not isinstance(dims, list) or not all(
+                d is None or isinstance(d, str) or (isinstance(d, list) and d and all(
+                    isinstance(x, str) for x in d)) for d in dims):
+            raise ConfigError(f"{where}: a spec is a list with one entry per dimension: an "
+                              f"axis name, null (not sharded) or a list of axis names, e.g. "
+                              f'["mlp", null] or [["dp", "fsdp"], null]')
+        try:
+            glob_match(glob, "")                # a glob that is no glob raises here
+            out[glob] = P(*(tuple(d) if isinstance(d, list) else d for d in dims))
+        except SpecError as e:
+            raise ConfigError(f"{where}: {e}") from None
+    return out
+
+
+def _read_specs(path: str) -> dict:
+    """The object in ``--specs`` FILE (JSON; YAML by its suffix)."""
     import json
 
     from ._errors import ConfigError
-    from ._spec import P
 
+    yaml_file = path.endswith((".yaml", ".yml"))
+    unreadable: tuple = (OSError, ValueError)
+    if yaml_file:
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"--specs {path!r}: a YAML file needs pyyaml (pip install "
+                              f"pyyaml); or write the same specs as JSON") from None
+        unreadable += (yaml.YAMLError,)
     try:
         with open(path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"--specs {path!r}: cannot read it as JSON ({e}); write "
-                          f'{{"layers.*.mlp.up_proj.weight": ["mlp", "embed"]}}') from None
-    if not isinstance(raw, dict) or not all(isinstance(v, list) for v in raw.values()):
-        raise ConfigError(f"--specs {path!r}: expected an object of FQN globs to lists, e.g. "
-                          f'{{"layers.*.mlp.up_proj.weight": ["mlp", "embed"]}}')
-    return {k: P(*(tuple(x) if isinstance(x, list) else x for x in v)) for k, v in raw.items()}
+            raw = yaml.safe_load(f) if yaml_file else json.load(f)
+    except unreadable as e:
+        raise ConfigError(f"--specs {path!r}: cannot read it ({e}); write e.g. "
+                          f"{_SPECS_EXAMPLE}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"--specs {path!r}: expected a non-empty object of FQN globs to "
+                          f"spec lists, e.g. {_SPECS_EXAMPLE}")
+    return raw
+
+
+def _layout(args):
+    """The sharding: the policy of the model's family (``policies.auto``) with the
+    ``--specs`` file's specs added for the parameters it leaves whole; with
+    ``--no-policy``, the file's specs alone."""
+    from . import policies
+    from ._errors import ConfigError
+    from .parallel import shard
+
+    rules = _rules_arg(args.rules)
+    specs = _specs_arg(args.specs) if args.specs else None
+    if args.no_policy:
+        if specs is None:
+            raise ConfigError("--no-policy lays the model out by --specs alone; give "
+                              "--specs FILE too")
+        return shard(specs, rules)
+    spec = shard(policies.auto, rules)
+    return spec | shard(specs) if specs is not None else spec
+
+
+def _planned(model, spec, mesh, args):
+    """``meshlab.plan``, its policy and layout errors told how the flags change them."""
+    from ._api import plan as make_plan
+    from ._errors import PlanError, PolicyError
+
+    try:
+        return make_plan(model, spec, mesh, uneven=args.uneven)
+    except PolicyError as e:
+        how = (f"add --no-policy to lay it out by --specs {args.specs!r} alone" if args.specs
+               else "--specs FILE --no-policy lays the model out by your own specs")
+        raise PolicyError(f"{e}. On the command line: {how}") from None
+    except PlanError as e:
+        if not args.specs or "shard specs" not in str(e):
+            raise
+        hint = "" if args.no_policy or "already laid out" not in str(e) else (
+            "; they add to the policy of the model's family, and --no-policy lays the model "
+            "out by the file alone")
+        raise PlanError(f"{e} (shard specs: the entries of --specs {args.specs!r}{hint})") \
+            from None
 
 
 def _offload_arg(text: str):
@@ -123,10 +203,8 @@ def cmd_plan(args) -> int:
     import torch
     from rich.console import Console
 
-    from . import policies, presets
-    from ._api import plan as make_plan
+    from . import presets
     from ._mesh import Mesh
-    from .parallel import shard
 
     console = Console(width=None if sys.stdout.isatty() else 160)
     t0 = time.perf_counter()
@@ -134,8 +212,7 @@ def cmd_plan(args) -> int:
     dtype = getattr(torch, args.dtype)
     model = presets.build(args.model, device="meta", dtype=dtype)
     mesh = Mesh.parse(args.mesh, fake=True)
-    # no --rules: Rules.default(); --specs: the user's specs instead of the family's policy
-    spec = shard(_specs_arg(args.specs) if args.specs else policies.auto, _rules_arg(args.rules))
+    spec = _layout(args)                    # no --rules: Rules.default()
     if args.advise:
         return _advise(console, model, args)
     if args.remat:
@@ -160,7 +237,7 @@ def cmd_plan(args) -> int:
         from .parallel import pipeline
 
         spec = spec | pipeline("pp", schedule=args.schedule, microbatches=args.microbatches)
-    p = make_plan(model, spec, mesh, uneven=args.uneven)
+    p = _planned(model, spec, mesh, args)
     if p.not_runnable:
         print(_refusal(p, args.mesh), file=sys.stderr)
         return 2
@@ -293,9 +370,12 @@ def _plan_parser(sub) -> None:
     """``meshlab plan``'s arguments."""
     p = sub.add_parser("plan", help="plan a model on a fake mesh and print its layout and memory")
     p.add_argument("--model", default="llama3-8b",
-                   help="a preset name (see meshlab.presets) or a path to a config.json (any "
-                        "family: built with its architectures' class or the auto class that "
-                        "maps it)")
+                   help="a preset name (see meshlab.presets) or a Hugging Face config.json "
+                        "(or its directory) of any family, built on the meta device without "
+                        "weights: with its architectures' class, else the first auto class "
+                        "that maps it (causal LM; seq2seq first for encoder-decoders; image "
+                        "classification; masked LM; the base model), else the model class of "
+                        "the config's own transformers module")
     p.add_argument("--mesh", default="dp=8,tp=8",
                    help="axis=size pairs, e.g. pp=8,dp=16,tp=8 (an 'ep' axis adds expert_route)")
     p.add_argument("--rules", default=None,
@@ -321,8 +401,15 @@ def _plan_parser(sub) -> None:
                         "or auto=<device budget per rank> (auto=120GiB); prints host and device "
                         "bytes and the predicted step cost")
     p.add_argument("--specs", default=None,
-                   help="a JSON file of FQN glob -> spec lists (null replicates a dim), used "
-                        "instead of the family's policy, e.g. for a family no policy covers")
+                   help="a JSON (or, with pyyaml, YAML) file of parameter FQN globs -> spec "
+                        "lists, one entry per dim: an axis name, null (not sharded) or a "
+                        "list of axes, e.g. {\"model.layers.*.mlp.up_proj.weight\": "
+                        "[\"mlp\", \"embed\"], \"score.weight\": []}. Added to the "
+                        "family's policy, for the parameters it leaves whole (a parameter "
+                        "both lay out differently is refused)")
+    p.add_argument("--no-policy", action="store_true",
+                   help="lay the model out by --specs alone, without the family's policy "
+                        "(a family no policy covers, or to replace the policy's layout)")
     p.add_argument("--remat", default=None, choices=("none", "full", "selective"),
                    help="add remat(policy)")
     p.add_argument("--fuse", action="store_true", help="add fuse() (meshlab's fused ops)")

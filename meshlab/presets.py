@@ -42,16 +42,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 def config(name_or_path: str, **overrides: Any):
-    """A ``transformers`` config from a preset name or a local ``config.json`` path."""
+    """A ``transformers`` config from a preset name or a local ``config.json`` path (a file
+    or its directory). A file that is no config, or whose ``model_type`` the installed
+    transformers does not know, raises ``ConfigError`` naming the path."""
     import os
 
-    from transformers import AutoConfig
-
     if os.path.exists(name_or_path):
-        path = name_or_path
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+        cfg = _config_file(name_or_path)
         for k, v in overrides.items():
             setattr(cfg, k, v)
         return cfg
@@ -60,47 +57,70 @@ def config(name_or_path: str, **overrides: Any):
             f"model {name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
             f"path to a config.json"
         )
+    from transformers import AutoConfig
+
     kw = {**PRESETS[name_or_path], **overrides}
     return AutoConfig.for_model(kw.pop("model_type"), **kw)
 
 
-# The auto classes tried, in order, for a config without a known ``architectures`` entry.
-AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForMaskedLM",
-                "AutoModelForSpeechSeq2Seq", "AutoModelForImageClassification",
-                "AutoModelForVision2Seq", "AutoModel")
+def _config_file(path: str):
+    """The config of ``path`` (a config.json or the directory holding one)."""
+    import json
+    import os
+
+    import transformers
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config {path!r}: cannot read it as a JSON config ({e}); give a "
+                          f"Hugging Face config.json or the directory holding one") from None
+    mt = raw.get("model_type") if isinstance(raw, dict) else None
+    if not isinstance(mt, str):
+        raise ConfigError(f"config {path!r}: no \"model_type\" in it; a Hugging Face "
+                          f"config.json names its family, e.g. \"model_type\": \"llama\"")
+    if mt not in CONFIG_MAPPING:
+        raise ConfigError(f"config {path!r}: model_type {mt!r} is unknown to transformers "
+                          f"{transformers.__version__}; build the model in Python and pass "
+                          f"it to meshlab.plan(model, spec, mesh)")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:                      # the family's own config validation
+        raise ConfigError(f"config {path!r}: transformers rejects this {mt} config: "
+                          f"{type(e).__name__}: {e}") from None
 
 
 def model_class(cfg):
     """The class to build ``cfg`` with: its ``architectures[0]`` when transformers has it,
-    else the first of ``AUTO_CLASSES`` that maps the config's type."""
+    else the one ``meshlab.policies._tiny.auto_class`` picks (``ConfigError`` when none)."""
     import transformers
+
+    from .policies._tiny import auto_class
 
     for arch in getattr(cfg, "architectures", None) or ():
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls
-    order = AUTO_CLASSES
-    if getattr(cfg, "is_encoder_decoder", False):      # T5, Whisper: the whole model
-        order = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq") + AUTO_CLASSES
-    for name in order:
-        auto = getattr(transformers, name, None)
-        mapping = getattr(auto, "_model_mapping", None)
-        if mapping is not None and type(cfg) in mapping:
-            return auto
-    raise ConfigError(f"model type {getattr(cfg, 'model_type', None)!r}: no transformers class "
-                      f"builds this config (tried its architectures "
-                      f"{getattr(cfg, 'architectures', None)} and {', '.join(AUTO_CLASSES)}); "
-                      f"build the model yourself and call meshlab.plan(model, spec, mesh)")
+    return auto_class(cfg)
 
 
 def build(name_or_path: str, *, device: str = "meta", dtype=None, **overrides: Any):
-    """Build the model of a preset or config on ``device`` (meta: no memory), with the class
-    ``model_class`` picks (a causal LM for the presets)."""
+    """Build the model of a preset or config on ``device`` (meta: no memory, no weights),
+    with the class ``model_class`` picks (a causal LM for the presets)."""
     import torch
+
+    from .policies._tiny import from_config
 
     cfg = config(name_or_path, **overrides)
     cls = model_class(cfg)
-    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
-    with torch.device(device):
-        model = make(cfg, dtype=dtype) if dtype is not None else make(cfg)
-    return model
+    kw = {} if dtype is None else {"dtype": dtype}
+    try:
+        with torch.device(device):
+            return from_config(cls, cfg, **kw)
+    except Exception as e:                      # the model's own constructor refused it
+        raise ConfigError(f"model_type {cfg.model_type!r}: {cls.__name__} could not be built "
+                          f"from this config: {type(e).__name__}: {e}") from None

@@ -59,3 +59,24 @@ FAMILIES = {
     # the default multi-query layout: one K/V head for every query head (refused)
     "falcon_mqa": _fam(model_type="falcon", **_FALCON),
 }
+
+
+def _mlm(out, batch):
+    return ml.losses.masked_lm_loss(out, {"labels": batch["input_ids"]})
+
+
+# BERT (masked LM) and the mixture-of-experts families named by the support table
+FAMILIES["bert"] = Family(dict(model_type="bert", hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=64, vocab_size=V,
+                               max_position_embeddings=64, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0), "AutoModelForMaskedLM",
+                          _ids, _mlm)
+FAMILIES["mixtral"] = _fam(model_type="mixtral", **{**_GQA, "intermediate_size": 32},
+                           num_local_experts=4, num_experts_per_tok=2)
+FAMILIES["deepseek_v3"] = _fam(model_type="deepseek_v3", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=16, n_shared_experts=1,
+                               first_k_dense_replace=1, n_group=2, topk_group=1,
+                               q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                               qk_nope_head_dim=8, v_head_dim=8)

@@ -29,11 +29,16 @@ class Family:
     # model -> None, after init_weights: values the model's own init leaves degenerate
     # (BLIP-2's zero query tokens); the parallel model then loads the same state_dict
     post_init: Callable | None = None
+    # () -> the model on the meta device, for families transformers does not ship (remote
+    # code); config and auto are then unused
+    make: Callable | None = None
 
 
 def build(fam: Family):
     import transformers
 
+    if fam.make is not None:
+        return fam.make()
     kw = dict(fam.config)
     cfg = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
     cfg._attn_implementation = "eager"
@@ -55,13 +60,15 @@ def _batches(fam: Family, steps: int, size: int, seed: int = 1) -> list[dict]:
     return [fam.batch(size, g) for _ in range(steps)]
 
 
-def parity_case(rank, world, module, name, spec_name="tp_zero3", steps=3, lr=1e-3,
-                tols=(1e-5, 1e-3, 1e-6, 1e-4, 1e-4, 1e-3), batch_size=4):
+def parity_case(rank, world, module=None, name=None, spec_name="tp_zero3", steps=3, lr=1e-3,
+                tols=(1e-5, 1e-3, 1e-6, 1e-4, 1e-4, 1e-3), batch_size=4, fam=None):
+    """``fam``: the family itself, where a case builds it on the rank (else ``FAMILIES[name]``
+    of ``module``)."""
     import torch.distributed as dist
 
     import meshlab as ml
 
-    fam = family(module, name)
+    fam = fam if fam is not None else family(module, name)
     data = _batches(fam, steps, batch_size)
     a_l, r_l, a_g, r_g, a_w, r_w = tols
     ref = ml.init_weights(build(fam), seed=0)

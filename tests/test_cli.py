@@ -160,41 +160,194 @@ def _saved_config(tmp_path, name, cfg):
     return str(d)
 
 
-def test_plan_builds_any_family_from_its_config(tmp_path, capsys):
-    """Encoder-decoder, vision and speech configs build with their own class; a family
-    without a policy is refused by name (not transformers' list of causal-LM classes)."""
-    import transformers
+def _family_configs():
+    """Tiny T5 (seq2seq), ViT (image classification) and Whisper (speech seq2seq), their
+    widths divisible by tp=2."""
+    from transformers import AutoConfig
 
+    return {
+        "t5": AutoConfig.for_model("t5", d_model=32, d_ff=64, d_kv=8, num_layers=2,
+                                   num_heads=4, vocab_size=64),
+        "vit": AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64,
+                                    image_size=32, patch_size=8),
+        "whisper": AutoConfig.for_model(
+            "whisper", d_model=32, encoder_layers=1, decoder_layers=1,
+            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, vocab_size=128, num_mel_bins=16, max_source_positions=32,
+            max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            decoder_start_token_id=3),
+    }
+
+
+def _rows(text: str, name: str) -> list[str]:
+    return [line for line in text.splitlines() if f" {name} " in line]
+
+
+def test_plan_builds_any_family_from_its_config(tmp_path, capsys):
+    """Encoder-decoder, vision and speech configs build whole with their task's auto class
+    (not the decoder alone, not transformers' list of causal-LM classes) and plan under
+    their policies on dp=2 x tp=2."""
     from meshlab import presets
     from meshlab.cli import main
 
-    cfgs = {"t5": transformers.T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=4,
-                                        vocab_size=64),
-            "vit": transformers.ViTConfig(hidden_size=32, num_hidden_layers=2,
-                                          num_attention_heads=4, intermediate_size=64),
-            "whisper": transformers.WhisperConfig(d_model=32, encoder_layers=1,
-                                                  decoder_layers=1, encoder_attention_heads=4,
-                                                  decoder_attention_heads=4)}
-    built = {k: type(presets.build(_saved_config(tmp_path, k, c))).__name__
-             for k, c in cfgs.items()}
-    assert built == {"t5": "T5ForConditionalGeneration", "vit": "ViTForImageClassification",
-                     "whisper": "WhisperForConditionalGeneration"}
-    assert main(["plan", "--model", str(tmp_path / "t5"), "--mesh", "dp=2"]) == 2
-    err = capsys.readouterr().err
-    assert "PolicyError" in err and "'t5'" in err and "Unrecognized" not in err
-    # --specs: the user's own specs instead of the policy (here: FSDP-style rows only)
+    dirs = {k: _saved_config(tmp_path, k, c) for k, c in _family_configs().items()}
+    classes = {"t5": "T5ForConditionalGeneration", "vit": "ViTForImageClassification",
+               "whisper": "WhisperForConditionalGeneration"}
+    # a tp-sharded weight of each, so the policy (not a replicated fallback) laid it out
+    sharded = {"t5": "encoder.block.*.layer.0.SelfAttention.q.weight",
+               "vit": "vit.layers.*.attention.q_proj.weight",
+               "whisper": "model.encoder.layers.*.self_attn.q_proj.weight"}
+    for k, d in dirs.items():
+        assert type(presets.build(d)).__name__ == classes[k]
+        assert main(["plan", "--model", d, "--mesh", "dp=2,tp=2"]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        assert f"meshlab plan: {classes[k]}" in out
+        assert "shard(policies.auto)" in out and "memory per rank (dp=2, tp=2)" in out
+        row = _rows(out, sharded[k])
+        assert row and "→ P('tp', None)" in row[0], out
+        assert "on 4 ranks" in out
+    # --no-policy: the file's specs alone
     specs = tmp_path / "specs.json"
     specs.write_text('{"shared.weight": ["vocab", null]}')
-    assert main(["plan", "--model", str(tmp_path / "t5"), "--mesh", "dp=2", "--specs",
-                 str(specs), "--rules", "vocab=dp"]) == 0
-    assert "shared.weight" in capsys.readouterr().out
+    assert main(["plan", "--model", dirs["t5"], "--mesh", "dp=2", "--specs", str(specs),
+                 "--no-policy", "--rules", "vocab=dp"]) == 0
+    out = capsys.readouterr().out
+    assert "policies.auto" not in out
+    assert "shard({'shared.weight': P('vocab', None)}, Rules(vocab='dp'))" in out
     # a pipeline over an encoder-decoder is refused at plan time, naming why
     plain = tmp_path / "plain.json"
     plain.write_text('{"proj_out.weight": [null, null]}')
-    assert main(["plan", "--model", str(tmp_path / "whisper"), "--mesh", "pp=2", "--specs",
-                 str(plain)]) == 2
+    assert main(["plan", "--model", dirs["whisper"], "--mesh", "pp=2", "--specs", str(plain),
+                 "--no-policy"]) == 2
     assert "encoder-decoder" in capsys.readouterr().err
-    specs.write_text("[1, 2]")
-    assert main(["plan", "--model", str(tmp_path / "t5"), "--mesh", "dp=2", "--specs",
-                 str(specs)]) == 2
-    assert "FQN globs" in capsys.readouterr().err
+
+
+def test_auto_class_covers_tasks_and_sub_configs():
+    """One picker for every config: the task's auto class, an encoder-decoder whole, a
+    sub-config no auto mapping lists by its own module's class, and a typed refusal."""
+    import transformers
+    from transformers import AutoConfig
+
+    from meshlab.policies._tiny import auto_class
+
+    want = {"llama": "AutoModelForCausalLM", "t5": "AutoModelForSeq2SeqLM",
+            "bart": "AutoModelForSeq2SeqLM",        # also a causal LM: the decoder alone
+            "whisper": "AutoModelForSpeechSeq2Seq", "vit": "AutoModelForImageClassification",
+            "qwen3_vl_text": "AutoModel",
+            # listed by no auto mapping: the class of their own modeling module
+            "emu3_text_model": "Emu3ForCausalLM",               # ForCausalLM over Model
+            "qwen3_omni_moe_text": "Qwen3OmniMoeThinkerTextModel"}
+    got = {mt: auto_class(AutoConfig.for_model(mt)).__name__ for mt in want}
+    assert got == want
+    assert auto_class(AutoConfig.for_model("vit")) is transformers.AutoModelForImageClassification
+    with pytest.raises(ml.ConfigError, match=r"'sam2_mask_decoder'.*meshlab\.plan\(model"):
+        auto_class(AutoConfig.for_model("sam2_mask_decoder"))
+
+
+def test_unknown_or_unreadable_config_is_a_typed_error(tmp_path, capsys):
+    from transformers import AutoConfig
+
+    from meshlab.cli import main
+
+    bad = {"unknown.json": '{"model_type": "no_such_family", "hidden_size": 8}',
+           "junk.json": "{not json", "untyped.json": '{"hidden_size": 8}'}
+    needles = {"unknown.json": ("'no_such_family'", "meshlab.plan(model, spec, mesh)"),
+               "junk.json": ("cannot read it as a JSON config",),
+               "untyped.json": ('no "model_type"',)}
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        assert main(["plan", "--model", str(tmp_path / name), "--mesh", "dp=2,tp=2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("meshlab plan: error: ConfigError: ") and name in err, err
+        for n in needles[name]:
+            assert n in err, err
+    # a known config that no transformers class builds
+    d = _saved_config(tmp_path, "decoder", AutoConfig.for_model("sam2_mask_decoder"))
+    assert main(["plan", "--model", d, "--mesh", "dp=2,tp=2"]) == 2
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and "'sam2_mask_decoder'" in err and "Unrecognized" not in err
+    assert "meshlab.plan(model, spec, mesh)" in err
+
+
+def _llama_classifier(tmp_path):
+    """Tiny llama with a sequence-classification head: ``score.weight`` is a parameter
+    the llama policy leaves whole."""
+    from meshlab import presets
+
+    cfg = presets.config("tiny-llama")
+    cfg.architectures, cfg.num_labels = ["LlamaForSequenceClassification"], 4
+    return _saved_config(tmp_path, "llama-cls", cfg)
+
+
+def test_specs_file_adds_to_the_policy(tmp_path, capsys):
+    from meshlab.cli import main
+
+    model = _llama_classifier(tmp_path)
+    argv = ["plan", "--model", model, "--mesh", "dp=2,tp=2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "│ P() " in _rows(out, "score.weight")[0], out
+    for name, text in (("specs.json", '{"score.weight": ["heads", null]}'),
+                       ("specs.yaml", "score.weight: [heads, null]\n")):
+        (tmp_path / name).write_text(text)
+        assert main(argv + ["--specs", str(tmp_path / name)]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        row = _rows(out, "score.weight")[0]
+        assert "P('heads', None) → P('tp', None)" in row and "(2, 64)" in row, out
+        # the policy still lays out the rest
+        assert "P('mlp', 'embed') → P('tp', None)" in _rows(out, "model.layers.*.mlp.up_proj.weight")[0]
+        assert "shard(policies.auto)" in out and "shard({'score.weight'" in out
+    # a parameter the policy already lays out differently: refused, naming the way out
+    (tmp_path / "clash.json").write_text('{"model.norm.weight": [null]}')
+    assert main(argv + ["--specs", str(tmp_path / "clash.json")]) == 2
+    err = capsys.readouterr().err
+    assert "PlanError" in err and "model.norm.weight" in err and "--no-policy" in err
+    assert "clash.json" in err
+
+
+def test_specs_file_alone_for_a_family_without_policy(tmp_path, capsys):
+    """ViT-MSN has no policy and no tensor-parallel plan: policies.auto refuses it, naming
+    --no-policy, which lays it out by the file alone."""
+    from transformers import AutoConfig
+
+    from meshlab.cli import main
+
+    model = _saved_config(tmp_path, "msn", AutoConfig.for_model(
+        "vit_msn", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, image_size=32, patch_size=8))
+    specs = tmp_path / "msn.json"
+    specs.write_text('{"vit.layers.*.mlp.fc1.weight": ["mlp", null]}')
+    argv = ["plan", "--model", model, "--mesh", "dp=2,tp=2", "--specs", str(specs)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "PolicyError" in err and "'vit_msn'" in err
+    assert f"add --no-policy to lay it out by --specs {str(specs)!r} alone" in err
+    assert main(argv + ["--no-policy"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "meshlab plan: ViTMSNForImageClassification" in out
+    assert "P('mlp', None) → P('tp', None)" in _rows(out, "vit.layers.*.mlp.fc1.weight")[0]
+    assert "P()" in _rows(out, "vit.layers.*.mlp.fc2.weight")[0]
+
+
+def test_malformed_specs_file_is_a_typed_error(tmp_path, capsys):
+    from meshlab.cli import main
+
+    model = _llama_classifier(tmp_path)
+    cases = {"notjson.json": ("{oops", "cannot read it"),
+             "list.json": ("[1, 2]", "FQN globs"),
+             "scalar.json": ('{"score.weight": "heads"}', "entry 'score.weight'"),
+             "int-dim.json": ('{"model.norm.weight": [null], "score.weight": [null, 3]}',
+                              "entry 'score.weight': [None, 3]"),
+             "twice.json": ('{"score.weight": ["heads", "heads"]}', "uses axis 'heads' twice"),
+             "bad.yaml": ("score.weight: [heads\n", "cannot read it")}
+    for name, (text, needle) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert main(["plan", "--model", model, "--mesh", "dp=2,tp=2", "--specs",
+                     str(tmp_path / name)]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("meshlab plan: error: ConfigError: --specs ") and name in err, err
+        assert needle in err, err
+    # --no-policy without a file to lay out by
+    assert main(["plan", "--model", model, "--mesh", "dp=2", "--no-policy"]) == 2
+    assert "give --specs FILE" in capsys.readouterr().err

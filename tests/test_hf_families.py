@@ -39,13 +39,27 @@ def test_family_plans_under_auto(family):
     assert layout is not None and layout.regions
 
 
-def test_cross_head_norm_is_refused():
-    # OLMo-2 normalizes q over all heads at once: under TP that norm would need the other
-    # ranks' heads; meshlab refuses instead of computing a different model.
-    # The refusal comes from plan itself (bind), on a fake mesh, before any process exists.
+def test_norms_after_gathered_projections_see_every_head():
+    # OLMo-2 normalizes q over all heads at once; its plan gathers q/k/v again
+    # (colwise_gather_output) and slices o_proj's input (rowwise_split_input), so the
+    # norm sees every head and its gradient is whole: not summed over tp, and exact (the
+    # family walk trains it to the one-process numbers).
+    from meshlab.policies import _support
+
     model = _build("olmo2")
+    p = ml.plan(model, ml.shard(ml.policies.auto, RULES), MESH)
+    layout, reduce = tp_layout(p, 0)
+    styles = {m.fqn: m.style for m in layout.modules}
+    assert styles["model.layers.0.self_attn.q_proj"].gather_output
+    assert styles["model.layers.0.self_attn.o_proj"].split_input
+    assert not any("q_norm" in f for f in reduce)
+    assert _support.load()["families"]["olmo2"]["outcome"] == "trained"
+    # as plain colwise/rowwise (the styles' names lost), the same norm would see only
+    # this rank's heads: refused, never trained silently wrong
+    plain = {g: s.replace("_gather_output", "").replace("_split_input", "")
+             for g, s in model.config.base_model_tp_plan.items()}
     with pytest.raises(ml.ConfigError, match="q_norm"):
-        ml.plan(model, ml.shard(ml.policies.auto, RULES), MESH)
+        ml.plan(model, ml.shard(ml.policies.get("olmo2", plain), RULES), MESH)
 
 
 def test_moe_plans_leave_the_experts_to_expert_route():

@@ -63,6 +63,8 @@ def style_specs(style: str, tp: str) -> tuple[P, P | None]:
             f"those modules with shard({{'<fqn glob>': P(...)}})"
         )
     w, b = _STYLES[style]
+    if style in ("colwise_gather_output", "rowwise_split_input") and tp == "kv_heads":
+        tp = "heads"     # gathered again: K/V heads need not be whole per rank
     sub = lambda t: P(*(tp if x == "{tp}" else x for x in t))
     return sub(w), (None if b is None else sub(b))
 

@@ -80,7 +80,8 @@ def get(model_type: str, tp_plan: dict[str, str] | None = None) -> Policy:
         f"no sharding policy for model_type {model_type!r}: it is not registered "
         f"({', '.join(registered())}) and its config carries no base_model_tp_plan. Pass "
         f"specs instead: shard({{'layers.*.mlp.up_proj.weight': P('mlp', 'embed'), ...}}), or "
-        f"meshlab.policies.register({model_type!r}, Policy(...))"
+        f"meshlab.policies.register({model_type!r}, Policy(...)) before plan/parallelize "
+        f"(docs/policies.md, 'Remote-code models')"
     )
 
 
@@ -95,6 +96,12 @@ def resolve_policy(specs: Any, plan) -> Policy | None:
                 f"policies.auto needs a Hugging Face model (a config with model_type); "
                 f"{plan.model.cls or 'this model'} has none. Pass specs to shard(...) instead"
             )
+        if mt in _REGISTRY:            # hand-written, with parity tests of its own
+            return _REGISTRY[mt]
+        if plan.model.tp_plan:          # translated: only what the family walk trained
+            from ._support import require_trained
+
+            require_trained(mt)
         return get(mt, dict(plan.model.tp_plan))
     if isinstance(specs, str):
         return get(specs)

@@ -240,6 +240,8 @@ def _activations(plan: Plan, acts, mod_tags, attrs, source: str) -> tuple:
     for glob, mtags in mod_tags.items():
         for m, prev in each(glob, "module", unfit):
             entries[m] = dataclasses.replace(prev, tags=tuple(dict.fromkeys(prev.tags + mtags)))
+    # a module holding no parameters may reshape by a global size too (an attention core)
+    modules = list(dict.fromkeys(modules + [m.fqn for m in plan.model.modules if m.fqn]))
     for glob, names in attrs.items():
         for m, prev in each(glob, "module", unfit):
             entries[m] = dataclasses.replace(
@@ -298,14 +300,16 @@ class _Setup:
                                   f"initialize this model with state_dict= instead")
         if self.layout is None:
             return None
-        # What a pipeline stage dropped is not sharded (modules without parameters left).
-        self.mods = {n: m for n, m in ctx.model.named_modules()
+        # What a pipeline stage dropped is not sharded (modules without parameters left);
+        # integer attributes go to every module still there, with parameters or without.
+        present = dict(ctx.model.named_modules())
+        self.mods = {n: m for n, m in present.items()
                      if n == "" or next(m.parameters(), None) is not None}
         layout = dataclasses.replace(
             self.layout, modules=tuple(m for m in self.layout.modules if m.fqn in self.mods),
             regions=tuple(r for r in self.layout.regions if r in self.mods),
             all_inputs=tuple(r for r in self.layout.all_inputs if r in self.mods),
-            attrs=tuple(a for a in self.layout.attrs if a[0] in self.mods),
+            attrs=tuple(a for a in self.layout.attrs if a[0] in present),
             head_args=tuple(a for a in self.layout.head_args if a[0] in self.mods))
         for m in layout.modules:
             if m.fqn not in self.done:

@@ -96,6 +96,7 @@ def _tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
         _classify(scan, mname, es, tied)
     if not scan.modules:
         return None, []
+    _drop_empty_regions(scan)
     _refuse_mixed_regions(scan)
     _refuse_unpaired_rows(scan)
     _refuse_sp_outside_regions(scan)
@@ -109,6 +110,25 @@ def _tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
     return layout, scan.grad_reduce
 
 
+def _in_gathered(scan: "_Scan", mname: str) -> bool:
+    g = scan.__dict__.get("_gathered")
+    if g is None:
+        g = scan.__dict__["_gathered"] = gathered_regions(scan)
+    return any(mname.startswith(r + ".") for r in g)
+
+
+def _drop_empty_regions(scan: "_Scan") -> None:
+    """A region where the policy splits nothing (its plan names only the embedding, say)
+    is no tensor-parallel region: its modules run whole, entered and left as they are."""
+    split = {m.fqn for m in scan.modules}
+    keep = tuple(r for r in scan.regions
+                 if any(f == r or f.startswith(r + ".") for f in split))
+    if keep != scan.regions:
+        scan.regions = keep
+        scan.__dict__.pop("_region_set", None)
+        scan.__dict__.pop("_gathered", None)
+
+
 def _info(scan: "_Scan", mname: str) -> ModuleInfo:
     return scan.infos.get(mname) or ModuleInfo(mname, "?")
 
@@ -120,7 +140,9 @@ def _classify(scan: _Scan, mname: str, es: list, tied: set) -> None:
         _kv_replicated(scan, m, es)
         return
     if not any(scan.axis in (e.mesh_spec or P()).axes for e in es):
-        if "replicated_with_grad_allreduce" in styles or (scan.sp and "sequence_parallel" in styles):
+        whole = _in_gathered(scan, mname)       # it sees all features: its gradient is whole
+        if ("replicated_with_grad_allreduce" in styles and not whole) or (
+                scan.sp and "sequence_parallel" in styles):
             scan.grad_reduce.extend(e.fqn for e in es)
         return
     w = next((e for e in es if e.fqn.endswith(".weight") or e.fqn == "weight"), None)
@@ -204,16 +226,50 @@ def _linear(scan: _Scan, m: ModuleInfo, es: list, w, styles: set) -> None:
                 raise ConfigError(f"{m.fqn}: the output head cannot sit inside a TP region")
             style = VocabHead(conv1d=conv, packed=packed,
                               gather_output="colwise_gather_output" in styles and not vocab)
+        elif GATHER in styles:
+            _gathered_divides(scan, w, out_dim)
+            style = ColWise(conv1d=conv, in_region=scan.in_region(m.fqn), gather_output=True)
         else:
             style = ColWise(conv1d=conv, packed=packed, in_region=scan.in_region(m.fqn))
         scan.modules.append(TPModule(m.fqn, style))
     elif ws.dim_axes(in_dim) == (scan.axis,):
-        scan.modules.append(TPModule(m.fqn, RowWise(conv1d=conv)))
+        if SPLIT_INPUT in styles:
+            _gathered_divides(scan, w, in_dim)
+        scan.modules.append(TPModule(m.fqn, RowWise(conv1d=conv,
+                                                    split_input=SPLIT_INPUT in styles)))
         if scan.sp:  # the bias is added to this rank's sequence shard only
             scan.grad_reduce.extend(e.fqn for e in es if e.fqn.endswith("bias"))
     else:
         raise ConfigError(f"{w.fqn}: {ws!r} does not split the weight along its input or "
                           f"output features over {scan.axis!r}")
+
+
+# Hugging Face's styles whose output is gathered again / whose whole input is sliced
+GATHER, SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
+
+
+def _gathered_divides(scan: _Scan, w, dim: int) -> None:
+    """A gathered output (or sliced input) is joined by an all-gather of equal parts."""
+    if w.shape[dim] % scan.n:
+        raise ConfigError(f"{w.fqn} {tuple(w.shape)}: its {w.shape[dim]} features (dim {dim}) "
+                          f"do not divide over {scan.axis!r} (size {scan.n}), and a gathered "
+                          f"output is joined from equal parts; replicate it with P() or use "
+                          f"a {scan.axis!r} size that divides {w.shape[dim]}")
+
+
+def gathered_regions(scan: _Scan) -> frozenset:
+    """Regions whose split projections all gather their outputs (or slice a whole input):
+    everything between runs on all features, so replicated parameters there see the
+    whole activations and their gradients are whole."""
+    by_region: dict[str, set] = {}
+    for e in scan.plan.params:
+        if scan.axis not in (e.mesh_spec or P()).axes or not e.fqn.endswith("weight"):
+            continue
+        r = next((r for r in scan.regions if e.module.startswith(r + ".")), None)
+        if r is not None:
+            by_region.setdefault(r, set()).add(
+                GATHER in e.tags or SPLIT_INPUT in e.tags)
+    return frozenset(r for r, kinds in by_region.items() if kinds == {True})
 
 
 def _kv_replicated(scan: _Scan, m: ModuleInfo, es: list) -> None:
@@ -334,7 +390,8 @@ def _refuse_unpaired_rows(scan: _Scan) -> None:
     split = [r for r in scan.regions if any(isinstance(st, ColWise) and f.startswith(r + ".")
                                             for f, st in styles.items())]
     for f, st in styles.items():
-        if not isinstance(st, RowWise) or any(_joins(scan, f, r) for r in split):
+        if not isinstance(st, RowWise) or st.split_input or \
+                any(_joins(scan, f, r) for r in split):
             continue
         e = next((e for e in scan.plan.params if e.module == f and e.fqn.endswith("weight")),
                  None)
@@ -383,10 +440,13 @@ def _refuse_split_heads(scan: _Scan) -> None:
             continue
         out_dim = 1 if m.kind == "conv1d" else 0
         attn = scan.infos.get(e.module.rpartition(".")[0])
-        if scan.axis not in e.mesh_spec.dim_axes(out_dim) or not _is_attention(attn):
+        if scan.axis not in e.mesh_spec.dim_axes(out_dim) or not _is_attention(attn) or \
+                GATHER in e.tags:       # gathered again before any reshape by heads
             continue
         hd, parts = _head_dim(scan, attn), _packing(e.module, set(e.tags), check=False)
         out = e.shape[out_dim]
+        if parts == 3 and hd:
+            _refuse_unequal_parts(scan, e, attn, hd, out)
         if not hd or out % (hd * parts) or (out // (hd * parts)) % scan.n == 0:
             continue
         heads = out // (hd * parts)
@@ -399,6 +459,28 @@ def _refuse_split_heads(scan: _Scan) -> None:
             f"heads, head_dim) fails. Replicate it with P(), spell the dim with the logical "
             f"axis 'kv_heads' (K/V heads fewer than the shards are then replicated), or use "
             f"a {scan.axis!r} size that divides {heads}")
+
+
+def _refuse_unequal_parts(scan: _Scan, e, attn: ModuleInfo, hd: int, out: int) -> None:
+    """A packed q|k|v style splits three equal parts, each over the TP axis. A fused
+    projection whose K and V have fewer heads than q (grouped or multi-query K/V packed
+    behind the queries, as ChatGLM2's ``query_key_value``) packs unequal parts: three equal
+    cuts would hand each rank queries for keys, so it is refused. The part widths must be
+    whole heads and, where the config describes this attention (its head_dim derived from
+    the config's head count), q's width that head count's."""
+    model = scan.plan.model
+    heads = model.config_get("num_attention_heads") or model.config_get("n_head")
+    own_hd = any(attn.get(a) for a in ("head_dim", "attention_head_size", "head_size"))
+    if out % (3 * hd) == 0 and (own_hd or not heads or out == 3 * heads * hd):
+        return
+    q = f"{heads} heads x {hd}" if heads and not own_hd else f"whole heads of {hd}"
+    raise ConfigError(
+        f"{e.fqn} {e.shape}: {e.tags[0] if e.tags else 'packed'} splits three equal parts "
+        f"(q|k|v, each {q} features), but it has {out} output features: its parts differ "
+        f"(K/V of fewer heads than the queries, packed behind them), and three equal cuts "
+        f"would give each rank the wrong heads. Leave this attention whole: 'replicate' its "
+        f"projections and drop it from the policy's regions (its MLP can still be split), "
+        f"or shard a layout with one K/V head per query head")
 
 
 def _refuse_sp_outside_regions(scan: _Scan) -> None:
@@ -483,7 +565,8 @@ def _refuse_partial(scan: _Scan) -> None:
             continue
         if "full_grad" in e.tags and not scan.sp:
             continue          # replicated, its gradient whole on every rank (LoRA's factors)
-        partial_in_region = scan.in_region(e.module) or e.module in scan.regions
+        partial_in_region = (scan.in_region(e.module) or e.module in scan.regions) and \
+            not _in_gathered(scan, e.module)
         partial_seq = scan.sp and any(e.module == b or e.module.startswith(b + ".")
                                       for b in blocks)
         if partial_in_region or partial_seq:

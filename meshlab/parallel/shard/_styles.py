@@ -8,8 +8,10 @@ DTensor placements (over the TP axis) of the module's parameter ``name``, and
 =============  ===========================  ==============================================
 style          parameters (DTensor on tp)    forward
 =============  ===========================  ==============================================
-ColWise        weight/bias split on out      local matmul; region entry does f / gather
-RowWise        weight split on in; bias R    local matmul, then g / reduce-scatter, + bias
+ColWise        weight/bias split on out      local matmul; region entry does f / gather;
+                                             ``gather_output``: all-gathered after
+RowWise        weight split on in; bias R    local matmul, then g / reduce-scatter, + bias;
+                                             ``split_input``: a whole input sliced first
 VocabEmbed     weight split on vocab rows    ids outside the shard masked, then g
 EmbedColWise   weight split on columns       local lookup; output stays split (heads)
 VocabHead      weight (and bias) on vocab    f / gather on input; logits stay vocab-sharded
@@ -80,6 +82,7 @@ class ColWise:
     conv1d: bool = False      # GPT-2 Conv1D: weight is (in, out)
     packed: int = 1           # fused projections (q|k|v): each part split
     in_region: bool = False   # input already entered the TP region (no f here)
+    gather_output: bool = False   # output all-gathered: what follows runs on all features
 
     def placements(self, name: str, ndim: int):
         if name == "bias" or ndim == 1:
@@ -96,7 +99,7 @@ class ColWise:
 
         def post(mod, args, out):
             local.exit(mod)
-            return out
+            return C.gather_last(out, tp.group) if self.gather_output else out
 
         return pre, post
 
@@ -106,6 +109,7 @@ class RowWise:
     """Input features split: partial outputs summed (or reduce-scattered under SP)."""
 
     conv1d: bool = False
+    split_input: bool = False   # the input is whole (a gathered output): keep this rank's part
 
     def placements(self, name: str, ndim: int):
         from torch.distributed.tensor import Replicate, Shard
@@ -119,6 +123,9 @@ class RowWise:
 
         def pre(mod, args):
             local.enter(mod)
+            if self.split_input:
+                x = args[0]
+                return (C.split_seq(x, tp.group, x.dim() - 1),) + tuple(args[1:])
 
         def post(mod, args, out):
             local.exit(mod)

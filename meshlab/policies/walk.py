@@ -1,0 +1,137 @@
+"""The family walk: which Hugging Face families train right under tensor parallelism.
+
+A family "plans" once its ``base_model_tp_plan`` translates; it is *supported* only once
+a parity run shows it trains to the single-process numbers. ``check_family`` is that run
+for one family on a tiny config, on every rank of a tp=2 process group: one AdamW step of
+the single-process model and of ``parallelize(model, shard(policy), Mesh(tp=2))``, the
+loss, every gradient and every updated weight compared (float64). Its outcome is one of
+
+- ``trained``: the numbers match;
+- ``refused``: meshlab refused the layout with a typed error (the reason is its message);
+- ``mismatch``: it ran and trained differently (the worst parameter is named);
+- ``error``: an untyped exception inside the parallel run;
+- ``unbuilt``: the walk could not build or run the tiny model on one process.
+
+``support.json`` (next to this file) holds the outcome of every family, as the walk over
+the installed transformers decided it (``tests/test_family_walk_gloo.py`` runs it and
+compares); ``policies.auto`` lets only ``trained`` families through.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+from .._errors import MeshlabError
+from . import _support, _tiny
+
+SUPPORT = _support.PATH
+# (atol, rtol) in float64, where a different reduction order moves the 15th digit: a
+# missing or doubled reduction, or a wrong slice, is off by far more
+TOLS = dict(loss=(1e-9, 1e-7), grad=(1e-9, 1e-7), weight=(1e-9, 1e-7))
+
+
+def tp_plan_families() -> list[str]:
+    """Every model_type of the installed transformers whose config has a tp plan."""
+    from transformers import CONFIG_MAPPING
+
+    out = []
+    for mt in CONFIG_MAPPING.keys():
+        try:
+            plan = getattr(CONFIG_MAPPING[mt](), "base_model_tp_plan", None)
+        except Exception:               # a config that cannot be built with defaults
+            continue
+        if plan:
+            out.append(mt)
+    return sorted(out)
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    msg = " ".join(str(e).split())
+    if not isinstance(e, (MeshlabError, _tiny.TinyConfigError)):   # where it came from
+        import traceback
+
+        last = traceback.extract_tb(e.__traceback__)[-1:]
+        for f in last:
+            msg += f" (at {pathlib.Path(f.filename).name}:{f.lineno} in {f.name})"
+    return (msg[:limit] + " ...") if len(msg) > limit else msg
+
+
+def _one_step(model, ids, lr=1e-3):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss = _tiny.loss(model, model(input_ids=ids), ids)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
+    opt.step()
+    return loss.detach(), grads
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _compare(loss, grads, model, ref_loss, ref_grads, ref) -> str | None:
+    """The first disagreement with the single process, or None."""
+    if not torch.allclose(loss, ref_loss, *TOLS["loss"][::-1]):
+        return f"loss {loss.item():.6g} vs {ref_loss.item():.6g} on one process"
+    refp = dict(ref.named_parameters())
+    for n, g in ref_grads.items():
+        if n not in grads:
+            return f"no gradient for {n}"
+        if not torch.allclose(grads[n], g, *TOLS["grad"][::-1]):
+            return f"gradient of {n} off by {(grads[n] - g).abs().max().item():.3g}"
+    for n, p in model.named_parameters():
+        w = _full(p.detach())
+        if not torch.allclose(w, refp[n].detach(), *TOLS["weight"][::-1]):
+            return f"weight {n} off by {(w - refp[n]).abs().max().item():.3g} after one step"
+    return None
+
+
+def check_family(rank: int, world: int, model_type: str) -> dict:
+    """One parity step of ``model_type`` at tp=``world`` in float64; see the module
+    docstring."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _check(model_type, world)
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _check(model_type: str, world: int) -> dict:
+    import meshlab as ml
+
+    from ._registry import get
+
+    ids = _tiny.batch()
+    try:
+        ref = ml.init_weights(_tiny.build(model_type), seed=0)
+        ref_loss, ref_grads = _one_step(ref, ids)
+    except Exception as e:
+        return {"outcome": "unbuilt", "reason": _short(e)}
+    rules = ml.Rules(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+    try:
+        meta = _tiny.build(model_type)
+        policy = get(model_type, dict(getattr(meta.config, "base_model_tp_plan", None) or {}))
+        model = ml.parallelize(meta, ml.shard(policy, rules), ml.Mesh(tp=world), seed=0)
+    except ml.MeshlabError as e:
+        return {"outcome": "refused", "reason": f"{type(e).__name__}: {_short(e)}"}
+    except Exception as e:
+        return {"outcome": "error", "reason": f"{type(e).__name__}: {_short(e)}"}
+    try:
+        loss, grads = _one_step(model, ids)
+    except ml.MeshlabError as e:
+        return {"outcome": "refused", "reason": f"{type(e).__name__}: {_short(e)}"}
+    except Exception as e:
+        return {"outcome": "error", "reason": f"{type(e).__name__}: {_short(e)}"}
+    bad = _compare(loss, grads, model, ref_loss, ref_grads, ref)
+    if bad is not None:
+        return {"outcome": "mismatch", "reason": bad}
+    return {"outcome": "trained"}
+
+
+def load() -> dict:
+    """The recorded walk: ``{"transformers": version, "families": {type: outcome}}``."""
+    return _support.load()
