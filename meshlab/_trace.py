@@ -68,6 +68,8 @@ def _modules(model: nn.Module) -> tuple[ModuleInfo, ...]:
     for name, m in model.named_modules():
         ints = tuple((k, v) for k, v in vars(m).items()
                      if type(v) is int and not k.startswith("_"))
+        if isinstance(getattr(m, "is_causal", None), bool):   # an attention's masking
+            ints += (("is_causal", int(m.is_causal)),)
         if hasattr(type(m), "_apply_gate"):       # transformers' ExpertsInterface layout
             ints += (("experts_interface", 1),) + tuple(
                 (k, int(getattr(m, k))) for k in ("has_gate", "has_bias", "is_transposed",

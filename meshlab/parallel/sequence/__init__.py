@@ -87,6 +87,7 @@ class Sequence(Transform):
             return
         if plan.get(Pipeline) is not None:
             raise ConfigError(f"sequence({self.mode}) with pipeline is not supported")
+        _refuse_non_causal(plan, self.mode)
         heads = plan.model.config_get("num_attention_heads")
         if heads is None:
             raise ConfigError(f"sequence({self.mode}) needs a Hugging Face model (config with "
@@ -144,6 +145,29 @@ class Sequence(Transform):
 
     def __repr__(self) -> str:
         return f"sequence({self.axis!r}, mode={self.mode!r})"
+
+
+def _refuse_non_causal(plan: Plan, mode: str) -> None:
+    """Ulysses and ring attention are shown for decoder-only models whose attention
+    modules say they are causal (``is_causal``); an encoder-decoder, a bidirectional
+    encoder, or attention that does not say (ALiBi's BLOOM) is refused."""
+    model, cls = plan.model, plan.model.cls or "this model"
+    fix = "use tensor parallelism with Megatron SP (shard with seq mapped to the tp axis)"
+    if model.config_get("is_encoder_decoder"):
+        raise ConfigError(f"sequence({mode}): {cls} is an encoder-decoder model; meshlab "
+                          f"splits the sequence of one decoder-only stack; {fix}")
+    blocks = tuple(model.blocks)
+    attn = [m for m in model.modules if any(m.fqn.startswith(b + ".") for b in blocks)
+            and m.get("is_causal") is not None]
+    if not attn:
+        raise ConfigError(f"sequence({mode}): no attention module in {cls}'s blocks says it "
+                          f"is causal (is_causal), and meshlab's sequence-parallel attention "
+                          f"is shown for causal attention only; {fix}")
+    bidi = next((m for m in attn if not m.get("is_causal")), None)
+    if bidi is not None:
+        raise ConfigError(f"sequence({mode}): {bidi.fqn} ({bidi.cls}) attends both ways "
+                          f"(is_causal=False); meshlab's sequence-parallel attention is "
+                          f"causal; {fix}")
 
 
 def sequence(axis: str = "sp", mode: str = "all_to_all") -> Sequence:
