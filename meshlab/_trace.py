@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
 from typing import Any
 
 import torch
@@ -69,7 +71,9 @@ def _modules(model: nn.Module) -> tuple[ModuleInfo, ...]:
         ints = tuple((k, v) for k, v in vars(m).items()
                      if type(v) is int and not k.startswith("_"))
         if isinstance(getattr(m, "is_causal", None), bool):   # an attention's masking
-            ints += (("is_causal", int(m.is_causal)),)
+            src = vars(sys.modules.get(type(m).__module__) or types)
+            ints += (("is_causal", int(m.is_causal)),      # and whether it dispatches
+                     ("attention_interface", int("ALL_ATTENTION_FUNCTIONS" in src)))
         if hasattr(type(m), "_apply_gate"):       # transformers' ExpertsInterface layout
             ints += (("experts_interface", 1),) + tuple(
                 (k, int(getattr(m, k))) for k in ("has_gate", "has_bias", "is_transposed",

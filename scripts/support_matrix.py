@@ -97,9 +97,11 @@ def _cell(module, name, column, steps, lr):
     fam = F.family(module, name)
     data = F._batches(fam, steps, 4)
     ref = ml.init_weights(F.build(fam), seed=0)
+    state = None
     if fam.post_init is not None:
         with torch.no_grad():
             fam.post_init(ref)
+        state = ref_state(fam, ref)     # the parallel model starts from these weights
     opt_r = torch.optim.SGD(ref.parameters(), lr=lr)
     ref_losses = []
     for b in data:
@@ -115,7 +117,6 @@ def _cell(module, name, column, steps, lr):
         spec, mesh = ml.fuse(*ops) | ml.zero_shard(3, "dp"), ml.Mesh(dp=4)
     else:
         spec, mesh = _layout(column)
-    state = ref_state(fam, ref) if fam.post_init is not None else None
     try:
         model = ml.parallelize(F.build(fam), spec, mesh, seed=0, state_dict=state)
     except ml.MeshlabError as e:
@@ -175,7 +176,7 @@ def run() -> dict:
             for col in COLUMNS:
                 t = time.perf_counter()
                 try:
-                    res = world.run(cell_case, timeout=120, module=f"tests._fam_{group}",
+                    res = world.run(cell_case, timeout=400, module=f"tests._fam_{group}",
                                     name=fam, column=col)
                     cells = {r["cell"] for r in res}
                     o = res[0] if len(cells) == 1 else {

@@ -128,7 +128,7 @@ def test_ring_point_to_point_volume(world4):
 @pytest.mark.parametrize("mode", ["all_to_all", "ring"])
 def test_sequence_refuses_attention_it_was_not_shown_on(mode):
     """Ulysses and ring attention are shown for causal decoder-only models (the support
-    table's runs: BERT trained off by 2e-4 in the loss, T5 and BLOOM failed untyped);
+    table's runs: BERT trained off by 2e-4 in the loss, T5, BLOOM and Falcon failed untyped);
     bidirectional, encoder-decoder and attention that does not say it is causal are
     refused at plan, before any process exists."""
     import meshlab as ml
@@ -138,7 +138,8 @@ def test_sequence_refuses_attention_it_was_not_shown_on(mode):
     mesh = ml.Mesh(sp=2, fake=True)
     for mod, name, why in (("tests._fam_decoder", "bert", "attends both ways"),
                            ("tests._fam_encdec", "t5", "attends both ways"),
-                           ("tests._fam_decoder", "bloom", "says it is causal")):
+                           ("tests._fam_decoder", "bloom", "says it is causal"),
+                           ("tests._fam_decoder", "falcon", "AttentionInterface")):
         with pytest.raises(ml.ConfigError, match=why):
             ml.plan(F.build(F.family(mod, name)), ml.sequence("sp", mode), mesh)
     for name in ("llama", "gpt2", "opt"):

@@ -163,6 +163,11 @@ def _refuse_non_causal(plan: Plan, mode: str) -> None:
         raise ConfigError(f"sequence({mode}): no attention module in {cls}'s blocks says it "
                           f"is causal (is_causal), and meshlab's sequence-parallel attention "
                           f"is shown for causal attention only; {fix}")
+    own = next((m for m in attn if not m.get("attention_interface")), None)
+    if own is not None:
+        raise ConfigError(f"sequence({mode}): {own.fqn} ({own.cls}) runs its own attention "
+                          f"kernel, not through transformers' AttentionInterface, where "
+                          f"meshlab's sequence-parallel attention enters; {fix}")
     bidi = next((m for m in attn if not m.get("is_causal")), None)
     if bidi is not None:
         raise ConfigError(f"sequence({mode}): {bidi.fqn} ({bidi.cls}) attends both ways "
