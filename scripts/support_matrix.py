@@ -1,6 +1,7 @@
 """The support table: each named family under each layout, decided by a parity run.
 
     python scripts/support_matrix.py            # writes docs/support.md and its JSON
+    python scripts/support_matrix.py --resume   # keeps the cells the JSON already has
 
 Every cell trains the family's tiny config 2 SGD steps with ``ml.step`` on 4 gloo
 processes and compares the losses and the final weights with the single process
@@ -29,6 +30,7 @@ ROWS = {
     "mixtral": "decoder", "deepseek_v3": "decoder",
 }
 COLUMNS = ("TP", "TP+SP", "PP", "Ulysses", "ring", "ZeRO-3", "fuse")
+SAVED = ROOT / "docs" / "support_matrix.json"
 
 
 def _layout(column: str):
@@ -96,7 +98,7 @@ def _cell(module, name, column, steps, lr):
 
     fam = F.family(module, name)
     data = F._batches(fam, steps, 4)
-    ref = ml.init_weights(F.build(fam), seed=0)
+    ref = ml.init_weights(_build(fam), seed=0)
     state = None
     if fam.post_init is not None:
         with torch.no_grad():
@@ -118,7 +120,7 @@ def _cell(module, name, column, steps, lr):
     else:
         spec, mesh = _layout(column)
     try:
-        model = ml.parallelize(F.build(fam), spec, mesh, seed=0, state_dict=state)
+        model = ml.parallelize(_build(fam), spec, mesh, seed=0, state_dict=state)
     except ml.MeshlabError as e:
         return {"cell": "refused", "reason": _short(e)}
     try:
@@ -136,6 +138,17 @@ def _cell(module, name, column, steps, lr):
     except Exception as e:
         return {"cell": "fails", "reason": _short(e)}
     return {"cell": "y", "ops": list(ops)} if column == "fuse" else {"cell": "y"}
+
+
+def _build(fam):
+    """The family's model; experts as their loop of matmuls (torch's grouped_mm, the
+    default, takes no float64)."""
+    from tests import _families as F
+
+    model = F.build(fam)
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")
+    return model
 
 
 def ref_state(fam, ref):
@@ -167,30 +180,37 @@ def _step(model, opt, fam, batch) -> float:
     return float(t) / rt.dp_size
 
 
-def run() -> dict:
+def run(done: dict) -> dict:
+    """Every cell not in ``done``; the fuse cells last (fuse routes modules' attention
+    and rotary functions, which the other cells of a process should not meet). Results
+    are saved after every cell, so a run picks up where the last one stopped."""
     from tests._world import World
 
-    out, world = {}, World(4)
+    out, world = {f: dict(c) for f, c in done.items()}, World(4)
+    cells = [(f, c) for c in COLUMNS if c != "fuse" for f in ROWS] + \
+        [(f, "fuse") for f in ROWS]
     try:
-        for fam, group in ROWS.items():
-            for col in COLUMNS:
-                t = time.perf_counter()
-                try:
-                    res = world.run(cell_case, timeout=400, module=f"tests._fam_{group}",
-                                    name=fam, column=col)
-                    cells = {r["cell"] for r in res}
-                    o = res[0] if len(cells) == 1 else {
-                        "cell": "fails", "reason": f"ranks differ: {sorted(cells)}"}
-                except Exception as e:
-                    o = {"cell": "fails", "reason": _short(e)}
-                    world.close(force=True)
-                    world = World(4)
-                out.setdefault(fam, {})[col] = o
-                print(f"{fam:12s} {col:8s} {o['cell']:8s} ({time.perf_counter() - t:.1f} s) "
-                      f"{o.get('reason', '')[:120]}", flush=True)
+        for fam, col in cells:
+            if col in out.get(fam, {}):
+                continue
+            t = time.perf_counter()
+            try:
+                res = world.run(cell_case, timeout=300, module=f"tests._fam_{ROWS[fam]}",
+                                name=fam, column=col)
+                kinds = {r["cell"] for r in res}
+                o = res[0] if len(kinds) == 1 else {
+                    "cell": "fails", "reason": f"ranks differ: {sorted(kinds)}"}
+            except Exception as e:
+                o = {"cell": "fails", "reason": _short(e)}
+                world.close(force=True)
+                world = World(4)
+            out.setdefault(fam, {})[col] = o
+            SAVED.write_text(json.dumps(out, indent=1) + "\n")
+            print(f"{fam:12s} {col:8s} {o['cell']:8s} ({time.perf_counter() - t:.1f} s) "
+                  f"{o.get('reason', '')[:120]}", flush=True)
     finally:
         world.close()
-    return out
+    return {f: {c: out[f][c] for c in COLUMNS} for f in ROWS}
 
 
 def table(matrix: dict) -> str:
@@ -248,12 +268,12 @@ def main() -> None:
     import torch
     import transformers
 
-    matrix = run()
+    done = json.loads(SAVED.read_text()) if "--resume" in sys.argv and SAVED.exists() else {}
+    matrix = run(done)
     out = ROOT / "docs" / "support.md"
     meta = f"torch {torch.__version__}, transformers {transformers.__version__}, " \
            f"{time.strftime('%Y-%m-%d')}\n\n"
     out.write_text(HEAD + meta + table(matrix))
-    (ROOT / "docs" / "support_matrix.json").write_text(json.dumps(matrix, indent=1) + "\n")
     print(f"wrote {out}")
 
 
