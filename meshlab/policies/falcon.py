@@ -12,31 +12,22 @@ and the mask for every head, (batch, heads, ...); each rank's attention is passe
 own heads' share of both (``head_args``). Norm names differ by variant: each is optional.
 """
 
-from .._spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
+from .bloom import BLOOM
 
-_NORMS = ("h.*.input_layernorm", "h.*.post_attention_layernorm", "h.*.ln_attn", "h.*.ln_mlp")
+# The same module names as BLOOM's (its fused q|k|v, dense, MLP, tied head); the norms
+# differ by variant, and K/V heads and the ALiBi mask are divided too.
+_NORMS = ("h.*.ln_attn", "h.*.ln_mlp")
 
-FALCON = register("falcon", Policy(
+FALCON = register("falcon", BLOOM.without("word_embeddings_layernorm") + Policy(
     name="falcon",
-    modules=(
-        R("word_embeddings", "embedding_rowwise"),
-        *(R(g, "norm") for g in _NORMS), R("ln_f", "norm"),
-        R("h.*.self_attention.query_key_value", "colwise", axis="heads"),
-        R("h.*.self_attention.dense", "rowwise", axis="heads"),
-        R("h.*.mlp.dense_h_to_4h", "colwise", axis="mlp"),
-        R("h.*.mlp.dense_4h_to_h", "rowwise", axis="mlp"),
-        R("/lm_head", "vocab"),                                   # tied to word_embeddings
-    ),
-    activations=(("h.*", P("batch", "seq", "embed")),),
-    regions=("h.*.self_attention", "h.*.mlp"),
+    modules=tuple(R(g, "norm") for g in _NORMS),
     sequence_parallel=_NORMS,
-    local_attrs=(("h.*.self_attention", "num_heads"), ("h.*.self_attention", "num_kv_heads")),
+    local_attrs=(("h.*.self_attention", "num_kv_heads"),),
     # ALiBi: (batch, heads, 1, kv) biases ((batch x heads, 1, kv) without a 4-D mask) and a
     # (batch, heads, q, kv) mask; rotary passes alibi=None and a (batch, 1, q, kv) mask,
     # which stay whole. Heads are third from the end in each.
-    head_args=(("h.*.self_attention", "alibi", "num_heads", -3),
-               ("h.*.self_attention", "attention_mask", "num_heads", -3)),
-    optional=("/lm_head",) + _NORMS,
+    head_args=(("h.*.self_attention", "attention_mask", "num_heads", -3),),
+    optional=("h.*.input_layernorm", "h.*.post_attention_layernorm") + _NORMS,
 ))
