@@ -30,6 +30,12 @@ SUPPORT = _support.PATH
 # (atol, rtol) in float64, where a different reduction order moves the 15th digit: a
 # missing or doubled reduction, or a wrong slice, is off by far more
 TOLS = dict(loss=(1e-9, 1e-7), grad=(1e-9, 1e-7), weight=(1e-9, 1e-7))
+# A family whose forward casts to float32 on its own (a router's softmax in float32):
+# the parallel run sums those float32 partials in another order, which moves the 8th
+# digit. Float32 tolerances there, still far below a missing or doubled reduction. Adam's
+# first step is lr·g/(|g|+eps): on a gradient near zero that rounding moves the update by
+# a part of lr (1e-3), where a wrong update moves it by about lr, so weights get 1e-4.
+TOLS_FP32 = dict(loss=(1e-7, 1e-5), grad=(1e-7, 1e-5), weight=(1e-4, 1e-5))
 
 
 def tp_plan_families() -> list[str]:
@@ -72,19 +78,38 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _compare(loss, grads, model, ref_loss, ref_grads, ref) -> str | None:
+def _float32_inside(model, ids) -> bool:
+    """Whether the float64 model's forward computes any float32 tensor itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        seen = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    Watch.seen = True
+            return out
+
+    with torch.no_grad(), Watch():
+        model(input_ids=ids)
+    return Watch.seen
+
+
+def _compare(loss, grads, model, ref_loss, ref_grads, ref, tols=TOLS) -> str | None:
     """The first disagreement with the single process, or None."""
-    if not torch.allclose(loss, ref_loss, *TOLS["loss"][::-1]):
+    if not torch.allclose(loss, ref_loss, *tols["loss"][::-1]):
         return f"loss {loss.item():.6g} vs {ref_loss.item():.6g} on one process"
     refp = dict(ref.named_parameters())
     for n, g in ref_grads.items():
         if n not in grads:
             return f"no gradient for {n}"
-        if not torch.allclose(grads[n], g, *TOLS["grad"][::-1]):
+        if not torch.allclose(grads[n], g, *tols["grad"][::-1]):
             return f"gradient of {n} off by {(grads[n] - g).abs().max().item():.3g}"
     for n, p in model.named_parameters():
         w = _full(p.detach())
-        if not torch.allclose(w, refp[n].detach(), *TOLS["weight"][::-1]):
+        if not torch.allclose(w, refp[n].detach(), *tols["weight"][::-1]):
             return f"weight {n} off by {(w - refp[n]).abs().max().item():.3g} after one step"
     return None
 
@@ -108,6 +133,7 @@ def _check(model_type: str, world: int) -> dict:
     ids = _tiny.batch()
     try:
         ref = ml.init_weights(_tiny.build(model_type), seed=0)
+        torch.manual_seed(1)             # the same draws where the forward samples
         ref_loss, ref_grads = _one_step(ref, ids)
     except Exception as e:
         return {"outcome": "unbuilt", "reason": _short(e)}
@@ -121,15 +147,20 @@ def _check(model_type: str, world: int) -> dict:
     except Exception as e:
         return {"outcome": "error", "reason": f"{type(e).__name__}: {_short(e)}"}
     try:
+        torch.manual_seed(1)
         loss, grads = _one_step(model, ids)
     except ml.MeshlabError as e:
         return {"outcome": "refused", "reason": f"{type(e).__name__}: {_short(e)}"}
     except Exception as e:
         return {"outcome": "error", "reason": f"{type(e).__name__}: {_short(e)}"}
     bad = _compare(loss, grads, model, ref_loss, ref_grads, ref)
-    if bad is not None:
-        return {"outcome": "mismatch", "reason": bad}
-    return {"outcome": "trained"}
+    if bad is None:
+        return {"outcome": "trained"}
+    if _float32_inside(ref, ids) and _compare(loss, grads, model, ref_loss, ref_grads, ref, TOLS_FP32) is None:
+        return {"outcome": "trained", "tolerance": "float32",
+                "reason": f"float64 tolerance missed ({bad}); the forward computes in "
+                          f"float32 itself"}
+    return {"outcome": "mismatch", "reason": bad}
 
 
 def load() -> dict:

@@ -144,12 +144,50 @@ class _Replicated(TorchFunctionMode):
         flat, spec = pytree.tree_flatten((args, kwargs))
         plain = [isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim() > 0
                  for a in flat]
+        if _data_dependent(func, args, kwargs) and any(self._ours(a) for a in flat):
+            local = _replicated_locals(flat)
+            if local is not None:     # every rank holds the same input: the same output
+                out = func(*pytree.tree_unflatten(local, spec)[0],
+                           **pytree.tree_unflatten(local, spec)[1])
+                return pytree.tree_map(_to_dtensor(self.mesh), out)
         if any(plain) and any(self._ours(a) for a in flat):
             rep = (Replicate(),) * self.mesh.ndim
             flat = [DTensor.from_local(a, self.mesh, rep, run_check=False) if p else a
                     for a, p in zip(flat, plain)]
             args, kwargs = pytree.tree_unflatten(flat, spec)
         return func(*args, **kwargs)
+
+
+# Deterministic ops DTensor has no sharding rule for: those whose output shape depends on
+# the values (an MoE router's ``nonzero`` over its expert mask) and ``unfold`` (a
+# convolution's sliding windows). On replicated inputs every rank computes the same
+# result, so they run on the local tensors (differentiably: ``to_local``/``from_local``)
+# and the result is replicated; on a sharded input DTensor's own error stands.
+_DATA_DEPENDENT = frozenset({
+    torch.Tensor.unfold,
+    torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere,
+    torch.unique, torch.Tensor.unique, torch.masked_select, torch.Tensor.masked_select,
+    torch.Tensor.nonzero_static, torch.bincount, torch.Tensor.bincount,
+})
+
+
+def _data_dependent(func, args, kwargs) -> bool:
+    return func in _DATA_DEPENDENT or (func is torch.where and len(args) + len(kwargs) == 1)
+
+
+def _replicated_locals(flat):
+    """The local tensors of ``flat`` when every DTensor in it is replicated, else None
+    (a sharded input: DTensor's own error stands)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    out = []
+    for a in flat:
+        if isinstance(a, DTensor):
+            if not all(isinstance(p, Replicate) for p in a.placements):
+                return None
+            a = a.to_local()
+        out.append(a)
+    return out
 
 
 def _settle_grad(p) -> None:
@@ -233,6 +271,27 @@ def _reduce_pending(_m, _args, out):
     return pytree.tree_map(settle, out)
 
 
+def _vocab_lookup(m: nn.Module, mesh) -> None:
+    """A vocabulary-split embedding looks up its own rows and sums (``VocabEmbed``).
+
+    On DTensors the lookup would leave a masked pending sum that DTensor reduces only
+    while the lookup's mask lives, and whose backward it cannot take from a plain pending
+    sum; the embedding's output is a plain replicated tensor instead, which the mode
+    reads as replicated where it meets a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    from ._styles import TPGroup, VocabEmbed
+
+    tp = TPGroup(mesh=mesh, group=mesh.get_group(), rank=mesh.get_local_rank(),
+                 size=mesh.size(), sp=False)
+    pre, post = VocabEmbed().hooks(m, tp)
+
+    def local_pre(mod, args):
+        return pre(mod, tuple(a.to_local() if isinstance(a, DTensor) else a for a in args))
+    m.register_forward_pre_hook(local_pre)
+    m.register_forward_hook(post)
+
+
 def _within(forward, layout: ModelLayout):
     """A block's ``forward`` that re-enters the model's layout and mode when called on its
     own: activation checkpointing recomputes the block in the backward, outside the
@@ -261,6 +320,11 @@ def install(model: nn.Module, layout: ModelLayout, blocks=()) -> None:
             seen.add(id(p))
             p.register_post_accumulate_grad_hook(_settle_grad)
     mods = dict(model.named_modules())
+    for m in mods.values():
+        w = getattr(m, "weight", None)
+        if isinstance(m, nn.Embedding) and isinstance(w, DTensor) and any(
+                getattr(p, "dim", None) == 0 for p in w.placements):
+            _vocab_lookup(m, layout.tp_mesh)
     for b in blocks:
         if b in mods:
             mods[b].forward = _within(mods[b].forward, layout)
