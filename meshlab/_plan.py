@@ -100,6 +100,10 @@ class ModelInfo:
     tp_plan: tuple[tuple[str, str], ...] = ()  # the config's base_model_tp_plan
     modules: tuple["ModuleInfo", ...] = ()   # every module: its kind and integer attributes
     head: str | None = None                  # the output embedding (get_output_embeddings)
+    # (op, why) for each op ``fuse(...)`` would refuse to route in this model, found by its
+    # plan step on the traced module; empty where that step had no module (a traced plan
+    # read back from JSON), and then only the install checks
+    fuse_refusals: tuple[tuple[str, str], ...] = ()
 
     def config_get(self, key: str, default: Any = None) -> Any:
         return dict(self.config).get(key, default)
@@ -111,13 +115,14 @@ class ModelInfo:
         return {"cls": self.cls, "model_type": self.model_type, "base_prefix": self.base_prefix,
                 "blocks": list(self.blocks), "config": dict(self.config),
                 "tp_plan": dict(self.tp_plan), "modules": [m.to_json() for m in self.modules],
-                "head": self.head}
+                "head": self.head, "fuse_refusals": dict(self.fuse_refusals)}
 
     @classmethod
     def from_json(cls, d: dict) -> "ModelInfo":
         return cls(d["cls"], d["model_type"], d["base_prefix"], tuple(d["blocks"]),
                    tuple(d["config"].items()), tuple(d["tp_plan"].items()),
-                   tuple(ModuleInfo.from_json(m) for m in d.get("modules", ())), d.get("head"))
+                   tuple(ModuleInfo.from_json(m) for m in d.get("modules", ())), d.get("head"),
+                   tuple(d.get("fuse_refusals", {}).items()))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,8 +187,9 @@ class Plan:
     roles: AxisRoles | None = None
     rooms: tuple[Any, ...] = ()
     not_runnable: tuple[str, ...] = ()   # why parallelize cannot run this layout, if it cannot
-    # The traced module, for the estimates that run it on fake tensors (activations, time);
-    # not part of the value: never compared, printed or written to JSON.
+    # The traced module, for the estimates that run it on fake tensors (activations, time)
+    # and for fuse()'s probes; not part of the value: never compared, printed or written
+    # to JSON.
     source: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     # -- lookup --------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 One process: the routed model's loss and gradients equal the unrouted one's for several
 families; other models are untouched; probes refuse modules whose math differs; families
-that transform their logits are refused for the loss. Two gloo processes: fuse() composed
-with ZeRO-1, ZeRO-3 and tensor parallelism trains to the single-process weights."""
+that transform their logits are refused for the loss; ``plan`` refuses, word for word, what
+the install refuses (an op with nothing to route, a probe that disagrees), changing nothing.
+Two gloo processes: fuse() composed with ZeRO-1, ZeRO-3 and tensor parallelism trains to the
+single-process weights, and ``parallelize`` refuses what ``plan`` refuses."""
 
 from __future__ import annotations
 
@@ -252,3 +254,123 @@ def refuse_case(rank, world):
 def test_fuse_loss_refused_with_tp_head(world2):
     msgs = world2.run(refuse_case)
     assert all("lm_head sharded by shard()" in m for m in msgs)
+
+
+# -- plan refuses what the install refuses ----------------------------------------------
+def _refused_model(name: str):
+    """A model that some op of fuse() has nothing to route in, or whose probe disagrees
+    (on the meta device, the odd norm aside)."""
+    if name == "plain":                         # not a transformers model
+        with torch.device("meta"):
+            return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    if name == "odd_norm":
+        return torch.nn.Sequential(_OddRMSNorm())
+    return M.build(name)
+
+
+class _OddRMSNorm(torch.nn.Module):             # named as an RMSNorm, computes otherwise
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return x * self.weight + 1
+
+
+PLAN_REFUSED = [
+    # (model, op, message fragment)
+    ("gpt2", "mlp", "nothing in GPT2LMHeadModel to route to meshlab::mlp"),
+    ("gpt2", "rotary", "nothing in GPT2LMHeadModel to route to meshlab::rotary"),
+    ("bert", "rotary", "nothing in BertForMaskedLM to route to meshlab::rotary"),
+    ("bert", "loss", "output head has a bias"),
+    ("plain", "attention", "Sequential is not a transformers model"),
+    ("odd_norm", "rms_norm", "_OddRMSNorm: meshlab's op does not reproduce"),
+]
+
+
+def _untouched(model) -> list:
+    """What an install would leave on the model: instance forwards, hooks, routing marks."""
+    return [(n, k) for n, m in model.named_modules() for k in vars(m)
+            if k == "forward" or k.startswith("_meshlab")] + \
+        [n for n, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+
+
+@pytest.mark.parametrize("name,op,msg", PLAN_REFUSED, ids=[f"{m}-{o}" for m, o, _ in PLAN_REFUSED])
+def test_plan_refuses_what_the_install_refuses(name, op, msg):
+    """``plan`` raises the ConfigError the install (``fuse_model``) raises, word for word,
+    on a fake mesh without processes, and leaves the model and the global RNG as they were."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.parallel.fuse import fuse_model
+    from meshlab.parallel.fuse._hf import check
+
+    assert not dist.is_initialized()
+    model = _refused_model(name)
+    rng = torch.get_rng_state()
+    with pytest.raises(ml.ConfigError, match=msg) as planned:
+        ml.plan(model, ml.fuse(op), ml.Mesh(dp=1, fake=True))
+    with pytest.raises(ml.ConfigError) as checked:
+        check(model, (op,))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert _untouched(model) == []
+    assert getattr(getattr(model, "config", None), "_attn_implementation", "eager") == "eager"
+    with pytest.raises(ml.ConfigError) as installed:
+        fuse_model(_refused_model(name), (op,))
+    assert str(planned.value) == str(checked.value) == str(installed.value)
+
+
+def test_plan_of_a_supported_model_installs_nothing():
+    """fuse() of a Llama plans (every op routes) without touching the model; a traced plan
+    keeps what it found through JSON, and one read from JSON written without it is not
+    refused at plan (the install checks)."""
+    import json
+
+    import meshlab as ml
+
+    model, mesh = M.build("llama"), ml.Mesh(dp=1, fake=True)
+    rng = torch.get_rng_state()
+    p = ml.plan(model, ml.fuse(), mesh)
+    assert p.runnable and p.model.fuse_refusals == () and p.get(ml.parallel.Fuse) == ml.fuse()
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert _untouched(model) == [] and model.config._attn_implementation == "eager"
+    assert ml.Plan.from_json(p.to_json()) == p
+    gpt2 = M.build("gpt2")            # the ops that route do not hide one that does not
+    assert ml.plan(gpt2, ml.fuse("attention", "loss"), mesh).runnable
+    with pytest.raises(ml.ConfigError, match="nothing in GPT2LMHeadModel to route to meshlab::mlp"):
+        ml.plan(gpt2, ml.fuse("attention", "mlp", "loss"), mesh)
+    assert _untouched(gpt2) == []
+
+    traced = ml.fuse("mlp")(ml.trace(M.build("gpt2")))
+    assert dict(traced.model.fuse_refusals).keys() == {"mlp"}
+    with pytest.raises(ml.ConfigError, match="nothing in GPT2LMHeadModel to route"):
+        ml.Plan.from_json(traced.to_json()).bind(mesh)
+    d = json.loads(ml.trace(M.build("gpt2")).to_json())
+    del d["model"]["fuse_refusals"]
+    older = ml.Plan.from_json(json.dumps(d))
+    assert older.model.fuse_refusals == ()
+    assert ml.plan(older, ml.fuse("mlp"), mesh).runnable      # unknown: the install decides
+
+
+def refused_plan_case(rank, world, index):
+    import meshlab as ml
+
+    name, op, _ = PLAN_REFUSED[index]
+    try:
+        ml.parallelize(_refused_model(name), ml.data_parallel("dp") | ml.fuse(op),
+                       ml.Mesh(dp=world))
+    except ml.ConfigError as e:
+        return type(e).__name__, str(e)
+    raise AssertionError(f"parallelize accepted fuse({op!r}) on {name}")
+
+
+def test_parallelize_refuses_what_plan_refuses(world2):
+    import meshlab as ml
+
+    for index, (name, op, _) in enumerate(PLAN_REFUSED):
+        with pytest.raises(ml.ConfigError) as planned:
+            ml.plan(_refused_model(name), ml.data_parallel("dp") | ml.fuse(op),
+                    ml.Mesh(dp=2, fake=True))
+        got = world2.run(refused_plan_case, index=index)
+        assert got == [("ConfigError", str(planned.value))] * 2, (name, op, got)

@@ -1,7 +1,8 @@
 """fuse: run a Hugging Face model's RMSNorm, rotary embedding, attention, gated MLP and loss on
 meshlab's fused ops (``meshlab.ops``), routed at materialize time.
 
-The room: ``Fuse`` (a plan value), its checks (combinations whose loss or attention
+The room: ``Fuse`` (a plan value), its checks (ops the traced model has nothing to route
+for or whose probe disagrees, found by its plan step; combinations whose loss or attention
 another room owns) and its install, the Hugging Face routing of ``_hf`` (also usable on
 its own: ``fuse_model(model)``), each routing probed against what it replaces.
 """
@@ -17,14 +18,15 @@ from .._protocol import Phase, Transform
 from ..pipeline import Pipeline
 from ..sequence import Sequence
 from ._hf import FUSABLE as FUSABLE, NORMS as NORMS, causal_lm_loss as causal_lm_loss
-from ._hf import fuse as fuse_model, fused_labels as fused_labels
+from ._hf import fuse as fuse_model, fused_labels as fused_labels, refusals
 
 
 @dataclasses.dataclass(frozen=True)
 class Fuse(Transform):
     """Route ``ops`` (any of ``rms_norm``, ``rotary``, ``attention``, ``mlp``, ``loss``) to
     meshlab's custom ops without replacing any ``forward``; each routing is probed against
-    the module it replaces when it is installed."""
+    the module it replaces when the plan is made from the model (``plan`` refuses what the
+    install would) and again when it is installed."""
 
     kind: ClassVar[str] = "fuse"
     phase: ClassVar[Phase] = Phase.KERNELS
@@ -43,7 +45,17 @@ class Fuse(Transform):
                               f"'loss'), or fuse() for all of them")
         object.__setattr__(self, "ops", ops)
 
+    def apply(self, plan: Plan) -> Plan:
+        if plan.source is None:                # no module to probe: the install checks
+            return plan
+        refused = tuple(refusals(plan.source, self.ops).items())
+        return plan.replace(model=dataclasses.replace(plan.model, fuse_refusals=refused))
+
     def check(self, plan: Plan) -> None:
+        refused = dict(plan.model.fuse_refusals)
+        why = next((refused[op] for op in self.ops if op in refused), None)
+        if why is not None:
+            raise ConfigError(why)
         if "loss" in self.ops:
             if plan.get(Pipeline) is not None:
                 raise ConfigError("fuse('loss') with pipeline(): the last stage's loss comes "

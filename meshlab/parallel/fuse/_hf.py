@@ -4,7 +4,9 @@ No ``forward`` of the model is copied or rewritten; each op is routed at the sea
 transformers already has, and every routing is proven on the spot against what it
 replaces (a small random probe through the original and the fused path, compared to
 float32 rounding) before it is installed, so a family whose module does something else
-fails loudly instead of training on different math:
+fails loudly instead of training on different math. Each op first finds (and probes) what
+it would route without changing the model, then installs it: :func:`check` runs the
+finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it too:
 
 * ``rms_norm``: each RMSNorm module (the class names in :data:`NORMS`, or any ``*RMSNorm``
   with ``weight`` and ``variance_epsilon``) gets an instance ``forward`` that calls
@@ -126,11 +128,14 @@ def _fused_norm_forward(self, hidden_states: Tensor) -> Tensor:
 
 
 def _probe_norm(m: nn.Module, rule: Norm) -> None:
-    # A CPU float32 copy with a random weight (the module itself may be on meta or sharded).
+    # A CPU float32 copy with a random weight (the module itself may be on meta or sharded),
+    # seeded: the same probe, and the same refusal, wherever it runs.
     clone = copy.deepcopy(m)
     h = m.weight.shape[0]
-    clone.weight = nn.Parameter(torch.randn(h) * 0.1 + (0.0 if rule.offset else 1.0))
-    x = torch.randn(3, h)
+    g = torch.Generator().manual_seed(0)
+    clone.weight = nn.Parameter(torch.randn(h, generator=g) * 0.1 +
+                                (0.0 if rule.offset else 1.0))
+    x = torch.randn(3, h, generator=g)
     want = type(m).forward(clone, x)
     clone._meshlab_norm = rule
     got = _fused_norm_forward(clone, x)
@@ -138,22 +143,30 @@ def _probe_norm(m: nn.Module, rule: Norm) -> None:
                  "or add the class to meshlab.parallel.fuse.NORMS with its epsilon attribute")
 
 
-def _route_norms(model: nn.Module) -> list[str]:
-    done, probed = [], set()
+def _find_norms(model: nn.Module) -> list[tuple[str, nn.Module, Norm | None]]:
+    """``(name, module, rule)`` of each RMSNorm, the rule None where it was routed before;
+    each class not routed before is probed once."""
+    found, probed = [], set()
     for name, m in model.named_modules():
         rule = _norm_rule(m)
         if rule is None:
             continue
         if getattr(m, "_meshlab_norm", None) is not None:      # routed before
-            done.append(name)
+            found.append((name, m, None))
             continue
         if type(m) not in probed:
             _probe_norm(m, rule)
             probed.add(type(m))
-        m._meshlab_norm = rule
-        m.forward = types.MethodType(_fused_norm_forward, m)
-        done.append(name)
-    return done
+        found.append((name, m, rule))
+    return found
+
+
+def _route_norms(model: nn.Module, found) -> list[str]:
+    for _, m, rule in found:
+        if rule is not None:
+            m._meshlab_norm = rule
+            m.forward = types.MethodType(_fused_norm_forward, m)
+    return [name for name, _, _ in found]
 
 
 # ------------------------------------------------------------------------ rotary
@@ -214,24 +227,34 @@ def _leave(module, args, output):
     _ROUTED.depth -= 1
 
 
-def _route_rotary(model: nn.Module) -> list[str]:
-    done = []
+def _find_rotary(model: nn.Module) -> list[tuple[str, nn.Module, types.ModuleType]]:
+    """``(name, module, modeling module)`` of each attention module whose modeling file has
+    an ``apply_rotary_pos_emb``; each such function not dispatched yet is probed once."""
+    found, probed = [], set()
     for name, m in model.named_modules():
         mod = sys.modules.get(type(m).__module__)
         fn = getattr(mod, "apply_rotary_pos_emb", None)
         if fn is None or not type(m).__name__.endswith("Attention"):
             continue
-        if getattr(m, "_meshlab_rotary", False):                # routed before
-            done.append(name)
-            continue
-        if not hasattr(fn, "_meshlab_original"):
+        if not getattr(m, "_meshlab_rotary", False) and \
+                not hasattr(fn, "_meshlab_original") and fn not in probed:
             _probe_rotary(fn, type(m).__name__)
+            probed.add(fn)
+        found.append((name, m, mod))
+    return found
+
+
+def _route_rotary(model: nn.Module, found) -> list[str]:
+    for _, m, mod in found:
+        if getattr(m, "_meshlab_rotary", False):                # routed before
+            continue
+        fn = mod.apply_rotary_pos_emb
+        if not hasattr(fn, "_meshlab_original"):
             setattr(mod, "apply_rotary_pos_emb", _dispatcher(fn))
         m.register_forward_pre_hook(_enter)
         m.register_forward_hook(_leave, always_call=True)
         m._meshlab_rotary = True
-        done.append(name)
-    return done
+    return [name for name, _, _ in found]
 
 
 def _probe_rotary(fn, owner: str) -> None:
@@ -327,21 +350,27 @@ def _probe_mlp(m: nn.Module) -> None:
     _probe_close(_fused_mlp_forward(clone, x), type(m).forward(clone, x), what, fix)
 
 
-def _route_mlp(model: nn.Module) -> list[str]:
-    done, probed = [], set()
+def _find_mlp(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of each gated MLP (or one routed before); each class not routed
+    before is probed once."""
+    found, probed = [], set()
     for name, m in model.named_modules():
-        if getattr(m, "_meshlab_mlp", False):                    # routed before
-            done.append(name)
+        routed = getattr(m, "_meshlab_mlp", False)
+        if not routed and not _is_swiglu_mlp(m):
             continue
-        if not _is_swiglu_mlp(m):
-            continue
-        if type(m) not in probed:
+        if not routed and type(m) not in probed:
             _probe_mlp(m)
             probed.add(type(m))
-        m.forward = types.MethodType(_fused_mlp_forward, m)
-        m._meshlab_mlp = True
-        done.append(name)
-    return done
+        found.append((name, m))
+    return found
+
+
+def _route_mlp(model: nn.Module, found) -> list[str]:
+    for _, m in found:
+        if not getattr(m, "_meshlab_mlp", False):
+            m.forward = types.MethodType(_fused_mlp_forward, m)
+            m._meshlab_mlp = True
+    return [name for name, _ in found]
 
 
 # ------------------------------------------------------------------------ loss
@@ -381,7 +410,9 @@ def _fused_head_forward(self, hidden_states: Tensor) -> Tensor:
                                 ignore_index=ignore_index)
 
 
-def _route_loss(model: nn.Module) -> list[str]:
+def _find_loss(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """``(name, head)`` of the output head, refused where the fused loss would compute
+    something else."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     if not isinstance(head, nn.Linear):
@@ -399,11 +430,15 @@ def _route_loss(model: nn.Module) -> list[str]:
             raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__} transforms its logits "
                               f"({attr}={v}) after the head, which the fused loss would skip; "
                               f"leave 'loss' out")
+    return [(next(n for n, m in model.named_modules() if m is head), head)]
+
+
+def _route_loss(model: nn.Module, found) -> list[str]:
+    (name, head), = found
     if getattr(head, "_meshlab_linear_forward", None) is None:
         head._meshlab_linear_forward = head.forward
         head.forward = types.MethodType(_fused_head_forward, head)
     model._meshlab_fused_loss = True
-    name = next(n for n, m in model.named_modules() if m is head)
     return [name]
 
 
@@ -427,21 +462,73 @@ def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
 
 # ------------------------------------------------------------------------ attention
 
-def _route_attention(model: nn.Module) -> list[str]:
-    from ...ops.attention import register_hf
-
-    register_hf()
+def _find_attention(model: nn.Module) -> list:
+    """The model's ``set_attn_implementation``, refused where it has none."""
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         raise ConfigError(f"fuse(ops=('attention',)): {type(model).__name__} is not a "
                           f"transformers model with set_attn_implementation; leave "
                           f"'attention' out")
-    setter("meshlab")
+    return [setter]
+
+
+def _route_attention(model: nn.Module, found) -> list[str]:
+    from ...ops.attention import register_hf
+
+    register_hf()
+    found[0]("meshlab")
     return [f"config._attn_implementation={model.config._attn_implementation!r}"]
 
 
-_ROUTES = {"rms_norm": _route_norms, "rotary": _route_rotary, "attention": _route_attention,
-           "mlp": _route_mlp, "loss": _route_loss}
+# Each op: what it finds (and probes) without changing the model, and how it installs
+# what was found.
+_ROUTES = {"rms_norm": (_find_norms, _route_norms), "rotary": (_find_rotary, _route_rotary),
+           "attention": (_find_attention, _route_attention), "mlp": (_find_mlp, _route_mlp),
+           "loss": (_find_loss, _route_loss)}
+
+
+def _op_names(ops) -> tuple[str, ...]:
+    ops = (ops,) if isinstance(ops, str) else tuple(ops)
+    bad = [o for o in ops if o not in FUSABLE]
+    if bad:
+        raise ConfigError(f"fuse(ops={ops!r}): unknown {bad}; choose from {FUSABLE}")
+    return ops
+
+
+def _find(model: nn.Module, op: str) -> list:
+    found = _ROUTES[op][0](model)
+    if not found:
+        raise ConfigError(f"fuse(ops=({op!r},)): nothing in {type(model).__name__} to route "
+                          f"to meshlab::{op}; leave it out")
+    return found
+
+
+def check(model: nn.Module, ops=FUSABLE) -> None:
+    """Raise the ``ConfigError`` that ``fuse(model, ops)`` would raise, changing nothing:
+    each op finds its modules and probes them on small CPU copies, and nothing is
+    installed (the global RNG is left as it was)."""
+    ops = _op_names(ops)
+    with torch.random.fork_rng(devices=()):
+        for op in ops:
+            _find(model, op)
+
+
+def refusals(model: nn.Module, ops=FUSABLE) -> dict[str, str]:
+    """For each of ``ops`` that ``fuse`` would refuse on ``model``, its ``ConfigError``
+    message (:func:`check`, one op at a time). Ops that route are left out, and so is one
+    whose finding fails otherwise (a module that cannot run where it lies, on the meta
+    device): installing it runs the same probe on the real module, and raises there."""
+    out = {}
+    ops = _op_names(ops)
+    with torch.random.fork_rng(devices=()):
+        for op in ops:
+            try:
+                _find(model, op)
+            except ConfigError as e:
+                out[op] = str(e)
+            except Exception:
+                pass
+    return out
 
 
 def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:
@@ -449,17 +536,9 @@ def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:
 
     Mutates ``model`` in place (instance attributes and hooks only; the classes and other
     models are untouched) and returns what was routed. An op that finds nothing to route
-    raises, as does one whose probe disagrees with the module it would replace.
+    raises, as does one whose probe disagrees with the module it would replace; every op
+    is found and probed (:func:`check`) before any is installed.
     """
-    ops = (ops,) if isinstance(ops, str) else tuple(ops)
-    bad = [o for o in ops if o not in FUSABLE]
-    if bad:
-        raise ConfigError(f"fuse(ops={ops!r}): unknown {bad}; choose from {FUSABLE}")
-    report = FuseReport()
-    for op in ops:
-        routed = _ROUTES[op](model)
-        if not routed:
-            raise ConfigError(f"fuse(ops=({op!r},)): nothing in {type(model).__name__} to route "
-                              f"to meshlab::{op}; leave it out")
-        report.routed[op] = routed
-    return report
+    ops = _op_names(ops)
+    found = {op: _find(model, op) for op in ops}
+    return FuseReport({op: _ROUTES[op][1](model, found[op]) for op in ops})
