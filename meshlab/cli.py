@@ -452,9 +452,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "process loads them from (opt-in; otherwise lazy)")
     b.set_defaults(fn=cmd_build)
 
-    from . import _cli_run
+    from . import _cli_generate, _cli_run
 
     _cli_run.add_commands(sub)
+    _cli_generate.add_command(sub)
     args = ap.parse_args(argv)
     from ._errors import MeshlabError
 

@@ -20,6 +20,9 @@ contiguous tensors of the same shapes and dtypes, forward and backward ops alike
 an input's strides (``empty_like``) while the kernel wrote contiguous memory would fail on
 the first transposed input.
 
+``paged_attention`` (attention over a paged KV cache, ``meshlab.inference``'s) is for
+decoding only: it has no backward and is not in ``OPS``.
+
 >>> import torch, meshlab.ops as ops
 >>> sorted(ops.OPS)
 ['attention', 'layer_norm', 'linear_cross_entropy', 'rms_norm', 'rotary', 'swiglu']
@@ -36,6 +39,7 @@ from .linear_cross_entropy import (linear_cross_entropy as linear_cross_entropy,
                                    linear_cross_entropy_reference)
 from .attention import (attention as attention, attention_reference as attention_reference,
                         hf_attention as hf_attention, register_hf as register_hf)
+from .paged_attention import paged_attention as paged_attention
 from .cpu_adam import CPUAdamW as CPUAdamW
 from .fused_adamw import FusedAdamW as FusedAdamW
 

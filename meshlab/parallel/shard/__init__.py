@@ -21,7 +21,7 @@ from ..._specs_tree import glob_match, match_specs, normalize_specs
 from .._gradsync import Reduction
 from .._protocol import Part, Phase, Transform
 from ._layout import sequence_parallel, tp_layout
-from ._loss import install_loss
+from ._loss import install_generate, install_loss
 from ._styles import TPGroup, VocabHead
 from . import _dtensor, _tp
 
@@ -329,6 +329,7 @@ class _Setup:
         if any(isinstance(m.style, VocabHead) and not m.style.gather_output
                for m in layout.modules):
             install_loss(ctx.model)
+        install_generate(ctx.model, sequence_parallel=self.tp.sp)
         return None
 
 

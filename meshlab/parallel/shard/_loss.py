@@ -85,3 +85,28 @@ def _decoder_inputs(mod: nn.Module, labels, args, kwargs: dict) -> None:
             f"cannot build its decoder inputs from them. Pass decoder_input_ids (the labels "
             f"shifted right, starting with config.decoder_start_token_id)")
     kwargs["decoder_input_ids"] = make(labels=labels)
+
+
+def install_generate(model: nn.Module, *, sequence_parallel: bool) -> None:
+    """``model.generate`` (transformers' own) decodes from the whole logits: inside it the
+    vocabulary-split head gathers them (``whole_logits``). Under sequence parallelism a
+    decoding step's one token cannot be split over tp, so generate is refused there."""
+    import functools
+
+    from ._styles import whole_logits
+
+    generate = getattr(model, "generate", None)
+    if generate is None:
+        return
+
+    @functools.wraps(generate)
+    def run(*args, **kwargs):
+        if sequence_parallel:
+            raise ConfigError(
+                f"{type(model).__name__}.generate under sequence parallelism: each decoding "
+                f"step feeds one token, which cannot be split over the tensor-parallel axis. "
+                f"Generate with a plan without sequence parallelism (the same weights load "
+                f"into it), or use meshlab.inference.InferenceEngine")
+        with whole_logits():
+            return generate(*args, **kwargs)
+    model.generate = run

@@ -21,13 +21,33 @@ KVReplicated   weight/bias replicated        local heads of a replicated K/V pro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 
 import torch
 
 from ... import _collectives as C
 from ..._placement import dim_block
 from ..._tensors import local as _local
+
+
+_WHOLE = threading.local()
+
+
+@contextlib.contextmanager
+def whole_logits():
+    """Inside this block a vocabulary-split head returns the whole logits as a plain
+    tensor (all-gathered over tp), as decoding reads them; nested blocks are fine."""
+    _WHOLE.depth = getattr(_WHOLE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _WHOLE.depth -= 1
+
+
+def _whole() -> bool:
+    return getattr(_WHOLE, "depth", 0) > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,9 +243,11 @@ class VocabHead:
             if self.gather_output:
                 return C.gather_last(out, tp.group)
             shape = tuple(out.shape[:-1]) + (vocab,)
-            return DTensor.from_local(out, tp.mesh, (Shard(out.dim() - 1),), run_check=False,
-                                      shape=torch.Size(shape),
-                                      stride=torch.empty(shape, device="meta").stride())
+            logits = DTensor.from_local(out, tp.mesh, (Shard(out.dim() - 1),),
+                                        run_check=False, shape=torch.Size(shape),
+                                        stride=torch.empty(shape, device="meta").stride())
+            # decoding: the whole logits (DTensor gathers a vocabulary split unevenly too)
+            return logits.full_tensor() if _whole() else logits
 
         return pre, post
 

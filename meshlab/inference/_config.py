@@ -1,0 +1,120 @@
+"""``InferenceConfig``: the engine's options, with Colossal-AI's field names and defaults.
+
+Every field of Colossal-AI's ``InferenceConfig`` is here with its default. The engine
+implements greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k``,
+``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``), ``forced_eos_token_id``,
+``ignore_eos``, the paged cache (``block_size``, ``kv_cache_dtype``), continuous batching
+up to ``max_batch_size``, ``dtype`` and ``tp_size``. A field set to anything but its
+default whose behaviour is not built raises ``ConfigError`` naming it, at construction:
+nothing is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._errors import ConfigError
+
+# field -> why a value other than the default is refused
+_NOT_BUILT = {
+    "prompt_template": "chat templates: apply tokenizer.apply_chat_template to the prompts",
+    "beam_width": "beam search is not built; decode greedily or sample (beam_width=1)",
+    "prefill_ratio": "prefill is not rationed: every admitted prompt is filled in its step",
+    "pad_input": "requests are packed, never padded",
+    "early_stopping": "beam search (and so early stopping of beams) is not built",
+    "use_spec_dec": "speculative decoding is not built",
+    "max_n_spec_tokens": "speculative decoding is not built",
+    "glimpse_large_kv": "the large-KV glimpse is not built",
+    "pp_size": "pipeline-parallel decoding is not built; use tp_size",
+    "micro_batch_size": "pipeline micro-batching is not built (pp_size is 1)",
+    "micro_batch_buffer_size": "pipeline micro-batching is not built (pp_size is 1)",
+    "use_cuda_kernel": "meshlab's decode attention is meshlab::paged_attention on every device",
+    "high_precision": "scores and softmax already run in float32 (float64 for float64)",
+    "use_cuda_graph": "CUDA graphs of decode steps are not built",
+    "max_context_len_to_capture": "CUDA graphs of decode steps are not built",
+    "enable_streamingllm": "StreamingLLM attention is not built",
+    "start_token_size": "StreamingLLM attention is not built",
+    "generated_token_size": "StreamingLLM attention is not built",
+    "patched_parallelism_size": "patched parallelism is for diffusion pipelines",
+}
+
+
+@dataclasses.dataclass
+class InferenceConfig:
+    """Options of :class:`~meshlab.inference.InferenceEngine` (module docstring)."""
+
+    max_batch_size: int = 8
+    max_input_len: int = 256
+    max_output_len: int = 256
+    dtype: torch.dtype | str = torch.float16
+    kv_cache_dtype: torch.dtype | str | None = None
+    prompt_template: str | None = None
+    do_sample: bool = False
+    beam_width: int = 1
+    prefill_ratio: float = 1.2
+    pad_input: bool = False
+    early_stopping: bool = False
+    top_k: int | None = 50
+    top_p: float | None = 1.0
+    temperature: float | None = 1.0
+    no_repeat_ngram_size: int | None = 0
+    repetition_penalty: float | None = 1.0
+    forced_eos_token_id: int | None = None
+    ignore_eos: bool = False
+    use_spec_dec: bool = False
+    max_n_spec_tokens: int = 5
+    glimpse_large_kv: bool = False
+    block_size: int = 16
+    tp_size: int = 1
+    pp_size: int = 1
+    micro_batch_size: int = 1
+    micro_batch_buffer_size: int | None = None
+    use_cuda_kernel: bool = False
+    high_precision: bool = False
+    use_cuda_graph: bool = False
+    max_context_len_to_capture: int = 512
+    enable_streamingllm: bool = False
+    start_token_size: int = 4
+    generated_token_size: int = 512
+    patched_parallelism_size: int = 1
+    # meshlab's own: the seed of the sampling generator (the same on every rank)
+    seed: int = 0
+
+    def __post_init__(self):
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, why in _NOT_BUILT.items():
+            if getattr(self, name) != defaults[name]:
+                raise ConfigError(f"InferenceConfig({name}={getattr(self, name)!r}): {why}; "
+                                  f"leave {name} at its default {defaults[name]!r}")
+        self.dtype = _dtype(self.dtype, "dtype")
+        if self.kv_cache_dtype is not None:
+            self.kv_cache_dtype = _dtype(self.kv_cache_dtype, "kv_cache_dtype")
+        for name in ("max_batch_size", "max_input_len", "max_output_len", "block_size",
+                     "tp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"InferenceConfig({name}={v!r}): a positive integer")
+        if self.temperature is not None and self.temperature <= 0:
+            raise ConfigError(f"InferenceConfig(temperature={self.temperature}): must be > 0; "
+                              f"for greedy decoding set do_sample=False")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"InferenceConfig(top_p={self.top_p}): a probability in (0, 1]")
+        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
+            raise ConfigError(f"InferenceConfig(repetition_penalty={self.repetition_penalty}): "
+                              f"must be > 0 (1.0: no penalty)")
+
+
+_DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+           "fp64": torch.float64, "float64": torch.float64}
+
+
+def _dtype(v, name: str) -> torch.dtype:
+    if isinstance(v, torch.dtype) and v.is_floating_point:
+        return v
+    if isinstance(v, str) and v in _DTYPES:
+        return _DTYPES[v]
+    raise ConfigError(f"InferenceConfig({name}={v!r}): a floating torch.dtype or one of "
+                      f"{sorted(_DTYPES)}")

@@ -1,0 +1,270 @@
+"""``InferenceEngine``: continuous batching of requests over a paged KV cache.
+
+Each ``step`` admits waiting requests while fewer than ``max_batch_size`` run and the
+cache has the blocks for their whole budget (prompt + ``max_new_tokens``, reserved at
+admission, so a running request is never evicted), then runs the model once on every
+running request's new tokens packed in one row: a newly admitted prompt whole (its
+prefill), one token for each of the others (decode). The last position of each request
+gives its next token; a request that emits EOS or reaches its budget leaves and frees its
+blocks, and a waiting one takes its place at the next step. Requests may be added between
+steps (``add_request``) and finish in any order.
+
+Under tensor parallelism every rank runs the same steps on the same requests (SPMD): each
+attention layer caches its own K/V heads, the vocabulary-split head gathers the whole
+logits, and every rank chooses the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from .._errors import ConfigError, ConfigTypeError
+from ._config import InferenceConfig
+from ._paged import Blocks, PagedBatch, PagedCache, register, running
+from ._sampling import choose
+
+
+@dataclasses.dataclass
+class Request:
+    """One request: its prompt tokens, the tokens generated so far, its cache blocks."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    generated: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0             # tokens whose keys and values are in the cache
+    done: bool = False
+
+
+class InferenceEngine:
+    """Serve ``model`` (a transformers causal LM, single-process or parallelized by
+    meshlab with ``shard``, ``zero_shard`` or ``lora``) with ``inference_config``.
+
+    ``tokenizer`` turns string prompts into tokens and back; without it prompts are lists
+    of token ids and so are the outputs. An unparallelized model with ``tp_size > 1`` is
+    parallelized here with ``shard(model_policy or policies.auto)`` over ``Mesh(tp=...)``
+    (the process group must be started). The model is cast to ``dtype`` and put in eval
+    mode; its attention is routed to the paged cache.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None,
+                 inference_config: InferenceConfig | None = None, verbose: bool = False,
+                 model_policy=None):
+        cfg = inference_config if inference_config is not None else InferenceConfig()
+        if not isinstance(cfg, InferenceConfig):
+            raise ConfigTypeError(f"InferenceEngine(inference_config=...): an InferenceConfig, "
+                                  f"got {type(cfg).__name__}")
+        if isinstance(model, str):
+            raise ConfigTypeError("InferenceEngine(model=...): a model, not a path; load it "
+                                  "first (transformers' from_pretrained, or meshlab generate "
+                                  "on the command line)")
+        self.config, self.tokenizer, self.verbose = cfg, tokenizer, verbose
+        self.model = _prepare(model, cfg, model_policy)
+        self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
+        per_request = math.ceil((cfg.max_input_len + cfg.max_output_len) / cfg.block_size)
+        self.cache = PagedCache(cfg.max_batch_size * per_request, cfg.block_size,
+                                cfg.kv_cache_dtype)
+        self.blocks = Blocks(self.cache.num_blocks)
+        self.device = next(p for p in self.model.parameters()).device
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._next = 0
+        self.steps = 0
+        self.last_batch: list[int] = []      # the request ids the last step ran
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt, max_new_tokens: int | None = None) -> int:
+        """Queue ``prompt`` (a string with a tokenizer, else a list of token ids); returns
+        its request id."""
+        tokens = self._tokens(prompt)
+        n = self.config.max_output_len if max_new_tokens is None else max_new_tokens
+        if not isinstance(n, int) or n < 1 or n > self.config.max_output_len:
+            raise ConfigError(f"add_request(max_new_tokens={n!r}): between 1 and "
+                              f"max_output_len={self.config.max_output_len}")
+        r = Request(self._next, tokens, n)
+        self._next += 1
+        self.waiting.append(r)
+        return r.rid
+
+    def _tokens(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("a string prompt needs InferenceEngine(model, tokenizer); "
+                                  "or give the prompt as a list of token ids")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        tokens = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not tokens or len(tokens) > self.config.max_input_len:
+            raise ConfigError(f"a prompt of {len(tokens)} tokens: between 1 and "
+                              f"max_input_len={self.config.max_input_len}")
+        if min(tokens) < 0 or max(tokens) >= vocab:
+            raise ConfigError(f"prompt token ids must be in [0, {vocab}); got "
+                              f"{min(tokens)}..{max(tokens)}")
+        return tokens
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ steps
+
+    def _admit(self) -> None:
+        bs = self.config.block_size
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            r = self.waiting[0]
+            need = math.ceil((len(r.prompt) + r.max_new_tokens) / bs)
+            if need > len(self.blocks.free):
+                break
+            r.blocks = self.blocks.take(need)
+            self.running.append(self.waiting.pop(0))
+
+    def _batch(self) -> tuple[list[int], list[int], PagedBatch]:
+        bs = self.config.block_size
+        ids, pos, slots, starts, lens = [], [], [], [0], []
+        for r in self.running:
+            new = r.prompt if r.cached == 0 else r.generated[-1:]
+            for i, t in enumerate(new):
+                p = r.cached + i
+                ids.append(t)
+                pos.append(p)
+                slots.append(r.blocks[p // bs] * bs + p % bs)
+            starts.append(starts[-1] + len(new))
+            lens.append(r.cached + len(new))
+        width = max(len(r.blocks) for r in self.running)
+        tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in self.running],
+                              dtype=torch.int32, device=self.device)
+        batch = PagedBatch(self.cache, torch.tensor(slots, device=self.device), tables, lens,
+                           starts)
+        return ids, pos, batch
+
+    def step(self) -> list[Request]:
+        """Admit, run the model once on every running request, choose their next tokens;
+        returns the requests that finished in this step."""
+        from ..parallel.shard._styles import whole_logits
+
+        self._admit()
+        if not self.running:
+            if self.waiting:
+                raise ConfigError("the paged cache cannot hold the next request's budget; "
+                                  "lower its max_new_tokens or raise max_batch_size")
+            return []
+        ids, pos, batch = self._batch()
+        self.last_batch = [r.rid for r in self.running]
+        dev = self.device
+        last = torch.tensor(batch.query_start[1:], device=dev) - 1
+        with torch.no_grad(), running(batch), whole_logits():
+            out = self.model(input_ids=torch.tensor([ids], device=dev),
+                             position_ids=torch.tensor([pos], device=dev), use_cache=False,
+                             logits_to_keep=last)
+        logits = out.logits[0]
+        forced = self.config.forced_eos_token_id
+        nxt = choose(logits, [r.prompt + r.generated for r in self.running],
+                     [forced if forced is not None and len(r.generated) + 1 == r.max_new_tokens
+                      else None for r in self.running], self.config, self.gen)
+        finished = []
+        for r, t, n in zip(self.running, nxt, batch.seq_lens):
+            r.cached = n
+            r.generated.append(t)
+            if t in self.eos or len(r.generated) >= r.max_new_tokens:
+                r.done = True
+                self.blocks.give(r.blocks)
+                r.blocks = []
+                finished.append(r)
+        self.running = [r for r in self.running if not r.done]
+        self.steps += 1
+        return finished
+
+    def generate(self, prompts=None, request_ids=None, max_new_tokens: int | None = None):
+        """Generate for every prompt (continuous batching when there are more than
+        ``max_batch_size``); returns the generated tokens of each (strings with a
+        tokenizer and string prompts), in the prompts' order. ``request_ids`` names them
+        (default 0..n-1) for the progress bar only."""
+        if prompts is None or isinstance(prompts, str) or not len(prompts):
+            raise ConfigError("generate(prompts=[...]): a non-empty list of prompts (strings "
+                              "or lists of token ids)")
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise ConfigError(f"generate: {len(request_ids)} request_ids for {len(prompts)} "
+                              f"prompts")
+        rids = [self.add_request(p, max_new_tokens) for p in prompts]
+        done: dict[int, list[int]] = {}
+        bar = _progress(len(rids), self.verbose)
+        while len(done) < len(rids):
+            for r in self.step():
+                done[r.rid] = r.generated
+                bar.update(1)
+        bar.close()
+        outs = [done[i] for i in rids]
+        if self.tokenizer is not None and isinstance(prompts[0], str):
+            return [self.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+        return outs
+
+
+def _progress(total: int, verbose: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", disable=not verbose)
+
+
+def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:
+    """The model as the engine runs it: parallelized as asked, refusals typed, in
+    ``cfg.dtype``, eval mode, attention on the paged cache."""
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise ConfigError(f"InferenceEngine: {type(model).__name__} is not a transformers "
+                          f"model (set_attn_implementation); the engine routes its attention "
+                          f"to the paged cache through transformers' AttentionInterface")
+    rt = getattr(model, "_meshlab", None)
+    if rt is None and cfg.tp_size > 1:
+        model = _parallelize(model, cfg.tp_size, policy)
+        rt = model._meshlab
+    if rt is not None:
+        _check_plan(rt, cfg)
+    if any(p.is_floating_point() and p.dtype != cfg.dtype for p in model.parameters()):
+        model.to(cfg.dtype)
+    model.eval()
+    model.set_attn_implementation(register())
+    return model
+
+
+def _parallelize(model: nn.Module, tp: int, policy) -> nn.Module:
+    import meshlab as ml
+
+    rules = ml.Rules(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+    return ml.parallelize(model, ml.shard(policy or ml.policies.auto, rules), ml.Mesh(tp=tp))
+
+
+def _check_plan(rt, cfg: InferenceConfig) -> None:
+    from ..parallel.pipeline import Pipeline
+    from ..parallel.sequence import Sequence
+    from ..parallel.shard._layout import sequence_parallel
+
+    plan = rt.plan
+    if plan.get(Pipeline) is not None:
+        raise ConfigError("InferenceEngine on a pipelined model: pipeline-parallel decoding is "
+                          "not built; serve the model with shard() (tensor parallelism)")
+    tp = plan.roles.tp
+    if plan.get(Sequence) is not None or (tp is not None and sequence_parallel(plan, tp)):
+        raise ConfigError("InferenceEngine under sequence parallelism: a decoding step's one "
+                          "token cannot be split over the sequence; serve the weights with a "
+                          "plan without sequence()/sequence_parallel")
+    size = plan.mesh_shape[tp] if tp else 1
+    if cfg.tp_size not in (1, size):
+        raise ConfigError(f"InferenceConfig(tp_size={cfg.tp_size}) but the model is already "
+                          f"parallelized with tp={size}; leave tp_size at 1 or set it to {size}")

@@ -1,0 +1,66 @@
+"""Choosing each sequence's next token from its logits, as the config says.
+
+Processors run in transformers' order (repetition penalty, no-repeat n-grams, then
+temperature, top-k and top-p for sampling); greedy decoding takes the arg-max. The
+sampling generator is seeded from the config, so every rank of a tensor-parallel group,
+holding the same whole logits, draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._config import InferenceConfig
+
+
+def _repetition(logits: Tensor, seen: list[int], penalty: float) -> Tensor:
+    idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
+    got = logits[idx]
+    logits[idx] = torch.where(got < 0, got * penalty, got / penalty)
+    return logits
+
+
+def _banned_ngrams(tokens: list[int], n: int) -> list[int]:
+    """Tokens that would repeat an n-gram already in ``tokens``."""
+    if len(tokens) + 1 < n:
+        return []
+    prefix = tuple(tokens[len(tokens) - n + 1:])
+    return [tokens[i + n - 1] for i in range(len(tokens) - n + 1)
+            if tuple(tokens[i:i + n - 1]) == prefix]
+
+
+def _sample(logits: Tensor, cfg: InferenceConfig, gen: torch.Generator) -> int:
+    if cfg.temperature is not None and cfg.temperature != 1.0:
+        logits = logits / cfg.temperature
+    if cfg.top_k:
+        k = min(cfg.top_k, logits.shape[-1])
+        kth = torch.topk(logits, k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p is not None and cfg.top_p < 1.0:
+        srt, order = torch.sort(logits, descending=True)
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = cum - srt.softmax(-1) >= cfg.top_p       # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop),
+                                    float("-inf"))
+    probs = logits.float().softmax(-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def choose(logits: Tensor, histories: list[list[int]], force: list[int | None],
+           cfg: InferenceConfig, gen: torch.Generator) -> list[int]:
+    """The next token of each sequence: ``logits`` (S, V), ``histories`` each sequence's
+    prompt and generated tokens, ``force`` a token to emit regardless (forced EOS)."""
+    out = []
+    for row, seen, forced in zip(logits.float(), histories, force):
+        if forced is not None:
+            out.append(forced)
+            continue
+        if cfg.repetition_penalty not in (None, 1.0):
+            row = _repetition(row.clone(), seen, cfg.repetition_penalty)
+        if cfg.no_repeat_ngram_size:
+            banned = _banned_ngrams(seen, cfg.no_repeat_ngram_size)
+            if banned:
+                row = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))
+        out.append(_sample(row, cfg, gen) if cfg.do_sample else int(row.argmax()))
+    return out

@@ -1,0 +1,117 @@
+"""Attention of packed queries over a paged key/value cache, for decoding.
+
+The cache of one layer is two tensors ``k_cache``, ``v_cache`` of shape
+``(num_blocks, block_size, Hkv, D)``; a sequence's keys live in the blocks its row of
+``block_tables`` (S, max_blocks) names, in order, ``seq_lens[s]`` of them. The queries of
+all S sequences are packed along one axis: ``q`` is ``(T, Hq, D)`` and sequence ``s`` owns
+rows ``query_start[s]:query_start[s + 1]``, its last tokens (a prompt being filled, or one
+token being decoded). Query ``i`` of a sequence with ``n`` keys and ``m`` queries sits at
+position ``n - m + i`` and attends to keys ``0 .. n - m + i`` (causal). ``Hq`` is a
+multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads kv head
+``h // (Hq // Hkv)``). The output is ``(T, Hq, D)`` in ``q.dtype``; scores and softmax run in
+float32, or in float64 for float64 inputs.
+
+Registered as ``meshlab::paged_attention`` (no autograd: decoding has no backward), with a
+fake kernel for tracing. The kernel is :func:`paged_attention_reference` on every device:
+per sequence, its blocks gathered and one batched matmul over the heads. ``seq_lens`` and
+``query_start`` are host integer lists (the scheduler knows them), so no device read is
+needed to find the blocks.
+
+>>> import torch
+>>> from meshlab.ops.paged_attention import paged_attention
+>>> kc, vc = torch.randn(4, 2, 1, 8), torch.randn(4, 2, 1, 8)   # 4 blocks of 2 slots, 1 kv head
+>>> tables = torch.tensor([[2, 0], [1, 3]])                      # sequence 0: blocks 2, 0
+>>> q = torch.randn(3, 2, 8)                 # seq 0 decodes 1 token, seq 1 fills 2 of its 3
+>>> paged_attention(q, kc, vc, tables, [3, 3], [0, 1, 3]).shape
+torch.Size([3, 2, 8])
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+           seq_lens: list[int], query_start: list[int]) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"meshlab::paged_attention: q must be (T, Hq, D) and both caches "
+                         f"(blocks, block_size, Hkv, D); got q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    hq, d = q.shape[1:]
+    hkv, dk = k_cache.shape[2:]
+    if dk != d or hq % hkv:
+        raise ValueError(f"meshlab::paged_attention: q has {hq} heads of {d}, the cache {hkv} "
+                         f"heads of {dk}; the head dims must match and {hkv} divide {hq}")
+    s = len(seq_lens)
+    if len(query_start) != s + 1 or query_start[-1] != q.shape[0] or block_tables.dim() != 2 \
+            or block_tables.shape[0] < s:
+        raise ValueError(f"meshlab::paged_attention: {s} sequences need query_start of {s + 1} "
+                         f"offsets ending at T={q.shape[0]} and a block table per sequence; "
+                         f"got query_start={query_start}, block_tables "
+                         f"{tuple(block_tables.shape)}")
+    bs = k_cache.shape[1]
+    for i, n in enumerate(seq_lens):
+        m = query_start[i + 1] - query_start[i]
+        if m > n or math.ceil(n / bs) > block_tables.shape[1]:
+            raise ValueError(f"meshlab::paged_attention: sequence {i} has {m} queries and {n} "
+                             f"keys; it needs queries <= keys and ceil({n}/{bs}) blocks in "
+                             f"its table of {block_tables.shape[1]}")
+
+
+def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                              block_tables: Tensor, seq_lens: list[int],
+                              query_start: list[int], scale: float | None = None) -> Tensor:
+    """Pure-PyTorch paged attention (module docstring): (T, Hq, D) -> (T, Hq, D)."""
+    hq, d = q.shape[1:]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(q)
+    for s, n in enumerate(seq_lens):
+        a, b = query_start[s], query_start[s + 1]
+        if a == b:
+            continue
+        blocks = block_tables[s, :math.ceil(n / bs)].long()
+        k = k_cache[blocks].reshape(-1, hkv, d)[:n].to(acc)          # (n, Hkv, D)
+        v = v_cache[blocks].reshape(-1, hkv, d)[:n].to(acc)
+        qs = q[a:b].to(acc).view(b - a, hkv, hq // hkv, d)             # (m, Hkv, G, D)
+        scores = torch.einsum("mhgd,nhd->hgmn", qs, k) * scale
+        pos = torch.arange(n - (b - a), n, device=q.device)
+        masked = torch.arange(n, device=q.device)[None, :] > pos[:, None]
+        scores = scores.masked_fill(masked, float("-inf"))
+        o = torch.einsum("hgmn,nhd->mhgd", scores.softmax(-1), v)
+        out[a:b] = o.reshape(b - a, hq, d).to(q.dtype)
+    return out
+
+
+@torch.library.custom_op("meshlab::paged_attention", mutates_args=())
+def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                       seq_lens: list[int], query_start: list[int], scale: float) -> Tensor:
+    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
+                                     query_start, scale)
+
+
+@paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale):
+    return torch.empty_like(q)
+
+
+def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                    seq_lens: list[int], query_start: list[int],
+                    scale: float | None = None) -> Tensor:
+    """``meshlab::paged_attention`` after checking the arguments (module docstring)."""
+    seq_lens, query_start = [int(x) for x in seq_lens], [int(x) for x in query_start]
+    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return paged_attention_op(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
+
+
+def write_cache(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
+    """Store the keys and values ``k``, ``v`` (T, Hkv, D) of T new tokens at flat slot
+    indices ``slots`` (T,) (``block * block_size + offset``), in the caches' dtype."""
+    hkv, d = k_cache.shape[2:]
+    k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))

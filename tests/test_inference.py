@@ -1,0 +1,221 @@
+"""meshlab.inference on one process: the paged attention op against dense attention, the
+engine against transformers' ``generate``, the sampling controls, and the refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import meshlab as ml
+from meshlab.inference import InferenceConfig, InferenceEngine
+from meshlab.ops.paged_attention import paged_attention, write_cache
+
+from . import _models as M
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _dense(q, k, v, m):
+    """SDPA of the last ``m`` of ``n`` positions over all ``n`` keys: (m, H, D)."""
+    n, hq, hkv = k.shape[0], q.shape[1], k.shape[1]
+    k, v = (t.repeat_interleave(hq // hkv, dim=1).transpose(0, 1) for t in (k, v))
+    mask = torch.arange(n)[None, :] <= torch.arange(n - m, n)[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask) \
+        .transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,tol", [
+    (torch.float64, None, 1e-12), (torch.float32, None, 1e-5),
+    (torch.float32, torch.bfloat16, None)])
+def test_paged_attention_matches_dense_attention(dtype, cache_dtype, tol):
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, bs, nblocks = 4, 2, 8, 4, 16
+    lens, queries = [9, 1, 5, 12], [9, 1, 1, 3]       # two prefills, two decodes (one partial)
+    kc = torch.zeros(nblocks, bs, hkv, d, dtype=cache_dtype or dtype)
+    vc = torch.zeros_like(kc)
+    perm = torch.randperm(nblocks, generator=g).tolist()        # blocks scattered
+    tables, keys, vals = [], [], []
+    for n in lens:
+        need = math.ceil(n / bs)
+        blocks, perm = perm[:need], perm[need:]
+        tables.append(blocks + [0] * (4 - need))
+        k = torch.randn(n, hkv, d, generator=g, dtype=dtype)
+        v = torch.randn(n, hkv, d, generator=g, dtype=dtype)
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
+        write_cache(kc, vc, slots, k, v)
+        keys.append(k)
+        vals.append(v)
+    q = torch.randn(sum(queries), hq, d, generator=g, dtype=dtype)
+    starts = [0]
+    for m in queries:
+        starts.append(starts[-1] + m)
+    out = paged_attention(q, kc, vc, torch.tensor(tables, dtype=torch.int32), lens, starts)
+    assert out.dtype == dtype and out.shape == q.shape
+    for s, (n, m) in enumerate(zip(lens, queries)):
+        k, v = keys[s], vals[s]
+        if cache_dtype is not None:        # what the cache stored
+            k, v = k.to(cache_dtype).to(dtype), v.to(cache_dtype).to(dtype)
+        want = _dense(q[starts[s]:starts[s + 1]], k, v, m)
+        torch.testing.assert_close(out[starts[s]:starts[s + 1]], want,
+                                   atol=tol or 1e-5, rtol=tol or 1e-5)
+
+
+def test_paged_attention_checks_its_arguments():
+    kc = torch.zeros(2, 4, 2, 8)
+    with pytest.raises(ValueError, match="divide"):
+        paged_attention(torch.zeros(1, 3, 8), kc, kc, torch.zeros(1, 2, dtype=torch.int32),
+                        [1], [0, 1])
+    with pytest.raises(ValueError, match="queries <= keys"):
+        paged_attention(torch.zeros(3, 4, 8), kc, kc, torch.zeros(1, 2, dtype=torch.int32),
+                        [2], [0, 3])
+
+
+def _tiny(family="llama"):
+    return ml.init_weights(M.build(family), seed=0).eval()
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 1, 12, 7, 3)]
+
+
+def _engine(model, **kw):
+    cfg = dict(dtype=torch.float32, max_batch_size=2, max_input_len=16, max_output_len=8,
+               block_size=4)
+    return InferenceEngine(model, inference_config=InferenceConfig(**{**cfg, **kw}))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_engine_greedy_equals_generate_alone(family):
+    ref = _tiny(family)
+    prompts = _prompts()
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    got = _engine(_tiny(family)).generate(prompts=prompts, max_new_tokens=8)
+    assert got == want
+
+
+def test_sampling_controls():
+    prompts = _prompts()
+    greedy = _engine(_tiny(), ignore_eos=True).generate(prompts=prompts, max_new_tokens=6)
+    top1 = _engine(_tiny(), ignore_eos=True, do_sample=True, top_k=1).generate(
+        prompts=prompts, max_new_tokens=6)
+    assert top1 == greedy                       # top_k=1 sampling is greedy
+    draw = dict(ignore_eos=True, do_sample=True, temperature=1.5, top_p=0.9)
+    a = _engine(_tiny(), seed=1, **draw).generate(prompts=prompts, max_new_tokens=6)
+    b = _engine(_tiny(), seed=1, **draw).generate(prompts=prompts, max_new_tokens=6)
+    c = _engine(_tiny(), seed=2, **draw).generate(prompts=prompts, max_new_tokens=6)
+    assert a == b and a != c                    # seeded: the same draws, another seed others
+    rep = _engine(_tiny(), ignore_eos=True, no_repeat_ngram_size=1).generate(
+        prompts=prompts, max_new_tokens=6)
+    for p, o in zip(prompts, rep):              # no token of the history appears again
+        assert not set(o) & set(p) and len(set(o)) == len(o)
+    forced = _engine(_tiny(), ignore_eos=True, forced_eos_token_id=5).generate(
+        prompts=prompts, max_new_tokens=4)
+    assert all(len(o) == 4 and o[-1] == 5 for o in forced)
+
+
+def test_repetition_penalty_is_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from meshlab.inference._sampling import _repetition
+
+    g = torch.Generator().manual_seed(0)
+    logits, seen = torch.randn(50, generator=g), [3, 7, 7, 20]
+    want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seen]), logits[None].clone())[0]
+    torch.testing.assert_close(_repetition(logits.clone(), seen, 1.3), want)
+
+
+def test_string_prompts_with_a_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(94)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    model = _tiny()
+    engine = InferenceEngine(model, tokenizer, InferenceConfig(
+        dtype=torch.float32, max_input_len=16, max_output_len=4, ignore_eos=True))
+    out = engine.generate(prompts=["w1 w2 w3", "w40"], max_new_tokens=4)
+    ids = engine.generate(prompts=[[int(w[1:]) + 3 for w in p.split()]
+                                   for p in ("w1 w2 w3", "w40")], max_new_tokens=4)
+    assert out == [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("beam_width", 2), ("use_spec_dec", True), ("use_cuda_graph", True), ("pp_size", 2),
+    ("prompt_template", "llama"), ("enable_streamingllm", True)])
+def test_fields_not_built_are_refused_by_name(field, value):
+    with pytest.raises(ml.ConfigError, match=rf"InferenceConfig\({field}="):
+        InferenceConfig(**{field: value})
+
+
+def test_defaults_are_colossalai_guide():
+    c = InferenceConfig()
+    assert (c.max_batch_size, c.max_input_len, c.max_output_len, c.dtype, c.block_size,
+            c.top_k, c.top_p, c.temperature, c.beam_width, c.tp_size) == \
+        (8, 256, 256, torch.float16, 16, 50, 1.0, 1.0, 1, 1)
+
+
+def test_bad_requests_are_refused_before_any_step():
+    engine = _engine(_tiny())
+    with pytest.raises(ml.ConfigError, match="max_input_len=16"):
+        engine.add_request(list(range(17)))
+    with pytest.raises(ml.ConfigError, match="max_output_len=8"):
+        engine.add_request([1, 2], max_new_tokens=9)
+    with pytest.raises(ml.ConfigError, match=r"\[0, 97\)"):
+        engine.add_request([1, 97])
+    with pytest.raises(ml.ConfigError, match="tokenizer"):
+        engine.add_request("hello")
+    with pytest.raises(ml.ConfigError, match="not a transformers model"):
+        InferenceEngine(torch.nn.Linear(2, 2))
+    assert engine.steps == 0 and not engine.has_work()
+
+
+def _saved(tmp_path):
+    model = _tiny()
+    model.generation_config.eos_token_id = None        # every run makes all its tokens
+    path = tmp_path / "tiny-llama"
+    model.save_pretrained(path, safe_serialization=True)
+    return model, str(path)
+
+
+def test_generate_command_on_a_local_directory(tmp_path, capsys):
+    import json
+
+    from meshlab import cli
+
+    model, path = _saved(tmp_path)
+    want = [model.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, len(p):]
+            .tolist() for p in ([1, 2, 3], [9, 4])]
+    assert cli.main(["generate", path, "--prompt-ids", "1,2,3", "--prompt-ids", "9,4",
+                     "--max-new-tokens", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [o["output"] for o in out] == want
+    assert cli.main(["generate", str(tmp_path), "--prompt-ids", "1"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_generate_command_tensor_parallel_under_the_launcher(tmp_path):
+    """``meshlab run --nproc-per-node 2 -m meshlab.cli generate``: tp=2 over gloo gives the
+    single process's tokens."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model, path = _saved(tmp_path)
+    want = model.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=6,
+                          do_sample=False)[0, 4:].tolist()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "meshlab.cli", "run", "--nproc-per-node", "2",
+                        "-m", "meshlab.cli", "generate", path, "--prompt-ids", "5,6,7,8",
+                        "--max-new-tokens", "6", "--json"], capture_output=True, text=True,
+                       env=env, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[{"))
+    assert json.loads(line)[0]["output"] == want

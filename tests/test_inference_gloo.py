@@ -1,0 +1,150 @@
+"""Decoding on parallelized models, on real gloo processes, token for token against
+transformers' ``generate`` on one process (greedy).
+
+Each case parallelizes a tiny Llama or Qwen2 (tensor parallelism, K/V heads fewer than
+tp, ZeRO-3, LoRA under tp), then (a) calls transformers' own ``model.generate`` on a
+batch, and (b) serves prompts of mixed lengths through ``meshlab.inference``'s engine with
+``max_batch_size`` below the number of requests, so requests wait, join the running batch
+while others decode, and leave as they finish; two more join half-way through. Every
+output must equal the single process's ``generate`` of that prompt alone. Then the
+refusals: a pipelined model, and sequence parallelism, each with a typed error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import _models as M
+
+pytestmark = pytest.mark.timeout(600)
+
+NEW = 10                      # tokens generated per request
+LENGTHS = (3, 11, 6, 17, 1, 9)
+BUDGETS = (10, 4, 7, 10, 5, 8)  # max_new_tokens per request: they leave at different steps
+
+
+def _prompts(vocab: int):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _alone(ref, prompts):
+    """What one process's ``generate`` gives for each prompt on its own."""
+    out = []
+    for p in prompts:
+        o = ref.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)
+        out.append(o[0, len(p):].tolist())
+    return out
+
+
+def _spec(layout: str):
+    import meshlab as ml
+    from peft import LoraConfig
+
+    rules = ml.Rules(**M.TP_RULES)
+    tp = ml.shard(ml.policies.auto, rules)
+    lora = ml.lora(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                              target_modules=["q_proj", "v_proj", "down_proj"]))
+    return {"tp": (tp, dict(tp=2)), "zero3": (ml.zero_shard(3, "dp"), dict(dp=2)),
+            "lora_tp": (tp | lora, dict(tp=2))}[layout]
+
+
+def _lora_reference(model, family, kw):
+    """peft on one process with the parallelized model's (gathered) weights."""
+    from peft import LoraConfig, get_peft_model
+
+    import meshlab as ml
+
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                     target_modules=["q_proj", "v_proj", "down_proj"])
+    ref = get_peft_model(ml.init_weights(M.build(family, **kw)), cfg)
+    own = dict(ref.base_model.model.named_parameters())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            own[n].copy_(M.full(p))
+    return ref
+
+
+def serve_case(rank, world, family, layout, kv_heads=2):
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    kw = dict(num_key_value_heads=kv_heads)
+    spec, mesh = _spec(layout)
+    model = ml.parallelize(M.build(family, **kw), spec, ml.Mesh(**mesh), seed=0)
+    if layout.startswith("lora"):
+        with torch.no_grad():        # adapters that change the output (B starts at zero)
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.add_(0.05)
+        ref = _lora_reference(model, family, kw)
+    else:
+        ref = ml.init_weights(M.build(family, **kw), seed=0)
+    ref.eval()
+    model.eval()
+    prompts = _prompts(ref.config.vocab_size)
+    want = _alone(ref, prompts)
+    same = [p for p in prompts if len(p) == 6] * 2          # generate on an unpadded batch
+    hf = model.generate(torch.tensor(same), max_new_tokens=NEW, do_sample=False)
+    engine = InferenceEngine(model, inference_config=InferenceConfig(
+        dtype=torch.float32, max_batch_size=3, max_input_len=32, max_output_len=NEW,
+        block_size=4))
+    ids = [engine.add_request(p, n) for p, n in zip(prompts[:4], BUDGETS)]
+    done, batches = {}, []
+    while engine.has_work():
+        if engine.steps == 3:                # two more arrive while the first decode
+            ids += [engine.add_request(p, n) for p, n in zip(prompts[4:], BUDGETS[4:])]
+        for r in engine.step():
+            done[r.rid] = r.generated
+        batches.append(engine.last_batch)
+    return {"engine": [done[i] for i in ids],
+            "want": [w[:n] if len(w) > n else w for w, n in zip(want, BUDGETS)],
+            "generate": hf[:, 6:].tolist(), "want_generate": [want[LENGTHS.index(6)]] * 2,
+            "batches": batches}
+
+@pytest.mark.parametrize("family,layout,kv_heads", [
+    ("llama", "tp", 2), ("qwen2", "tp", 2), ("qwen2", "tp", 1), ("llama", "zero3", 2),
+    ("llama", "lora_tp", 2)])
+def test_decoding_matches_one_process(world2, family, layout, kv_heads):
+    out = world2.run(serve_case, family=family, layout=layout, kv_heads=kv_heads)
+    assert all(o["engine"] == out[0]["engine"] for o in out)     # every rank the same
+    o = out[0]
+    assert o["generate"] == o["want_generate"]
+    assert o["engine"] == o["want"], (o["engine"], o["want"])
+    # continuous batching: at most 3 at a time; some step ran a request that joined
+    # while others were decoding, and one where a request had left and others went on
+    b = [set(x) for x in o["batches"]]
+    assert max(map(len, b)) == 3 and NEW < len(b) < sum(BUDGETS)
+    assert any((now - before) and (now & before) for before, now in zip(b, b[1:]))
+    assert any((before - now) and (now & before) for before, now in zip(b, b[1:]))
+
+def refuse_case(rank, world, what):
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    if what == "pipeline":
+        spec, mesh = ml.pipeline("pp", schedule="1f1b", microbatches=2), ml.Mesh(pp=2)
+    else:
+        spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES) | ml.Rules(seq="tp"))
+        mesh = ml.Mesh(tp=2)
+    model = ml.parallelize(M.build("llama"), spec, mesh, seed=0)
+    errors = []
+    try:
+        InferenceEngine(model, inference_config=InferenceConfig(dtype=torch.float32))
+    except ml.ConfigError as e:
+        errors.append(str(e))
+    if what == "sp":
+        try:
+            model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=2)
+        except ml.ConfigError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_engine_refuses_pipeline_and_sequence_parallel(world2):
+    (pp,), _ = world2.run(refuse_case, what="pipeline")
+    assert "pipelined" in pp and "shard()" in pp
+    (engine, generate), _ = world2.run(refuse_case, what="sp")
+    assert "sequence parallelism" in engine
+    assert "generate under sequence parallelism" in generate
