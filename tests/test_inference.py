@@ -219,3 +219,16 @@ def test_generate_command_tensor_parallel_under_the_launcher(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("[{"))
     assert json.loads(line)[0]["output"] == want
+
+
+def test_paged_attention_op_is_its_reference():
+    from meshlab.ops.paged_attention import paged_attention_reference
+
+    g = torch.Generator().manual_seed(1)
+    kc, vc = torch.randn(10, 4, 2, 16, generator=g), torch.randn(10, 4, 2, 16, generator=g)
+    tables = torch.tensor([[3, 1, 7], [0, 2, 0], [9, 5, 4]], dtype=torch.int32)
+    lens, starts = [11, 6, 9], [0, 4, 5, 14]              # 4, 1 and 9 new tokens
+    q = torch.randn(14, 8, 16, generator=g)
+    torch.testing.assert_close(paged_attention(q, kc, vc, tables, lens, starts),
+                               paged_attention_reference(q, kc, vc, tables, lens, starts),
+                               atol=1e-5, rtol=1e-5)

@@ -231,6 +231,30 @@ def _linear_cross_entropy(layout: str) -> list[Case]:
                  (hidden, weight, target, -100, 5, True), (0, 1), want)]
 
 
+# ---------------------------------------------------------------------------- decoding
+
+def _paged_attention(layout: str) -> list[Case]:
+    from meshlab.ops.paged_attention import layout as paged_layout, paged_attention_reference
+
+    bs, blocks = 4, 12
+    kc, vc = _r(blocks, bs, HKV, D), _r(blocks, bs, HKV, D)
+    tables = torch.tensor([[5, 2, 9], [0, 7, 3]], dtype=torch.int32)
+    # decode: one new token per sequence; else a prompt being filled beside a decode
+    lens, starts = ([10, 7], [0, 1, 2]) if layout == "decode" else ([10, 7], [0, 6, 7])
+    t = starts[-1]
+    q = {"contiguous": lambda: _r(t, H, D), "decode": lambda: _r(t, H, D),
+         # what the attention interface hands over: (1, H, T, D)[0].transpose(0, 1)
+         "transposed": lambda: _r(1, H, t, D)[0].transpose(0, 1)}[layout]()
+    where = paged_layout(tables, lens, starts, bs)
+
+    def want(q, kc, vc, *_):
+        return (paged_attention_reference(q, kc, vc, tables, lens, starts, D ** -0.5),)
+
+    return [Case(torch.ops.meshlab.paged_attention.default,
+                 (q, kc, vc, where.tables, where.seq, where.row, where.mask, D ** -0.5), (),
+                 want)]
+
+
 # ---------------------------------------------------------------------------- the checks
 
 BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_tables",
@@ -243,7 +267,8 @@ BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_table
             "attention": (_attention, ("contiguous", "transposed", "sliced", "expanded",
                                        "decode")),
             "linear_cross_entropy": (_linear_cross_entropy, ("contiguous", "transposed",
-                                                             "sliced", "expanded"))}
+                                                             "sliced", "expanded")),
+            "paged_attention": (_paged_attention, ("contiguous", "transposed", "decode"))}
 PARAMS = [(op, layout) for op, (_, layouts) in BUILDERS.items() for layout in layouts]
 
 

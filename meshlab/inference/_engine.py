@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from .._errors import ConfigError, ConfigTypeError
+from ..ops.paged_attention import layout
 from ._config import InferenceConfig
 from ._paged import Blocks, PagedBatch, PagedCache, register, running
 from ._sampling import choose
@@ -142,7 +143,7 @@ class InferenceEngine:
         tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in self.running],
                               dtype=torch.int32, device=self.device)
         batch = PagedBatch(self.cache, torch.tensor(slots, device=self.device), tables, lens,
-                           starts)
+                           starts, layout(tables, lens, starts, bs))
         return ids, pos, batch
 
     def step(self) -> list[Request]:

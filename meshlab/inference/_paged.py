@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .._errors import ConfigError
-from ..ops.paged_attention import paged_attention, write_cache
+from ..ops.paged_attention import Layout, paged_attention, write_cache
 
 NAME = "meshlab_paged"
 _RUNNING = threading.local()
@@ -73,6 +73,7 @@ class PagedBatch:
     block_tables: Tensor       # (S, max_blocks) int32
     seq_lens: list[int]        # keys of each sequence after this step's writes
     query_start: list[int]     # S + 1 offsets of each sequence's tokens in the row
+    where: Layout              # the same as device tensors, made once for every layer
 
 
 @contextlib.contextmanager
@@ -120,7 +121,7 @@ def paged_hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     kc, vc = batch.cache.layer(layer, k)
     write_cache(kc, vc, batch.slots, k, v)
     out = paged_attention(q, kc, vc, batch.block_tables, batch.seq_lens, batch.query_start,
-                          scaling)
+                          scaling, where=batch.where)
     return out.unsqueeze(0), None
 
 

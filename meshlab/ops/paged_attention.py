@@ -12,10 +12,12 @@ multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads kv head
 float32, or in float64 for float64 inputs.
 
 Registered as ``meshlab::paged_attention`` (no autograd: decoding has no backward), with a
-fake kernel for tracing. The kernel is :func:`paged_attention_reference` on every device:
-per sequence, its blocks gathered and one batched matmul over the heads. ``seq_lens`` and
-``query_start`` are host integer lists (the scheduler knows them), so no device read is
-needed to find the blocks.
+fake kernel for tracing. The kernel, on every device, gathers every sequence's blocks at
+once (``k_cache[block_tables]``), pads the queries per sequence and runs one
+``scaled_dot_product_attention`` with the causal-per-sequence mask (grouped-query heads
+native); :func:`paged_attention_reference` is the same per sequence, in float32 math, for
+the tests. ``seq_lens`` and ``query_start`` are host integer lists (the scheduler knows
+them), so no device read is needed to find the blocks.
 
 >>> import torch
 >>> from meshlab.ops.paged_attention import paged_attention
@@ -28,6 +30,7 @@ torch.Size([3, 2, 8])
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -87,26 +90,70 @@ def paged_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each packed query sits, as device tensors (one per step, shared by layers):
+    ``tables`` the block tables cut to the longest sequence's blocks, ``seq`` and ``row``
+    each query's sequence and row among that sequence's queries, ``mask`` (S, 1, M, L)
+    which keys each padded query row sees."""
+
+    tables: Tensor
+    seq: Tensor
+    row: Tensor
+    mask: Tensor
+
+
+def layout(block_tables: Tensor, seq_lens: list[int], query_start: list[int],
+           block_size: int) -> Layout:
+    """The :class:`Layout` of a packed batch (host lists in, device tensors out)."""
+    dev = block_tables.device
+    s = len(seq_lens)
+    m = [query_start[i + 1] - query_start[i] for i in range(s)]
+    width = math.ceil(max(seq_lens) / block_size)
+    seq = torch.repeat_interleave(torch.arange(s), torch.tensor(m))
+    row = torch.arange(query_start[-1]) - torch.tensor(query_start[:-1])[seq]
+    # query i of sequence s sits at n_s - m_s + i and sees keys up to there
+    pos = (torch.tensor(seq_lens) - torch.tensor(m))[:, None] + torch.arange(max(m))[None, :]
+    mask = torch.arange(width * block_size)[None, None, :] <= pos[:, :, None]
+    return Layout(block_tables[:s, :width].long(), seq.to(dev, non_blocking=True),
+                  row.to(dev, non_blocking=True), mask[:, None].to(dev, non_blocking=True))
+
+
 @torch.library.custom_op("meshlab::paged_attention", mutates_args=())
-def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                       seq_lens: list[int], query_start: list[int], scale: float) -> Tensor:
-    return paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens,
-                                     query_start, scale)
+def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
+                       seq: Tensor, row: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """All sequences in one SDPA call: blocks gathered, queries padded to the longest."""
+    import torch.nn.functional as F
+
+    hq, d = q.shape[1:]
+    bs, hkv = k_cache.shape[1], k_cache.shape[2]
+    s, width = tables.shape
+    k = k_cache[tables].reshape(s, width * bs, hkv, d).transpose(1, 2).to(q.dtype)
+    v = v_cache[tables].reshape(s, width * bs, hkv, d).transpose(1, 2).to(q.dtype)
+    qp = q.new_zeros(s, mask.shape[2], hq, d)
+    qp[seq, row] = q
+    out = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask,
+                                         scale=scale, enable_gqa=hq != hkv)
+    return out.transpose(1, 2)[seq, row]
 
 
 @paged_attention_op.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale):
-    return torch.empty_like(q)
+def _(q, k_cache, v_cache, tables, seq, row, mask, scale):
+    return q.new_empty(q.shape)                  # contiguous, as the kernel's gather gives
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                     seq_lens: list[int], query_start: list[int],
-                    scale: float | None = None) -> Tensor:
-    """``meshlab::paged_attention`` after checking the arguments (module docstring)."""
-    seq_lens, query_start = [int(x) for x in seq_lens], [int(x) for x in query_start]
-    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start)
+                    scale: float | None = None, where: Layout | None = None) -> Tensor:
+    """``meshlab::paged_attention`` after checking the arguments (module docstring);
+    ``where``: the batch's :func:`layout`, made once for all layers of a step."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return paged_attention_op(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale)
+    if where is None:       # else the caller checked the batch once, for every layer
+        seq_lens, query_start = [int(x) for x in seq_lens], [int(x) for x in query_start]
+        _check(q, k_cache, v_cache, block_tables, seq_lens, query_start)
+        where = layout(block_tables, seq_lens, query_start, k_cache.shape[1])
+    return paged_attention_op(q, k_cache, v_cache, where.tables, where.seq, where.row,
+                              where.mask, scale)
 
 
 def write_cache(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:

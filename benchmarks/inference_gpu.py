@@ -1,0 +1,138 @@
+"""Decoding on one GPU: meshlab.inference's engine against transformers' ``generate``
+(dynamic cache; static cache with its automatic ``torch.compile``), in one run.
+
+    python benchmarks/inference_gpu.py --shape llama-1b --batches 1,8,64
+    python benchmarks/inference_gpu.py --shape llama3-8b --batches 1,64
+
+Random bf16 weights of the named Llama shape, prompts of ``--prompt`` random tokens,
+``--new`` tokens generated greedily with EOS disabled, so every path makes the same number
+of tokens. Per path and batch: time to first token (a generate of one new token, which is
+the prefill and one sampling), the whole generate of ``--new`` tokens, and decode tokens/s
+= batch x (new - 1) / (whole - first). Each is the median of ``--repeats`` calls after one
+warm-up call (which also compiles), timed with CUDA events around the call (host work
+included: it is what a user waits for). At batch 1 the HBM bound is weights / bandwidth
+per token (H200: 4.8 TB/s). Writes ``results/inference_<card>_<shape>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _results  # noqa: E402
+
+SHAPES = {
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      tie_word_embeddings=False),
+}
+HBM_BYTES_PER_S = 4.8e12           # H200
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median milliseconds of ``repeats`` calls after one warm-up."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def _hf(model, ids, new: int, static: bool):
+    kw = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    if static:
+        kw["cache_implementation"] = "static"
+    return lambda: model.generate(ids, **kw)
+
+
+def _engine(model, ids, new: int):
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    cfg = InferenceConfig(dtype=torch.bfloat16, max_batch_size=ids.shape[0],
+                          max_input_len=ids.shape[1], max_output_len=new, ignore_eos=True)
+    engine = InferenceEngine(model, inference_config=cfg)
+    prompts = ids.tolist()
+    return engine, lambda n: (lambda: engine.generate(prompts=prompts, max_new_tokens=n))
+
+
+def run_batch(model, batch: int, args) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt), device="cuda",
+                        generator=g)
+    rows = {}
+    for name in args.paths:
+        model.set_attn_implementation("sdpa")
+        try:
+            if name == "meshlab_engine":
+                engine, make = _engine(model, ids, args.new)
+                first, whole = _timed(make(1), args.repeats), _timed(make(args.new),
+                                                                       args.repeats)
+                del engine
+            else:
+                static = name == "hf_static_compile"
+                first = _timed(_hf(model, ids, 1, static), args.repeats)
+                whole = _timed(_hf(model, ids, args.new, static), args.repeats)
+            rows[name] = dict(ttft_ms=round(first, 2), generate_ms=round(whole, 2),
+                              decode_tokens_per_s=round(batch * (args.new - 1) /
+                                                        ((whole - first) / 1e3), 1))
+        except Exception as e:             # a path that fails is reported, not hidden
+            rows[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(batch, name, rows[name], flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--paths", default="hf_dynamic,hf_static_compile,meshlab_engine")
+    ap.add_argument("--copy-to", default=None)
+    args = ap.parse_args()
+    args.paths = args.paths.split(",")
+    import transformers
+
+    cfg = transformers.LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = {"card": torch.cuda.get_device_name(), "shape": args.shape,
+           "date": datetime.date.today().isoformat(),
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+           "prompt_tokens": args.prompt, "new_tokens": args.new, "repeats": args.repeats,
+           "weight_bytes": weights,
+           "hbm_bound_tokens_per_s_batch1": round(HBM_BYTES_PER_S / weights, 1),
+           "batches": {}}
+    for b in (int(x) for x in args.batches.split(",")):
+        out["batches"][str(b)] = run_batch(model, b, args)
+    path = _results.write(f"inference_{args.shape}", out["card"], out, args.copy_to)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
