@@ -2,12 +2,13 @@
 transformers' ``generate`` on one process (greedy).
 
 Each case parallelizes a tiny Llama or Qwen2 (tensor parallelism, K/V heads fewer than
-tp, ZeRO-3, LoRA under tp), then (a) calls transformers' own ``model.generate`` on a
+tp, ZeRO-3, LoRA under tp, a 2-stage pipeline), then (a) calls transformers' own ``model.generate`` on a
 batch, and (b) serves prompts of mixed lengths through ``meshlab.inference``'s engine with
 ``max_batch_size`` below the number of requests, so requests wait, join the running batch
 while others decode, and leave as they finish; two more join half-way through. Every
-output must equal the single process's ``generate`` of that prompt alone. Then the
-refusals: a pipelined model, and sequence parallelism, each with a typed error.
+output must equal the single process's ``generate`` of that prompt alone. A pipelined
+model (pp=2) is served by the engine, its ``generate`` refused; sequence parallelism is
+refused for both, with typed errors.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def _spec(layout: str):
     lora = ml.lora(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                               target_modules=["q_proj", "v_proj", "down_proj"]))
     return {"tp": (tp, dict(tp=2)), "zero3": (ml.zero_shard(3, "dp"), dict(dp=2)),
+            "pp": (ml.pipeline("pp", schedule="1f1b", microbatches=2), dict(pp=2)),
             "lora_tp": (tp | lora, dict(tp=2))}[layout]
 
 
@@ -86,7 +88,12 @@ def serve_case(rank, world, family, layout, kv_heads=2):
     prompts = _prompts(ref.config.vocab_size)
     want = _alone(ref, prompts)
     same = [p for p in prompts if len(p) == 6] * 2          # generate on an unpadded batch
-    hf = model.generate(torch.tensor(same), max_new_tokens=NEW, do_sample=False)
+    if layout == "pp":            # a rank holds only its stages: refused, the engine named
+        with pytest.raises(ml.ConfigError, match="InferenceEngine"):
+            model.generate(torch.tensor(same), max_new_tokens=NEW)
+        hf = torch.tensor([[0] * 6 + want[LENGTHS.index(6)]] * 2)
+    else:
+        hf = model.generate(torch.tensor(same), max_new_tokens=NEW, do_sample=False)
     engine = InferenceEngine(model, inference_config=InferenceConfig(
         dtype=torch.float32, max_batch_size=3, max_input_len=32, max_output_len=NEW,
         block_size=4))
@@ -101,16 +108,17 @@ def serve_case(rank, world, family, layout, kv_heads=2):
     return {"engine": [done[i] for i in ids],
             "want": [w[:n] if len(w) > n else w for w, n in zip(want, BUDGETS)],
             "generate": hf[:, 6:].tolist(), "want_generate": [want[LENGTHS.index(6)]] * 2,
-            "batches": batches}
+            "batches": batches, "stages_in_turn": engine.pipe is not None}
 
 @pytest.mark.parametrize("family,layout,kv_heads", [
     ("llama", "tp", 2), ("qwen2", "tp", 2), ("qwen2", "tp", 1), ("llama", "zero3", 2),
-    ("llama", "lora_tp", 2)])
+    ("llama", "lora_tp", 2), ("llama", "pp", 2), ("qwen2", "pp", 2)])
 def test_decoding_matches_one_process(world2, family, layout, kv_heads):
     out = world2.run(serve_case, family=family, layout=layout, kv_heads=kv_heads)
     assert all(o["engine"] == out[0]["engine"] for o in out)     # every rank the same
     o = out[0]
     assert o["generate"] == o["want_generate"]
+    assert o["stages_in_turn"] == (layout == "pp")
     assert o["engine"] == o["want"], (o["engine"], o["want"])
     # continuous batching: at most 3 at a time; some step ran a request that joined
     # while others were decoding, and one where a request had left and others went on
@@ -119,32 +127,25 @@ def test_decoding_matches_one_process(world2, family, layout, kv_heads):
     assert any((now - before) and (now & before) for before, now in zip(b, b[1:]))
     assert any((before - now) and (now & before) for before, now in zip(b, b[1:]))
 
-def refuse_case(rank, world, what):
+def refuse_case(rank, world):
     import meshlab as ml
     from meshlab.inference import InferenceConfig, InferenceEngine
 
-    if what == "pipeline":
-        spec, mesh = ml.pipeline("pp", schedule="1f1b", microbatches=2), ml.Mesh(pp=2)
-    else:
-        spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES) | ml.Rules(seq="tp"))
-        mesh = ml.Mesh(tp=2)
-    model = ml.parallelize(M.build("llama"), spec, mesh, seed=0)
+    spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES) | ml.Rules(seq="tp"))
+    model = ml.parallelize(M.build("llama"), spec, ml.Mesh(tp=2), seed=0)
     errors = []
     try:
         InferenceEngine(model, inference_config=InferenceConfig(dtype=torch.float32))
     except ml.ConfigError as e:
         errors.append(str(e))
-    if what == "sp":
-        try:
-            model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=2)
-        except ml.ConfigError as e:
-            errors.append(str(e))
+    try:
+        model.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=2)
+    except ml.ConfigError as e:
+        errors.append(str(e))
     return errors
 
 
-def test_engine_refuses_pipeline_and_sequence_parallel(world2):
-    (pp,), _ = world2.run(refuse_case, what="pipeline")
-    assert "pipelined" in pp and "shard()" in pp
-    (engine, generate), _ = world2.run(refuse_case, what="sp")
+def test_sequence_parallel_decoding_is_refused(world2):
+    (engine, generate), _ = world2.run(refuse_case)
     assert "sequence parallelism" in engine
     assert "generate under sequence parallelism" in generate

@@ -27,7 +27,8 @@ _NOT_BUILT = {
     "use_spec_dec": "speculative decoding is not built",
     "max_n_spec_tokens": "speculative decoding is not built",
     "glimpse_large_kv": "the large-KV glimpse is not built",
-    "pp_size": "pipeline-parallel decoding is not built; use tp_size",
+    "pp_size": "the engine pipelines a model parallelized with pipeline() (pp_size is read "
+               "from it); give it that model",
     "micro_batch_size": "pipeline micro-batching is not built (pp_size is 1)",
     "micro_batch_buffer_size": "pipeline micro-batching is not built (pp_size is 1)",
     "use_cuda_kernel": "meshlab's decode attention is meshlab::paged_attention on every device",

@@ -11,7 +11,8 @@ steps (``add_request``) and finish in any order.
 
 Under tensor parallelism every rank runs the same steps on the same requests (SPMD): each
 attention layer caches its own K/V heads, the vocabulary-split head gathers the whole
-logits, and every rank chooses the same tokens.
+logits, and every rank chooses the same tokens. A pipelined model runs its stages in turn
+(``_pipeline``): the last stage's rank chooses and broadcasts the tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class InferenceEngine:
                                   "on the command line)")
         self.config, self.tokenizer, self.verbose = cfg, tokenizer, verbose
         self.model = _prepare(model, cfg, model_policy)
+        self.pipe = _pipeline_decoder(self.model)
         self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
         per_request = math.ceil((cfg.max_input_len + cfg.max_output_len) / cfg.block_size)
         self.cache = PagedCache(cfg.max_batch_size * per_request, cfg.block_size,
@@ -161,15 +163,16 @@ class InferenceEngine:
         self.last_batch = [r.rid for r in self.running]
         dev = self.device
         last = torch.tensor(batch.query_start[1:], device=dev) - 1
+        ids_t, pos_t = torch.tensor([ids], device=dev), torch.tensor([pos], device=dev)
         with torch.no_grad(), running(batch), whole_logits():
-            out = self.model(input_ids=torch.tensor([ids], device=dev),
-                             position_ids=torch.tensor([pos], device=dev), use_cache=False,
-                             logits_to_keep=last)
-        logits = out.logits[0]
-        forced = self.config.forced_eos_token_id
-        nxt = choose(logits, [r.prompt + r.generated for r in self.running],
-                     [forced if forced is not None and len(r.generated) + 1 == r.max_new_tokens
-                      else None for r in self.running], self.config, self.gen)
+            if self.pipe is not None:
+                logits = self.pipe.logits(ids_t, pos_t, last, self.config.dtype)
+            else:
+                logits = self.model(input_ids=ids_t, position_ids=pos_t, use_cache=False,
+                                    logits_to_keep=last).logits[0]
+        nxt = self._choose(logits)
+        if self.pipe is not None:           # the last stage chose; every rank appends it
+            nxt = self.pipe.share(nxt, len(self.running), dev)
         finished = []
         for r, t, n in zip(self.running, nxt, batch.seq_lens):
             r.cached = n
@@ -182,6 +185,14 @@ class InferenceEngine:
         self.running = [r for r in self.running if not r.done]
         self.steps += 1
         return finished
+
+    def _choose(self, logits) -> list[int] | None:
+        if logits is None:                  # a pipeline rank without the last stage
+            return None
+        forced = self.config.forced_eos_token_id
+        return choose(logits, [r.prompt + r.generated for r in self.running],
+                      [forced if forced is not None and len(r.generated) + 1 == r.max_new_tokens
+                       else None for r in self.running], self.config, self.gen)
 
     def generate(self, prompts=None, request_ids=None, max_new_tokens: int | None = None):
         """Generate for every prompt (continuous batching when there are more than
@@ -244,6 +255,18 @@ def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:
     return model
 
 
+def _pipeline_decoder(model: nn.Module):
+    """The stages of a pipelined model as the engine runs them, or None."""
+    rt = getattr(model, "_meshlab", None)
+    if rt is None:
+        return None
+    from ..parallel.pipeline._runtime import PipelinePart
+    from ._pipeline import PipelineDecoder
+
+    part = rt.part(PipelinePart)
+    return None if part is None else PipelineDecoder(model, rt, part)
+
+
 def _parallelize(model: nn.Module, tp: int, policy) -> nn.Module:
     import meshlab as ml
 
@@ -257,9 +280,10 @@ def _check_plan(rt, cfg: InferenceConfig) -> None:
     from ..parallel.shard._layout import sequence_parallel
 
     plan = rt.plan
-    if plan.get(Pipeline) is not None:
-        raise ConfigError("InferenceEngine on a pipelined model: pipeline-parallel decoding is "
-                          "not built; serve the model with shard() (tensor parallelism)")
+    pipe = plan.get(Pipeline)
+    if pipe is not None and cfg.pp_size not in (1, plan.mesh_shape[pipe.axis]):
+        raise ConfigError(f"InferenceConfig(pp_size={cfg.pp_size}) but the model is pipelined "
+                          f"over {plan.mesh_shape[pipe.axis]} ranks; leave pp_size at 1")
     tp = plan.roles.tp
     if plan.get(Sequence) is not None or (tp is not None and sequence_parallel(plan, tp)):
         raise ConfigError("InferenceEngine under sequence parallelism: a decoding step's one "

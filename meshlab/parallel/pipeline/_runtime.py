@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..._errors import ConfigError
 from .._protocol import Part
 from ._schedule import stages
 from ._stage import DecoderStage, prune
@@ -47,7 +48,21 @@ class PipelineSetup:
                                             s.first, s.last),
                                s.index, len(self.all), ctx.device, group=group)
                  for s in self.mine]
+        _refuse_generate(ctx.model)
         return PipelinePart(self.t, group, built, self.kept, self.first, self.last)
+
+
+def _refuse_generate(model: nn.Module) -> None:
+    """transformers' ``generate`` runs the whole model on one rank; a pipeline rank holds
+    only its stages, so it is refused with the way that works."""
+    if getattr(model, "generate", None) is None:
+        return
+
+    def refused(*args, **kwargs):
+        raise ConfigError(f"{type(model).__name__}.generate on a pipelined model: each rank "
+                          f"holds only its stages. Decode with meshlab.inference."
+                          f"InferenceEngine(model, ...), which runs the stages in turn")
+    model.generate = refused
 
 
 def _pipeline_batch(batch, microbatches: int):
