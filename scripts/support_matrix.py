@@ -242,7 +242,8 @@ def table(matrix: dict) -> str:
               "| family | outcome | reason |", "|---|---|---|"]
     for mt, o in walked["families"].items():
         reason = o.get("reason", "").replace("|", "\\|")
-        lines.append(f"| {mt} | {o['outcome']} | {reason[:160]} |")
+        tol = " (float32 tolerance)" if o.get("tolerance") == "float32" else ""
+        lines.append(f"| {mt} | {o['outcome']}{tol} | {reason[:160]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -56,13 +56,19 @@ def test_auto_refuses_what_the_walk_did_not_train():
     with pytest.raises(ml.ConfigError, match=re.escape(reason)):
         ml.plan(meta(mt), ml.shard(ml.policies.get(mt, dict(meta(mt).config.base_model_tp_plan)),
                                    rules), ml.Mesh(tp=2, fake=True))
-    for mt, o in fams.items():          # and what ran but trained differently
-        if o["outcome"] in ("mismatch", "error"):
-            with pytest.raises(ml.PolicyError, match=o["outcome"]):
-                ml.plan(meta(mt), ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2, fake=True))
-            break
     p = ml.plan(meta("llama"), ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2, fake=True))
     assert "tp" in p["model.layers.0.self_attn.q_proj.weight"].mesh_spec.axes
+
+
+def test_auto_refuses_a_family_that_trained_differently(monkeypatch):
+    """A walk outcome other than trained (here one that ran and mismatched) is refused by
+    auto with the outcome and its reason."""
+    fams = _support.load()["families"]
+    monkeypatch.setitem(fams, "qwen2", {"outcome": "mismatch",
+                                        "reason": "gradient of x off by 0.5"})
+    rules = ml.Rules(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+    with pytest.raises(ml.PolicyError, match="mismatch.*gradient of x off by 0.5"):
+        ml.plan(meta("qwen2"), ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2, fake=True))
 
 
 def test_auto_refuses_a_family_the_walk_never_saw(monkeypatch):
