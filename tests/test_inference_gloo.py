@@ -2,7 +2,8 @@
 transformers' ``generate`` on one process (greedy).
 
 Each case parallelizes a tiny Llama or Qwen2 (tensor parallelism, K/V heads fewer than
-tp, ZeRO-3, LoRA under tp, a 2-stage pipeline), then (a) calls transformers' own ``model.generate`` on a
+tp, ZeRO-3, LoRA under tp, a 2-stage pipeline, and on 4 ranks a pipeline of
+tensor-parallel stages), then (a) calls transformers' own ``model.generate`` on a
 batch, and (b) serves prompts of mixed lengths through ``meshlab.inference``'s engine with
 ``max_batch_size`` below the number of requests, so requests wait, join the running batch
 while others decode, and leave as they finish; two more join half-way through. Every
@@ -49,6 +50,7 @@ def _spec(layout: str):
                               target_modules=["q_proj", "v_proj", "down_proj"]))
     return {"tp": (tp, dict(tp=2)), "zero3": (ml.zero_shard(3, "dp"), dict(dp=2)),
             "pp": (ml.pipeline("pp", schedule="1f1b", microbatches=2), dict(pp=2)),
+            "pp_tp": (ml.pipeline("pp", schedule="1f1b", microbatches=2) | tp, dict(pp=2, tp=2)),
             "lora_tp": (tp | lora, dict(tp=2))}[layout]
 
 
@@ -88,7 +90,7 @@ def serve_case(rank, world, family, layout, kv_heads=2):
     prompts = _prompts(ref.config.vocab_size)
     want = _alone(ref, prompts)
     same = [p for p in prompts if len(p) == 6] * 2          # generate on an unpadded batch
-    if layout == "pp":            # a rank holds only its stages: refused, the engine named
+    if layout.startswith("pp"):   # a rank holds only its stages: refused, the engine named
         with pytest.raises(ml.ConfigError, match="InferenceEngine"):
             model.generate(torch.tensor(same), max_new_tokens=NEW)
         hf = torch.tensor([[0] * 6 + want[LENGTHS.index(6)]] * 2)
@@ -118,7 +120,7 @@ def test_decoding_matches_one_process(world2, family, layout, kv_heads):
     assert all(o["engine"] == out[0]["engine"] for o in out)     # every rank the same
     o = out[0]
     assert o["generate"] == o["want_generate"]
-    assert o["stages_in_turn"] == (layout == "pp")
+    assert o["stages_in_turn"] == layout.startswith("pp")
     assert o["engine"] == o["want"], (o["engine"], o["want"])
     # continuous batching: at most 3 at a time; some step ran a request that joined
     # while others were decoding, and one where a request had left and others went on
@@ -149,3 +151,10 @@ def test_sequence_parallel_decoding_is_refused(world2):
     (engine, generate), _ = world2.run(refuse_case)
     assert "sequence parallelism" in engine
     assert "generate under sequence parallelism" in generate
+
+
+def test_pipeline_with_tensor_parallel_stages_matches_one_process(world4):
+    """pp=2 x tp=2: each stage tensor-parallel, its K/V heads cached per rank."""
+    out = world4.run(serve_case, family="llama", layout="pp_tp")
+    assert all(o["engine"] == out[0]["engine"] for o in out)
+    assert out[0]["stages_in_turn"] and out[0]["engine"] == out[0]["want"]
