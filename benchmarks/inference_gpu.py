@@ -1,5 +1,6 @@
 """Decoding on one GPU: meshlab.inference's engine against transformers' ``generate``
-(dynamic cache; static cache with its automatic ``torch.compile``), in one run.
+(dynamic cache; static cache with its automatic ``torch.compile``), in one run; the engine
+eager and with CUDA graphs of its decode steps (``use_cuda_graph=True``).
 
     python benchmarks/inference_gpu.py --shape llama-1b --batches 1,8,64
     python benchmarks/inference_gpu.py --shape llama3-8b --batches 1,64
@@ -63,11 +64,13 @@ def _hf(model, ids, new: int, static: bool):
     return lambda: model.generate(ids, **kw)
 
 
-def _engine(model, ids, new: int):
+def _engine(model, ids, new: int, graphs: bool = False):
     from meshlab.inference import InferenceConfig, InferenceEngine
 
     cfg = InferenceConfig(dtype=torch.bfloat16, max_batch_size=ids.shape[0],
-                          max_input_len=ids.shape[1], max_output_len=new, ignore_eos=True)
+                          max_input_len=ids.shape[1], max_output_len=new, ignore_eos=True,
+                          use_cuda_graph=graphs,
+                          max_context_len_to_capture=max(512, ids.shape[1] + new))
     engine = InferenceEngine(model, inference_config=cfg)
     prompts = ids.tolist()
     return engine, lambda n: (lambda: engine.generate(prompts=prompts, max_new_tokens=n))
@@ -81,8 +84,8 @@ def run_batch(model, batch: int, args) -> dict:
     for name in args.paths:
         model.set_attn_implementation("sdpa")
         try:
-            if name == "meshlab_engine":
-                engine, make = _engine(model, ids, args.new)
+            if name.startswith("meshlab_engine"):
+                engine, make = _engine(model, ids, args.new, name.endswith("graphs"))
                 first, whole = _timed(make(1), args.repeats), _timed(make(args.new),
                                                                        args.repeats)
                 del engine
@@ -108,7 +111,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--paths", default="hf_dynamic,hf_static_compile,meshlab_engine")
+    ap.add_argument("--paths", default="hf_dynamic,hf_static_compile,meshlab_engine,"
+                                        "meshlab_engine_graphs")
     ap.add_argument("--copy-to", default=None)
     args = ap.parse_args()
     args.paths = args.paths.split(",")

@@ -4,7 +4,8 @@ Every field of Colossal-AI's ``InferenceConfig`` is here with its default. The e
 implements greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k``,
 ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``), ``forced_eos_token_id``,
 ``ignore_eos``, the paged cache (``block_size``, ``kv_cache_dtype``), continuous batching
-up to ``max_batch_size``, ``dtype`` and ``tp_size``. A field set to anything but its
+up to ``max_batch_size``, ``dtype``, ``tp_size``, and CUDA graphs of decode steps on one
+GPU (``use_cuda_graph``, ``max_context_len_to_capture``). A field set to anything but its
 default whose behaviour is not built raises ``ConfigError`` naming it, at construction:
 nothing is accepted and ignored.
 """
@@ -33,8 +34,6 @@ _NOT_BUILT = {
     "micro_batch_buffer_size": "pipeline micro-batching is not built (pp_size is 1)",
     "use_cuda_kernel": "meshlab's decode attention is meshlab::paged_attention on every device",
     "high_precision": "scores and softmax already run in float32 (float64 for float64)",
-    "use_cuda_graph": "CUDA graphs of decode steps are not built",
-    "max_context_len_to_capture": "CUDA graphs of decode steps are not built",
     "enable_streamingllm": "StreamingLLM attention is not built",
     "start_token_size": "StreamingLLM attention is not built",
     "generated_token_size": "StreamingLLM attention is not built",

@@ -70,10 +70,12 @@ class InferenceEngine:
         self.pipe = _pipeline_decoder(self.model)
         self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
         per_request = math.ceil((cfg.max_input_len + cfg.max_output_len) / cfg.block_size)
-        self.cache = PagedCache(cfg.max_batch_size * per_request, cfg.block_size,
-                                cfg.kv_cache_dtype)
-        self.blocks = Blocks(self.cache.num_blocks)
+        n = cfg.max_batch_size * per_request
+        # with CUDA graphs, one more block: the scratch the padded rows write to
+        self.cache = PagedCache(n + cfg.use_cuda_graph, cfg.block_size, cfg.kv_cache_dtype)
+        self.blocks = Blocks(n)
         self.device = next(p for p in self.model.parameters()).device
+        self.graphs = _graphs(self, cfg, model)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -151,30 +153,22 @@ class InferenceEngine:
     def step(self) -> list[Request]:
         """Admit, run the model once on every running request, choose their next tokens;
         returns the requests that finished in this step."""
-        from ..parallel.shard._styles import whole_logits
-
         self._admit()
         if not self.running:
             if self.waiting:
                 raise ConfigError("the paged cache cannot hold the next request's budget; "
                                   "lower its max_new_tokens or raise max_batch_size")
             return []
-        ids, pos, batch = self._batch()
         self.last_batch = [r.rid for r in self.running]
-        dev = self.device
-        last = torch.tensor(batch.query_start[1:], device=dev) - 1
-        ids_t, pos_t = torch.tensor([ids], device=dev), torch.tensor([pos], device=dev)
-        with torch.no_grad(), running(batch), whole_logits():
-            if self.pipe is not None:
-                logits = self.pipe.logits(ids_t, pos_t, last, self.config.dtype)
-            else:
-                logits = self.model(input_ids=ids_t, position_ids=pos_t, use_cache=False,
-                                    logits_to_keep=last).logits[0]
+        if self.graphs is not None and all(r.cached for r in self.running):
+            logits, lens = self.graphs.logits(self.running), [r.cached + 1 for r in self.running]
+        else:
+            logits, lens = self._eager()
         nxt = self._choose(logits)
         if self.pipe is not None:           # the last stage chose; every rank appends it
-            nxt = self.pipe.share(nxt, len(self.running), dev)
+            nxt = self.pipe.share(nxt, len(self.running), self.device)
         finished = []
-        for r, t, n in zip(self.running, nxt, batch.seq_lens):
+        for r, t, n in zip(self.running, nxt, lens):
             r.cached = n
             r.generated.append(t)
             if t in self.eos or len(r.generated) >= r.max_new_tokens:
@@ -185,6 +179,23 @@ class InferenceEngine:
         self.running = [r for r in self.running if not r.done]
         self.steps += 1
         return finished
+
+    def _eager(self):
+        """The step's logits (None on a pipeline rank without the last stage) and each
+        request's keys after it, the model run eagerly on the packed tokens."""
+        from ..parallel.shard._styles import whole_logits
+
+        ids, pos, batch = self._batch()
+        dev = self.device
+        last = torch.tensor(batch.query_start[1:], device=dev) - 1
+        ids_t, pos_t = torch.tensor([ids], device=dev), torch.tensor([pos], device=dev)
+        with torch.no_grad(), running(batch), whole_logits():
+            if self.pipe is not None:
+                logits = self.pipe.logits(ids_t, pos_t, last, self.config.dtype)
+            else:
+                logits = self.model(input_ids=ids_t, position_ids=pos_t, use_cache=False,
+                                    logits_to_keep=last).logits[0]
+        return logits, batch.seq_lens
 
     def _choose(self, logits) -> list[int] | None:
         if logits is None:                  # a pipeline rank without the last stage
@@ -253,6 +264,27 @@ def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:
     model.eval()
     model.set_attn_implementation(register())
     return model
+
+
+def _graphs(engine, cfg: InferenceConfig, model: nn.Module):
+    """The engine's captured decode steps, when asked for and possible."""
+    if not cfg.use_cuda_graph:
+        return None
+    if engine.device.type != "cuda":
+        raise ConfigError(f"InferenceConfig(use_cuda_graph=True): the model is on "
+                          f"{engine.device}; CUDA graphs need it on a GPU")
+    if getattr(model, "_meshlab", None) is not None:
+        raise ConfigError("InferenceConfig(use_cuda_graph=True) on a parallelized model: "
+                          "decode graphs are built for a model on one GPU; leave "
+                          "use_cuda_graph off under tp, zero_shard or pipeline")
+    context = cfg.max_input_len + cfg.max_output_len
+    if context > cfg.max_context_len_to_capture:
+        raise ConfigError(f"InferenceConfig(use_cuda_graph=True): max_input_len + "
+                          f"max_output_len = {context} exceeds max_context_len_to_capture="
+                          f"{cfg.max_context_len_to_capture}; raise it or shorten the budget")
+    from ._graphs import DecodeGraphs
+
+    return DecodeGraphs(engine)
 
 
 def _pipeline_decoder(model: nn.Module):
