@@ -307,15 +307,10 @@ def _parallelize(model: nn.Module, tp: int, policy) -> nn.Module:
 
 
 def _check_plan(rt, cfg: InferenceConfig) -> None:
-    from ..parallel.pipeline import Pipeline
     from ..parallel.sequence import Sequence
     from ..parallel.shard._layout import sequence_parallel
 
-    plan = rt.plan
-    pipe = plan.get(Pipeline)
-    if pipe is not None and cfg.pp_size not in (1, plan.mesh_shape[pipe.axis]):
-        raise ConfigError(f"InferenceConfig(pp_size={cfg.pp_size}) but the model is pipelined "
-                          f"over {plan.mesh_shape[pipe.axis]} ranks; leave pp_size at 1")
+    plan = rt.plan          # pp_size other than 1 is refused by InferenceConfig itself
     tp = plan.roles.tp
     if plan.get(Sequence) is not None or (tp is not None and sequence_parallel(plan, tp)):
         raise ConfigError("InferenceEngine under sequence parallelism: a decoding step's one "
