@@ -82,10 +82,11 @@ def predict(name: str, card) -> dict:
     st = plan.time(batch=batch, seq=seq, gpu=card)
     return {"peak_GiB": mem.peak / 2 ** 30, "saved_GiB": mem.activations.saved / 2 ** 30,
             "persistent_GiB": mem.persistent / 2 ** 30, "ms_per_step": st.step * 1e3,
-            "compute_ms": st.compute * 1e3, "extra_ms": st.extra * 1e3}
+            "compute_ms": st.compute * 1e3, "extra_ms": st.extra * 1e3,
+            "kinds_ms": {k: v * 1e3 for k, v in st.kinds}}
 
 
-def measure(name: str, steps: int, warmup: int) -> dict:
+def measure(name: str, steps: int, warmup: int, parts: bool = False) -> dict:
     import meshlab as ml
 
     shape, batch, seq, make = ROWS[name]
@@ -106,8 +107,43 @@ def measure(name: str, steps: int, warmup: int) -> dict:
     times = cuda_times(lambda: ml.step(model, opt, data), steps)
     out = {"ms_per_step": statistics.median(times), "step_ms": times,
            "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30}
+    if parts:
+        out["parts"] = kernel_parts(lambda: ml.step(model, opt, data))
     del model, opt
     return out
+
+
+def kernel_parts(step, steps: int = 2) -> dict:
+    """Where a step's GPU time goes (``torch.profiler``): kernel milliseconds per step by
+    kind, the idle gaps, kernels per step, and each matmul / attention op's CUDA time by
+    input shape (what a shape-aware rate is fitted to)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    import profile_step
+
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU],
+                 record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    by_kind: dict = {}
+    kernels = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and not profile_step._annotation(
+                e.name):
+            k = profile_step.kind(e.name)
+            by_kind[k] = by_kind.get(k, 0.0) + e.device_time_total / 1e3 / steps
+            kernels += 1
+    ops = []
+    for a in prof.key_averages(group_by_input_shape=True):
+        if a.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm") or \
+                "attention" in a.key:
+            ops.append({"op": a.key, "shapes": [list(x) for x in a.input_shapes if x][:4],
+                        "calls": a.count / steps,
+                        "cuda_ms": a.self_device_time_total / 1e3 / steps})
+    ops.sort(key=lambda o: -o["cuda_ms"])
+    return {"by_kind_ms": by_kind, "kernels": kernels / steps,
+            "idle_ms": profile_step.idle_gaps(prof, steps)["idle_ms"], "ops": ops[:60]}
 
 
 def main() -> None:
@@ -118,6 +154,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--copy-to", default=None)
+    ap.add_argument("--parts", action="store_true",
+                    help="also profile each row: kernel time by kind and matmul time by shape")
     args = ap.parse_args()
     import torch.distributed as dist
 
@@ -137,7 +175,7 @@ def main() -> None:
                    "spec": repr(ROWS[name][3](ml))}
         try:
             r["predicted"] = predict(name, card)
-            r["measured"] = measure(name, args.steps, args.warmup)
+            r["measured"] = measure(name, args.steps, args.warmup, args.parts)
             p, m = r["predicted"], r["measured"]
             r["peak_error"] = p["peak_GiB"] / m["peak_GiB"] - 1
             r["time_error"] = p["ms_per_step"] / m["ms_per_step"] - 1

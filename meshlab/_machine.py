@@ -27,7 +27,7 @@ class Machine:
     memory: int                    # bytes the framework can allocate on one card
     matmul: float                  # dense bf16 matmul FLOP/s reached (large GEMMs)
     hbm: float                     # device memory bandwidth reached (bytes/s, read+write)
-    launch: float = 10e-6          # device seconds lost per kernel (launch gap)
+    launch: float = 2.5e-6         # device seconds per kernel beyond its work (queued)
     host_op: float = 35e-6         # host seconds per op of an eager training step
     intra: float = 370e9           # collective bus bandwidth inside a node (bytes/s)
     inter: float = 45e9            # collective bus bandwidth across nodes, per card
@@ -35,6 +35,9 @@ class Machine:
     host: float = 50e9             # host <-> device copy bandwidth (pinned, one way)
     gpus_per_node: int = 8
     attention: float = 0.0         # FLOP/s of fused attention (0: use matmul * 0.66)
+    attention_narrow: float = 0.0  # the same at head dim 64 (0: attention * 0.73)
+    elementwise: float = 0.0       # bytes/s eager elementwise ops reach (0: hbm * 0.72)
+    host_hook: float = 40e-6       # host seconds per op under a Python dispatch mode
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -52,15 +55,18 @@ class Machine:
 
 
 # H200: what ``calibrate`` measured on one H200 SXM (benchmarks/results/plan_accuracy_*):
-# bf16 matmul 680-770 TFLOP/s by shape, x*y 3.5-3.75 TB/s, cuDNN attention forward and
-# backward ~440 TFLOP/s, 10.8 us per tiny op, 35-42 us of host per op of an eager step,
-# pinned copies 55 GB/s; NVLink ring busBw ~370 GB/s with NVLS off. The others: datasheet
-# peaks scaled by the fractions the H200 reaches of its own.
+# bf16 matmul 680-790 TFLOP/s by shape, x*y 3.5-3.9 TB/s, an eager elementwise chain
+# ~2.8 TB/s, cuDNN attention forward and backward ~440 TFLOP/s (head dim 128) and ~320
+# (64), 35-42 us of host per op of an eager step, pinned copies 55 GB/s; NVLink ring busBw
+# ~370 GB/s with NVLS off. The others: datasheet peaks scaled by the fractions the H200
+# reaches of its own.
 PRESETS: dict[str, Machine] = {
     "h200": Machine("h200", memory=int(139.8 * GiB), matmul=720e12, hbm=3.6e12,
-                    attention=440e12, launch=10.8e-6, host_op=35e-6, host=55e9),
+                    attention=440e12, attention_narrow=320e12, elementwise=2.8e12,
+                    host_op=35e-6, host=55e9),
     "h100": Machine("h100", memory=int(79.2 * GiB), matmul=720e12, hbm=2.5e12,
-                    attention=440e12, launch=10.8e-6, host_op=35e-6, host=55e9),
+                    attention=440e12, attention_narrow=320e12, elementwise=1.95e12,
+                    host_op=35e-6, host=55e9),
     "a100": Machine("a100", memory=int(79.2 * GiB), matmul=230e12, hbm=1.5e12,
                     attention=150e12, intra=230e9, inter=22e9, host=24e9),
     "b200": Machine("b200", memory=int(178 * GiB), matmul=1640e12, hbm=6.0e12,
@@ -157,23 +163,84 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
 
     attention = 3.5 * 4 * b_ * h * s * s * d * 0.5 / timed(attn)
     progress(f"attention fwd+bwd: {attention / 1e12:.1f} TFLOP/s")
+    b_, h, s, d = (8, 32, 2048, 64) if cuda else (1, 4, 512, 32)
+    q, kk, v = (torch.randn(b_, h, s, d, device=dev, dtype=dt, requires_grad=True)
+                for _ in range(3))
+    narrow = 3.5 * 4 * b_ * h * s * s * d * 0.5 / timed(attn)
+    progress(f"attention fwd+bwd at head dim {d}: {narrow / 1e12:.1f} TFLOP/s")
+    elementwise = _elementwise_rate(dev, dt, scale, timed)
+    progress(f"eager elementwise chain: {elementwise / 1e9:.0f} GB/s")
+    launch = _queued_launch(dev, cuda, timed)
+    progress(f"launch: {launch * 1e6:.1f} us per queued tiny op")
+    host_op, host_hook = _host_per_op(dev, timed)
+    progress(f"host: {host_op * 1e6:.1f} us per op of an eager training step, "
+             f"{host_hook * 1e6:.1f} us more per op under selective checkpointing")
+    return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention,
+                attention_narrow=narrow, elementwise=elementwise, launch=launch,
+                host_op=host_op, host_hook=host_hook)
+
+
+def _elementwise_rate(dev: str, dt, scale: int, timed) -> float:
+    """Bytes/s of an eager block's elementwise work (an unfused RMSNorm, rotary halves,
+    SiLU-gate, residual add; forward and backward), its bytes counted by the rule the
+    step profile counts them (``meshlab._profile.count_work``)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ._profile import count_work
+
+    t, hid, inter = 16384 // scale, 2048 // scale, 5632 // scale
+    x = torch.randn(t, hid, device=dev, dtype=dt, requires_grad=True)
+    w = torch.ones(hid, device=dev, dtype=dt, requires_grad=True)
+    a, b = (torch.randn(t, inter, device=dev, dtype=dt, requires_grad=True) for _ in range(2))
+    cos = torch.randn(t, hid, device=dev, dtype=dt)
+
+    def chain():
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        n = w * h.to(dt)
+        x1, x2 = n[..., :hid // 2], n[..., hid // 2:]
+        r = n * cos + torch.cat((-x2, x1), dim=-1) * cos
+        y = F.silu(a) * b
+        (r + x).sum().backward(retain_graph=False)
+        y.sum().backward()
+
+    moved = count_work(chain).bytes
+    return moved / timed(chain)
+
+
+def _queued_launch(dev: str, cuda: bool, timed) -> float:
+    """Device seconds per tiny kernel when the queue is full (issued behind a long
+    matmul, so the host's dispatch is hidden)."""
+    import torch
+
     tiny = torch.ones(8, device=dev)
+    if not cuda:
+        def launches():
+            for _ in range(100):
+                tiny.add_(1)
 
-    def launches():
-        for _ in range(100):
+        return timed(launches) / 100
+    big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    out = []
+    for _ in range(5):
+        big @ big
+        big @ big
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(200):
             tiny.add_(1)
-
-    launch = timed(launches) / 100
-    progress(f"launch: {launch * 1e6:.1f} us per op")
-    host_op = _host_per_op(dev, timed)
-    progress(f"host: {host_op * 1e6:.1f} us per op of an eager training step")
-    return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention, launch=launch,
-                host_op=host_op)
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / 1e3 / 200)
+    return sorted(out)[len(out) // 2]
 
 
-def _host_per_op(dev: str, timed) -> float:
+def _host_per_op(dev: str, timed) -> tuple[float, float]:
     """Seconds of host work per op of an eager training step: a tiny Llama's step (whose
-    device work is negligible) over its ops that make a new tensor (the profile's count)."""
+    device work is negligible) over its ops that make a new tensor (the profile's count);
+    and the extra seconds per op selective checkpointing's dispatch mode sees, from the
+    same step with its blocks checkpointed that way."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -206,7 +273,18 @@ def _host_per_op(dev: str, timed) -> float:
     with _Count() as c:
         model(input_ids=ids, labels=ids).loss.backward()
     model.zero_grad(set_to_none=True)
-    return seconds / max(c.ops + 8, 1)      # + the optimizer's few fused launches
+    from ._checkpoint import remat_forward
+
+    seen = [0]
+    model.config.use_cache = False      # a cache would change between forward and recompute
+    for layer in model.model.layers:
+        layer.forward = remat_forward(layer.forward, "selective", seen)
+    hooked = timed(step)
+    seen[0] = 0
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    per_op = seconds / max(c.ops + 8, 1)    # + the optimizer's few fused launches
+    return per_op, max(hooked - seconds, 0.0) / max(seen[0], 1)
 
 
 def calibrate(device: str | None = None, *, name: str | None = None, quick: bool = False,

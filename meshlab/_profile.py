@@ -64,14 +64,18 @@ class Work:
     bytes: int = 0
     ops: int = 0
     attn: int = 0          # FLOPs of fused attention (a rate of its own)
+    attn_narrow: int = 0   # of which at head dim <= 64 (a slower rate)
+    hooked: int = 0        # ops a Python dispatch mode sees (selective checkpointing's)
 
     def __add__(self, o: "Work") -> "Work":
         return Work(self.flops + o.flops, self.bytes + o.bytes, self.ops + o.ops,
-                    self.attn + o.attn)
+                    self.attn + o.attn, self.attn_narrow + o.attn_narrow,
+                    self.hooked + o.hooked)
 
     def scale(self, k: float, ops: float | None = None) -> "Work":
-        return Work(int(self.flops * k), int(self.bytes * k),
-                    int(self.ops * (k if ops is None else ops)), int(self.attn * k))
+        o = k if ops is None else ops
+        return Work(int(self.flops * k), int(self.bytes * k), int(self.ops * o),
+                    int(self.attn * k), int(self.attn_narrow * k), int(self.hooked * o))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +156,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         return max(names, key=len).split(".", 1)[1] if any("." in n for n in names) else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.fake and func is torch.ops.aten._local_scalar_dense.default:
+        if self.fake and not self._real and func is torch.ops.aten._local_scalar_dense.default:
             # Data-dependent checks (``mask.all()``) see ordinary data: no padding.
             return True if args[0].dtype == torch.bool else 1
         out = func(*args, **(kwargs or {}))
@@ -184,26 +188,30 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         name = str(packet.__name__)
         attn = _attention_flops(name, args, kwargs or {})
         if attn:
-            self._add("attn", attn)
+            self._add("attn", (attn, _head_dim(name, args)))
         elif name == "linear_cross_entropy":
             t, h = math.prod(args[0].shape[:-1]), args[0].shape[-1]
             flops = 2 * t * h * args[1].shape[0] * (1 if self.phase == "fwd" else 2)
-        elif packet in flop_registry:
+        elif _counted(packet) is not None:
             shapes = torch.utils._pytree.tree_map(
                 lambda x: x.shape if isinstance(x, torch.Tensor) else x, (args, kwargs or {},
                                                                             out))
-            flops = flop_registry[packet](*shapes[0], **shapes[1], out_val=shapes[2])
+            flops = flop_registry[_counted(packet)](*shapes[0], **shapes[1], out_val=shapes[2])
+        # A kernel: an op that makes a tensor, or one that writes into its first argument
+        # (``add_``, ``copy_``, ``addmm_``). It moves what it writes and what it reads.
+        inplace = not new and name.endswith("_") and bool(outs)
         moved = 0
-        if new and not flops and not attn:
-            moved = new + sum(a.untyped_storage().nbytes() if a.numel() else 0
-                              for a in args if isinstance(a, torch.Tensor))
-        self._add("work", Work(flops, moved, 1 if new else 0))
+        if (new or inplace) and not flops and not attn:
+            moved = (new or _view_bytes(outs[0])) + sum(
+                _view_bytes(a) for a in args if isinstance(a, torch.Tensor))
+        self._add("work", Work(flops, moved, 1 if new or inplace else 0))
         self.t += 1
         self.snapshots.append((self.t, tuple(k for k, v in self.made.items()
                                              if not v[0].expired())))
         return out
 
     _block = ""
+    _real = False           # count work on real tensors (``count_work``)
 
     def _add(self, what: str, amount) -> None:
         mod = self._module()
@@ -212,8 +220,53 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         key = (part, self.phase)
         w = self.work.get(key, Work())
         if what == "attn":
-            amount = Work(attn=int(amount), ops=1)
+            f, d = amount
+            amount = Work(attn=int(f), attn_narrow=int(f) if d <= 64 else 0, ops=1)
         self.work[key] = w + amount
+
+
+def _counted(packet):
+    """The op whose FLOPs torch's counter knows: ``packet`` itself, or for an in-place op
+    (``addmm_``) its out-of-place form."""
+    from torch.utils.flop_counter import flop_registry
+
+    if packet in flop_registry:
+        return packet
+    name = str(packet.__name__)
+    if name.endswith("_"):
+        base = getattr(torch.ops.aten, name[:-1], None)
+        if base in flop_registry:
+            return base
+    return None
+
+
+def _view_bytes(t: torch.Tensor) -> int:
+    """The bytes an op touches of ``t``: its elements (a view reads its own, not its whole
+    storage's), at most the storage."""
+    if not t.numel():
+        return 0
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+def count_work(fn) -> Work:
+    """The work ``fn`` does on real tensors, counted by the profile's rule: the bytes an
+    op that makes or writes a tensor reads and writes, its matmul FLOPs, its kernels."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    tracker = ModuleTracker()
+    rec = _Recorder(tracker, set(), fake=True)
+    rec._real = True
+    with tracker, rec:
+        fn()
+    total = Work()
+    for w in rec.work.values():
+        total = total + w
+    return total
+
+
+def _head_dim(name: str, args) -> int:
+    q = args[1] if name.endswith("backward") else args[0]
+    return int(q.shape[-1])
 
 
 def _attention_flops(name: str, args, kwargs) -> int:
@@ -383,14 +436,20 @@ def profile(model: nn.Module, plan, batch: int, seq: int) -> Profile:
     if key not in per:
         clone = _meta_copy(model)
         block = _one_block(clone, plan.model.blocks)
-        loss_fn, contexts = default_loss, []
+        loss_fn, contexts, hooked = default_loss, [], []
         for t in plan.rooms:
             if _profiles(t):
                 got = t.profile(plan, clone)
                 if got is not None:
                     loss_fn = got.get("loss", loss_fn)
                     contexts += got.get("contexts", [])
-        per[key] = _run(clone, block, int(batch), int(seq), loss_fn, contexts)
+                    hooked.extend(got.get("hooked", []))
+        pr = _run(clone, block, int(batch), int(seq), loss_fn, contexts)
+        if hooked:          # ops the rooms' own dispatch modes saw, counted in the block
+            k = ("block", "fwd")
+            pr.work[k] = dataclasses.replace(pr.work.get(k, Work()),
+                                             hooked=sum(c() for c in hooked))
+        per[key] = pr
     return per[key]
 
 

@@ -3,8 +3,10 @@
 
 Compute, per rank: the profile's work (``meshlab._profile``: matmul FLOPs, fused-attention
 FLOPs, bytes the other ops move, ops launched; forward, backward and any recompute) at the
-machine's rates, ``flops / matmul + attn / attention + bytes / hbm + ops * launch`` on the
-device or ``ops * host_op`` on the host (an eager step's dispatch), whichever is longer,
+machine's rates, ``flops / matmul + attn / attention (attention_narrow at head dim 64) +
+bytes / elementwise + ops * launch`` on the device or ``ops * host_op + hooked *
+host_hook`` on the host (an eager step's dispatch; selective checkpointing's mode sees
+``hooked`` ops), whichever is longer,
 plus
 the optimizer step (the bytes AdamW reads and writes on the device). The
 rooms then scale it (``Transform.step_time``): tensor and sequence parallelism divide the
@@ -40,6 +42,7 @@ class StepTime:
     tokens: int = 0                  # tokens one step trains, over the whole mesh
     parts: tuple = ()                # (name, seconds)
     machine: str = ""
+    kinds: tuple = ()                # (kind, seconds): matmul, attention, memory, launch, host
 
     @property
     def step(self) -> float:
@@ -60,13 +63,26 @@ class StepTime:
                 f"{self.extra * 1e3:.1f} ms; {self.tokens_per_s:,.0f} tokens/s)")
 
 
-def work_seconds(w: Work, m: Machine) -> float:
+def work_kinds(w: Work, m: Machine, streaming: bool = False) -> dict:
+    """Device seconds of ``w`` by kind (matmul, attention at its head dim's rate, memory
+    traffic at the eager elementwise rate or, ``streaming``, the card's bandwidth; a
+    launch gap per kernel), and the host's seconds issuing its ops (those a Python
+    dispatch mode sees cost ``host_hook`` more)."""
+    attn = m.attention or m.matmul * 0.66
+    narrow = m.attention_narrow or attn * 0.73
+    rate = m.hbm if streaming else (m.elementwise or m.hbm * 0.72)
+    return {"matmul": w.flops / m.matmul,
+            "attention": (w.attn - w.attn_narrow) / attn + w.attn_narrow / narrow,
+            "memory": w.bytes / rate, "launch": w.ops * m.launch,
+            "host": w.ops * m.host_op + w.hooked * m.host_hook}
+
+
+def work_seconds(w: Work, m: Machine, streaming: bool = False) -> float:
     """The device's time (its work, and a launch gap per kernel) or the host's (issuing
     every op of an eager step), whichever is longer: the host runs ahead of the device
     until the device waits on it."""
-    attn = m.attention or m.matmul * 0.66
-    device = w.flops / m.matmul + w.attn / attn + w.bytes / m.hbm + w.ops * m.launch
-    return max(device, w.ops * m.host_op)
+    k = work_kinds(w, m, streaming)
+    return max(k["matmul"] + k["attention"] + k["memory"] + k["launch"], k["host"])
 
 
 def comm_seconds(kind: str, n: int, nbytes: float, bandwidth: float, latency: float,
@@ -107,7 +123,7 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
     for t in plan.rooms:
         parts = t.work_share(plan, parts)
     parts["optimizer"] = _optimizer_work(plan)
-    compute = sum(work_seconds(w, m) for w in parts.values())
+    compute = sum(work_seconds(w, m, k == "optimizer") for k, w in parts.items())
     comm, hidable, fixed = 0.0, 0.0, 0.0
     est = plan.comm(batch=batch, seq=seq)
     owner = _owners(plan)
@@ -127,10 +143,15 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
         bubble = max(bubble, t.idle(plan))
         extra += t.host_seconds(plan)
     dp = _dp_size(plan)
+    kinds: dict = {}
+    for name, w in parts.items():
+        for k, v in work_kinds(w, m, name == "optimizer").items():
+            kinds[k] = kinds.get(k, 0.0) + v
     return StepTime(compute=compute, comm=comm, exposed=exposed, bubble=bubble, extra=extra,
                     tokens=batch * seq * dp,
-                    parts=tuple((k, work_seconds(w, m)) for k, w in parts.items()),
-                    machine=m.name)
+                    parts=tuple((k, work_seconds(w, m, k == "optimizer"))
+                                for k, w in parts.items()),
+                    machine=m.name, kinds=tuple(kinds.items()))
 
 
 def _optimizer_work(plan) -> Work:

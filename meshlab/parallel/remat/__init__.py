@@ -1,18 +1,17 @@
 """remat: activation checkpointing of the repeated blocks.
 
 The room: ``Remat`` (a plan value) and its install (each block's ``forward`` wrapped in
-``torch.utils.checkpoint``; ``selective`` keeps the matmul outputs).
+``torch.utils.checkpoint``; ``selective`` keeps the matmul and attention outputs).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import ClassVar
 
-import torch
 
 from ..._errors import ConfigError, check_choice
+from ..._checkpoint import remat_forward as _remat_forward
 from .._protocol import Phase, Transform
 
 POLICIES = ("none", "full", "selective")
@@ -63,10 +62,13 @@ class Remat(Transform):
         # hooks below take the checkpointed share out.
         if self.policy == "none" or self.every > 1:
             return None
+        seen = [0]
         for b in plan.model.blocks[:1]:
             m = model.get_submodule(b)
-            m.forward = _remat_forward(m.forward, self.policy)
-        return None
+            m.forward = _remat_forward(m.forward, self.policy, seen)
+        # Selective checkpointing runs every op of the block's forward and recompute
+        # through its Python dispatch mode: host time the step model counts per op.
+        return {"hooked": [lambda: seen[0]]} if self.policy == "selective" else None
 
     def _share(self, plan) -> float:
         """The fraction of the blocks checkpointed under ``every`` (0 when every is 1: the
@@ -107,32 +109,3 @@ def remat(policy: str = "full", every: int = 1) -> Remat:
     ['l0', 'l2', 'l4']
     """
     return Remat(policy, every)
-
-
-def _remat_forward(forward, policy: str):
-    from torch.utils.checkpoint import checkpoint
-
-    context_fn = None
-    if policy == "selective":
-        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-        keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
-                torch.ops.aten.bmm.default,
-                torch.ops.aten._scaled_dot_product_flash_attention.default,
-                torch.ops.aten._scaled_dot_product_efficient_attention.default}
-
-        def policy_fn(ctx, op, *args, **kwargs):
-            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
-
-        context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
-
-    @functools.wraps(forward)
-    def wrapped(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        kw = {"use_reentrant": False}
-        if context_fn is not None:
-            kw["context_fn"] = context_fn
-        return checkpoint(forward, *args, **kw, **kwargs)
-
-    return wrapped

@@ -120,6 +120,7 @@ class Shard(Transform):
         b = parts["blocks"]
         out = dict(parts)
         out["blocks"] = dataclasses.replace(b, flops=b.flops // n, attn=b.attn // n,
+                                            attn_narrow=b.attn_narrow // n,
                                             bytes=b.bytes // n if sp else
                                             int(b.bytes * (1 + 1 / n) / 2))
         r = parts["rest"]
