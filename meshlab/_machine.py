@@ -56,17 +56,18 @@ class Machine:
 
 # H200: what ``calibrate`` measured on one H200 SXM (benchmarks/results/plan_accuracy_*):
 # bf16 matmul 680-790 TFLOP/s by shape, x*y 3.5-3.9 TB/s, an eager elementwise chain
-# ~2.8 TB/s, cuDNN attention forward and backward ~440 TFLOP/s (head dim 128) and ~320
-# (64), 35-42 us of host per op of an eager step, pinned copies 55 GB/s; NVLink ring busBw
+# 2.54 TB/s, cuDNN attention forward and backward 420-440 TFLOP/s (head dim 128) and 276
+# (64), 1.8 us per queued tiny kernel, 35-42 us of host per op of an eager step and 49 us
+# more under selective checkpointing, pinned copies 55 GB/s; NVLink ring busBw
 # ~370 GB/s with NVLS off. The others: datasheet peaks scaled by the fractions the H200
 # reaches of its own.
 PRESETS: dict[str, Machine] = {
     "h200": Machine("h200", memory=int(139.8 * GiB), matmul=720e12, hbm=3.6e12,
-                    attention=440e12, attention_narrow=320e12, elementwise=2.8e12,
-                    host_op=35e-6, host=55e9),
+                    attention=440e12, attention_narrow=280e12, elementwise=2.54e12,
+                    launch=1.8e-6, host_op=35e-6, host_hook=49e-6, host=55e9),
     "h100": Machine("h100", memory=int(79.2 * GiB), matmul=720e12, hbm=2.5e12,
-                    attention=440e12, attention_narrow=320e12, elementwise=1.95e12,
-                    host_op=35e-6, host=55e9),
+                    attention=440e12, attention_narrow=280e12, elementwise=1.76e12,
+                    launch=1.8e-6, host_op=35e-6, host_hook=49e-6, host=55e9),
     "a100": Machine("a100", memory=int(79.2 * GiB), matmul=230e12, hbm=1.5e12,
                     attention=150e12, intra=230e9, inter=22e9, host=24e9),
     "b200": Machine("b200", memory=int(178 * GiB), matmul=1640e12, hbm=6.0e12,

@@ -140,11 +140,12 @@ def _one_block(model: nn.Module, blocks: tuple[str, ...]) -> str:
 class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
     """Every storage an op makes (birth, death by weak reference), and each op's work."""
 
-    def __init__(self, tracker, skip: set[int], fake: bool = True):
+    def __init__(self, tracker, skip: set[int], fake: bool = True, count: bool | None = None):
         super().__init__()
         self.tracker = tracker
         self.skip = skip
-        self.fake = fake            # a shape-only run: answer data questions, count work
+        self.fake = fake            # a shape-only run: answer data questions
+        self.count = fake if count is None else count      # count each op's work
         self.made: dict[int, list] = {}     # cdata -> [weakref, bytes, module, op, dtype, shape]
         self.t = 0
         self.phase = "fwd"
@@ -156,7 +157,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         return max(names, key=len).split(".", 1)[1] if any("." in n for n in names) else ""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.fake and not self._real and func is torch.ops.aten._local_scalar_dense.default:
+        if self.fake and func is torch.ops.aten._local_scalar_dense.default:
             # Data-dependent checks (``mask.all()``) see ordinary data: no padding.
             return True if args[0].dtype == torch.bool else 1
         out = func(*args, **(kwargs or {}))
@@ -164,7 +165,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         from torch.utils.flop_counter import flop_registry
 
         mod = self._module()
-        if self.fake and self.phase == "fwd":
+        if self.count and self.phase == "fwd":
             for a in args:
                 if isinstance(a, torch.Tensor):
                     v = self.made.get(a.untyped_storage()._cdata)
@@ -181,7 +182,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
                                                                           .__name__),
                                 dtype_name(o.dtype), tuple(o.shape), self.t, []]
                 new += st.nbytes()
-        if not self.fake:
+        if not self.count:
             return out
         packet = func.overloadpacket
         flops = 0
@@ -211,7 +212,6 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
     _block = ""
-    _real = False           # count work on real tensors (``count_work``)
 
     def _add(self, what: str, amount) -> None:
         mod = self._module()
@@ -254,8 +254,7 @@ def count_work(fn) -> Work:
     from torch.utils.module_tracker import ModuleTracker
 
     tracker = ModuleTracker()
-    rec = _Recorder(tracker, set(), fake=True)
-    rec._real = True
+    rec = _Recorder(tracker, set(), fake=False, count=True)
     with tracker, rec:
         fn()
     total = Work()

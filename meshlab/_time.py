@@ -77,11 +77,10 @@ def work_kinds(w: Work, m: Machine, streaming: bool = False) -> dict:
             "host": w.ops * m.host_op + w.hooked * m.host_hook}
 
 
-def work_seconds(w: Work, m: Machine, streaming: bool = False) -> float:
+def _longer(k: dict) -> float:
     """The device's time (its work, and a launch gap per kernel) or the host's (issuing
     every op of an eager step), whichever is longer: the host runs ahead of the device
     until the device waits on it."""
-    k = work_kinds(w, m, streaming)
     return max(k["matmul"] + k["attention"] + k["memory"] + k["launch"], k["host"])
 
 
@@ -123,7 +122,8 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
     for t in plan.rooms:
         parts = t.work_share(plan, parts)
     parts["optimizer"] = _optimizer_work(plan)
-    compute = sum(work_seconds(w, m, k == "optimizer") for k, w in parts.items())
+    by_part = {k: work_kinds(w, m, streaming=k == "optimizer") for k, w in parts.items()}
+    compute = sum(_longer(k) for k in by_part.values())
     comm, hidable, fixed = 0.0, 0.0, 0.0
     est = plan.comm(batch=batch, seq=seq)
     owner = _owners(plan)
@@ -144,13 +144,12 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
         extra += t.host_seconds(plan)
     dp = _dp_size(plan)
     kinds: dict = {}
-    for name, w in parts.items():
-        for k, v in work_kinds(w, m, name == "optimizer").items():
+    for part in by_part.values():
+        for k, v in part.items():
             kinds[k] = kinds.get(k, 0.0) + v
     return StepTime(compute=compute, comm=comm, exposed=exposed, bubble=bubble, extra=extra,
                     tokens=batch * seq * dp,
-                    parts=tuple((k, work_seconds(w, m, k == "optimizer"))
-                                for k, w in parts.items()),
+                    parts=tuple((name, _longer(k)) for name, k in by_part.items()),
                     machine=m.name, kinds=tuple(kinds.items()))
 
 

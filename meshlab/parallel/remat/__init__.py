@@ -9,9 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-
-from ..._errors import ConfigError, check_choice
 from ..._checkpoint import remat_forward as _remat_forward
+from ..._errors import ConfigError, check_choice
 from .._protocol import Phase, Transform
 
 POLICIES = ("none", "full", "selective")
