@@ -80,7 +80,12 @@ def predict(name: str, card) -> dict:
     plan = ml.plan(_meta_model(shape, seq), make(ml), ml.Mesh(dp=1, fake=True))
     mem = plan.memory(batch=batch, seq=seq)
     st = plan.time(batch=batch, seq=seq, gpu=card)
-    return {"peak_GiB": mem.peak / 2 ** 30, "saved_GiB": mem.activations.saved / 2 ** 30,
+    from meshlab._profile import profile
+
+    counts = {"/".join(k): {f: getattr(w, f) for f in ("ops", "fused", "hooked",
+                                                        "hooked_fused")}
+              for k, w in profile(plan.source, plan, batch, seq).work.items()}
+    return {"op_counts": counts, "peak_GiB": mem.peak / 2 ** 30, "saved_GiB": mem.activations.saved / 2 ** 30,
             "persistent_GiB": mem.persistent / 2 ** 30, "ms_per_step": st.step * 1e3,
             "compute_ms": st.compute * 1e3, "extra_ms": st.extra * 1e3,
             "kinds_ms": {k: v * 1e3 for k, v in st.kinds}}
@@ -197,12 +202,14 @@ def main() -> None:
 def _write(prefix, card, args, results) -> None:
     import transformers
 
+    from meshlab._machine import _COUNTS
+
     dev = torch.cuda.get_device_properties(0)
     ok = [r for r in results.values() if "peak_error" in r]
     out = {"card": dev.name, "torch": torch.__version__,
            "transformers": transformers.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": card.to_json(),
+           "machine": card.to_json(), "calibration_counts": dict(_COUNTS),
            "method": f"median of {args.steps} steps (CUDA events) after {args.warmup} warm-up "
                      f"steps; peak = max_memory_allocated over the timed steps; predictions "
                      f"from meshlab.calibrate's rates on this card",

@@ -1,5 +1,6 @@
 """Checkpointing one block's forward, as ``remat`` installs it (and ``calibrate`` times it):
-``full`` keeps the block's input, ``selective`` also keeps matmul and attention outputs."""
+``full`` keeps the block's input, ``selective`` also keeps matmul and attention outputs
+(torch's fused attention kernels' and meshlab's attention op's)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 def remat_forward(forward, policy: str, seen: list | None = None):
     """``forward`` under checkpointing; ``seen[0]`` counts the ops selective
-    checkpointing's policy is asked about (forward and recompute)."""
+    checkpointing's policy is asked about (forward and recompute), ``seen[1]`` those of
+    them that are meshlab's fused ops."""
     from torch.utils.checkpoint import checkpoint
 
     context_fn = None
@@ -25,9 +27,12 @@ def remat_forward(forward, policy: str, seen: list | None = None):
                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
         def policy_fn(ctx, op, *args, **kwargs):
+            fused = getattr(op, "namespace", "") == "meshlab"
             if seen is not None:
                 seen[0] += 1
-            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+                seen[1] += fused
+            saved = op in keep or (fused and op.name() == "meshlab::attention")
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
         context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
 

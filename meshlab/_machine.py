@@ -38,6 +38,8 @@ class Machine:
     attention_narrow: float = 0.0  # the same at head dim 64 (0: attention * 0.73)
     elementwise: float = 0.0       # bytes/s eager elementwise ops reach (0: hbm * 0.72)
     host_hook: float = 40e-6       # host seconds per op under a Python dispatch mode
+    host_fused: float = 100e-6     # host seconds per call of a meshlab fused op
+    host_hook_fused: float = 60e-6  # host_hook's counterpart for a fused op
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -146,9 +148,13 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
     scale = 1 if cuda else 8          # smaller problems on a CPU
     rates = []
     for m, k, n in ((16384 // scale, 2048 // scale, 5632 // scale),
+                    (16384 // scale, 5632 // scale, 2048 // scale),
                     (8192 // scale, 8192 // scale, 8192 // scale)):
         a = torch.randn(m, k, device=dev, dtype=dt)
         b = torch.randn(k, n, device=dev, dtype=dt)
+
+        for _ in range(20 if cuda else 1):   # the card at its working clocks first
+            a @ b
         rates.append(2 * m * k * n / timed(lambda: a @ b))
         progress(f"matmul {m}x{k}x{n}: {rates[-1] / 1e12:.1f} TFLOP/s")
     x = torch.randn(64 * 2 ** 20 // scale, device=dev, dtype=dt)
@@ -173,12 +179,14 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
     progress(f"eager elementwise chain: {elementwise / 1e9:.0f} GB/s")
     launch = _queued_launch(dev, cuda, timed)
     progress(f"launch: {launch * 1e6:.1f} us per queued tiny op")
-    host_op, host_hook = _host_per_op(dev, timed)
-    progress(f"host: {host_op * 1e6:.1f} us per op of an eager training step, "
-             f"{host_hook * 1e6:.1f} us more per op under selective checkpointing")
+    host = _host_per_op(dev, timed)
+    progress(f"host: {host['host_op'] * 1e6:.1f} us per op of an eager training step, "
+             f"{host['host_fused'] * 1e6:.1f} us per call of a fused op; under selective "
+             f"checkpointing {host['host_hook'] * 1e6:.1f} us more per op, "
+             f"{host['host_hook_fused'] * 1e6:.1f} us more per fused op")
     return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention,
                 attention_narrow=narrow, elementwise=elementwise, launch=launch,
-                host_op=host_op, host_hook=host_hook)
+                **host)
 
 
 def _elementwise_rate(dev: str, dt, scale: int, timed) -> float:
@@ -237,55 +245,63 @@ def _queued_launch(dev: str, cuda: bool, timed) -> float:
     return sorted(out)[len(out) // 2]
 
 
-def _host_per_op(dev: str, timed) -> tuple[float, float]:
-    """Seconds of host work per op of an eager training step: a tiny Llama's step (whose
-    device work is negligible) over its ops that make a new tensor (the profile's count);
-    and the extra seconds per op selective checkpointing's dispatch mode sees, from the
-    same step with its blocks checkpointed that way."""
+_COUNTS: dict = {}     # the ops the last host measurement counted (for reports)
+
+
+def _host_per_op(dev: str, timed) -> dict:
+    """Host seconds per op of an eager training step, from a tiny Llama's steps (whose
+    device work is negligible) over the ops the step profile counts (``count_work``):
+    ``host_op`` per op of the plain model, ``host_fused`` per call of a fused op (the
+    model with meshlab's ops routed in), and the extra per op selective checkpointing's
+    dispatch mode sees, ``host_hook`` (plain) and ``host_hook_fused`` (a fused op)."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from . import presets
+    from ._checkpoint import remat_forward
+    from ._profile import count_work
+    from .parallel.fuse._hf import fuse
 
-    model = presets.build("tiny-llama", device=dev, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, 256, (1, 16), device=dev)
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def measured(fused: bool, selective: bool):
+        """(seconds of one step, the profile's count of its forward and backward, the ops
+        selective checkpointing saw and of them the fused ones)."""
+        model = presets.build("tiny-llama", device=dev, dtype=torch.float32)
+        model.config.use_cache = False  # a cache would change between forward and recompute
+        if fused:
+            fuse(model)
+        seen = [0, 0]
+        if selective:
+            for layer in model.model.layers:
+                layer.forward = remat_forward(layer.forward, "selective", seen)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    seconds = timed(step)
+        def fwd_bwd():
+            model(input_ids=ids, labels=ids).loss.backward()
 
-    class _Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = 0
+        def step():
+            fwd_bwd()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            new = {o.untyped_storage()._cdata for o in outs if isinstance(o, torch.Tensor)}
-            old = {a.untyped_storage()._cdata for a in args if isinstance(a, torch.Tensor)}
-            self.ops += bool(new - old)          # made a tensor (not a view, not in place)
-            return out
+        seconds = timed(step)
+        seen[:] = [0, 0]
+        fwd_bwd()
+        model.zero_grad(set_to_none=True)
+        saw = tuple(seen)
+        return seconds, count_work(fwd_bwd), saw
 
-    with _Count() as c:
-        model(input_ids=ids, labels=ids).loss.backward()
-    model.zero_grad(set_to_none=True)
-    from ._checkpoint import remat_forward
-
-    seen = [0]
-    model.config.use_cache = False      # a cache would change between forward and recompute
-    for layer in model.model.layers:
-        layer.forward = remat_forward(layer.forward, "selective", seen)
-    hooked = timed(step)
-    seen[0] = 0
-    model(input_ids=ids, labels=ids).loss.backward()
-    model.zero_grad(set_to_none=True)
-    per_op = seconds / max(c.ops + 8, 1)    # + the optimizer's few fused launches
-    return per_op, max(hooked - seconds, 0.0) / max(seen[0], 1)
+    plain, w, _ = measured(False, False)
+    per_op = plain / max(w.ops + 8, 1)         # + the optimizer's few fused launches
+    hooked, _, (n, _) = measured(False, True)
+    hook = max(hooked - plain, 0.0) / max(n, 1)
+    fused, w, _ = measured(True, False)
+    per_fused = max(fused - (w.ops - w.fused + 8) * per_op, 0.0) / max(w.fused, 1)
+    both, _, (n, nf) = measured(True, True)
+    hook_fused = max(both - fused - (n - nf) * hook, 0.0) / max(nf, 1)
+    _COUNTS.update(ops=w.ops, fused=w.fused, seen=n, seen_fused=nf)
+    return dict(host_op=per_op, host_fused=per_fused, host_hook=hook,
+                host_hook_fused=hook_fused)
 
 
 def calibrate(device: str | None = None, *, name: str | None = None, quick: bool = False,

@@ -66,16 +66,19 @@ class Work:
     attn: int = 0          # FLOPs of fused attention (a rate of its own)
     attn_narrow: int = 0   # of which at head dim <= 64 (a slower rate)
     hooked: int = 0        # ops a Python dispatch mode sees (selective checkpointing's)
+    fused: int = 0         # of ``ops``, calls of meshlab's fused ops (a host cost of their own)
+    hooked_fused: int = 0  # of ``hooked``, fused ops
 
     def __add__(self, o: "Work") -> "Work":
-        return Work(self.flops + o.flops, self.bytes + o.bytes, self.ops + o.ops,
-                    self.attn + o.attn, self.attn_narrow + o.attn_narrow,
-                    self.hooked + o.hooked)
+        return Work(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                             dataclasses.astuple(o))))
 
     def scale(self, k: float, ops: float | None = None) -> "Work":
+        """Work ``k`` times over (op counts ``ops`` times over, when given)."""
         o = k if ops is None else ops
         return Work(int(self.flops * k), int(self.bytes * k), int(self.ops * o),
-                    int(self.attn * k), int(self.attn_narrow * k), int(self.hooked * o))
+                    int(self.attn * k), int(self.attn_narrow * k), int(self.hooked * o),
+                    int(self.fused * o), int(self.hooked_fused * o))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +208,9 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         if (new or inplace) and not flops and not attn:
             moved = (new or _view_bytes(outs[0])) + sum(
                 _view_bytes(a) for a in args if isinstance(a, torch.Tensor))
-        self._add("work", Work(flops, moved, 1 if new or inplace else 0))
+        kernel = 1 if new or inplace else 0
+        self._add("work", Work(flops, moved, kernel,
+                               fused=kernel if getattr(func, "namespace", "") == "meshlab" else 0))
         self.t += 1
         self.snapshots.append((self.t, tuple(k for k, v in self.made.items()
                                              if not v[0].expired())))
@@ -446,8 +451,10 @@ def profile(model: nn.Module, plan, batch: int, seq: int) -> Profile:
         pr = _run(clone, block, int(batch), int(seq), loss_fn, contexts)
         if hooked:          # ops the rooms' own dispatch modes saw, counted in the block
             k = ("block", "fwd")
+            seen = [c() for c in hooked]          # (all, of which fused)
             pr.work[k] = dataclasses.replace(pr.work.get(k, Work()),
-                                             hooked=sum(c() for c in hooked))
+                                             hooked=sum(a for a, _ in seen),
+                                             hooked_fused=sum(f for _, f in seen))
         per[key] = pr
     return per[key]
 

@@ -4,9 +4,10 @@
 Compute, per rank: the profile's work (``meshlab._profile``: matmul FLOPs, fused-attention
 FLOPs, bytes the other ops move, ops launched; forward, backward and any recompute) at the
 machine's rates, ``flops / matmul + attn / attention (attention_narrow at head dim 64) +
-bytes / elementwise + ops * launch`` on the device or ``ops * host_op + hooked *
-host_hook`` on the host (an eager step's dispatch; selective checkpointing's mode sees
-``hooked`` ops), whichever is longer,
+bytes / elementwise + ops * launch`` on the device or ``(ops - fused) * host_op + fused *
+host_fused`` on the host (an eager step's dispatch; a fused op's call costs
+``host_fused``), plus, for the ``hooked`` ops selective checkpointing's mode sees,
+``host_hook`` each (``host_hook_fused`` for a fused op), whichever is longer,
 plus
 the optimizer step (the bytes AdamW reads and writes on the device). The
 rooms then scale it (``Transform.step_time``): tensor and sequence parallelism divide the
@@ -66,15 +67,17 @@ class StepTime:
 def work_kinds(w: Work, m: Machine, streaming: bool = False) -> dict:
     """Device seconds of ``w`` by kind (matmul, attention at its head dim's rate, memory
     traffic at the eager elementwise rate or, ``streaming``, the card's bandwidth; a
-    launch gap per kernel), and the host's seconds issuing its ops (those a Python
-    dispatch mode sees cost ``host_hook`` more)."""
+    launch gap per kernel), and the host's seconds issuing its ops (a fused op's call costs
+    ``host_fused``; those a Python dispatch mode sees cost ``host_hook`` more, or
+    ``host_hook_fused`` for a fused op)."""
     attn = m.attention or m.matmul * 0.66
     narrow = m.attention_narrow or attn * 0.73
     rate = m.hbm if streaming else (m.elementwise or m.hbm * 0.72)
     return {"matmul": w.flops / m.matmul,
             "attention": (w.attn - w.attn_narrow) / attn + w.attn_narrow / narrow,
             "memory": w.bytes / rate, "launch": w.ops * m.launch,
-            "host": w.ops * m.host_op + w.hooked * m.host_hook}
+            "host": (w.ops - w.fused) * m.host_op + w.fused * m.host_fused +
+            (w.hooked - w.hooked_fused) * m.host_hook + w.hooked_fused * m.host_hook_fused}
 
 
 def _longer(k: dict) -> float:

@@ -241,3 +241,33 @@ def host_memory_case(rank, world):
 
 def test_host_too_small_is_refused_before_allocating(world2):
     assert all(world2.run(host_memory_case))
+
+
+def bf16_case(rank, world):
+    """A model built in bf16: the C++ loop writes each updated weight's bf16 copy on the
+    host; 2 bytes per element cross back, and the device weight is its master rounded."""
+    import meshlab as ml
+    from meshlab.parallel.offload._install import OffloadPart
+
+    model = ml.parallelize(M.build("llama", vocab_size=VOCAB).to(torch.bfloat16),
+                           ml.zero_shard(3, "dp") | ml.offload(optimizer=1.0,
+                                                               chunk_elements=CHUNK),
+                           ml.Mesh(dp=world), seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    part = model._meshlab.part(OffloadPart)
+    b = M.batches(1, batch=4, vocab=VOCAB)[0].chunk(world)[rank]
+    M.loss_fn("llama")(model(input_ids=b), {"input_ids": b, "labels": b}).backward()
+    before = part.copied["h2d_bytes"]
+    opt.step()
+    return dict(sent=part.copied["h2d_bytes"] - before,
+                elements=sum(e.master.numel() for e in part.entries),
+                out=sorted({str(e.out_dtype) for e in part.entries}),
+                rounded=all(torch.equal(e.device_local, e.master.to(torch.bfloat16))
+                            for e in part.entries))
+
+
+def test_bf16_weights_return_as_bf16(world2):
+    for r in world2.run(bf16_case):
+        assert r["out"] == ["torch.bfloat16"], r
+        assert r["sent"] == 2 * r["elements"] > 0, r
+        assert r["rounded"], r

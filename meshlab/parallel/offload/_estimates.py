@@ -60,8 +60,7 @@ def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: lis
                 dev = dataclasses.replace(r, dtype=compute) if f in cast else r
                 out.append(dev)
                 n = math.prod(r.shape)
-                staged.append((n, dev.bytes, 2 * n if f in cast and compute == "bfloat16"
-                               else 0))
+                staged.append((n, dev.bytes, 2 * n if dev.dtype == "bfloat16" else 0))
         elif r.category == "params":
             if f in choice.params:
                 out.append(dataclasses.replace(r, where="host"))

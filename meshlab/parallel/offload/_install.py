@@ -107,7 +107,9 @@ class OffloadPart(Part):
             e = Entry(fqn, p, loc, resident=True)
         else:
             cast = fqn in self.cast_names
-            out = torch.bfloat16 if cast and self.compute == torch.bfloat16 else None
+            # The C++ loop writes the bf16 device copy itself (no fp32 copy crosses).
+            out = torch.bfloat16 if (cast and self.compute == torch.bfloat16) or \
+                loc.dtype == torch.bfloat16 else None
             # Pinned only where the device copy is sent from it (fp32 device copies).
             e = Entry(fqn, p, self._host(loc, torch.float32, pin=out is None), out_dtype=out,
                       cast=cast, streamed=fqn in self.choice.grads)
@@ -297,8 +299,8 @@ class OffloadPart(Part):
                 with torch.cuda.stream(self.h2d):
                     if src.dtype == dst.dtype:
                         dst.copy_(src.view_as(dst), non_blocking=True)
-                    else:
-                        dst.copy_(src.to(self.device, non_blocking=True).view_as(dst))
+                    else:      # cast on the host: no full-size fp32 copy on the device
+                        dst.copy_(src.to(dst.dtype).view_as(dst), non_blocking=True)
             else:
                 dst.copy_(src.view_as(dst))
             self.copied["h2d_bytes"] += src.numel() * src.element_size()

@@ -61,13 +61,13 @@ class Remat(Transform):
         # hooks below take the checkpointed share out.
         if self.policy == "none" or self.every > 1:
             return None
-        seen = [0]
+        seen = [0, 0]
         for b in plan.model.blocks[:1]:
             m = model.get_submodule(b)
             m.forward = _remat_forward(m.forward, self.policy, seen)
         # Selective checkpointing runs every op of the block's forward and recompute
         # through its Python dispatch mode: host time the step model counts per op.
-        return {"hooked": [lambda: seen[0]]} if self.policy == "selective" else None
+        return {"hooked": [lambda: tuple(seen)]} if self.policy == "selective" else None
 
     def _share(self, plan) -> float:
         """The fraction of the blocks checkpointed under ``every`` (0 when every is 1: the
