@@ -38,8 +38,8 @@ class Machine:
     attention_narrow: float = 0.0  # the same at head dim 64 (0: attention * 0.73)
     elementwise: float = 0.0       # bytes/s eager elementwise ops reach (0: hbm * 0.72)
     host_hook: float = 40e-6       # host seconds per op under a Python dispatch mode
-    host_fused: float = 100e-6     # host seconds per call of a meshlab fused op
-    host_hook_fused: float = 60e-6  # host_hook's counterpart for a fused op
+    host_fused: float = 230e-6     # host seconds per call of a meshlab fused op (H200 host)
+    host_hook_fused: float = 480e-6  # host_hook's counterpart for a fused op (H200 host)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -59,8 +59,9 @@ class Machine:
 # H200: what ``calibrate`` measured on one H200 SXM (benchmarks/results/plan_accuracy_*):
 # bf16 matmul 680-790 TFLOP/s by shape, x*y 3.5-3.9 TB/s, an eager elementwise chain
 # 2.54 TB/s, cuDNN attention forward and backward 420-440 TFLOP/s (head dim 128) and 276
-# (64), 1.8 us per queued tiny kernel, 35-42 us of host per op of an eager step and 49 us
-# more under selective checkpointing, pinned copies 55 GB/s; NVLink ring busBw
+# (64), 1.8 us per queued tiny kernel, 30-42 us of host per op of an eager step and 34-49
+# us more under selective checkpointing, 174-278 us per call of a fused op and 436-518 us
+# more for one under selective checkpointing, pinned copies 55 GB/s; NVLink ring busBw
 # ~370 GB/s with NVLS off. The others: datasheet peaks scaled by the fractions the H200
 # reaches of its own.
 PRESETS: dict[str, Machine] = {
@@ -108,9 +109,10 @@ def parse_memory(text: str) -> int:
         raise ConfigError(f"memory {text!r}: write it as 141GB, 80GiB or a number of bytes")
 
 
-def _timer(cuda: bool, reps: int):
+def _timer(cuda: bool, reps: int, best: bool = False):
     """``timed(fn)``: the median seconds of ``reps`` calls after two warm-ups (CUDA
-    events on a GPU, ``perf_counter`` on a CPU)."""
+    events on a GPU, ``perf_counter`` on a CPU); ``best``: the fastest call (for host
+    work, which interruptions only ever slow)."""
     import statistics
     import time
 
@@ -132,13 +134,14 @@ def _timer(cuda: bool, reps: int):
                 t0 = time.perf_counter()
                 fn()
                 out.append(time.perf_counter() - t0)
-        return statistics.median(out)
+        return min(out) if best else statistics.median(out)
 
     return timed
 
 
 def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
-    """Matmul (a 2048-wide block's shape and a large square), elementwise, attention."""
+    """Matmul (a 2048-wide block's shapes and a large square), elementwise, attention,
+    launch."""
     import statistics
 
     import torch
@@ -179,14 +182,8 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
     progress(f"eager elementwise chain: {elementwise / 1e9:.0f} GB/s")
     launch = _queued_launch(dev, cuda, timed)
     progress(f"launch: {launch * 1e6:.1f} us per queued tiny op")
-    host = _host_per_op(dev, timed)
-    progress(f"host: {host['host_op'] * 1e6:.1f} us per op of an eager training step, "
-             f"{host['host_fused'] * 1e6:.1f} us per call of a fused op; under selective "
-             f"checkpointing {host['host_hook'] * 1e6:.1f} us more per op, "
-             f"{host['host_hook_fused'] * 1e6:.1f} us more per fused op")
     return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention,
-                attention_narrow=narrow, elementwise=elementwise, launch=launch,
-                **host)
+                attention_narrow=narrow, elementwise=elementwise, launch=launch)
 
 
 def _elementwise_rate(dev: str, dt, scale: int, timed) -> float:
@@ -310,8 +307,9 @@ def calibrate(device: str | None = None, *, name: str | None = None, quick: bool
     shape a 2048-wide block runs and a large one, a memory-bound elementwise op, fused
     attention forward and backward, the launch cost of a tiny op, pinned host copies.
     Timed with CUDA events (CPU: ``perf_counter``), after warm-up, the median of the
-    repeats; the launch gap from a loop of tiny ops, the host cost per op from a tiny
-    model's eager step. Links between cards keep the preset's figures."""
+    repeats; the launch gap from a loop of tiny ops; the host costs (per op, per fused op
+    call, and under selective checkpointing) from a tiny model's eager steps, the fastest
+    of the repeats. Links between cards keep the preset's figures."""
     import os
 
     import torch
@@ -320,6 +318,11 @@ def calibrate(device: str | None = None, *, name: str | None = None, quick: bool
     cuda = dev.startswith("cuda")
     timed = _timer(cuda, 3 if quick else 10)
     rates = _compute_rates(dev, cuda, timed, progress)
+    host_rates = _host_per_op(dev, _timer(cuda, 3 if quick else 20, best=True))
+    progress(f"host: {host_rates['host_op'] * 1e6:.1f} us per op of an eager training step, "
+             f"{host_rates['host_fused'] * 1e6:.1f} us per call of a fused op; under "
+             f"selective checkpointing {host_rates['host_hook'] * 1e6:.1f} us more per op, "
+             f"{host_rates['host_hook_fused'] * 1e6:.1f} us more per fused op")
     base = PRESETS["h200"]
     host, memory = base.host, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if cuda:
@@ -329,4 +332,4 @@ def calibrate(device: str | None = None, *, name: str | None = None, quick: bool
         progress(f"host to device: {host / 1e9:.1f} GB/s")
         memory = torch.cuda.get_device_properties(dev).total_memory
     label = name or (torch.cuda.get_device_name(dev) if cuda else "cpu")
-    return base.replace(name=label, memory=int(memory), host=host, **rates)
+    return base.replace(name=label, memory=int(memory), host=host, **rates, **host_rates)
