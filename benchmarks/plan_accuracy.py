@@ -75,17 +75,16 @@ def _meta_model(shape: str, seq: int):
 
 def predict(name: str, card) -> dict:
     import meshlab as ml
+    from meshlab._profile import _COUNTS, profile
 
     shape, batch, seq, make = ROWS[name]
     plan = ml.plan(_meta_model(shape, seq), make(ml), ml.Mesh(dp=1, fake=True))
     mem = plan.memory(batch=batch, seq=seq)
     st = plan.time(batch=batch, seq=seq, gpu=card)
-    from meshlab._profile import profile
-
-    counts = {"/".join(k): {f: getattr(w, f) for f in ("ops", "fused", "hooked",
-                                                        "hooked_fused")}
+    counts = {"/".join(k): {f: getattr(w, f) for f in _COUNTS}       # the host model's inputs
               for k, w in profile(plan.source, plan, batch, seq).work.items()}
-    return {"op_counts": counts, "peak_GiB": mem.peak / 2 ** 30, "saved_GiB": mem.activations.saved / 2 ** 30,
+    return {"op_counts": counts, "peak_GiB": mem.peak / 2 ** 30,
+            "saved_GiB": mem.activations.saved / 2 ** 30,
             "persistent_GiB": mem.persistent / 2 ** 30, "ms_per_step": st.step * 1e3,
             "compute_ms": st.compute * 1e3, "extra_ms": st.extra * 1e3,
             "kinds_ms": {k: v * 1e3 for k, v in st.kinds}}
@@ -202,14 +201,12 @@ def main() -> None:
 def _write(prefix, card, args, results) -> None:
     import transformers
 
-    from meshlab._machine import _COUNTS
-
     dev = torch.cuda.get_device_properties(0)
     ok = [r for r in results.values() if "peak_error" in r]
     out = {"card": dev.name, "torch": torch.__version__,
            "transformers": transformers.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": card.to_json(), "calibration_counts": dict(_COUNTS),
+           "machine": card.to_json(),
            "method": f"median of {args.steps} steps (CUDA events) after {args.warmup} warm-up "
                      f"steps; peak = max_memory_allocated over the timed steps; predictions "
                      f"from meshlab.calibrate's rates on this card",

@@ -19,20 +19,21 @@ def remat_forward(forward, policy: str, seen: list | None = None):
     if policy == "selective":
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+        from . import ops  # noqa: F401  (registers meshlab::attention)
+
         keep = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                 torch.ops.aten.bmm.default,
                 torch.ops.aten._scaled_dot_product_flash_attention.default,
                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
                 torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                torch.ops.meshlab.attention.default}
 
         def policy_fn(ctx, op, *args, **kwargs):
-            fused = getattr(op, "namespace", "") == "meshlab"
             if seen is not None:
                 seen[0] += 1
-                seen[1] += fused
-            saved = op in keep or (fused and op.name() == "meshlab::attention")
-            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+                seen[1] += getattr(op, "namespace", "") == "meshlab"
+            return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
         context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
 

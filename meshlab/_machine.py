@@ -155,7 +155,6 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
                     (8192 // scale, 8192 // scale, 8192 // scale)):
         a = torch.randn(m, k, device=dev, dtype=dt)
         b = torch.randn(k, n, device=dev, dtype=dt)
-
         for _ in range(20 if cuda else 1):   # the card at its working clocks first
             a @ b
         rates.append(2 * m * k * n / timed(lambda: a @ b))
@@ -242,9 +241,6 @@ def _queued_launch(dev: str, cuda: bool, timed) -> float:
     return sorted(out)[len(out) // 2]
 
 
-_COUNTS: dict = {}     # the ops the last host measurement counted (for reports)
-
-
 def _host_per_op(dev: str, timed) -> dict:
     """Host seconds per op of an eager training step, from a tiny Llama's steps (whose
     device work is negligible) over the ops the step profile counts (``count_work``):
@@ -296,7 +292,6 @@ def _host_per_op(dev: str, timed) -> dict:
     per_fused = max(fused - (w.ops - w.fused + 8) * per_op, 0.0) / max(w.fused, 1)
     both, _, (n, nf) = measured(True, True)
     hook_fused = max(both - fused - (n - nf) * hook, 0.0) / max(nf, 1)
-    _COUNTS.update(ops=w.ops, fused=w.fused, seen=n, seen_fused=nf)
     return dict(host_op=per_op, host_fused=per_fused, host_hook=hook,
                 host_hook_fused=hook_fused)
 

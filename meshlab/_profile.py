@@ -76,9 +76,11 @@ class Work:
     def scale(self, k: float, ops: float | None = None) -> "Work":
         """Work ``k`` times over (op counts ``ops`` times over, when given)."""
         o = k if ops is None else ops
-        return Work(int(self.flops * k), int(self.bytes * k), int(self.ops * o),
-                    int(self.attn * k), int(self.attn_narrow * k), int(self.hooked * o),
-                    int(self.fused * o), int(self.hooked_fused * o))
+        return Work(**{f.name: int(getattr(self, f.name) * (o if f.name in _COUNTS else k))
+                       for f in dataclasses.fields(self)})
+
+
+_COUNTS = ("ops", "hooked", "fused", "hooked_fused")    # Work's fields that count ops
 
 
 @dataclasses.dataclass(frozen=True)

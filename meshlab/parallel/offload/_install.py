@@ -107,9 +107,9 @@ class OffloadPart(Part):
             e = Entry(fqn, p, loc, resident=True)
         else:
             cast = fqn in self.cast_names
-            # The C++ loop writes the bf16 device copy itself (no fp32 copy crosses).
-            out = torch.bfloat16 if (cast and self.compute == torch.bfloat16) or \
-                loc.dtype == torch.bfloat16 else None
+            # A bf16 device copy the C++ loop writes itself (no fp32 copy crosses).
+            device_dtype = self.compute if cast else loc.dtype
+            out = torch.bfloat16 if device_dtype == torch.bfloat16 else None
             # Pinned only where the device copy is sent from it (fp32 device copies).
             e = Entry(fqn, p, self._host(loc, torch.float32, pin=out is None), out_dtype=out,
                       cast=cast, streamed=fqn in self.choice.grads)
