@@ -34,8 +34,10 @@ class Machine:
     latency: float = 15e-6         # seconds per collective (start-up)
     host: float = 50e9             # host <-> device copy bandwidth (pinned, one way)
     gpus_per_node: int = 8
-    attention: float = 0.0         # FLOP/s of fused attention (0: use matmul * 0.66)
-    attention_narrow: float = 0.0  # the same at head dim 64 (0: attention * 0.73)
+    attention: float = 0.0         # FLOP/s of fused attention at long sequences (0: matmul
+    attention_narrow: float = 0.0  # * 0.66); the same at head dim 64 (0: attention * 0.73)
+    attention_knee: float = 0.0    # kv length at which fused attention runs at half that rate
+    attention_knee_narrow: float = 0.0  # (its per-row work); the same at head dim 64
     elementwise: float = 0.0       # bytes/s eager elementwise ops reach (0: hbm * 0.72)
     host_hook: float = 40e-6       # host seconds per op under a Python dispatch mode
     host_fused: float = 230e-6     # host seconds per call of a meshlab fused op (H200 host)
@@ -145,7 +147,6 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
     import statistics
 
     import torch
-    import torch.nn.functional as F
 
     dt = torch.bfloat16 if cuda else torch.float32
     scale = 1 if cuda else 8          # smaller problems on a CPU
@@ -163,26 +164,45 @@ def _compute_rates(dev: str, cuda: bool, timed, progress) -> dict:
     y = torch.randn_like(x)
     hbm = 3 * x.numel() * x.element_size() / timed(lambda: x * y)
     progress(f"elementwise x*y: {hbm / 1e9:.0f} GB/s")
-    b_, h, s, d = (4, 16, 4096, 128) if cuda else (1, 4, 512, 64)
-    q, kk, v = (torch.randn(b_, h, s, d, device=dev, dtype=dt, requires_grad=True)
-                for _ in range(3))
-
-    def attn():
-        F.scaled_dot_product_attention(q, kk, v, is_causal=True).sum().backward()
-
-    attention = 3.5 * 4 * b_ * h * s * s * d * 0.5 / timed(attn)
-    progress(f"attention fwd+bwd: {attention / 1e12:.1f} TFLOP/s")
-    b_, h, s, d = (8, 32, 2048, 64) if cuda else (1, 4, 512, 32)
-    q, kk, v = (torch.randn(b_, h, s, d, device=dev, dtype=dt, requires_grad=True)
-                for _ in range(3))
-    narrow = 3.5 * 4 * b_ * h * s * s * d * 0.5 / timed(attn)
-    progress(f"attention fwd+bwd at head dim {d}: {narrow / 1e12:.1f} TFLOP/s")
+    attention = _attention_rates(dev, dt, cuda, timed, progress)
     elementwise = _elementwise_rate(dev, dt, scale, timed)
     progress(f"eager elementwise chain: {elementwise / 1e9:.0f} GB/s")
     launch = _queued_launch(dev, cuda, timed)
     progress(f"launch: {launch * 1e6:.1f} us per queued tiny op")
-    return dict(matmul=statistics.median(rates), hbm=hbm, attention=attention,
-                attention_narrow=narrow, elementwise=elementwise, launch=launch)
+    return dict(matmul=statistics.median(rates), hbm=hbm, elementwise=elementwise,
+                launch=launch, **attention)
+
+
+def _attention_rates(dev: str, dt, cuda: bool, timed, progress) -> dict:
+    """Fused causal attention forward and backward at head dims 128 and 64 (CPU: 64 and
+    32), each at two kv lengths with the same tokens: per FLOP it takes ``(1 + knee / kv) /
+    rate``, solved from the two for ``rate`` and ``knee`` (0 when the longer is no faster)."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    for key, d, heads in (("", 128, 16), ("_narrow", 64, 32)):
+        d, heads = (d, heads) if cuda else (d // 2, 4)
+        per_flop = []
+        for b_, s in (((8, 2048), (4, 4096)) if cuda else ((2, 256), (1, 512))):
+            q, kk, v = (torch.randn(b_, heads, s, d, device=dev, dtype=dt, requires_grad=True)
+                        for _ in range(3))
+
+            def attn():
+                F.scaled_dot_product_attention(q, kk, v, is_causal=True).sum().backward()
+
+            flops = 3.5 * 4 * b_ * heads * s * s * d * 0.5
+            per_flop.append((s, timed(attn) / flops))
+            progress(f"attention fwd+bwd, head dim {d}, kv {s}: "
+                     f"{1 / per_flop[-1][1] / 1e12:.1f} TFLOP/s")
+        (s1, p1), (s2, p2) = per_flop
+        slope = max(p1 - p2, 0.0) / (1 / s1 - 1 / s2)      # seconds per FLOP x kv length
+        inv_rate = p2 - slope / s2
+        if inv_rate <= 0:
+            slope, inv_rate = 0.0, p2
+        out["attention" + key] = 1 / inv_rate
+        out["attention_knee" + key] = slope / inv_rate
+    return out
 
 
 def _elementwise_rate(dev: str, dt, scale: int, timed) -> float:
@@ -246,7 +266,9 @@ def _host_per_op(dev: str, timed) -> dict:
     device work is negligible) over the ops the step profile counts (``count_work``):
     ``host_op`` per op of the plain model, ``host_fused`` per call of a fused op (the
     model with meshlab's ops routed in), and the extra per op selective checkpointing's
-    dispatch mode sees, ``host_hook`` (plain) and ``host_hook_fused`` (a fused op)."""
+    dispatch mode sees, ``host_hook`` (plain) and ``host_hook_fused`` (a fused op).
+    Each is the whole step over its ops: on the H200's host that matched a 1B model's
+    host-bound steps better than the difference between a 4- and a 2-layer model's."""
     import torch
 
     from . import presets
@@ -255,11 +277,16 @@ def _host_per_op(dev: str, timed) -> dict:
     from .parallel.fuse._hf import fuse
 
     ids = torch.randint(0, 256, (1, 16), device=dev)
+    # On a GPU the dtype and head dim a block trains in: a fused op's float32 path (the
+    # memory-efficient attention with its copies) costs the host more than its bf16 one.
+    cuda = dev.startswith("cuda")
+    shape = dict(hidden_size=256, intermediate_size=512) if cuda else {}
 
     def measured(fused: bool, selective: bool):
         """(seconds of one step, the profile's count of its forward and backward, the ops
         selective checkpointing saw and of them the fused ones)."""
-        model = presets.build("tiny-llama", device=dev, dtype=torch.float32)
+        model = presets.build("tiny-llama", device=dev,
+                              dtype=torch.bfloat16 if cuda else torch.float32, **shape)
         model.config.use_cache = False  # a cache would change between forward and recompute
         if fused:
             fuse(model)

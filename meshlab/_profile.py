@@ -65,6 +65,8 @@ class Work:
     ops: int = 0
     attn: int = 0          # FLOPs of fused attention (a rate of its own)
     attn_narrow: int = 0   # of which at head dim <= 64 (a slower rate)
+    attn_kv: int = 0       # attention FLOPs over each call's kv length (per-row work that
+    attn_kv_narrow: int = 0  # shorter sequences amortize worse); of which at head dim <= 64
     hooked: int = 0        # ops a Python dispatch mode sees (selective checkpointing's)
     fused: int = 0         # of ``ops``, calls of meshlab's fused ops (a host cost of their own)
     hooked_fused: int = 0  # of ``hooked``, fused ops
@@ -194,7 +196,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         name = str(packet.__name__)
         attn = _attention_flops(name, args, kwargs or {})
         if attn:
-            self._add("attn", (attn, _head_dim(name, args)))
+            self._add("attn", (attn, *_attention_dims(name, args)))
         elif name == "linear_cross_entropy":
             t, h = math.prod(args[0].shape[:-1]), args[0].shape[-1]
             flops = 2 * t * h * args[1].shape[0] * (1 if self.phase == "fwd" else 2)
@@ -227,8 +229,10 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         key = (part, self.phase)
         w = self.work.get(key, Work())
         if what == "attn":
-            f, d = amount
-            amount = Work(attn=int(f), attn_narrow=int(f) if d <= 64 else 0, ops=1)
+            f, d, kv = amount
+            narrow = d <= 64
+            amount = Work(attn=int(f), attn_narrow=int(f) if narrow else 0, ops=1,
+                          attn_kv=int(f / kv), attn_kv_narrow=int(f / kv) if narrow else 0)
         self.work[key] = w + amount
 
 
@@ -270,9 +274,10 @@ def count_work(fn) -> Work:
     return total
 
 
-def _head_dim(name: str, args) -> int:
-    q = args[1] if name.endswith("backward") else args[0]
-    return int(q.shape[-1])
+def _attention_dims(name: str, args) -> tuple[int, int]:
+    """(head dim, kv length) of a fused attention op's call."""
+    q, k = args[1:3] if name.endswith("backward") else args[0:2]
+    return int(q.shape[-1]), max(int(k.shape[-2]), 1)
 
 
 def _attention_flops(name: str, args, kwargs) -> int:

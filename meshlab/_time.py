@@ -3,13 +3,13 @@
 
 Compute, per rank: the profile's work (``meshlab._profile``: matmul FLOPs, fused-attention
 FLOPs, bytes the other ops move, ops launched; forward, backward and any recompute) at the
-machine's rates, ``flops / matmul + attn / attention (attention_narrow at head dim 64) +
-bytes / elementwise + ops * launch`` on the device or ``(ops - fused) * host_op + fused *
-host_fused`` on the host (an eager step's dispatch; a fused op's call costs
-``host_fused``), plus, for the ``hooked`` ops selective checkpointing's mode sees,
-``host_hook`` each (``host_hook_fused`` for a fused op), whichever is longer,
-plus
-the optimizer step (the bytes AdamW reads and writes on the device). The
+machine's rates, ``flops / matmul + attn (1 + knee / kv) / attention + bytes / elementwise +
+ops * launch`` on the device (attention at its head dim's rate and knee, 64 or 128: a
+shorter kv length amortizes the per-row work worse), or on the host ``(ops - fused) *
+host_op + fused * host_fused`` (an eager step's dispatch; a fused op's call costs
+``host_fused``) plus, for the ``hooked`` ops selective checkpointing's mode sees,
+``host_hook`` each (``host_hook_fused`` for a fused op): whichever is longer, plus the
+optimizer step (the bytes AdamW reads and writes on the device). The
 rooms then scale it (``Transform.step_time``): tensor and sequence parallelism divide the
 block's work, a pipeline rank runs its stages' blocks and idles for the bubble, offload
 adds its host step.
@@ -74,7 +74,9 @@ def work_kinds(w: Work, m: Machine, streaming: bool = False) -> dict:
     narrow = m.attention_narrow or attn * 0.73
     rate = m.hbm if streaming else (m.elementwise or m.hbm * 0.72)
     return {"matmul": w.flops / m.matmul,
-            "attention": (w.attn - w.attn_narrow) / attn + w.attn_narrow / narrow,
+            "attention": (w.attn - w.attn_narrow + (w.attn_kv - w.attn_kv_narrow) *
+                          m.attention_knee) / attn +
+            (w.attn_narrow + w.attn_kv_narrow * m.attention_knee_narrow) / narrow,
             "memory": w.bytes / rate, "launch": w.ops * m.launch,
             "host": (w.ops - w.fused) * m.host_op + w.fused * m.host_fused +
             (w.hooked - w.hooked_fused) * m.host_hook + w.hooked_fused * m.host_hook_fused}

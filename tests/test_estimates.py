@@ -130,6 +130,23 @@ def test_step_time_parts():
     assert "tokens/s" in repr(one)
 
 
+def test_attention_at_a_shorter_kv_length_costs_more_per_flop():
+    m = _llama(**SMALL)
+    p = ml.plan(m, None, ml.Mesh(dp=1, fake=True))
+    from meshlab._profile import profile
+    from meshlab._time import work_kinds
+
+    short, long_ = (profile(m, p, b, s).work[("block", "fwd")] for b, s in ((4, 256), (2, 512)))
+    assert short.attn * 2 == long_.attn                       # half the kv length, same tokens
+    assert short.attn_kv == long_.attn_kv == short.attn // 256  # FLOPs over the kv length
+    assert short.attn_narrow == short.attn                    # head dim 64: the narrow rate
+    knee = ml.machine("h200").replace(attention_knee_narrow=512.0)
+    assert work_kinds(long_, knee)["attention"] == pytest.approx(
+        long_.attn / knee.attention_narrow * (1 + 512 / 512))
+    per_flop = [work_kinds(w, knee)["attention"] / w.attn for w in (short, long_)]
+    assert per_flop[0] == pytest.approx(per_flop[1] * 1.5)    # (1 + 2) / (1 + 1)
+
+
 def test_machine_profiles():
     h = ml.machine("h200")
     assert ml.machine("H200") is h and h.memory > 139 * 2 ** 30

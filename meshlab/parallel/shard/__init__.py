@@ -121,6 +121,8 @@ class Shard(Transform):
         out = dict(parts)
         out["blocks"] = dataclasses.replace(b, flops=b.flops // n, attn=b.attn // n,
                                             attn_narrow=b.attn_narrow // n,
+                                            attn_kv=b.attn_kv // n,
+                                            attn_kv_narrow=b.attn_kv_narrow // n,
                                             bytes=b.bytes // n if sp else
                                             int(b.bytes * (1 + 1 / n) / 2))
         r = parts["rest"]
