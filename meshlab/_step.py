@@ -4,6 +4,7 @@ loss scaling, and the pipeline schedule where a room runs the step itself."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 from typing import Callable, Mapping
 
@@ -104,8 +105,24 @@ def _check_optimizer(opt, rt) -> None:
                               "meshlab.optimizer(model, torch.optim.AdamW, ...)")
 
 
+@contextlib.contextmanager
+def _gc_paused(pause: bool):
+    """Python's automatic garbage collection off inside, the young generations collected
+    once on the way out; nothing where ``pause`` is False or collection is already off
+    (the caller manages it)."""
+    if not pause or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect(1)
+
+
 def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable | None = None,
-         *, microbatches: int = 1, inputs=None) -> float:
+         *, microbatches: int = 1, inputs=None, pause_gc: bool = True) -> float:
     """One training step: forward/backward over ``microbatches`` slices of this rank's
     ``batch``, then ``opt.step()`` and ``opt.zero_grad()``. Returns the loss averaged
     over microbatches and data-parallel ranks (the single-process loss of the global batch).
@@ -121,6 +138,13 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
 
     ``opt`` may be any torch optimizer (gradients are synchronized by the backward);
     ``meshlab.optimizer`` is needed for fp16 loss scaling, ZeRO-1 and clipping.
+
+    ``pause_gc``: Python's automatic garbage collection is paused for the step and its
+    young generations are collected once at the end. A collection then costs one short
+    pause per step, not pauses at random points of a step the host sets the pace of (on
+    one rank, stalling the others at the next collective), and the reference cycles a
+    step makes (selective checkpointing's) are freed every step. ``False`` leaves the
+    collector alone, as does a collector the caller has turned off.
     """
     rt = runtime_of(model)
     fused = getattr(model, "_meshlab_fused_loss", False)
@@ -132,11 +156,22 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
                               "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
                               "'loss' out of fuse() to pass one")
         mbs = _split(batch, microbatches)
+        if not isinstance(pause_gc, bool):
+            raise ConfigError(f"step(pause_gc={pause_gc!r}): pass True (pause Python's "
+                              f"garbage collection for the step) or False")
     except MeshlabError as e:
         error = e
     # The ranks agree on the step's shape before its first collective (one small exchange).
     agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches},
           error)
+    with _gc_paused(pause_gc):
+        return _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused)
+
+
+def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused) -> float:
+    """The step's work once its shape is agreed: a room's own schedule, or forward and
+    backward over the microbatches, the optimizer, and the loss averaged over the data
+    ranks."""
     for part in rt.parts:
         done = part.run_step(rt, opt, batch, loss_fn or _default_loss)
         if done is not None:

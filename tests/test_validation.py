@@ -210,6 +210,35 @@ def test_step_split_and_pipeline_batch_checks():
     assert _pipeline_batch({"input_ids": x}, 2)[0] is x
 
 
+def test_step_pauses_the_garbage_collector_and_frees_the_cycles_it_made():
+    import gc
+
+    model = presets.build("tiny-llama", device="cpu", dtype=torch.float32)
+    model.config.use_cache = False
+    model = ml.parallelize(model, ml.remat("selective"), ml.Mesh(dp=1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids}
+    during = []
+    model.model.layers[0].register_forward_hook(lambda *a: during.append(gc.isenabled()))
+    ml.step(model, opt, batch)
+    gc.collect()
+    ml.step(model, opt, batch)
+    assert during == [False, False] and gc.isenabled()
+    assert gc.collect() == 0            # selective checkpointing's cycles already freed
+    gc.disable()
+    try:
+        ml.step(model, opt, batch, pause_gc=False)
+        assert during[-1] is False      # the caller's choice is kept
+        assert gc.collect() > 0         # the step's cycles, left for the collector
+    finally:
+        gc.enable()
+    ml.step(model, opt, batch, pause_gc=False)
+    assert during[-1] is True
+    with _raises(ml.ConfigError, "pause_gc=1"):
+        ml.step(model, opt, batch, pause_gc=1)
+
+
 def test_dataloader_distribute_shard_map_and_launcher_arguments():
     mesh = ml.Mesh(dp=2, tp=2, fake=True)
     data = list(range(16))
