@@ -82,10 +82,11 @@ def _prompts():
     return [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 1, 12, 7, 3)]
 
 
-def _engine(model, **kw):
+def _engine(model, drafter_model=None, **kw):
     cfg = dict(dtype=torch.float32, max_batch_size=2, max_input_len=16, max_output_len=8,
                block_size=4)
-    return InferenceEngine(model, inference_config=InferenceConfig(**{**cfg, **kw}))
+    return InferenceEngine(model, inference_config=InferenceConfig(**{**cfg, **kw}),
+                           drafter_model=drafter_model)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -147,11 +148,75 @@ def test_string_prompts_with_a_tokenizer():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("beam_width", 2), ("use_spec_dec", True), ("pp_size", 2),
+    ("beam_width", 2), ("pp_size", 2),
     ("prompt_template", "llama"), ("enable_streamingllm", True)])
 def test_fields_not_built_are_refused_by_name(field, value):
     with pytest.raises(ml.ConfigError, match=rf"InferenceConfig\({field}="):
         InferenceConfig(**{field: value})
+
+
+def _noisy(scale: float, family="llama"):
+    """The tiny model with noise on every weight: a drafter that agrees only sometimes."""
+    d = _tiny(family)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std())
+    return d
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_speculative_decoding_gives_the_greedy_tokens(family):
+    prompts = _prompts()
+    ref = _tiny(family)
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    plain = _engine(_tiny(family))
+    assert plain.generate(prompts=prompts, max_new_tokens=8) == want
+    seen = []
+    for drafter in (_tiny(family), _noisy(0.3, family), _noisy(1.0, family)):
+        engine = _engine(_tiny(family), use_spec_dec=True, max_n_spec_tokens=3,
+                         drafter_model=drafter)
+        assert engine.generate(prompts=prompts, max_new_tokens=8) == want
+        seen.append((engine.spec.accepted, engine.spec.proposed, engine.steps))
+    (a0, p0, s0), (a1, p1, s1), (a2, p2, s2) = seen
+    assert a0 == p0 and s0 < plain.steps / 2       # the model itself drafts: all kept
+    assert 0 < a1 < p1 and s0 < s1 < plain.steps   # some kept, some written over
+    assert a2 < a1 and s2 <= plain.steps
+
+
+def test_speculative_decoding_switched_on_and_off():
+    prompts = _prompts()
+    engine = _engine(_tiny())
+    want = engine.generate(prompts=prompts, max_new_tokens=8)
+    steps = engine.steps
+    engine.enable_spec_dec(_noisy(0.1), n_spec_tokens=2)
+    assert engine.spec.k == 2 and engine.generate(prompts=prompts, max_new_tokens=8) == want
+    assert engine.steps - steps < steps
+    engine.disable_spec_dec()
+    assert engine.spec is None and engine.generate(prompts=prompts, max_new_tokens=8) == want
+
+
+def test_speculative_decoding_refusals():
+    with pytest.raises(ml.ConfigError, match="drafter_model"):
+        _engine(_tiny(), use_spec_dec=True)
+    with pytest.raises(ml.ConfigError, match="use_spec_dec=True"):
+        _engine(_tiny(), drafter_model=_tiny())
+    with pytest.raises(ml.ConfigError, match=r"do_sample=True\).*plain greedy"):
+        _engine(_tiny(), use_spec_dec=True, do_sample=True, drafter_model=_tiny())
+    with pytest.raises(ml.ConfigError, match="repetition_penalty"):
+        _engine(_tiny(), use_spec_dec=True, repetition_penalty=1.2, drafter_model=_tiny())
+    with pytest.raises(ml.ConfigError, match="vocabulary has 64 tokens, the model's 97"):
+        _engine(_tiny(), use_spec_dec=True, drafter_model=ml.init_weights(
+            M.build("llama", vocab_size=64), seed=0))
+    with pytest.raises(ml.ConfigError, match="max_n_spec_tokens=0"):
+        InferenceConfig(max_n_spec_tokens=0)
+    engine = _engine(_tiny())
+    with pytest.raises(ml.ConfigError, match="n_spec_tokens=0"):
+        engine.enable_spec_dec(_tiny(), n_spec_tokens=0)
+    engine.add_request([1, 2, 3], 4)
+    with pytest.raises(ml.ConfigError, match="in flight"):
+        engine.enable_spec_dec(_tiny())
 
 
 def test_defaults_are_colossalai_guide():

@@ -99,18 +99,60 @@ def serve_case(rank, world, family, layout, kv_heads=2):
     engine = InferenceEngine(model, inference_config=InferenceConfig(
         dtype=torch.float32, max_batch_size=3, max_input_len=32, max_output_len=NEW,
         block_size=4))
+    got, batches = _serve(engine, prompts)
+    return {"engine": got, "want": [w[:n] if len(w) > n else w for w, n in zip(want, BUDGETS)],
+            "generate": hf[:, 6:].tolist(), "want_generate": [want[LENGTHS.index(6)]] * 2,
+            "batches": batches, "stages_in_turn": engine.pipe is not None}
+
+
+def _serve(engine, prompts):
+    """Four requests, two more arriving at step 3; each one's tokens and every step's batch."""
     ids = [engine.add_request(p, n) for p, n in zip(prompts[:4], BUDGETS)]
-    done, batches = {}, []
+    done, batches, start = {}, [], engine.steps
     while engine.has_work():
-        if engine.steps == 3:                # two more arrive while the first decode
+        if engine.steps - start == 3:        # two more arrive while the first decode
             ids += [engine.add_request(p, n) for p, n in zip(prompts[4:], BUDGETS[4:])]
         for r in engine.step():
             done[r.rid] = r.generated
         batches.append(engine.last_batch)
-    return {"engine": [done[i] for i in ids],
-            "want": [w[:n] if len(w) > n else w for w, n in zip(want, BUDGETS)],
-            "generate": hf[:, 6:].tolist(), "want_generate": [want[LENGTHS.index(6)]] * 2,
-            "batches": batches, "stages_in_turn": engine.pipe is not None}
+    return [done[i] for i in ids], batches
+
+
+def speculate_case(rank, world, family):
+    """tp=2 serving with a drafter (the model with noise on its weights, whole on every
+    rank): the greedy tokens of one process, in fewer steps."""
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    spec, mesh = _spec("tp")
+    model = ml.parallelize(M.build(family), spec, ml.Mesh(**mesh), seed=0).eval()
+    ref = ml.init_weights(M.build(family), seed=0).eval()
+    drafter = ml.init_weights(M.build(family), seed=0).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2 * p.std())
+    prompts = _prompts(ref.config.vocab_size)
+    want = _alone(ref, prompts)
+    engine = InferenceEngine(model, inference_config=InferenceConfig(
+        dtype=torch.float32, max_batch_size=3, max_input_len=32, max_output_len=NEW,
+        block_size=4, use_spec_dec=True, max_n_spec_tokens=3), drafter_model=drafter)
+    got, batches = _serve(engine, prompts)
+    counts = engine.spec.accepted, engine.spec.proposed
+    engine.disable_spec_dec()
+    alone, plain = _serve(engine, prompts)
+    return {"engine": got, "plain": alone, "want": [w[:n] for w, n in zip(want, BUDGETS)],
+            "steps": len(batches), "plain_steps": len(plain),
+            "accepted": counts[0], "proposed": counts[1]}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_speculative_decoding_under_tensor_parallelism(world2, family):
+    out = world2.run(speculate_case, family=family)
+    assert all(o["engine"] == out[0]["engine"] for o in out)
+    o = out[0]
+    assert o["engine"] == o["want"] == o["plain"], (o["engine"], o["want"])
+    assert 0 < o["accepted"] < o["proposed"] and o["steps"] < o["plain_steps"]
 
 @pytest.mark.parametrize("family,layout,kv_heads", [
     ("llama", "tp", 2), ("qwen2", "tp", 2), ("qwen2", "tp", 1), ("llama", "zero3", 2),

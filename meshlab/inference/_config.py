@@ -4,8 +4,9 @@ Every field of Colossal-AI's ``InferenceConfig`` is here with its default. The e
 implements greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k``,
 ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``), ``forced_eos_token_id``,
 ``ignore_eos``, the paged cache (``block_size``, ``kv_cache_dtype``), continuous batching
-up to ``max_batch_size``, ``dtype``, ``tp_size``, and CUDA graphs of decode steps on one
-GPU (``use_cuda_graph``, ``max_context_len_to_capture``). A field set to anything but its
+up to ``max_batch_size``, ``dtype``, ``tp_size``, CUDA graphs of decode steps on one GPU
+(``use_cuda_graph``, ``max_context_len_to_capture``), and greedy speculative decoding with
+a draft model (``use_spec_dec``, ``max_n_spec_tokens``). A field set to anything but its
 default whose behaviour is not built raises ``ConfigError`` naming it, at construction:
 nothing is accepted and ignored.
 """
@@ -25,8 +26,6 @@ _NOT_BUILT = {
     "prefill_ratio": "prefill is not rationed: every admitted prompt is filled in its step",
     "pad_input": "requests are packed, never padded",
     "early_stopping": "beam search (and so early stopping of beams) is not built",
-    "use_spec_dec": "speculative decoding is not built",
-    "max_n_spec_tokens": "speculative decoding is not built",
     "glimpse_large_kv": "the large-KV glimpse is not built",
     "pp_size": "the engine pipelines a model parallelized with pipeline() (pp_size is read "
                "from it); give it that model",
@@ -92,7 +91,7 @@ class InferenceConfig:
         if self.kv_cache_dtype is not None:
             self.kv_cache_dtype = _dtype(self.kv_cache_dtype, "kv_cache_dtype")
         for name in ("max_batch_size", "max_input_len", "max_output_len", "block_size",
-                     "tp_size"):
+                     "tp_size", "max_n_spec_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"InferenceConfig({name}={v!r}): a positive integer")

@@ -56,7 +56,7 @@ class InferenceEngine:
 
     def __init__(self, model: nn.Module, tokenizer=None,
                  inference_config: InferenceConfig | None = None, verbose: bool = False,
-                 model_policy=None):
+                 model_policy=None, drafter_model: nn.Module | None = None):
         cfg = inference_config if inference_config is not None else InferenceConfig()
         if not isinstance(cfg, InferenceConfig):
             raise ConfigTypeError(f"InferenceEngine(inference_config=...): an InferenceConfig, "
@@ -69,12 +69,9 @@ class InferenceEngine:
         self.model = _prepare(model, cfg, model_policy)
         self.pipe = _pipeline_decoder(self.model)
         self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
-        per_request = math.ceil((cfg.max_input_len + cfg.max_output_len) / cfg.block_size)
-        n = cfg.max_batch_size * per_request
-        # with CUDA graphs, one more block: the scratch the padded rows write to
-        self.cache = PagedCache(n + cfg.use_cuda_graph, cfg.block_size, cfg.kv_cache_dtype)
-        self.blocks = Blocks(n)
         self.device = next(p for p in self.model.parameters()).device
+        self.spec = None                     # the drafter, under speculative decoding
+        self._size_cache(0)
         self.graphs = _graphs(self, cfg, model)
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.waiting: list[Request] = []
@@ -82,6 +79,50 @@ class InferenceEngine:
         self._next = 0
         self.steps = 0
         self.last_batch: list[int] = []      # the request ids the last step ran
+        if cfg.use_spec_dec:
+            if drafter_model is None:
+                raise ConfigError("InferenceConfig(use_spec_dec=True): give the draft model, "
+                                  "InferenceEngine(model, tokenizer, config, drafter_model=...) "
+                                  "or engine.enable_spec_dec(drafter_model)")
+            self.enable_spec_dec(drafter_model)
+        elif drafter_model is not None:
+            raise ConfigError("InferenceEngine(drafter_model=...) with use_spec_dec=False: set "
+                              "InferenceConfig(use_spec_dec=True) to decode speculatively")
+
+    def _size_cache(self, ahead: int) -> None:
+        """A cache for ``max_batch_size`` requests' whole budgets, each ``ahead`` tokens
+        more (a verification's drafted tokens)."""
+        cfg = self.config
+        per_request = math.ceil((cfg.max_input_len + cfg.max_output_len + ahead) /
+                                cfg.block_size)
+        n = cfg.max_batch_size * per_request
+        # with CUDA graphs, one more block: the scratch the padded rows write to
+        self.cache = PagedCache(n + cfg.use_cuda_graph, cfg.block_size, cfg.kv_cache_dtype)
+        self.blocks = Blocks(n)
+        self.ahead = ahead
+
+    # ------------------------------------------------------------------ speculation
+
+    def enable_spec_dec(self, drafter_model: nn.Module, n_spec_tokens: int | None = None):
+        """Decode speculatively: ``drafter_model`` (a smaller causal LM with the same
+        vocabulary) proposes ``n_spec_tokens`` (default ``max_n_spec_tokens``) tokens per
+        step greedily, the model checks them in one pass and keeps the longest run it
+        agrees with plus its own next token: the same tokens as greedy decoding alone."""
+        from ._speculate import Speculator
+
+        if self.has_work():
+            raise ConfigError("enable_spec_dec: requests are in flight; call it between "
+                              "generate() calls")
+        self.spec = Speculator(self, drafter_model, n_spec_tokens)
+        self._size_cache(self.spec.k)
+
+    def disable_spec_dec(self) -> None:
+        """Back to one token per step from the model alone."""
+        if self.has_work():
+            raise ConfigError("disable_spec_dec: requests are in flight; call it between "
+                              "generate() calls")
+        self.spec = None
+        self._size_cache(0)
 
     # ------------------------------------------------------------------ requests
 
@@ -125,17 +166,19 @@ class InferenceEngine:
         bs = self.config.block_size
         while self.waiting and len(self.running) < self.config.max_batch_size:
             r = self.waiting[0]
-            need = math.ceil((len(r.prompt) + r.max_new_tokens) / bs)
+            need = math.ceil((len(r.prompt) + r.max_new_tokens + self.ahead) / bs)
             if need > len(self.blocks.free):
                 break
             r.blocks = self.blocks.take(need)
+            if self.spec is not None:
+                self.spec.admit(r, need)
             self.running.append(self.waiting.pop(0))
 
     def _batch(self) -> tuple[list[int], list[int], PagedBatch]:
         bs = self.config.block_size
         ids, pos, slots, starts, lens = [], [], [], [0], []
         for r in self.running:
-            new = r.prompt if r.cached == 0 else r.generated[-1:]
+            new = (r.prompt + r.generated)[r.cached:]    # the tokens not in the cache yet
             for i, t in enumerate(new):
                 p = r.cached + i
                 ids.append(t)
@@ -160,6 +203,10 @@ class InferenceEngine:
                                   "lower its max_new_tokens or raise max_batch_size")
             return []
         self.last_batch = [r.rid for r in self.running]
+        if self.spec is not None and all(r.cached for r in self.running):
+            finished = self.spec.step(self)
+            self.steps += 1
+            return finished
         if self.graphs is not None and all(r.cached for r in self.running):
             logits, lens = self.graphs.logits(self.running), [r.cached + 1 for r in self.running]
         else:
@@ -167,27 +214,36 @@ class InferenceEngine:
         nxt = self._choose(logits)
         if self.pipe is not None:           # the last stage chose; every rank appends it
             nxt = self.pipe.share(nxt, len(self.running), self.device)
-        finished = []
         for r, t, n in zip(self.running, nxt, lens):
             r.cached = n
             r.generated.append(t)
-            if t in self.eos or len(r.generated) >= r.max_new_tokens:
+        self.steps += 1
+        return self._retire()
+
+    def _retire(self) -> list[Request]:
+        """Requests that emitted EOS or reached their budget leave and free their blocks."""
+        finished = []
+        for r in self.running:
+            if r.generated[-1] in self.eos or len(r.generated) >= r.max_new_tokens:
                 r.done = True
                 self.blocks.give(r.blocks)
                 r.blocks = []
+                if self.spec is not None:
+                    self.spec.release(r)
                 finished.append(r)
         self.running = [r for r in self.running if not r.done]
-        self.steps += 1
         return finished
 
-    def _eager(self):
+    def _eager(self, every_position: bool = False):
         """The step's logits (None on a pipeline rank without the last stage) and each
-        request's keys after it, the model run eagerly on the packed tokens."""
+        request's keys after it, the model run eagerly on the packed tokens: at each
+        request's last position, or ``every_position`` of the packed row."""
         from ..parallel.shard._styles import whole_logits
 
         ids, pos, batch = self._batch()
         dev = self.device
-        last = torch.tensor(batch.query_start[1:], device=dev) - 1
+        last = torch.arange(len(ids), device=dev) if every_position else \
+            torch.tensor(batch.query_start[1:], device=dev) - 1
         ids_t, pos_t = torch.tensor([ids], device=dev), torch.tensor([pos], device=dev)
         with torch.no_grad(), running(batch), whole_logits():
             if self.pipe is not None:
