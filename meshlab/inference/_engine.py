@@ -108,13 +108,15 @@ class InferenceEngine:
         vocabulary) proposes ``n_spec_tokens`` (default ``max_n_spec_tokens``) tokens per
         step greedily, the model checks them in one pass and keeps the longest run it
         agrees with plus its own next token: the same tokens as greedy decoding alone."""
-        from ._speculate import Speculator
+        from ._speculate import Speculator, draft_config, spec_tokens
 
         if self.has_work():
             raise ConfigError("enable_spec_dec: requests are in flight; call it between "
                               "generate() calls")
-        self.spec = Speculator(self, drafter_model, n_spec_tokens)
-        self._size_cache(self.spec.k)
+        k = spec_tokens(self, drafter_model, n_spec_tokens)
+        self.spec = Speculator(InferenceEngine(drafter_model, None,
+                                               draft_config(self.config, k)), k)
+        self._size_cache(k)
 
     def disable_spec_dec(self) -> None:
         """Back to one token per step from the model alone."""

@@ -24,31 +24,35 @@ from torch import nn
 from .._errors import ConfigError
 
 
+def spec_tokens(engine, drafter: nn.Module, k: int | None) -> int:
+    """The tokens drafted per step (``max_n_spec_tokens`` by default), once the engine and
+    the drafter are checked for speculation."""
+    k = engine.config.max_n_spec_tokens if k is None else k
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ConfigError(f"enable_spec_dec(n_spec_tokens={k!r}): a positive integer")
+    _check(engine, drafter)
+    return k
+
+
+def draft_config(cfg, k: int):
+    """The drafter engine's config: the model's budget plus the ``k`` tokens it drafts past
+    it, on one process, without graphs."""
+    return dataclasses.replace(cfg, use_spec_dec=False, use_cuda_graph=False, tp_size=1,
+                               max_output_len=cfg.max_output_len + k)
+
+
 class Speculator:
-    """The drafter of an ``InferenceEngine`` and its counts (``proposed``, ``accepted``)."""
+    """The drafter's engine (``draft``, built by ``draft_config``) beside an
+    ``InferenceEngine``, and its counts (``proposed``, ``accepted``)."""
 
-    def __init__(self, engine, drafter: nn.Module, k: int | None):
-        from ._engine import InferenceEngine
-
-        cfg = engine.config
-        k = cfg.max_n_spec_tokens if k is None else k
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ConfigError(f"enable_spec_dec(n_spec_tokens={k!r}): a positive integer")
-        _check(engine, drafter)
-        self.k = k
-        # the drafter's budget: each request's, plus the k tokens it drafts past it
-        dcfg = dataclasses.replace(cfg, use_spec_dec=False, use_cuda_graph=False, tp_size=1,
-                                   max_output_len=cfg.max_output_len + k)
-        self.draft = InferenceEngine(drafter, None, dcfg)
+    def __init__(self, draft, k: int):
+        self.draft, self.k = draft, k
         self.mirror: dict[int, object] = {}
         self.proposed = self.accepted = 0
 
     def admit(self, r, need: int) -> None:
         """The drafter's copy of a request the engine admitted, with blocks of its own."""
-        from ._engine import Request
-
-        d = Request(r.rid, r.prompt, r.max_new_tokens)
-        d.blocks = self.draft.blocks.take(need)
+        d = dataclasses.replace(r, generated=[], blocks=self.draft.blocks.take(need), cached=0)
         self.mirror[r.rid] = d
 
     def release(self, r) -> None:
