@@ -40,8 +40,8 @@ class Machine:
     attention_knee_narrow: float = 0.0  # (its per-row work); the same at head dim 64
     elementwise: float = 0.0       # bytes/s eager elementwise ops reach (0: hbm * 0.72)
     host_hook: float = 40e-6       # host seconds per op under a Python dispatch mode
-    host_fused: float = 230e-6     # host seconds per call of a meshlab fused op (H200 host)
-    host_hook_fused: float = 480e-6  # host_hook's counterpart for a fused op (H200 host)
+    host_fused: float = 250e-6     # host seconds per call of a meshlab fused op (H200 host)
+    host_hook_fused: float = 390e-6  # host_hook's counterpart for a fused op (H200 host)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -58,21 +58,27 @@ class Machine:
         return dataclasses.replace(self, **kw)
 
 
-# H200: what ``calibrate`` measured on one H200 SXM (benchmarks/results/plan_accuracy_*):
-# bf16 matmul 680-790 TFLOP/s by shape, x*y 3.5-3.9 TB/s, an eager elementwise chain
-# 2.54 TB/s, cuDNN attention forward and backward 420-440 TFLOP/s (head dim 128) and 276
-# (64), 1.8 us per queued tiny kernel, 30-42 us of host per op of an eager step and 34-49
-# us more under selective checkpointing, 174-278 us per call of a fused op and 436-518 us
-# more for one under selective checkpointing, pinned copies 55 GB/s; NVLink ring busBw
+# H200: what ``calibrate`` measured on one H200 SXM (benchmarks/results/plan_accuracy_*; the
+# presets take the committed sweep's run): bf16 matmul 680-800 TFLOP/s by shape and run,
+# x*y 3.5-4.0 TB/s, an eager elementwise chain 2.54 TB/s, cuDNN attention forward and
+# backward at head dim 128 350 TFLOP/s at kv 2048 and 450 at 4096 (a long-sequence rate of
+# 610-630, knee 1460-1600), at head dim 64 275-285 and 350-360 (460-490, knee 1250-1490),
+# 1.8 us per queued tiny kernel; on its hosts, per op of an eager bf16 step 19-29 us, 29-37
+# us more under selective checkpointing, 170-250 us per call of a fused op and 170-390 us
+# more for one under selective checkpointing; pinned copies 55 GB/s; NVLink ring busBw
 # ~370 GB/s with NVLS off. The others: datasheet peaks scaled by the fractions the H200
 # reaches of its own.
 PRESETS: dict[str, Machine] = {
-    "h200": Machine("h200", memory=int(139.8 * GiB), matmul=720e12, hbm=3.6e12,
-                    attention=440e12, attention_narrow=280e12, elementwise=2.54e12,
-                    launch=1.8e-6, host_op=35e-6, host_hook=49e-6, host=55e9),
-    "h100": Machine("h100", memory=int(79.2 * GiB), matmul=720e12, hbm=2.5e12,
-                    attention=440e12, attention_narrow=280e12, elementwise=1.76e12,
-                    launch=1.8e-6, host_op=35e-6, host_hook=49e-6, host=55e9),
+    "h200": Machine("h200", memory=int(139.8 * GiB), matmul=730e12, hbm=3.9e12,
+                    attention=610e12, attention_knee=1460.0, attention_narrow=460e12,
+                    attention_knee_narrow=1250.0, elementwise=2.54e12, launch=1.8e-6,
+                    host_op=29e-6, host_hook=33e-6, host_fused=250e-6,
+                    host_hook_fused=390e-6, host=55e9),
+    "h100": Machine("h100", memory=int(79.2 * GiB), matmul=730e12, hbm=2.5e12,
+                    attention=610e12, attention_knee=1460.0, attention_narrow=460e12,
+                    attention_knee_narrow=1250.0, elementwise=1.76e12, launch=1.8e-6,
+                    host_op=29e-6, host_hook=33e-6, host_fused=250e-6,
+                    host_hook_fused=390e-6, host=55e9),
     "a100": Machine("a100", memory=int(79.2 * GiB), matmul=230e12, hbm=1.5e12,
                     attention=150e12, intra=230e9, inter=22e9, host=24e9),
     "b200": Machine("b200", memory=int(178 * GiB), matmul=1640e12, hbm=6.0e12,
