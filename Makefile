@@ -16,7 +16,7 @@ demo: install
 	$(VENV)/bin/meshlab demo
 
 test: install
-	$(PY) -m pytest -q -x --timeout=600 --doctest-modules meshlab tests
+	$(PY) -m pytest -q -x --timeout=600 --durations=20 --doctest-modules meshlab tests
 	$(PY) -m pytest -q --nbmake --nbmake-timeout=600 notebooks
 
 .PHONY: install demo test
