@@ -9,6 +9,9 @@ gives its next token; a request that emits EOS or reaches its budget leaves and 
 blocks, and a waiting one takes its place at the next step. Requests may be added between
 steps (``add_request``) and finish in any order.
 
+With a drafter (``use_spec_dec``, ``_speculate``) a step of requests that are all decoding
+checks the drafter's tokens instead, keeping up to ``max_n_spec_tokens + 1`` per request.
+
 Under tensor parallelism every rank runs the same steps on the same requests (SPMD): each
 attention layer caches its own K/V heads, the vocabulary-split head gathers the whole
 logits, and every rank chooses the same tokens. A pipelined model runs its stages in turn
