@@ -71,9 +71,9 @@ class Speculator:
             for d, t, n in zip(drafts, logits.argmax(-1).tolist(), lens):
                 d.cached = n
                 d.generated.append(t)
-        kept = [list(r.generated) for r in running]
-        for r, d, mine in zip(running, drafts, kept):
-            r.generated = d.generated[:len(mine) + self.k]
+        kept = [r.generated for r in running]
+        for r, d in zip(running, drafts):
+            r.generated = list(d.generated)         # the kept tokens and the k drafted
         logits, _ = engine._eager(every_position=True)
         best = logits.argmax(-1).tolist()
         at = 0
