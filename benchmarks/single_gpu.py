@@ -60,7 +60,7 @@ ROWS = ("hf_eager", "hf_compile", "meshlab_fuse", "meshlab_step", "meshlab_compi
         "meshlab_blocks", "hf_liger")
 ROWS_8B = ("hf_eager", "meshlab_fuse", "meshlab_step", "meshlab_remat2", "meshlab_noremat",
            "hf_liger")
-NO_HF_CHECKPOINTING = ("meshlab_remat2", "meshlab_noremat")    # their own remat, or none
+NO_HF_CHECKPOINTING = ("meshlab_remat2", "meshlab_noremat", "meshlab_count")  # own remat or none
 PEAK_TFLOPS = 989.0          # H200 dense bf16
 
 
@@ -71,6 +71,23 @@ def _flops_per_token(cfg, seq: int) -> float:
     per_layer = h * h * 2 + h * kv * 2 + 3 * h * i
     n = layers * per_layer + h * cfg.vocab_size
     return 6 * n + 12 * layers * h * seq
+
+
+def _meshlab_spec(name: str):
+    """The spec of a row run through ``ml.parallelize`` and ``ml.step`` (None for the
+    others). ``meshlab_count<k>``: ``remat('full', count=k)``."""
+    import meshlab as ml
+
+    if name.startswith("meshlab_count"):
+        return ml.fuse() | ml.remat("full", count=int(name[len("meshlab_count"):]))
+    return {"meshlab_step": ml.fuse(), "meshlab_noremat": ml.fuse(),
+            "meshlab_blocks": ml.fuse() | ml.compile_blocks(),
+            "meshlab_blocks_inductor": ml.fuse("attention", "loss") | ml.compile_blocks(),
+            "meshlab_blocks_sdpa": ml.fuse("loss") | ml.compile_blocks(),
+            "meshlab_blocks_graphs": ml.fuse("attention", "loss")
+            | ml.compile_blocks(mode="reduce-overhead"),
+            "meshlab_blocks_graphs_all": ml.fuse() | ml.compile_blocks(mode="reduce-overhead"),
+            "meshlab_remat2": ml.fuse() | ml.remat("full", every=2)}.get(name)
 
 
 def _step_fn(name: str, model, batch):
@@ -97,9 +114,8 @@ def _step_fn(name: str, model, batch):
             opt.zero_grad(set_to_none=True)
             return loss
         return step
-    if name in ("meshlab_step", "meshlab_blocks", "meshlab_remat2", "meshlab_noremat"):
-        spec = {"meshlab_blocks": ml.fuse() | ml.compile_blocks(),
-                "meshlab_remat2": ml.fuse() | ml.remat("full", every=2)}.get(name, ml.fuse())
+    spec = _meshlab_spec(name)
+    if spec is not None:
         model = ml.parallelize(model, spec, ml.Mesh(dp=1))
         opt = ml.optimizer(model, FusedAdamW, lr=1e-5)
         return lambda: torch.tensor(ml.step(model, opt, batch))
@@ -134,7 +150,8 @@ def build(shape: dict):
 
 def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool) -> dict:
     model = copy.deepcopy(base)
-    if checkpointing and name not in NO_HF_CHECKPOINTING:
+    hf_ckpt = checkpointing and not name.startswith(NO_HF_CHECKPOINTING)
+    if hf_ckpt:
         model.gradient_checkpointing_enable()
     step = _step_fn(name, model, batch)
     first = [float(step().detach()) for _ in range(min(3, warmup))]
@@ -143,7 +160,7 @@ def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool
     times = cuda_times(step, steps)
     ms = statistics.median(times)
     tokens = batch["input_ids"].numel()
-    return {"hf_gradient_checkpointing": checkpointing and name not in NO_HF_CHECKPOINTING,
+    return {"hf_gradient_checkpointing": hf_ckpt,
             "first_losses": first, "ms_per_step": ms, "tokens_per_s": tokens / (ms * 1e-3),
             "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30, "step_ms": times}
 
@@ -154,11 +171,15 @@ def main() -> None:
     ap.add_argument("--rows", default=None, help="default: every row of the shape")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=None, help="default: the shape's")
+    ap.add_argument("--seq", type=int, default=None, help="default: the shape's")
+    ap.add_argument("--tag", default="", help="appended to the JSON's name")
     ap.add_argument("--copy-to", default=None)
     args = ap.parse_args()
     import transformers
 
-    shape = SHAPES[args.shape]
+    shape = dict(SHAPES[args.shape])
+    shape.update({k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v})
     base, batch = build(shape)
     cfg = base.config
     fpt = _flops_per_token(cfg, shape["seq"])
@@ -200,7 +221,7 @@ def main() -> None:
            "vs_liger": ({k: v["tokens_per_s"] / ok["hf_liger"]["tokens_per_s"] for k, v in ok.items()}
                         if "hf_liger" in ok else None),
            "results": results}
-    path = _results.write(f"single_gpu_{args.shape}", dev.name, out, args.copy_to)
+    path = _results.write(f"single_gpu_{args.shape}{args.tag}", dev.name, out, args.copy_to)
     print(f"wrote {path}")
 
 

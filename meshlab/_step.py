@@ -177,7 +177,10 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused) -> float:
         if done is not None:
             return done
     scaler = getattr(opt, "scaler", None)
-    total = 0.0
+    # The loss stays on the device until the optimizer's work is queued: reading it after
+    # each backward would stop the host there, and the GPU would then wait for the host to
+    # launch the optimizer and the next step's first kernels.
+    total = None
     for i, mb in enumerate(mbs):
         rt.set_gradient_sync(model, i == len(mbs) - 1)
         with rt.autocast():
@@ -188,14 +191,22 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused) -> float:
             else:
                 loss = _loss(loss_fn, _call(model, mb, inputs), mb) / len(mbs)
         (loss * scaler.scale if scaler is not None else loss).backward()
-        total += float(loss.detach())
+        part = _whole(loss.detach()).to(torch.float64)
+        total = part if total is None else total + part
     opt.step()
     opt.zero_grad()
     if rt.dp_group is not None and rt.dp_size > 1:
-        t = torch.tensor([total], dtype=torch.float64, device=rt.device)
+        t = total.reshape(1).to(rt.device)
         dist.all_reduce(t, group=rt.dp_group)
-        total = float(t) / rt.dp_size
-    return total
+        return float(t) / rt.dp_size
+    return float(total)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A scalar loss as a plain tensor: a DTensor's full value (a partial sum reduced, as
+    ``float()`` of it would), any other tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
 
 
 def _shapes(batch) -> object:

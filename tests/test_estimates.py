@@ -49,6 +49,61 @@ def test_remat_every_other_block_sits_between_none_and_full():
         ml.remat("full", every=0)
 
 
+def test_remat_count_checkpoints_that_many_blocks_spread_evenly():
+    """remat('full', count=k): k blocks checkpointed at even positions; the estimates move
+    one block at a time between none and full; a count the model has no room for, or
+    beside every or off 'full', is refused."""
+    m = _llama(**SMALL)                        # 4 blocks
+    plans = {k: ml.plan(m, None if k is None else ml.remat("full", count=k),
+                        ml.Mesh(dp=1, fake=True)) for k in (None, 1, 2, 3, 4)}
+    saved = [plans[k].memory(batch=2, seq=256).activations.saved for k in (None, 1, 2, 3, 4)]
+    step = [plans[k].time(batch=2, seq=256).step for k in (None, 1, 2, 3, 4)]
+    assert all(a > b for a, b in zip(saved, saved[1:])), saved
+    assert all(a < b for a, b in zip(step, step[1:])), step
+    half = ml.plan(m, ml.remat("full", every=2), ml.Mesh(dp=1, fake=True))
+    assert half.memory(batch=2, seq=256).activations.saved == saved[2]
+    blocks = [f"b{i}" for i in range(32)]
+    assert ml.remat("full", count=16).checkpointed(blocks) == blocks[::2]
+    picked = ml.remat("full", count=19).checkpointed(blocks)
+    assert len(set(picked)) == 19 and picked[0] == "b0"
+    gaps = {blocks.index(b) - blocks.index(a) for a, b in zip(picked, picked[1:])}
+    assert gaps <= {1, 2}, gaps
+    with pytest.raises(ml.ConfigError, match="has 4 repeated blocks; give a count <= 4"):
+        ml.plan(m, ml.remat("full", count=5), ml.Mesh(dp=1, fake=True))
+    with pytest.raises(ml.ConfigError, match="count applies to remat\\('full'\\) alone"):
+        ml.remat("full", every=2, count=3)
+    with pytest.raises(ml.ConfigError, match="count applies"):
+        ml.remat("selective", count=3)
+    with pytest.raises(ml.ConfigError, match="count must be an int >= 0"):
+        ml.remat("full", count=-1)
+
+
+def test_remat_count_trains_like_the_model_and_wraps_that_many_blocks():
+    """On one process, remat('full', count=3) of a 4-block Llama wraps three blocks'
+    forwards and gives the unwrapped model's losses and weights over two AdamW steps."""
+    def run(spec):
+        model = ml.init_weights(presets.build("tiny-llama", num_hidden_layers=4), seed=0)
+        model = ml.parallelize(model, spec, ml.Mesh(dp=1), seed=0) if spec else model
+        wrapped = sum("forward" in vars(b) for b in model.model.layers)   # an instance forward
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        losses = []
+        for _ in range(2):
+            loss = ml.losses.causal_lm_loss(model(input_ids=ids), {"input_ids": ids})
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+        return wrapped, losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    n0, ref, w0 = run(None)
+    n3, got, w3 = run(ml.remat("full", count=3))
+    assert (n0, n3) == (0, 3)
+    assert got == ref
+    for k in w0:
+        torch.testing.assert_close(w3[k], w0[k], rtol=0, atol=0)
+
+
 def test_activations_scale_with_the_batch_and_split_under_tp():
     m = _llama(**SMALL)
     one = ml.plan(m, None, ml.Mesh(dp=1, fake=True))

@@ -21,13 +21,17 @@ class Remat(Transform):
     """Recompute activations in backward. ``full`` keeps only each block's input;
     ``selective`` also keeps matmul outputs (recomputes the cheap elementwise ops).
     ``every=n`` (``full`` only) checkpoints the first of every ``n`` blocks and keeps the
-    others' activations: memory between none and full for a fraction of the recompute."""
+    others' activations: memory between none and full for a fraction of the recompute.
+    ``count=k`` (``full`` only, in place of ``every``) checkpoints ``k`` of the blocks,
+    spread evenly: the finer step between them (each block checkpointed trades its saved
+    activations for a third of its work again)."""
 
     kind: ClassVar[str] = "remat"
     phase: ClassVar[Phase] = Phase.REMAT
 
     policy: str = "full"
     every: int = 1
+    count: int | None = None
 
     def __post_init__(self):
         check_choice(self.policy, "remat", "policy", POLICIES)
@@ -38,10 +42,32 @@ class Remat(Transform):
             raise ConfigError(f"remat({self.policy!r}, every={self.every}): every applies to "
                               f"remat('full') only; use remat('full', every={self.every}) or "
                               f"remat({self.policy!r})")
+        if self.count is not None:
+            if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
+                raise ConfigError(f"remat(count={self.count!r}): count must be an int >= 0, "
+                                  f"the number of blocks to checkpoint")
+            if self.policy != "full" or self.every != 1:
+                raise ConfigError(f"remat({self.policy!r}, every={self.every}, count="
+                                  f"{self.count}): count applies to remat('full') alone, in "
+                                  f"place of every; use remat('full', count={self.count})")
 
     def checkpointed(self, blocks) -> list:
-        """The blocks of ``blocks`` (in order) this remat checkpoints."""
-        return [] if self.policy == "none" else list(blocks)[::self.every]
+        """The blocks of ``blocks`` (in order) this remat checkpoints: every ``every``-th
+        from the first, or ``count`` of them at evenly spread positions."""
+        blocks = list(blocks)
+        if self.policy == "none":
+            return []
+        if self.count is None:
+            return blocks[::self.every]
+        n, k = len(blocks), min(self.count, len(blocks))
+        return [blocks[i * n // k] for i in range(k)]
+
+    def check(self, plan) -> None:
+        n = len(plan.model.blocks)
+        if self.count is not None and self.count > n:
+            owner = plan.model.cls or "the model"
+            raise ConfigError(f"remat('full', count={self.count}): {owner} has {n} repeated "
+                              f"blocks; give a count <= {n}")
 
     def install(self, ctx) -> None:
         if self.policy == "none":
@@ -59,7 +85,7 @@ class Remat(Transform):
     def profile(self, plan, model) -> None:
         # With every > 1 the profiled block runs as the blocks kept whole do; the estimate
         # hooks below take the checkpointed share out.
-        if self.policy == "none" or self.every > 1:
+        if self.policy == "none" or self._partial():
             return None
         seen = [0, 0]
         for b in plan.model.blocks[:1]:
@@ -69,11 +95,16 @@ class Remat(Transform):
         # through its Python dispatch mode: host time the step model counts per op.
         return {"hooked": [lambda: tuple(seen)]} if self.policy == "selective" else None
 
+    def _partial(self) -> bool:
+        """Whether some blocks run whole (``every`` > 1 or a ``count``): the profiled block
+        then runs whole and the estimates take the checkpointed share out."""
+        return self.every > 1 or self.count is not None
+
     def _share(self, plan) -> float:
-        """The fraction of the blocks checkpointed under ``every`` (0 when every is 1: the
-        profile itself is checkpointed then)."""
+        """The fraction of the blocks checkpointed under ``every`` or ``count`` (0 when
+        every block is: the profile itself is checkpointed then)."""
         n = len(plan.model.blocks)
-        return len(self.checkpointed(range(n))) / n if self.every > 1 and n else 0.0
+        return len(self.checkpointed(range(n))) / n if self._partial() and n else 0.0
 
     def activation_memory(self, plan, rows: list, *, batch: int, seq: int) -> list:
         """A checkpointed block keeps its input only: its share of every block's other
@@ -95,16 +126,20 @@ class Remat(Transform):
 
     def __repr__(self) -> str:
         every = f", every={self.every}" if self.every != 1 else ""
-        return f"remat({self.policy!r}{every})"
+        count = f", count={self.count}" if self.count is not None else ""
+        return f"remat({self.policy!r}{every}{count})"
 
 
-def remat(policy: str = "full", every: int = 1) -> Remat:
+def remat(policy: str = "full", every: int = 1, count: int | None = None) -> Remat:
     """Activation checkpointing of the repeated blocks (``'none'|'full'|'selective'``);
-    ``every=n`` checkpoints one block in ``n`` (``full`` only).
+    ``every=n`` checkpoints one block in ``n``, ``count=k`` checkpoints ``k`` blocks spread
+    evenly (``full`` only).
 
     >>> remat('selective')
     remat('selective')
     >>> remat('full', every=2).checkpointed(['l0', 'l1', 'l2', 'l3', 'l4'])
     ['l0', 'l2', 'l4']
+    >>> remat('full', count=3).checkpointed(['l0', 'l1', 'l2', 'l3', 'l4', 'l5', 'l6', 'l7'])
+    ['l0', 'l2', 'l5']
     """
-    return Remat(policy, every)
+    return Remat(policy, every, count)
