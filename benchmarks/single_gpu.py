@@ -59,6 +59,7 @@ SHAPES = {
 ROWS = ("hf_eager", "hf_compile", "meshlab_fuse", "meshlab_step", "meshlab_compile",
         "meshlab_blocks", "hf_liger")
 ROWS_8B = ("hf_eager", "meshlab_fuse", "meshlab_step", "meshlab_remat2", "meshlab_noremat",
+           "meshlab_count18", "meshlab_count18_sib", "meshlab_count19_sib", "meshlab_count20_sib",
            "hf_liger")
 NO_HF_CHECKPOINTING = ("meshlab_remat2", "meshlab_noremat", "meshlab_count")  # own remat or none
 PEAK_TFLOPS = 989.0          # H200 dense bf16
@@ -75,9 +76,13 @@ def _flops_per_token(cfg, seq: int) -> float:
 
 def _meshlab_spec(name: str):
     """The spec of a row run through ``ml.parallelize`` and ``ml.step`` (None for the
-    others). ``meshlab_count<k>``: ``remat('full', count=k)``."""
+    others). ``meshlab_count<k>``: ``remat('full', count=k)``; a ``_sib`` suffix adds
+    ``step_in_backward()``."""
     import meshlab as ml
 
+    if name.endswith("_sib"):
+        base = _meshlab_spec(name[:-len("_sib")])
+        return None if base is None else base | ml.step_in_backward()
     if name.startswith("meshlab_count"):
         return ml.fuse() | ml.remat("full", count=int(name[len("meshlab_count"):]))
     return {"meshlab_step": ml.fuse(), "meshlab_noremat": ml.fuse(),

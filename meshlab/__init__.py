@@ -28,7 +28,8 @@ from .parallel import (Transform as Transform, shard as shard, zero_shard as zer
                        data_parallel as data_parallel, precision as precision, remat as remat,
                        pipeline as pipeline, sequence as sequence, fuse as fuse,
                        offload as offload, expert_route as expert_route,
-                       lora as lora, compile_blocks as compile_blocks)
+                       lora as lora, compile_blocks as compile_blocks,
+                       step_in_backward as step_in_backward)
 from .parallel.lora import (save_adapter as save_adapter, load_adapter as load_adapter,
                             save_merged as save_merged, merge as merge_adapters,
                             unmerge as unmerge_adapters)

@@ -93,7 +93,20 @@ def test_compiled_blocks_on_cuda_without_graph_breaks():
         opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
         return [ml.step(model, opt, {"input_ids": ids}) for _ in range(4)]
 
+    from torch._dynamo.utils import counters
+
     eager = train(ml.fuse())
     compiled = train(ml.fuse() | ml.compile_blocks())
     assert eager[-1] < eager[0] - 0.5
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=5e-3, rtol=0)
+    # CUDA graphs of every block's forward and backward: recorded, none skipped, and the
+    # same losses over steps that replay them.
+    counters.clear()
+    graphs = train(ml.fuse() | ml.compile_blocks(mode="reduce-overhead"))
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    from torch._inductor.cudagraph_trees import get_manager
+
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    recorded = next(manager.graph_counter) if manager is not None else 0
+    assert recorded >= 2 * cfg.num_hidden_layers, recorded      # forward and backward each
+    torch.testing.assert_close(torch.tensor(graphs), torch.tensor(eager), atol=5e-3, rtol=0)

@@ -59,6 +59,7 @@ class Phase(enum.IntEnum):
     COMPILE = 55     # torch.compile of the blocks (after remat, before FSDP2)
     DATA = 60        # data-parallel sharding (FSDP2)
     OFFLOAD = 65     # host-resident optimizer state, gradients and parameters
+    OPTIMIZER = 67   # how the optimizer steps (in the backward, per parameter)
     SEQUENCE = 70    # sequence-parallel attention
     SCHEDULE = 80    # pipeline stages and their schedule
     USER = 90        # the default for transforms written outside meshlab

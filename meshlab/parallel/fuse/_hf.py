@@ -20,7 +20,7 @@ finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it
   ``act_fn`` (Llama's, Mistral's, Qwen's, ...) gets an instance ``forward`` computing
   ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``, the gate one kernel. Where the
   three projections are bare ``nn.Linear`` (no bias, hooks or subclass; plain weights, no
-  autocast, no saved-tensor hooks such as checkpointing's, not compiling) the whole MLP
+  autocast, no saved-tensor hooks such as eager checkpointing's) the whole MLP
   is :func:`meshlab.ops.swiglu_mlp`: the backward keeps the gate and up projections'
   outputs only and rebuilds their product in its swiglu pass
   (2 x intermediate values per token, where the module with the fused gate keeps 3 and
@@ -313,9 +313,10 @@ def _fused_mlp_forward(self, x: Tensor) -> Tensor:
     from ...ops.swiglu import swiglu, swiglu_mlp
 
     projs = (self.gate_proj, self.up_proj, self.down_proj)
-    # Compiled, the module's calls: the compiler's partitioner picks what to keep.
-    if not torch.compiler.is_compiling() and not _is_dtensor(x) and \
-            not torch.is_autocast_enabled(x.device.type) and not _saved_tensors_hooked() and \
+    # Compiled, the function traces as one (its backward keeps what it keeps eagerly);
+    # saved-tensor hooks are then the compiler's, not read from here.
+    if not _is_dtensor(x) and not torch.is_autocast_enabled(x.device.type) and \
+            (torch.compiler.is_compiling() or not _saved_tensors_hooked()) and \
             all(_bare_linear(m, x.dtype) for m in projs):
         return swiglu_mlp(x, *(m.weight for m in projs))
     a, b = self.gate_proj(x), self.up_proj(x)
