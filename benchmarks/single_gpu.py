@@ -13,6 +13,15 @@ Rows (each from the same bf16 weights, on the same batch):
 * ``meshlab_compile``   -- ``fuse_model`` and then ``torch.compile`` of the whole model;
 * ``meshlab_blocks``    -- ``ml.parallelize(model, ml.fuse() | ml.compile_blocks(), ...)`` and
   ``ml.step``: each block compiled with ``fullgraph=True``;
+* ``meshlab_graphs``    -- the same with ``compile_blocks(mode='reduce-overhead')``: each
+  block's forward and backward replayed as CUDA graphs;
+* ``meshlab_blocks_inductor``, ``meshlab_blocks_sdpa``, ``meshlab_graphs_inductor`` --
+  compiled blocks with only ``fuse('attention', 'loss')`` or ``fuse('loss')``: inductor's
+  own code for the norms, rotary and MLP instead of meshlab's ops;
+* ``meshlab_count<k>``  -- (8B) ``ml.fuse() | ml.remat('full', count=k)``: k of the 32
+  blocks checkpointed, spread evenly;
+* ``<row>_sib``         -- a parallelize row with ``ml.step_in_backward()`` added: each
+  block's parameters updated as their gradients complete, none held until the step;
 * ``meshlab_remat2``    -- (8B) ``ml.parallelize(model, ml.fuse() | ml.remat('full', every=2),
   ...)`` and ``ml.step``: every other block checkpointed, in place of transformers'
   checkpointing of all of them;
@@ -25,6 +34,8 @@ the median of ``--steps`` steps after ``--warmup``; peak memory is
 
     python benchmarks/single_gpu.py --shape tinyllama      # hidden 2048, 22 layers, 8 x 2048
     python benchmarks/single_gpu.py --shape llama3-8b      # hidden 4096, 32 layers, 2 x 4096
+    python benchmarks/single_gpu.py --shape tinyllama --batch 1 --tag _b1 \
+        --rows hf_eager,hf_liger,meshlab_fuse,meshlab_step,meshlab_graphs   # host-bound
 """
 
 from __future__ import annotations
@@ -57,10 +68,9 @@ SHAPES = {
 }
 # Liger patches the modeling module's functions for every later model of the process: last.
 ROWS = ("hf_eager", "hf_compile", "meshlab_fuse", "meshlab_step", "meshlab_compile",
-        "meshlab_blocks", "hf_liger")
+        "meshlab_blocks", "meshlab_graphs", "meshlab_step_sib", "hf_liger")
 ROWS_8B = ("hf_eager", "meshlab_fuse", "meshlab_step", "meshlab_remat2", "meshlab_noremat",
-           "meshlab_count18", "meshlab_count18_sib", "meshlab_count19_sib", "meshlab_count20_sib",
-           "hf_liger")
+           "meshlab_count18", "meshlab_count18_sib", "meshlab_count19_sib", "hf_liger")
 NO_HF_CHECKPOINTING = ("meshlab_remat2", "meshlab_noremat", "meshlab_count")  # own remat or none
 PEAK_TFLOPS = 989.0          # H200 dense bf16
 
@@ -89,9 +99,9 @@ def _meshlab_spec(name: str):
             "meshlab_blocks": ml.fuse() | ml.compile_blocks(),
             "meshlab_blocks_inductor": ml.fuse("attention", "loss") | ml.compile_blocks(),
             "meshlab_blocks_sdpa": ml.fuse("loss") | ml.compile_blocks(),
-            "meshlab_blocks_graphs": ml.fuse("attention", "loss")
+            "meshlab_graphs_inductor": ml.fuse("attention", "loss")
             | ml.compile_blocks(mode="reduce-overhead"),
-            "meshlab_blocks_graphs_all": ml.fuse() | ml.compile_blocks(mode="reduce-overhead"),
+            "meshlab_graphs": ml.fuse() | ml.compile_blocks(mode="reduce-overhead"),
             "meshlab_remat2": ml.fuse() | ml.remat("full", every=2)}.get(name)
 
 

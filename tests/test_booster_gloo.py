@@ -102,9 +102,12 @@ def _assert_weights(model, ref, atol, rtol):
     return n
 
 
-def _assert_updates(model, ref, start: dict, frac: float = 0.15) -> None:
+def _assert_updates(model, ref, start: dict, frac: float = 0.15, slack: float = 0.0) -> None:
     """Each weight's update is the one process's within ``frac`` of its norm (for bf16 and
-    fp16, whose last-bit differences Adam's normalized step amplifies elementwise)."""
+    fp16, whose last-bit differences Adam's normalized step amplifies elementwise), plus
+    ``slack``: one element's whole disagreement (2 x lr x steps), which in a small tensor
+    (a 64-element norm weight) is more than ``frac`` of the norm by itself, so whether the
+    check passed turned on one gradient's sign on one CPU's bf16 kernels."""
     from torch.distributed.tensor import DTensor
 
     refp = dict(ref.named_parameters())
@@ -112,7 +115,7 @@ def _assert_updates(model, ref, start: dict, frac: float = 0.15) -> None:
         w = p.full_tensor() if isinstance(p, DTensor) else p
         moved = (refp[n].detach() - start[n]).norm()
         off = (w.detach().float() - refp[n].detach().float()).norm()
-        assert moved > 0 and off <= frac * moved, (n, float(off), float(moved))
+        assert moved > 0 and off <= frac * moved + slack, (n, float(off), float(moved))
 
 
 CLIP = {"zero2": 1.0}
@@ -202,7 +205,7 @@ def scaffold_case(rank, world):
     # gradient's sign into a whole step: compare each weight's update with the one
     # process's (relative norm), and every element within a few steps of lr.
     held = _assert_weights(model, ref, atol=1e-3, rtol=0)
-    _assert_updates(model, ref, start)
+    _assert_updates(model, ref, start, slack=2 * 1e-4 * 3)          # lr 1e-4, 3 steps
     spec = repr(model._meshlab.plan.transforms)
     return {"losses": losses, "want": want, "params": held, "spec": spec}
 
