@@ -212,6 +212,7 @@ def main() -> None:
                  "traceback": traceback.format_exc()[-3000:]}
             print(f"{name:>16}: failed: {r['error'][:200]}", flush=True)
         results[name] = r
+        torch._dynamo.reset()        # each row compiles afresh, not against the last's cache
         gc.collect()
         torch.cuda.empty_cache()
     import importlib.metadata as md

@@ -207,14 +207,14 @@ def advise(model, *, gpus: int, gpu="h200", batch: int | None = None, seq: int =
 
 
 def _with(plan, t):
-    """The bound ``plan`` with ``t`` added, for a transform that claims no axis and checks
-    nothing (``remat``): what binding ``plan``'s spec ``| t`` again gives."""
-    from .parallel._protocol import Transform
-
-    assert not t.claims(plan) and type(t).check is Transform.check, t
+    """The bound ``plan`` with ``t`` added, for a transform that claims no axis (``remat``):
+    what binding ``plan``'s spec ``| t`` again gives, its check run on the result."""
+    assert not t.claims(plan), t
     rooms = tuple(sorted(plan.rooms + (t,), key=lambda r: r.phase))
-    return plan.replace(options=plan.options + (t,), transforms=plan.transforms + (repr(t),),
-                        rooms=rooms)
+    out = plan.replace(options=plan.options + (t,), transforms=plan.transforms + (repr(t),),
+                       rooms=rooms)
+    t.check(out)
+    return out
 
 
 def _progress(on: bool, total: int):

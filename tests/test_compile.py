@@ -70,6 +70,22 @@ def test_refused_compositions():
         ml.compile_blocks(mode="fastest")
 
 
+def test_models_compiled_one_after_another_in_one_process():
+    """Three 5-block models compiled in turn in one process (a notebook cell run again):
+    dynamo keeps every block's cache entry, so the third model's blocks must still fit
+    under the recompile limit, or fullgraph makes its first forward an error."""
+    import meshlab as ml
+    from meshlab import presets
+
+    torch._dynamo.reset()
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        model = ml.parallelize(presets.build("tiny-llama", num_hidden_layers=5),
+                               ml.compile_blocks(backend="eager"), ml.Mesh(dp=1), seed=0)
+        model(input_ids=ids).logits.sum().backward()
+    assert torch._dynamo.config.recompile_limit >= 15 + 8
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compiled_blocks_on_cuda_without_graph_breaks():

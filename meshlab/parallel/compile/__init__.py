@@ -35,6 +35,7 @@ from .._protocol import Part, Phase, Transform
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GRAPH_MODES = ("reduce-overhead", "max-autotune")       # the modes that record CUDA graphs
+_COMPILED = 0           # blocks compiled by this room in the process (dynamo's cache holds them)
 
 
 class GraphSteps(Part):
@@ -48,7 +49,8 @@ class GraphSteps(Part):
 
 @dataclasses.dataclass(frozen=True)
 class Compile(Transform):
-    """``torch.compile`` of every repeated block (``mode`` and ``dynamic`` as torch's)."""
+    """``torch.compile`` of every repeated block (``mode``, ``dynamic`` and ``backend`` as
+    torch's)."""
 
     kind: ClassVar[str] = "compile"
     phase: ClassVar[Phase] = Phase.COMPILE
@@ -56,6 +58,7 @@ class Compile(Transform):
     fullgraph: bool = True
     mode: str | None = None
     dynamic: bool | None = False
+    backend: str = "inductor"
 
     def __post_init__(self):
         check_bool(self.fullgraph, "compile_blocks", "fullgraph")
@@ -63,6 +66,9 @@ class Compile(Transform):
             check_choice(self.mode, "compile_blocks", "mode", MODES[1:])
         if self.dynamic is not None:
             check_bool(self.dynamic, "compile_blocks", "dynamic")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"compile_blocks(backend={self.backend!r}): the name of a "
+                              f"torch.compile backend, e.g. 'inductor' or 'aot_eager'")
 
     def check(self, plan: Plan) -> None:
         if not plan.model.blocks:
@@ -77,17 +83,21 @@ class Compile(Transform):
         import torch._dynamo
 
         mods = dict(ctx.model.named_modules())
-        kw = {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        kw = {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
         if self.mode is not None:
             kw["mode"] = self.mode
         blocks = [b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped]
         # Every block shares one code object (Module._call_impl), so dynamo keeps one
         # cache entry per block: its recompile limit (8) must cover the model's depth, or
-        # fullgraph turns the ninth block into an error.
+        # fullgraph turns the ninth block into an error. The entries of blocks compiled
+        # earlier in the process stay (a notebook cell run again builds a new model), so
+        # the limit covers every block compiled so far.
+        global _COMPILED
+        _COMPILED += len(blocks)
         cfg = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), len(blocks) + 8))
+                setattr(cfg, name, max(getattr(cfg, name), _COMPILED + 8))
         for b in blocks:
             mods[b].compile(**kw)
         return GraphSteps() if self.mode in GRAPH_MODES else None
@@ -99,6 +109,7 @@ class Compile(Transform):
 
 
 def compile_blocks(fullgraph: bool = True, mode: str | None = None,
-                   dynamic: bool | None = False) -> Compile:
-    """Compile each repeated block with ``torch.compile`` (see the module doc)."""
-    return Compile(fullgraph, mode, dynamic)
+                   dynamic: bool | None = False, backend: str = "inductor") -> Compile:
+    """Compile each repeated block with ``torch.compile`` (see the module doc); ``backend``
+    as torch.compile's (``'aot_eager'`` runs the traced graphs without generating code)."""
+    return Compile(fullgraph, mode, dynamic, backend)
