@@ -3,6 +3,7 @@ engine against transformers' ``generate``, the sampling controls, and the refusa
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -148,7 +149,7 @@ def test_string_prompts_with_a_tokenizer():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("beam_width", 2), ("pp_size", 2),
+    ("pad_input", True), ("pp_size", 2),
     ("prompt_template", "llama"), ("enable_streamingllm", True)])
 def test_fields_not_built_are_refused_by_name(field, value):
     with pytest.raises(ml.ConfigError, match=rf"InferenceConfig\({field}="):
@@ -216,6 +217,135 @@ def test_speculative_decoding_refusals():
         engine.enable_spec_dec(_tiny(), n_spec_tokens=0)
     engine.add_request([1, 2, 3], 4)
     with pytest.raises(ml.ConfigError, match="in flight"):
+        engine.enable_spec_dec(_tiny())
+
+
+@functools.lru_cache(maxsize=None)
+def _beam_setup(family, dtype):
+    """Two tiny models (transformers' reference, the engine's) and their EOS: a token the
+    model's greedy runs emit early, the first with which beam search (width 2) stops some
+    prompt before its budget with early_stopping=False (its hypotheses ended by EOS and no
+    better one possible), and gives other tokens with early_stopping=True."""
+    ref = _tiny(family).to(dtype)
+    ref.generation_config.eos_token_id = None
+    prompts = _prompts()
+    greedy = [_hf(ref, p, 1, False, 10)[0] for p in prompts]
+    for eos in dict.fromkeys(t for o in greedy for t in o[1:6]):
+        ref.generation_config.eos_token_id = eos
+        late = [_hf(ref, p, 2, False, 10) for p in prompts]
+        if all(n == 10 for _, n in late):
+            continue
+        if [_hf(ref, p, 2, True, 10) for p in prompts] != late:
+            model = _tiny(family).to(dtype)
+            model.generation_config.eos_token_id = eos
+            return ref, model, prompts
+    raise AssertionError("no token of the greedy runs ends a beam search early")
+
+
+def _hf(ref, prompt, beams, early_stopping, n):
+    """transformers' beam search on one prompt alone: its best beam's new tokens, and the
+    steps the search ran (one score tensor each)."""
+    out = ref.generate(torch.tensor([prompt]), num_beams=beams, do_sample=False,
+                       early_stopping=early_stopping, max_new_tokens=n, length_penalty=1.0,
+                       num_return_sequences=1, return_dict_in_generate=True,
+                       output_scores=True)
+    return out.sequences[0, len(prompt):].tolist(), len(out.scores)
+
+
+def _serve_beams(engine, prompts, budgets, late=0):
+    """Serve the prompts, the last ``late`` of them added at the engine's third step:
+    each one's tokens, the steps each ran, and every step's batch."""
+    first = len(prompts) - late
+    ids = [engine.add_request(p, n) for p, n in zip(prompts[:first], budgets)]
+    done, batches, start = {}, [], engine.steps
+    while engine.has_work():
+        if late and engine.steps - start == 2:
+            ids += [engine.add_request(p, n) for p, n in zip(prompts[first:], budgets[first:])]
+        for r in engine.step():
+            done[r.rid] = r.generated
+        batches.append(set(engine.last_batch))
+    return ([(done[i], sum(i in b for b in batches)) for i in ids], batches)
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("qwen2", torch.float64)])
+def test_beam_search_equals_generate_alone(family, dtype):
+    """Widths 2 and 3, early_stopping True, False and 'never', prompts of 1 to 12 tokens:
+    the engine's tokens are transformers' best beam, with hypotheses ended by EOS, and each
+    search stops at transformers' step."""
+    ref, model, prompts = _beam_setup(family, dtype)
+    ended, differ, short = 0, 0, 0
+    for w in (2, 3):
+        outs = {}
+        for es in (True, False, "never"):
+            want = [_hf(ref, p, w, es, 10) for p in prompts]
+            engine = _engine(model, dtype=dtype, beam_width=w, early_stopping=es,
+                             max_batch_size=2 * w, max_output_len=10)
+            got, _ = _serve_beams(engine, prompts, [10] * len(prompts))
+            assert got == want, (w, es)
+            assert len(engine.blocks.free) == engine.blocks.n and not engine.beam.searches
+            assert engine.cache.copied > 0
+            ended += sum(len(o) < 10 for o, _ in want)
+            short += es is False and sum(n < 10 for _, n in want)   # stopped: no better
+            outs[es] = want
+        differ += outs[True] != outs[False]
+    assert ended and differ and short   # EOS ended hypotheses; the stopping rules mattered
+
+
+def test_beam_search_continuous_batching():
+    """max_batch_size 5 with width 2: two requests at a time (beams counted); requests of
+    different budgets, two more added between steps; each gives its generate() tokens."""
+    ref, model, prompts = _beam_setup("llama", torch.float32)
+    budgets = [10, 4, 7, 10, 6]
+    engine = _engine(model, beam_width=2, max_batch_size=5, max_output_len=10)
+    got, batches = _serve_beams(engine, prompts, budgets, late=2)
+    assert got == [_hf(ref, p, 2, False, n) for p, n in zip(prompts, budgets)]
+    assert max(map(len, batches)) == 2 and len(batches) < sum(budgets)
+    assert any((now - before) and (now & before) for before, now in zip(batches, batches[1:]))
+    assert any((before - now) and (now & before) for before, now in zip(batches, batches[1:]))
+    assert len(engine.blocks.free) == engine.blocks.n
+
+
+def test_beams_fork_by_copying_blocks():
+    """After the prompt, the second beam holds blocks of its own with the prompt's keys and
+    values copied in every layer; the first keeps the prompt's blocks uncopied."""
+    engine = _engine(_tiny(), beam_width=2, ignore_eos=True)
+    engine.add_request(list(range(1, 7)), 4)                # 6 tokens: 2 blocks of 4
+    engine.step()
+    (s,) = engine.beam.searches.values()
+    (a, b), cache = s.beams, engine.cache
+    assert a.cached == b.cached == 6 and not set(a.blocks) & set(b.blocks)
+    assert cache.copied == 2 and not s.spare
+    for layer in cache.k:
+        for t in (cache.k[layer], cache.v[layer]):
+            torch.testing.assert_close(t[b.blocks[:2]], t[a.blocks[:2]], rtol=0, atol=0)
+    while engine.has_work():
+        engine.step()
+    assert len(engine.blocks.free) == engine.blocks.n == 2 * 6      # 2 beams, 6 blocks each
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(do_sample=True), "do_sample"), (dict(use_spec_dec=True), "use_spec_dec"),
+    (dict(use_cuda_graph=True), "use_cuda_graph"),
+    (dict(repetition_penalty=1.2), "repetition_penalty"),
+    (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size"),
+    (dict(forced_eos_token_id=5), "forced_eos_token_id"),
+    (dict(max_batch_size=1), "max_batch_size")])
+def test_beam_search_refusals(kw, field):
+    with pytest.raises(ml.ConfigError, match=rf"beam_width=2, {field}=.*set {field}|"
+                                             rf"beam_width=2, {field}=1\).*raise {field}"):
+        InferenceConfig(beam_width=2, **kw)
+
+
+def test_beam_width_and_early_stopping_are_checked():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ml.ConfigError, match=rf"beam_width={bad!r}\): a positive"):
+            InferenceConfig(beam_width=bad)
+    with pytest.raises(ml.ConfigError, match=r"early_stopping='sometimes'\): True, False"):
+        InferenceConfig(beam_width=2, early_stopping="sometimes")
+    with pytest.raises(ml.ConfigError, match=r"early_stopping=True\) with beam_width=1"):
+        InferenceConfig(early_stopping=True)
+    engine = _engine(_tiny(), beam_width=2)
+    with pytest.raises(ml.ConfigError, match=r"beam_width=2\).*set beam_width=1"):
         engine.enable_spec_dec(_tiny())
 
 

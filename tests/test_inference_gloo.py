@@ -9,7 +9,8 @@ batch, and (b) serves prompts of mixed lengths through ``meshlab.inference``'s e
 while others decode, and leave as they finish; two more join half-way through. Every
 output must equal the single process's ``generate`` of that prompt alone. A pipelined
 model (pp=2) is served by the engine, its ``generate`` refused; sequence parallelism is
-refused for both, with typed errors.
+refused for both, with typed errors. Beam search under tp=2 gives transformers'
+``generate(num_beams=...)`` of one process; on a pipelined model it is refused.
 """
 
 from __future__ import annotations
@@ -170,6 +171,47 @@ def test_decoding_matches_one_process(world2, family, layout, kv_heads):
     assert max(map(len, b)) == 3 and NEW < len(b) < sum(BUDGETS)
     assert any((now - before) and (now & before) for before, now in zip(b, b[1:]))
     assert any((before - now) and (now & before) for before, now in zip(b, b[1:]))
+
+def beam_case(rank, world, family):
+    """tp=2 beam search (widths 2 and 3, both early_stopping), requests joining between
+    steps: transformers' generate(num_beams=...) of each prompt alone on one process. And
+    beam search on a pipelined model, refused."""
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    from .test_inference import _beam_setup, _hf, _serve_beams
+
+    ref, _, prompts = _beam_setup(family, torch.float32)     # EOS ending hypotheses early
+    spec, mesh = _spec("tp")
+    model = ml.parallelize(M.build(family), spec, ml.Mesh(**mesh), seed=0).eval()
+    model.generation_config.eos_token_id = ref.generation_config.eos_token_id
+    out = {"engine": [], "want": [], "copied": []}
+    for w, es in ((2, False), (3, True)):
+        engine = InferenceEngine(model, inference_config=InferenceConfig(
+            dtype=torch.float32, max_batch_size=2 * w, max_input_len=16, max_output_len=10,
+            block_size=4, beam_width=w, early_stopping=es))
+        got, _ = _serve_beams(engine, prompts, [10, 4, 7, 10, 6], late=2)
+        out["engine"].append(got)
+        out["want"].append([_hf(ref, p, w, es, n) for p, n in zip(prompts, [10, 4, 7, 10, 6])])
+        out["copied"].append(engine.cache.copied)
+    spec, mesh = _spec("pp")
+    piped = ml.parallelize(M.build(family), spec, ml.Mesh(**mesh), seed=0).eval()
+    try:
+        InferenceEngine(piped, inference_config=InferenceConfig(dtype=torch.float32,
+                                                                beam_width=2))
+    except ml.ConfigError as e:
+        out["pipeline"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_beam_search_under_tensor_parallelism(world2, family):
+    out = world2.run(beam_case, family=family)
+    assert all(o["engine"] == out[0]["engine"] for o in out)     # every rank the same
+    o = out[0]
+    assert o["engine"] == o["want"], (o["engine"], o["want"])
+    assert all(o["copied"]) and "beam_width=2) on a pipelined model" in o["pipeline"]
+
 
 def refuse_case(rank, world):
     import meshlab as ml

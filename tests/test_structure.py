@@ -102,7 +102,8 @@ def test_every_room_is_a_package_with_its_transform():
     rooms = {p.name for p in (ROOT / "parallel").iterdir()
              if p.is_dir() and (p / "__init__.py").exists()}
     assert rooms == {"shard", "zero", "precision", "remat", "pipeline", "sequence", "fuse",
-                     "offload", "expert", "lora", "compile"}
+                     "offload", "expert", "lora", "compile", "step_in_backward"}
     for cls in (par.Shard, par.ZeroShard, par.Precision, par.Remat, par.Pipeline,
-                par.Sequence, par.Fuse, par.Offload, par.ExpertRoute, par.Lora, par.Compile):
+                par.Sequence, par.Fuse, par.Offload, par.ExpertRoute, par.Lora, par.Compile,
+                par.StepInBackward):
         assert cls.__module__.split(".")[2] in rooms, cls

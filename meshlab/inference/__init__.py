@@ -4,7 +4,9 @@
 transformers causal LM, on one process or parallelized by meshlab (``shard`` for tensor
 parallelism, ``zero_shard``, ``lora``). Its attention is routed to ``meshlab::paged_attention``
 over a cache of ``block_size``-token blocks; requests of any length join and leave the
-running batch as they come and finish (``add_request`` / ``step``). ``model.generate()``
+running batch as they come and finish (``add_request`` / ``step``). Decoding is greedy,
+sampled, speculative with a draft model, or a beam search (``beam_width``) that gives
+transformers' ``generate(num_beams=...)`` tokens. ``model.generate()``
 (transformers' own) works too on a model parallelized with ``shard``: the vocabulary-split
 head gathers the whole logits inside it.
 

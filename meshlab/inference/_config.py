@@ -3,8 +3,10 @@
 Every field of Colossal-AI's ``InferenceConfig`` is here with its default. The engine
 implements greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k``,
 ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``), ``forced_eos_token_id``,
-``ignore_eos``, the paged cache (``block_size``, ``kv_cache_dtype``), continuous batching
-up to ``max_batch_size``, ``dtype``, ``tp_size``, CUDA graphs of decode steps on one GPU
+``ignore_eos``, beam search (``beam_width``, ``early_stopping``: transformers'
+``num_beams`` with ``length_penalty=1.0``; ``max_batch_size`` then counts beams), the
+paged cache (``block_size``, ``kv_cache_dtype``), continuous batching up to
+``max_batch_size``, ``dtype``, ``tp_size``, CUDA graphs of decode steps on one GPU
 (``use_cuda_graph``, ``max_context_len_to_capture``), and greedy speculative decoding with
 a draft model (``use_spec_dec``, ``max_n_spec_tokens``). A field set to anything but its
 default whose behaviour is not built raises ``ConfigError`` naming it, at construction:
@@ -22,10 +24,8 @@ from .._errors import ConfigError
 # field -> why a value other than the default is refused
 _NOT_BUILT = {
     "prompt_template": "chat templates: apply tokenizer.apply_chat_template to the prompts",
-    "beam_width": "beam search is not built; decode greedily or sample (beam_width=1)",
     "prefill_ratio": "prefill is not rationed: every admitted prompt is filled in its step",
     "pad_input": "requests are packed, never padded",
-    "early_stopping": "beam search (and so early stopping of beams) is not built",
     "glimpse_large_kv": "the large-KV glimpse is not built",
     "pp_size": "the engine pipelines a model parallelized with pipeline() (pp_size is read "
                "from it); give it that model",
@@ -54,7 +54,7 @@ class InferenceConfig:
     beam_width: int = 1
     prefill_ratio: float = 1.2
     pad_input: bool = False
-    early_stopping: bool = False
+    early_stopping: bool | str = False
     top_k: int | None = 50
     top_p: float | None = 1.0
     temperature: float | None = 1.0
@@ -103,6 +103,41 @@ class InferenceConfig:
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise ConfigError(f"InferenceConfig(repetition_penalty={self.repetition_penalty}): "
                               f"must be > 0 (1.0: no penalty)")
+        _check_beams(self)
+
+
+# field -> its values that beam search runs with (it scores plain log-probabilities)
+_BEAM_PLAIN = (("do_sample", (False,)), ("use_spec_dec", (False,)),
+               ("use_cuda_graph", (False,)), ("repetition_penalty", (1.0, None)),
+               ("no_repeat_ngram_size", (0, None)), ("forced_eos_token_id", (None,)))
+
+
+def _check_beams(cfg: InferenceConfig) -> None:
+    """``beam_width`` and ``early_stopping``, and the fields beam search refuses."""
+    w = cfg.beam_width
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+        raise ConfigError(f"InferenceConfig(beam_width={w!r}): a positive integer (1: no beam "
+                          f"search)")
+    if not isinstance(cfg.early_stopping, bool) and cfg.early_stopping != "never":
+        raise ConfigError(f"InferenceConfig(early_stopping={cfg.early_stopping!r}): True, "
+                          f"False or 'never', as in transformers")
+    if w == 1:
+        if cfg.early_stopping is not False:
+            raise ConfigError(f"InferenceConfig(early_stopping={cfg.early_stopping!r}) with "
+                              f"beam_width=1: early stopping is of beam search only; set "
+                              f"beam_width above 1 or leave early_stopping=False")
+        return
+    for name, plain in _BEAM_PLAIN:
+        value = getattr(cfg, name)
+        if value not in plain:
+            raise ConfigError(f"InferenceConfig(beam_width={w}, {name}={value!r}): beam search "
+                              f"here is transformers' generate(num_beams=...) without sampling "
+                              f"or logit processors; set {name}={plain[0]!r} or beam_width=1")
+    if cfg.max_batch_size < w:
+        raise ConfigError(f"InferenceConfig(beam_width={w}, max_batch_size={cfg.max_batch_size})"
+                          f": max_batch_size counts beams (a request runs beam_width of them) "
+                          f"and the cache holds max_batch_size beams' budgets; raise "
+                          f"max_batch_size to at least {w}")
 
 
 _DTYPES = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,

@@ -11,6 +11,9 @@ steps (``add_request``) and finish in any order.
 
 With a drafter (``use_spec_dec``, ``_speculate``) a step of requests that are all decoding
 checks the drafter's tokens instead, keeping up to ``max_n_spec_tokens + 1`` per request.
+Under beam search (``beam_width`` w > 1, ``_beam``) every request runs w beams, each a
+sequence of the packed step with blocks of its own (w budgets reserved at admission), and
+``max_batch_size`` counts beams: at most ``max_batch_size // w`` requests run together.
 
 Under tensor parallelism every rank runs the same steps on the same requests (SPMD): each
 attention layer caches its own K/V heads, the vocabulary-split head gathers the whole
@@ -35,7 +38,9 @@ from ._sampling import choose
 
 @dataclasses.dataclass
 class Request:
-    """One request: its prompt tokens, the tokens generated so far, its cache blocks."""
+    """One request: its prompt tokens, the tokens generated so far, its cache blocks.
+    Under beam search its beams hold the blocks (``engine.beam``), and ``generated`` is
+    its best hypothesis once it is done."""
 
     rid: int
     prompt: list[int]
@@ -74,6 +79,7 @@ class InferenceEngine:
         self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
         self.device = next(p for p in self.model.parameters()).device
         self.spec = None                     # the drafter, under speculative decoding
+        self.beam = _beam_search(self, cfg)  # the beams of each request, under beam search
         self._size_cache(0)
         self.graphs = _graphs(self, cfg, model)
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -93,8 +99,8 @@ class InferenceEngine:
                               "InferenceConfig(use_spec_dec=True) to decode speculatively")
 
     def _size_cache(self, ahead: int) -> None:
-        """A cache for ``max_batch_size`` requests' whole budgets, each ``ahead`` tokens
-        more (a verification's drafted tokens)."""
+        """A cache for ``max_batch_size`` sequences' whole budgets (requests, or beams
+        under beam search), each ``ahead`` tokens more (a verification's drafted tokens)."""
         cfg = self.config
         per_request = math.ceil((cfg.max_input_len + cfg.max_output_len + ahead) /
                                 cfg.block_size)
@@ -168,21 +174,26 @@ class InferenceEngine:
     # ------------------------------------------------------------------ steps
 
     def _admit(self) -> None:
-        bs = self.config.block_size
-        while self.waiting and len(self.running) < self.config.max_batch_size:
+        bs, w = self.config.block_size, self.config.beam_width     # w sequences a request
+        while self.waiting and (len(self.running) + 1) * w <= self.config.max_batch_size:
             r = self.waiting[0]
             need = math.ceil((len(r.prompt) + r.max_new_tokens + self.ahead) / bs)
-            if need > len(self.blocks.free):
+            if need * w > len(self.blocks.free):
                 break
             r.blocks = self.blocks.take(need)
             if self.spec is not None:
                 self.spec.admit(r, need)
+            if self.beam is not None:
+                self.beam.admit(r, need)
             self.running.append(self.waiting.pop(0))
 
-    def _batch(self) -> tuple[list[int], list[int], PagedBatch]:
+    def _batch(self, seqs=None) -> tuple[list[int], list[int], PagedBatch]:
+        """The packed row of ``seqs`` (default: the running requests; beams under beam
+        search), each sequence's tokens not in the cache yet."""
         bs = self.config.block_size
+        seqs = self.running if seqs is None else seqs
         ids, pos, slots, starts, lens = [], [], [], [0], []
-        for r in self.running:
+        for r in seqs:
             new = (r.prompt + r.generated)[r.cached:]    # the tokens not in the cache yet
             for i, t in enumerate(new):
                 p = r.cached + i
@@ -191,8 +202,8 @@ class InferenceEngine:
                 slots.append(r.blocks[p // bs] * bs + p % bs)
             starts.append(starts[-1] + len(new))
             lens.append(r.cached + len(new))
-        width = max(len(r.blocks) for r in self.running)
-        tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in self.running],
+        width = max(len(r.blocks) for r in seqs)
+        tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in seqs],
                               dtype=torch.int32, device=self.device)
         batch = PagedBatch(self.cache, torch.tensor(slots, device=self.device), tables, lens,
                            starts, layout(tables, lens, starts, bs))
@@ -208,8 +219,9 @@ class InferenceEngine:
                                   "lower its max_new_tokens or raise max_batch_size")
             return []
         self.last_batch = [r.rid for r in self.running]
-        if self.spec is not None and all(r.cached for r in self.running):
-            finished = self.spec.step(self)
+        verify = self.spec is not None and all(r.cached for r in self.running)
+        if self.beam is not None or verify:         # beam search, or a speculative step
+            finished = (self.beam or self.spec).step(self)
             self.steps += 1
             return finished
         if self.graphs is not None and all(r.cached for r in self.running):
@@ -239,13 +251,13 @@ class InferenceEngine:
         self.running = [r for r in self.running if not r.done]
         return finished
 
-    def _eager(self, every_position: bool = False):
+    def _eager(self, every_position: bool = False, seqs=None):
         """The step's logits (None on a pipeline rank without the last stage) and each
-        request's keys after it, the model run eagerly on the packed tokens: at each
-        request's last position, or ``every_position`` of the packed row."""
+        request's (or each of ``seqs``') keys after it, the model run eagerly on the packed
+        tokens: at each request's last position, or ``every_position`` of the packed row."""
         from ..parallel.shard._styles import whole_logits
 
-        ids, pos, batch = self._batch()
+        ids, pos, batch = self._batch(seqs)
         dev = self.device
         last = torch.arange(len(ids), device=dev) if every_position else \
             torch.tensor(batch.query_start[1:], device=dev) - 1
@@ -325,6 +337,15 @@ def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:
     model.eval()
     model.set_attn_implementation(register())
     return model
+
+
+def _beam_search(engine, cfg: InferenceConfig):
+    """The engine's beam searches (``_beam``), when ``beam_width`` is above 1."""
+    if cfg.beam_width == 1:
+        return None
+    from ._beam import BeamSearch
+
+    return BeamSearch(engine)
 
 
 def _graphs(engine, cfg: InferenceConfig, model: nn.Module):

@@ -4,7 +4,8 @@
 ``PagedCache`` holds, per attention layer, ``k`` and ``v`` tensors of shape
 ``(num_blocks, block_size, Hkv, D)``, allocated at a layer's first write with the heads
 that layer computes on this rank (under tensor parallelism: this rank's K/V heads, so the
-cache is sharded over tp by heads with no code of its own). ``Blocks`` hands out block
+cache is sharded over tp by heads with no code of its own); ``copy_blocks`` copies whole
+blocks in every layer (a beam forking from its parent). ``Blocks`` hands out block
 numbers. A step of the engine runs the model on all its sequences' new tokens packed in
 one row (``input_ids`` (1, T), ``position_ids`` (1, T)) inside ``running(batch)``; each
 attention layer then stores its new keys and values at the batch's slots and attends
@@ -50,6 +51,7 @@ class PagedCache:
         self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
         self.k: dict[int, Tensor] = {}
         self.v: dict[int, Tensor] = {}
+        self.copied = 0            # blocks copied by copy_blocks, over every call
 
     def layer(self, idx: int, k: Tensor) -> tuple[Tensor, Tensor]:
         """The caches of layer ``idx``, made for keys like ``k`` (T, Hkv, D) on first use."""
@@ -59,6 +61,19 @@ class PagedCache:
             self.k[idx] = torch.zeros(shape, dtype=dt, device=k.device)
             self.v[idx] = torch.zeros(shape, dtype=dt, device=k.device)
         return self.k[idx], self.v[idx]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of blocks ``src`` into blocks ``dst`` (pairwise), in
+        every layer this rank caches (a beam forking from its parent)."""
+        if len(src) != len(dst):
+            raise ValueError(f"copy_blocks: {len(src)} source blocks, {len(dst)} destinations")
+        if not src:
+            return
+        for d in (self.k, self.v):
+            for t in d.values():
+                i = torch.tensor(src, device=t.device)
+                t.index_copy_(0, torch.tensor(dst, device=t.device), t.index_select(0, i))
+        self.copied += len(src)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())

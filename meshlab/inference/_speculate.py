@@ -11,8 +11,8 @@ later (attention reads only a request's kept length), so nothing is rolled back.
 
 Only plain greedy decoding is checked this way; sampling, the repetition penalty,
 n-gram bans and a forced EOS choose tokens position by position from histories the
-verification does not replay, so they are refused, as are CUDA graphs (they capture a
-one-token step) and pipelined models.
+verification does not replay, so they are refused, as are beam search, CUDA graphs (they
+capture a one-token step) and pipelined models.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def _check(engine, drafter: nn.Module) -> None:
     cfg = engine.config
     for name, plain in (("do_sample", (False,)), ("repetition_penalty", (1.0, None)),
                         ("no_repeat_ngram_size", (0, None)), ("forced_eos_token_id", (None,)),
-                        ("use_cuda_graph", (False,))):
+                        ("use_cuda_graph", (False,)), ("beam_width", (1,))):
         value = getattr(cfg, name)
         if value not in plain:
             raise ConfigError(f"speculative decoding with InferenceConfig({name}={value!r}): "
