@@ -70,6 +70,8 @@ class Work:
     hooked: int = 0        # ops a Python dispatch mode sees (selective checkpointing's)
     fused: int = 0         # of ``ops``, calls of meshlab's fused ops (a host cost of their own)
     hooked_fused: int = 0  # of ``hooked``, fused ops
+    replayed: int = 0      # of ``ops``, those replayed from CUDA graphs (no host cost each)
+    graphs: int = 0        # CUDA graph replays (one host call each)
 
     def __add__(self, o: "Work") -> "Work":
         return Work(*(a + b for a, b in zip(dataclasses.astuple(self),
@@ -82,7 +84,7 @@ class Work:
                        for f in dataclasses.fields(self)})
 
 
-_COUNTS = ("ops", "hooked", "fused", "hooked_fused")    # Work's fields that count ops
+_COUNTS = ("ops", "hooked", "fused", "hooked_fused", "replayed", "graphs")  # op counts
 
 
 @dataclasses.dataclass(frozen=True)

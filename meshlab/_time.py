@@ -69,7 +69,8 @@ def work_kinds(w: Work, m: Machine, streaming: bool = False) -> dict:
     traffic at the eager elementwise rate or, ``streaming``, the card's bandwidth; a
     launch gap per kernel), and the host's seconds issuing its ops (a fused op's call costs
     ``host_fused``; those a Python dispatch mode sees cost ``host_hook`` more, or
-    ``host_hook_fused`` for a fused op)."""
+    ``host_hook_fused`` for a fused op; ops replayed from CUDA graphs cost nothing each,
+    a replay ``host_fused``, as one call of a compiled function)."""
     attn = m.attention or m.matmul * 0.66
     narrow = m.attention_narrow or attn * 0.73
     rate = m.hbm if streaming else (m.elementwise or m.hbm * 0.72)
@@ -78,8 +79,9 @@ def work_kinds(w: Work, m: Machine, streaming: bool = False) -> dict:
                           m.attention_knee) / attn +
             (w.attn_narrow + w.attn_kv_narrow * m.attention_knee_narrow) / narrow,
             "memory": w.bytes / rate, "launch": w.ops * m.launch,
-            "host": (w.ops - w.fused) * m.host_op + w.fused * m.host_fused +
-            (w.hooked - w.hooked_fused) * m.host_hook + w.hooked_fused * m.host_hook_fused}
+            "host": (w.ops - w.replayed - w.fused) * m.host_op + (w.fused + w.graphs) *
+            m.host_fused + (w.hooked - w.hooked_fused) * m.host_hook +
+            w.hooked_fused * m.host_hook_fused}
 
 
 def _longer(k: dict) -> float:

@@ -104,6 +104,27 @@ def test_remat_count_trains_like_the_model_and_wraps_that_many_blocks():
         torch.testing.assert_close(w3[k], w0[k], rtol=0, atol=0)
 
 
+def test_cuda_graphs_take_the_blocks_host_cost_out_of_the_step():
+    """compile_blocks(mode='reduce-overhead'): the blocks' host work is one replay per
+    block and direction (host_fused each), their device work unchanged; a host-bound step
+    gets shorter, a device-bound one does not."""
+    m = _llama(**SMALL)
+    mesh = ml.Mesh(dp=1, fake=True)
+    eager = ml.plan(m, ml.fuse() | ml.compile_blocks(), mesh)
+    graphs = ml.plan(m, ml.fuse() | ml.compile_blocks(mode="reduce-overhead"), mesh)
+    h200 = ml.machine("h200")
+    for batch, seq in ((1, 64), (64, 2048)):
+        a, b = (dict(p.time(batch=batch, seq=seq).kinds) for p in (eager, graphs))
+        for kind in ("matmul", "attention", "memory", "launch"):
+            assert b[kind] == pytest.approx(a[kind]), kind
+        assert b["host"] < a["host"]
+        assert b["host"] >= 2 * 4 * h200.host_fused
+    small = [p.time(batch=1, seq=64).step for p in (eager, graphs)]
+    big = [p.time(batch=64, seq=2048).step for p in (eager, graphs)]
+    assert small[1] < 0.5 * small[0], small
+    assert big[1] == pytest.approx(big[0], rel=0.05), big
+
+
 def test_activations_scale_with_the_batch_and_split_under_tp():
     m = _llama(**SMALL)
     one = ml.plan(m, None, ml.Mesh(dp=1, fake=True))

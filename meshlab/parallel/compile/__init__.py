@@ -102,6 +102,17 @@ class Compile(Transform):
             mods[b].compile(**kw)
         return GraphSteps() if self.mode in GRAPH_MODES else None
 
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """Under CUDA graphs the blocks' ops are replayed, not issued one by one: the host
+        makes one call per block and direction (a replay, costed as one call of a fused
+        op), the device runs the same kernels."""
+        if self.mode not in GRAPH_MODES or "blocks" not in parts:
+            return parts
+        w = parts["blocks"]
+        graphs = 2 * len(plan.model.blocks)
+        return {**parts, "blocks": dataclasses.replace(
+            w, fused=0, hooked=0, hooked_fused=0, replayed=w.ops, graphs=graphs)}
+
     def __repr__(self) -> str:
         extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:]
                         if getattr(self, f.name) != f.default)
