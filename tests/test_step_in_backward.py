@@ -1,7 +1,8 @@
 """step_in_backward(): each parameter updated as its gradient completes, on one process.
 
 Against the ordinary step of the same spec: the same losses, weights and optimizer state
-(torch's AdamW and meshlab's FusedAdamW, with fused ops and some blocks checkpointed);
+(torch's AdamW and meshlab's FusedAdamW, with fused ops and some blocks checkpointed,
+under bf16 autocast, and with the blocks compiled);
 at most one block's gradients alive at any point of the backward, and the optimizer
 freed with the model; the state dict loads into the
 plain optimizer; the plan holds no gradients; what it is not shown with is refused, by
@@ -40,9 +41,16 @@ def _train(base, spec, cls, steps=3):
     return model, opt, losses
 
 
-@pytest.mark.parametrize("cls", [torch.optim.AdamW, FusedAdamW], ids=["AdamW", "FusedAdamW"])
-def test_trains_as_the_ordinary_step(base, cls):
-    spec = ml.fuse() | ml.remat("full", count=2)
+SPECS = {"fuse_remat": lambda: ml.fuse() | ml.remat("full", count=2),
+         "bf16": lambda: ml.precision("bf16"),
+         "compiled": lambda: ml.fuse() | ml.compile_blocks(backend="aot_eager")}
+
+
+@pytest.mark.parametrize("cls,spec", [(torch.optim.AdamW, "fuse_remat"),
+                                      (FusedAdamW, "fuse_remat"), (torch.optim.AdamW, "bf16"),
+                                      (FusedAdamW, "compiled")])
+def test_trains_as_the_ordinary_step(base, cls, spec):
+    spec = SPECS[spec]()
     ref, ref_opt, ref_losses = _train(base, spec, cls)
     got, got_opt, losses = _train(base, spec | ml.step_in_backward(), cls)
     assert losses == ref_losses and losses[-1] < losses[0]
