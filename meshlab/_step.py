@@ -165,13 +165,16 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches},
           error)
     with _gc_paused(pause_gc):
-        return _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused)
+        loss = _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused)
+    # Read after the collection on the way out of the pause: it then runs while the device
+    # still works through the optimizer, not while it waits for the next step.
+    return float(loss)
 
 
-def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused) -> float:
+def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused):
     """The step's work once its shape is agreed: a room's own schedule, or forward and
     backward over the microbatches, the optimizer, and the loss averaged over the data
-    ranks."""
+    ranks (a float from a room's schedule, else a tensor not yet read from the device)."""
     for part in rt.parts:
         done = part.run_step(rt, opt, batch, loss_fn or _default_loss)
         if done is not None:
@@ -198,8 +201,8 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused) -> float:
     if rt.dp_group is not None and rt.dp_size > 1:
         t = total.reshape(1).to(rt.device)
         dist.all_reduce(t, group=rt.dp_group)
-        return float(t) / rt.dp_size
-    return float(total)
+        return t[0] / rt.dp_size
+    return total
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
