@@ -10,7 +10,11 @@ while others decode, and leave as they finish; two more join half-way through. E
 output must equal the single process's ``generate`` of that prompt alone. A pipelined
 model (pp=2) is served by the engine, its ``generate`` refused; sequence parallelism is
 refused for both, with typed errors. Beam search under tp=2 gives transformers'
-``generate(num_beams=...)`` of one process; on a pipelined model it is refused.
+``generate(num_beams=...)`` of one process; on a pipelined model it is refused. Pipeline
+micro-batches (``micro_batch_size=2``) give the same tokens as one process and as the engine
+without them, greedy and sampled, and overlap across the stages: with each decoder layer
+made 50 ms of work (a hook the test installs), the last stage starts micro-batch 0 of a
+decode step before the first stage finishes its last one.
 """
 
 from __future__ import annotations
@@ -242,3 +246,96 @@ def test_pipeline_with_tensor_parallel_stages_matches_one_process(world4):
     out = world4.run(serve_case, family="llama", layout="pp_tp")
     assert all(o["engine"] == out[0]["engine"] for o in out)
     assert out[0]["stages_in_turn"] and out[0]["engine"] == out[0]["want"]
+
+
+def micro_case(rank, world, family):
+    """pp=2 with micro-batches of 2 requests (5 prompts, at most 4 running, the fifth
+    joining once one leaves): greedy, the single process's tokens and the engine's own
+    without micro-batches; sampled, the same tokens with and without."""
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    spec, mesh = _spec("pp")
+    model = ml.parallelize(M.build(family), spec, ml.Mesh(**mesh), seed=0).eval()
+    ref = ml.init_weights(M.build(family), seed=0).eval()
+    prompts = _prompts(ref.config.vocab_size)[:5]
+    out = {"want": [w[:n] for w, n in zip(_alone(ref, prompts), BUDGETS)]}
+    for sample in (False, True):
+        for k in (2, 1):
+            engine = InferenceEngine(model, inference_config=InferenceConfig(
+                dtype=torch.float32, max_batch_size=4, max_input_len=32, max_output_len=NEW,
+                block_size=4, micro_batch_size=k, do_sample=sample, top_k=None, seed=3))
+            out[sample, k], batches = _serve(engine, prompts)
+            out["batches", sample, k] = batches
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_pipeline_micro_batches_match_one_process(world2, family):
+    out = world2.run(micro_case, family=family)
+    assert all(o[False, 2] == out[0][False, 2] for o in out)     # every rank the same
+    o = out[0]
+    assert o[False, 2] == o["want"] == o[False, 1], (o[False, 2], o["want"])
+    assert o[True, 2] == o[True, 1] != o[False, 2]
+    b = [set(x) for x in o["batches", False, 2]]
+    assert max(map(len, b)) == 4 and 3 in map(len, b) and any(4 in x for x in b)
+
+
+def overlap_case(rank, world):
+    """One decode step of 6 requests in micro-batches of 2 on pp=2, each decoder layer
+    made 50 ms of work: each rank's (start, end) of its stage's compute per micro-batch."""
+    import time
+
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    spec, mesh = _spec("pp")
+    model = ml.parallelize(M.build("llama"), spec, ml.Mesh(**mesh), seed=0).eval()
+    engine = InferenceEngine(model, inference_config=InferenceConfig(
+        dtype=torch.float32, max_batch_size=6, max_input_len=32, max_output_len=NEW,
+        block_size=4, micro_batch_size=2))
+    for p in _prompts(model.config.vocab_size):
+        engine.add_request(p, NEW)
+    engine.step()                                   # the prompts' prefill
+    times, pipe = [], engine.pipe
+    layers = [m.layers[str(i)] for m in pipe.mine.values() for i in m.layer_ids]
+    hooks = [layers[0].register_forward_pre_hook(lambda m, a: times.append([time.time()]))]
+    hooks += [x.register_forward_hook(lambda m, a, o: time.sleep(0.05)) for x in layers]
+    hooks.append(layers[-1].register_forward_hook(lambda m, a, o: times[-1].append(time.time())))
+    engine.step()                                   # every request decodes one token
+    for h in hooks:
+        h.remove()
+    mine = [s for s in pipe.all if s.rank == pipe.me]
+    every = [None] * world
+    dist.all_gather_object(every, (mine[0].first, mine[-1].last, times))
+    return every
+
+
+def test_pipeline_micro_batches_overlap_across_stages(world2):
+    every = world2.run(overlap_case)[0]
+    first = next(t for f, _, t in every if f)
+    last = next(t for _, la, t in every if la)
+    assert len(first) == len(last) == 3
+    # the last stage started micro-batch 0 while the first still computed the others
+    assert last[0][0] < first[-1][1], (first, last)
+
+
+def test_micro_batch_size_refusals():
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ml.ConfigError, match=r"InferenceConfig\(micro_batch_size="):
+            InferenceConfig(micro_batch_size=bad)
+    with pytest.raises(ml.ConfigError, match=r"micro_batch_size=2, use_spec_dec=True"):
+        InferenceConfig(micro_batch_size=2, use_spec_dec=True)
+    with pytest.raises(ml.ConfigError, match=r"micro_batch_size=2, beam_width=2"):
+        InferenceConfig(micro_batch_size=2, beam_width=2)
+    with pytest.raises(ml.ConfigError, match=r"InferenceConfig\(micro_batch_buffer_size=2"):
+        InferenceConfig(micro_batch_buffer_size=2)
+    with pytest.raises(ml.ConfigError, match=r"micro_batch_size=2\) on a model that is not "
+                                             r"pipelined"):
+        InferenceEngine(M.build("llama"), inference_config=InferenceConfig(
+            dtype=torch.float32, micro_batch_size=2))

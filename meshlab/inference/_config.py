@@ -7,10 +7,12 @@ implements greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k
 ``num_beams`` with ``length_penalty=1.0``; ``max_batch_size`` then counts beams), the
 paged cache (``block_size``, ``kv_cache_dtype``), continuous batching up to
 ``max_batch_size``, ``dtype``, ``tp_size``, CUDA graphs of decode steps on one GPU
-(``use_cuda_graph``, ``max_context_len_to_capture``), and greedy speculative decoding with
-a draft model (``use_spec_dec``, ``max_n_spec_tokens``). A field set to anything but its
-default whose behaviour is not built raises ``ConfigError`` naming it, at construction:
-nothing is accepted and ignored.
+(``use_cuda_graph``, ``max_context_len_to_capture``), greedy speculative decoding with a
+draft model (``use_spec_dec``, ``max_n_spec_tokens``), and on a pipelined model
+micro-batches of ``micro_batch_size`` requests that overlap across the stages (above 1:
+a model that is not pipelined, speculation and beam search refuse it). A field set to
+anything but its default whose behaviour is not built raises ``ConfigError`` naming it, at
+construction: nothing is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ _NOT_BUILT = {
     "glimpse_large_kv": "the large-KV glimpse is not built",
     "pp_size": "the engine pipelines a model parallelized with pipeline() (pp_size is read "
                "from it); give it that model",
-    "micro_batch_size": "pipeline micro-batching is not built (pp_size is 1)",
-    "micro_batch_buffer_size": "pipeline micro-batching is not built (pp_size is 1)",
+    "micro_batch_buffer_size": "the micro-batches in flight are not bounded: every "
+                               "micro-batch of a step (micro_batch_size requests each) is "
+                               "sent on as soon as its stage computed it",
     "use_cuda_kernel": "meshlab's decode attention is meshlab::paged_attention on every device",
     "high_precision": "scores and softmax already run in float32 (float64 for float64)",
     "enable_streamingllm": "StreamingLLM attention is not built",
@@ -91,7 +94,7 @@ class InferenceConfig:
         if self.kv_cache_dtype is not None:
             self.kv_cache_dtype = _dtype(self.kv_cache_dtype, "kv_cache_dtype")
         for name in ("max_batch_size", "max_input_len", "max_output_len", "block_size",
-                     "tp_size", "max_n_spec_tokens"):
+                     "tp_size", "max_n_spec_tokens", "micro_batch_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"InferenceConfig({name}={v!r}): a positive integer")
@@ -104,6 +107,19 @@ class InferenceConfig:
             raise ConfigError(f"InferenceConfig(repetition_penalty={self.repetition_penalty}): "
                               f"must be > 0 (1.0: no penalty)")
         _check_beams(self)
+        _check_micro(self)
+
+
+def _check_micro(cfg: InferenceConfig) -> None:
+    """Micro-batches split the one packed step that greedy decoding and sampling run;
+    speculative checks and beam search run steps of their own, refused with them."""
+    k = cfg.micro_batch_size
+    for name, plain in (("use_spec_dec", False), ("beam_width", 1)):
+        value = getattr(cfg, name)
+        if k > 1 and value != plain:
+            raise ConfigError(f"InferenceConfig(micro_batch_size={k}, {name}={value!r}): "
+                              f"pipeline micro-batches split greedy and sampled steps only; "
+                              f"set micro_batch_size=1 or {name}={plain!r}")
 
 
 # field -> its values that beam search runs with (it scores plain log-probabilities)

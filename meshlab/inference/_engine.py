@@ -17,8 +17,10 @@ sequence of the packed step with blocks of its own (w budgets reserved at admiss
 
 Under tensor parallelism every rank runs the same steps on the same requests (SPMD): each
 attention layer caches its own K/V heads, the vocabulary-split head gathers the whole
-logits, and every rank chooses the same tokens. A pipelined model runs its stages in turn
-(``_pipeline``): the last stage's rank chooses and broadcasts the tokens.
+logits, and every rank chooses the same tokens. A pipelined model runs its stages on the
+step (``_pipeline``), split into micro-batches of ``micro_batch_size`` requests that
+overlap across the stages when it is above 1: the last stage's rank chooses the tokens of
+all of them and broadcasts them.
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class InferenceEngine:
         self.config, self.tokenizer, self.verbose = cfg, tokenizer, verbose
         self.model = _prepare(model, cfg, model_policy)
         self.pipe = _pipeline_decoder(self.model)
+        if cfg.micro_batch_size > 1 and self.pipe is None:
+            raise ConfigError(f"InferenceConfig(micro_batch_size={cfg.micro_batch_size}) on a "
+                              f"model that is not pipelined: micro-batches overlap pipeline "
+                              f"stages; parallelize the model with pipeline(), or leave "
+                              f"micro_batch_size=1")
         self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
         self.device = next(p for p in self.model.parameters()).device
         self.spec = None                     # the drafter, under speculative decoding
@@ -254,21 +261,34 @@ class InferenceEngine:
     def _eager(self, every_position: bool = False, seqs=None):
         """The step's logits (None on a pipeline rank without the last stage) and each
         request's (or each of ``seqs``') keys after it, the model run eagerly on the packed
-        tokens: at each request's last position, or ``every_position`` of the packed row."""
+        tokens: at each request's last position, or ``every_position`` of the packed row.
+        A pipelined model with ``micro_batch_size`` k > 1 runs micro-batches of k requests
+        through its stages (``_pipeline``); the logits come back in the requests' order."""
         from ..parallel.shard._styles import whole_logits
 
+        seqs = self.running if seqs is None else seqs
+        k = self.config.micro_batch_size
+        k = k if self.pipe is not None and k > 1 else len(seqs)
+        micro = [self._packed(seqs[i:i + k], every_position) for i in range(0, len(seqs), k)]
+        with torch.no_grad(), whole_logits():
+            if self.pipe is not None:
+                logits = self.pipe.logits(micro, self.config.dtype)
+            else:
+                ids_t, pos_t, last, batch = micro[0]
+                with running(batch):
+                    logits = self.model(input_ids=ids_t, position_ids=pos_t, use_cache=False,
+                                        logits_to_keep=last).logits[0]
+        return logits, [n for *_, batch in micro for n in batch.seq_lens]
+
+    def _packed(self, seqs, every_position: bool):
+        """``seqs`` packed in one row as the model takes them: ids and positions (1, T),
+        the positions whose logits are kept, and their ``PagedBatch``."""
         ids, pos, batch = self._batch(seqs)
         dev = self.device
         last = torch.arange(len(ids), device=dev) if every_position else \
             torch.tensor(batch.query_start[1:], device=dev) - 1
-        ids_t, pos_t = torch.tensor([ids], device=dev), torch.tensor([pos], device=dev)
-        with torch.no_grad(), running(batch), whole_logits():
-            if self.pipe is not None:
-                logits = self.pipe.logits(ids_t, pos_t, last, self.config.dtype)
-            else:
-                logits = self.model(input_ids=ids_t, position_ids=pos_t, use_cache=False,
-                                    logits_to_keep=last).logits[0]
-        return logits, batch.seq_lens
+        return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), last,
+                batch)
 
     def _choose(self, logits) -> list[int] | None:
         if logits is None:                  # a pipeline rank without the last stage

@@ -1,13 +1,23 @@
-"""Decoding a pipelined model: the stages run one after another on each step's packed
-tokens, the hidden states sent point to point between the ranks that hold them.
+"""Decoding a pipelined model: each step's packed tokens go through the stages, the hidden
+states sent point to point between the ranks that hold them.
 
 Every rank runs the same scheduler on the same requests. The rank of the first stage
 embeds the tokens; each stage runs its blocks (attention on its own layers' paged cache)
 and sends the hidden states to the next stage's rank; the last stage's rank computes the
 logits of each request's last position and chooses the tokens, which it broadcasts over
-the pipeline group so that every rank appends the same ones. Stages run in turn (no
-overlap of microbatches of requests): the pipeline splits the model's memory, not its
-decode time.
+the pipeline group so that every rank appends the same ones.
+
+A step is a forward-only pipeline of micro-batches: the engine splits the running
+requests into groups of ``micro_batch_size`` (by default one group: every request), each
+packed in its own row with its own ``PagedBatch``. A rank runs, for each of its stages and
+each micro-batch in order, the receive of its input (from the previous stage's rank), its
+blocks under ``running(that micro-batch's batch)``, and a non-blocking ``isend`` of the
+hidden states to the next stage's rank (the sends are waited on at the end of the step):
+the next stage works on micro-batch i while this one computes micro-batch i + 1. The last
+stage's logits of every micro-batch are concatenated in the requests' order, so the
+tokens are chosen (and sampled, the generator drawing in the same order) as without
+micro-batches. With one micro-batch the stages run in turn: the pipeline then splits the
+model's memory, not its decode time.
 """
 
 from __future__ import annotations
@@ -15,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from ._paged import running
 
 
 class PipelineDecoder:
@@ -41,26 +53,42 @@ class PipelineDecoder:
             h = out[0] if isinstance(out, tuple) else out
         return h
 
-    def logits(self, ids, pos, last, dtype):
+    def logits(self, micro, dtype):
         """The logits (S, V) of each request's last token on the last stage's rank, None
-        on the others."""
-        h, out = None, None
-        hidden = self.model.config.hidden_size
+        on the others. ``micro``: the step's micro-batches in the requests' order, each
+        ``(ids (1, T), pos (1, T), last, batch)``; the stages run on them as a pipeline
+        (module docstring)."""
+        hs, out, sends = [None] * len(micro), [], []
         for i, s in enumerate(self.all):
             if s.rank != self.me:
                 continue
             mod = self.mine[s.index]
-            if s.first:
-                h = mod.embed(ids)
-            elif self.all[i - 1].rank != self.me:
-                h = torch.empty(1, ids.shape[1], hidden, dtype=dtype, device=ids.device)
-                dist.recv(h, self._peer(self.all[i - 1]), group=None)
-            h = self._blocks(mod, h, pos)
-            if s.last:
-                out = mod.head(mod.norm(h[:, last]))[0]
-            elif self.all[i + 1].rank != self.me:
-                dist.send(h.contiguous(), self._peer(self.all[i + 1]))
-        return out
+            for j, (ids, pos, last, batch) in enumerate(micro):
+                h = self._input(i, mod, ids, hs[j], dtype)
+                with running(batch):
+                    h = self._blocks(mod, h, pos)
+                if s.last:
+                    out.append(mod.head(mod.norm(h[:, last]))[0])
+                elif self.all[i + 1].rank != self.me:
+                    h = h.contiguous()
+                    sends.append(dist.isend(h, self._peer(self.all[i + 1])))
+                hs[j] = h
+        for w in sends:
+            w.wait()
+        return torch.cat(out) if out else None
+
+    def _input(self, i: int, mod, ids, h, dtype):
+        """Stage ``i``'s input: the embedded tokens, the hidden states this rank's previous
+        stage left (``h``), or those received from the previous stage's rank."""
+        s = self.all[i]
+        if s.first:
+            return mod.embed(ids)
+        if self.all[i - 1].rank == self.me:
+            return h
+        h = torch.empty(1, ids.shape[1], self.model.config.hidden_size, dtype=dtype,
+                        device=ids.device)
+        dist.recv(h, self._peer(self.all[i - 1]))
+        return h
 
     def share(self, tokens: list[int] | None, n: int, device) -> list[int]:
         """The last stage's ``tokens`` on every rank of the pipeline group."""
