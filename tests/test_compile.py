@@ -70,7 +70,7 @@ def test_refused_compositions():
         ml.compile_blocks(mode="fastest")
 
 
-def test_models_compiled_one_after_another_in_one_process():
+def test_models_compiled_one_after_another_in_one_process(one_process):
     """Three 5-block models compiled in turn in one process (a notebook cell run again):
     dynamo keeps every block's cache entry, so the third model's blocks must still fit
     under the recompile limit, or fullgraph makes its first forward an error."""
@@ -88,7 +88,7 @@ def test_models_compiled_one_after_another_in_one_process():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_compiled_blocks_on_cuda_without_graph_breaks():
+def test_compiled_blocks_on_cuda_without_graph_breaks(one_process):
     """On CUDA (cuDNN attention, Triton kernels) every fused block compiles as one graph and
     trains to the eager model's losses within bf16 rounding."""
     import transformers

@@ -78,7 +78,7 @@ def test_remat_count_checkpoints_that_many_blocks_spread_evenly():
         ml.remat("full", count=-1)
 
 
-def test_remat_count_trains_like_the_model_and_wraps_that_many_blocks():
+def test_remat_count_trains_like_the_model_and_wraps_that_many_blocks(one_process):
     """On one process, remat('full', count=3) of a 4-block Llama wraps three blocks'
     forwards and gives the unwrapped model's losses and weights over two AdamW steps."""
     def run(spec):

@@ -22,7 +22,7 @@ from meshlab import presets
 from meshlab.ops import FusedAdamW
 from meshlab.parallel.step_in_backward import bucket_of
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_process")]
 
 
 @pytest.fixture(scope="module")
