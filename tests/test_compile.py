@@ -68,6 +68,8 @@ def test_refused_compositions():
         ml.plan(model, ml.pipeline("pp", microbatches=2) | ml.compile_blocks(), mesh)
     with pytest.raises(ml.ConfigError, match="mode"):
         ml.compile_blocks(mode="fastest")
+    with pytest.raises(ml.ConfigError, match="modes are inductor's"):
+        ml.compile_blocks(mode="reduce-overhead", backend="aot_eager")
 
 
 def test_models_compiled_one_after_another_in_one_process(one_process):

@@ -14,7 +14,8 @@ blocks plus its default margin.
 graphs (torch's CUDA graph trees): a step then costs the host a replay per block instead
 of a launch per kernel, which is what a small batch is bound by. ``meshlab.step`` marks
 the start of each step for the graph trees (the runtime part below), so the outputs of
-one step are never taken for another's. Off the GPU the mode compiles as the default one.
+one step are never taken for another's. Modes are inductor's: another ``backend`` with a
+``mode`` is refused.
 
 >>> compile_blocks()
 compile_blocks(fullgraph=True)
@@ -69,6 +70,9 @@ class Compile(Transform):
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"compile_blocks(backend={self.backend!r}): the name of a "
                               f"torch.compile backend, e.g. 'inductor' or 'aot_eager'")
+        if self.mode is not None and self.backend != "inductor":
+            raise ConfigError(f"compile_blocks(mode={self.mode!r}, backend={self.backend!r}): "
+                              f"modes are inductor's; leave mode out or use backend='inductor'")
 
     def check(self, plan: Plan) -> None:
         if not plan.model.blocks:
