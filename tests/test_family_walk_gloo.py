@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+import torch
 import transformers
 
 import meshlab as ml
@@ -76,3 +77,19 @@ def test_auto_refuses_a_family_the_walk_never_saw(monkeypatch):
     rules = ml.Rules(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
     with pytest.raises(ml.PolicyError, match="'llama' was not in meshlab's family walk"):
         ml.plan(meta("llama"), ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2, fake=True))
+
+
+def test_float32_tolerance_judges_sign_flipped_updates_by_their_gradient():
+    """Adam's first update is lr·sign(g) where |g| >> eps: a gradient within rounding of
+    zero may flip it, which the walk leaves to the gradient check; a wrong update on any
+    other element is still caught."""
+    ref, model = torch.nn.Linear(4, 1, bias=False), torch.nn.Linear(4, 1, bias=False)
+    g = torch.tensor([[1e-2, -3e-3, 2e-9, 5e-2]])
+    model.weight.data = ref.weight.data.clone()
+    loss = torch.tensor(1.0)
+    model.weight.data[0, 2] += 2e-3          # the sign flip of a near-zero gradient
+    assert walk._compare(loss, {"weight": g}, model, loss, {"weight": g}, ref,
+                         walk.TOLS_FP32) is None
+    model.weight.data[0, 0] += 1e-3          # one lr on a well-defined update
+    bad = walk._compare(loss, {"weight": g}, model, loss, {"weight": g}, ref, walk.TOLS_FP32)
+    assert bad is not None and bad.startswith("weight weight off by 0.001")

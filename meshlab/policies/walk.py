@@ -33,9 +33,11 @@ TOLS = dict(loss=(1e-9, 1e-7), grad=(1e-9, 1e-7), weight=(1e-9, 1e-7))
 # A family whose forward casts to float32 on its own (a router's softmax in float32):
 # the parallel run sums those float32 partials in another order, which moves the 8th
 # digit. Float32 tolerances there, still far below a missing or doubled reduction. Adam's
-# first step is lr·g/(|g|+eps): on a gradient near zero that rounding moves the update by
-# a part of lr (1e-3), where a wrong update moves it by about lr, so weights get 1e-4.
-TOLS_FP32 = dict(loss=(1e-7, 1e-5), grad=(1e-7, 1e-5), weight=(1e-4, 1e-5))
+# first step is lr·g/(|g|+eps): where |g| is within the gradient tolerance of zero, that
+# rounding may flip the update's sign (moves it by up to 2·lr), so such elements are
+# judged by their gradient alone; elsewhere the update moves by lr·|dg|/|g| <= 1e-5,
+# far below the lr (1e-3) a wrong update moves it by, so weights get 1e-4.
+TOLS_FP32 = dict(loss=(1e-7, 1e-5), grad=(1e-7, 1e-5), weight=(1e-4, 1e-5), settled=1e-5)
 
 
 def tp_plan_families() -> list[str]:
@@ -108,9 +110,12 @@ def _compare(loss, grads, model, ref_loss, ref_grads, ref, tols=TOLS) -> str | N
         if not torch.allclose(grads[n], g, *tols["grad"][::-1]):
             return f"gradient of {n} off by {(grads[n] - g).abs().max().item():.3g}"
     for n, p in model.named_parameters():
-        w = _full(p.detach())
-        if not torch.allclose(w, refp[n].detach(), *tols["weight"][::-1]):
-            return f"weight {n} off by {(w - refp[n]).abs().max().item():.3g} after one step"
+        w, r = _full(p.detach()), refp[n].detach()
+        if "settled" in tols and n in ref_grads:     # elements whose update is defined
+            keep = ref_grads[n].abs() > tols["settled"]
+            w, r = w[keep], r[keep]
+        if not torch.allclose(w, r, *tols["weight"][::-1]):
+            return f"weight {n} off by {(w - r).abs().max().item():.3g} after one step"
     return None
 
 
