@@ -43,11 +43,22 @@ class _Scan:
 
     def in_region(self, fqn: str) -> bool:
         """Whether ``fqn`` lies under one of the regions (its ancestors looked up)."""
+        return bool(self.regions_of(fqn))
+
+    def regions_of(self, fqn: str) -> tuple[str, ...]:
+        """The regions ``fqn`` lies under (its ancestors that are regions), outermost
+        first; looked up by ancestor, so a check over every module and region stays
+        linear."""
         rs = self.__dict__.get("_region_set")
         if rs is None:
             rs = self.__dict__["_region_set"] = frozenset(self.regions)
-        parts = fqn.split(".")
-        return any(".".join(parts[:i]) in rs for i in range(1, len(parts)))
+        return tuple(a for a in ancestors(fqn) if a in rs)
+
+
+def ancestors(fqn: str) -> list[str]:
+    """``'a.b.c'`` -> ``['a', 'a.b']``: the modules ``fqn`` lies under."""
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 _RECENT: list = []        # (plan, rank, result): the bound plans asked last (checks, estimates)
@@ -110,15 +121,17 @@ def _in_gathered(scan: "_Scan", mname: str) -> bool:
     g = scan.__dict__.get("_gathered")
     if g is None:
         g = scan.__dict__["_gathered"] = gathered_regions(scan)
-    return any(mname.startswith(r + ".") for r in g)
+    return any(a in g for a in ancestors(mname))
 
 
 def _drop_empty_regions(scan: "_Scan") -> None:
     """A region where the policy splits nothing (its plan names only the embedding, say)
     is no tensor-parallel region: its modules run whole, entered and left as they are."""
-    split = {m.fqn for m in scan.modules}
-    keep = tuple(r for r in scan.regions
-                 if any(f == r or f.startswith(r + ".") for f in split))
+    hit = set()
+    for m in scan.modules:
+        hit.add(m.fqn)
+        hit.update(ancestors(m.fqn))
+    keep = tuple(r for r in scan.regions if r in hit)
     if keep != scan.regions:
         scan.regions = keep
         scan.__dict__.pop("_region_set", None)
@@ -243,7 +256,8 @@ def gathered_regions(scan: _Scan) -> frozenset:
     for e in scan.plan.params:
         if scan.axis not in (e.mesh_spec or P()).axes or not e.fqn.endswith("weight"):
             continue
-        r = next((r for r in scan.regions if e.module.startswith(r + ".")), None)
+        inside = scan.regions_of(e.module)
+        r = min(inside, key=scan.regions.index) if inside else None
         if r is not None:
             by_region.setdefault(r, set()).add(
                 GATHER in e.tags or SPLIT_INPUT in e.tags)
@@ -279,18 +293,30 @@ def _refuse_mixed_regions(scan: _Scan) -> None:
     # partial ones summed over tp
     whole_ok = {e.module for e in scan.plan.params
                 if {"full_grad", "replicated_with_grad_allreduce"} & set(e.tags)}
+    by_region: dict[str, list] = {}
+    for m in scan.plan.model.modules:
+        if m.kind in ("linear", "conv1d") and m.fqn not in whole_ok:
+            for r in scan.regions_of(m.fqn):
+                by_region.setdefault(r, []).append(m)
+    # regions a row-parallel module sits in; modules that one outside every region is under
+    rows_in, rows_out_under, rows_out = set(), set(), False
+    for f, st in styles.items():
+        if isinstance(st, RowWise):
+            inside = scan.regions_of(f)
+            rows_in.update(inside)
+            if not inside:
+                rows_out = True
+                rows_out_under.update(ancestors(f))
     for r in scan.regions:
-        inside = [m for m in scan.plan.model.modules if m.fqn.startswith(r + ".")
-                  and m.kind in ("linear", "conv1d") and m.fqn not in whole_ok]
+        inside = by_region.get(r, [])
         split = [m for m in inside if m.fqn in styles]
         whole = [m for m in inside if m.fqn not in styles]
         if split and whole:
             raise ConfigError(_mixed_message(scan, r, split[0], whole[0]))
         col = [m.fqn for m in split if isinstance(styles[m.fqn], ColWise)]
         parent = r.rpartition(".")[0]
-        joined = any(isinstance(st, RowWise) and (f.startswith(r + ".") or (
-            not scan.in_region(f) and (not parent or f.startswith(parent + "."))))
-            for f, st in styles.items())   # inside the region, or after it outside any
+        # a row-parallel module inside the region, or after it outside any
+        joined = r in rows_in or (rows_out and (not parent or parent in rows_out_under))
         if col and not joined:
             raise ConfigError(
                 f"{col[0]}: split over {scan.axis!r} on its output features inside the "
@@ -336,25 +362,22 @@ def _reads_split(scan: _Scan, region: str, peer: ModuleInfo, whole: ModuleInfo) 
     return whole.fqn == inside[-1].fqn and not joined_outside
 
 
-def _joins(scan: _Scan, fqn: str, region: str) -> bool:
-    """Whether a row-parallel ``fqn`` can join ``region``'s split outputs: it sits inside
-    the region, or after it outside any region, under the region's parent."""
-    parent = region.rpartition(".")[0]
-    return fqn.startswith(region + ".") or (
-        not scan.in_region(fqn) and (not parent or fqn.startswith(parent + ".")))
-
-
 def _refuse_unpaired_rows(scan: _Scan) -> None:
     """A row-parallel module runs on this rank's share of its input features, which a
     column-parallel module of the region it joins has split. With none (only ``down_proj``
     sharded, outside any region or alone in one), its whole input meets a slice of its
     weight and the forward fails on mismatched shapes."""
     styles = {m.fqn: m.style for m in scan.modules}
-    split = [r for r in scan.regions if any(isinstance(st, ColWise) and f.startswith(r + ".")
-                                            for f, st in styles.items())]
+    cols = {r for f, st in styles.items() if isinstance(st, ColWise) for r in scan.regions_of(f)}
+    split = [r for r in scan.regions if r in cols]
+    split_set = set(split)
+    parents = {r.rpartition(".")[0] for r in split}
     for f, st in styles.items():
-        if not isinstance(st, RowWise) or st.split_input or \
-                any(_joins(scan, f, r) for r in split):
+        if not isinstance(st, RowWise) or st.split_input:
+            continue
+        inside = scan.regions_of(f)          # _joins over every split region, by ancestor
+        if split_set.intersection(inside) or (
+                not inside and ("" in parents or parents.intersection(ancestors(f)))):
             continue
         e = next((e for e in scan.plan.params if e.module == f and e.fqn.endswith("weight")),
                  None)
