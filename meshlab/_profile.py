@@ -96,7 +96,8 @@ class Profile:
     block: str
     saved: tuple[Saved, ...]
     peak: tuple[Saved, ...]
-    work: dict          # (part, direction) -> Work; part 'block'|'rest', direction 'fwd'|'bwd'
+    work: dict          # (part, direction) -> Work; part 'block'|'rest' ('embed': of 'rest',
+    #                     the input embeddings' share), direction 'fwd'|'bwd'
 
     def saved_bytes(self, part: str | None = None) -> int:
         return sum(s.bytes for s in self._part(self.saved, part))
@@ -113,10 +114,19 @@ class Profile:
 
 # -------------------------------------------------------------------------- the copy
 
-def _meta_copy(model: nn.Module) -> nn.Module:
-    """``model`` with every parameter and buffer on the meta device (nothing copied)."""
+def _meta_copy(model: nn.Module, share: tuple[str, ...] = ()) -> nn.Module:
+    """``model`` with every parameter and buffer on the meta device (nothing copied).
+    The submodules named in ``share`` are not copied: the copy refers to the originals,
+    for the caller to drop (``_one_block`` keeps only the first block)."""
     memo: dict[int, Any] = {}
+    for name in share:
+        mod = model.get_submodule(name)
+        memo[id(mod)] = mod
+    shared = {id(t) for name in share for t in
+              [*model.get_submodule(name).parameters(), *model.get_submodule(name).buffers()]}
     for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in shared:
+            continue
         m = torch.empty_like(t, device="meta")
         memo[id(t)] = nn.Parameter(m, requires_grad=t.requires_grad) \
             if isinstance(t, nn.Parameter) else m
@@ -223,19 +233,22 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
     _block = ""
+    _embed = ""
 
     def _add(self, what: str, amount) -> None:
         mod = self._module()
         part = "block" if self._block and (mod == self._block or
                                            mod.startswith(self._block + ".")) else "rest"
-        key = (part, self.phase)
-        w = self.work.get(key, Work())
         if what == "attn":
             f, d, kv = amount
             narrow = d <= 64
             amount = Work(attn=int(f), attn_narrow=int(f) if narrow else 0, ops=1,
                           attn_kv=int(f / kv), attn_kv_narrow=int(f / kv) if narrow else 0)
-        self.work[key] = w + amount
+        keys = [(part, self.phase)]
+        if self._embed and (mod == self._embed or mod.startswith(self._embed + ".")):
+            keys.append(("embed", self.phase))     # of 'rest': the input embeddings' share
+        for key in keys:
+            self.work[key] = self.work.get(key, Work()) + amount
 
 
 def _counted(packet):
@@ -348,6 +361,7 @@ def _run(model: nn.Module, block: str, batch: int, seq: int, loss_fn, contexts) 
         tracker = ModuleTracker()
         rec = _Recorder(tracker, skip)
         rec._block = block
+        rec._embed = _embedding_name(model)
         ends = _watch_ends(model.get_submodule(block))
         with tracker, rec, contextlib.ExitStack() as stack:
             for c in contexts:
@@ -370,6 +384,16 @@ def _run(model: nn.Module, block: str, batch: int, seq: int, loss_fn, contexts) 
                                    for k in saved),
                        peak=tuple(_row(rec.made[k], grads.get(k, "")) for k in best[1]),
                        work=dict(rec.work))
+
+
+def _embedding_name(model: nn.Module) -> str:
+    """The input embeddings' module name, or '' where the model does not say."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if get is not None else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    return next((n for n, m in model.named_modules() if m is emb), "") if emb is not None else ""
 
 
 def _to_fake(model: nn.Module) -> None:
@@ -447,7 +471,7 @@ def profile(model: nn.Module, plan, batch: int, seq: int) -> Profile:
     key = (tuple(repr(t) for t in plan.rooms if _profiles(t)), int(batch), int(seq))
     per = _CACHE.setdefault(model, {})
     if key not in per:
-        clone = _meta_copy(model)
+        clone = _meta_copy(model, share=tuple(plan.model.blocks[1:]))
         block = _one_block(clone, plan.model.blocks)
         loss_fn, contexts, hooked = default_loss, [], []
         for t in plan.rooms:

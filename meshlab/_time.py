@@ -11,8 +11,9 @@ host_op + fused * host_fused`` (an eager step's dispatch; a fused op's call cost
 ``host_hook`` each (``host_hook_fused`` for a fused op): whichever is longer, plus the
 optimizer step (the bytes AdamW reads and writes on the device). The
 rooms then scale it (``Transform.step_time``): tensor and sequence parallelism divide the
-block's work, a pipeline rank runs its stages' blocks and idles for the bubble, offload
-adds its host step.
+block's work, a pipeline rank runs its stages' blocks and idles for the bubble (its
+schedule replayed at each stage's profiled forward and backward seconds, the embeddings
+on the first stage and the head and loss on the last), offload adds its host step.
 
 Communication: every collective of ``plan.comm()`` takes ``latency + moved / bandwidth``,
 where ``moved`` is a ring's traffic (all-reduce ``2 (n-1)/n`` of the tensor, all-gather and
@@ -146,8 +147,9 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
         fixed += s * (1 - frac)
     exposed = fixed + max(0.0, hidable - compute)
     bubble, extra = 0.0, 0.0
+    seconds = part_seconds(pr, m)
     for t in plan.rooms:
-        bubble = max(bubble, t.idle(plan))
+        bubble = max(bubble, t.idle(plan, seconds))
         extra += t.host_seconds(plan)
     dp = _dp_size(plan)
     kinds: dict = {}
@@ -158,6 +160,20 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
                     tokens=batch * seq * dp,
                     parts=tuple((name, _longer(k)) for name, k in by_part.items()),
                     machine=m.name, kinds=tuple(kinds.items()))
+
+
+def part_seconds(pr, m: Machine) -> dict:
+    """Seconds of the profiled step by part and direction, for the whole batch:
+    ``{'block': (fwd, bwd) of one block, 'embed': (fwd, bwd) of the input embeddings,
+    'head': (fwd, bwd) of the rest (final norm, head, loss)}``."""
+    def sec(part, d):
+        return _longer(work_kinds(pr.work.get((part, d), Work()), m))
+
+    out = {"block": (sec("block", "fwd"), sec("block", "bwd")),
+           "embed": (sec("embed", "fwd"), sec("embed", "bwd"))}
+    out["head"] = tuple(max(0.0, sec("rest", d) - e) for d, e in zip(("fwd", "bwd"),
+                                                                        out["embed"]))
+    return out
 
 
 def _optimizer_work(plan) -> Work:

@@ -128,7 +128,30 @@ def p2p_case(rank, world, schedule):
     act = (B // m) * S * H * 4                       # one microbatch's hidden states, fp32
     sends = [c for c in cc.calls if c[0] == "send"]
     recvs = [c for c in cc.calls if c[0] == "recv"]
-    return len(sends), sum(c[2] for c in sends), len(recvs), sum(c[2] for c in recvs), act
+    return (len(sends), sum(c[2] for c in sends), len(recvs), sum(c[2] for c in recvs), act,
+            _host_reads(model, batch))
+
+
+def _host_reads(model, batch) -> int:
+    """The device-to-host reads (``.item()``, ``float(t)``: each a round trip on a GPU)
+    of one pipelined forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshlab._step import _default_loss
+    from meshlab.parallel.pipeline._runtime import PipelinePart
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    rt = model._meshlab
+    with Reads():
+        rt.part(PipelinePart).forward_backward(rt, batch, _default_loss)
+    return Reads.n
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
@@ -136,6 +159,7 @@ def test_pipeline_p2p_volume(world2, schedule):
     """Each stage boundary carries every microbatch's activations forward and their
     gradients backward: per step, boundaries x m sends of B/m x S x H fp32 each way."""
     out = world2.run(p2p_case, schedule=schedule)
+    assert [o[5] for o in out] == [1, 1], "one read of the step's loss, none per microbatch"
     m = 4
     boundaries = {"1f1b": 1, "interleaved": 3}[schedule]      # stages - 1
     total_sends = sum(o[0] for o in out)

@@ -197,8 +197,9 @@ class Transform:
         """The fraction of this room's ``kind`` collectives hidden behind compute."""
         return 0.0
 
-    def idle(self, plan: Plan) -> float:
-        """The fraction of the step a rank waits (a pipeline's bubble)."""
+    def idle(self, plan: Plan, seconds: dict | None = None) -> float:
+        """The fraction of the step the busiest rank waits (a pipeline's bubble), given
+        the profiled ``seconds`` by part (``meshlab._time.part_seconds``) where known."""
         return 0.0
 
     def host_seconds(self, plan: Plan) -> float:

@@ -2,16 +2,20 @@
 
 The room: ``Pipeline`` (claims the ``pp`` role), its checks (stages fill the ranks, no
 tied weights across stages, combinations it cannot run), its install (other ranks'
-blocks dropped after initialization, ``torch.distributed.pipelining`` stages and the
-schedule; ``_runtime``), its part (the schedule runs the step; the gradient norm is summed
-over stages) and the schedule's picture and idle fraction (``_schedule``):
+blocks dropped after initialization, ``torch.distributed.pipelining`` stages, and
+torch's schedule runtime over the schedule's action lists; ``_runtime``), its part (the
+schedule runs the step; the gradient norm is summed over stages) and the schedule's
+picture and idle fraction (``_schedule``), from the same action lists the runtime runs:
 
 * GPipe and 1F1B:           (p - 1) / (m + p - 1)
 * interleaved 1F1B (v > 1): (p - 1) / (v m + p - 1)
-* zero-bubble and ZB-V: torch's own action lists replayed with forward = 1, backward = 2
-  units (``simulate``), which gives the two formulas above exactly for the others
+* zero-bubble and ZB-V: the action lists replayed with forward = 1, backward = 2 units
+  (``simulate``), which gives the two formulas above exactly for the others
 
-with p pipeline ranks, m microbatches and v stages per rank.
+with p pipeline ranks, m microbatches and v stages per rank. Those formulas give every
+stage the same work; ``bubble(plan, batch=, seq=)`` and ``plan.time()`` replay the
+schedule at each stage's profiled seconds instead, the embeddings on the first stage and
+the final norm, head and loss on the last.
 """
 
 from __future__ import annotations
@@ -101,8 +105,14 @@ class Pipeline(Transform):
     def hidden(self, plan: Plan, kind: str) -> float:
         return 0.5      # sends and receives are batched with the neighbour's, half waited
 
-    def idle(self, plan: Plan) -> float:
-        return _schedule.bubble(plan, self)
+    def idle(self, plan: Plan, seconds: dict | None = None) -> float:
+        """The busiest rank's idle fraction: the schedule replayed at the stages' profiled
+        costs (embeddings on the first stage, head and loss on the last), or the formula
+        without a profile."""
+        if seconds is None or not seconds["block"][0]:
+            return _schedule.bubble(plan, self)
+        costs = _schedule.stage_costs(plan, self, seconds)
+        return _schedule.idle(plan, self, costs)["busiest"]
 
     def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
         """The rank holding the most: its stages' blocks per microbatch in flight."""
@@ -173,10 +183,38 @@ def stages(plan: Plan) -> list[Stage]:
     return [] if t is None else _schedule.stages(plan, t)
 
 
-def bubble(plan: Plan) -> float:
-    """Expected idle fraction of the pipeline schedule (module docstring)."""
+def bubble(plan: Plan, *, batch: int | None = None, seq: int | None = None,
+           gpu="h200") -> float:
+    """Expected idle fraction of the pipeline schedule, the mean over its ranks: the
+    formula (module docstring), or with ``batch`` and ``seq`` (per data-parallel rank) the
+    schedule replayed at each stage's profiled costs on ``gpu``, where the first stage
+    also runs the embeddings and the last the final norm, head and loss."""
     t = plan.get(Pipeline)
-    return 0.0 if t is None else _schedule.bubble(plan, t)
+    if t is None:
+        return 0.0
+    if batch is None and seq is None:
+        return _schedule.bubble(plan, t)
+    return costed(plan, batch=batch, seq=seq, gpu=gpu)["mean"]
+
+
+def costed(plan: Plan, *, batch: int, seq: int, gpu="h200") -> dict:
+    """The schedule replayed at each stage's profiled costs (``bubble``): ``{'mean',
+    'busiest', 'per_rank', 'step', 'costs'}``, costs per stage and microbatch (forward,
+    backward) in seconds on ``gpu``."""
+    from ..._errors import PlanError
+    from ..._machine import machine
+    from ..._profile import profile
+    from ..._time import part_seconds
+
+    t = _need(plan)
+    if batch is None or seq is None:
+        raise ConfigError("pipeline.costed: give both batch and seq (per data-parallel rank)")
+    if plan.source is None:
+        raise PlanError("pipeline.costed: this plan has no model to profile (read from "
+                        "JSON); plan the model with meshlab.plan(model, spec, mesh)")
+    seconds = part_seconds(profile(plan.source, plan, batch, seq), machine(gpu))
+    costs = _schedule.stage_costs(plan, t, seconds)
+    return {**_schedule.idle(plan, t, costs), "costs": costs}
 
 
 def simulate(plan: Plan, forward: float = 1.0, backward: float = 2.0):

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..._errors import ConfigError
 from .._protocol import Part
-from ._schedule import stages
+from ._schedule import stages, torch_actions
 from ._stage import DecoderStage, prune
 
 
@@ -117,7 +117,10 @@ class PipelinePart(Part):
         return (self.group,)
 
     def schedule(self, loss_fn):
-        from torch.distributed import pipelining as P
+        """torch's schedule runtime over the action lists the plan simulates and draws
+        (``_schedule.torch_actions``): each rank runs its own list, sends as soon as a stage has
+        computed and waits for a receive only where its input is used."""
+        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
         key = id(loss_fn)
         if key not in self._schedules:
@@ -125,12 +128,11 @@ class PipelinePart(Part):
                 loss = loss_fn(out, {"input_ids": target, "labels": target})
                 return loss * self._scale if self._scale != 1.0 else loss
 
-            cls = {"gpipe": P.ScheduleGPipe, "1f1b": P.Schedule1F1B,
-                   "interleaved": P.ScheduleInterleaved1F1B,
-                   "zero_bubble": P.ScheduleInterleavedZeroBubble,
-                   "zbv": P.ScheduleZBVZeroBubble}[self.t.schedule]
-            stage = self.stages if self.t.schedule not in ("gpipe", "1f1b") else self.stages[0]
-            self._schedules[key] = cls(stage, self.t.microbatches, loss_fn=stage_loss)
+            sched = _PipelineScheduleRuntime(self.stages, self.t.microbatches,
+                                             loss_fn=stage_loss)
+            sched._prepare_schedule_with_comms(torch_actions(
+                self.t.schedule, self.group.size(), self.t.microbatches, self.t.v))
+            self._schedules[key] = sched
         return self._schedules[key]
 
     def run_step(self, rt, opt, batch, loss_fn) -> float:
@@ -171,8 +173,11 @@ class PipelinePart(Part):
                 sync.enabled = True
         if sync is not None:
             sync.flush()
-        t = torch.tensor([sum(float(l.detach()) for l in losses) / len(losses) / scale
-                          if losses else 0.0], dtype=torch.float64, device=rt.device)
+        # Summed on the device and read once, by the caller: no host round trip per
+        # microbatch.
+        t = (torch.stack([l.detach().to(torch.float64) for l in losses]).sum().reshape(1) /
+             (len(losses) * scale) if losses else
+             torch.zeros(1, dtype=torch.float64, device=rt.device))
         dist.all_reduce(t, group=self.group)      # only the last stage holds a loss
         if rt.dp_group is not None and rt.dp_size > 1:
             dist.all_reduce(t, group=rt.dp_group)

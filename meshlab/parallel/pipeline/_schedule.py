@@ -56,7 +56,7 @@ def stages(plan: Plan, opt) -> list[Stage]:
         if e.tied_to:
             continue
         nb = e.numel * dtype_bytes(e.dtype)
-        owner = next((b for b in blocks if e.fqn.startswith(b + ".")), None)
+        owner = _owner(e.fqn, size)
         if owner is not None:
             size[owner] += nb
         else:
@@ -78,6 +78,13 @@ def stages(plan: Plan, opt) -> list[Stage]:
     return out
 
 
+def _owner(fqn: str, blocks) -> str | None:
+    """The block (a key of ``blocks``) that ``fqn`` lies under, or None."""
+    parts = fqn.split(".")
+    return next((a for a in (".".join(parts[:i]) for i in range(1, len(parts)))
+                 if a in blocks), None)
+
+
 def rank_rows(plan: Plan, opt, rows: list) -> list:
     """The memory rows of the pipeline rank that holds the most bytes: its stages' blocks,
     the embedding on the first stage's rank, the rest outside the blocks on the last's
@@ -91,7 +98,7 @@ def rank_rows(plan: Plan, opt, rows: list) -> list:
     def rank_of(fqn: str) -> int | None:
         if fqn not in fqns:
             return None
-        owner = next((b for b in blocks if fqn.startswith(b + ".")), None)
+        owner = _owner(fqn, blocks)
         if owner is not None:
             return blocks[owner]
         return first if ("embed" in fqn or "wte" in fqn) else last
@@ -233,12 +240,24 @@ def _actions(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int,
     return out
 
 
-def simulate(plan: Plan, opt, forward: float = 1.0, backward: float = 2.0):
-    """Replay the schedule's per-rank action lists (torch's own) with unit costs and the
-    stage dependencies: returns ``[(rank, start, end, 'F'|'B', microbatch, stage)]``."""
+def torch_actions(schedule: str, p: int, m: int, v: int) -> dict:
+    """``_actions`` as torch's schedule runtime reads them: rank -> ``_Action`` list."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    return {r: [_Action(st, _ComputationType[kind], mb) for kind, st, mb in row]
+            for r, row in enumerate(_actions(schedule, p, m, v))}
+
+
+def simulate(plan: Plan, opt, forward: float = 1.0, backward: float = 2.0, costs=None):
+    """Replay the schedule's per-rank action lists (the ones the runtime runs) with the
+    stage dependencies: returns ``[(rank, start, end, 'F'|'B'|'I'|'W', microbatch,
+    stage)]``. Every stage costs ``forward`` and ``backward`` per microbatch, or stage
+    ``s`` costs ``costs[s] = (forward, backward)`` (``stage_costs``); a split backward's
+    input and weight halves cost half the backward each."""
     p, m, v = plan.mesh_shape[opt.axis], opt.microbatches, opt.v
     rows = _actions(opt.schedule, p, m, v)
     n = p * v
+    cost = costs or [(forward, backward)] * n
     done: dict = {}
     clock = [0.0] * p
     pos = [0] * p
@@ -249,19 +268,20 @@ def simulate(plan: Plan, opt, forward: float = 1.0, backward: float = 2.0):
             if pos[r] >= len(rows[r]):
                 continue
             kind, st, mb = rows[r][pos[r]]
+            f, b = cost[st]
             if kind == "FORWARD":
                 dep = [("F", st - 1, mb)] if st > 0 else []
-                cost, tag = forward, "F"
+                c, tag = f, "F"
             elif kind == "BACKWARD_WEIGHT":
-                dep, cost, tag = [("I", st, mb)], backward / 2, "W"
+                dep, c, tag = [("I", st, mb)], b / 2, "W"
             else:   # FULL_BACKWARD, or BACKWARD_INPUT (the input-gradient half)
                 dep = [("F", st, mb)] + ([("I", st + 1, mb)] if st < n - 1 else [])
-                cost = backward / 2 if kind == "BACKWARD_INPUT" else backward
+                c = b / 2 if kind == "BACKWARD_INPUT" else b
                 tag = "I" if kind == "BACKWARD_INPUT" else "B"
             if any(d not in done for d in dep):
                 continue
             t0 = max([clock[r]] + [done[d] for d in dep])
-            clock[r] = t0 + cost
+            clock[r] = t0 + c
             done[(tag if tag != "B" else "I", st, mb)] = clock[r]
             out.append((r, t0, clock[r], tag, mb, st))
             pos[r] += 1
@@ -269,6 +289,39 @@ def simulate(plan: Plan, opt, forward: float = 1.0, backward: float = 2.0):
         if not progressed:
             raise ConfigError(f"the {opt.schedule} schedule cannot make progress for "
                               f"p={p}, m={m}, v={v}")
+    return out
+
+
+def idle(plan: Plan, opt, costs) -> dict:
+    """The schedule replayed at per-stage ``costs``: ``{'mean': the ranks' mean idle
+    fraction of the step, 'busiest': the idle fraction of the rank with the most work,
+    'per_rank': [...], 'step': the step's length in the costs' unit}``."""
+    events = simulate(plan, opt, costs=costs)
+    p = plan.mesh_shape[opt.axis]
+    end = max(e[2] for e in events)
+    busy = [0.0] * p
+    for r, t0, t1, *_ in events:
+        busy[r] += t1 - t0
+    per = [1 - b / end for b in busy]
+    top = max(range(p), key=lambda r: busy[r])
+    return {"mean": sum(per) / p, "busiest": per[top], "per_rank": per, "step": end}
+
+
+def stage_costs(plan: Plan, opt, seconds: dict) -> list[tuple[float, float]]:
+    """Each stage's (forward, backward) seconds for one microbatch, from the whole batch's
+    ``seconds``: ``{'block': (fwd, bwd) of one block, 'embed': (fwd, bwd) of the
+    embeddings, 'head': (fwd, bwd) of the rest, the final norm, head and loss}``. The
+    first stage adds the embeddings, the last the head and loss."""
+    m = opt.microbatches
+    bf, bb = seconds["block"]
+    ef, eb = seconds.get("embed", (0.0, 0.0))
+    hf, hb = seconds.get("head", (0.0, 0.0))
+    out = []
+    for s in stages(plan, opt):
+        k = len(s.blocks)
+        f = k * bf + (ef if s.first else 0.0) + (hf if s.last else 0.0)
+        b = k * bb + (eb if s.first else 0.0) + (hb if s.last else 0.0)
+        out.append((f / m, b / m))
     return out
 
 

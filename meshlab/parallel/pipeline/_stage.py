@@ -59,8 +59,11 @@ class DecoderStage(nn.Module):
         base = getattr(model, model.base_model_prefix)
         h = self.embed(x) if self.first else x                   # (B, S, H)
         pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        # No position ids to the mask: they are 0..S-1 here, never packed sequences, and
+        # given, transformers reads them back to look for packing (a host round trip per
+        # stage and microbatch).
         mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None,
-                                  position_ids=pos, **_NO_CACHE)
+                                  position_ids=None, **_NO_CACHE)
         pe = base.rotary_emb(h, pos)
         for i in self.layer_ids:
             out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos,
