@@ -267,7 +267,37 @@ def micro_case(rank, world, family):
                 block_size=4, micro_batch_size=k, do_sample=sample, top_k=None, seed=3))
             out[sample, k], batches = _serve(engine, prompts)
             out["batches", sample, k] = batches
+    out["buffer"], out["in_flight"] = _bounded(model, prompts)
     return out
+
+
+def _bounded(model, prompts):
+    """Greedy with micro_batch_buffer_size=1: the tokens, and the most sends in flight."""
+    import torch.distributed as dist
+
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    live, most, isend = set(), [0], dist.isend
+
+    class Watched:
+        def __init__(self, work):
+            self.work = work
+            live.add(self)
+            most[0] = max(most[0], len(live))
+
+        def wait(self):
+            self.work.wait()
+            live.discard(self)
+
+    dist.isend = lambda *a, **k: Watched(isend(*a, **k))
+    try:
+        engine = InferenceEngine(model, inference_config=InferenceConfig(
+            dtype=torch.float32, max_batch_size=4, max_input_len=32, max_output_len=NEW,
+            block_size=4, micro_batch_size=2, micro_batch_buffer_size=1))
+        tokens, _ = _serve(engine, prompts)
+    finally:
+        dist.isend = isend
+    return tokens, most[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -275,7 +305,9 @@ def test_pipeline_micro_batches_match_one_process(world2, family):
     out = world2.run(micro_case, family=family)
     assert all(o[False, 2] == out[0][False, 2] for o in out)     # every rank the same
     o = out[0]
-    assert o[False, 2] == o["want"] == o[False, 1], (o[False, 2], o["want"])
+    assert o[False, 2] == o["want"] == o[False, 1] == o["buffer"], (o[False, 2], o["want"])
+    # two micro-batches a step: the first stage's rank holds at most one send in flight
+    assert sorted(x["in_flight"] for x in out) == [0, 1], [x["in_flight"] for x in out]
     assert o[True, 2] == o[True, 1] != o[False, 2]
     b = [set(x) for x in o["batches", False, 2]]
     assert max(map(len, b)) == 4 and 3 in map(len, b) and any(4 in x for x in b)
@@ -333,8 +365,11 @@ def test_micro_batch_size_refusals():
         InferenceConfig(micro_batch_size=2, use_spec_dec=True)
     with pytest.raises(ml.ConfigError, match=r"micro_batch_size=2, beam_width=2"):
         InferenceConfig(micro_batch_size=2, beam_width=2)
-    with pytest.raises(ml.ConfigError, match=r"InferenceConfig\(micro_batch_buffer_size=2"):
+    with pytest.raises(ml.ConfigError, match=r"micro_batch_buffer_size=2\) bounds"):
         InferenceConfig(micro_batch_buffer_size=2)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ml.ConfigError, match=r"micro_batch_buffer_size="):
+            InferenceConfig(micro_batch_size=2, micro_batch_buffer_size=bad)
     with pytest.raises(ml.ConfigError, match=r"micro_batch_size=2\) on a model that is not "
                                              r"pipelined"):
         InferenceEngine(M.build("llama"), inference_config=InferenceConfig(

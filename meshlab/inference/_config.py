@@ -10,7 +10,9 @@ paged cache (``block_size``, ``kv_cache_dtype``), continuous batching up to
 (``use_cuda_graph``, ``max_context_len_to_capture``), greedy speculative decoding with a
 draft model (``use_spec_dec``, ``max_n_spec_tokens``), and on a pipelined model
 micro-batches of ``micro_batch_size`` requests that overlap across the stages (above 1:
-a model that is not pipelined, speculation and beam search refuse it). A field set to
+a model that is not pipelined, speculation and beam search refuse it), at most
+``micro_batch_buffer_size`` of them sent on by a rank and not yet delivered (None: no
+bound; it needs micro_batch_size above 1). A field set to
 anything but its default whose behaviour is not built raises ``ConfigError`` naming it, at
 construction: nothing is accepted and ignored.
 """
@@ -31,9 +33,6 @@ _NOT_BUILT = {
     "glimpse_large_kv": "the large-KV glimpse is not built",
     "pp_size": "the engine pipelines a model parallelized with pipeline() (pp_size is read "
                "from it); give it that model",
-    "micro_batch_buffer_size": "the micro-batches in flight are not bounded: every "
-                               "micro-batch of a step (micro_batch_size requests each) is "
-                               "sent on as soon as its stage computed it",
     "use_cuda_kernel": "meshlab's decode attention is meshlab::paged_attention on every device",
     "high_precision": "scores and softmax already run in float32 (float64 for float64)",
     "enable_streamingllm": "StreamingLLM attention is not built",
@@ -114,6 +113,16 @@ def _check_micro(cfg: InferenceConfig) -> None:
     """Micro-batches split the one packed step that greedy decoding and sampling run;
     speculative checks and beam search run steps of their own, refused with them."""
     k = cfg.micro_batch_size
+    buf = cfg.micro_batch_buffer_size
+    if buf is not None:
+        if not isinstance(buf, int) or isinstance(buf, bool) or buf < 1:
+            raise ConfigError(f"InferenceConfig(micro_batch_buffer_size={buf!r}): a positive "
+                              f"integer, or None for no bound")
+        if k == 1:
+            raise ConfigError(f"InferenceConfig(micro_batch_buffer_size={buf}) bounds the "
+                              f"micro-batches in flight between pipeline stages, and "
+                              f"micro_batch_size=1 runs one batch per step; set "
+                              f"micro_batch_size above 1 or leave the buffer at None")
     for name, plain in (("use_spec_dec", False), ("beam_width", 1)):
         value = getattr(cfg, name)
         if k > 1 and value != plain:

@@ -272,7 +272,8 @@ class InferenceEngine:
         micro = [self._packed(seqs[i:i + k], every_position) for i in range(0, len(seqs), k)]
         with torch.no_grad(), whole_logits():
             if self.pipe is not None:
-                logits = self.pipe.logits(micro, self.config.dtype)
+                logits = self.pipe.logits(micro, self.config.dtype,
+                                          self.config.micro_batch_buffer_size)
             else:
                 ids_t, pos_t, last, batch = micro[0]
                 with running(batch):

@@ -12,8 +12,10 @@ requests into groups of ``micro_batch_size`` (by default one group: every reques
 packed in its own row with its own ``PagedBatch``. A rank runs, for each of its stages and
 each micro-batch in order, the receive of its input (from the previous stage's rank), its
 blocks under ``running(that micro-batch's batch)``, and a non-blocking ``isend`` of the
-hidden states to the next stage's rank (the sends are waited on at the end of the step):
-the next stage works on micro-batch i while this one computes micro-batch i + 1. The last
+hidden states to the next stage's rank (the sends are waited on at the end of the step,
+or, with ``micro_batch_buffer_size`` b, the oldest before a rank would have more than b
+of them in flight): the next stage works on micro-batch i while this one computes
+micro-batch i + 1. The last
 stage's logits of every micro-batch are concatenated in the requests' order, so the
 tokens are chosen (and sampled, the generator drawing in the same order) as without
 micro-batches. With one micro-batch the stages run in turn: the pipeline then splits the
@@ -53,11 +55,11 @@ class PipelineDecoder:
             h = out[0] if isinstance(out, tuple) else out
         return h
 
-    def logits(self, micro, dtype):
+    def logits(self, micro, dtype, buffer: int | None = None):
         """The logits (S, V) of each request's last token on the last stage's rank, None
         on the others. ``micro``: the step's micro-batches in the requests' order, each
         ``(ids (1, T), pos (1, T), last, batch)``; the stages run on them as a pipeline
-        (module docstring)."""
+        (module docstring), at most ``buffer`` sends in flight from this rank."""
         hs, out, sends = [None] * len(micro), [], []
         for i, s in enumerate(self.all):
             if s.rank != self.me:
@@ -71,6 +73,8 @@ class PipelineDecoder:
                     out.append(mod.head(mod.norm(h[:, last]))[0])
                 elif self.all[i + 1].rank != self.me:
                     h = h.contiguous()
+                    if buffer is not None and len(sends) >= buffer:
+                        sends.pop(0).wait()
                     sends.append(dist.isend(h, self._peer(self.all[i + 1])))
                 hs[j] = h
         for w in sends:
