@@ -4,6 +4,7 @@ and a copy in ``--copy-to`` when given (the device tool brings files back from t
 from __future__ import annotations
 
 import json
+import platform
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -23,3 +24,15 @@ def write(prefix: str, card: str, out: dict, copy_to: str | None = None) -> Path
     if copy_to:
         Path(copy_to, name).write_text(text)
     return path
+
+
+def cpu_model() -> str:
+    """This machine's CPU model, from /proc/cpuinfo where there is one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

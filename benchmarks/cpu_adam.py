@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -25,19 +24,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _results import cpu_model  # noqa: E402
 from meshlab.ops import CPUAdamW  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_params(total: int) -> list[torch.nn.Parameter]:

@@ -424,11 +424,121 @@ std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& 
   return {dq, dk, dv};
 }
 
+// ---------------------------------------------------------------------------------------
+// Paged attention for decoding (meshlab::paged_attention): packed queries q (T, Hq, D) over
+// a cache (blocks, block_size, Hkv, D) addressed through block tables (S, W). Query t
+// belongs to sequence seq[t] and sees that sequence's first keys[t] keys (its causal
+// prefix). One task per (query, kv head), for the query heads that share it: the scores of
+// its keys (read through the table, one dot product per head, in float32), their softmax,
+// then the weighted sum of the values. Each key and value row is read once per query;
+// the loop streams over the cache rows, vectorized over D.
+
+at::Tensor paged_attention_fwd(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                               const at::Tensor& tables, const at::Tensor& seq,
+                               const at::Tensor& keys, double scale) {
+  check_act(q, "q");
+  check_act(kc, "k_cache");
+  check_act(vc, "v_cache");
+  TORCH_CHECK(q.dim() == 3, "q must be (T, Hq, D), got ", q.sizes());
+  TORCH_CHECK(kc.dim() == 4 && kc.sizes() == vc.sizes(),
+              "k_cache and v_cache must both be (blocks, block_size, Hkv, D), got ",
+              kc.sizes(), " and ", vc.sizes());
+  TORCH_CHECK(kc.scalar_type() == q.scalar_type() && vc.scalar_type() == q.scalar_type(),
+              "q and the caches must share one dtype");
+  for (const at::Tensor* t : {&tables, &seq, &keys}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kLong,
+                "block tables, sequence and key counts must be contiguous int64 CPU tensors");
+  }
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t NB = kc.size(0), BS = kc.size(1), Hkv = kc.size(2);
+  TORCH_CHECK(kc.size(3) == D && Hq % Hkv == 0, "q has ", Hq, " heads of ", D,
+              ", the cache ", Hkv, " heads of ", kc.size(3));
+  TORCH_CHECK(tables.dim() == 2 && seq.numel() == T && keys.numel() == T,
+              "one sequence index and one key count per query, and a 2-D block table");
+  const int64_t S = tables.size(0), W = tables.size(1), G = Hq / Hkv;
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* sp = seq.data_ptr<int64_t>();
+  const int64_t* np = keys.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t t = 0; t < T; ++t) {  // every address checked before any is read
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < S, "query ", t, " names sequence ", sp[t], " of ", S);
+    TORCH_CHECK(np[t] >= 1 && np[t] <= W * BS, "query ", t, " sees ", np[t],
+                " keys; its table holds ", W * BS);
+    for (int64_t b = 0; b < (np[t] + BS - 1) / BS; ++b) {
+      const int64_t blk = tp[sp[t] * W + b];
+      TORCH_CHECK(blk >= 0 && blk < NB, "block table entry ", blk, " is outside the ", NB,
+                  " cache blocks");
+    }
+    longest = std::max(longest, np[t]);
+  }
+  at::Tensor out = at::empty_like(q);
+  const float fscale = static_cast<float>(scale);
+  dispatch(q, [&](auto tag) {
+    using T_ = decltype(tag);
+    const T_* qp = cptr<T_>(q);
+    const T_* kp = cptr<T_>(kc);
+    const T_* vp = cptr<T_>(vc);
+    T_* op = ptr<T_>(out);
+#pragma omp parallel
+    {
+      // the G query heads that share a kv head run together: each key and value row is
+      // read once for all of them
+      std::vector<float> qf(G * D), acc(G * D), sc(G * longest), m(G), l(G);
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t i = 0; i < T * Hkv; ++i) {
+        const int64_t t = i / Hkv, hk = i % Hkv, n = np[t];
+        const int64_t* row = tp + sp[t] * W;
+        const T_* qrow = qp + (t * Hq + hk * G) * D;
+        for (int64_t c = 0; c < G * D; ++c) qf[c] = ld(qrow[c]) * fscale;
+        std::fill(m.begin(), m.end(), kNegInf);
+        for (int64_t j = 0; j < n; ++j) {
+          const T_* krow = kp + ((row[j / BS] * BS + j % BS) * Hkv + hk) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t c = 0; c < D; ++c) dot += qg[c] * ld(krow[c]);
+            sc[g * n + j] = dot;
+            m[g] = std::max(m[g], dot);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float sum = 0.f;
+          float* sg = sc.data() + g * n;
+          for (int64_t j = 0; j < n; ++j) {
+            sg[j] = exp_f(sg[j] - m[g]);
+            sum += sg[j];
+          }
+          l[g] = sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t j = 0; j < n; ++j) {
+          const T_* vrow = vp + ((row[j / BS] * BS + j % BS) * Hkv + hk) * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = sc[g * n + j];
+            float* ag = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t c = 0; c < D; ++c) ag[c] += p * ld(vrow[c]);
+          }
+        }
+        T_* orow = op + (t * Hq + hk * G) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.f / l[g];
+          for (int64_t c = 0; c < D; ++c) orow[g * D + c] = st<T_>(acc[g * D + c] * inv);
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "meshlab::attention CPU kernels (float32 and bfloat16, float32 accumulation)";
+  m.doc() = "meshlab::attention and meshlab::paged_attention CPU kernels (float32 and "
+            "bfloat16, float32 accumulation)";
   m.def("attention_fwd", &attention_fwd);
   m.def("attention_bwd", &attention_bwd);
+  m.def("paged_attention_fwd", &paged_attention_fwd);
   m.def("num_threads", &num_threads);
 }

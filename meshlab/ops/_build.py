@@ -248,6 +248,7 @@ def attention_cpu():
 _OWN_EXTENSION = {
     "attention": ("meshlab_attention_cpu", attention_cpu, "attention_cpu.cpp"),
     "attention_backward": ("meshlab_attention_cpu", attention_cpu, "attention_cpu.cpp"),
+    "paged_attention": ("meshlab_attention_cpu", attention_cpu, "attention_cpu.cpp"),
 }
 
 

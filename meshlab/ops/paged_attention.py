@@ -12,11 +12,15 @@ multiple of ``Hkv`` (grouped-query attention: query head ``h`` reads kv head
 float32, or in float64 for float64 inputs.
 
 Registered as ``meshlab::paged_attention`` (no autograd: decoding has no backward), with a
-fake kernel for tracing. The kernel, on every device, gathers every sequence's blocks at
-once (``k_cache[block_tables]``), pads the queries per sequence and runs one
+fake kernel for tracing. On the CPU, for float32 and bfloat16 with the cache in the
+queries' dtype, it is the C++ kernel in ``csrc/attention_cpu.cpp``: one task per query
+and head, reading that sequence's keys and values through its block table (nothing
+gathered or padded), float32 scores and softmax. Elsewhere (CUDA, other dtypes, a cache
+in another dtype, kernels off) it gathers every sequence's blocks at once
+(``k_cache[block_tables]``), pads the queries per sequence and runs one
 ``scaled_dot_product_attention`` with the causal-per-sequence mask (grouped-query heads
-native); :func:`paged_attention_reference` is the same per sequence, in float32 math, for
-the tests. ``seq_lens`` and ``query_start`` are host integer lists (the scheduler knows
+native). ``meshlab.ops._build.LAST_PATH`` says which ran. :func:`paged_attention_reference`
+is the same per sequence, in float32 math, for the tests. ``seq_lens`` and ``query_start`` are host integer lists (the scheduler knows
 them), so no device read is needed to find the blocks.
 
 >>> import torch
@@ -122,8 +126,23 @@ def layout(block_tables: Tensor, seq_lens: list[int], query_start: list[int],
 @torch.library.custom_op("meshlab::paged_attention", mutates_args=())
 def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
                        seq: Tensor, row: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """All sequences in one SDPA call: blocks gathered, queries padded to the longest."""
+    """The C++ kernel on the CPU (module docstring), else all sequences in one SDPA call:
+    blocks gathered, queries padded to the longest."""
     import torch.nn.functional as F
+
+    from . import _build
+
+    if q.device.type == "cpu":
+        mod = _build.kernels("paged_attention", q)
+        if mod is not None and k_cache.dtype != q.dtype:
+            _build.record("paged_attention", "cpu", False,
+                          f"the cache is {k_cache.dtype}, the queries {q.dtype}")
+            mod = None
+        if mod is not None:
+            keys = mask[:, 0][seq, row].sum(-1)           # each query's causal prefix
+            return mod.paged_attention_fwd(q.contiguous(), k_cache.contiguous(),
+                                           v_cache.contiguous(), tables.contiguous(),
+                                           seq.contiguous(), keys, float(scale))
 
     hq, d = q.shape[1:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
