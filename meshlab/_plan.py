@@ -24,6 +24,20 @@ from ._roles import AxisRoles, derive_roles, implied_rooms
 from ._rules import Rules
 from ._spec import P
 
+
+def ancestors(fqn: str) -> list[str]:
+    """``'a.b.c'`` -> ``['a', 'a.b']``: the modules ``fqn`` lies under, outermost first."""
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def owner(fqn: str, names) -> str | None:
+    """The outermost of ``fqn``'s ancestors that is in ``names`` (a set or dict of module
+    names: blocks, regions), or None; looked up by ancestor, so asking it for every
+    parameter stays linear in the number of names."""
+    return next((a for a in ancestors(fqn) if a in names), None)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParamEntry:
     """One parameter: where it lives in the model and how it is laid out.

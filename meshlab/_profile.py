@@ -119,11 +119,10 @@ def _meta_copy(model: nn.Module, share: tuple[str, ...] = ()) -> nn.Module:
     The submodules named in ``share`` are not copied: the copy refers to the originals,
     for the caller to drop (``_one_block`` keeps only the first block)."""
     memo: dict[int, Any] = {}
-    for name in share:
-        mod = model.get_submodule(name)
+    shared: set[int] = set()
+    for mod in map(model.get_submodule, share):
         memo[id(mod)] = mod
-    shared = {id(t) for name in share for t in
-              [*model.get_submodule(name).parameters(), *model.get_submodule(name).buffers()]}
+        shared.update(id(t) for t in [*mod.parameters(), *mod.buffers()])
     for t in [*model.parameters(), *model.buffers()]:
         if id(t) in shared:
             continue

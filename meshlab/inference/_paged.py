@@ -69,10 +69,14 @@ class PagedCache:
             raise ValueError(f"copy_blocks: {len(src)} source blocks, {len(dst)} destinations")
         if not src:
             return
+        index: dict = {}            # device -> (source, destination) indices, made once
         for d in (self.k, self.v):
             for t in d.values():
-                i = torch.tensor(src, device=t.device)
-                t.index_copy_(0, torch.tensor(dst, device=t.device), t.index_select(0, i))
+                if t.device not in index:
+                    index[t.device] = (torch.tensor(src, device=t.device),
+                                       torch.tensor(dst, device=t.device))
+                i, j = index[t.device]
+                t.index_copy_(0, j, t.index_select(0, i))
         self.copied += len(src)
 
     def nbytes(self) -> int:

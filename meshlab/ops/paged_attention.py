@@ -14,8 +14,8 @@ float32, or in float64 for float64 inputs.
 Registered as ``meshlab::paged_attention`` (no autograd: decoding has no backward), with a
 fake kernel for tracing. On the CPU, for float32 and bfloat16 with the cache in the
 queries' dtype, it is the C++ kernel in ``csrc/attention_cpu.cpp``: one task per query
-and head, reading that sequence's keys and values through its block table (nothing
-gathered or padded), float32 scores and softmax. Elsewhere (CUDA, other dtypes, a cache
+and kv head (its query heads together), reading that sequence's keys and values through
+its block table (nothing gathered or padded), float32 scores and softmax. Elsewhere (CUDA, other dtypes, a cache
 in another dtype, kernels off) it gathers every sequence's blocks at once
 (``k_cache[block_tables]``), pads the queries per sequence and runs one
 ``scaled_dot_product_attention`` with the causal-per-sequence mask (grouped-query heads

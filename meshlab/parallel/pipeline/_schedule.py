@@ -20,7 +20,7 @@ import math
 
 from ..._errors import ConfigError
 from ..._placement import local_shape
-from ..._plan import Plan, dtype_bytes
+from ..._plan import Plan, dtype_bytes, owner as plan_owner
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
@@ -56,7 +56,7 @@ def stages(plan: Plan, opt) -> list[Stage]:
         if e.tied_to:
             continue
         nb = e.numel * dtype_bytes(e.dtype)
-        owner = _owner(e.fqn, size)
+        owner = plan_owner(e.fqn, size)
         if owner is not None:
             size[owner] += nb
         else:
@@ -78,13 +78,6 @@ def stages(plan: Plan, opt) -> list[Stage]:
     return out
 
 
-def _owner(fqn: str, blocks) -> str | None:
-    """The block (a key of ``blocks``) that ``fqn`` lies under, or None."""
-    parts = fqn.split(".")
-    return next((a for a in (".".join(parts[:i]) for i in range(1, len(parts)))
-                 if a in blocks), None)
-
-
 def rank_rows(plan: Plan, opt, rows: list) -> list:
     """The memory rows of the pipeline rank that holds the most bytes: its stages' blocks,
     the embedding on the first stage's rank, the rest outside the blocks on the last's
@@ -98,7 +91,7 @@ def rank_rows(plan: Plan, opt, rows: list) -> list:
     def rank_of(fqn: str) -> int | None:
         if fqn not in fqns:
             return None
-        owner = _owner(fqn, blocks)
+        owner = plan_owner(fqn, blocks)
         if owner is not None:
             return blocks[owner]
         return first if ("embed" in fqn or "wte" in fqn) else last

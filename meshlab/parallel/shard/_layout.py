@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..._errors import ConfigError, NotRunnable
-from ..._plan import ModuleInfo, Plan
+from ..._plan import ModuleInfo, Plan, ancestors
 from ..._spec import P
 from ._dtensor import dtensor_layout
 from ._sp_checks import (_refuse_sp_outside_regions, _refuse_sp_regions, _refuse_sp_stacks,
@@ -53,12 +53,6 @@ class _Scan:
         if rs is None:
             rs = self.__dict__["_region_set"] = frozenset(self.regions)
         return tuple(a for a in ancestors(fqn) if a in rs)
-
-
-def ancestors(fqn: str) -> list[str]:
-    """``'a.b.c'`` -> ``['a', 'a.b']``: the modules ``fqn`` lies under."""
-    parts = fqn.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 _RECENT: list = []        # (plan, rank, result): the bound plans asked last (checks, estimates)

@@ -11,7 +11,7 @@ loss's per-token-per-word tensors.
 
 from __future__ import annotations
 
-from ..._plan import Plan
+from ..._plan import Plan, owner
 from ._layout import sequence_parallel
 
 
@@ -34,10 +34,10 @@ def _styles(plan: Plan, axis: str) -> dict[str, tuple[str, object]]:
 
 def _regions(plan: Plan, styles: dict) -> set[str]:
     """Modules inside a block (the block itself excluded) that hold a sharded linear."""
-    blocks = plan.model.blocks
+    blocks = set(plan.model.blocks)
     out = set()
     for fqn in styles:
-        block = next((b for b in blocks if fqn.startswith(b + ".")), None)
+        block = owner(fqn, blocks)
         if block is None:
             continue
         parts = fqn[len(block) + 1:].split(".")
