@@ -1,6 +1,8 @@
 """Decoding on one GPU: meshlab.inference's engine against transformers' ``generate``
 (dynamic cache; static cache with its automatic ``torch.compile``), in one run; the engine
-eager and with CUDA graphs of its decode steps (``use_cuda_graph=True``).
+eager, with CUDA graphs of its decode steps (``use_cuda_graph=True``), and with graphs and
+the norms, rotary and MLP on meshlab's kernels (``use_cuda_kernel=True``, on a copy of the
+model, which it routes).
 
     python benchmarks/inference_gpu.py --shape llama-1b --batches 1,8,64
     python benchmarks/inference_gpu.py --shape llama3-8b --batches 1,64
@@ -18,6 +20,7 @@ per token (H200: 4.8 TB/s). Writes ``results/inference_<card>_<shape>.json``.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import statistics
@@ -64,12 +67,12 @@ def _hf(model, ids, new: int, static: bool):
     return lambda: model.generate(ids, **kw)
 
 
-def _engine(model, ids, new: int, graphs: bool = False):
+def _engine(model, ids, new: int, graphs: bool = False, kernels: bool = False):
     from meshlab.inference import InferenceConfig, InferenceEngine
 
     cfg = InferenceConfig(dtype=torch.bfloat16, max_batch_size=ids.shape[0],
                           max_input_len=ids.shape[1], max_output_len=new, ignore_eos=True,
-                          use_cuda_graph=graphs,
+                          use_cuda_graph=graphs, use_cuda_kernel=kernels,
                           max_context_len_to_capture=max(512, ids.shape[1] + new))
     engine = InferenceEngine(model, inference_config=cfg)
     prompts = ids.tolist()
@@ -85,7 +88,9 @@ def run_batch(model, batch: int, args) -> dict:
         model.set_attn_implementation("sdpa")
         try:
             if name.startswith("meshlab_engine"):
-                engine, make = _engine(model, ids, args.new, name.endswith("graphs"))
+                kernels = name.endswith("kernels")    # routes the model it is given: a copy
+                engine, make = _engine(copy.deepcopy(model) if kernels else model, ids,
+                                       args.new, "graphs" in name, kernels)
                 first, whole = _timed(make(1), args.repeats), _timed(make(args.new),
                                                                        args.repeats)
                 del engine
@@ -104,6 +109,41 @@ def run_batch(model, batch: int, args) -> dict:
     return rows
 
 
+def profile(model, batch: int, args) -> dict:
+    """Where a decode step's time goes on the graphs-and-kernels engine: CUDA kernel time
+    by name over one generate of ``--new`` tokens (torch.profiler), per decode step."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt), device="cuda",
+                        generator=g)
+    engine, make = _engine(copy.deepcopy(model), ids, args.new, True, True)
+    run = make(args.new)
+    run()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+    wall = a.elapsed_time(b)
+    kernels: dict[str, list] = {}
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name[:90], [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time / 1e3
+    steps = args.new - 1
+    busy = sum(v[1] for v in kernels.values())
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
+    del engine
+    return {"batch": batch, "generate_ms": round(wall, 2), "gpu_busy_ms": round(busy, 2),
+            "kernels_per_step": round(sum(v[0] for v in kernels.values()) / steps, 1),
+            "top_ms_per_step": {k: round(v[1] / steps, 4) for k, v in top}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
@@ -112,8 +152,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paths", default="hf_dynamic,hf_static_compile,meshlab_engine,"
-                                        "meshlab_engine_graphs")
+                                        "meshlab_engine_graphs,meshlab_engine_graphs_kernels")
     ap.add_argument("--copy-to", default=None)
+    ap.add_argument("--profile", default="", help="batches to profile (graphs + kernels)")
     args = ap.parse_args()
     args.paths = args.paths.split(",")
     import transformers
@@ -134,6 +175,9 @@ def main() -> None:
            "batches": {}}
     for b in (int(x) for x in args.batches.split(",")):
         out["batches"][str(b)] = run_batch(model, b, args)
+    for b in (int(x) for x in args.profile.split(",") if x):
+        out.setdefault("profile", []).append(profile(model, b, args))
+        print(out["profile"][-1], flush=True)
     path = _results.write(f"inference_{args.shape}", out["card"], out, args.copy_to)
     print(path)
 

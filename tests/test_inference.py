@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 
 import meshlab as ml
 from meshlab.inference import InferenceConfig, InferenceEngine
@@ -98,6 +99,32 @@ def test_engine_greedy_equals_generate_alone(family):
             .tolist() for p in prompts]
     got = _engine(_tiny(family)).generate(prompts=prompts, max_new_tokens=8)
     assert got == want
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_engine_on_meshlab_kernels_equals_generate(family):
+    """use_cuda_kernel=True: the norms, rotary and MLP on meshlab's ops (here the C++ CPU
+    kernels) give transformers' greedy tokens; what was routed is recorded."""
+    ref = _tiny(family)
+    prompts = _prompts()
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    eng = _engine(_tiny(family), use_cuda_kernel=True)
+    assert eng.generate(prompts=prompts, max_new_tokens=8) == want
+    cfg = eng.model.config
+    assert eng.model._meshlab_kernels.counts() == {
+        "rms_norm": 2 * cfg.num_hidden_layers + 1, "rotary": cfg.num_hidden_layers,
+        "mlp": cfg.num_hidden_layers}
+
+
+def test_meshlab_kernels_refused_where_not_built():
+    with pytest.raises(ml.ConfigError, match="use_cuda_kernel=True.*one process"):
+        _engine(ml.parallelize(M.build("llama"), ml.precision("fp32"), ml.Mesh(dp=1), seed=0),
+                use_cuda_kernel=True)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=97, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(ml.ConfigError, match="nothing meshlab's kernels route"):
+        _engine(gpt2, use_cuda_kernel=True)
 
 
 def test_sampling_controls():
@@ -474,3 +501,49 @@ def test_cuda_graph_decoding_equals_eager(family):
     eng = _engine(_tiny(family).cuda(), use_cuda_graph=True, max_batch_size=3)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
     assert eng.graphs.graphs                    # steps ran as graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2),
+                                       (torch.float16, 2e-3)])
+def test_paged_attention_triton_kernel_is_its_reference(dtype, tol):
+    """Decode batches (a few queries per sequence) run the Triton kernel; grouped heads,
+    head dims that are not powers of two and scattered blocks; a prefill runs SDPA."""
+    from meshlab.ops import _build
+    from meshlab.ops.paged_attention import paged_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    for hq, hkv, d, bs, m in ((32, 8, 128, 16, (1, 1, 1, 1)), (8, 2, 64, 4, (1, 2, 3, 1)),
+                              (6, 6, 80, 16, (1, 1, 1, 1)), (4, 1, 256, 8, (2, 1, 1, 4))):
+        lens = [5, 300, 4, 33]
+        starts = [0]
+        for k in m:
+            starts.append(starts[-1] + k)
+        width = max(-(-n // bs) for n in lens)
+        nb = len(lens) * width + 3
+        kc, vc = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype).cuda() for _ in "kv")
+        tables = torch.randperm(nb, generator=g)[:len(lens) * width].view(len(lens), width)
+        q = torch.randn(starts[-1], hq, d, generator=g).to(dtype).cuda()
+        out = paged_attention(q, kc, vc, tables.int().cuda(), lens, starts, scale=0.3)
+        assert _build.LAST_PATH[("paged_attention", "cuda")].native
+        want = paged_attention_reference(q.float(), kc.float(), vc.float(), tables.cuda(),
+                                         lens, starts, scale=0.3)
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    q = torch.randn(40, 32, 128, generator=g).to(dtype).cuda()       # a prefill of 40
+    kc, vc = (torch.randn(3, 16, 8, 128, generator=g).to(dtype).cuda() for _ in "kv")
+    paged_attention(q, kc, vc, torch.tensor([[2, 0, 1]]).cuda(), [40], [0, 40])
+    assert "prefill" in _build.LAST_PATH[("paged_attention", "cuda")].reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_meshlab_kernels_under_cuda_graphs_give_the_tokens():
+    """use_cuda_kernel with CUDA graphs: transformers' greedy tokens (float32)."""
+    ref = _tiny().cuda()
+    prompts = _prompts()
+    want = [ref.generate(torch.tensor([p]).cuda(), max_new_tokens=8, do_sample=False)
+            [0, len(p):].tolist() for p in prompts]
+    eng = _engine(_tiny().cuda(), use_cuda_graph=True, use_cuda_kernel=True,
+                  max_batch_size=3)
+    assert eng.generate(prompts=prompts, max_new_tokens=8) == want

@@ -251,7 +251,8 @@ def _paged_attention(layout: str) -> list[Case]:
         return (paged_attention_reference(q, kc, vc, tables, lens, starts, D ** -0.5),)
 
     return [Case(torch.ops.meshlab.paged_attention.default,
-                 (q, kc, vc, where.tables, where.seq, where.row, where.mask, D ** -0.5), (),
+                 (q, kc, vc, where.tables, where.seq, where.row, where.mask, where.keys,
+                  D ** -0.5), (),
                  want)]
 
 

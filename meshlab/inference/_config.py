@@ -6,7 +6,8 @@ implements greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k
 ``ignore_eos``, beam search (``beam_width``, ``early_stopping``: transformers'
 ``num_beams`` with ``length_penalty=1.0``; ``max_batch_size`` then counts beams), the
 paged cache (``block_size``, ``kv_cache_dtype``), continuous batching up to
-``max_batch_size``, ``dtype``, ``tp_size``, CUDA graphs of decode steps on one GPU
+``max_batch_size``, ``dtype``, ``tp_size``, ``use_cuda_kernel`` (the model's RMSNorm,
+rotary embedding and gated MLP on meshlab's fused ops, on a model of one process), CUDA graphs of decode steps on one GPU
 (``use_cuda_graph``, ``max_context_len_to_capture``), greedy speculative decoding with a
 draft model (``use_spec_dec``, ``max_n_spec_tokens``), and on a pipelined model
 micro-batches of ``micro_batch_size`` requests that overlap across the stages (above 1:
@@ -33,7 +34,6 @@ _NOT_BUILT = {
     "glimpse_large_kv": "the large-KV glimpse is not built",
     "pp_size": "the engine pipelines a model parallelized with pipeline() (pp_size is read "
                "from it); give it that model",
-    "use_cuda_kernel": "meshlab's decode attention is meshlab::paged_attention on every device",
     "high_precision": "scores and softmax already run in float32 (float64 for float64)",
     "enable_streamingllm": "StreamingLLM attention is not built",
     "start_token_size": "StreamingLLM attention is not built",

@@ -231,11 +231,13 @@ class InferenceEngine:
             finished = (self.beam or self.spec).step(self)
             self.steps += 1
             return finished
+        best = None
         if self.graphs is not None and all(r.cached for r in self.running):
-            logits, lens = self.graphs.logits(self.running), [r.cached + 1 for r in self.running]
+            (logits, best), lens = self.graphs.logits(self.running), \
+                [r.cached + 1 for r in self.running]
         else:
             logits, lens = self._eager()
-        nxt = self._choose(logits)
+        nxt = self._choose(logits, best)
         if self.pipe is not None:           # the last stage chose; every rank appends it
             nxt = self.pipe.share(nxt, len(self.running), self.device)
         for r, t, n in zip(self.running, nxt, lens):
@@ -291,13 +293,13 @@ class InferenceEngine:
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), last,
                 batch)
 
-    def _choose(self, logits) -> list[int] | None:
+    def _choose(self, logits, best=None) -> list[int] | None:
         if logits is None:                  # a pipeline rank without the last stage
             return None
         forced = self.config.forced_eos_token_id
         return choose(logits, [r.prompt + r.generated for r in self.running],
                       [forced if forced is not None and len(r.generated) + 1 == r.max_new_tokens
-                       else None for r in self.running], self.config, self.gen)
+                       else None for r in self.running], self.config, self.gen, best)
 
     def generate(self, prompts=None, request_ids=None, max_new_tokens: int | None = None):
         """Generate for every prompt (continuous batching when there are more than
@@ -357,7 +359,35 @@ def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:
         model.to(cfg.dtype)
     model.eval()
     model.set_attn_implementation(register())
+    if cfg.use_cuda_kernel:
+        _fuse_kernels(model, rt)
     return model
+
+
+# What ``use_cuda_kernel`` routes: the ops of a decoder layer besides its attention (which
+# is the paged op already) and its projections (cuBLAS).
+KERNEL_OPS = ("rms_norm", "rotary", "mlp")
+
+
+def _fuse_kernels(model: nn.Module, rt) -> None:
+    """``use_cuda_kernel=True``: route the model's RMSNorm, rotary embedding and gated MLP
+    to meshlab's fused ops (Triton on CUDA, C++ on the CPU), each routing probed first;
+    the ops this model has none of are skipped (``model._meshlab_kernels`` says which
+    were routed), none at all is refused."""
+    from ..parallel.fuse import fuse_model, refusals
+
+    if rt is not None:
+        raise ConfigError("InferenceConfig(use_cuda_kernel=True) is built for a model of one "
+                          "process; with tp_size or a parallelized model leave it False (or "
+                          "parallelize with ml.fuse(), which routes the same ops under the "
+                          "plan)")
+    refused = refusals(model, KERNEL_OPS)
+    ops = [op for op in KERNEL_OPS if op not in refused]
+    if not ops:
+        raise ConfigError(f"InferenceConfig(use_cuda_kernel=True): {type(model).__name__} "
+                          f"has nothing meshlab's kernels route: " +
+                          "; ".join(f"{op}: {why}" for op, why in refused.items()))
+    model._meshlab_kernels = fuse_model(model, ops)
 
 
 def _beam_search(engine, cfg: InferenceConfig):

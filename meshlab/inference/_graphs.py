@@ -34,21 +34,42 @@ class DecodeGraphs:
 
     def _buffers(self, n: int):
         dev, bs = self.engine.device, self.engine.config.block_size
-        keys = self.width * bs
-        return dict(ids=torch.zeros(1, n, dtype=torch.long, device=dev),
-                    pos=torch.zeros(1, n, dtype=torch.long, device=dev),
-                    slots=torch.full((n,), self.scratch * bs, dtype=torch.long, device=dev),
-                    tables=torch.full((n, self.width), self.scratch, dtype=torch.long,
-                                      device=dev),
-                    mask=torch.zeros(n, 1, 1, keys, dtype=torch.bool, device=dev),
-                    last=torch.arange(n, device=dev), keys=torch.arange(keys, device=dev),
-                    lens=torch.ones(n, dtype=torch.long, device=dev))
+        keys, w = self.width * bs, self.width
+        # The per-step inputs are views of one device buffer, filled by one copy from a
+        # pinned twin: ids, positions, slots, key counts (n each), then the tables.
+        flat = torch.empty((4 + w) * n, dtype=torch.long, device=dev)
+        pinned = torch.empty_like(flat, device="cpu").pin_memory()
+        b = dict(flat=flat, pinned=pinned, ids=flat[:n].view(1, n), pos=flat[n:2 * n].view(1, n),
+                 slots=flat[2 * n:3 * n], lens=flat[3 * n:4 * n],
+                 tables=flat[4 * n:].view(n, w),
+                 mask=torch.zeros(n, 1, 1, keys, dtype=torch.bool, device=dev),
+                 last=torch.arange(n, device=dev), keys=torch.arange(keys, device=dev))
+        self._fill(b, [], n)
+        b["flat"].copy_(b["pinned"])
+        return b
+
+    def _fill(self, b: dict, reqs, n: int) -> None:
+        """Write the step's inputs of ``reqs`` into the pinned buffer, rows past them
+        pointing at the scratch block."""
+        bs, w, k = self.engine.config.block_size, self.width, len(reqs)
+        h = b["pinned"].numpy()
+        h[:] = 0
+        h[2 * n:3 * n] = self.scratch * bs
+        h[3 * n:4 * n] = 1
+        tables = h[4 * n:].reshape(n, w)
+        tables[:] = self.scratch
+        for i, r in enumerate(reqs):
+            h[i], h[n + i] = r.generated[-1], r.cached
+            h[2 * n + i] = r.blocks[r.cached // bs] * bs + r.cached % bs
+            h[3 * n + i] = r.cached + 1
+            tables[i, :len(r.blocks)] = r.blocks
 
     def _forward(self, b: dict):
         from ..parallel.shard._styles import whole_logits
 
         n = b["ids"].shape[1]
-        where = Layout(b["tables"], b["last"], torch.zeros_like(b["last"]), b["mask"])
+        where = Layout(b["tables"], b["last"], torch.zeros_like(b["last"]), b["mask"],
+                       b["lens"])
         batch = PagedBatch(self.engine.cache, b["slots"], b["tables"], [1] * n,
                            list(range(n + 1)), where)
         torch.lt(b["keys"][None, :], b["lens"][:, None], out=b["mask"][:, 0, 0])
@@ -67,26 +88,18 @@ class DecodeGraphs:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out = self._forward(b)
-        self.graphs[n] = (g, b, out)
+            best = out.argmax(-1)                   # the greedy choice, in the same replay
+        self.graphs[n] = (g, b, out, best)
 
     def logits(self, reqs):
-        """The next-token logits (len(reqs), V) of a decode step, replayed."""
+        """The next-token logits (len(reqs), V) of a decode step, replayed, and each row's
+        arg-max (len(reqs),)."""
         n = len(reqs)
         bucket = next(k for k in self.buckets if k >= n)
         if bucket not in self.graphs:
             self._capture(bucket)
-        g, b, out = self.graphs[bucket]
-        dev, bs = self.engine.device, self.engine.config.block_size
-        tables = [r.blocks + [self.scratch] * (self.width - len(r.blocks)) for r in reqs]
-        pad = bucket - n
-        host = dict(
-            ids=[[r.generated[-1] for r in reqs] + [0] * pad],
-            pos=[[r.cached for r in reqs] + [0] * pad],
-            slots=[r.blocks[r.cached // bs] * bs + r.cached % bs for r in reqs]
-            + [self.scratch * bs] * pad,
-            tables=tables + [[self.scratch] * self.width] * pad,
-            lens=[r.cached + 1 for r in reqs] + [1] * pad)
-        for k, v in host.items():
-            b[k].copy_(torch.tensor(v, dtype=torch.long), non_blocking=True)
+        g, b, out, best = self.graphs[bucket]
+        self._fill(b, reqs, bucket)
+        b["flat"].copy_(b["pinned"], non_blocking=True)
         g.replay()
-        return out[:n]
+        return out[:n], best[:n]

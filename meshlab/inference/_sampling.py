@@ -48,12 +48,13 @@ def _sample(logits: Tensor, cfg: InferenceConfig, gen: torch.Generator) -> int:
 
 
 def choose(logits: Tensor, histories: list[list[int]], force: list[int | None],
-           cfg: InferenceConfig, gen: torch.Generator) -> list[int]:
+           cfg: InferenceConfig, gen: torch.Generator, best: Tensor | None = None) -> list[int]:
     """The next token of each sequence: ``logits`` (S, V), ``histories`` each sequence's
-    prompt and generated tokens, ``force`` a token to emit regardless (forced EOS)."""
+    prompt and generated tokens, ``force`` a token to emit regardless (forced EOS);
+    ``best`` the rows' arg-max where the caller has it already (a replayed graph)."""
     plain = cfg.repetition_penalty in (None, 1.0) and not cfg.no_repeat_ngram_size
     if plain and not cfg.do_sample:         # greedy: one arg-max, one read of the device
-        best = logits.argmax(-1).tolist()
+        best = (logits.argmax(-1) if best is None else best).tolist()
         return [b if f is None else f for b, f in zip(best, force)]
     out = []
     for row, seen, forced in zip(logits.float(), histories, force):

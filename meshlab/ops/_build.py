@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import os
 import platform
 import shutil
@@ -267,28 +268,29 @@ def cpu_kernels(op: str):
     return mod
 
 
-_TRITON: object | None = None
-_TRITON_WHY: str | None = None
+# Ops whose Triton kernels are not in _triton.py: op -> module (mirroring _OWN_EXTENSION).
+_OWN_TRITON = {"paged_attention": "_triton_paged"}
+_TRITON: dict[str, object] = {}
+_TRITON_WHY: dict[str, str] = {}
 
 
 def triton_kernels(op: str):
     """The Triton kernel module for CUDA tensors, or ``None``; records the path ``op`` takes."""
-    global _TRITON, _TRITON_WHY
     off = native_disabled_reason()
     if off is not None:
         record(op, "cuda", False, off)
         return None
-    if _TRITON is None and _TRITON_WHY is None:
+    name = _OWN_TRITON.get(op, "_triton")
+    if name not in _TRITON and name not in _TRITON_WHY:
         try:
-            from . import _triton
-            _TRITON = _triton
+            _TRITON[name] = importlib.import_module(f"{__package__}.{name}")
         except ImportError as e:
-            _TRITON_WHY = f"triton unavailable: {e}"
-    if _TRITON is None:
-        record(op, "cuda", False, _TRITON_WHY or "triton unavailable")
+            _TRITON_WHY[name] = f"triton unavailable: {e}"
+    if name not in _TRITON:
+        record(op, "cuda", False, _TRITON_WHY.get(name, "triton unavailable"))
         return None
-    record(op, "cuda", True, "Triton kernel (meshlab/ops/_triton.py)")
-    return _TRITON
+    record(op, "cuda", True, f"Triton kernel (meshlab/ops/{name}.py)")
+    return _TRITON[name]
 
 
 _KERNEL_DTYPES = {"cpu": ("float32", "bfloat16"), "cuda": ("float32", "bfloat16", "float16")}

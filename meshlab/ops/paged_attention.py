@@ -15,7 +15,10 @@ Registered as ``meshlab::paged_attention`` (no autograd: decoding has no backwar
 fake kernel for tracing. On the CPU, for float32 and bfloat16 with the cache in the
 queries' dtype, it is the C++ kernel in ``csrc/attention_cpu.cpp``: one task per query
 and kv head (its query heads together), reading that sequence's keys and values through
-its block table (nothing gathered or padded), float32 scores and softmax. Elsewhere (CUDA, other dtypes, a cache
+its block table (nothing gathered or padded), float32 scores and softmax. On CUDA the
+Triton kernel in ``_triton_paged.py`` does the same for batches of at most
+:data:`DECODE_QUERIES` queries per sequence (decode steps), with the cache in the queries'
+dtype. Elsewhere (a prefill on CUDA, other dtypes, a cache
 in another dtype, kernels off) it gathers every sequence's blocks at once
 (``k_cache[block_tables]``), pads the queries per sequence and runs one
 ``scaled_dot_product_attention`` with the causal-per-sequence mask (grouped-query heads
@@ -99,12 +102,14 @@ class Layout:
     """Where each packed query sits, as device tensors (one per step, shared by layers):
     ``tables`` the block tables cut to the longest sequence's blocks, ``seq`` and ``row``
     each query's sequence and row among that sequence's queries, ``mask`` (S, 1, M, L)
-    which keys each padded query row sees."""
+    which keys each padded query row sees, ``keys`` (T,) how many keys each query sees
+    (its causal prefix: what the kernels read)."""
 
     tables: Tensor
     seq: Tensor
     row: Tensor
     mask: Tensor
+    keys: Tensor
 
 
 def layout(block_tables: Tensor, seq_lens: list[int], query_start: list[int],
@@ -119,30 +124,41 @@ def layout(block_tables: Tensor, seq_lens: list[int], query_start: list[int],
     # query i of sequence s sits at n_s - m_s + i and sees keys up to there
     pos = (torch.tensor(seq_lens) - torch.tensor(m))[:, None] + torch.arange(max(m))[None, :]
     mask = torch.arange(width * block_size)[None, None, :] <= pos[:, :, None]
+    keys = pos[seq, row] + 1
     return Layout(block_tables[:s, :width].long(), seq.to(dev, non_blocking=True),
-                  row.to(dev, non_blocking=True), mask[:, None].to(dev, non_blocking=True))
+                  row.to(dev, non_blocking=True), mask[:, None].to(dev, non_blocking=True),
+                  keys.to(dev, non_blocking=True))
+
+
+# On CUDA the Triton kernel runs batches with at most this many queries per sequence
+# (decode steps, speculative verification); a prefill runs one SDPA call.
+DECODE_QUERIES = 16
 
 
 @torch.library.custom_op("meshlab::paged_attention", mutates_args=())
 def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
-                       seq: Tensor, row: Tensor, mask: Tensor, scale: float) -> Tensor:
+                       seq: Tensor, row: Tensor, mask: Tensor, keys: Tensor,
+                       scale: float) -> Tensor:
     """The C++ kernel on the CPU (module docstring), else all sequences in one SDPA call:
     blocks gathered, queries padded to the longest."""
     import torch.nn.functional as F
 
     from . import _build
 
-    if q.device.type == "cpu":
+    dev = q.device.type
+    if dev == "cuda" and mask.shape[2] > DECODE_QUERIES:
+        _build.record("paged_attention", dev, False,
+                      f"{mask.shape[2]} queries per sequence (a prefill): one SDPA call")
+    elif dev in ("cpu", "cuda"):
         mod = _build.kernels("paged_attention", q)
         if mod is not None and k_cache.dtype != q.dtype:
-            _build.record("paged_attention", "cpu", False,
+            _build.record("paged_attention", dev, False,
                           f"the cache is {k_cache.dtype}, the queries {q.dtype}")
             mod = None
         if mod is not None:
-            keys = mask[:, 0][seq, row].sum(-1)           # each query's causal prefix
             return mod.paged_attention_fwd(q.contiguous(), k_cache.contiguous(),
                                            v_cache.contiguous(), tables.contiguous(),
-                                           seq.contiguous(), keys, float(scale))
+                                           seq.contiguous(), keys.contiguous(), float(scale))
 
     hq, d = q.shape[1:]
     bs, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -157,7 +173,7 @@ def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tens
 
 
 @paged_attention_op.register_fake
-def _(q, k_cache, v_cache, tables, seq, row, mask, scale):
+def _(q, k_cache, v_cache, tables, seq, row, mask, keys, scale):
     return q.new_empty(q.shape)                  # contiguous, as the kernel's gather gives
 
 
@@ -172,7 +188,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
         _check(q, k_cache, v_cache, block_tables, seq_lens, query_start)
         where = layout(block_tables, seq_lens, query_start, k_cache.shape[1])
     return paged_attention_op(q, k_cache, v_cache, where.tables, where.seq, where.row,
-                              where.mask, scale)
+                              where.mask, where.keys, scale)
 
 
 def write_cache(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:

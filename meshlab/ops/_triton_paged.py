@@ -1,0 +1,90 @@
+"""Triton kernel of ``meshlab::paged_attention`` for decoding on CUDA.
+
+Mirrors ``paged_attention_fwd`` of ``csrc/attention_cpu.cpp`` (same name, same arguments):
+packed queries ``q`` (T, Hq, D), the paged caches (blocks, block_size, Hkv, D), the block
+tables (S, W), each query's sequence ``seq`` (T,) and the number of keys it sees ``keys``
+(T,), all on the device, so a decode step captured in a CUDA graph runs it unchanged.
+
+One program per (query, kv head): it holds that kv head's group of query heads as the rows
+of one tile and walks the sequence's keys ``BLOCK_N`` at a time, each key's slot found
+through the block table, with an online softmax in float32 (flash-decoding without the
+split: decode batches give T x Hkv programs, and the keys a program reads are the only
+bytes it moves). Scores use the inputs' precision for the products (float32 inputs:
+IEEE, not TF32) and float32 accumulation. The query tile is padded to 16 rows for the
+tensor cores; the padding rows read nothing.
+
+It pays where each sequence has a few queries (decode, speculative verification); a
+prefill, with many queries per sequence, is compute-bound and runs the SDPA path, where
+the keys a query tile reads are shared by its rows (``paged_attention_op`` picks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, scale, Hq, Hkv, W, BS, D,
+                  G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.load(SEQ + t).to(tl.int64)
+    n = tl.load(KEYS + t)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    qmask = (g[:, None] < G) & (d[None, :] < D)
+    q = tl.load(Q + (t * Hq + h * G + g[:, None]) * D + d[None, :], mask=qmask, other=0.0)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in tl.range(0, n, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        valid = offs < n
+        blk = tl.load(TABLES + s * W + offs // BS, mask=valid, other=0).to(tl.int64)
+        row = ((blk * BS + offs % BS) * Hkv + h) * D
+        kvmask = valid[:, None] & (d[None, :] < D)
+        k = tl.load(K + row[:, None] + d[None, :], mask=kvmask, other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(valid[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp(sc - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(V + row[:, None] + d[None, :], mask=kvmask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / l_i[:, None]
+    tl.store(O + (t * Hq + h * G + g[:, None]) * D + d[None, :], out.to(O.dtype.element_ty),
+             mask=qmask)
+
+
+def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale):
+    """(T, Hq, D) attention of each packed query over its sequence's first ``keys[t]`` keys."""
+    t, hq, d = q.shape
+    hkv, bs = k_cache.shape[2], k_cache.shape[1]
+    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    tables = tables.contiguous()
+    out = torch.empty_like(q)
+    if t == 0:
+        return out
+    g = hq // hkv
+    block_d = max(16, triton.next_power_of_2(d))
+    # Keys per iteration: a whole number of the cache's blocks where they are small, so
+    # the table read of a tile touches one or two entries.
+    block_n = 64 if block_d <= 128 else 32
+    _paged_decode[(t, hkv)](q, k_cache, v_cache, tables, seq, keys, out, float(scale),
+                            hq, hkv, tables.shape[1], bs, d, G=g,
+                            BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+                            BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+                            num_warps=4, num_stages=2)
+    return out
