@@ -3,7 +3,10 @@
 // Each kernel file is its own extension, so these are inline and file-local in use.
 #pragma once
 
-#include <torch/extension.h>
+// ATen and torch's pybind11 casters only: torch/extension.h adds the whole C++ frontend
+// (autograd, nn, optim), which these kernels never use and which doubles the build time.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <cstdint>

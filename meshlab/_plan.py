@@ -9,6 +9,7 @@ other, round-trip through JSON and estimate per-rank memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -25,10 +26,12 @@ from ._rules import Rules
 from ._spec import P
 
 
-def ancestors(fqn: str) -> list[str]:
-    """``'a.b.c'`` -> ``['a', 'a.b']``: the modules ``fqn`` lies under, outermost first."""
+@functools.lru_cache(maxsize=1 << 16)
+def ancestors(fqn: str) -> tuple[str, ...]:
+    """``'a.b.c'`` -> ``('a', 'a.b')``: the modules ``fqn`` lies under, outermost first
+    (remembered: planning asks it for the same names once per layout and pipeline stage)."""
     parts = fqn.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
+    return tuple(".".join(parts[:i]) for i in range(1, len(parts)))
 
 
 def owner(fqn: str, names) -> str | None:

@@ -117,7 +117,7 @@ def test_engine_on_meshlab_kernels_equals_generate(family):
         "mlp": cfg.num_hidden_layers}
 
 
-def test_meshlab_kernels_refused_where_not_built():
+def test_meshlab_kernels_refused_where_not_built(one_process):
     with pytest.raises(ml.ConfigError, match="use_cuda_kernel=True.*one process"):
         _engine(ml.parallelize(M.build("llama"), ml.precision("fp32"), ml.Mesh(dp=1), seed=0),
                 use_cuda_kernel=True)

@@ -15,7 +15,10 @@ with p pipeline ranks, m microbatches and v stages per rank.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
+import functools
 import math
 
 from ..._errors import ConfigError
@@ -38,6 +41,30 @@ def _rank_of(chunk: int, p: int, v: int, schedule: str) -> int:
     return chunk % p
 
 
+def _per_plan(fn):
+    """Remember ``fn(plan, x)`` for the last few plans (by identity: a plan is immutable)
+    and hashable ``x``; planning asks for a layout's stages and their bytes many times."""
+    memo: collections.OrderedDict = collections.OrderedDict()
+
+    @functools.wraps(fn)
+    def wrapper(plan, x):
+        try:
+            key = (id(plan), x)
+            hit = memo.get(key)
+        except TypeError:                   # an unhashable option: nothing to remember
+            return fn(plan, x)
+        if hit is not None and hit[0] is plan:
+            return copy.copy(hit[1])
+        out = fn(plan, x)
+        memo[key] = (plan, copy.copy(out))
+        if len(memo) > 256:
+            memo.popitem(last=False)
+        return out
+
+    return wrapper
+
+
+@_per_plan
 def stages(plan: Plan, opt) -> list[Stage]:
     """The stages of a bound plan with a pipeline: blocks balanced by parameter bytes."""
     p = plan.mesh_shape.get(opt.axis)
@@ -114,6 +141,7 @@ def boundaries(st: list, rank: int) -> int:
     return sum(1 for a, b in zip(st, st[1:]) if a.rank != b.rank and rank in (a.rank, b.rank))
 
 
+@_per_plan
 def stage_rank_bytes(plan: Plan, s: Stage) -> int:
     """The parameter bytes one rank of stage ``s`` holds: the local shards of its blocks'
     parameters, of the embeddings on the first stage and of the rest outside the blocks on
