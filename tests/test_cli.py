@@ -1,4 +1,6 @@
-"""The ``meshlab plan`` command, run as a user runs it: in a subprocess."""
+"""The ``meshlab plan`` command: a 70B plan run as a user runs it, in a subprocess; the
+other invocations through the same ``main`` in this process (each would otherwise spend
+seconds importing torch only to print one line)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,16 @@ import pytest
 import meshlab as ml
 from meshlab import P
 
+from ._cli import in_process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Every invocation, started at once (they are independent) and collected on first use.
-CASES = {
+# The subprocess, started first and collected on first use.
+SUBPROCESS = {
     "llama3-70b": ["--model", "llama3-70b", "--mesh", "pp=8,dp=16,tp=8", "--json", "{tmp}/p.json"],
+}
+# In this process, through meshlab.cli.main.
+CASES = {
     "bad-mesh": ["--model", "tiny-llama", "--mesh", "dp=x"],
     "unknown-model": ["--model", "no-such-model", "--mesh", "dp=2"],
     "bad-dtype": ["--model", "tiny-llama", "--mesh", "dp=2", "--dtype", "float99"],
@@ -35,11 +42,12 @@ def runs(tmp_path_factory):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["COLUMNS"] = "200"
     procs = {}
-    for name, args in CASES.items():
+    for name, args in SUBPROCESS.items():
         argv = [sys.executable, "-m", "meshlab.cli", "plan"] + [a.format(tmp=tmp) for a in args]
         procs[name] = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
-    out = {}
+    out = {name: in_process(["plan"] + [a.format(tmp=tmp) for a in args])
+           for name, args in CASES.items()}
     try:
         for name, p in procs.items():
             stdout, stderr = p.communicate(timeout=120)

@@ -1,7 +1,9 @@
 """``meshlab run`` and ``meshlab demo``, run as a user runs them: in subprocesses.
 
 Every launch below starts at once in a module fixture (they are independent) and is
-collected on first use; hostfile parsing and command resolution are tested in-process.
+collected on first use. Bad input, which exits before anything starts, goes through the
+same ``main`` in this process (``_cli.in_process``); hostfile parsing and command
+resolution are tested in-process too.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import pytest
 
 from meshlab._cli_run import (Host, LaunchError, add_commands, parse_hostfile_text,
                               read_hostfile, resolve)
+
+from ._cli import in_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +41,9 @@ CASES = {
     "module": ["run", "--nproc-per-node", "2", "-m", "tinymod", "x"],
     "hostfile": ["run", "--hostfile", "{tmp}/hosts.txt", "ranks.py"],
     "demo": ["demo", "--nproc-per-node", "4", "--steps", "20"],
-    # bad input: a one-line message and exit code 2, before anything starts
+}
+# bad input: a one-line message and exit code 2, before anything starts (in this process)
+BAD = {
     "missing-script": ["run", "--nproc-per-node", "2", "{tmp}/no_such_script.py"],
     "missing-module": ["run", "-m", "no_such_module_here"],
     "no-script": ["run", "--nproc-per-node", "2"],
@@ -66,6 +72,8 @@ def runs(tmp_path_factory):
         procs[name] = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)
     out = {"tmp": tmp}
+    for name, args in BAD.items():
+        out[name] = in_process([a.format(tmp=tmp) for a in args], cwd=tmp)
     try:
         for name, p in procs.items():
             stdout, stderr = p.communicate(timeout=300)
