@@ -23,6 +23,7 @@ from collections import defaultdict
 from ._placement import local_shape
 from ._dtypes import dtype_bytes
 from ._errors import PlanError
+from ._plan import owner
 
 _OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
@@ -215,16 +216,17 @@ def rank_params(plan, coord=None) -> list:
     mine = set(plan.local_blocks(coord))
     if not blocks or len(mine) == len(blocks):
         return list(plan.params)
-    order = [m.fqn for m in plan.model.modules]
-    first = order.index(blocks[0]) if blocks[0] in order else 0
+    order = {m.fqn: i for i, m in reversed(list(enumerate(plan.model.modules)))}
+    first = order.get(blocks[0], 0)
+    names = set(blocks)
     out = []
     for e in plan.params:
-        owner = next((b for b in blocks if e.fqn.startswith(b + ".")), None)
-        if owner is not None:
-            if owner in mine:
+        block = owner(e.fqn, names)
+        if block is not None:
+            if block in mine:
                 out.append(e)
             continue
-        before = e.module in order and order.index(e.module) < first
+        before = e.module in order and order[e.module] < first
         if (blocks[0] in mine) if before else (blocks[-1] in mine):
             out.append(e)
     return out
