@@ -23,7 +23,7 @@ from collections import defaultdict
 from ._placement import local_shape
 from ._dtypes import dtype_bytes
 from ._errors import PlanError
-from ._plan import owner
+from ._names import owner
 
 _OPT_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 

@@ -9,7 +9,6 @@ other, round-trip through JSON and estimate per-rank memory.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import re
@@ -24,21 +23,7 @@ from ._placement import check_spec, local_shape, mesh_repr, uneven_dims
 from ._roles import AxisRoles, derive_roles, implied_rooms
 from ._rules import Rules
 from ._spec import P
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def ancestors(fqn: str) -> tuple[str, ...]:
-    """``'a.b.c'`` -> ``('a', 'a.b')``: the modules ``fqn`` lies under, outermost first
-    (remembered: planning asks it for the same names once per layout and pipeline stage)."""
-    parts = fqn.split(".")
-    return tuple(".".join(parts[:i]) for i in range(1, len(parts)))
-
-
-def owner(fqn: str, names) -> str | None:
-    """The outermost of ``fqn``'s ancestors that is in ``names`` (a set or dict of module
-    names: blocks, regions), or None; looked up by ancestor, so asking it for every
-    parameter stays linear in the number of names."""
-    return next((a for a in ancestors(fqn) if a in names), None)
+from ._names import ancestors as ancestors, owner as owner
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
