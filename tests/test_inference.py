@@ -490,6 +490,68 @@ def test_cuda_graphs_need_a_gpu_and_one_process():
         _engine(_tiny(), use_cuda_graph=True)
 
 
+def _ahead(model, **kw):
+    """An engine whose decode steps run through ``DecodeGraphs`` uncaptured: the graphs'
+    static buffers and the one-step-ahead launches, on the CPU."""
+    from meshlab.inference._graphs import DecodeGraphs
+
+    eng = _engine(model, **kw)
+    eng.graphs = DecodeGraphs(eng, capture=False)
+    reads = []                          # steps launched and not read, at each read
+    read = eng.graphs.read
+    eng.graphs.read = lambda step: (reads.append(eng.graphs.launched - eng.graphs.read_count),
+                                    read(step))[1]
+    return eng, reads
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decode_launched_ahead_gives_generate_tokens(family):
+    """Greedy decode steps launched one ahead of the host (a token taken on the device from
+    the step before, read a step later): transformers' tokens, with requests of different
+    budgets joining and leaving, and a step always launched before the one before it is
+    read."""
+    ref = _tiny(family)
+    prompts, budgets = _prompts(), [8, 3, 6, 1, 8]
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):]
+            .tolist() for p, n in zip(prompts, budgets)]
+    eng, reads = _ahead(_tiny(family), max_batch_size=3)
+    rids = [eng.add_request(p, n) for p, n in zip(prompts, budgets)]
+    done = {}
+    while eng.has_work():
+        done.update((r.rid, r.generated) for r in eng.step())
+    assert [done[i] for i in rids] == want
+    assert max(reads) == 2 and eng.graphs.read_count == eng.graphs.launched
+    assert len(eng.blocks.free) == eng.blocks.n and eng.inflight is None
+
+
+def test_decode_launched_ahead_stops_at_eos_and_forces_eos():
+    """A request that emits EOS at step t has run step t+1 already: that token is dropped
+    and its blocks are freed for the next request; forced EOS replaces the last token."""
+    ref = _tiny()
+    ref.generation_config.eos_token_id = None
+    prompts = _prompts()
+    free = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    for eos in dict.fromkeys(t for o in free for t in o[1:6]):   # ends some, not all, early
+        ref.generation_config.eos_token_id = eos
+        want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)
+                [0, len(p):].tolist() for p in prompts]
+        if any(1 < len(w) < 8 for w in want) and any(len(w) == 8 for w in want):
+            break
+    else:
+        raise AssertionError("no token of the greedy runs ends some of them early")
+    model = _tiny()
+    model.generation_config.eos_token_id = eos
+    eng, reads = _ahead(model, max_batch_size=2)
+    assert eng.generate(prompts=prompts, max_new_tokens=8) == want
+    assert max(reads) == 2 and len(eng.blocks.free) == eng.blocks.n
+    assert eng.dropped                  # steps ran past an EOS and their tokens were dropped
+    forced, _ = _ahead(_tiny(), ignore_eos=True, forced_eos_token_id=5)
+    plain = _engine(_tiny(), ignore_eos=True, forced_eos_token_id=5)
+    assert forced.generate(prompts=prompts, max_new_tokens=4) == \
+        plain.generate(prompts=prompts, max_new_tokens=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -501,6 +563,7 @@ def test_cuda_graph_decoding_equals_eager(family):
     eng = _engine(_tiny(family).cuda(), use_cuda_graph=True, max_batch_size=3)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
     assert eng.graphs.graphs                    # steps ran as graphs
+    assert eng.graphs.launched == eng.graphs.read_count > 0    # launched ahead, all read
 
 
 @pytest.mark.gpu

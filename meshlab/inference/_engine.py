@@ -51,6 +51,8 @@ class Request:
     blocks: list[int] = dataclasses.field(default_factory=list)
     cached: int = 0             # tokens whose keys and values are in the cache
     done: bool = False
+    pending: int = 0            # tokens launched on the GPU and not read yet (graphs)
+    row: int = -1               # its row in the latest launched step
 
 
 class InferenceEngine:
@@ -92,6 +94,8 @@ class InferenceEngine:
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.inflight = None                 # a greedy decode step launched, not read
+        self.dropped = 0                     # its tokens of requests that had ended
         self._next = 0
         self.steps = 0
         self.last_batch: list[int] = []      # the request ids the last step ran
@@ -112,8 +116,8 @@ class InferenceEngine:
         per_request = math.ceil((cfg.max_input_len + cfg.max_output_len + ahead) /
                                 cfg.block_size)
         n = cfg.max_batch_size * per_request
-        # with CUDA graphs, one more block: the scratch the padded rows write to
-        self.cache = PagedCache(n + cfg.use_cuda_graph, cfg.block_size, cfg.kv_cache_dtype)
+        # one more block: the scratch that a decode graph's padded rows write to
+        self.cache = PagedCache(n + 1, cfg.block_size, cfg.kv_cache_dtype)
         self.blocks = Blocks(n)
         self.ahead = ahead
 
@@ -176,7 +180,7 @@ class InferenceEngine:
         return tokens
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight is not None)
 
     # ------------------------------------------------------------------ steps
 
@@ -220,6 +224,10 @@ class InferenceEngine:
         """Admit, run the model once on every running request, choose their next tokens;
         returns the requests that finished in this step."""
         self._admit()
+        if self._ahead():
+            return self._launch_and_read()
+        if self.inflight is not None:       # read it first: the next step runs eagerly
+            return self._read()
         if not self.running:
             if self.waiting:
                 raise ConfigError("the paged cache cannot hold the next request's budget; "
@@ -246,11 +254,52 @@ class InferenceEngine:
         self.steps += 1
         return self._retire()
 
+    def _ahead(self) -> bool:
+        """Whether this step is a greedy decode step of graphs launched ahead of the
+        host (``_graphs``): every running request decoding, no token processor."""
+        cfg = self.config
+        return (self.graphs is not None and self.beam is None and self.spec is None
+                and not cfg.do_sample and cfg.repetition_penalty in (None, 1.0)
+                and not cfg.no_repeat_ngram_size and bool(self.running)
+                and all(r.cached for r in self.running))
+
+    def _launch_and_read(self) -> list[Request]:
+        """Launch this step on the requests with budget left (their tokens of the step in
+        flight come from the device), then read the step in flight and retire."""
+        go = [r for r in self.running if len(r.generated) + r.pending < r.max_new_tokens]
+        prev, self.inflight = self.inflight, None
+        if go:
+            self.inflight = self.graphs.launch(go)
+            self.last_batch = [r.rid for r in go]
+            self.steps += 1
+        return self._read(prev) if prev is not None else []
+
+    def _read(self, step=None) -> list[Request]:
+        """Wait for a launched step (default: the one in flight), append its tokens and
+        retire; a request that ended at an earlier step drops its token."""
+        if step is None:
+            step, self.inflight = self.inflight, None
+        forced = self.config.forced_eos_token_id
+        for r, t in zip(step.reqs, self.graphs.read(step)):
+            if r.done:
+                self.dropped += 1
+                continue
+            if forced is not None and len(r.generated) + 1 == r.max_new_tokens:
+                t = forced
+            r.generated.append(t)
+        finished = self._retire()
+        if self.inflight is not None and all(r.done for r in self.inflight.reqs):
+            self.graphs.read(self.inflight)         # nothing of it is kept
+            self.dropped += len(self.inflight.reqs)
+            self.inflight = None
+        return finished
+
     def _retire(self) -> list[Request]:
         """Requests that emitted EOS or reached their budget leave and free their blocks."""
         finished = []
         for r in self.running:
-            if r.generated[-1] in self.eos or len(r.generated) >= r.max_new_tokens:
+            if r.generated and (r.generated[-1] in self.eos or
+                                len(r.generated) >= r.max_new_tokens):
                 r.done = True
                 self.blocks.give(r.blocks)
                 r.blocks = []
