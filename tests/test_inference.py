@@ -109,12 +109,45 @@ def test_engine_on_meshlab_kernels_equals_generate(family):
     prompts = _prompts()
     want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
             .tolist() for p in prompts]
+    plain = _tiny(family)
     eng = _engine(_tiny(family), use_cuda_kernel=True)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
     cfg = eng.model.config
     assert eng.model._meshlab_kernels.counts() == {
         "rms_norm": 2 * cfg.num_hidden_layers + 1, "rotary": cfg.num_hidden_layers,
         "mlp": cfg.num_hidden_layers}
+    merged = eng.model._meshlab_merged
+    assert merged.counts() == {"qkv": cfg.num_hidden_layers, "gate_up": cfg.num_hidden_layers}
+    assert merged.misses == 0
+    # the merged weights are the modules' own parameters, names and values kept
+    got, ref = eng.model.state_dict(), plain.state_dict()
+    assert got.keys() == ref.keys()
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_merged_projections_make_four_products_per_layer():
+    """A decode step of one request under use_cuda_kernel: one product for the query, key
+    and value, one for the gate and up, the output and down projections, and the head."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    def products(**kw):
+        eng = _engine(_tiny("qwen2"), ignore_eos=True, **kw)
+        eng.add_request([1, 2, 3], 4)
+        eng.step()                          # the prefill
+        with Products() as count:
+            eng.step()                      # one decode step
+        return count.n
+
+    layers = _tiny("qwen2").config.num_hidden_layers
+    assert products() == 7 * layers + 1
+    assert products(use_cuda_kernel=True) == 4 * layers + 1
 
 
 def test_meshlab_kernels_refused_where_not_built(one_process):

@@ -422,8 +422,10 @@ def _fuse_kernels(model: nn.Module, rt) -> None:
     """``use_cuda_kernel=True``: route the model's RMSNorm, rotary embedding and gated MLP
     to meshlab's fused ops (Triton on CUDA, C++ on the CPU), each routing probed first;
     the ops this model has none of are skipped (``model._meshlab_kernels`` says which
-    were routed), none at all is refused."""
+    were routed), none at all is refused; and merge each layer's query/key/value and
+    gate/up projections into one product each (``_merge``, ``model._meshlab_merged``)."""
     from ..parallel.fuse import fuse_model, refusals
+    from ._merge import merge_projections
 
     if rt is not None:
         raise ConfigError("InferenceConfig(use_cuda_kernel=True) is built for a model of one "
@@ -437,6 +439,7 @@ def _fuse_kernels(model: nn.Module, rt) -> None:
                           f"has nothing meshlab's kernels route: " +
                           "; ".join(f"{op}: {why}" for op, why in refused.items()))
     model._meshlab_kernels = fuse_model(model, ops)
+    merge_projections(model)
 
 
 def _beam_search(engine, cfg: InferenceConfig):

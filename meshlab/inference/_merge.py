@@ -1,0 +1,142 @@
+"""Merged projections for decoding (``InferenceConfig(use_cuda_kernel=True)``): one
+matrix product where an attention layer makes three and a gated MLP two.
+
+A decode step at small batches is many small kernels, each reading its weight once; the
+query, key and value projections read the same input, and so do the gate and up
+projections. Here each such group's weights are copied once into one tensor and the
+modules' own parameters become views of it (no second copy of the weights; the state
+dict keeps its names and shapes):
+
+* attention (``q_proj``, ``k_proj``, ``v_proj``, bare ``nn.Linear`` of one input size):
+  ``q_proj`` gets an instance ``forward`` that runs the merged product and hands the key
+  and value parts to ``k_proj`` and ``v_proj``, whose instance forwards return them when
+  called on the same input tensor. Called on another input (a family that feeds them
+  differently), a projection computes its own product and the miss is counted
+  (``Merged.misses``), so the result is always the module's own.
+* gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU): a single-token call (batch
+  1 decoding) runs one product for both and ``meshlab::swiglu`` on its two halves; a call
+  of several tokens runs the two products on the views (the halves of a row-major product
+  of several rows would need copies to be contiguous).
+
+What the model routes is in ``model._meshlab_merged`` (:class:`Merged`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclasses.dataclass
+class Merged:
+    """The merged projections of a model: modules by kind, and the calls that could not
+    take the merged product."""
+
+    qkv: list[str] = dataclasses.field(default_factory=list)
+    gate_up: list[str] = dataclasses.field(default_factory=list)
+    misses: int = 0
+
+    def counts(self) -> dict[str, int]:
+        return {"qkv": len(self.qkv), "gate_up": len(self.gate_up)}
+
+
+def _bare(m, dtype, device, bias: bool | None = None) -> bool:
+    return type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks \
+        and m.weight.dtype == dtype and m.weight.device == device \
+        and (bias is None or (m.bias is not None) == bias)
+
+
+def _fuse_weights(mods) -> tuple[Tensor, Tensor | None]:
+    """One tensor holding the modules' weights (and biases) in order; each module's
+    parameters become views of it."""
+    with torch.no_grad():
+        w = torch.cat([m.weight for m in mods])
+        b = torch.cat([m.bias for m in mods]) if mods[0].bias is not None else None
+        at = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight.data = w[at:at + n]
+            if b is not None:
+                m.bias.data = b[at:at + n]
+            at += n
+    return w, b
+
+
+class _Group:
+    """The merged product of one attention layer, handed from ``q_proj`` to the others."""
+
+    def __init__(self, mods, report: Merged):
+        self.w, self.b = _fuse_weights(mods)
+        self.sizes = [m.weight.shape[0] for m in mods]
+        self.report = report
+        self.held: dict[int, tuple[Tensor, Tensor]] = {}   # part -> (input, output)
+
+    def first(self, x: Tensor) -> Tensor:
+        parts = F.linear(x, self.w, self.b).split(self.sizes, -1)
+        self.held = {i: (x, p) for i, p in enumerate(parts) if i}
+        return parts[0]
+
+    def take(self, i: int, m: nn.Linear, x: Tensor) -> Tensor:
+        got = self.held.pop(i, None)
+        if got is not None and got[0] is x:
+            return got[1]
+        self.report.misses += 1
+        return F.linear(x, m.weight, m.bias)
+
+
+def _merge_qkv(m: nn.Module, report: Merged) -> bool:
+    projs = [getattr(m, a, None) for a in ("q_proj", "k_proj", "v_proj")]
+    if not all(isinstance(p, nn.Linear) for p in projs):
+        return False
+    w0 = projs[0].weight
+    bias = projs[0].bias is not None
+    if not all(_bare(p, w0.dtype, w0.device, bias) and p.in_features == projs[0].in_features
+               for p in projs):
+        return False
+    g = _Group(projs, report)
+    projs[0].forward = types.MethodType(lambda self, x: g.first(x), projs[0])
+    for i, p in enumerate(projs[1:], 1):
+        p.forward = types.MethodType(lambda self, x, i=i: g.take(i, self, x), p)
+    return True
+
+
+def _merged_mlp_forward(self, x: Tensor) -> Tensor:
+    from ..ops.swiglu import swiglu
+
+    if x.numel() == x.shape[-1]:                    # one token: one product, two halves
+        a, b = F.linear(x, self._meshlab_gate_up).chunk(2, -1)
+    else:
+        a, b = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+    return self.down_proj(swiglu(a, b))
+
+
+def _merge_gate_up(m: nn.Module) -> bool:
+    from ..parallel.fuse._hf import _is_swiglu_mlp
+
+    if not _is_swiglu_mlp(m):
+        return False
+    g, u = m.gate_proj, m.up_proj
+    w = g.weight
+    if not (_bare(g, w.dtype, w.device, False) and _bare(u, w.dtype, w.device, False)
+            and g.weight.shape == u.weight.shape):
+        return False
+    m._meshlab_gate_up, _ = _fuse_weights([g, u])
+    m.forward = types.MethodType(_merged_mlp_forward, m)
+    return True
+
+
+def merge_projections(model: nn.Module) -> Merged:
+    """Merge every attention layer's query/key/value projections and every gated MLP's
+    gate/up projections that qualify (module docstring); returns what was merged."""
+    report = Merged()
+    for name, m in model.named_modules():
+        if _merge_qkv(m, report):
+            report.qkv.append(name)
+        elif _merge_gate_up(m):
+            report.gate_up.append(name)
+    model._meshlab_merged = report
+    return report
