@@ -8,7 +8,8 @@ For each: ``torch.library.opcheck`` (the fake kernel against the real one, autog
 dispatch); the outputs' sizes and strides equal between the real and the fake kernel on
 every dim, size-1 dims too, which opcheck and inductor's stride asserts skip; and the numbers
 against the un-fused PyTorch math. The rule real and fake kernels follow: each output is a
-fresh contiguous tensor, whatever its inputs' strides.
+fresh contiguous tensor, whatever its inputs' strides; except, on CUDA, the attention's
+output and gradients, which take their inputs' layouts as cuDNN writes them.
 """
 
 from __future__ import annotations
@@ -361,3 +362,34 @@ def test_gradients_against_reference(op, layout):
         for i, (g, w) in zip(case.grad_idx, zip(got, want)):
             torch.testing.assert_close(g, w.to(g.dtype), **TOL,
                                        msg=lambda m: f"{case.op.name()} grad {i}: {m}")
+
+
+def test_like_copies_only_another_layout():
+    """``_build.like``: a tensor already laid out as ``empty_like(ref)`` is returned as it
+    is; any other layout is copied once into that one."""
+    ref = torch.randn(B, S, H, D).transpose(1, 2)             # (B, H, S, D) views of BSHD
+    same = torch.randn(B, S, H, D).transpose(1, 2)
+    assert _build.like(same, ref) is same
+    other = torch.randn(B, H, S, D)
+    got = _build.like(other, ref)
+    assert got.stride() == ref.stride() and torch.equal(got, other)
+    gapped = torch.randn(B, H, S, 2 * D)[..., :D]             # not dense: empty_like is contiguous
+    assert _build.like(other, gapped) is other
+
+
+def test_attention_on_cuda_keeps_its_inputs_layouts():
+    """The attention's fake kernel on (fake) CUDA tensors in Hugging Face's layout: the
+    output and the gradients come back in the queries', keys' and values' strides, so the
+    transpose back to (B, S, H * D) needs no copy; on the CPU they stay contiguous."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(B, S, H, D, device="cuda").transpose(1, 2)
+        k, v = (torch.empty(B, S, HKV, D, device="cuda").transpose(1, 2) for _ in "kv")
+        out, lse = torch.ops.meshlab.attention(q, k, v, True, 0.25)
+        grads = torch.ops.meshlab.attention_backward(out, q, k, v, out, lse, True, 0.25)
+        assert out.stride() == q.stride() and lse.is_contiguous()
+        assert [g.stride() for g in grads] == [q.stride(), k.stride(), v.stride()]
+        assert out.transpose(1, 2).reshape(B, S, H * D)._base is not None     # a view
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q = torch.empty(B, S, H, D).transpose(1, 2)
+        out, _ = torch.ops.meshlab.attention(q, q, q, True, 0.25)
+        assert out.is_contiguous()

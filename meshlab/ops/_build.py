@@ -336,3 +336,17 @@ def sharding_available() -> bool:
     import torch
 
     return torch.distributed.is_available()
+
+
+def like(t, ref):
+    """``t`` laid out as ``torch.empty_like(ref)`` is (``ref``'s strides where it is dense,
+    else contiguous): returned as it is when it already is, else copied once. An op whose
+    fake kernel promises ``empty_like(ref)`` returns this, so a kernel that writes in its
+    input's layout (cuDNN's attention: heads-and-sequence transposed as Hugging Face's
+    projections leave them) is passed through without a copy."""
+    import torch
+
+    want = torch.empty_like(ref, dtype=t.dtype)
+    if t.shape == want.shape and t.stride() == want.stride():
+        return t
+    return want.copy_(t)
