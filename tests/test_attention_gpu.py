@@ -163,8 +163,8 @@ def test_opcheck_cuda():
 def test_custom_op_gradients_with_hugging_face_layouts(causal):
     """The custom op (what torch.compile runs) on q/k/v that are transposes of (B, S, H, D)
     projections, with the output gradient laid out the same way, as Hugging Face hands them
-    over: its out is contiguous while dout is not, a mix cuDNN's backward once turned into
-    wrong gradients without an error."""
+    over (a contiguous out with a strided dout is a mix cuDNN's backward once turned into
+    wrong gradients without an error; out now keeps the queries' layout)."""
     mod = _mod()
     b, s, hq, hkv, d = 2, 64, 8, 2, 64
     g = torch.Generator().manual_seed(3)
@@ -184,6 +184,9 @@ def test_custom_op_gradients_with_hugging_face_layouts(causal):
     assert _rel(out, ref) < TOL[torch.bfloat16]
     for name, a, w in zip("qkv", got, want):
         assert _rel(a, w) < TOL[torch.bfloat16], name
+    # outputs in their inputs' layouts: the transposes back to (B, S, H * D) are views
+    assert out.stride() == q.stride()
+    assert [a.stride() for a in got] == [q.stride(), k.stride(), v.stride()]
 
 
 def test_compiled_fused_llama_trains_like_eager():
