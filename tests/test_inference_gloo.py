@@ -10,7 +10,7 @@ while others decode, and leave as they finish; two more join half-way through. E
 output must equal the single process's ``generate`` of that prompt alone. A pipelined
 model (pp=2) is served by the engine, its ``generate`` refused; sequence parallelism is
 refused for both, with typed errors. Beam search under tp=2 gives transformers'
-``generate(num_beams=...)`` of one process; on a pipelined model it is refused. Pipeline
+``generate(num_beams=...)`` of one process, and so does it on a pipelined model. Pipeline
 micro-batches (``micro_batch_size=2``) give the same tokens as one process and as the engine
 without them, greedy and sampled, and overlap across the stages: with each decoder layer
 made 50 ms of work (a hook the test installs), the last stage starts micro-batch 0 of a
@@ -179,7 +179,8 @@ def test_decoding_matches_one_process(world2, family, layout, kv_heads):
 def beam_case(rank, world, family):
     """tp=2 beam search (widths 2 and 3, both early_stopping), requests joining between
     steps: transformers' generate(num_beams=...) of each prompt alone on one process. And
-    beam search on a pipelined model, refused."""
+    the same on a pipelined model (pp=2, width 2): the last stage's candidates broadcast,
+    every rank copying the blocks of its own layers."""
     import meshlab as ml
     from meshlab.inference import InferenceConfig, InferenceEngine
 
@@ -200,11 +201,12 @@ def beam_case(rank, world, family):
         out["copied"].append(engine.cache.copied)
     spec, mesh = _spec("pp")
     piped = ml.parallelize(M.build(family), spec, ml.Mesh(**mesh), seed=0).eval()
-    try:
-        InferenceEngine(piped, inference_config=InferenceConfig(dtype=torch.float32,
-                                                                beam_width=2))
-    except ml.ConfigError as e:
-        out["pipeline"] = str(e)
+    piped.generation_config.eos_token_id = ref.generation_config.eos_token_id
+    engine = InferenceEngine(piped, inference_config=InferenceConfig(
+        dtype=torch.float32, max_batch_size=4, max_input_len=16, max_output_len=10,
+        block_size=4, beam_width=2))
+    out["pipeline"], _ = _serve_beams(engine, prompts, [10, 4, 7, 10, 6], late=2)
+    out["pipeline_copied"] = engine.cache.copied
     return out
 
 
@@ -214,7 +216,9 @@ def test_beam_search_under_tensor_parallelism(world2, family):
     assert all(o["engine"] == out[0]["engine"] for o in out)     # every rank the same
     o = out[0]
     assert o["engine"] == o["want"], (o["engine"], o["want"])
-    assert all(o["copied"]) and "beam_width=2) on a pipelined model" in o["pipeline"]
+    assert all(o["copied"])
+    assert o["pipeline"] == o["want"][0], (o["pipeline"], o["want"][0])
+    assert all(r["pipeline_copied"] for r in out)   # each stage's rank forked its own blocks
 
 
 def refuse_case(rank, world):

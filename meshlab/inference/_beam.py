@@ -26,7 +26,10 @@ When the running beams are reordered, the first new beam of each parent takes th
 parent's blocks as they are; each further child takes the blocks of a beam that has no
 child and gets the parent's cached blocks copied into them (``PagedCache.copy_blocks``),
 in every layer. Under tensor parallelism every rank holds the same whole logits, so every
-rank makes the same choices and copies its own K/V heads. A pipelined model is refused.
+rank makes the same choices and copies its own K/V heads. On a pipelined model the last
+stage's rank alone has the logits: it takes each request's top candidates (scores, parent
+beams, tokens: ``max(2, 1 + n_eos) * w`` of each) and broadcasts them over the pipeline
+group, and every rank goes on from them alike, copying the blocks of its own layers.
 """
 
 from __future__ import annotations
@@ -36,8 +39,6 @@ import math
 
 import torch
 from torch import Tensor
-
-from .._errors import ConfigError
 
 LENGTH_PENALTY = 1.0        # transformers' default; InferenceConfig has no field for it
 _NONE = -1.0e9              # transformers' score of "no such beam"
@@ -70,10 +71,6 @@ class BeamSearch:
     """The beam searches of an engine's running requests (``engine.beam``)."""
 
     def __init__(self, engine):
-        if engine.pipe is not None:
-            raise ConfigError(f"InferenceConfig(beam_width={engine.config.beam_width}) on a "
-                              f"pipelined model: beam search is not built over pipeline "
-                              f"stages; serve it without pipeline(), or set beam_width=1")
         self.engine = engine
         self.w = engine.config.beam_width
         self.keep = max(2, 1 + len(engine.eos)) * self.w
@@ -100,11 +97,14 @@ class BeamSearch:
         logits, lens = engine._eager(seqs=seqs)
         for b, n in zip(seqs, lens):
             b.cached = n
-        at, pairs, finished = 0, [], []
-        for r in reqs:
+        cands = self._candidates(reqs, logits)
+        if engine.pipe is not None:         # the last stage's candidates on every rank
+            cands = engine.pipe.share_tensor(cands, (len(reqs), 3, self.keep), engine.device)
+        pairs, finished = [], []
+        for r, (top, parent, token) in zip(reqs, cands):
             s = self.searches[r.rid]
-            rows, at = logits[at:at + len(s.beams)], at + len(s.beams)
-            parents, tokens, done = self._advance(s, rows, r.max_new_tokens)
+            parents, tokens, done = self._advance(s, top[None].float(), parent.long().tolist(),
+                                                  token.long().tolist(), r.max_new_tokens)
             if done:
                 finished.append(self._finish(r))
             else:
@@ -121,19 +121,33 @@ class BeamSearch:
             self.engine.blocks.give(blocks)
         return r
 
-    def _advance(self, s: Search, rows: Tensor, max_new: int):
-        """transformers' step for one prompt: the next running beams' parents (indices
+    def _candidates(self, reqs, logits: Tensor | None) -> Tensor | None:
+        """Each request's top ``keep`` candidates of transformers' step, (requests, 3,
+        keep) float64: their scores (float32 values), parent beams and tokens; None
+        without the logits (a pipeline rank without the last stage)."""
+        if logits is None:
+            return None
+        out, at = [], 0
+        for r in reqs:
+            s = self.searches[r.rid]
+            rows, at = logits[at:at + len(s.beams)], at + len(s.beams)
+            lp = torch.log_softmax(rows.to(torch.float32), dim=-1)
+            if lp.shape[0] == 1:                # the prompt: every beam is it
+                lp = lp.expand(self.w, -1)
+            vocab = lp.shape[-1]
+            top, idx = torch.topk((lp + s.running[0][:, None]).reshape(1, -1), k=self.keep)
+            parent = idx // vocab if len(s.beams) > 1 else torch.zeros_like(idx)
+            out.append(torch.cat([top.double(), parent.double(), (idx % vocab).double()]))
+        return torch.stack(out)
+
+    def _advance(self, s: Search, top: Tensor, parent: list[int], token: list[int],
+                 max_new: int):
+        """transformers' step for one prompt from its candidates (``top`` (1, keep)
+        scores, their parent beams and tokens): the next running beams' parents (indices
         into ``s.beams``) and tokens, and whether the search is over."""
         w, eos = self.w, self.engine.eos
-        lp = torch.log_softmax(rows.to(torch.float32), dim=-1)
-        if lp.shape[0] == 1:                    # the prompt: every beam is it
-            lp = lp.expand(w, -1)
-        vocab = lp.shape[-1]
-        top, idx = torch.topk((lp + s.running[0][:, None]).reshape(1, -1), k=self.keep)
-        parent = [p if len(s.beams) > 1 else 0 for p in (idx // vocab)[0].tolist()]
-        token = (idx % vocab)[0].tolist()
         g = len(s.beams[0].generated) + 1       # generated tokens, this one included
-        hits = torch.tensor([[t in eos or g >= max_new for t in token]], device=lp.device)
+        hits = torch.tensor([[t in eos or g >= max_new for t in token]], device=top.device)
         # the running beams: the best candidates that did not end
         ranked = top + hits.to(torch.float32) * _NONE
         nxt = torch.topk(ranked, k=w)[1]

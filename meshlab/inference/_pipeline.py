@@ -96,7 +96,13 @@ class PipelineDecoder:
 
     def share(self, tokens: list[int] | None, n: int, device) -> list[int]:
         """The last stage's ``tokens`` on every rank of the pipeline group."""
-        t = torch.tensor(tokens if tokens is not None else [0] * n, dtype=torch.long,
-                         device=device)
+        t = None if tokens is None else torch.tensor(tokens, dtype=torch.long)
+        return self.share_tensor(t, (n,), device, torch.long).tolist()
+
+    def share_tensor(self, t, shape, device, dtype=torch.float64):
+        """The last stage's tensor ``t`` (None on the other ranks) of ``shape`` and
+        ``dtype`` on every rank of the pipeline group."""
+        t = torch.empty(shape, dtype=dtype, device=device) if t is None else \
+            t.to(device=device, dtype=dtype)
         dist.broadcast(t, self.last_rank, group=self.group)
-        return t.tolist()
+        return t
