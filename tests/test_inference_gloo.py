@@ -9,7 +9,8 @@ batch, and (b) serves prompts of mixed lengths through ``meshlab.inference``'s e
 while others decode, and leave as they finish; two more join half-way through. Every
 output must equal the single process's ``generate`` of that prompt alone. A pipelined
 model (pp=2) is served by the engine, its ``generate`` refused; sequence parallelism is
-refused for both, with typed errors. Beam search under tp=2 gives transformers'
+refused for both, with typed errors. Speculative decoding under tp=2 and pp=2 gives the
+greedy tokens in fewer steps. Beam search under tp=2 gives transformers'
 ``generate(num_beams=...)`` of one process, and so does it on a pipelined model. Pipeline
 micro-batches (``micro_batch_size=2``) give the same tokens as one process and as the engine
 without them, greedy and sampled, and overlap across the stages: with each decoder layer
@@ -123,13 +124,13 @@ def _serve(engine, prompts):
     return [done[i] for i in ids], batches
 
 
-def speculate_case(rank, world, family):
-    """tp=2 serving with a drafter (the model with noise on its weights, whole on every
-    rank): the greedy tokens of one process, in fewer steps."""
+def speculate_case(rank, world, family, layout):
+    """tp=2 or pp=2 serving with a drafter (the model with noise on its weights, whole on
+    every rank): the greedy tokens of one process, in fewer steps."""
     import meshlab as ml
     from meshlab.inference import InferenceConfig, InferenceEngine
 
-    spec, mesh = _spec("tp")
+    spec, mesh = _spec(layout)
     model = ml.parallelize(M.build(family), spec, ml.Mesh(**mesh), seed=0).eval()
     ref = ml.init_weights(M.build(family), seed=0).eval()
     drafter = ml.init_weights(M.build(family), seed=0).eval()
@@ -151,9 +152,9 @@ def speculate_case(rank, world, family):
             "accepted": counts[0], "proposed": counts[1]}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_speculative_decoding_under_tensor_parallelism(world2, family):
-    out = world2.run(speculate_case, family=family)
+@pytest.mark.parametrize("family,layout", [("llama", "tp"), ("qwen2", "tp"), ("llama", "pp")])
+def test_speculative_decoding_under_tensor_and_pipeline_parallelism(world2, family, layout):
+    out = world2.run(speculate_case, family=family, layout=layout)
     assert all(o["engine"] == out[0]["engine"] for o in out)
     o = out[0]
     assert o["engine"] == o["want"] == o["plain"], (o["engine"], o["want"])

@@ -11,8 +11,10 @@ later (attention reads only a request's kept length), so nothing is rolled back.
 
 Only plain greedy decoding is checked this way; sampling, the repetition penalty,
 n-gram bans and a forced EOS choose tokens position by position from histories the
-verification does not replay, so they are refused, as are beam search, CUDA graphs (they
-capture a one-token step) and pipelined models.
+verification does not replay, so they are refused, as are beam search and CUDA graphs
+(they capture a one-token step). On a pipelined model the check runs through the stages
+and the last stage's rank broadcasts its arg-max at every position; the drafter runs whole
+on every rank, so each drafts the same tokens.
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ class Speculator:
         for r, d in zip(running, drafts):
             r.generated = list(d.generated)         # the kept tokens and the k drafted
         logits, _ = engine._eager(every_position=True)
-        best = logits.argmax(-1).tolist()
+        best = None if logits is None else logits.argmax(-1).tolist()
+        if engine.pipe is not None:         # the last stage's choices on every rank
+            best = engine.pipe.share(best, len(running) * (self.k + 1), engine.device)
         at = 0
         for r, d, mine in zip(running, drafts, kept):
             proposed = r.generated[len(mine):]
@@ -114,10 +118,6 @@ def _check(engine, drafter: nn.Module) -> None:
             raise ConfigError(f"speculative decoding with InferenceConfig({name}={value!r}): "
                               f"drafted tokens are checked against plain greedy decoding "
                               f"only; set {name}={plain[0]!r} or leave use_spec_dec off")
-    if engine.pipe is not None:
-        raise ConfigError("speculative decoding on a pipelined model: the check runs the "
-                          "model on one process group's whole step; serve it without "
-                          "pipeline(), or leave use_spec_dec off")
     mine = engine.model.config.vocab_size
     theirs = getattr(getattr(drafter, "config", None), "vocab_size", None)
     if theirs != mine:
