@@ -31,6 +31,9 @@ def add_command(sub) -> None:
     g.add_argument("--top-k", type=int, default=50)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-batch-size", type=int, default=8)
+    g.add_argument("--prompt-template", default=None,
+                   help="'chat' (the tokenizer's chat template) or a format string with "
+                        "{input_text}, applied to each --prompt")
     g.add_argument("--json", action="store_true", help="print the outputs as JSON")
     g.set_defaults(fn=cmd_generate)
 
@@ -76,11 +79,18 @@ def cmd_generate(args) -> int:
                           f"as --prompt-ids")
     if torch.cuda.is_available():
         model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-    longest = max(len(tok(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts)
+    if args.prompt_template is not None and args.prompt_ids:
+        raise ConfigError("meshlab generate: --prompt-template applies to --prompt text; "
+                          "give the --prompt-ids already templated, or the prompts as text")
+    from .inference._engine import _templated
+
+    longest = max(len(_templated(tok, args.prompt_template, p)) if isinstance(p, str)
+                  else len(p) for p in prompts)
     cfg = InferenceConfig(dtype=dtype, tp_size=world, max_batch_size=args.max_batch_size,
                           max_input_len=max(longest, 1), max_output_len=args.max_new_tokens,
                           do_sample=args.do_sample, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p)
+                          top_k=args.top_k, top_p=args.top_p,
+                          prompt_template=args.prompt_template)
     engine = InferenceEngine(model, tok, cfg)
     text = [p for p in prompts if isinstance(p, str)]
     ids = [p for p in prompts if not isinstance(p, str)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -191,14 +192,46 @@ def test_repetition_penalty_is_transformers():
     torch.testing.assert_close(_repetition(logits.clone(), seen, 1.3), want)
 
 
-def test_string_prompts_with_a_tokenizer():
+def _word_tokenizer():
+    """A word-level tokenizer of the tiny models' vocabulary: 'wN' is token N + 3."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(94)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
+
+
+def test_prompt_templates():
+    """prompt_template: a format string with {input_text}, or 'chat' (the tokenizer's chat
+    template, the prompt one user message): the tokens of the templated text; refusals."""
+    tokenizer = _word_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}w7 {{ m['content'] }} w8{% endfor %}"
+                               "{% if add_generation_prompt %} w9{% endif %}")
+    cfg = dict(dtype=torch.float32, max_input_len=16, max_output_len=4, ignore_eos=True)
+
+    def run(template, prompts):
+        return InferenceEngine(_tiny(), tokenizer, InferenceConfig(
+            prompt_template=template, **cfg)).generate(prompts=prompts, max_new_tokens=4)
+
+    plain = run(None, ["w5 w1 w2 w3 w6", "w7 w40 w8 w9"])
+    assert run("w5 {input_text} w6", ["w1 w2 w3"]) == plain[:1]
+    assert run("chat", ["w40"]) == plain[1:]
+    for bad, match in (("llama", "format string with {input_text}"),
+                       ("{x} {input_text}", "does not format with input_text alone")):
+        with pytest.raises(ml.ConfigError, match=re.escape(match)):
+            InferenceConfig(prompt_template=bad)
+    engine = InferenceEngine(_tiny(), tokenizer, InferenceConfig(prompt_template="chat", **cfg))
+    with pytest.raises(ml.ConfigError, match="applies to string prompts"):
+        engine.add_request([1, 2, 3])
+    tokenizer.chat_template = None
+    with pytest.raises(ml.ConfigError, match="no chat_template"):
+        engine.add_request("w1")
+
+
+def test_string_prompts_with_a_tokenizer():
+    tokenizer = _word_tokenizer()
     model = _tiny()
     engine = InferenceEngine(model, tokenizer, InferenceConfig(
         dtype=torch.float32, max_input_len=16, max_output_len=4, ignore_eos=True))
@@ -210,7 +243,7 @@ def test_string_prompts_with_a_tokenizer():
 
 @pytest.mark.parametrize("field,value", [
     ("pad_input", True), ("pp_size", 2),
-    ("prompt_template", "llama"), ("enable_streamingllm", True)])
+    ("prefill_ratio", 2.0), ("enable_streamingllm", True)])
 def test_fields_not_built_are_refused_by_name(field, value):
     with pytest.raises(ml.ConfigError, match=rf"InferenceConfig\({field}="):
         InferenceConfig(**{field: value})
@@ -453,6 +486,15 @@ def test_generate_command_on_a_local_directory(tmp_path, capsys):
     assert [o["output"] for o in out] == want
     assert cli.main(["generate", str(tmp_path), "--prompt-ids", "1"]) == 2
     assert "no config.json" in capsys.readouterr().err
+    _word_tokenizer().save_pretrained(path)
+    assert cli.main(["generate", path, "--prompt", "w1 w2", "--prompt-template",
+                     "w5 {input_text} w6", "--max-new-tokens", "3", "--json"]) == 0
+    templated = json.loads(capsys.readouterr().out)[0]["output"]
+    assert cli.main(["generate", path, "--prompt", "w5 w1 w2 w6", "--max-new-tokens", "3",
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["output"] == templated
+    assert cli.main(["generate", path, "--prompt-ids", "1", "--prompt-template", "chat"]) == 2
+    assert "--prompt-template applies to --prompt text" in capsys.readouterr().err
 
 
 def test_generate_command_tensor_parallel_under_the_launcher(tmp_path):

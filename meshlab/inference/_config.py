@@ -1,7 +1,9 @@
 """``InferenceConfig``: the engine's options, with Colossal-AI's field names and defaults.
 
 Every field of Colossal-AI's ``InferenceConfig`` is here with its default. The engine
-implements greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k``,
+implements ``prompt_template`` (a format string with ``{input_text}``, or ``"chat"``:
+the tokenizer's chat template with the prompt as one user message, applied to string
+prompts), greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k``,
 ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``), ``forced_eos_token_id``,
 ``ignore_eos``, beam search (``beam_width``, ``early_stopping``: transformers'
 ``num_beams`` with ``length_penalty=1.0``; ``max_batch_size`` then counts beams), the
@@ -28,7 +30,6 @@ from .._errors import ConfigError
 
 # field -> why a value other than the default is refused
 _NOT_BUILT = {
-    "prompt_template": "chat templates: apply tokenizer.apply_chat_template to the prompts",
     "prefill_ratio": "prefill is not rationed: every admitted prompt is filled in its step",
     "pad_input": "requests are packed, never padded",
     "glimpse_large_kv": "the large-KV glimpse is not built",
@@ -107,6 +108,27 @@ class InferenceConfig:
                               f"must be > 0 (1.0: no penalty)")
         _check_beams(self)
         _check_micro(self)
+        _check_template(self.prompt_template)
+
+
+CHAT = "chat"       # prompt_template: the tokenizer's own chat template
+
+
+def _check_template(t) -> None:
+    """``prompt_template``: None, ``"chat"``, or a format string with ``{input_text}``."""
+    if t is None or t == CHAT:
+        return
+    fix = ("give a format string with {input_text} (e.g. '[INST] {input_text} [/INST]'), "
+           "or 'chat' for the tokenizer's chat template")
+    if not isinstance(t, str) or "{input_text}" not in t:
+        raise ConfigError(f"InferenceConfig(prompt_template={t!r}): {fix}; Colossal-AI's "
+                          f"template names are not built in")
+    try:
+        t.format(input_text="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"InferenceConfig(prompt_template={t!r}) does not format with "
+                          f"input_text alone ({type(e).__name__}: {e}); double any other "
+                          f"braces ({{{{ and }}}})") from e
 
 
 def _check_micro(cfg: InferenceConfig) -> None:

@@ -162,11 +162,16 @@ class InferenceEngine:
         return r.rid
 
     def _tokens(self, prompt) -> list[int]:
+        template = self.config.prompt_template
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("a string prompt needs InferenceEngine(model, tokenizer); "
                                   "or give the prompt as a list of token ids")
-            prompt = self.tokenizer(prompt)["input_ids"]
+            prompt = _templated(self.tokenizer, template, prompt)
+        elif template is not None:
+            raise ConfigError(f"InferenceConfig(prompt_template={template!r}) applies to "
+                              f"string prompts; this one is token ids: give the text, or "
+                              f"apply the template before tokenizing")
         if isinstance(prompt, torch.Tensor):
             prompt = prompt.flatten().tolist()
         tokens = [int(t) for t in prompt]
@@ -373,6 +378,22 @@ class InferenceEngine:
         if self.tokenizer is not None and isinstance(prompts[0], str):
             return [self.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
         return outs
+
+
+def _templated(tokenizer, template: str | None, text: str) -> list[int]:
+    """The token ids of ``text`` under ``prompt_template``."""
+    from ._config import CHAT
+
+    if template is None:
+        return tokenizer(text)["input_ids"]
+    if template != CHAT:
+        return tokenizer(template.format(input_text=text))["input_ids"]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError("InferenceConfig(prompt_template='chat'): the tokenizer has no "
+                          "chat_template; give a format string with {input_text} instead")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def _progress(total: int, verbose: bool):
