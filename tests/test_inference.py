@@ -243,7 +243,7 @@ def test_string_prompts_with_a_tokenizer():
 
 @pytest.mark.parametrize("field,value", [
     ("pad_input", True), ("pp_size", 2),
-    ("prefill_ratio", 2.0), ("enable_streamingllm", True)])
+    ("prefill_ratio", 2.0), ("glimpse_large_kv", True)])
 def test_fields_not_built_are_refused_by_name(field, value):
     with pytest.raises(ml.ConfigError, match=rf"InferenceConfig\({field}="):
         InferenceConfig(**{field: value})
@@ -563,6 +563,56 @@ def test_paged_attention_cpu_kernel_is_its_reference(dtype, tol):
 def test_cuda_graphs_need_a_gpu_and_one_process():
     with pytest.raises(ml.ConfigError, match="CUDA graphs need it on a GPU"):
         _engine(_tiny(), use_cuda_graph=True)
+
+
+def _streaming_reference(model, prompt, n, bs, w):
+    """transformers' greedy tokens when a generated token at position t attends to the
+    first block and to blocks t // bs - w on (the prompt's own tokens: to all before them),
+    from whole forwards under that mask: StreamingLLM with ``w`` whole blocks of window."""
+    ids = list(prompt)
+    for _ in range(n):
+        t = torch.arange(len(ids))
+        blk = t // bs
+        keep = (blk[None, :] == 0) | (blk[None, :] >= blk[:, None] - w)
+        allowed = (t[None, :] <= t[:, None]) & (keep | (t < len(prompt))[:, None])
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        logits = model(torch.tensor([ids]), attention_mask=mask[None, None]).logits
+        ids.append(int(logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_streamingllm_keeps_the_first_block_and_a_window(family):
+    """enable_streamingllm: each request holds the first block and a window of whole blocks
+    (generated_token_size tokens, plus the block being filled), the oldest evicted as it
+    slides; tokens equal transformers' under the same mask, for prompts shorter and longer
+    than the window, with requests joining, eagerly and through the decode graphs' steps
+    (uncaptured); the cache holds windows, not budgets."""
+    ref = _tiny(family)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (3, 21, 9)]
+    new = 30
+    want = [_streaming_reference(ref, p, new, 4, 2) for p in prompts]
+    cfg = dict(max_batch_size=2, max_input_len=24, max_output_len=new, block_size=4,
+               enable_streamingllm=True, start_token_size=4, generated_token_size=8,
+               ignore_eos=True)
+    eng = _engine(_tiny(family), **cfg)
+    assert eng.blocks.n == 2 * 6            # a window of 4 blocks, the longest prompt 6
+    assert eng.generate(prompts=prompts, max_new_tokens=new) == want
+    ahead, _ = _ahead(_tiny(family), **cfg)
+    assert ahead.generate(prompts=prompts, max_new_tokens=new) == want
+    plain = _engine(_tiny(family), ignore_eos=True, max_input_len=24, max_output_len=new,
+                    block_size=4).generate(prompts=prompts, max_new_tokens=new)
+    assert plain != want                    # the window changed what the model saw
+
+
+def test_streamingllm_refusals():
+    for kw, match in ((dict(start_token_size=8, block_size=4), "start_token_size=8"),
+                      (dict(generated_token_size=6, block_size=4), "generated_token_size=6"),
+                      (dict(beam_width=2), "beam_width=2"),
+                      (dict(use_spec_dec=True), "use_spec_dec=True")):
+        with pytest.raises(ml.ConfigError, match=re.escape(match)):
+            InferenceConfig(enable_streamingllm=True, **kw)
 
 
 def _ahead(model, **kw):

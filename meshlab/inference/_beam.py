@@ -52,6 +52,7 @@ class Beam:
     generated: list[int]
     blocks: list[int]
     cached: int = 0
+    dropped: int = 0                # never: StreamingLLM refuses beam search
 
 
 @dataclasses.dataclass

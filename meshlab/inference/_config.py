@@ -3,7 +3,9 @@
 Every field of Colossal-AI's ``InferenceConfig`` is here with its default. The engine
 implements ``prompt_template`` (a format string with ``{input_text}``, or ``"chat"``:
 the tokenizer's chat template with the prompt as one user message, applied to string
-prompts), greedy decoding and sampling (``do_sample``, ``temperature``, ``top_k``,
+prompts), StreamingLLM (``enable_streamingllm``: the first block and a window of whole
+blocks of at least ``generated_token_size`` tokens, ``_paged.place``), greedy decoding and
+sampling (``do_sample``, ``temperature``, ``top_k``,
 ``top_p``, ``repetition_penalty``, ``no_repeat_ngram_size``), ``forced_eos_token_id``,
 ``ignore_eos``, beam search (``beam_width``, ``early_stopping``: transformers'
 ``num_beams`` with ``length_penalty=1.0``; ``max_batch_size`` then counts beams), the
@@ -36,9 +38,6 @@ _NOT_BUILT = {
     "pp_size": "the engine pipelines a model parallelized with pipeline() (pp_size is read "
                "from it); give it that model",
     "high_precision": "scores and softmax already run in float32 (float64 for float64)",
-    "enable_streamingllm": "StreamingLLM attention is not built",
-    "start_token_size": "StreamingLLM attention is not built",
-    "generated_token_size": "StreamingLLM attention is not built",
     "patched_parallelism_size": "patched parallelism is for diffusion pipelines",
 }
 
@@ -109,6 +108,33 @@ class InferenceConfig:
         _check_beams(self)
         _check_micro(self)
         _check_template(self.prompt_template)
+        _check_streaming(self)
+
+
+def _check_streaming(cfg: InferenceConfig) -> None:
+    """StreamingLLM: the first block (the attention sinks) and whole blocks of at least the
+    last ``generated_token_size`` tokens; beam search and speculation refuse it."""
+    if not cfg.enable_streamingllm:
+        return
+    s, g, bs = cfg.start_token_size, cfg.generated_token_size, cfg.block_size
+    if not isinstance(s, int) or isinstance(s, bool) or not 1 <= s <= bs:
+        raise ConfigError(f"InferenceConfig(start_token_size={s!r}): between 1 and block_size="
+                          f"{bs}; the whole first block is kept as the attention sinks")
+    if not isinstance(g, int) or isinstance(g, bool) or g < bs or g % bs:
+        raise ConfigError(f"InferenceConfig(generated_token_size={g!r}): a positive multiple "
+                          f"of block_size={bs}; the window is kept in whole blocks")
+    for name, plain in (("beam_width", 1), ("use_spec_dec", False)):
+        if getattr(cfg, name) != plain:
+            raise ConfigError(f"InferenceConfig(enable_streamingllm=True, {name}="
+                              f"{getattr(cfg, name)!r}): the sliding window is built for "
+                              f"one sequence a request decoding a token a step; set "
+                              f"{name}={plain!r} or enable_streamingllm=False")
+
+
+def window_blocks(cfg: InferenceConfig) -> int | None:
+    """The blocks a request holds once decoding under StreamingLLM (the first, the window
+    and the block being filled), or None without it."""
+    return cfg.generated_token_size // cfg.block_size + 2 if cfg.enable_streamingllm else None
 
 
 CHAT = "chat"       # prompt_template: the tokenizer's own chat template

@@ -33,8 +33,8 @@ from torch import nn
 
 from .._errors import ConfigError, ConfigTypeError
 from ..ops.paged_attention import layout
-from ._config import InferenceConfig
-from ._paged import Blocks, PagedBatch, PagedCache, register, running
+from ._config import InferenceConfig, window_blocks
+from ._paged import Blocks, PagedBatch, PagedCache, place, register, running
 from ._sampling import choose
 
 
@@ -52,6 +52,7 @@ class Request:
     cached: int = 0             # tokens whose keys and values are in the cache
     done: bool = False
     pending: int = 0            # tokens launched on the GPU and not read yet (graphs)
+    dropped: int = 0            # blocks evicted by StreamingLLM's window
     row: int = -1               # its row in the latest launched step
 
 
@@ -88,6 +89,7 @@ class InferenceEngine:
         self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
         self.device = next(p for p in self.model.parameters()).device
         self.spec = None                     # the drafter, under speculative decoding
+        self.window = window_blocks(cfg)     # blocks a decoding request holds (StreamingLLM)
         self.beam = _beam_search(self, cfg)  # the beams of each request, under beam search
         self._size_cache(0)
         self.graphs = _graphs(self, cfg, model)
@@ -113,13 +115,19 @@ class InferenceEngine:
         """A cache for ``max_batch_size`` sequences' whole budgets (requests, or beams
         under beam search), each ``ahead`` tokens more (a verification's drafted tokens)."""
         cfg = self.config
-        per_request = math.ceil((cfg.max_input_len + cfg.max_output_len + ahead) /
-                                cfg.block_size)
+        per_request = self._need(cfg.max_input_len, cfg.max_output_len + ahead)
         n = cfg.max_batch_size * per_request
         # one more block: the scratch that a decode graph's padded rows write to
         self.cache = PagedCache(n + 1, cfg.block_size, cfg.kv_cache_dtype)
         self.blocks = Blocks(n)
         self.ahead = ahead
+
+    def _need(self, prompt: int, new: int) -> int:
+        """The blocks a request of ``prompt`` tokens making ``new`` more holds: its whole
+        budget, or under StreamingLLM at most its prompt's or the window's."""
+        bs, window = self.config.block_size, self.window
+        need = math.ceil((prompt + new) / bs)
+        return need if window is None else min(need, max(math.ceil(prompt / bs), window))
 
     # ------------------------------------------------------------------ speculation
 
@@ -193,7 +201,7 @@ class InferenceEngine:
         bs, w = self.config.block_size, self.config.beam_width     # w sequences a request
         while self.waiting and (len(self.running) + 1) * w <= self.config.max_batch_size:
             r = self.waiting[0]
-            need = math.ceil((len(r.prompt) + r.max_new_tokens + self.ahead) / bs)
+            need = self._need(len(r.prompt), r.max_new_tokens + self.ahead)
             if need * w > len(self.blocks.free):
                 break
             r.blocks = self.blocks.take(need)
@@ -215,9 +223,9 @@ class InferenceEngine:
                 p = r.cached + i
                 ids.append(t)
                 pos.append(p)
-                slots.append(r.blocks[p // bs] * bs + p % bs)
+                slots.append(place(r, p, bs, self.window))
             starts.append(starts[-1] + len(new))
-            lens.append(r.cached + len(new))
+            lens.append(r.cached + len(new) - r.dropped * bs)     # the keys it keeps
         width = max(len(r.blocks) for r in seqs)
         tables = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in seqs],
                               dtype=torch.int32, device=self.device)
@@ -316,8 +324,9 @@ class InferenceEngine:
 
     def _eager(self, every_position: bool = False, seqs=None):
         """The step's logits (None on a pipeline rank without the last stage) and each
-        request's (or each of ``seqs``') keys after it, the model run eagerly on the packed
-        tokens: at each request's last position, or ``every_position`` of the packed row.
+        request's (or each of ``seqs``') tokens cached after it, the model run eagerly on
+        the packed tokens: at each request's last position, or ``every_position`` of the
+        packed row.
         A pipelined model with ``micro_batch_size`` k > 1 runs micro-batches of k requests
         through its stages (``_pipeline``); the logits come back in the requests' order."""
         from ..parallel.shard._styles import whole_logits
@@ -335,7 +344,7 @@ class InferenceEngine:
                 with running(batch):
                     logits = self.model(input_ids=ids_t, position_ids=pos_t, use_cache=False,
                                         logits_to_keep=last).logits[0]
-        return logits, [n for *_, batch in micro for n in batch.seq_lens]
+        return logits, [len(r.prompt) + len(r.generated) for r in seqs]   # all now cached
 
     def _packed(self, seqs, every_position: bool):
         """``seqs`` packed in one row as the model takes them: ids and positions (1, T),

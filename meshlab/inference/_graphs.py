@@ -29,7 +29,7 @@ import math
 import torch
 
 from ..ops.paged_attention import Layout
-from ._paged import PagedBatch, running
+from ._paged import PagedBatch, place, running
 
 
 @dataclasses.dataclass
@@ -106,8 +106,8 @@ class DecodeGraphs:
             else:
                 h[i] = r.generated[-1]
             h[n + i] = r.cached
-            h[2 * n + i] = r.blocks[r.cached // bs] * bs + r.cached % bs
-            h[3 * n + i] = r.cached + 1
+            h[2 * n + i] = place(r, r.cached, bs, self.engine.window)
+            h[3 * n + i] = r.cached + 1 - r.dropped * bs        # the keys it keeps
             tables[i, :len(r.blocks)] = r.blocks
 
     def _forward(self, b: dict):

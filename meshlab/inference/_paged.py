@@ -83,6 +83,20 @@ class PagedCache:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
 
 
+def place(r, p: int, bs: int, window: int | None) -> int:
+    """The cache slot of sequence ``r``'s token at position ``p``. Under StreamingLLM
+    (``window``: the blocks a decoding sequence holds) a generated token that would lie
+    past them first evicts the oldest block after the first: it moves to the end of
+    ``r.blocks``, to be written over, and ``r.dropped`` counts it. ``r.blocks`` then lists
+    the kept blocks in key order: the first (the attention sinks), the window, the block
+    being filled. A prompt's own tokens never evict (its prefill attends to all of it)."""
+    if window is not None and p >= len(r.prompt):
+        while p // bs - r.dropped > window - 1:
+            r.blocks.append(r.blocks.pop(1))
+            r.dropped += 1
+    return r.blocks[p // bs - r.dropped if p >= bs else 0] * bs + p % bs
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedBatch:
     """Where one step's packed tokens go and what they read."""
