@@ -10,7 +10,8 @@ while others decode, and leave as they finish; two more join half-way through. E
 output must equal the single process's ``generate`` of that prompt alone. A pipelined
 model (pp=2) is served by the engine, its ``generate`` refused; sequence parallelism is
 refused for both, with typed errors. Speculative decoding under tp=2 and pp=2 gives the
-greedy tokens in fewer steps. Beam search under tp=2 gives transformers'
+greedy tokens in fewer steps, and StreamingLLM under both gives transformers' tokens under
+its sliding-window mask. Beam search under tp=2 gives transformers'
 ``generate(num_beams=...)`` of one process, and so does it on a pipelined model. Pipeline
 micro-batches (``micro_batch_size=2``) give the same tokens as one process and as the engine
 without them, greedy and sampled, and overlap across the stages: with each decoder layer
@@ -109,6 +110,32 @@ def serve_case(rank, world, family, layout, kv_heads=2):
     return {"engine": got, "want": [w[:n] if len(w) > n else w for w, n in zip(want, BUDGETS)],
             "generate": hf[:, 6:].tolist(), "want_generate": [want[LENGTHS.index(6)]] * 2,
             "batches": batches, "stages_in_turn": engine.pipe is not None}
+
+
+def streaming_case(rank, world, family, layout):
+    """StreamingLLM under tp=2 or pp=2: transformers' tokens under the sliding-window mask
+    of one process (every rank evicts the same blocks of its own layers)."""
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    from .test_inference import _streaming_reference
+
+    spec, mesh = _spec(layout)
+    model = ml.parallelize(M.build(family), spec, ml.Mesh(**mesh), seed=0).eval()
+    ref = ml.init_weights(M.build(family), seed=0).eval()
+    prompts = _prompts(ref.config.vocab_size)[:3]
+    engine = InferenceEngine(model, inference_config=InferenceConfig(
+        dtype=torch.float32, max_batch_size=2, max_input_len=32, max_output_len=24,
+        block_size=4, enable_streamingllm=True, generated_token_size=8, ignore_eos=True))
+    return {"engine": engine.generate(prompts=prompts, max_new_tokens=24),
+            "want": [_streaming_reference(ref, p, 24, 4, 2) for p in prompts]}
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_streamingllm_under_tensor_and_pipeline_parallelism(world2, layout):
+    out = world2.run(streaming_case, family="llama", layout=layout)
+    assert all(o["engine"] == out[0]["engine"] for o in out)
+    assert out[0]["engine"] == out[0]["want"]
 
 
 def _serve(engine, prompts):
