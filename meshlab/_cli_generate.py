@@ -38,30 +38,13 @@ def add_command(sub) -> None:
     g.set_defaults(fn=cmd_generate)
 
 
-def _load(path: str, dtype):
-    from ._errors import ConfigError
-
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"meshlab generate {path}: no config.json there; give a Hugging Face "
-                          f"model directory (a meshlab checkpoint is exported to one with "
-                          f"meshlab.checkpoint.save_pretrained)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                 use_safetensors=True)
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError):
-        tok = None
-    return model, tok
-
-
 def cmd_generate(args) -> int:
     import torch
 
     from ._errors import ConfigError
     from .inference import InferenceConfig, InferenceEngine
     from .inference._config import _dtype
+    from .inference._engine import load_pretrained
 
     dtype = _dtype(args.dtype, "dtype")
     prompts = list(args.prompt) + [[int(t) for t in p.split(",")] for p in args.prompt_ids]
@@ -73,12 +56,10 @@ def cmd_generate(args) -> int:
 
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    model, tok = _load(args.path, dtype)
+    model, tok = load_pretrained(args.path, dtype)
     if args.prompt and tok is None:
         raise ConfigError(f"meshlab generate: {args.path} has no tokenizer; give the prompts "
                           f"as --prompt-ids")
-    if torch.cuda.is_available():
-        model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     if args.prompt_template is not None and args.prompt_ids:
         raise ConfigError("meshlab generate: --prompt-template applies to --prompt text; "
                           "give the --prompt-ids already templated, or the prompts as text")

@@ -497,6 +497,22 @@ def test_generate_command_on_a_local_directory(tmp_path, capsys):
     assert "--prompt-template applies to --prompt text" in capsys.readouterr().err
 
 
+def test_engine_from_a_local_directory(tmp_path):
+    """InferenceEngine(path): the directory's model (safetensors) and its tokenizer, as
+    the guide's engine takes a path; a directory without config.json is refused."""
+    model, path = _saved(tmp_path)
+    _word_tokenizer().save_pretrained(path)
+    cfg = InferenceConfig(dtype=torch.float32, max_input_len=16, max_output_len=4,
+                          ignore_eos=True)
+    eng = InferenceEngine(path, inference_config=cfg)
+    assert eng.tokenizer is not None
+    want = model.generate(torch.tensor([[4, 5]]), max_new_tokens=4, do_sample=False)[0, 2:]
+    assert eng.generate(prompts=["w1 w2"]) == [eng.tokenizer.decode(want.tolist(),
+                                                                     skip_special_tokens=True)]
+    with pytest.raises(ml.ConfigError, match="no config.json"):
+        InferenceEngine(str(tmp_path), inference_config=cfg)
+
+
 def test_generate_command_tensor_parallel_under_the_launcher(tmp_path):
     """``meshlab run --nproc-per-node 2 -m meshlab.cli generate``: tp=2 over gloo gives the
     single process's tokens."""

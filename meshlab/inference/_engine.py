@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 from torch import nn
@@ -58,7 +59,8 @@ class Request:
 
 class InferenceEngine:
     """Serve ``model`` (a transformers causal LM, single-process or parallelized by
-    meshlab with ``shard``, ``zero_shard`` or ``lora``) with ``inference_config``.
+    meshlab with ``shard``, ``zero_shard`` or ``lora``; or a local Hugging Face directory,
+    loaded with its tokenizer by :func:`load_pretrained`) with ``inference_config``.
 
     ``tokenizer`` turns string prompts into tokens and back; without it prompts are lists
     of token ids and so are the outputs. An unparallelized model with ``tp_size > 1`` is
@@ -74,10 +76,9 @@ class InferenceEngine:
         if not isinstance(cfg, InferenceConfig):
             raise ConfigTypeError(f"InferenceEngine(inference_config=...): an InferenceConfig, "
                                   f"got {type(cfg).__name__}")
-        if isinstance(model, str):
-            raise ConfigTypeError("InferenceEngine(model=...): a model, not a path; load it "
-                                  "first (transformers' from_pretrained, or meshlab generate "
-                                  "on the command line)")
+        if isinstance(model, (str, os.PathLike)):
+            model, found = load_pretrained(os.fspath(model), cfg.dtype)
+            tokenizer = found if tokenizer is None else tokenizer
         self.config, self.tokenizer, self.verbose = cfg, tokenizer, verbose
         self.model = _prepare(model, cfg, model_policy)
         self.pipe = _pipeline_decoder(self.model)
@@ -403,6 +404,26 @@ def _templated(tokenizer, template: str | None, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                         add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def load_pretrained(path: str, dtype):
+    """A local Hugging Face directory's causal LM (safetensors weights, in ``dtype``; on
+    this rank's GPU where there is one) and its tokenizer (None where it has none)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"{path}: no config.json there; give a Hugging Face model directory "
+                          f"(a meshlab checkpoint is exported to one with "
+                          f"meshlab.checkpoint.save_pretrained)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                 use_safetensors=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        tok = None
+    if torch.cuda.is_available():
+        model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
+    return model, tok
 
 
 def _progress(total: int, verbose: bool):
