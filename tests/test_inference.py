@@ -686,7 +686,7 @@ def test_decode_launched_ahead_stops_at_eos_and_forces_eos():
     eng, reads = _ahead(model, max_batch_size=2)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
     assert max(reads) == 2 and len(eng.blocks.free) == eng.blocks.n
-    assert eng.dropped                  # steps ran past an EOS and their tokens were dropped
+    assert eng.past_eos                 # steps ran past an EOS and their tokens were dropped
     forced, _ = _ahead(_tiny(), ignore_eos=True, forced_eos_token_id=5)
     plain = _engine(_tiny(), ignore_eos=True, forced_eos_token_id=5)
     assert forced.generate(prompts=prompts, max_new_tokens=4) == \

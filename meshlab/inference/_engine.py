@@ -98,7 +98,7 @@ class InferenceEngine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.inflight = None                 # a greedy decode step launched, not read
-        self.dropped = 0                     # its tokens of requests that had ended
+        self.past_eos = 0                    # tokens computed past a request's EOS (graphs)
         self._next = 0
         self.steps = 0
         self.last_batch: list[int] = []      # the request ids the last step ran
@@ -113,8 +113,9 @@ class InferenceEngine:
                               "InferenceConfig(use_spec_dec=True) to decode speculatively")
 
     def _size_cache(self, ahead: int) -> None:
-        """A cache for ``max_batch_size`` sequences' whole budgets (requests, or beams
-        under beam search), each ``ahead`` tokens more (a verification's drafted tokens)."""
+        """A cache for ``max_batch_size`` sequences (requests, or beams under beam
+        search), each holding what ``_need`` says with ``ahead`` tokens more (a
+        verification's drafted tokens)."""
         cfg = self.config
         per_request = self._need(cfg.max_input_len, cfg.max_output_len + ahead)
         n = cfg.max_batch_size * per_request
@@ -296,7 +297,7 @@ class InferenceEngine:
         forced = self.config.forced_eos_token_id
         for r, t in zip(step.reqs, self.graphs.read(step)):
             if r.done:
-                self.dropped += 1
+                self.past_eos += 1
                 continue
             if forced is not None and len(r.generated) + 1 == r.max_new_tokens:
                 t = forced
@@ -304,7 +305,7 @@ class InferenceEngine:
         finished = self._retire()
         if self.inflight is not None and all(r.done for r in self.inflight.reqs):
             self.graphs.read(self.inflight)         # nothing of it is kept
-            self.dropped += len(self.inflight.reqs)
+            self.past_eos += len(self.inflight.reqs)
             self.inflight = None
         return finished
 
