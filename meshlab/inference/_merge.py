@@ -8,15 +8,17 @@ modules' own parameters become views of it (no second copy of the weights; the s
 dict keeps its names and shapes):
 
 * attention (``q_proj``, ``k_proj``, ``v_proj``, bare ``nn.Linear`` of one input size):
-  ``q_proj`` gets an instance ``forward`` that runs the merged product and hands the key
-  and value parts to ``k_proj`` and ``v_proj``, whose instance forwards return them when
-  called on the same input tensor. Called on another input (a family that feeds them
-  differently), a projection computes its own product and the miss is counted
-  (``Merged.misses``), so the result is always the module's own.
-* gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU): a single-token call (batch
-  1 decoding) runs one product for both and ``meshlab::swiglu`` on its two halves; a call
-  of several tokens runs the two products on the views (the halves of a row-major product
-  of several rows would need copies to be contiguous).
+  on a single token (batch 1 decoding) ``q_proj``'s instance ``forward`` runs the merged
+  product and hands the key and value parts to ``k_proj`` and ``v_proj``, whose instance
+  forwards return them when called on the same input tensor. Called on another single
+  token (a family that feeds them differently), a projection computes its own product and
+  the miss is counted (``Merged.misses``), so the result is always the module's own.
+* gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU): on a single token one
+  product for both and ``meshlab::swiglu`` on its two halves.
+
+A call of several tokens runs each projection's own product on the views: the parts of a
+row-major product of several rows are strided, and the rotary and swiglu kernels would
+copy them to contiguous first.
 
 What the model routes is in ``model._meshlab_merged`` (:class:`Merged`).
 """
@@ -75,7 +77,10 @@ class _Group:
         self.report = report
         self.held: dict[int, tuple[Tensor, Tensor]] = {}   # part -> (input, output)
 
-    def first(self, x: Tensor) -> Tensor:
+    def first(self, q: nn.Linear, x: Tensor) -> Tensor:
+        if not _one_token(x):           # each part of a merged product of rows is strided
+            self.held = {}
+            return F.linear(x, q.weight, q.bias)
         parts = F.linear(x, self.w, self.b).split(self.sizes, -1)
         self.held = {i: (x, p) for i, p in enumerate(parts) if i}
         return parts[0]
@@ -84,8 +89,13 @@ class _Group:
         got = self.held.pop(i, None)
         if got is not None and got[0] is x:
             return got[1]
-        self.report.misses += 1
+        if got is not None or _one_token(x):        # merged for another input, or not at all
+            self.report.misses += 1
         return F.linear(x, m.weight, m.bias)
+
+
+def _one_token(x: Tensor) -> bool:
+    return x.numel() == x.shape[-1]
 
 
 def _merge_qkv(m: nn.Module, report: Merged) -> bool:
@@ -98,7 +108,7 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
                for p in projs):
         return False
     g = _Group(projs, report)
-    projs[0].forward = types.MethodType(lambda self, x: g.first(x), projs[0])
+    projs[0].forward = types.MethodType(lambda self, x: g.first(self, x), projs[0])
     for i, p in enumerate(projs[1:], 1):
         p.forward = types.MethodType(lambda self, x, i=i: g.take(i, self, x), p)
     return True
@@ -107,7 +117,7 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
 def _merged_mlp_forward(self, x: Tensor) -> Tensor:
     from ..ops.swiglu import swiglu
 
-    if x.numel() == x.shape[-1]:                    # one token: one product, two halves
+    if _one_token(x):                               # one product, two contiguous halves
         a, b = F.linear(x, self._meshlab_gate_up).chunk(2, -1)
     else:
         a, b = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
