@@ -2,7 +2,8 @@
 (dynamic cache; static cache with its automatic ``torch.compile``), in one run; the engine
 eager, with CUDA graphs of its decode steps (``use_cuda_graph=True``), and with graphs and
 the norms, rotary and MLP on meshlab's kernels (``use_cuda_kernel=True``, on a copy of the
-model, which it routes).
+model, which it routes); ``..._inorder`` reads each decode step's tokens before launching
+the next (``engine.launch_ahead = False``), to show what launching ahead buys.
 
     python benchmarks/inference_gpu.py --shape llama-1b --batches 1,8,64
     python benchmarks/inference_gpu.py --shape llama3-8b --batches 1,64
@@ -88,9 +89,10 @@ def run_batch(model, batch: int, args) -> dict:
         model.set_attn_implementation("sdpa")
         try:
             if name.startswith("meshlab_engine"):
-                kernels = name.endswith("kernels")    # routes the model it is given: a copy
+                kernels = "kernels" in name           # routes the model it is given: a copy
                 engine, make = _engine(copy.deepcopy(model) if kernels else model, ids,
                                        args.new, "graphs" in name, kernels)
+                engine.launch_ahead = not name.endswith("_inorder")
                 first, whole = _timed(make(1), args.repeats), _timed(make(args.new),
                                                                        args.repeats)
                 del engine
@@ -152,7 +154,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paths", default="hf_dynamic,hf_static_compile,meshlab_engine,"
-                                        "meshlab_engine_graphs,meshlab_engine_graphs_kernels")
+                                        "meshlab_engine_graphs,meshlab_engine_graphs_kernels,"
+                                        "meshlab_engine_graphs_kernels_inorder")
     ap.add_argument("--copy-to", default=None)
     ap.add_argument("--profile", default="", help="batches to profile (graphs + kernels)")
     args = ap.parse_args()

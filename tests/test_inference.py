@@ -663,6 +663,12 @@ def test_decode_launched_ahead_gives_generate_tokens(family):
     assert [done[i] for i in rids] == want
     assert max(reads) == 2 and eng.graphs.read_count == eng.graphs.launched
     assert len(eng.blocks.free) == eng.blocks.n and eng.inflight is None
+    inorder, reads = _ahead(_tiny(family), max_batch_size=3)
+    inorder.launch_ahead = False        # each step read before the next: the same tokens
+    keep = [0, 1, 2, 4]                 # the budgets of 3 or more
+    assert inorder.generate(prompts=[prompts[i] for i in keep], max_new_tokens=3) == \
+        [want[i][:3] for i in keep]
+    assert not reads and inorder.graphs.graphs
 
 
 def test_decode_launched_ahead_stops_at_eos_and_forces_eos():

@@ -98,6 +98,7 @@ class InferenceEngine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.inflight = None                 # a greedy decode step launched, not read
+        self.launch_ahead = True             # False: read each graph step before the next
         self.past_eos = 0                    # tokens computed past a request's EOS (graphs)
         self._next = 0
         self.steps = 0
@@ -273,7 +274,8 @@ class InferenceEngine:
         """Whether this step is a greedy decode step of graphs launched ahead of the
         host (``_graphs``): every running request decoding, no token processor."""
         cfg = self.config
-        return (self.graphs is not None and self.beam is None and self.spec is None
+        return (self.graphs is not None and self.launch_ahead and self.beam is None
+                and self.spec is None
                 and not cfg.do_sample and cfg.repetition_penalty in (None, 1.0)
                 and not cfg.no_repeat_ngram_size and bool(self.running)
                 and all(r.cached for r in self.running))
