@@ -188,10 +188,20 @@ def test_cuda_calls_fit_the_aten_schemas():
     for fwd, bwd in ((attn_mod._cudnn_fwd, attn_mod._cudnn_bwd),
                      (attn_mod._efficient_fwd, attn_mod._efficient_bwd)):
         out, lse = fwd(q, k, v, True, 0.2)
-        assert out.shape == (b, h, s, d) and out.is_contiguous()
+        assert out.shape == (b, h, s, d)
         assert lse.shape == (b, h, s) and lse.dtype == torch.float32 and lse.is_contiguous()
         grads = bwd(torch.empty_like(out), q, k, v, out, lse, True, 0.2)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    # cuDNN writes out and the gradients in the inputs' layout: with Hugging Face's
+    # (B, S, H, D)-ordered queries the op's promise (``_layout``) costs no copy; the
+    # memory-efficient kernel writes (B, S, H, D) memory whatever its inputs.
+    bshd = [torch.empty(b, s, h, d, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+            for _ in range(3)]
+    out, lse = attn_mod._cudnn_fwd(*bshd, True, 0.2)
+    grads = attn_mod._cudnn_bwd(torch.empty_like(out), *bshd, out, lse, True, 0.2)
+    assert [t.stride() for t in (out, *grads)] == [bshd[0].stride()] * 4
+    out, _ = attn_mod._efficient_fwd(q, k, v, True, 0.2)
+    assert out.stride() == bshd[0].stride()
     assert attn_mod._cudnn_lse_rank() in (3, 4)
     assert attn_mod._efficient_lse_len(37) in (37, 64)
     # Grouped-query: kv heads repeated for the kernels, their gradients summed back.

@@ -231,9 +231,10 @@ def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
     s, skv = q.shape[2], k.shape[2]
     lse_native = lse.unsqueeze(-1) if _cudnn_lse_rank() == 4 else lse
     # cuDNN's backward reads out and dout with one layout: given a contiguous out (what the
-    # custom op returns) and a dout laid out otherwise (the transpose Hugging Face hands
-    # back), it returns wrong gradients without an error. Both go in as the (B, S, H, D)
-    # memory its forward writes for such inputs; in eager mode they already are.
+    # custom op returns for contiguous queries) and a dout laid out otherwise (the
+    # transpose Hugging Face hands back), it returns wrong gradients without an error. Both
+    # go in as the (B, S, H, D) memory its forward writes for such inputs; with Hugging
+    # Face's queries they already are.
     out, dout = _bshd(out), _bshd(dout)
     # Dropout is off, so the philox seed and offset are never read; cum_seq_q/k are None for
     # dense (not nested) tensors, as the forward returns them.
@@ -247,8 +248,9 @@ def _cudnn_bwd(dout, q, k, v, out, lse, causal, scale):
 def _efficient_fwd(q, k, v, causal, scale):
     out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, None, True, 0.0, causal, scale=scale)
-    # out is a (B, H, S, D) view of (B, S, H, D) memory; lse rows are padded (see above).
-    return out.contiguous(), lse[..., :q.shape[2]].contiguous()
+    # out is a (B, H, S, D) view of (B, S, H, D) memory, as Hugging Face's queries are (the
+    # op lays it out as its queries, ``_layout``); lse rows are padded (see above).
+    return out, lse[..., :q.shape[2]].contiguous()
 
 
 def _efficient_bwd(dout, q, k, v, out, lse, causal, scale):
