@@ -210,7 +210,7 @@ def test_step_split_and_pipeline_batch_checks():
     assert _pipeline_batch({"input_ids": x}, 2)[0] is x
 
 
-def test_step_pauses_the_garbage_collector_and_frees_the_cycles_it_made():
+def test_step_pauses_the_garbage_collector_and_frees_the_cycles_it_made(one_process):
     import gc
 
     model = presets.build("tiny-llama", device="cpu", dtype=torch.float32)
