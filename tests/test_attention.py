@@ -20,6 +20,7 @@ from meshlab.ops import _build, attention, attention_reference, hf_attention, re
 
 # ``meshlab.ops.attention`` the attribute is the function; the module is in sys.modules.
 attn_mod = sys.modules["meshlab.ops.attention"]
+cuda_mod = sys.modules["meshlab.ops._attention_cuda"]       # its CUDA kernels
 
 NATIVE = shutil.which(os.environ.get("CXX", "c++")) is not None and \
     os.environ.get("MESHLAB_OPS_NATIVE", "1") != "0"
@@ -185,8 +186,8 @@ def test_cuda_calls_fit_the_aten_schemas():
     (cuDNN's (B, H, S, 1), memory-efficient's rows padded to 32) round-trip."""
     b, h, s, d = 2, 4, 37, 24
     q, k, v = (torch.empty(b, h, s, d, device="meta", dtype=torch.bfloat16) for _ in range(3))
-    for fwd, bwd in ((attn_mod._cudnn_fwd, attn_mod._cudnn_bwd),
-                     (attn_mod._efficient_fwd, attn_mod._efficient_bwd)):
+    for fwd, bwd in ((cuda_mod._cudnn_fwd, cuda_mod._cudnn_bwd),
+                     (cuda_mod._efficient_fwd, cuda_mod._efficient_bwd)):
         out, lse = fwd(q, k, v, True, 0.2)
         assert out.shape == (b, h, s, d)
         assert lse.shape == (b, h, s) and lse.dtype == torch.float32 and lse.is_contiguous()
@@ -197,18 +198,18 @@ def test_cuda_calls_fit_the_aten_schemas():
     # memory-efficient kernel writes (B, S, H, D) memory whatever its inputs.
     bshd = [torch.empty(b, s, h, d, device="meta", dtype=torch.bfloat16).transpose(1, 2)
             for _ in range(3)]
-    out, lse = attn_mod._cudnn_fwd(*bshd, True, 0.2)
-    grads = attn_mod._cudnn_bwd(torch.empty_like(out), *bshd, out, lse, True, 0.2)
+    out, lse = cuda_mod._cudnn_fwd(*bshd, True, 0.2)
+    grads = cuda_mod._cudnn_bwd(torch.empty_like(out), *bshd, out, lse, True, 0.2)
     assert [t.stride() for t in (out, *grads)] == [bshd[0].stride()] * 4
-    out, _ = attn_mod._efficient_fwd(q, k, v, True, 0.2)
+    out, _ = cuda_mod._efficient_fwd(q, k, v, True, 0.2)
     assert out.stride() == bshd[0].stride()
-    assert attn_mod._cudnn_lse_rank() in (3, 4)
-    assert attn_mod._efficient_lse_len(37) in (37, 64)
+    assert cuda_mod._cudnn_lse_rank() in (3, 4)
+    assert cuda_mod._efficient_lse_len(37) in (37, 64)
     # Grouped-query: kv heads repeated for the kernels, their gradients summed back.
     kv = torch.randn(2, 2, 5, 3)
-    big = attn_mod._expand(kv, 3)
+    big = cuda_mod._expand(kv, 3)
     assert big.shape == (2, 6, 5, 3) and torch.equal(big[:, 3:6], kv[:, 1:2].expand(2, 3, 5, 3))
-    torch.testing.assert_close(attn_mod._reduce(big, 3), kv * 3)
+    torch.testing.assert_close(cuda_mod._reduce(big, 3), kv * 3)
 
 
 # ---------------------------------------------------------------------------- DTensor

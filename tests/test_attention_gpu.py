@@ -21,6 +21,13 @@ def _mod():
     return sys.modules["meshlab.ops.attention"]
 
 
+def _cuda():
+    """The module of the CUDA kernels' calls (cuDNN, memory-efficient), to patch them."""
+    import meshlab.ops  # noqa: F401
+
+    return sys.modules["meshlab.ops._attention_cuda"]
+
+
 def _rel(a, b) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -105,8 +112,7 @@ def test_memory_efficient_path_in_bf16(monkeypatch):
     """With cuDNN ruled out, bf16 runs the memory-efficient kernel (lse rows padded to 32)."""
     from meshlab.ops import _build
 
-    mod = _mod()
-    monkeypatch.setattr(mod, "_cudnn_unusable", lambda q, causal: "cuDNN SDPA ruled out")
+    monkeypatch.setattr(_cuda(), "_cudnn_unusable", lambda q, causal: "cuDNN SDPA ruled out")
     q, k, v = _inputs(2, 4, 2, 37, 24, torch.bfloat16)
     _compare(_op, q, k, v, True)
     path = _build.LAST_PATH[("attention", "cuda")]
@@ -116,7 +122,7 @@ def test_memory_efficient_path_in_bf16(monkeypatch):
 def test_cudnn_refusal_is_recorded_and_remembered(monkeypatch):
     from meshlab.ops import _build
 
-    mod = _mod()
+    mod = _cuda()
     calls = []
 
     def refuse(*args):

@@ -201,7 +201,7 @@ class InferenceEngine:
     # ------------------------------------------------------------------ steps
 
     def _admit(self) -> None:
-        bs, w = self.config.block_size, self.config.beam_width     # w sequences a request
+        w = self.config.beam_width                                 # w sequences a request
         while self.waiting and (len(self.running) + 1) * w <= self.config.max_batch_size:
             r = self.waiting[0]
             need = self._need(len(r.prompt), r.max_new_tokens + self.ahead)
