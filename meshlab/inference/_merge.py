@@ -7,7 +7,8 @@ projections. Here each such group's weights are copied once into one tensor and 
 modules' own parameters become views of it (no second copy of the weights; the state
 dict keeps its names and shapes):
 
-* attention (``q_proj``, ``k_proj``, ``v_proj``, bare ``nn.Linear`` of one input size):
+* attention (``q_proj``, ``k_proj``, ``v_proj``: bare ``nn.Linear`` as the fused MLP takes
+  them, biases allowed, of one input size):
   on a single token (batch 1 decoding) ``q_proj``'s instance ``forward`` runs the merged
   product and hands the key and value parts to ``k_proj`` and ``v_proj``, whose instance
   forwards return them when called on the same input tensor. Called on another single
@@ -32,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..parallel.fuse._hf import _bare_linear, _is_swiglu_mlp
+
 
 @dataclasses.dataclass
 class Merged:
@@ -44,12 +47,6 @@ class Merged:
 
     def counts(self) -> dict[str, int]:
         return {"qkv": len(self.qkv), "gate_up": len(self.gate_up)}
-
-
-def _bare(m, dtype, device, bias: bool | None = None) -> bool:
-    return type(m) is nn.Linear and not m._forward_hooks and not m._forward_pre_hooks \
-        and m.weight.dtype == dtype and m.weight.device == device \
-        and (bias is None or (m.bias is not None) == bias)
 
 
 def _fuse_weights(mods) -> tuple[Tensor, Tensor | None]:
@@ -102,10 +99,9 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
     projs = [getattr(m, a, None) for a in ("q_proj", "k_proj", "v_proj")]
     if not all(isinstance(p, nn.Linear) for p in projs):
         return False
-    w0 = projs[0].weight
-    bias = projs[0].bias is not None
-    if not all(_bare(p, w0.dtype, w0.device, bias) and p.in_features == projs[0].in_features
-               for p in projs):
+    q = projs[0]
+    if not all(_bare_linear(p, q.weight.dtype, bias=True) and p.in_features == q.in_features
+               and (p.bias is None) == (q.bias is None) for p in projs):
         return False
     g = _Group(projs, report)
     projs[0].forward = types.MethodType(lambda self, x: g.first(self, x), projs[0])
@@ -125,13 +121,10 @@ def _merged_mlp_forward(self, x: Tensor) -> Tensor:
 
 
 def _merge_gate_up(m: nn.Module) -> bool:
-    from ..parallel.fuse._hf import _is_swiglu_mlp
-
     if not _is_swiglu_mlp(m):
         return False
     g, u = m.gate_proj, m.up_proj
-    w = g.weight
-    if not (_bare(g, w.dtype, w.device, False) and _bare(u, w.dtype, w.device, False)
+    if not (_bare_linear(g, g.weight.dtype) and _bare_linear(u, g.weight.dtype)
             and g.weight.shape == u.weight.shape):
         return False
     m._meshlab_gate_up, _ = _fuse_weights([g, u])

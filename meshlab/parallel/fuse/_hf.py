@@ -286,12 +286,12 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
         and type(getattr(m, "act_fn", None)).__name__ in _SILU
 
 
-def _bare_linear(m: nn.Module, dtype: torch.dtype) -> bool:
-    """An ``nn.Linear`` whose call is its weight's matmul and nothing else: no bias, no hooks
-    (tensor parallelism, LoRA and the like act through them or through a subclass), a plain
-    weight of ``dtype``."""
+def _bare_linear(m: nn.Module, dtype: torch.dtype, bias: bool = False) -> bool:
+    """An ``nn.Linear`` whose call is its weight's matmul and nothing else (plus its bias,
+    where ``bias`` allows one): no hooks (tensor parallelism, LoRA and the like act through
+    them or through a subclass), a plain weight of ``dtype``."""
     w = getattr(m, "weight", None)
-    return type(m) is nn.Linear and m.bias is None and not m._forward_hooks and \
+    return type(m) is nn.Linear and (bias or m.bias is None) and not m._forward_hooks and \
         not m._forward_pre_hooks and not _is_dtensor(w) and w.dtype == dtype
 
 
