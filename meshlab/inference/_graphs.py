@@ -149,9 +149,10 @@ class DecodeGraphs:
         self.graphs[n] = (g, b, out, best)
         return self.graphs[n]
 
-    def _replay(self, reqs):
-        """Fill the inputs of ``reqs``, copy them over and replay their bucket's step;
-        returns its (logits, arg-max) buffers."""
+    def logits(self, reqs):
+        """Fill the inputs of ``reqs``, copy them over and replay their bucket's step; its
+        next-token logits (len(reqs), V) and each row's arg-max (len(reqs),), as buffers
+        the next replay of the bucket writes over (sampling reads them at once)."""
         n = len(reqs)
         bucket = next(k for k in self.buckets if k >= n)
         g, b, out, best = self._graph(bucket)
@@ -168,15 +169,10 @@ class DecodeGraphs:
             g.replay()
         return out[:n], best[:n]
 
-    def logits(self, reqs):
-        """The next-token logits (len(reqs), V) of a decode step, replayed, and each row's
-        arg-max (len(reqs),); read now (sampling and its processors)."""
-        return self._replay(reqs)
-
     def launch(self, reqs) -> Launch:
         """Replay a greedy decode step of ``reqs`` without waiting for it: each request's
         ``cached`` moves on by its token, which is ``pending`` until ``read``."""
-        _, best = self._replay(reqs)
+        _, best = self.logits(reqs)
         host = self.tokens[self.launched % 2][:len(reqs)]
         host.copy_(best, non_blocking=self.capture)
         for i, r in enumerate(reqs):
