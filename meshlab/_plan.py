@@ -23,7 +23,6 @@ from ._placement import check_spec, local_shape, mesh_repr, uneven_dims
 from ._roles import AxisRoles, derive_roles, implied_rooms
 from ._rules import Rules
 from ._spec import P
-from ._names import ancestors as ancestors, owner as owner
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,7 +23,8 @@ import math
 
 from ..._errors import ConfigError
 from ..._placement import local_shape
-from ..._plan import Plan, dtype_bytes, owner as plan_owner
+from ..._names import owner as plan_owner
+from ..._plan import Plan, dtype_bytes
 
 @dataclasses.dataclass(frozen=True)
 class Stage:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..._errors import ConfigError, NotRunnable
-from ..._plan import ModuleInfo, Plan, ancestors
+from ..._names import ancestors
+from ..._plan import ModuleInfo, Plan
 from ..._spec import P
 from ._dtensor import dtensor_layout
 from ._sp_checks import (_refuse_sp_outside_regions, _refuse_sp_regions, _refuse_sp_stacks,

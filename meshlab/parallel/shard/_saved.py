@@ -11,7 +11,8 @@ loss's per-token-per-word tensors.
 
 from __future__ import annotations
 
-from ..._plan import Plan, owner
+from ..._names import owner
+from ..._plan import Plan
 from ._layout import sequence_parallel
 
 
