@@ -146,6 +146,37 @@ def profile(model, batch: int, args) -> dict:
             "top_ms_per_step": {k: round(v[1] / steps, 4) for k, v in top}}
 
 
+def ops(model, batch: int, args) -> str:
+    """The aten operators of the kernels engine's decode steps by CUDA time and input
+    shapes, run eagerly (no graphs) so the profiler sees each operator: a table that says
+    which copies, casts and products a step spends its time on."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    ids = torch.randint(0, model.config.vocab_size, (batch, args.prompt), device="cuda",
+                        generator=g)
+    engine, make = _engine(copy.deepcopy(model), ids, 9, False, True)
+    run = make(9)
+    run()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+              with_stack=True) as p:
+        run()
+        torch.cuda.synchronize()
+    del engine
+    avg = p.key_averages(group_by_input_shape=True)
+    table = avg.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=40,
+                      max_shapes_column_width=90)
+    copies = p.key_averages(group_by_stack_n=6)
+    picked = [e for e in copies if e.key in ("aten::copy_", "aten::clone", "aten::index_copy_",
+                                             "aten::contiguous", "aten::cat")]
+    lines = [f"{e.key} x{e.count} {e.self_device_time_total / 1e3:.3f} ms\n  " +
+             "\n  ".join(e.stack[:6]) for e in sorted(picked, key=lambda e:
+                                                     -e.self_device_time_total)[:12]]
+    return f"batch {batch}, prefill + 8 decode steps\n{table}\n" + "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-1b", choices=sorted(SHAPES))
@@ -156,8 +187,10 @@ def main() -> None:
     ap.add_argument("--paths", default="hf_dynamic,hf_static_compile,meshlab_engine,"
                                         "meshlab_engine_graphs,meshlab_engine_graphs_kernels,"
                                         "meshlab_engine_graphs_kernels_inorder")
+    ap.add_argument("--tag", default="", help="appended to the JSON's name")
     ap.add_argument("--copy-to", default=None)
     ap.add_argument("--profile", default="", help="batches to profile (graphs + kernels)")
+    ap.add_argument("--ops", default="", help="batches whose eager decode operators to list")
     args = ap.parse_args()
     args.paths = args.paths.split(",")
     import transformers
@@ -176,13 +209,18 @@ def main() -> None:
            "weight_bytes": weights,
            "hbm_bound_tokens_per_s_batch1": round(HBM_BYTES_PER_S / weights, 1),
            "batches": {}}
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in (int(x) for x in args.batches.split(",") if x):
         out["batches"][str(b)] = run_batch(model, b, args)
     for b in (int(x) for x in args.profile.split(",") if x):
         out.setdefault("profile", []).append(profile(model, b, args))
         print(out["profile"][-1], flush=True)
-    path = _results.write(f"inference_{args.shape}", out["card"], out, args.copy_to)
-    print(path)
+    for b in (int(x) for x in args.ops.split(",") if x):
+        text = ops(model, b, args)
+        print(text, flush=True)
+        if args.copy_to:
+            Path(args.copy_to, f"ops_{args.shape}_b{b}.txt").write_text(text)
+    if out["batches"]:
+        print(_results.write(f"inference_{args.shape}{args.tag}", out["card"], out, args.copy_to))
 
 
 if __name__ == "__main__":

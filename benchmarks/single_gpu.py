@@ -199,8 +199,10 @@ def main() -> None:
     cfg = base.config
     fpt = _flops_per_token(cfg, shape["seq"])
     results = {}
-    rows = args.rows or ",".join(ROWS_8B if args.shape == "llama3-8b" else ROWS)
-    for name in rows.split(","):
+    rows = (args.rows or ",".join(ROWS_8B if args.shape == "llama3-8b" else ROWS)).split(",")
+    # Liger patches transformers' modeling module for the whole process: its row runs last
+    rows = sorted(rows, key=lambda r: r == "hf_liger")
+    for name in rows:
         try:
             r = run_row(name, base, batch, args.steps, args.warmup, shape["checkpointing"])
             r["mfu"] = r["tokens_per_s"] * fpt / (PEAK_TFLOPS * 1e12)

@@ -114,6 +114,21 @@ def test_probe_refuses_different_math():
     with pytest.raises(ml.ConfigError, match="unknown"):
         fuse(_model("llama"), ("softmax",))
 
+    # another library's GPU-only kernel patched into the modeling module: a named refusal
+    from transformers.models.llama import modeling_llama
+
+    def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+        raise ValueError("Pointer argument (at 0) cannot be accessed from Triton")
+
+    original = modeling_llama.apply_rotary_pos_emb
+    modeling_llama.apply_rotary_pos_emb = apply_rotary_pos_emb
+    try:
+        with pytest.raises(ml.ConfigError, match="LlamaAttention calls .*failed on a CPU "
+                                                 "probe.*fresh process"):
+            fuse(_model("llama"), ("rotary",))
+    finally:
+        modeling_llama.apply_rotary_pos_emb = original
+
 
 def test_mlp_route_saves_less_for_backward_and_refuses_other_math():
     """A routed MLP of bare linears keeps its gate and up outputs for the backward and
