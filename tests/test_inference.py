@@ -127,8 +127,9 @@ def test_engine_on_meshlab_kernels_equals_generate(family):
 
 
 def test_merged_projections_make_four_products_per_layer():
-    """A decode step of one request under use_cuda_kernel: one product for the query, key
-    and value, one for the gate and up, the output and down projections, and the head."""
+    """A decode step under use_cuda_kernel, of one request or several: one product for the
+    query, key and value, one for the gate and up, the output and down projections, and
+    the head."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Products(TorchDispatchMode):
@@ -138,17 +139,22 @@ def test_merged_projections_make_four_products_per_layer():
             self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
             return func(*args, **(kwargs or {}))
 
-    def products(**kw):
+    def products(requests=1, **kw):
         eng = _engine(_tiny("qwen2"), ignore_eos=True, **kw)
-        eng.add_request([1, 2, 3], 4)
+        for r in range(requests):
+            eng.add_request([1, 2, 3 + r], 4)
         eng.step()                          # the prefill
         with Products() as count:
             eng.step()                      # one decode step
+        assert eng.model.__dict__.get("_meshlab_merged", Merged()).misses == 0
         return count.n
+
+    from meshlab.inference._merge import Merged
 
     layers = _tiny("qwen2").config.num_hidden_layers
     assert products() == 7 * layers + 1
     assert products(use_cuda_kernel=True) == 4 * layers + 1
+    assert products(3, use_cuda_kernel=True) == 4 * layers + 1     # rows of several requests
 
 
 def test_meshlab_kernels_refused_where_not_built(one_process):

@@ -74,3 +74,31 @@ def test_swiglu_mlp_matches_the_module_calls(dtype):
     torch.testing.assert_close(out.float(), want, **tol)
     for a, b, name in zip(ins, ref, ("x", "w_gate", "w_up", "w_down")):
         torch.testing.assert_close(a.grad.float(), b.grad, msg=name, **tol)
+
+
+def test_forwards_read_merged_parts_in_place():
+    """The parts of a merged projection's product (rows holding every part) go into the
+    rotary and swiglu forwards as strided views, read in place: the results equal those
+    of contiguous copies, and no copy kernel runs."""
+    from meshlab.ops.rotary import rotary
+    from meshlab.ops.swiglu import swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, h, kv, d, inter = 5, 4, 2, 64, 96
+    qkv = torch.randn(1, t, (h + 2 * kv) * d, device="cuda", dtype=torch.bfloat16,
+                      generator=g)
+    q = qkv[..., :h * d].view(1, t, h, d)
+    ang = torch.randn(t, d // 2, device="cuda", generator=g)
+    gu = torch.randn(1, t, 2 * inter, device="cuda", dtype=torch.bfloat16, generator=g)
+    a, b = gu.chunk(2, -1)
+    assert not q.is_contiguous() and not a.is_contiguous()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+        got_q = rotary(q, ang.cos(), ang.sin())
+        got_y = swiglu(a, b)
+        torch.cuda.synchronize()
+    copies = [e.name for e in p.events() if "copy" in e.name.lower()
+              and e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not copies, copies
+    assert torch.equal(got_q, rotary(q.contiguous(), ang.cos(), ang.sin()))
+    assert torch.equal(got_y, swiglu(a.contiguous(), b.contiguous()))
+    assert got_q.is_contiguous() and got_y.is_contiguous()

@@ -8,18 +8,17 @@ modules' own parameters become views of it (no second copy of the weights; the s
 dict keeps its names and shapes):
 
 * attention (``q_proj``, ``k_proj``, ``v_proj``: bare ``nn.Linear`` as the fused MLP takes
-  them, biases allowed, of one input size):
-  on a single token (batch 1 decoding) ``q_proj``'s instance ``forward`` runs the merged
-  product and hands the key and value parts to ``k_proj`` and ``v_proj``, whose instance
-  forwards return them when called on the same input tensor. Called on another single
-  token (a family that feeds them differently), a projection computes its own product and
+  them, biases allowed, of one input size): ``q_proj``'s instance ``forward`` runs the
+  merged product and hands the key and value parts to ``k_proj`` and ``v_proj``, whose
+  instance forwards return them when called on the same input tensor. Called on another
+  input (a family that feeds them differently), a projection computes its own product and
   the miss is counted (``Merged.misses``), so the result is always the module's own.
-* gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU): on a single token one
-  product for both and ``meshlab::swiglu`` on its two halves.
+* gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU): one product for both and
+  ``meshlab::swiglu`` on its two halves.
 
-A call of several tokens runs each projection's own product on the views: the parts of a
-row-major product of several rows are strided, and the rotary and swiglu kernels would
-copy them to contiguous first.
+The parts of a product of several rows are strided views (each row holds all parts); the
+Triton rotary and swiglu kernels read them in place, the queries and keys leave the
+rotary contiguous and the values go to the cache as they are.
 
 What the model routes is in ``model._meshlab_merged`` (:class:`Merged`).
 """
@@ -75,9 +74,6 @@ class _Group:
         self.held: dict[int, tuple[Tensor, Tensor]] = {}   # part -> (input, output)
 
     def first(self, q: nn.Linear, x: Tensor) -> Tensor:
-        if not _one_token(x):           # each part of a merged product of rows is strided
-            self.held = {}
-            return F.linear(x, q.weight, q.bias)
         parts = F.linear(x, self.w, self.b).split(self.sizes, -1)
         self.held = {i: (x, p) for i, p in enumerate(parts) if i}
         return parts[0]
@@ -86,13 +82,8 @@ class _Group:
         got = self.held.pop(i, None)
         if got is not None and got[0] is x:
             return got[1]
-        if got is not None or _one_token(x):        # merged for another input, or not at all
-            self.report.misses += 1
+        self.report.misses += 1                     # merged for another input, or not at all
         return F.linear(x, m.weight, m.bias)
-
-
-def _one_token(x: Tensor) -> bool:
-    return x.numel() == x.shape[-1]
 
 
 def _merge_qkv(m: nn.Module, report: Merged) -> bool:
@@ -113,10 +104,7 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
 def _merged_mlp_forward(self, x: Tensor) -> Tensor:
     from ..ops.swiglu import swiglu
 
-    if _one_token(x):                               # one product, two contiguous halves
-        a, b = F.linear(x, self._meshlab_gate_up).chunk(2, -1)
-    else:
-        a, b = F.linear(x, self.gate_proj.weight), F.linear(x, self.up_proj.weight)
+    a, b = F.linear(x, self._meshlab_gate_up).chunk(2, -1)
     return self.down_proj(swiglu(a, b))
 
 

@@ -4,7 +4,9 @@ Imported only when an op first sees a CUDA tensor (``_build.triton_kernels``), s
 without Triton never loads this file. The functions mirror ``csrc/ops_cpu.cpp`` one for one
 (same names, same arguments: activations 2-D and contiguous, weights and statistics
 float32; outputs allocated contiguous, never with an input's strides, as the ops' fake
-kernels say), so each op calls whichever module the device selects in the same way.
+kernels say), so each op calls whichever module the device selects in the same way. Two
+forwards take more here: ``rotary_fwd`` reads tokens at any one stride and ``swiglu_fwd``
+rows at any stride, so the parts of a merged projection go in without a copy.
 
 Why Triton and not hand CUDA: these ops are memory-bound (a few flops per byte moved), so
 their speed is one read of each input and one write of each output, in wide coalesced
@@ -166,28 +168,46 @@ def layer_norm_bwd(dy, x, w, mean, rstd):
 # ------------------------------------------------------------------ rotary
 
 @triton.jit
-def _rotary(X, COS, SIN, O, S, NH, HALF, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program per token: all its heads share one row of cos/sin, loaded once.
+def _rotary(X, COS, SIN, O, S, NH, HALF, XT, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per token: all its heads share one row of cos/sin, loaded once. XT: the
+    # token stride of x (its heads and dims are contiguous; its tokens need not be, as in a
+    # part of a merged query/key/value product); the output is contiguous.
     tok = tl.program_id(0).to(tl.int64)
     s = tok % S
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NH) & (d < HALF)
-    base = tok * NH * 2 * HALF + h * 2 * HALF + d
+    inner = h * 2 * HALF + d
+    base = tok * NH * 2 * HALF + inner
     c = tl.load(COS + s * HALF + d, mask=d < HALF, other=0.0)
     sn = tl.load(SIN + s * HALF + d, mask=d < HALF, other=0.0)
-    x1 = tl.load(X + base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + base + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(X + tok * XT + inner, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + tok * XT + inner + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(O + base, (x1 * c - x2 * sn).to(O.dtype.element_ty), mask=mask)
     tl.store(O + base + HALF, (x2 * c + x1 * sn).to(O.dtype.element_ty), mask=mask)
 
 
+def _token_stride(x) -> int | None:
+    """The one stride between x's consecutive tokens (B, S flattened), its heads and dims
+    contiguous; None where there is no such stride."""
+    b, s, nh, d = x.shape
+    if x.stride(-1) != 1 or (nh > 1 and x.stride(-2) != d):
+        return None
+    if s == 1:
+        return x.stride(0)
+    return x.stride(1) if b == 1 or x.stride(0) == s * x.stride(1) else None
+
+
 def rotary_fwd(x, cos, sin):
     b, s, nh, d = x.shape
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    xt = _token_stride(x)
+    if xt is None:
+        x = x.contiguous()
+        xt = nh * d
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     half = d // 2
     bh, bd = triton.next_power_of_2(nh), triton.next_power_of_2(half)
-    _rotary[(b * s,)](x, cos, sin, out, s, nh, half, BLOCK_H=bh, BLOCK_D=bd,
+    _rotary[(b * s,)](x, cos, sin, out, s, nh, half, xt, BLOCK_H=bh, BLOCK_D=bd,
                       num_warps=4 if bh * bd <= 2048 else 8)
     return out
 
@@ -198,11 +218,21 @@ _EW_BLOCK = 2048
 
 
 @triton.jit
-def _swiglu_fwd(A, B, Y, n, BLOCK: tl.constexpr):
+def _swiglu_fwd(A, B, Y, n, COLS, SA, SB, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
+    # STRIDED: a and b are rows of COLS with row strides SA and SB (the halves of a merged
+    # gate/up product); else both are contiguous. y is contiguous.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+    if STRIDED:
+        row = offs // COLS
+        col = offs - row * COLS
+        pa = A + row * SA + col
+        pb = B + row * SB + col
+    else:
+        pa = A + offs
+        pb = B + offs
+    a = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(pb, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + offs, (a * tl.sigmoid(a) * b).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -222,10 +252,25 @@ def _swiglu_bwd(DY, A, B, DA, DB, Y, n, BLOCK: tl.constexpr, WRITE_Y: tl.constex
         tl.store(Y + offs, (a * sg * b).to(Y.dtype.element_ty), mask=mask)
 
 
+def _rows(t):
+    """t as (rows, last dim) without a copy where its last dim is contiguous, else a
+    contiguous copy so viewed."""
+    cols = t.shape[-1]
+    if t.stride(-1) == 1:
+        try:
+            return t.view(-1, cols)
+        except RuntimeError:
+            pass
+    return t.contiguous().view(-1, cols)
+
+
 def swiglu_fwd(a, b):
-    y = torch.empty_like(a, memory_format=torch.contiguous_format)
-    n = a.numel()
-    _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](a, b, y, n, BLOCK=_EW_BLOCK, num_warps=8)
+    y = torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    n, cols = a.numel(), a.shape[-1]
+    a2, b2 = _rows(a), _rows(b)
+    strided = a2.stride(0) != cols or b2.stride(0) != cols
+    _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](a2, b2, y, n, cols, a2.stride(0), b2.stride(0),
+                                              BLOCK=_EW_BLOCK, STRIDED=strided, num_warps=8)
     return y
 
 
