@@ -78,8 +78,9 @@ def test_swiglu_mlp_matches_the_module_calls(dtype):
 
 def test_forwards_read_merged_parts_in_place():
     """The parts of a merged projection's product (rows holding every part) go into the
-    rotary and swiglu forwards as strided views, read in place: the results equal those
-    of contiguous copies, and no copy kernel runs."""
+    rotary and swiglu forwards as strided views, read in place, and so do the rotary's
+    angles as Hugging Face holds them (bf16 (S, D) tables, their first halves sliced): the
+    results equal those of contiguous float32 copies, and no copy or cast kernel runs."""
     from meshlab.ops.rotary import rotary
     from meshlab.ops.swiglu import swiglu
 
@@ -89,16 +90,42 @@ def test_forwards_read_merged_parts_in_place():
                       generator=g)
     q = qkv[..., :h * d].view(1, t, h, d)
     ang = torch.randn(t, d // 2, device="cuda", generator=g)
+    table = torch.cat([ang, ang], -1)
+    cos, sin = table.cos().bfloat16()[:, :d // 2], table.sin().bfloat16()[:, :d // 2]
     gu = torch.randn(1, t, 2 * inter, device="cuda", dtype=torch.bfloat16, generator=g)
     a, b = gu.chunk(2, -1)
     assert not q.is_contiguous() and not a.is_contiguous()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
-        got_q = rotary(q, ang.cos(), ang.sin())
+        got_q = rotary(q, cos, sin)
         got_y = swiglu(a, b)
         torch.cuda.synchronize()
-    copies = [e.name for e in p.events() if "copy" in e.name.lower()
-              and e.device_type == torch.autograd.DeviceType.CUDA]
-    assert not copies, copies
-    assert torch.equal(got_q, rotary(q.contiguous(), ang.cos(), ang.sin()))
+    kernels = [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 2 and not any("copy" in k.lower() for k in kernels), kernels
+    assert torch.equal(got_q, rotary(q.contiguous(), cos.float().contiguous(),
+                                     sin.float().contiguous()))
     assert torch.equal(got_y, swiglu(a.contiguous(), b.contiguous()))
     assert got_q.is_contiguous() and got_y.is_contiguous()
+
+
+def test_cache_write_is_one_launch_and_equals_index_copy():
+    """A step's keys and values go into the paged caches in one Triton launch, the values
+    read as the strided part of a merged product they are; the caches equal those that
+    two ``index_copy_`` calls write."""
+    from meshlab.ops.paged_attention import write_cache
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, hkv, d, blocks, bs = 6, 2, 64, 5, 4
+    kv = torch.randn(t, 3 * hkv * d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = kv[:, hkv * d:2 * hkv * d].reshape(t, hkv, d).contiguous()
+    v = kv[:, 2 * hkv * d:].view(t, hkv, d)
+    slots = torch.randperm(blocks * bs, device="cuda", generator=g)[:t]
+    caches = [torch.zeros(blocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+              for _ in range(4)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+        write_cache(caches[0], caches[1], slots, k, v)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels == ["_write_kv"], kernels
+    caches[2].view(-1, hkv, d).index_copy_(0, slots, k)
+    caches[3].view(-1, hkv, d).index_copy_(0, slots, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])

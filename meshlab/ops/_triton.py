@@ -5,8 +5,9 @@ without Triton never loads this file. The functions mirror ``csrc/ops_cpu.cpp`` 
 (same names, same arguments: activations 2-D and contiguous, weights and statistics
 float32; outputs allocated contiguous, never with an input's strides, as the ops' fake
 kernels say), so each op calls whichever module the device selects in the same way. Two
-forwards take more here: ``rotary_fwd`` reads tokens at any one stride and ``swiglu_fwd``
-rows at any stride, so the parts of a merged projection go in without a copy.
+forwards take more here: ``rotary_fwd`` reads tokens at any one stride (and its angle
+tables in their own dtype and row stride) and ``swiglu_fwd`` rows at any stride, so the
+parts of a merged projection and slices of the model's tables go in without a copy.
 
 Why Triton and not hand CUDA: these ops are memory-bound (a few flops per byte moved), so
 their speed is one read of each input and one write of each output, in wide coalesced
@@ -168,10 +169,13 @@ def layer_norm_bwd(dy, x, w, mean, rstd):
 # ------------------------------------------------------------------ rotary
 
 @triton.jit
-def _rotary(X, COS, SIN, O, S, NH, HALF, XT, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rotary(X, COS, SIN, O, S, NH, HALF, XT, CS, SS, BLOCK_H: tl.constexpr,
+            BLOCK_D: tl.constexpr):
     # One program per token: all its heads share one row of cos/sin, loaded once. XT: the
     # token stride of x (its heads and dims are contiguous; its tokens need not be, as in a
-    # part of a merged query/key/value product); the output is contiguous.
+    # part of a merged query/key/value product); the output is contiguous. CS, SS: the row
+    # strides of cos and sin, read in their own dtype (a slice of the model's (S, D)
+    # tables, so no cast or copy of them runs per call).
     tok = tl.program_id(0).to(tl.int64)
     s = tok % S
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -179,8 +183,8 @@ def _rotary(X, COS, SIN, O, S, NH, HALF, XT, BLOCK_H: tl.constexpr, BLOCK_D: tl.
     mask = (h < NH) & (d < HALF)
     inner = h * 2 * HALF + d
     base = tok * NH * 2 * HALF + inner
-    c = tl.load(COS + s * HALF + d, mask=d < HALF, other=0.0)
-    sn = tl.load(SIN + s * HALF + d, mask=d < HALF, other=0.0)
+    c = tl.load(COS + s * CS + d, mask=d < HALF, other=0.0).to(tl.float32)
+    sn = tl.load(SIN + s * SS + d, mask=d < HALF, other=0.0).to(tl.float32)
     x1 = tl.load(X + tok * XT + inner, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(X + tok * XT + inner + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(O + base, (x1 * c - x2 * sn).to(O.dtype.element_ty), mask=mask)
@@ -204,11 +208,12 @@ def rotary_fwd(x, cos, sin):
     if xt is None:
         x = x.contiguous()
         xt = nh * d
+    cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     half = d // 2
     bh, bd = triton.next_power_of_2(nh), triton.next_power_of_2(half)
-    _rotary[(b * s,)](x, cos, sin, out, s, nh, half, xt, BLOCK_H=bh, BLOCK_D=bd,
-                      num_warps=4 if bh * bd <= 2048 else 8)
+    _rotary[(b * s,)](x, cos, sin, out, s, nh, half, xt, cos.stride(0), sin.stride(0),
+                      BLOCK_H=bh, BLOCK_D=bd, num_warps=4 if bh * bd <= 2048 else 8)
     return out
 
 

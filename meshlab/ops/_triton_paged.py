@@ -16,6 +16,10 @@ tensor cores; the padding rows read nothing.
 It pays where each sequence has a few queries (decode, speculative verification); a
 prefill, with many queries per sequence, is compute-bound and runs the SDPA path, where
 the keys a query tile reads are shared by its rows (``paged_attention_op`` picks).
+
+``write_kv`` stores a step's new keys and values in the caches in one launch (two
+``index_copy_`` calls otherwise), reading them at their strides: the values of a merged
+query/key/value product are a strided view.
 """
 
 from __future__ import annotations
@@ -88,3 +92,38 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale):
                             BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
                             num_warps=4, num_stages=2)
     return out
+
+
+@triton.jit
+def _write_kv(K, V, KC, VC, SLOTS, KT, KH, VT, VH, HKV, D, BLOCK_H: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    # One program per (token, keys or values): all its heads, to the token's slot.
+    t = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < HKV) & (d < D)
+    dst = slot * HKV * D + h * D + d
+    if which == 0:
+        x = tl.load(K + t * KT + h * KH + d, mask=mask)
+        tl.store(KC + dst, x.to(KC.dtype.element_ty), mask=mask)
+    else:
+        x = tl.load(V + t * VT + h * VH + d, mask=mask)
+        tl.store(VC + dst, x.to(VC.dtype.element_ty), mask=mask)
+
+
+def write_kv(k_cache, v_cache, slots, k, v) -> bool:
+    """Store ``k``, ``v`` (T, Hkv, D) at flat ``slots`` (T,) of the contiguous caches; False
+    (nothing written) where the layouts do not suit the kernel."""
+    t, hkv, d = k.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k.stride(-1) == 1
+            and v.stride(-1) == 1 and slots.is_contiguous() and k_cache.dtype == k.dtype
+            and v_cache.dtype == v.dtype):
+        return False
+    if t:
+        bh, bd = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
+        _write_kv[(t, 2)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0),
+                          v.stride(1), hkv, d, BLOCK_H=bh, BLOCK_D=bd,
+                          num_warps=4 if bh * bd <= 2048 else 8)
+    return True

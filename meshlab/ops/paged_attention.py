@@ -194,6 +194,12 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 def write_cache(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
     """Store the keys and values ``k``, ``v`` (T, Hkv, D) of T new tokens at flat slot
     indices ``slots`` (T,) (``block * block_size + offset``), in the caches' dtype."""
+    if k.is_cuda:                       # one Triton launch for both, where it applies
+        from . import _build
+
+        mod = _build.triton_kernels("paged_attention")
+        if mod is not None and mod.write_kv(k_cache, v_cache, slots, k, v):
+            return
     hkv, d = k_cache.shape[2:]
     k_cache.view(-1, hkv, d).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, hkv, d).index_copy_(0, slots, v.to(v_cache.dtype))

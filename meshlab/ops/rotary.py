@@ -55,10 +55,9 @@ def _forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     k = _build.kernels("rotary", x)
     if k is None:
         return _build.contiguous(rotary_reference(x, cos, sin))
-    # Triton reads tokens at any one stride (a part of a merged projection); C++ wants them
-    # contiguous
-    return k.rotary_fwd(x if x.is_cuda else x.contiguous(), cos.float().contiguous(),
-                        sin.float().contiguous())
+    if x.is_cuda:   # Triton reads x's tokens and the tables' rows at any stride and dtype
+        return k.rotary_fwd(x, cos, sin)
+    return k.rotary_fwd(x.contiguous(), cos.float().contiguous(), sin.float().contiguous())
 
 
 @torch.library.custom_op("meshlab::rotary", mutates_args=())
