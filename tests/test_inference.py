@@ -157,6 +157,30 @@ def test_merged_projections_make_four_products_per_layer():
     assert products(3, use_cuda_kernel=True) == 4 * layers + 1     # rows of several requests
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_eager_decode_step_never_reads_the_device(family):
+    """An eager decode step (no graphs: tensor-parallel serving runs so) launches its work
+    without waiting on the device: no scalar is read back inside it (transformers' search
+    of the position ids for packed sequences read one before the paged attention stopped
+    registering a mask function)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    eng = _engine(_tiny(family), ignore_eos=True)
+    for r in range(2):
+        eng.add_request([1, 2, 3 + r], 4)
+    eng.step()                              # the prefill
+    with Reads() as reads:
+        eng.step()
+    assert reads.n == 0
+
+
 def test_meshlab_kernels_refused_where_not_built(one_process):
     with pytest.raises(ml.ConfigError, match="use_cuda_kernel=True.*one process"):
         _engine(ml.parallelize(M.build("llama"), ml.precision("fp32"), ml.Mesh(dp=1), seed=0),

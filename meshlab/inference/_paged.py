@@ -158,16 +158,14 @@ def paged_hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     return out.unsqueeze(0), None
 
 
-def _no_mask(*args, **kwargs):
-    """The mask function of the paged attention: none (the op masks per sequence)."""
-    return None
-
-
 def register() -> str:
-    """Register the paged attention with transformers as ``attn_implementation=NAME``."""
+    """Register the paged attention with transformers as ``attn_implementation=NAME``.
+
+    No mask function is registered with it: for such an implementation transformers'
+    ``create_causal_mask`` returns no mask at once (the op masks per sequence), and skips
+    its search of the position ids for packed sequences, which reads the device (a sync
+    in every eager step)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, paged_hf_attention)
-    AttentionMaskInterface.register(NAME, _no_mask)
     return NAME
