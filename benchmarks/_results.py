@@ -36,3 +36,26 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_run(script: str, **fields) -> dict:
+    """The head of a CPU benchmark's JSON: which script, on which CPU and host, with which
+    versions, when and how it was called; then ``fields``."""
+    import datetime
+    import socket
+    import sys
+
+    import torch
+
+    return {"script": script, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "host": socket.gethostname(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join(["python"] + sys.argv), **fields}
+
+
+def write_cpu(prefix: str, tag: str, out: dict) -> Path:
+    """Write ``out`` as ``results/<prefix>_<tag>.json``."""
+    path = RESULTS / f"{prefix}_{tag}.json"
+    path.write_text(json.dumps(out, indent=1))
+    return path

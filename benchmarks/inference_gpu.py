@@ -15,7 +15,12 @@ the prefill and one sampling), the whole generate of ``--new`` tokens, and decod
 = batch x (new - 1) / (whole - first). Each is the median of ``--repeats`` calls after one
 warm-up call (which also compiles), timed with CUDA events around the call (host work
 included: it is what a user waits for). At batch 1 the HBM bound is weights / bandwidth
-per token (H200: 4.8 TB/s). Writes ``results/inference_<card>_<shape>.json``.
+per token (H200: 4.8 TB/s). Writes ``results/inference_<shape><tag>_<card>.json``.
+
+``--profile B``: CUDA kernel time by name per decode step of the graphs-and-kernels
+engine at batch B. ``--ops B``: the same engine run eagerly under the profiler with input
+shapes, its operators by CUDA time (what a graph replay hides), printed and written
+beside the JSON when ``--copy-to`` is given.
 """
 
 from __future__ import annotations

@@ -14,9 +14,6 @@ rounds after two warm-up calls; the median of ``--rounds`` is reported. Writes
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import socket
 import statistics
 import sys
@@ -28,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import cpu_model  # noqa: E402
+import _results  # noqa: E402
 from meshlab.ops import _build  # noqa: E402
 from meshlab.ops.paged_attention import layout, paged_attention  # noqa: E402
 
@@ -96,16 +93,11 @@ def main() -> int:
         print(f"{rows[-1]['dtype']:9s} C++ {n * 1e3:7.2f} ms ({kv_bytes / n / 1e9:5.1f} GB/s "
               f"of cache)  gathered SDPA {s * 1e3:7.2f} ms  {s / n:4.2f}x  "
               f"max |diff| {err:.2e}", flush=True)
-    out = {"script": "paged_attention_cpu", "cpu": cpu_model(),
-           "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "python": platform.python_version(), "host": socket.gethostname(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["python"] + sys.argv), "layer": {
-               "query_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BLOCK},
-           "timer": "time.perf_counter, median of interleaved rounds after warm-up",
-           "results": rows}
-    path = Path(__file__).resolve().parent / "results" / f"paged_attention_cpu_{args.tag}.json"
-    path.write_text(json.dumps(out, indent=1))
+    out = _results.cpu_run(
+        "paged_attention_cpu",
+        layer={"query_heads": HQ, "kv_heads": HKV, "head_dim": D, "block_size": BLOCK},
+        timer="time.perf_counter, median of interleaved rounds after warm-up", results=rows)
+    path = _results.write_cpu("paged_attention_cpu", args.tag, out)
     print(f"wrote {path}")
     return 0
 

@@ -42,20 +42,34 @@ def cmd_generate(args) -> int:
     import torch
 
     from ._errors import ConfigError
-    from .inference import InferenceConfig, InferenceEngine
     from .inference._config import _dtype
-    from .inference._engine import load_pretrained
 
     dtype = _dtype(args.dtype, "dtype")
     prompts = list(args.prompt) + [[int(t) for t in p.split(",")] for p in args.prompt_ids]
     if not prompts:
         raise ConfigError("meshlab generate: give --prompt TEXT or --prompt-ids 1,2,3")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    started = False
     if world > 1:
         import torch.distributed as dist
 
         if not dist.is_initialized():
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            started = True
+    try:
+        return _generate(args, prompts, world, dtype)
+    finally:
+        if started:     # every rank done before any closes its connections, then destroyed
+            from ._mesh import _shutdown
+
+            _shutdown()
+
+
+def _generate(args, prompts, world: int, dtype) -> int:
+    from ._errors import ConfigError
+    from .inference import InferenceConfig, InferenceEngine
+    from .inference._engine import load_pretrained
+
     model, tok = load_pretrained(args.path, dtype)
     if args.prompt and tok is None:
         raise ConfigError(f"meshlab generate: {args.path} has no tokenizer; give the prompts "
