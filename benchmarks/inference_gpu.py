@@ -165,21 +165,15 @@ def ops(model, batch: int, args) -> str:
     run = make(9)
     run()
     torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
-              with_stack=True) as p:
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+              record_shapes=True) as p:
         run()
         torch.cuda.synchronize()
     del engine
-    avg = p.key_averages(group_by_input_shape=True)
-    table = avg.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=40,
-                      max_shapes_column_width=90)
-    copies = p.key_averages(group_by_stack_n=6)
-    picked = [e for e in copies if e.key in ("aten::copy_", "aten::clone", "aten::index_copy_",
-                                             "aten::contiguous", "aten::cat")]
-    lines = [f"{e.key} x{e.count} {e.self_device_time_total / 1e3:.3f} ms\n  " +
-             "\n  ".join(e.stack[:6]) for e in sorted(picked, key=lambda e:
-                                                     -e.self_device_time_total)[:12]]
-    return f"batch {batch}, prefill + 8 decode steps\n{table}\n" + "\n".join(lines)
+    table = p.key_averages(group_by_input_shape=True).table(
+        sort_by="self_device_time_total", row_limit=40, max_name_column_width=40,
+        max_shapes_column_width=90)
+    return f"batch {batch}, prefill + 8 decode steps\n{table}"
 
 
 def main() -> None:

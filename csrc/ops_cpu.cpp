@@ -237,7 +237,11 @@ std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x
 //   out[:D/2] = x1 * cos - x2 * sin,  out[D/2:] = x2 * cos + x1 * sin.
 // The backward is the same rotation by -angle, so Python calls this with -sin.
 
-at::Tensor rotary_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// Any layout in, as the Triton forward: x, and the tables as float32, made contiguous here.
+at::Tensor rotary_fwd(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor cos = cos_in.to(at::kFloat).contiguous();
+  const at::Tensor sin = sin_in.to(at::kFloat).contiguous();
   check_act(x, "x");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -278,7 +282,10 @@ at::Tensor rotary_fwd(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
 constexpr int64_t kChunk = 1 << 14;  // elements per OpenMP task: large enough to amortize
 
-at::Tensor swiglu_fwd(const at::Tensor& a, const at::Tensor& b) {
+// Any layout in, as the Triton forward (the halves of a merged gate/up product are strided).
+at::Tensor swiglu_fwd(const at::Tensor& a_in, const at::Tensor& b_in) {
+  const at::Tensor a = a_in.contiguous();
+  const at::Tensor b = b_in.contiguous();
   check_act(a, "a");
   check_act(b, "b");
   TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),

@@ -146,10 +146,9 @@ def test_merged_projections_make_four_products_per_layer():
         eng.step()                          # the prefill
         with Products() as count:
             eng.step()                      # one decode step
-        assert eng.model.__dict__.get("_meshlab_merged", Merged()).misses == 0
+        assert getattr(eng.model, "_meshlab_merged", None) is None or \
+            eng.model._meshlab_merged.misses == 0
         return count.n
-
-    from meshlab.inference._merge import Merged
 
     layers = _tiny("qwen2").config.num_hidden_layers
     assert products() == 7 * layers + 1

@@ -4,10 +4,11 @@ Imported only when an op first sees a CUDA tensor (``_build.triton_kernels``), s
 without Triton never loads this file. The functions mirror ``csrc/ops_cpu.cpp`` one for one
 (same names, same arguments: activations 2-D and contiguous, weights and statistics
 float32; outputs allocated contiguous, never with an input's strides, as the ops' fake
-kernels say), so each op calls whichever module the device selects in the same way. Two
-forwards take more here: ``rotary_fwd`` reads tokens at any one stride (and its angle
-tables in their own dtype and row stride) and ``swiglu_fwd`` rows at any stride, so the
-parts of a merged projection and slices of the model's tables go in without a copy.
+kernels say), so each op calls whichever module the device selects in the same way. The
+rotary and swiglu forwards take any layout in both (C++ makes its inputs contiguous);
+here ``rotary_fwd`` reads tokens at any one stride (and its angle tables in their own
+dtype and row stride) and ``swiglu_fwd`` rows at any stride, so the parts of a merged
+projection and slices of the model's tables go in without a copy.
 
 Why Triton and not hand CUDA: these ops are memory-bound (a few flops per byte moved), so
 their speed is one read of each input and one write of each output, in wide coalesced

@@ -197,7 +197,7 @@ def write_cache(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: T
     if k.is_cuda:                       # one Triton launch for both, where it applies
         from . import _build
 
-        mod = _build.triton_kernels("paged_attention")
+        mod = _build.triton_kernels("kv_cache_write")
         if mod is not None and mod.write_kv(k_cache, v_cache, slots, k, v):
             return
     hkv, d = k_cache.shape[2:]

@@ -55,9 +55,7 @@ def _forward(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     k = _build.kernels("rotary", x)
     if k is None:
         return _build.contiguous(rotary_reference(x, cos, sin))
-    if x.is_cuda:   # Triton reads x's tokens and the tables' rows at any stride and dtype
-        return k.rotary_fwd(x, cos, sin)
-    return k.rotary_fwd(x.contiguous(), cos.float().contiguous(), sin.float().contiguous())
+    return k.rotary_fwd(x, cos, sin)        # either kernel takes any layout and table dtype
 
 
 @torch.library.custom_op("meshlab::rotary", mutates_args=())

@@ -48,9 +48,7 @@ def _forward(a: Tensor, b: Tensor) -> Tensor:
     k = _build.kernels("swiglu", a)
     if k is None:
         return _build.contiguous(swiglu_reference(a, b))
-    if a.is_cuda:                       # Triton reads rows at any stride (merged halves)
-        return k.swiglu_fwd(a, b).view(a.shape)
-    return k.swiglu_fwd(a.contiguous(), b.contiguous()).view(a.shape)
+    return k.swiglu_fwd(a, b).view(a.shape)     # either kernel takes any layout
 
 
 @torch.library.custom_op("meshlab::swiglu", mutates_args=())
