@@ -144,11 +144,12 @@ def profile(model, batch: int, args) -> dict:
             k[1] += e.device_time / 1e3
     steps = args.new - 1
     busy = sum(v[1] for v in kernels.values())
-    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:12]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]
     del engine
     return {"batch": batch, "generate_ms": round(wall, 2), "gpu_busy_ms": round(busy, 2),
             "kernels_per_step": round(sum(v[0] for v in kernels.values()) / steps, 1),
-            "top_ms_per_step": {k: round(v[1] / steps, 4) for k, v in top}}
+            "top_per_step": {k: {"launches": round(v[0] / steps, 2), "ms": round(v[1] / steps, 4)}
+                             for k, v in top}}
 
 
 def ops(model, batch: int, args) -> str:

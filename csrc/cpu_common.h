@@ -88,6 +88,14 @@ inline void check_f32(const at::Tensor& t, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
+// A weight or bias in any floating dtype, as the contiguous float32 the kernels read (a
+// bfloat16 norm weight is cast here, once per call, rather than by every caller).
+inline at::Tensor as_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && at::isFloatingType(t.scalar_type()), name,
+              " must be a floating CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  return t.to(at::kFloat).contiguous();
+}
+
 // Calls f.template operator()<T>() with T = float or bf16 after the activation dtype.
 template <typename F> void dispatch(const at::Tensor& t, F&& f) {
   if (t.scalar_type() == at::kFloat) f(float{});

@@ -1,14 +1,14 @@
-// CPU kernels of meshlab's fused ops: rms_norm, rotary, swiglu, layer_norm (forward and
-// backward), and the softmax cross-entropy gradient of linear_cross_entropy. One
-// translation unit on purpose: building torch/extension.h dominates the compile time, so
+// CPU kernels of meshlab's fused ops: rms_norm (and its residual add), rotary, swiglu,
+// layer_norm (forward and backward), and the softmax cross-entropy gradient of
+// linear_cross_entropy. One translation unit on purpose: building torch/extension.h dominates the compile time, so
 // five files would cost five times as long.
 //
 // Conventions, shared by every kernel here:
 //  * tensors arrive contiguous, already flattened by the Python side to rows of the last dim;
 //  * outputs are allocated contiguous (never with an input's strides, which for a size-1
 //    dim may be anything): the ops' fake kernels promise contiguous outputs to torch.compile;
-//  * activations are float32 or bfloat16; weights, cos/sin and saved statistics are float32
-//    (the Python side casts them, which costs one pass over a vector, not over the batch);
+//  * activations are float32 or bfloat16; norm weights come in any floating dtype and are
+//    read as float32 (as_f32), cos/sin and saved statistics are float32;
 //  * every sum is in float32, and bfloat16 is rounded to nearest-even exactly as
 //    c10::BFloat16 does, so the kernels agree with the references up to summation order;
 //  * rows are split across OpenMP threads; the inner loops are plain, unit-stride loops
@@ -42,45 +42,89 @@ void reduce_partials(const std::vector<float>& part, int nt, int64_t H, float* o
 // ---------------------------------------------------------------- rms_norm
 // y = x * rstd * w,  rstd = 1 / sqrt(mean(x^2) + eps)                x: (N, H), w: (H,)
 
-std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps) {
+// Rows of y = rms_norm(x), or of y = rms_norm(s) with s = x + q stored in sp where q is
+// given (rounded to T first, as a separate add would round it).
+template <typename T>
+void rms_rows(const T* xp, const T* qp, T* sp, T* yp, const float* wp, float* rp, int64_t N,
+              int64_t H, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < N; ++r) {
+    const T* in = xp + r * H;
+    if (qp != nullptr) {
+      const T* xr = in;
+      const T* qr = qp + r * H;
+      T* sr = sp + r * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) sr[i] = st<T>(ld(xr[i]) + ld(qr[i]));
+      in = sr;
+    }
+    T* yr = yp + r * H;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < H; ++i) {
+      float v = ld(in[i]);
+      ss += v * v;
+    }
+    const float rs = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    rp[r] = rs;
+#pragma omp simd
+    for (int64_t i = 0; i < H; ++i) yr[i] = st<T>(ld(in[i]) * rs * wp[i]);
+  }
+}
+
+std::vector<at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                     double eps) {
   check_act(x, "x");
-  check_f32(w, "weight");
+  const at::Tensor w = as_f32(weight, "weight");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1), "rms_norm_fwd: bad shapes");
   const int64_t N = x.size(0), H = x.size(1);
   auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    const T* xp = cptr<T>(x);
-    T* yp = ptr<T>(y);
-    const float* wp = w.data_ptr<float>();
-    float* rp = rstd.data_ptr<float>();
-    const float feps = static_cast<float>(eps);
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < N; ++r) {
-      const T* xr = xp + r * H;
-      T* yr = yp + r * H;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) {
-        float v = ld(xr[i]);
-        ss += v * v;
-      }
-      const float rs = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
-      rp[r] = rs;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) yr[i] = st<T>(ld(xr[i]) * rs * wp[i]);
-    }
+    rms_rows<T>(cptr<T>(x), nullptr, nullptr, ptr<T>(y), w.data_ptr<float>(),
+                rstd.data_ptr<float>(), N, H, static_cast<float>(eps));
   });
   return {y, rstd};
 }
 
+// ---------------------------------------------------------------- add_rms_norm
+// s = x + r, rounded to the activations' dtype as a separate add would round it; y =
+// rms_norm(s). The backward is rms_norm_bwd with ds, the gradient reaching s directly.
+
+std::vector<at::Tensor> add_rms_norm_fwd(const at::Tensor& x, const at::Tensor& res,
+                                         const at::Tensor& weight, double eps) {
+  check_act(x, "x");
+  check_act(res, "residual");
+  const at::Tensor w = as_f32(weight, "weight");
+  TORCH_CHECK(res.scalar_type() == x.scalar_type() && res.sizes() == x.sizes(),
+              "add_rms_norm_fwd: residual must match x");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1),
+              "add_rms_norm_fwd: bad shapes");
+  const int64_t N = x.size(0), H = x.size(1);
+  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto s = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto rstd = at::empty({N}, x.options().dtype(at::kFloat));
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    rms_rows<T>(cptr<T>(x), cptr<T>(res), ptr<T>(s), ptr<T>(y), w.data_ptr<float>(),
+                rstd.data_ptr<float>(), N, H, static_cast<float>(eps));
+  });
+  return {y, s, rstd};
+}
+
 // dx = rstd * (g - xhat * mean(g * xhat)),  g = dy * w,  xhat = x * rstd;  dw = sum_rows dy * xhat
 std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
-                                     const at::Tensor& w, const at::Tensor& rstd) {
+                                     const at::Tensor& weight, const at::Tensor& rstd,
+                                     const c10::optional<at::Tensor>& ds) {
   check_act(dy, "grad");
   check_act(x, "x");
-  check_f32(w, "weight");
+  const at::Tensor w = as_f32(weight, "weight");
+  if (ds.has_value()) {
+    check_act(*ds, "ds");
+    TORCH_CHECK(ds->scalar_type() == x.scalar_type() && ds->sizes() == x.sizes(),
+                "rms_norm_bwd: ds must match x");
+  }
   check_f32(rstd, "rstd");
   TORCH_CHECK(dy.scalar_type() == x.scalar_type() && dy.sizes() == x.sizes(),
               "rms_norm_bwd: grad must match x");
@@ -97,6 +141,7 @@ std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
     T* dxp = ptr<T>(dx);
     const float* wp = w.data_ptr<float>();
     const float* rp = rstd.data_ptr<float>();
+    const T* dsp = ds.has_value() ? cptr<T>(*ds) : nullptr;
 #pragma omp parallel
     {
       float* acc = part.data() + static_cast<size_t>(thread_id()) * H;
@@ -110,6 +155,17 @@ std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
 #pragma omp simd reduction(+ : dot)
         for (int64_t i = 0; i < H; ++i) dot += ld(dyr[i]) * wp[i] * ld(xr[i]);
         const float c = dot * rs / static_cast<float>(H);  // mean(g * xhat)
+        if (dsp != nullptr) {       // the gradient reaching x around the norm, added once
+          const T* dsr = dsp + r * H;
+#pragma omp simd
+          for (int64_t i = 0; i < H; ++i) {
+            const float g = ld(dyr[i]) * wp[i];
+            const float xh = ld(xr[i]) * rs;
+            dxr[i] = st<T>((g - xh * c) * rs + ld(dsr[i]));
+            acc[i] += ld(dyr[i]) * xh;
+          }
+          continue;
+        }
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) {
           const float g = ld(dyr[i]) * wp[i];
@@ -127,11 +183,10 @@ std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
 // ---------------------------------------------------------------- layer_norm
 // y = (x - mean) * rstd * w + b                                    x: (N, H), w, b: (H,)
 
-std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& w,
-                                       const at::Tensor& b, double eps) {
+std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& weight,
+                                       const at::Tensor& bias, double eps) {
   check_act(x, "x");
-  check_f32(w, "weight");
-  check_f32(b, "bias");
+  const at::Tensor w = as_f32(weight, "weight"), b = as_f32(bias, "bias");
   TORCH_CHECK(x.dim() == 2 && w.size(0) == x.size(1) && b.size(0) == x.size(1),
               "layer_norm_fwd: bad shapes");
   const int64_t N = x.size(0), H = x.size(1);
@@ -175,11 +230,11 @@ std::vector<at::Tensor> layer_norm_fwd(const at::Tensor& x, const at::Tensor& w,
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * w;  dw = sum dy*xhat;  db = sum dy
 std::vector<at::Tensor> layer_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
-                                       const at::Tensor& w, const at::Tensor& mean,
+                                       const at::Tensor& weight, const at::Tensor& mean,
                                        const at::Tensor& rstd) {
   check_act(dy, "grad");
   check_act(x, "x");
-  check_f32(w, "weight");
+  const at::Tensor w = as_f32(weight, "weight");
   check_f32(mean, "mean");
   check_f32(rstd, "rstd");
   TORCH_CHECK(dy.scalar_type() == x.scalar_type() && dy.sizes() == x.sizes(),
@@ -393,7 +448,9 @@ at::Tensor ce_grad_inplace(at::Tensor logits, const at::Tensor& target, int64_t 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "meshlab fused ops, CPU kernels (float32 and bfloat16, float32 accumulation)";
   m.def("rms_norm_fwd", &rms_norm_fwd);
-  m.def("rms_norm_bwd", &rms_norm_bwd);
+  m.def("rms_norm_bwd", &rms_norm_bwd, pybind11::arg("dy"), pybind11::arg("x"),
+        pybind11::arg("w"), pybind11::arg("rstd"), pybind11::arg("ds") = pybind11::none());
+  m.def("add_rms_norm_fwd", &add_rms_norm_fwd);
   m.def("layer_norm_fwd", &layer_norm_fwd);
   m.def("layer_norm_bwd", &layer_norm_bwd);
   m.def("rotary_fwd", &rotary_fwd);

@@ -27,6 +27,33 @@ def _model(family: str, **overrides):
     return ml.init_weights(M.build(family, **overrides), seed=0)
 
 
+def test_residual_add_fuses_only_the_layers_its_probe_proves():
+    """A decoder layer that scales its residual branch (Granite's residual_multiplier) has
+    Llama's parts but other math: its probe says so and it keeps its own forward, its
+    norms routed; a layer wrapped by another room (an instance forward) is left alone."""
+    import transformers
+
+    from meshlab.parallel.fuse import fuse_model
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    granite = transformers.GraniteForCausalLM(transformers.GraniteConfig(
+        **small, residual_multiplier=0.5))
+    ref = copy.deepcopy(granite)
+    report = fuse_model(granite, ("rms_norm",))
+    assert report.counts() == {"rms_norm": 5}
+    assert "not norm, attention, add" in report.unfused["GraniteDecoderLayer"]
+    ids = torch.randint(0, 64, (2, 7))
+    torch.testing.assert_close(granite(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
+    wrapped = llama.model.layers[0]
+    wrapped.forward = wrapped.forward            # as tensor parallelism's wrapper would sit
+    report = fuse_model(llama, ("rms_norm",))
+    assert report.routed["residual_add"] == ["model.layers.1"]
+    assert fuse_model(llama, ("rms_norm",)).counts() == report.counts()     # no doubles
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_fused_equals_unfused(family):
     import meshlab as ml
@@ -39,7 +66,8 @@ def test_fused_equals_unfused(family):
     layers = M.TINY[family]["num_hidden_layers"]
     norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)   # + q/k norms
     assert report.counts() == {"rms_norm": norms, "rotary": layers, "attention": 1,
-                               "mlp": layers, "loss": 1}
+                               "mlp": layers, "loss": 1, "residual_add": layers}
+    assert report.unfused == {}
     ids = M.batches(1, batch=3, seq=11)[0]
     ids[0, :3] = -100                      # ignored labels pass through
     batch = {"input_ids": ids.clamp_min(0), "labels": ids}

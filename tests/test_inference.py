@@ -116,7 +116,7 @@ def test_engine_on_meshlab_kernels_equals_generate(family):
     cfg = eng.model.config
     assert eng.model._meshlab_kernels.counts() == {
         "rms_norm": 2 * cfg.num_hidden_layers + 1, "rotary": cfg.num_hidden_layers,
-        "mlp": cfg.num_hidden_layers}
+        "mlp": cfg.num_hidden_layers, "residual_add": cfg.num_hidden_layers}
     merged = eng.model._meshlab_merged
     assert merged.counts() == {"qkv": cfg.num_hidden_layers, "gate_up": cfg.num_hidden_layers}
     assert merged.misses == 0
@@ -188,6 +188,23 @@ def test_meshlab_kernels_refused_where_not_built(one_process):
         vocab_size=97, n_embd=16, n_layer=1, n_head=2))
     with pytest.raises(ml.ConfigError, match="nothing meshlab's kernels route"):
         _engine(gpt2, use_cuda_kernel=True)
+
+
+def test_chunked_argmax_is_argmax_with_its_ties():
+    """The greedy choice through chunk maxima (what CUDA runs for small batches) gives
+    ``argmax``'s index, the first among equal maxima, whether the ties lie in one chunk or
+    across chunks; vocabularies with no divisor in range keep the plain ``argmax``."""
+    from meshlab.inference._sampling import _chunk, chunked_argmax
+
+    assert _chunk(128256) == 1002 and _chunk(32000) == 1000 and _chunk(151936) == 128
+    assert _chunk(97) is None and _chunk(2 * 1009) is None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (7, 6000), generator=g).bfloat16()  # many ties everywhere
+    x[1, 4321] = x[1, 17] = 9                       # a tie across chunks: the first wins
+    x[2, 2001] = x[2, 2005] = 9                     # a tie inside one chunk
+    for c in (_chunk(6000), 1000, 6):
+        assert torch.equal(chunked_argmax(x, c), x.argmax(-1)), c
+    assert chunked_argmax(x, 1000)[1] == 17 and chunked_argmax(x, 1000)[2] == 2001
 
 
 def test_sampling_controls():
@@ -748,9 +765,11 @@ def test_cuda_graph_decoding_equals_eager(family):
                                        (torch.float16, 2e-3)])
 def test_paged_attention_triton_kernel_is_its_reference(dtype, tol):
     """Decode batches (a few queries per sequence) run the Triton kernel; grouped heads,
-    head dims that are not powers of two and scattered blocks; a prefill runs SDPA."""
-    from meshlab.ops import _build
-    from meshlab.ops.paged_attention import paged_attention_reference
+    head dims that are not powers of two and scattered blocks; each query's keys in one
+    share or cut into several (flash-decoding, what a small batch gets); a prefill runs
+    SDPA."""
+    from meshlab.ops import _build, _triton_paged
+    from meshlab.ops.paged_attention import layout, paged_attention_reference
 
     g = torch.Generator().manual_seed(0)
     for hq, hkv, d, bs, m in ((32, 8, 128, 16, (1, 1, 1, 1)), (8, 2, 64, 4, (1, 2, 3, 1)),
@@ -769,6 +788,11 @@ def test_paged_attention_triton_kernel_is_its_reference(dtype, tol):
         want = paged_attention_reference(q.float(), kc.float(), vc.float(), tables.cuda(),
                                          lens, starts, scale=0.3)
         torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+        where = layout(tables.cuda(), lens, starts, bs)
+        for splits in (1, 3, 64):
+            got = _triton_paged.paged_attention_fwd(q, kc, vc, where.tables, where.seq,
+                                                    where.keys, 0.3, splits=splits)
+            torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     q = torch.randn(40, 32, 128, generator=g).to(dtype).cuda()       # a prefill of 40
     kc, vc = (torch.randn(3, 16, 8, 128, generator=g).to(dtype).cuda() for _ in "kv")
     paged_attention(q, kc, vc, torch.tensor([[2, 0, 1]]).cuda(), [40], [0, 40])

@@ -154,6 +154,96 @@ def test_non_contiguous_inputs():
     torch.testing.assert_close(OPS["swiglu"][0](a, b), OPS["swiglu"][1](a, b))
 
 
+@pytest.mark.skipif(not NATIVE, reason="the C++ kernels did not build")
+def test_norm_weights_are_read_in_their_own_dtype():
+    """A bfloat16 norm weight goes to the kernels as it is (they read it as float32), with the
+    same outputs and gradients as its float32 copy, and the weight's gradient in its dtype."""
+    from meshlab.ops.layer_norm import layer_norm
+    from meshlab.ops.rms_norm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 48, generator=g, dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(48, generator=g)).bfloat16()
+    b = (0.1 * torch.randn(48, generator=g)).bfloat16()
+    for fn, params in ((rms_norm, (w,)), (layer_norm, (w, b))):
+        got = [t.clone().requires_grad_() for t in (x, *params)]
+        ref = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in params]
+        y, y_ref = fn(*got), fn(*ref)
+        assert _build.LAST_PATH[(fn.__name__, "cpu")].native
+        assert torch.equal(y, y_ref)
+        dy = torch.randn(y.shape, generator=g).bfloat16()
+        y.backward(dy)
+        y_ref.backward(dy)
+        assert torch.equal(got[0].grad, ref[0].grad)
+        for p_, r in zip(got[1:], ref[1:]):
+            assert p_.grad.dtype == torch.bfloat16
+            assert torch.equal(p_.grad, r.grad.bfloat16())
+
+
+def _add_norm_case(dtype, b=3, s=17, h=300):
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(b, s, h, generator=g).to(dtype) for _ in "xr")
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)
+    dy, ds = (torch.randn(b, s, h, generator=g).to(dtype) for _ in "ys")
+    return x, r, w, dy, ds
+
+
+def _add_norm_grads(fn, x, r, w, dy, ds):
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    y, total = fn(*leaves)
+    return (y, total, *torch.autograd.grad((y, total), leaves, (dy, ds)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    """``add_rms_norm`` gives the sum exactly as the separate add rounds it, the norm of
+    that sum, and the gradients autograd gives the add followed by the norm (the residual
+    stream's gradient added inside the norm's backward); the C++ kernels run it on CPU and
+    the eager path is the custom op's, bit for bit."""
+    from meshlab.ops.rms_norm import add_rms_norm, rms_norm_reference
+
+    x, r, w, dy, ds = _add_norm_case(dtype)
+
+    got = _add_norm_grads(add_rms_norm, x, r, w, dy, ds)
+    if NATIVE:
+        assert _build.LAST_PATH[("add_rms_norm", "cpu")].native
+        assert _build.LAST_PATH[("rms_norm_backward", "cpu")].native
+    assert torch.equal(got[1], x + r)
+    # The reference in float64 from the sum as the add rounds it, which the norm then reads.
+    total, w64 = (x + r).double().requires_grad_(), w.double().requires_grad_()
+    y64 = rms_norm_reference(total, w64)
+    dtotal, dw64 = torch.autograd.grad(y64, (total, w64), dy.double())
+    want = [t.detach() for t in (y64, total, dtotal + ds.double(), dtotal + ds.double(), dw64)]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, **tol)
+    with _build.dispatcher_only():
+        slow = _add_norm_grads(add_rms_norm, x, r, w, dy, ds)
+    for a, b in zip(got, slow):
+        assert torch.equal(a, b)
+    with _build.force_reference():
+        ref = _add_norm_grads(add_rms_norm, x, r, w, dy, ds)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **tol)
+    with pytest.raises(ValueError, match="must match in shape and dtype"):
+        add_rms_norm(x, r.double(), w)
+
+
+def test_add_rms_norm_opcheck():
+    from meshlab.ops.rms_norm import add_rms_norm
+
+    x, r, w, dy, ds = _add_norm_case(torch.float32, 2, 5, 67)
+    y, total, rstd = torch.ops.meshlab.add_rms_norm(x, r, w, 1e-6)
+    torch.library.opcheck(torch.ops.meshlab.add_rms_norm.default,
+                          tuple(t.clone().requires_grad_() for t in (x, r, w)) + (1e-6,))
+    torch.library.opcheck(torch.ops.meshlab.add_rms_norm_backward.default,
+                          (dy, ds, total, w, rstd))
+    compiled = torch.compile(lambda a, b, c: add_rms_norm(a, b, c), backend="aot_eager",
+                             fullgraph=True)
+    for a, b in zip(compiled(x, r, w), add_rms_norm(x, r, w)):
+        assert torch.equal(a, b)
+
+
 def test_failed_build_is_recorded_not_raised(monkeypatch):
     assert _build.cpu_extension("meshlab_missing_src", ("no_such_file.cpp",)) is None
     assert "sources not found" in _build.failure("meshlab_missing_src")

@@ -79,8 +79,10 @@ def test_swiglu_mlp_matches_the_module_calls(dtype):
 def test_forwards_read_merged_parts_in_place():
     """The parts of a merged projection's product (rows holding every part) go into the
     rotary and swiglu forwards as strided views, read in place, and so do the rotary's
-    angles as Hugging Face holds them (bf16 (S, D) tables, their first halves sliced): the
-    results equal those of contiguous float32 copies, and no copy or cast kernel runs."""
+    angles as Hugging Face holds them (bf16 (S, D) tables, their first halves sliced) and
+    a norm's bf16 weight: the results equal those of contiguous float32 copies, and no
+    copy or cast kernel runs."""
+    from meshlab.ops.rms_norm import rms_norm
     from meshlab.ops.rotary import rotary
     from meshlab.ops.swiglu import swiglu
 
@@ -94,13 +96,18 @@ def test_forwards_read_merged_parts_in_place():
     cos, sin = table.cos().bfloat16()[:, :d // 2], table.sin().bfloat16()[:, :d // 2]
     gu = torch.randn(1, t, 2 * inter, device="cuda", dtype=torch.bfloat16, generator=g)
     a, b = gu.chunk(2, -1)
+    x = qkv[..., :h * d].contiguous()
+    w = torch.rand(h * d, device="cuda", generator=g).bfloat16()
     assert not q.is_contiguous() and not a.is_contiguous()
+    rms_norm(x, w)                                          # the Triton kernel compiles
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
         got_q = rotary(q, cos, sin)
         got_y = swiglu(a, b)
+        got_n = rms_norm(x, w)
         torch.cuda.synchronize()
     kernels = [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) == 2 and not any("copy" in k.lower() for k in kernels), kernels
+    assert len(kernels) == 3 and not any("copy" in k.lower() for k in kernels), kernels
+    assert torch.equal(got_n, rms_norm(x, w.float()))
     assert torch.equal(got_q, rotary(q.contiguous(), cos.float().contiguous(),
                                      sin.float().contiguous()))
     assert torch.equal(got_y, swiglu(a.contiguous(), b.contiguous()))
@@ -129,3 +136,40 @@ def test_cache_write_is_one_launch_and_equals_index_copy():
     caches[2].view(-1, hkv, d).index_copy_(0, slots, k)
     caches[3].view(-1, hkv, d).index_copy_(0, slots, v)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_triton(dtype):
+    """The residual add and the norm in one Triton pass: the sum as the separate add rounds
+    it, outputs and gradients those of the add then the norm, and opcheck passes."""
+    pytest.importorskip("triton")
+    from meshlab.ops import _build
+    from meshlab.ops.rms_norm import add_rms_norm, rms_norm_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, r, dy, ds = (torch.randn(3, 17, 300, device="cuda", generator=g).to(dtype)
+                    for _ in range(4))
+    w = (1 + 0.1 * torch.randn(300, device="cuda", generator=g)).to(dtype)
+
+    def grads(fn, *args):
+        leaves = [t.clone().requires_grad_() for t in args]
+        y, total = fn(*leaves)
+        return (y, total, *torch.autograd.grad((y, total), leaves, (dy.to(y.dtype),
+                                                                      ds.to(y.dtype))))
+
+    got = grads(add_rms_norm, x, r, w)
+    assert _build.LAST_PATH[("add_rms_norm", "cuda")].reason.startswith("Triton")
+    assert torch.equal(got[1], x + r)
+    # The reference in float64 from the sum as the add rounds it, which the norm then reads.
+    total, w64 = (x + r).double().requires_grad_(), w.double().requires_grad_()
+    y64 = rms_norm_reference(total, w64)
+    dtotal, dw64 = torch.autograd.grad(y64, (total, w64), dy.double())
+    want = (y64, total, dtotal + ds.double(), dtotal + ds.double(), dw64)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.detach(), rtol=tol, atol=tol)
+    y, total, rstd = torch.ops.meshlab.add_rms_norm(x, r, w, 1e-6)
+    torch.library.opcheck(torch.ops.meshlab.add_rms_norm.default,
+                          tuple(t.clone().requires_grad_() for t in (x, r, w)) + (1e-6,))
+    torch.library.opcheck(torch.ops.meshlab.add_rms_norm_backward.default,
+                          (dy, ds, total, w, rstd))

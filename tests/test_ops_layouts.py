@@ -126,6 +126,25 @@ def _rms_norm(layout: str) -> list[Case]:
                  lambda dy, x, w, rstd: _vjp(rms_norm_reference, (x, w, eps), (0, 1), dy))]
 
 
+def _add_rms_norm(layout: str) -> list[Case]:
+    x, r, w, eps = _rows(layout), _rows(layout), _weight(layout), 1e-6
+    _, total, rstd = torch.ops.meshlab.add_rms_norm(x, r, w, eps)
+    dy, ds = _rows(layout), _rows(layout)
+
+    def want_fwd(x, r, w, eps):
+        s = x + r
+        return (rms_norm_reference(s, w, eps), s,
+                torch.rsqrt(s.float().pow(2).mean(-1) + eps))
+
+    def want_bwd(dy, ds, total, w, rstd):
+        dx, dw = _vjp(rms_norm_reference, (total, w, eps), (0, 1), dy)
+        return dx + ds, dw
+
+    return [Case(torch.ops.meshlab.add_rms_norm.default, (x, r, w, eps), (0, 1, 2), want_fwd),
+            Case(torch.ops.meshlab.add_rms_norm_backward.default, (dy, ds, total, w, rstd),
+                 (), want_bwd)]
+
+
 def _layer_norm(layout: str) -> list[Case]:
     x, w, b, eps = _rows(layout), _weight(layout), _r(HID), 1e-5
     _, mean, rstd = torch.ops.meshlab.layer_norm(x, w, b, eps)
@@ -263,6 +282,8 @@ BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_table
                                  "expanded", "decode")),
             "rms_norm": (_rms_norm, ("contiguous", "transposed", "sliced", "expanded",
                                      "hidden_major")),
+            "add_rms_norm": (_add_rms_norm, ("contiguous", "transposed", "sliced",
+                                             "expanded", "hidden_major")),
             "layer_norm": (_layer_norm, ("contiguous", "transposed", "sliced", "expanded",
                                          "hidden_major")),
             "swiglu": (_swiglu, ("contiguous", "transposed", "sliced", "expanded")),

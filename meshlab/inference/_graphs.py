@@ -30,6 +30,7 @@ import torch
 
 from ..ops.paged_attention import Layout
 from ._paged import PagedBatch, place, running
+from ._sampling import greedy
 
 
 @dataclasses.dataclass
@@ -124,7 +125,7 @@ class DecodeGraphs:
         with torch.no_grad(), running(batch), whole_logits():
             out = self.engine.model(input_ids=ids, position_ids=b["pos"], use_cache=False,
                                     logits_to_keep=b["last"]).logits[0]
-        best = out.argmax(-1)                       # the greedy choice, in the same replay
+        best = greedy(out)                          # the greedy choice, in the same replay
         self.last[:n].copy_(best)
         return out, best
 

@@ -14,6 +14,32 @@ from torch import Tensor
 from ._config import InferenceConfig
 
 
+def _chunk(v: int) -> int | None:
+    """The largest divisor of a vocabulary of ``v`` in [128, 1024], if any."""
+    return next((c for c in range(min(1024, v // 4), 127, -1) if v % c == 0), None)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """``logits.argmax(-1)`` of (S, V) logits, the first index among equal maxima as
+    ``argmax`` gives. On CUDA, for fewer rows than it takes to fill the device, in two
+    reductions: one row's arg-max over a vocabulary of 128k runs as one thread block (37 us
+    on an H200, a twentieth of a Llama-1B decode step), while the maxima of the
+    vocabulary's chunks reduce in parallel and then their arg-max is a short row."""
+    c = _chunk(logits.shape[-1])
+    if not logits.is_cuda or logits.shape[0] >= 16 or c is None:
+        return logits.argmax(-1)
+    return chunked_argmax(logits, c)
+
+
+def chunked_argmax(logits: Tensor, c: int) -> Tensor:
+    """``logits.argmax(-1)`` of (S, V) logits through the maxima of chunks of ``c`` (a
+    divisor of V): the first chunk holding the row's maximum, its first maximum."""
+    s, v = logits.shape
+    vals, idx = logits.reshape(s, v // c, c).max(-1)    # first maximum within each chunk
+    at = vals.argmax(-1, keepdim=True)                  # the first chunk holding the maximum
+    return (at * c + idx.gather(-1, at)).squeeze(-1)
+
+
 def _repetition(logits: Tensor, seen: list[int], penalty: float) -> Tensor:
     idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
     got = logits[idx]
@@ -54,7 +80,7 @@ def choose(logits: Tensor, histories: list[list[int]], force: list[int | None],
     ``best`` the rows' arg-max where the caller has it already (a replayed graph)."""
     plain = cfg.repetition_penalty in (None, 1.0) and not cfg.no_repeat_ngram_size
     if plain and not cfg.do_sample:         # greedy: one arg-max, one read of the device
-        best = (logits.argmax(-1) if best is None else best).tolist()
+        best = (greedy(logits) if best is None else best).tolist()
         return [b if f is None else f for b, f in zip(best, force)]
     out = []
     for row, seen, forced in zip(logits.float(), histories, force):

@@ -33,14 +33,18 @@ def _row_block(h: int) -> tuple[int, int]:
 _SMS: dict[int, int] = {}
 
 
-def _bands(n: int, device) -> tuple[int, int]:
-    # Backward kernels: a few programs per multiprocessor, each over a band of rows, so the
-    # weight-gradient partials are (programs, H), small next to (n, H).
+def sm_count(device) -> int:
+    """The device's multiprocessors (read once per device)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SMS:
         _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    sms = _SMS[idx]
-    programs = max(1, min(n, 4 * sms))
+    return _SMS[idx]
+
+
+def _bands(n: int, device) -> tuple[int, int]:
+    # Backward kernels: a few programs per multiprocessor, each over a band of rows, so the
+    # weight-gradient partials are (programs, H), small next to (n, H).
+    programs = max(1, min(n, 4 * sm_count(device)))
     return programs, triton.cdiv(n, programs)
 
 
@@ -53,17 +57,35 @@ def _rms_fwd(X, W, Y, RSTD, H, eps, BLOCK: tl.constexpr):
     mask = cols < H
     x = tl.load(X + row * H + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * H + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + row, rstd)
 
 
 @triton.jit
-def _rms_bwd(DY, X, W, RSTD, DX, DWP, N, H, rows_per, BLOCK: tl.constexpr):
+def _add_rms_fwd(X, R, W, Y, S, RSTD, H, eps, BLOCK: tl.constexpr):
+    # s = x + r rounded to the activations' dtype, as a separate add rounds it; y = norm(s).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(X + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    s = (x + r).to(S.dtype.element_ty)
+    tl.store(S + row * H + cols, s, mask=mask)
+    s = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / H + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * H + cols, (s * rstd * w).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _rms_bwd(DY, X, W, RSTD, DX, DWP, DS, N, H, rows_per, BLOCK: tl.constexpr,
+             HAS_DS: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    w = tl.load(W + cols, mask=mask, other=0.0)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for i in tl.range(0, rows_per):
         # The last band may run past N: its extra rows load zeros and store nothing.
@@ -76,7 +98,10 @@ def _rms_bwd(DY, X, W, RSTD, DX, DWP, N, H, rows_per, BLOCK: tl.constexpr):
         xh = x * rstd
         g = dy * w
         c = tl.sum(g * xh, axis=0) / H
-        tl.store(DX + r * H + cols, ((g - xh * c) * rstd).to(DX.dtype.element_ty), mask=m)
+        dx = (g - xh * c) * rstd
+        if HAS_DS:      # the gradient reaching x around the norm (a residual), added once
+            dx += tl.load(DS + r * H + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(DX + r * H + cols, dx.to(DX.dtype.element_ty), mask=m)
         acc += dy * xh
     tl.store(DWP + pid.to(tl.int64) * H + cols, acc, mask=mask)
 
@@ -90,13 +115,25 @@ def rms_norm_fwd(x, w, eps):
     return y, rstd
 
 
-def rms_norm_bwd(dy, x, w, rstd):
+def add_rms_norm_fwd(x, r, w, eps):
+    n, h = x.shape
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    s = torch.empty_like(y)
+    rstd = torch.empty(n, device=x.device, dtype=torch.float32)
+    block, warps = _row_block(h)
+    _add_rms_fwd[(n,)](x, r, w, y, s, rstd, h, eps, BLOCK=block, num_warps=warps)
+    return y, s, rstd
+
+
+def rms_norm_bwd(dy, x, w, rstd, ds=None):
+    """``ds``: a gradient reaching ``x`` besides through the norm, added into ``dx``."""
     n, h = x.shape
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     programs, rows_per = _bands(n, x.device)
     part = torch.empty(programs, h, device=x.device, dtype=torch.float32)
     block, warps = _row_block(h)
-    _rms_bwd[(programs,)](dy, x, w, rstd, dx, part, n, h, rows_per, BLOCK=block, num_warps=warps)
+    _rms_bwd[(programs,)](dy, x, w, rstd, dx, part, dx if ds is None else ds, n, h, rows_per,
+                          BLOCK=block, HAS_DS=ds is not None, num_warps=warps)
     return dx, part.sum(0)
 
 
@@ -111,8 +148,8 @@ def _ln_fwd(X, W, B, Y, MEAN, RSTD, H, eps, BLOCK: tl.constexpr):
     mean = tl.sum(x, axis=0) / H
     d = tl.where(mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=0) / H + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    b = tl.load(B + cols, mask=mask, other=0.0)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * H + cols, (d * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
     tl.store(MEAN + row, mean)
     tl.store(RSTD + row, rstd)
@@ -123,7 +160,7 @@ def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, N, H, rows_per, BLOCK: tl.conste
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    w = tl.load(W + cols, mask=mask, other=0.0)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     aw = tl.zeros([BLOCK], dtype=tl.float32)
     ab = tl.zeros([BLOCK], dtype=tl.float32)
     for i in tl.range(0, rows_per):

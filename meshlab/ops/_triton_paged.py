@@ -5,11 +5,13 @@ packed queries ``q`` (T, Hq, D), the paged caches (blocks, block_size, Hkv, D), 
 tables (S, W), each query's sequence ``seq`` (T,) and the number of keys it sees ``keys``
 (T,), all on the device, so a decode step captured in a CUDA graph runs it unchanged.
 
-One program per (query, kv head): it holds that kv head's group of query heads as the rows
-of one tile and walks the sequence's keys ``BLOCK_N`` at a time, each key's slot found
-through the block table, with an online softmax in float32 (flash-decoding without the
-split: decode batches give T x Hkv programs, and the keys a program reads are the only
-bytes it moves). Scores use the inputs' precision for the products (float32 inputs:
+One program per (query, kv head, share of the keys): it holds that kv head's group of
+query heads as the rows of one tile and walks its share of the sequence's keys ``BLOCK_N``
+at a time, each key's slot found through the block table, with an online softmax in
+float32. Small batches cut each query's keys into shares (flash-decoding): one query and
+8 kv heads are 8 programs on a device of 132 SMs, each walking all the keys in turn, so
+the shares' sums go to a float32 buffer and a second launch combines them. Batches with
+programs enough for the device run one share, written as the output directly. Scores use the inputs' precision for the products (float32 inputs:
 IEEE, not TF32) and float32 accumulation. The query tile is padded to 16 rows for the
 tensor cores; the padding rows read nothing.
 
@@ -28,15 +30,24 @@ import torch
 import triton
 import triton.language as tl
 
+from ._triton import sm_count
+
 
 @triton.jit
-def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, scale, Hq, Hkv, W, BS, D,
+def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, M, L, scale, Hq, Hkv, W, BS, D, SPLITS,
                   G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.load(SEQ + t).to(tl.int64)
     n = tl.load(KEYS + t)
+    if SPLIT:       # this program's share of the keys: whole tiles, the last share short
+        per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+        lo = tl.program_id(2) * per
+        hi = tl.minimum(n, lo + per)
+    else:
+        lo = 0
+        hi = n
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     qmask = (g[:, None] < G) & (d[None, :] < D)
@@ -44,9 +55,9 @@ def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, scale, Hq, Hkv, W, BS, D,
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for start in tl.range(0, n, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
-        valid = offs < n
+        valid = offs < hi
         blk = tl.load(TABLES + s * W + offs // BS, mask=valid, other=0).to(tl.int64)
         row = ((blk * BS + offs % BS) * Hkv + h) * D
         kvmask = valid[:, None] & (d[None, :] < D)
@@ -67,13 +78,46 @@ def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, scale, Hq, Hkv, W, BS, D,
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(O + (t * Hq + h * G + g[:, None]) * D + d[None, :], out.to(O.dtype.element_ty),
-             mask=qmask)
+    if SPLIT:       # unnormalized: (T, Hq, SPLITS, D) sums, (T, Hq, SPLITS) maxima and totals
+        r = (t * Hq + h * G + g) * SPLITS + tl.program_id(2)
+        tl.store(M + r, m_i, mask=g < G)
+        tl.store(L + r, l_i, mask=g < G)
+        tl.store(O + r[:, None] * D + d[None, :], acc, mask=qmask)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(O + (t * Hq + h * G + g[:, None]) * D + d[None, :],
+                 out.to(O.dtype.element_ty), mask=qmask)
 
 
-def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale):
-    """(T, Hq, D) attention of each packed query over its sequence's first ``keys[t]`` keys."""
+@triton.jit
+def _paged_combine(P, M, L, O, SPLITS, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # One program per (query, head): its shares' softmax sums rescaled to one maximum.
+    r = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = sp < SPLITS
+    m = tl.load(M + r * SPLITS + sp, mask=smask, other=float("-inf"))
+    l_s = tl.load(L + r * SPLITS + sp, mask=smask, other=0.0)
+    w = tl.exp(m - tl.max(m, axis=0))           # a share with no keys: -inf, weight 0
+    acc = tl.load(P + (r * SPLITS + sp[:, None]) * D + d[None, :],
+                  mask=smask[:, None] & (d[None, :] < D), other=0.0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    tl.store(O + r * D + d, out.to(O.dtype.element_ty), mask=d < D)
+
+
+def splits_for(t: int, hkv: int, max_keys: int, block_n: int, device) -> int:
+    """How many shares to cut each query's keys into: enough (query, kv head, share)
+    programs to fill the device about twice, no more shares than tiles of keys the tables
+    can hold. It depends on the tables' width, not on the keys a step has, so a captured
+    graph keeps its launch shape as the sequences grow."""
+    fill = triton.cdiv(2 * sm_count(device), t * hkv)
+    return max(1, min(fill, triton.cdiv(max_keys, block_n), 64))
+
+
+def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=None):
+    """(T, Hq, D) attention of each packed query over its sequence's first ``keys[t]`` keys;
+    ``splits``: shares of the keys per query (default :func:`splits_for`); more than one
+    runs flash-decoding, each share's softmax sums combined by a second launch."""
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
@@ -86,11 +130,24 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale):
     # Keys per iteration: a whole number of the cache's blocks where they are small, so
     # the table read of a tile touches one or two entries.
     block_n = 64 if block_d <= 128 else 32
-    _paged_decode[(t, hkv)](q, k_cache, v_cache, tables, seq, keys, out, float(scale),
-                            hq, hkv, tables.shape[1], bs, d, G=g,
-                            BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
-                            BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-                            num_warps=4, num_stages=2)
+    if splits is None:
+        splits = splits_for(t, hkv, tables.shape[1] * bs, block_n, q.device)
+    common = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    if splits == 1:
+        _paged_decode[(t, hkv, 1)](q, k_cache, v_cache, tables, seq, keys, out, out, out,
+                                   float(scale), hq, hkv, tables.shape[1], bs, d, 1,
+                                   SPLIT=False, **common)
+        return out
+    part = torch.empty(t, hq, splits, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(t, hq, splits, device=q.device, dtype=torch.float32)
+    lsum = torch.empty_like(m)
+    _paged_decode[(t, hkv, splits)](q, k_cache, v_cache, tables, seq, keys, part, m, lsum,
+                                    float(scale), hq, hkv, tables.shape[1], bs, d, splits,
+                                    SPLIT=True, **common)
+    _paged_combine[(t * hq,)](part, m, lsum, out, splits, d,
+                              BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+                              num_warps=4 if block_d >= 128 else 2)
     return out
 
 

@@ -53,8 +53,8 @@ def _forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float):
     if k is None:
         return tuple(_build.contiguous(t) for t in _fwd_torch(x, weight, bias, eps))
     h = x.shape[-1]
-    y, mean, rstd = k.layer_norm_fwd(x.reshape(-1, h).contiguous(), weight.float().contiguous(),
-                                     bias.float().contiguous(), eps)
+    y, mean, rstd = k.layer_norm_fwd(x.reshape(-1, h).contiguous(), weight.contiguous(),
+                                     bias.contiguous(), eps)
     lead = x.shape[:-1]
     return y.view(x.shape), mean.view(lead), rstd.view(lead)
 
@@ -79,7 +79,7 @@ def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Te
         return tuple(_build.contiguous(t) for t in _bwd_torch(dy, x, weight, mean, rstd))
     h = x.shape[-1]
     dx, dw, db = k.layer_norm_bwd(dy.to(x.dtype).reshape(-1, h).contiguous(),
-                                  x.reshape(-1, h).contiguous(), weight.float().contiguous(),
+                                  x.reshape(-1, h).contiguous(), weight.contiguous(),
                                   mean.reshape(-1).float().contiguous(),
                                   rstd.reshape(-1).float().contiguous())
     return dx.view(x.shape), dw.to(weight.dtype), db.to(weight.dtype)

@@ -9,6 +9,10 @@ input dtype; ``y`` comes back in ``x.dtype``.
 DTensor: ``x`` may be sharded on any leading dim (batch, sequence) with ``weight``
 replicated; the weight gradient is then a partial sum, which DTensor reduces when asked.
 
+``meshlab::add_rms_norm`` (:func:`add_rms_norm`) is the residual add before a pre-norm
+block's norm in the same pass, forward and backward; it has no DTensor rule (fuse routes
+it for plain tensors only).
+
 >>> import torch
 >>> from meshlab.ops import rms_norm
 >>> x, w = torch.randn(2, 8, 64), torch.ones(64)
@@ -51,19 +55,25 @@ def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         y, rstd = _fwd_torch(x, weight, eps)
         return _build.contiguous(y), _build.contiguous(rstd)
     h = x.shape[-1]
-    y, rstd = k.rms_norm_fwd(x.reshape(-1, h).contiguous(), weight.float().contiguous(), eps)
+    y, rstd = k.rms_norm_fwd(x.reshape(-1, h).contiguous(), weight.contiguous(), eps)
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
-def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor,
+                   ds: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``ds``: a gradient reaching ``x`` besides through the norm (the residual stream's,
+    for :func:`add_rms_norm`), added into ``dx`` by the kernel."""
     k = _build.kernels("rms_norm_backward", x)
     if k is None:
         dx, dw = _bwd_torch(dy, x, weight, rstd)
+        if ds is not None:
+            dx = (dx.float() + ds.float()).to(x.dtype)
         return _build.contiguous(dx), _build.contiguous(dw)
     h = x.shape[-1]
     dx, dw = k.rms_norm_bwd(dy.to(x.dtype).reshape(-1, h).contiguous(),
-                            x.reshape(-1, h).contiguous(), weight.float().contiguous(),
-                            rstd.reshape(-1).float().contiguous())
+                            x.reshape(-1, h).contiguous(), weight.contiguous(),
+                            rstd.reshape(-1).float().contiguous(),
+                            None if ds is None else ds.to(x.dtype).reshape(-1, h).contiguous())
     return dx.view(x.shape), dw.to(weight.dtype)
 
 
@@ -130,6 +140,105 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     if _build.eager(x, weight):
         return _Eager.apply(x, weight, eps)
     return torch.ops.meshlab.rms_norm(x, weight, eps)[0]
+
+
+# ------------------------------------------------------------------ add_rms_norm
+
+def _add_forward(x: Tensor, residual: Tensor, weight: Tensor,
+                 eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    k = _build.kernels("add_rms_norm", x)
+    if k is None:
+        s = x + residual
+        y, rstd = _fwd_torch(s, weight, eps)
+        return _build.contiguous(y), _build.contiguous(s), _build.contiguous(rstd)
+    h = x.shape[-1]
+    y, s, rstd = k.add_rms_norm_fwd(x.reshape(-1, h).contiguous(),
+                                    residual.reshape(-1, h).contiguous(), weight.contiguous(), eps)
+    return y.view(x.shape), s.view(x.shape), rstd.view(x.shape[:-1])
+
+
+@torch.library.custom_op("meshlab::add_rms_norm", mutates_args=())
+def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor,
+                    eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """x, residual: (..., H) of one dtype, weight: (H,) -> (y = rms_norm(s), s = x + residual,
+    rstd (...,) float32)."""
+    return _add_forward(x, residual, weight, eps)
+
+
+@add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape), \
+        x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("meshlab::add_rms_norm_backward", mutates_args=())
+def add_rms_norm_backward(dy: Tensor, ds: Tensor, s: Tensor, weight: Tensor,
+                          rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """dy, ds, s: (..., H) -> (the gradient of x and of the residual, one tensor; dweight)."""
+    return _backward_impl(dy, s, weight, rstd, ds)
+
+
+@add_rms_norm_backward.register_fake
+def _(dy, ds, s, weight, rstd):
+    return s.new_empty(s.shape), weight.new_empty(weight.shape)
+
+
+def _add_setup_context(ctx, inputs, output):
+    _, _, weight, _ = inputs
+    _, s, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(s, weight, rstd)
+
+
+def _add_backward(ctx, dy, ds, _drstd):
+    s, weight, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.meshlab.add_rms_norm_backward(dy, ds, s, weight, rstd)
+    return dx, dx, dw, None
+
+
+add_rms_norm_op.register_autograd(_add_backward, setup_context=_add_setup_context)
+
+
+class _EagerAdd(torch.autograd.Function):
+    """:func:`add_rms_norm`'s kernels without the custom op's dispatch (eager, plain tensors)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        y, s, rstd = _add_forward(x, residual, weight, eps)
+        ctx.save_for_backward(s, weight, rstd)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        s, weight, rstd = ctx.saved_tensors
+        dx, dw = _backward_impl(dy, s, weight, rstd, ds)
+        return dx, dx, dw, None
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor,
+                 eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """The residual add before a pre-norm block's RMSNorm, in one pass: ``s = x + residual``
+    (rounded to their dtype, as the add alone would be) and ``rms_norm(s, weight, eps)``;
+    returns ``(rms_norm(s), s)``. The backward adds the gradient reaching ``s`` directly
+    (the residual stream's) inside the norm's backward kernel, so autograd's separate
+    accumulation of the two goes too. ``x`` and ``residual``: (..., H) of one dtype and
+    shape.
+
+    >>> import torch
+    >>> from meshlab.ops.rms_norm import add_rms_norm, rms_norm
+    >>> x, r, w = torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.ones(8)
+    >>> y, s = add_rms_norm(x, r, w)
+    >>> torch.equal(s, x + r), torch.allclose(y, rms_norm(x + r, w))
+    (True, True)
+    """
+    if x.dtype != residual.dtype or x.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and residual "
+                         f"{tuple(residual.shape)} {residual.dtype} must match in shape and "
+                         f"dtype; cast one, or add them before rms_norm")
+    if _build.eager(x, residual, weight):
+        return _EagerAdd.apply(x, residual, weight, eps)
+    y, s, _ = torch.ops.meshlab.add_rms_norm(x, residual, weight, eps)
+    return y, s
 
 
 if _build.sharding_available():
