@@ -42,7 +42,7 @@ finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it
 ...                                num_hidden_layers=1, num_attention_heads=4)
 >>> model = transformers.LlamaForCausalLM(cfg)
 >>> fuse(model, ops=("rms_norm", "loss")).counts()
-{'rms_norm': 3, 'loss': 1}
+{'rms_norm': 3, 'loss': 1, 'residual_add': 1}
 """
 
 from __future__ import annotations
