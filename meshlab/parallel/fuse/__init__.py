@@ -24,9 +24,11 @@ from ._hf import fuse as fuse_model, fused_labels as fused_labels, refusals
 @dataclasses.dataclass(frozen=True)
 class Fuse(Transform):
     """Route ``ops`` (any of ``rms_norm``, ``rotary``, ``attention``, ``mlp``, ``loss``) to
-    meshlab's custom ops without replacing any ``forward``; each routing is probed against
-    the module it replaces when the plan is made from the model (``plan`` refuses what the
-    install would) and again when it is installed."""
+    meshlab's custom ops without changing any class (instance forwards only); each routing
+    is probed against the module it replaces when the plan is made from the model (``plan``
+    refuses what the install would) and again when it is installed. With ``rms_norm``, a
+    decoder layer's middle residual add also runs inside its second norm where a probe of
+    the layer proves it (reported, never refused)."""
 
     kind: ClassVar[str] = "fuse"
     phase: ClassVar[Phase] = Phase.KERNELS
