@@ -27,49 +27,6 @@ def _model(family: str, **overrides):
     return ml.init_weights(M.build(family, **overrides), seed=0)
 
 
-def test_merged_qkv_product_hands_each_projection_its_part():
-    """One product for an attention module's query, key and value (biases too, Qwen2's):
-    outputs and every gradient those of the three projections, and a projection called on
-    another input computes its own product (a miss, counted), as does any call under
-    autocast."""
-    import transformers
-
-    from meshlab.ops.merged_linear import merged_linear
-    from meshlab.parallel.fuse import fuse_model
-
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 8, generator=g, requires_grad=True)
-    ws = [torch.randn(n, 8, generator=g, requires_grad=True) for n in (6, 2, 2)]
-    bs = [torch.randn(n, generator=g, requires_grad=True) for n in (6, 2, 2)]
-    outs = merged_linear(x, ws, bs)
-    gouts = [torch.randn(o.shape, generator=g) for o in outs]
-    got = torch.autograd.grad(outs, [x, *ws, *bs], gouts)
-    want = torch.autograd.grad([torch.nn.functional.linear(x, w, b) for w, b in zip(ws, bs)],
-                               [x, *ws, *bs], gouts)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
-    with pytest.raises(ValueError, match="all or no biases"):
-        merged_linear(x, ws, bs[:2])
-
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2))
-    fuse_model(model, ("attention",))
-    attn = model.model.layers[1].self_attn
-    group = attn._meshlab_qkv
-    h = torch.randn(1, 3, 32)
-    q = attn.q_proj(h)
-    torch.testing.assert_close(attn.k_proj(h), torch.nn.functional.linear(
-        h, attn.k_proj.weight, attn.k_proj.bias))
-    assert group.misses == 0 and q.shape == (1, 3, 32)
-    attn.q_proj(h)
-    attn.v_proj(h.clone())                       # another input: its own product, a miss
-    assert group.misses == 1
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        attn.q_proj(h)
-    assert group.held == {}                      # autocast: the modules' own products
-
-
 def test_residual_add_fuses_only_the_layers_its_probe_proves():
     """A decoder layer that scales its residual branch (Granite's residual_multiplier) has
     Llama's parts but other math: its probe says so and it keeps its own forward, its
@@ -109,8 +66,7 @@ def test_fused_equals_unfused(family):
     layers = M.TINY[family]["num_hidden_layers"]
     norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)   # + q/k norms
     assert report.counts() == {"rms_norm": norms, "rotary": layers, "attention": 1,
-                               "mlp": layers, "loss": 1, "residual_add": layers,
-                               "qkv": layers}
+                               "mlp": layers, "loss": 1, "residual_add": layers}
     assert report.unfused == {}
     ids = M.batches(1, batch=3, seq=11)[0]
     ids[0, :3] = -100                      # ignored labels pass through

@@ -1,9 +1,8 @@
 """Run a Hugging Face model's RMSNorm, rotary embedding, attention and loss on meshlab's ops.
 
-No modeling code is copied and no class is changed; each op is routed at the seam
-transformers already has (an instance ``forward`` where a module must compute otherwise,
-the attention registry, the modeling file's rotary function), and every routing is proven
-on the spot against what it replaces (a small random probe through the original and the fused path, compared to
+No ``forward`` of the model is copied or rewritten; each op is routed at the seam
+transformers already has, and every routing is proven on the spot against what it
+replaces (a small random probe through the original and the fused path, compared to
 float32 rounding) before it is installed, so a family whose module does something else
 fails loudly instead of training on different math. Each op first finds (and probes) what
 it would route without changing the model, then installs it: :func:`check` runs the
@@ -21,10 +20,7 @@ finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it
   that calls ``meshlab::rotary`` while a routed model's attention module is running and
   the original function otherwise, so other models in the process are untouched.
 * ``attention``: ``meshlab::attention`` is registered in transformers'
-  ``AttentionInterface`` as ``"meshlab"`` and the model switched to it; an attention
-  module's plain ``q_proj``, ``k_proj``, ``v_proj`` become one product
-  (:func:`meshlab.ops.merged_linear`: one matmul forward, the input gradient summed inside
-  the backward's products; reported as ``qkv``).
+  ``AttentionInterface`` as ``"meshlab"`` and the model switched to it.
 * ``mlp``: each gated MLP with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU
   ``act_fn`` (Llama's, Mistral's, Qwen's, ...) gets an instance ``forward`` computing
   ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``, the gate one kernel. Where the
@@ -61,7 +57,6 @@ import threading
 import types
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..._errors import ConfigError
@@ -595,72 +590,6 @@ def _route_attention(model: nn.Module, found) -> list[str]:
     return [f"config._attn_implementation={model.config._attn_implementation!r}"]
 
 
-# ------------------------------------------------------------------------ q/k/v products
-
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
-class _QKVGroup:
-    """One attention module's query, key and value projections as one product: ``q_proj``'s
-    forward runs :func:`meshlab.ops.merged_linear` and holds the key and value parts, which
-    ``k_proj`` and ``v_proj`` return when called on the same input tensor. Any other call
-    (another input, hooks or DTensor weights, autocast) is the module's own product, so
-    the result is always the module's. So is every call while compiling: holding parts
-    between calls is a side effect the compiler refuses inside checkpointed blocks."""
-
-    def __init__(self, projs):
-        self.projs = projs
-        self.held: dict[int, tuple[Tensor, Tensor]] = {}
-        self.misses = 0
-
-    def _mergeable(self, x: Tensor) -> bool:
-        return not torch.compiler.is_compiling() and not _is_dtensor(x) and \
-            not torch.is_autocast_enabled(x.device.type) and \
-            all(_bare_linear(p, x.dtype, bias=True) for p in self.projs)
-
-    def first(self, q: nn.Linear, x: Tensor) -> Tensor:
-        from ...ops.merged_linear import merged_linear
-
-        self.held = {}
-        if not self._mergeable(x):
-            return F.linear(x, q.weight, q.bias)
-        biases = [p.bias for p in self.projs] if q.bias is not None else None
-        outs = merged_linear(x, [p.weight for p in self.projs], biases)
-        self.held = {1: (x, outs[1]), 2: (x, outs[2])}
-        return outs[0]
-
-    def take(self, i: int, m: nn.Linear, x: Tensor) -> Tensor:
-        got = self.held.pop(i, None)
-        if got is not None and got[0] is x:
-            return got[1]
-        if got is not None:
-            self.misses += 1
-        return F.linear(x, m.weight, m.bias)
-
-
-def _route_qkv(model: nn.Module) -> list[str]:
-    """Give each module whose ``q_proj``, ``k_proj``, ``v_proj`` are plain ``nn.Linear`` of
-    one input size (biases all or none, no instance forward of another room) the merged
-    product of :class:`_QKVGroup`; returns the modules routed."""
-    routed = []
-    for name, m in model.named_modules():
-        projs = [getattr(m, a, None) for a in _QKV]
-        if getattr(m, "_meshlab_qkv", None) is not None:
-            routed.append(name)
-            continue
-        if not all(type(p) is nn.Linear and "forward" not in vars(p) for p in projs) or \
-                len({p.in_features for p in projs}) != 1 or \
-                len({p.bias is None for p in projs}) != 1:
-            continue
-        group = _QKVGroup(projs)
-        projs[0].forward = types.MethodType(lambda self, x, g=group: g.first(self, x), projs[0])
-        for i, p in enumerate(projs[1:], 1):
-            p.forward = types.MethodType(lambda self, x, g=group, i=i: g.take(i, self, x), p)
-        m._meshlab_qkv = group
-        routed.append(name)
-    return routed
-
-
 # Each op: what it finds (and probes) without changing the model, and how it installs
 # what was found.
 _ROUTES = {"rms_norm": (_find_norms, _route_norms), "rotary": (_find_rotary, _route_rotary),
@@ -727,8 +656,4 @@ def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:
         layers, report.unfused = _route_layers(model)
         if layers:
             report.routed["residual_add"] = layers
-    if "attention" in ops:
-        qkv = _route_qkv(model)
-        if qkv:
-            report.routed["qkv"] = qkv
     return report
