@@ -1,4 +1,4 @@
-// CPU kernels of meshlab's fused ops: rms_norm (and its residual add), rotary, swiglu,
+// CPU kernels of meshlab's fused ops: rms_norm (and its residual add), rotary, swiglu/geglu,
 // layer_norm (forward and backward), and the softmax cross-entropy gradient of
 // linear_cross_entropy. One translation unit on purpose: building torch/extension.h dominates the compile time, so
 // five files would cost five times as long.
@@ -332,67 +332,105 @@ at::Tensor rotary_fwd(const at::Tensor& x_in, const at::Tensor& cos_in, const at
   return out;
 }
 
-// ---------------------------------------------------------------- swiglu
-// y = silu(a) * b, elementwise; a, b: any shape, flattened.
+// ---------------------------------------------------------------- swiglu / geglu
+// y = act(a) * b, elementwise; a, b: any shape, flattened. act: 0 SiLU (SwiGLU), 1 GELU
+// with the tanh approximation (GeGLU, as F.gelu(approximate="tanh")).
 
 constexpr int64_t kChunk = 1 << 14;  // elements per OpenMP task: large enough to amortize
 
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC = 0.044715f;
+
+// act(x) and act'(x).
+template <int ACT> inline float gate_act(float x) {
+  if constexpr (ACT == 0) {
+    return x / (1.f + exp_f(-x));
+  } else {
+    const float t = 1.f - 2.f / (exp_f(2.f * kGeluK * (x + kGeluC * x * x * x)) + 1.f);
+    return 0.5f * x * (1.f + t);
+  }
+}
+
+template <int ACT> inline float gate_grad(float x) {
+  if constexpr (ACT == 0) {
+    const float sg = 1.f / (1.f + exp_f(-x));
+    return sg * (1.f + x * (1.f - sg));
+  } else {
+    const float t = 1.f - 2.f / (exp_f(2.f * kGeluK * (x + kGeluC * x * x * x)) + 1.f);
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * kGeluK * (1.f + 3.f * kGeluC * x * x);
+  }
+}
+
+template <int ACT, typename T>
+void gated_fwd_rows(const T* ap, const T* bp, T* yp, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t c1 = std::min(n, c0 + kChunk);
+#pragma omp simd
+    for (int64_t i = c0; i < c1; ++i) yp[i] = st<T>(gate_act<ACT>(ld(ap[i])) * ld(bp[i]));
+  }
+}
+
+template <int ACT, typename T>
+void gated_bwd_rows(const T* gp, const T* ap, const T* bp, T* dap, T* dbp, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+    const int64_t c1 = std::min(n, c0 + kChunk);
+#pragma omp simd
+    for (int64_t i = c0; i < c1; ++i) {
+      const float x = ld(ap[i]), g = ld(gp[i]);
+      dap[i] = st<T>(g * ld(bp[i]) * gate_grad<ACT>(x));
+      dbp[i] = st<T>(g * gate_act<ACT>(x));
+    }
+  }
+}
+
+void check_gate(int64_t act) {
+  TORCH_CHECK(act == 0 || act == 1, "gated activation must be 0 (silu) or 1 (gelu_tanh), got ",
+              act);
+}
+
 // Any layout in, as the Triton forward (the halves of a merged gate/up product are strided).
-at::Tensor swiglu_fwd(const at::Tensor& a_in, const at::Tensor& b_in) {
+at::Tensor swiglu_fwd(const at::Tensor& a_in, const at::Tensor& b_in, int64_t act) {
   const at::Tensor a = a_in.contiguous();
   const at::Tensor b = b_in.contiguous();
   check_act(a, "a");
   check_act(b, "b");
+  check_gate(act);
   TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
               "swiglu_fwd: a and b must match in shape and dtype");
   auto y = at::empty_like(a, at::MemoryFormat::Contiguous);
-  const int64_t n = a.numel();
   dispatch(a, [&](auto tag) {
     using T = decltype(tag);
-    const T* ap = cptr<T>(a);
-    const T* bp = cptr<T>(b);
-    T* yp = ptr<T>(y);
-#pragma omp parallel for schedule(static)
-    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-      const int64_t c1 = std::min(n, c0 + kChunk);
-#pragma omp simd
-      for (int64_t i = c0; i < c1; ++i) {
-        const float x = ld(ap[i]);
-        yp[i] = st<T>(x / (1.f + exp_f(-x)) * ld(bp[i]));
-      }
+    if (act == 0) {
+      gated_fwd_rows<0, T>(cptr<T>(a), cptr<T>(b), ptr<T>(y), a.numel());
+    } else {
+      gated_fwd_rows<1, T>(cptr<T>(a), cptr<T>(b), ptr<T>(y), a.numel());
     }
   });
   return y;
 }
 
-// da = dy * b * sig(a) * (1 + a * (1 - sig(a))),  db = dy * silu(a)
-std::vector<at::Tensor> swiglu_bwd(const at::Tensor& dy, const at::Tensor& a, const at::Tensor& b) {
+// da = dy * b * act'(a),  db = dy * act(a)
+std::vector<at::Tensor> swiglu_bwd(const at::Tensor& dy, const at::Tensor& a, const at::Tensor& b,
+                                   int64_t act) {
   check_act(dy, "grad");
   check_act(a, "a");
   check_act(b, "b");
+  check_gate(act);
   TORCH_CHECK(a.sizes() == b.sizes() && dy.sizes() == a.sizes() &&
                   a.scalar_type() == b.scalar_type() && dy.scalar_type() == a.scalar_type(),
               "swiglu_bwd: grad, a and b must match in shape and dtype");
   auto da = at::empty_like(a, at::MemoryFormat::Contiguous);
   auto db = at::empty_like(b, at::MemoryFormat::Contiguous);
-  const int64_t n = a.numel();
   dispatch(a, [&](auto tag) {
     using T = decltype(tag);
-    const T* gp = cptr<T>(dy);
-    const T* ap = cptr<T>(a);
-    const T* bp = cptr<T>(b);
-    T* dap = ptr<T>(da);
-    T* dbp = ptr<T>(db);
-#pragma omp parallel for schedule(static)
-    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-      const int64_t c1 = std::min(n, c0 + kChunk);
-#pragma omp simd
-      for (int64_t i = c0; i < c1; ++i) {
-        const float x = ld(ap[i]), g = ld(gp[i]);
-        const float sg = 1.f / (1.f + exp_f(-x));
-        dap[i] = st<T>(g * ld(bp[i]) * sg * (1.f + x * (1.f - sg)));
-        dbp[i] = st<T>(g * x * sg);
-      }
+    if (act == 0) {
+      gated_bwd_rows<0, T>(cptr<T>(dy), cptr<T>(a), cptr<T>(b), ptr<T>(da), ptr<T>(db),
+                           a.numel());
+    } else {
+      gated_bwd_rows<1, T>(cptr<T>(dy), cptr<T>(a), cptr<T>(b), ptr<T>(da), ptr<T>(db),
+                           a.numel());
     }
   });
   return {da, db};
@@ -454,8 +492,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_fwd", &layer_norm_fwd);
   m.def("layer_norm_bwd", &layer_norm_bwd);
   m.def("rotary_fwd", &rotary_fwd);
-  m.def("swiglu_fwd", &swiglu_fwd);
-  m.def("swiglu_bwd", &swiglu_bwd);
+  m.def("swiglu_fwd", &swiglu_fwd, pybind11::arg("a"), pybind11::arg("b"),
+        pybind11::arg("act") = 0);
+  m.def("swiglu_bwd", &swiglu_bwd, pybind11::arg("dy"), pybind11::arg("a"), pybind11::arg("b"),
+        pybind11::arg("act") = 0);
   m.def("ce_grad_inplace", &ce_grad_inplace);
   m.def("num_threads", &num_threads);
 }

@@ -60,10 +60,10 @@ def cases(op: str, dtype, device, small: bool = False):
         return [(torch.ops.meshlab.layer_norm.default, (x, w, bias, 1e-5)),
                 (torch.ops.meshlab.layer_norm_backward.default,
                  (torch.randn_like(y), x, w, mean, rstd))], (x, w, bias), (0, 1, 2)
-    if op == "swiglu":
+    if op in ("swiglu", "geglu"):
         a, bb = r(b, s, h), r(b, s, h)
-        return [(torch.ops.meshlab.swiglu.default, (a, bb)),
-                (torch.ops.meshlab.swiglu_backward.default, (r(b, s, h), a, bb))], (a, bb), (0, 1)
+        ops = getattr(torch.ops.meshlab, op), getattr(torch.ops.meshlab, f"{op}_backward")
+        return [(ops[0].default, (a, bb)), (ops[1].default, (r(b, s, h), a, bb))], (a, bb), (0, 1)
     if op == "rotary":
         x = r(b, s, 3, 2 * (h // 10))
         angle = r(s, h // 10, dt=torch.float32)

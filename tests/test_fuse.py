@@ -27,6 +27,35 @@ def _model(family: str, **overrides):
     return ml.init_weights(M.build(family, **overrides), seed=0)
 
 
+def test_gemma_mlp_runs_on_geglu():
+    """Gemma's MLP gates with the tanh GELU: fuse() routes it to ``meshlab::geglu`` (and its
+    norms, offset by one, to ``meshlab::rms_norm``, their layers keeping their own residual
+    adds), and the fused model's loss and every gradient equal the model's own."""
+    import transformers
+
+    import meshlab as ml
+    from meshlab.ops import _build
+    from meshlab.parallel.fuse import causal_lm_loss, fuse_model
+
+    cfg = transformers.GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8)
+    ref = ml.init_weights(transformers.GemmaForCausalLM(cfg), seed=0)
+    model = copy.deepcopy(ref)
+    report = fuse_model(model)
+    assert report.counts() == {"rms_norm": 5, "rotary": 2, "attention": 1, "mlp": 2, "loss": 1}
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    want = ml.losses.causal_lm_loss(ref(input_ids=ids), batch)
+    want.backward()
+    got = causal_lm_loss(model, batch)
+    got.backward()
+    assert _build.LAST_PATH[("geglu", "cpu")].native or not _build.ops_cpu()
+    torch.testing.assert_close(got, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_residual_add_fuses_only_the_layers_its_probe_proves():
     """A decoder layer that scales its residual branch (Granite's residual_multiplier) has
     Llama's parts but other math: its probe says so and it keeps its own forward, its

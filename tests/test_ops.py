@@ -16,7 +16,7 @@ from meshlab import _check
 from meshlab.ops import OPS, _build
 
 # Ops with their own kernels (linear_cross_entropy's is its softmax step between matmuls).
-KERNEL_OPS = ("layer_norm", "linear_cross_entropy", "rms_norm", "rotary", "swiglu")
+KERNEL_OPS = ("geglu", "layer_norm", "linear_cross_entropy", "rms_norm", "rotary", "swiglu")
 NATIVE = shutil.which(os.environ.get("CXX", "c++")) is not None and \
     os.environ.get("MESHLAB_OPS_NATIVE", "1") != "0"
 
@@ -83,7 +83,8 @@ def test_fallback_matches_native(op, dtype):
         torch.testing.assert_close(a, b, **tol)
 
 
-@pytest.mark.parametrize("op", ["attention", "layer_norm", "rms_norm", "rotary", "swiglu"])
+@pytest.mark.parametrize("op", ["attention", "geglu", "layer_norm", "rms_norm", "rotary",
+                                "swiglu"])
 def test_eager_path_equals_custom_op(op):
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -9,7 +9,7 @@ import torch
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-OPS = ("rms_norm", "rotary", "swiglu", "layer_norm", "linear_cross_entropy")
+OPS = ("rms_norm", "rotary", "swiglu", "geglu", "layer_norm", "linear_cross_entropy")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

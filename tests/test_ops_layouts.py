@@ -25,7 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from meshlab.ops import _build  # importing meshlab.ops registers the meshlab:: ops
 from meshlab.ops import (attention_reference, layer_norm_reference, rms_norm_reference,
-                         rotary_reference, swiglu_reference)
+                         rotary_reference, swiglu_reference, geglu_reference)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -165,19 +165,19 @@ def _layer_norm(layout: str) -> list[Case]:
 
 # ---------------------------------------------------------------------------- swiglu
 
-def _swiglu(layout: str) -> list[Case]:
+def _gated(layout: str, name: str = "swiglu") -> list[Case]:
+    ref = swiglu_reference if name == "swiglu" else geglu_reference
+    ops = [getattr(torch.ops.meshlab, name + end).default
+           for end in ("", "_backward", "_backward_y")]
     if layout == "sliced":
         a, b = _r(B, S, 2 * HID).chunk(2, dim=-1)      # a packed gate/up projection
         dy = _rows("transposed")
     else:
         a, b, dy = _rows(layout), _rows(layout), _rows(layout)
-    return [Case(torch.ops.meshlab.swiglu.default, (a, b), (0, 1),
-                 lambda a, b: (swiglu_reference(a, b),)),
-            Case(torch.ops.meshlab.swiglu_backward.default, (dy, a, b), (),
-                 lambda dy, a, b: _vjp(swiglu_reference, (a, b), (0, 1), dy)),
-            Case(torch.ops.meshlab.swiglu_backward_y.default, (dy, a, b), (),
-                 lambda dy, a, b: (*_vjp(swiglu_reference, (a, b), (0, 1), dy),
-                                   swiglu_reference(a, b)))]
+    return [Case(ops[0], (a, b), (0, 1), lambda a, b: (ref(a, b),)),
+            Case(ops[1], (dy, a, b), (), lambda dy, a, b: _vjp(ref, (a, b), (0, 1), dy)),
+            Case(ops[2], (dy, a, b), (),
+                 lambda dy, a, b: (*_vjp(ref, (a, b), (0, 1), dy), ref(a, b)))]
 
 
 # ---------------------------------------------------------------------------- attention
@@ -286,7 +286,9 @@ BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_table
                                              "expanded", "hidden_major")),
             "layer_norm": (_layer_norm, ("contiguous", "transposed", "sliced", "expanded",
                                          "hidden_major")),
-            "swiglu": (_swiglu, ("contiguous", "transposed", "sliced", "expanded")),
+            "swiglu": (_gated, ("contiguous", "transposed", "sliced", "expanded")),
+            "geglu": (lambda layout: _gated(layout, "geglu"),
+                      ("contiguous", "transposed", "sliced", "expanded")),
             "attention": (_attention, ("contiguous", "transposed", "sliced", "expanded",
                                        "decode")),
             "linear_cross_entropy": (_linear_cross_entropy, ("contiguous", "transposed",

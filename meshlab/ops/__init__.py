@@ -25,14 +25,15 @@ decoding only: it has no backward and is not in ``OPS``.
 
 >>> import torch, meshlab.ops as ops
 >>> sorted(ops.OPS)
-['attention', 'layer_norm', 'linear_cross_entropy', 'rms_norm', 'rotary', 'swiglu']
+['attention', 'geglu', 'layer_norm', 'linear_cross_entropy', 'rms_norm', 'rotary', 'swiglu']
 """
 
 from .rms_norm import rms_norm as rms_norm, rms_norm_reference as rms_norm_reference
 from .rotary import (rotary as rotary, apply_rotary as apply_rotary,
                      rotary_reference as rotary_reference)
 from .swiglu import (swiglu as swiglu, swiglu_mlp as swiglu_mlp,
-                     swiglu_reference as swiglu_reference)
+                     swiglu_reference as swiglu_reference, geglu as geglu,
+                     geglu_mlp as geglu_mlp, geglu_reference as geglu_reference)
 from .layer_norm import layer_norm as layer_norm, layer_norm_reference as layer_norm_reference
 from .linear_cross_entropy import (linear_cross_entropy as linear_cross_entropy,
                                    linear_cross_entropy_reference as
@@ -48,6 +49,7 @@ OPS = {
     "rms_norm": (rms_norm, rms_norm_reference),
     "rotary": (rotary, rotary_reference),
     "swiglu": (swiglu, swiglu_reference),
+    "geglu": (geglu, geglu_reference),
     "layer_norm": (layer_norm, layer_norm_reference),
     "linear_cross_entropy": (linear_cross_entropy, linear_cross_entropy_reference),
     "attention": (attention, attention_reference),

@@ -261,7 +261,29 @@ _EW_BLOCK = 2048
 
 
 @triton.jit
-def _swiglu_fwd(A, B, Y, n, COLS, SA, SB, BLOCK: tl.constexpr, STRIDED: tl.constexpr):
+def _gate(a, ACT: tl.constexpr):
+    # ACT 0: silu(a); 1: GELU with the tanh approximation, tanh(u) = 2 sigmoid(2u) - 1.
+    if ACT == 0:
+        return a * tl.sigmoid(a)
+    else:
+        t = 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (a + 0.044715 * a * a * a)) - 1.0
+        return 0.5 * a * (1.0 + t)
+
+
+@triton.jit
+def _gate_grad(a, ACT: tl.constexpr):
+    if ACT == 0:
+        sg = tl.sigmoid(a)
+        return sg * (1.0 + a * (1.0 - sg))
+    else:
+        k = 0.7978845608028654
+        t = 2.0 * tl.sigmoid(2.0 * k * (a + 0.044715 * a * a * a)) - 1.0
+        return 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * a * a)
+
+
+@triton.jit
+def _swiglu_fwd(A, B, Y, n, COLS, SA, SB, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
+                ACT: tl.constexpr):
     # STRIDED: a and b are rows of COLS with row strides SA and SB (the halves of a merged
     # gate/up product); else both are contiguous. y is contiguous.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -276,11 +298,12 @@ def _swiglu_fwd(A, B, Y, n, COLS, SA, SB, BLOCK: tl.constexpr, STRIDED: tl.const
         pb = B + offs
     a = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(pb, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs, (a * tl.sigmoid(a) * b).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, (_gate(a, ACT) * b).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_bwd(DY, A, B, DA, DB, Y, n, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr):
+def _swiglu_bwd(DY, A, B, DA, DB, Y, n, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr,
+                ACT: tl.constexpr):
     # WRITE_Y: also rebuild y = silu(a) * b from the a and b read anyway, for a caller that
     # did not keep y (the fused MLP's down projection needs it for its weight's gradient).
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -288,11 +311,11 @@ def _swiglu_bwd(DY, A, B, DA, DB, Y, n, BLOCK: tl.constexpr, WRITE_Y: tl.constex
     g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
-    sg = tl.sigmoid(a)
-    tl.store(DA + offs, (g * b * sg * (1.0 + a * (1.0 - sg))).to(DA.dtype.element_ty), mask=mask)
-    tl.store(DB + offs, (g * a * sg).to(DB.dtype.element_ty), mask=mask)
+    act = _gate(a, ACT)
+    tl.store(DA + offs, (g * b * _gate_grad(a, ACT)).to(DA.dtype.element_ty), mask=mask)
+    tl.store(DB + offs, (g * act).to(DB.dtype.element_ty), mask=mask)
     if WRITE_Y:
-        tl.store(Y + offs, (a * sg * b).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs, (act * b).to(Y.dtype.element_ty), mask=mask)
 
 
 def _rows(t):
@@ -307,32 +330,34 @@ def _rows(t):
     return t.contiguous().view(-1, cols)
 
 
-def swiglu_fwd(a, b):
+def swiglu_fwd(a, b, act=0):
+    """act(a) * b; ``act`` 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU)."""
     y = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     n, cols = a.numel(), a.shape[-1]
     a2, b2 = _rows(a), _rows(b)
     strided = a2.stride(0) != cols or b2.stride(0) != cols
     _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](a2, b2, y, n, cols, a2.stride(0), b2.stride(0),
-                                              BLOCK=_EW_BLOCK, STRIDED=strided, num_warps=8)
+                                              BLOCK=_EW_BLOCK, STRIDED=strided, ACT=act,
+                                              num_warps=8)
     return y
 
 
-def _swiglu_backward(dy, a, b, write_y: bool):
+def _swiglu_backward(dy, a, b, write_y: bool, act: int):
     da = torch.empty_like(a, memory_format=torch.contiguous_format)
     db = torch.empty_like(b, memory_format=torch.contiguous_format)
     y = torch.empty_like(a, memory_format=torch.contiguous_format) if write_y else da
     n = a.numel()
     _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, y, n, BLOCK=_EW_BLOCK,
-                                              WRITE_Y=write_y, num_warps=8)
+                                              WRITE_Y=write_y, ACT=act, num_warps=8)
     return (da, db, y) if write_y else (da, db)
 
 
-def swiglu_bwd(dy, a, b):
-    return _swiglu_backward(dy, a, b, False)
+def swiglu_bwd(dy, a, b, act=0):
+    return _swiglu_backward(dy, a, b, False, act)
 
 
-def swiglu_bwd_y(dy, a, b):
-    return _swiglu_backward(dy, a, b, True)
+def swiglu_bwd_y(dy, a, b, act=0):
+    return _swiglu_backward(dy, a, b, True, act)
 
 
 # ------------------------------------------------------------------ cross-entropy gradient

@@ -22,8 +22,9 @@ finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it
 * ``attention``: ``meshlab::attention`` is registered in transformers'
   ``AttentionInterface`` as ``"meshlab"`` and the model switched to it.
 * ``mlp``: each gated MLP with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU
-  ``act_fn`` (Llama's, Mistral's, Qwen's, ...) gets an instance ``forward`` computing
-  ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``, the gate one kernel. Where the
+  ``act_fn`` (Llama's, Mistral's, Qwen's, ...) or a tanh-GELU one (Gemma's) gets an
+  instance ``forward`` computing ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``
+  (``meshlab::geglu`` for GELU), the gate one kernel. Where the
   three projections are bare ``nn.Linear`` (no bias, hooks or subclass; plain weights, no
   autocast, no saved-tensor hooks such as eager checkpointing's) the whole MLP
   is :func:`meshlab.ops.swiglu_mlp`: the backward keeps the gate and up projections'
@@ -387,12 +388,22 @@ def _probe_rotary(fn, owner: str) -> None:
 # ------------------------------------------------------------------------ mlp
 
 _SILU = ("SiLU", "SiLUActivation")
+# GELU with the tanh approximation, as transformers' activations name it (probed like all).
+_GELU_TANH = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation")
+
+
+def _gate_kind(m: nn.Module) -> str | None:
+    """``"swiglu"`` or ``"geglu"`` for a gated MLP (``gate_proj``, ``up_proj``,
+    ``down_proj`` and a SiLU or tanh-GELU ``act_fn``), else None."""
+    if not all(isinstance(getattr(m, a, None), nn.Module) for a in
+               ("gate_proj", "up_proj", "down_proj")):
+        return None
+    act = type(getattr(m, "act_fn", None)).__name__
+    return "swiglu" if act in _SILU else "geglu" if act in _GELU_TANH else None
 
 
 def _is_swiglu_mlp(m: nn.Module) -> bool:
-    return all(isinstance(getattr(m, a, None), nn.Module) for a in
-               ("gate_proj", "up_proj", "down_proj")) \
-        and type(getattr(m, "act_fn", None)).__name__ in _SILU
+    return _gate_kind(m) == "swiglu"
 
 
 def _bare_linear(m: nn.Module, dtype: torch.dtype, bias: bool = False) -> bool:
@@ -419,19 +430,20 @@ def _is_dtensor(t) -> bool:
 
 
 def _fused_mlp_forward(self, x: Tensor) -> Tensor:
-    from ...ops.swiglu import swiglu, swiglu_mlp
+    from ...ops.swiglu import geglu, geglu_mlp, swiglu, swiglu_mlp
 
+    gate, mlp = (swiglu, swiglu_mlp) if _gate_kind(self) == "swiglu" else (geglu, geglu_mlp)
     projs = (self.gate_proj, self.up_proj, self.down_proj)
     # Compiled, the function traces as one (its backward keeps what it keeps eagerly);
     # saved-tensor hooks are then the compiler's, not read from here.
     if not _is_dtensor(x) and not torch.is_autocast_enabled(x.device.type) and \
             (torch.compiler.is_compiling() or not _saved_tensors_hooked()) and \
             all(_bare_linear(m, x.dtype) for m in projs):
-        return swiglu_mlp(x, *(m.weight for m in projs))
+        return mlp(x, *(m.weight for m in projs))
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype != b.dtype:                 # autocast leaves both in its dtype; be exact
         b = b.to(a.dtype)
-    return self.down_proj(swiglu(a, b))
+    return self.down_proj(gate(a, b))
 
 
 def _probe_mlp(m: nn.Module) -> None:
@@ -466,7 +478,7 @@ def _find_mlp(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found, probed = [], set()
     for name, m in model.named_modules():
         routed = getattr(m, "_meshlab_mlp", False)
-        if not routed and not _is_swiglu_mlp(m):
+        if not routed and _gate_kind(m) is None:
             continue
         if not routed and type(m) not in probed:
             _probe_mlp(m)
