@@ -190,6 +190,28 @@ def test_meshlab_kernels_refused_where_not_built(one_process):
         _engine(gpt2, use_cuda_kernel=True)
 
 
+def test_gemma_kernels_equal_generate():
+    """Gemma under ``use_cuda_kernel``: its norms (weights offset by one) on meshlab's norm,
+    its tanh-GELU MLP's gate and up products merged and gated by ``meshlab::geglu``; the
+    tokens are transformers' greedy ones."""
+    cfg = transformers.GemmaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8)
+    ref = ml.init_weights(transformers.GemmaForCausalLM(cfg), seed=0).eval()
+    ref.generation_config.eos_token_id = None
+    prompts = _prompts()
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    eng = _engine(ml.init_weights(transformers.GemmaForCausalLM(cfg), seed=0).eval(),
+                  use_cuda_kernel=True, ignore_eos=True)
+    assert eng.generate(prompts=prompts, max_new_tokens=8) == want
+    assert eng.model._meshlab_merged.counts() == {"qkv": 2, "gate_up": 2}
+    assert eng.model._meshlab_kernels.counts()["mlp"] == 2
+    from meshlab.ops import _build
+
+    assert _build.LAST_PATH[("geglu", "cpu")].native or not _build.ops_cpu()
+
+
 def test_chunked_argmax_is_argmax_with_its_ties():
     """The greedy choice through chunk maxima (what CUDA runs for small batches) gives
     ``argmax``'s index, the first among equal maxima, whether the ties lie in one chunk or

@@ -13,8 +13,8 @@ dict keeps its names and shapes):
   instance forwards return them when called on the same input tensor. Called on another
   input (a family that feeds them differently), a projection computes its own product and
   the miss is counted (``Merged.misses``), so the result is always the module's own.
-* gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU): one product for both and
-  ``meshlab::swiglu`` on its two halves.
+* gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU or tanh GELU): one product
+  for both and ``meshlab::swiglu`` (``meshlab::geglu``) on its two halves.
 
 The parts of a product of several rows are strided views (each row holds all parts); the
 Triton rotary and swiglu kernels read them in place, the queries and keys leave the
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..parallel.fuse._hf import _bare_linear, _is_swiglu_mlp
+from ..parallel.fuse._hf import _bare_linear, _gate_kind
 
 
 @dataclasses.dataclass
@@ -102,14 +102,14 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
 
 
 def _merged_mlp_forward(self, x: Tensor) -> Tensor:
-    from ..ops.swiglu import swiglu
+    from ..ops.swiglu import geglu, swiglu
 
     a, b = F.linear(x, self._meshlab_gate_up).chunk(2, -1)
-    return self.down_proj(swiglu(a, b))
+    return self.down_proj((swiglu if _gate_kind(self) == "swiglu" else geglu)(a, b))
 
 
 def _merge_gate_up(m: nn.Module) -> bool:
-    if not _is_swiglu_mlp(m):
+    if _gate_kind(m) is None:
         return False
     g, u = m.gate_proj, m.up_proj
     if not (_bare_linear(g, g.weight.dtype) and _bare_linear(u, g.weight.dtype)

@@ -100,7 +100,8 @@ class FuseReport:
         return {k: len(v) for k, v in self.routed.items()}
 
     def __repr__(self) -> str:
-        return f"FuseReport({self.counts()})"
+        extra = f", unfused={self.unfused}" if self.unfused else ""
+        return f"FuseReport({self.counts()}{extra})"
 
 
 def _probe_close(a: Tensor, b: Tensor, what: str, fix: str) -> None:
@@ -400,10 +401,6 @@ def _gate_kind(m: nn.Module) -> str | None:
         return None
     act = type(getattr(m, "act_fn", None)).__name__
     return "swiglu" if act in _SILU else "geglu" if act in _GELU_TANH else None
-
-
-def _is_swiglu_mlp(m: nn.Module) -> bool:
-    return _gate_kind(m) == "swiglu"
 
 
 def _bare_linear(m: nn.Module, dtype: torch.dtype, bias: bool = False) -> bool:
