@@ -78,7 +78,9 @@ def test_residual_add_fuses_only_the_layers_its_probe_proves():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**small))
     wrapped = llama.model.layers[0]
     wrapped.forward = wrapped.forward            # as tensor parallelism's wrapper would sit
+    state = torch.random.get_rng_state()
     report = fuse_model(llama, ("rms_norm",))
+    assert torch.equal(torch.random.get_rng_state(), state)    # the probe draws on its own
     assert report.routed["residual_add"] == ["model.layers.1"]
     assert fuse_model(llama, ("rms_norm",)).counts() == report.counts()     # no doubles
 

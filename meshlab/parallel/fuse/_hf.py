@@ -265,7 +265,8 @@ def _route_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
             continue
         cls = type(m).__name__
         if cls not in why:
-            why[cls] = _probe_layer(m)
+            with torch.random.fork_rng(devices=()):     # building the copy draws weights
+                why[cls] = _probe_layer(m)
         if why[cls] is None:
             m.forward = types.MethodType(_fused_layer_forward, m)
             m._meshlab_layer = True
