@@ -3,9 +3,10 @@
     python benchmarks/attention_backends.py --batch 8 --seq 2048 --heads 32 --kv 4 --dim 64
 
 Inputs as Hugging Face's attention hands them over, and the output's gradient as it hands
-it back: (B, H, S, D) views of (B, S, H, D) memory; a backend that cannot run the shape is reported with its error. Writes
-``results/attention_backends_d<dim>_<card>.json`` (and into ``--copy-to``). Each timing is
-the mean of 10 calls queued back to back, median of 20 after 5 warm-up calls.
+it back: (B, H, S, D) views of (B, S, H, D) memory; a backend that cannot run the shape is
+reported with its error. Writes ``results/attention_backends_d<dim>_<card>.json`` (and
+into ``--copy-to``). Each timing is the mean of 10 calls queued back to back, median of 20
+after 5 warm-up calls.
 """
 
 from __future__ import annotations

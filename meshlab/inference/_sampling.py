@@ -21,10 +21,10 @@ def _chunk(v: int) -> int | None:
 
 def greedy(logits: Tensor) -> Tensor:
     """``logits.argmax(-1)`` of (S, V) logits, the first index among equal maxima as
-    ``argmax`` gives. On CUDA, for fewer rows than it takes to fill the device, in two
-    reductions: one row's arg-max over a vocabulary of 128k runs as one thread block (37 us
-    on an H200, a twentieth of a Llama-1B decode step), while the maxima of the
-    vocabulary's chunks reduce in parallel and then their arg-max is a short row."""
+    ``argmax`` gives. On CUDA, for fewer than 16 rows, in two reductions: one row's
+    arg-max over a vocabulary of 128k runs as one thread block (37 us on an H200, a
+    twentieth of a Llama-1B decode step), while the maxima of the vocabulary's chunks
+    reduce in parallel and then their arg-max is a short row."""
     c = _chunk(logits.shape[-1])
     if not logits.is_cuda or logits.shape[0] >= 16 or c is None:
         return logits.argmax(-1)

@@ -11,7 +11,8 @@ at a time, each key's slot found through the block table, with an online softmax
 float32. Small batches cut each query's keys into shares (flash-decoding): one query and
 8 kv heads are 8 programs on a device of 132 SMs, each walking all the keys in turn, so
 the shares' sums go to a float32 buffer and a second launch combines them. Batches with
-programs enough for the device run one share, written as the output directly. Scores use the inputs' precision for the products (float32 inputs:
+programs enough for the device run one share, written as the output directly. Scores use
+the inputs' precision for the products (float32 inputs:
 IEEE, not TF32) and float32 accumulation. The query tile is padded to 16 rows for the
 tensor cores; the padding rows read nothing.
 

@@ -378,9 +378,9 @@ def _probe_rotary(fn, owner: str) -> None:
         except Exception as e:          # e.g. a GPU-only kernel patched in by another library
             raise ConfigError(
                 f"the apply_rotary_pos_emb that {owner} calls ({fn.__module__}."
-                f"{fn.__qualname__}) failed on a CPU probe ({type(e).__name__}: {str(e)[:120]}); if another "
-                f"library patched the modeling module, build the model in a fresh process, "
-                f"or leave 'rotary' out of fuse(ops=...)") from e
+                f"{fn.__qualname__}) failed on a CPU probe ({type(e).__name__}: "
+                f"{str(e)[:120]}); if another library patched the modeling module, build the "
+                f"model in a fresh process, or leave 'rotary' out of fuse(ops=...)") from e
         got = _fused_apply_rotary(q, k, c, s)
         for a, b in zip(got, want):
             _probe_close(a, b, f"{fn.__module__}.apply_rotary_pos_emb",
