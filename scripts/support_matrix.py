@@ -26,7 +26,8 @@ ROWS = {
     "bert": "decoder", "llama": "decoder", "t5": "encdec", "gpt2": "decoder",
     "gptj": "decoder", "vit": "vision", "opt": "decoder", "bloom": "decoder",
     "whisper": "encdec", "sam": "vision", "blip-2": "vision", "falcon": "decoder",
-    "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder", "cohere": "decoder",
+    "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder", "gemma": "decoder",
+    "cohere": "decoder",
     "mixtral": "decoder", "deepseek_v3": "decoder",
 }
 COLUMNS = ("TP", "TP+SP", "PP", "Ulysses", "ring", "ZeRO-3", "fuse")

@@ -36,6 +36,8 @@ FAMILIES = {
     "mistral": _fam(model_type="mistral", **_GQA),
     "qwen2": _fam(model_type="qwen2", **_GQA),
     "qwen3": _fam(model_type="qwen3", head_dim=8, **_GQA),
+    # Gemma: norms scaling by 1 + weight, a tanh-GELU gated MLP, embeddings scaled by sqrt(h)
+    "gemma": _fam(model_type="gemma", head_dim=8, **_GQA),
     "cohere": _fam(model_type="cohere", **_GQA),
     "gpt2": _fam(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, n_inner=64, n_positions=64,
                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
