@@ -40,7 +40,9 @@ def test_gemma_mlp_runs_on_geglu():
     cfg = transformers.GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, head_dim=8)
-    ref = ml.init_weights(transformers.GemmaForCausalLM(cfg), seed=0)
+    with torch.device("meta"):
+        ref = transformers.GemmaForCausalLM(cfg)
+    ref = ml.init_weights(ref, seed=0)
     model = copy.deepcopy(ref)
     report = fuse_model(model)
     assert report.counts() == {"rms_norm": 5, "rotary": 2, "attention": 1, "mlp": 2, "loss": 1}
@@ -51,6 +53,39 @@ def test_gemma_mlp_runs_on_geglu():
     got = causal_lm_loss(model, batch)
     got.backward()
     assert _build.LAST_PATH[("geglu", "cpu")].native or not _build.ops_cpu()
+    torch.testing.assert_close(got, want)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_phi3_gate_up_halves_run_on_swiglu():
+    """Phi-3's MLP holds its gate and up projections as one ``gate_up_proj``: fuse() gates
+    the two halves of its output in place with ``meshlab::swiglu``; every op of fuse()
+    routes, and the loss and every gradient equal the model's own."""
+    import transformers
+
+    import meshlab as ml
+    from meshlab.ops import _build
+    from meshlab.parallel.fuse import causal_lm_loss, fuse_model
+
+    cfg = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, pad_token_id=0)
+    with torch.device("meta"):
+        ref = transformers.Phi3ForCausalLM(cfg)
+    ref = ml.init_weights(ref, seed=0)
+    model = copy.deepcopy(ref)
+    report = fuse_model(model)
+    assert report.counts() == {"rms_norm": 5, "rotary": 2, "attention": 1, "mlp": 2,
+                               "loss": 1, "residual_add": 2}
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    want = ml.losses.causal_lm_loss(ref(input_ids=ids), batch)
+    want.backward()
+    _build.LAST_PATH.clear()
+    got = causal_lm_loss(model, batch)
+    got.backward()
+    assert ("swiglu", "cpu") in _build.LAST_PATH
     torch.testing.assert_close(got, want)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)

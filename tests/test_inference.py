@@ -194,16 +194,24 @@ def test_gemma_kernels_equal_generate():
     """Gemma under ``use_cuda_kernel``: its norms (weights offset by one) on meshlab's norm,
     its tanh-GELU MLP's gate and up products merged and gated by ``meshlab::geglu``; the
     tokens are transformers' greedy ones."""
+    # Untied: with the head tied to the embeddings a tiny random Gemma repeats its last
+    # token whatever its layers compute, which would prove nothing here.
     cfg = transformers.GemmaConfig(vocab_size=97, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8)
-    ref = ml.init_weights(transformers.GemmaForCausalLM(cfg), seed=0).eval()
+                                   num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+
+    def build():
+        with torch.device("meta"):
+            model = transformers.GemmaForCausalLM(cfg)
+        return ml.init_weights(model, seed=0).eval()
+
+    ref = build()
     ref.generation_config.eos_token_id = None
     prompts = _prompts()
     want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
             .tolist() for p in prompts]
-    eng = _engine(ml.init_weights(transformers.GemmaForCausalLM(cfg), seed=0).eval(),
-                  use_cuda_kernel=True, ignore_eos=True)
+    assert all(len(set(w)) > 1 for w in want[:4]), want           # not a repeated token
+    eng = _engine(build(), use_cuda_kernel=True, ignore_eos=True)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
     assert eng.model._meshlab_merged.counts() == {"qkv": 2, "gate_up": 2}
     assert eng.model._meshlab_kernels.counts()["mlp"] == 2

@@ -109,7 +109,7 @@ def _merged_mlp_forward(self, x: Tensor) -> Tensor:
 
 
 def _merge_gate_up(m: nn.Module) -> bool:
-    if _gate_kind(m) is None:
+    if _gate_kind(m) is None or not hasattr(m, "gate_proj"):   # gate_up_proj: merged already
         return False
     g, u = m.gate_proj, m.up_proj
     if not (_bare_linear(g, g.weight.dtype) and _bare_linear(u, g.weight.dtype)

@@ -24,7 +24,8 @@ finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it
 * ``mlp``: each gated MLP with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU
   ``act_fn`` (Llama's, Mistral's, Qwen's, ...) or a tanh-GELU one (Gemma's) gets an
   instance ``forward`` computing ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``
-  (``meshlab::geglu`` for GELU), the gate one kernel. Where the
+  (``meshlab::geglu`` for GELU), the gate one kernel; one with a single ``gate_up_proj``
+  (Phi-3's, GLM's) gates the two halves of its output in place. Where the
   three projections are bare ``nn.Linear`` (no bias, hooks or subclass; plain weights, no
   autocast, no saved-tensor hooks such as eager checkpointing's) the whole MLP
   is :func:`meshlab.ops.swiglu_mlp`: the backward keeps the gate and up projections'
@@ -394,13 +395,21 @@ _SILU = ("SiLU", "SiLUActivation")
 _GELU_TANH = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation")
 
 
+def _has(m: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Module) for a in names)
+
+
 def _gate_kind(m: nn.Module) -> str | None:
-    """``"swiglu"`` or ``"geglu"`` for a gated MLP (``gate_proj``, ``up_proj``,
-    ``down_proj`` and a SiLU or tanh-GELU ``act_fn``), else None."""
-    if not all(isinstance(getattr(m, a, None), nn.Module) for a in
-               ("gate_proj", "up_proj", "down_proj")):
+    """``"swiglu"`` or ``"geglu"`` for a gated MLP, else None: ``gate_proj``, ``up_proj``,
+    ``down_proj`` and a SiLU or tanh-GELU ``act_fn`` (Llama's, Gemma's layout), or one
+    ``gate_up_proj`` whose output's halves are the gate and the up projection, ``down_proj``
+    and ``activation_fn`` (Phi-3's, GLM's)."""
+    if _has(m, "gate_proj", "up_proj", "down_proj"):
+        act = type(getattr(m, "act_fn", None)).__name__
+    elif _has(m, "gate_up_proj", "down_proj"):
+        act = type(getattr(m, "activation_fn", None)).__name__
+    else:
         return None
-    act = type(getattr(m, "act_fn", None)).__name__
     return "swiglu" if act in _SILU else "geglu" if act in _GELU_TANH else None
 
 
@@ -431,6 +440,9 @@ def _fused_mlp_forward(self, x: Tensor) -> Tensor:
     from ...ops.swiglu import geglu, geglu_mlp, swiglu, swiglu_mlp
 
     gate, mlp = (swiglu, swiglu_mlp) if _gate_kind(self) == "swiglu" else (geglu, geglu_mlp)
+    if not hasattr(self, "gate_proj"):     # one gate_up_proj: its halves, read in place
+        a, b = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(gate(a, b))
     projs = (self.gate_proj, self.up_proj, self.down_proj)
     # Compiled, the function traces as one (its backward keeps what it keeps eagerly);
     # saved-tensor hooks are then the compiler's, not read from here.
@@ -466,7 +478,7 @@ def _probe_mlp(m: nn.Module) -> None:
     with torch.no_grad():
         for p in clone.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    x = torch.randn(3, clone.gate_proj.in_features, generator=g)
+    x = torch.randn(3, clone.down_proj.out_features, generator=g)
     _probe_close(_fused_mlp_forward(clone, x), type(m).forward(clone, x), what, fix)
 
 
