@@ -27,57 +27,37 @@ def _model(family: str, **overrides):
     return ml.init_weights(M.build(family, **overrides), seed=0)
 
 
-def test_gemma_mlp_runs_on_geglu():
-    """Gemma's MLP gates with the tanh GELU: fuse() routes it to ``meshlab::geglu`` (and its
-    norms, offset by one, to ``meshlab::rms_norm``, their layers keeping their own residual
-    adds), and the fused model's loss and every gradient equal the model's own."""
+# Gemma: norms scaling by 1 + weight (their layers keep their own residual adds), a
+# tanh-GELU gate; Phi-3: one gate_up_proj whose output's halves are gated in place.
+_GATED = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=8), "geglu",
+              {"rms_norm": 5, "rotary": 2, "attention": 1, "mlp": 2, "loss": 1}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0), "swiglu",
+             {"rms_norm": 5, "rotary": 2, "attention": 1, "mlp": 2, "loss": 1,
+              "residual_add": 2}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_GATED))
+def test_gated_mlp_layouts_fuse(family):
+    """Every op of fuse() routes in Gemma (its MLP on ``meshlab::geglu``) and Phi-3 (its
+    merged gate/up product gated on ``meshlab::swiglu``), and the loss and every gradient
+    equal the model's own."""
     import transformers
 
     import meshlab as ml
     from meshlab.ops import _build
     from meshlab.parallel.fuse import causal_lm_loss, fuse_model
 
-    cfg = transformers.GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8)
+    config, cls, extra, gate, counts = _GATED[family]
+    cfg = getattr(transformers, config)(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, **extra)
     with torch.device("meta"):
-        ref = transformers.GemmaForCausalLM(cfg)
+        ref = getattr(transformers, cls)(cfg)
     ref = ml.init_weights(ref, seed=0)
     model = copy.deepcopy(ref)
-    report = fuse_model(model)
-    assert report.counts() == {"rms_norm": 5, "rotary": 2, "attention": 1, "mlp": 2, "loss": 1}
-    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}
-    want = ml.losses.causal_lm_loss(ref(input_ids=ids), batch)
-    want.backward()
-    got = causal_lm_loss(model, batch)
-    got.backward()
-    assert _build.LAST_PATH[("geglu", "cpu")].native or not _build.ops_cpu()
-    torch.testing.assert_close(got, want)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
-
-
-def test_phi3_gate_up_halves_run_on_swiglu():
-    """Phi-3's MLP holds its gate and up projections as one ``gate_up_proj``: fuse() gates
-    the two halves of its output in place with ``meshlab::swiglu``; every op of fuse()
-    routes, and the loss and every gradient equal the model's own."""
-    import transformers
-
-    import meshlab as ml
-    from meshlab.ops import _build
-    from meshlab.parallel.fuse import causal_lm_loss, fuse_model
-
-    cfg = transformers.Phi3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, pad_token_id=0)
-    with torch.device("meta"):
-        ref = transformers.Phi3ForCausalLM(cfg)
-    ref = ml.init_weights(ref, seed=0)
-    model = copy.deepcopy(ref)
-    report = fuse_model(model)
-    assert report.counts() == {"rms_norm": 5, "rotary": 2, "attention": 1, "mlp": 2,
-                               "loss": 1, "residual_add": 2}
+    assert fuse_model(model).counts() == counts
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     want = ml.losses.causal_lm_loss(ref(input_ids=ids), batch)
@@ -85,7 +65,7 @@ def test_phi3_gate_up_halves_run_on_swiglu():
     _build.LAST_PATH.clear()
     got = causal_lm_loss(model, batch)
     got.backward()
-    assert ("swiglu", "cpu") in _build.LAST_PATH
+    assert (gate, "cpu") in _build.LAST_PATH
     torch.testing.assert_close(got, want)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
