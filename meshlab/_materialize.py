@@ -67,9 +67,16 @@ def init_weights(model: nn.Module, seed: int = 0, *, device: str = "cpu",
     call in any other process; ``on_module(module)`` runs right after each module is
     initialized (the materializer shards it there, so the whole model never exists at
     once). Returns ``model``, initialized in place.
+
+    A model with no meta tensor is refused (``ConfigError``): its values were drawn when
+    it was built, from whatever the global RNG held, and handing it back as if ``seed``
+    had made them would be a silent no-op.
     """
     if not _has_meta(model):
-        return model
+        raise ConfigError(f"init_weights: {type(model).__name__} holds no meta tensors, so "
+                          f"its values came from the global RNG when it was built, not "
+                          f"from seed={seed}; build it under `with torch.device('meta'):` "
+                          f"and call init_weights on that, or keep the weights it has")
     fn = _init_fn(model)
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)

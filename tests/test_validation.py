@@ -361,3 +361,10 @@ def test_glob_split_hf_attention_is_refused_at_plan_time():
     plan = ml.plan(M.build("llama"), ml.shard(specs), ml.Mesh(tp=2, fake=True))
     assert plan.not_runnable and "LlamaAttention" in plan.not_runnable[0]
     assert "policies.auto" in plan.not_runnable[0]
+
+
+def test_init_weights_refuses_a_model_not_on_meta():
+    """Values drawn when a model was built on the CPU are not the seed's: init_weights says
+    so instead of handing the model back unchanged."""
+    with pytest.raises(ml.ConfigError, match="holds no meta tensors.*torch.device\\('meta'\\)"):
+        ml.init_weights(torch.nn.Linear(2, 2), seed=0)
