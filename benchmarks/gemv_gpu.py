@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _results  # noqa: E402
+from ops_gpu import graphed  # noqa: E402
 
 CALLS = 50
 # (name, in features K, out features N): Llama-3.2-1B and Llama-3-8B layers and heads
@@ -113,23 +114,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:
 
 def _graph_time(fn) -> float:
     """Microseconds per call: ``CALLS`` calls captured in one graph, median of 20 replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
+    replay = graphed(lambda: [fn() for _ in range(CALLS)])
     for _ in range(3):
-        g.replay()
+        replay()
     times = []
     for _ in range(20):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / CALLS)

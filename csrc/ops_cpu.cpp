@@ -1,7 +1,7 @@
 // CPU kernels of meshlab's fused ops: rms_norm (and its residual add), rotary, swiglu/geglu,
 // layer_norm (forward and backward), and the softmax cross-entropy gradient of
-// linear_cross_entropy. One translation unit on purpose: building torch/extension.h dominates the compile time, so
-// five files would cost five times as long.
+// linear_cross_entropy. One translation unit on purpose: building torch/extension.h
+// dominates the compile time, so five files would cost five times as long.
 //
 // Conventions, shared by every kernel here:
 //  * tensors arrive contiguous, already flattened by the Python side to rows of the last dim;
@@ -155,22 +155,13 @@ std::vector<at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x,
 #pragma omp simd reduction(+ : dot)
         for (int64_t i = 0; i < H; ++i) dot += ld(dyr[i]) * wp[i] * ld(xr[i]);
         const float c = dot * rs / static_cast<float>(H);  // mean(g * xhat)
-        if (dsp != nullptr) {       // the gradient reaching x around the norm, added once
-          const T* dsr = dsp + r * H;
-#pragma omp simd
-          for (int64_t i = 0; i < H; ++i) {
-            const float g = ld(dyr[i]) * wp[i];
-            const float xh = ld(xr[i]) * rs;
-            dxr[i] = st<T>((g - xh * c) * rs + ld(dsr[i]));
-            acc[i] += ld(dyr[i]) * xh;
-          }
-          continue;
-        }
+        // ds: the gradient reaching x around the norm (a residual's), added once
+        const T* dsr = dsp != nullptr ? dsp + r * H : nullptr;
 #pragma omp simd
         for (int64_t i = 0; i < H; ++i) {
           const float g = ld(dyr[i]) * wp[i];
           const float xh = ld(xr[i]) * rs;
-          dxr[i] = st<T>((g - xh * c) * rs);
+          dxr[i] = st<T>((g - xh * c) * rs + (dsr != nullptr ? ld(dsr[i]) : 0.f));
           acc[i] += ld(dyr[i]) * xh;
         }
       }

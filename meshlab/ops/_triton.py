@@ -261,13 +261,18 @@ _EW_BLOCK = 2048
 
 
 @triton.jit
+def _gelu_tanh(a):
+    # tanh(sqrt(2 / pi) * (a + 0.044715 a^3)), as 2 sigmoid(2u) - 1 (Triton has no tanh)
+    return 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (a + 0.044715 * a * a * a)) - 1.0
+
+
+@triton.jit
 def _gate(a, ACT: tl.constexpr):
-    # ACT 0: silu(a); 1: GELU with the tanh approximation, tanh(u) = 2 sigmoid(2u) - 1.
+    # ACT 0: silu(a); 1: GELU with the tanh approximation.
     if ACT == 0:
         return a * tl.sigmoid(a)
     else:
-        t = 2.0 * tl.sigmoid(2.0 * 0.7978845608028654 * (a + 0.044715 * a * a * a)) - 1.0
-        return 0.5 * a * (1.0 + t)
+        return 0.5 * a * (1.0 + _gelu_tanh(a))
 
 
 @triton.jit
@@ -276,9 +281,9 @@ def _gate_grad(a, ACT: tl.constexpr):
         sg = tl.sigmoid(a)
         return sg * (1.0 + a * (1.0 - sg))
     else:
-        k = 0.7978845608028654
-        t = 2.0 * tl.sigmoid(2.0 * k * (a + 0.044715 * a * a * a)) - 1.0
-        return 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * a * a)
+        t = _gelu_tanh(a)
+        return 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * 0.7978845608028654 * \
+            (1.0 + 3.0 * 0.044715 * a * a)
 
 
 @triton.jit

@@ -14,8 +14,8 @@ finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it
   layer (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``: Llama's,
   Mistral's, Qwen's, ...) whose class passes a probe of its whole forward also gets an
   instance ``forward`` that runs its middle residual add and the norm after it as one
-  ``meshlab::add_rms_norm`` (reported as ``residual_add``; classes left as they are, and
-  why, in ``FuseReport.unfused``).
+  ``meshlab::add_rms_norm`` (``_residual``; reported as ``residual_add``, classes left as
+  they are, and why, in ``FuseReport.unfused``).
 * ``rotary``: the modeling file's ``apply_rotary_pos_emb`` is wrapped once by a dispatcher
   that calls ``meshlab::rotary`` while a routed model's attention module is running and
   the original function otherwise, so other models in the process are untouched.
@@ -62,6 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from ..._errors import ConfigError
+from ._residual import route_layers
 
 FUSABLE = ("rms_norm", "rotary", "attention", "mlp", "loss")
 
@@ -176,103 +177,6 @@ def _route_norms(model: nn.Module, found) -> list[str]:
             m._meshlab_norm = rule
             m.forward = types.MethodType(_fused_norm_forward, m)
     return [name for name, _, _ in found]
-
-
-# ------------------------------------------------------------------------ residual add
-
-_LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-
-
-def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-    """A pre-norm decoder layer (norm, attention, residual add, norm, MLP, residual add)
-    whose middle add and the norm after it are one ``meshlab::add_rms_norm``. Positional
-    extras, or a sum the op does not take (dtypes or shapes that differ, DTensors), run the
-    class's own forward or the two steps apart: the same math."""
-    from ...ops.rms_norm import add_rms_norm
-
-    if args:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    residual = hidden_states
-    h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
-    norm = self.post_attention_layernorm
-    if h.dtype != residual.dtype or h.shape != residual.shape or _is_dtensor(h) or \
-            _is_dtensor(residual) or _is_dtensor(norm.weight):
-        hidden = residual + h
-        normed = norm(hidden)
-    else:
-        normed, hidden = add_rms_norm(h, residual, norm.weight,
-                                      float(getattr(norm, norm._meshlab_norm.eps)))
-    return hidden + self.mlp(normed)
-
-
-def _layer_fusable(m: nn.Module) -> bool:
-    """A module with a pre-norm decoder layer's parts, its post-attention norm routed with
-    no weight offset, and the class's own ``forward`` (no instance wrapper of another
-    room, such as tensor parallelism's, to keep)."""
-    if not all(isinstance(getattr(m, a, None), nn.Module) for a in _LAYER):
-        return False
-    rule = getattr(m.post_attention_layernorm, "_meshlab_norm", None)
-    return rule is not None and not rule.offset and "forward" not in vars(m)
-
-
-def _probe_layer(m: nn.Module) -> str | None:
-    """Why the layer's class cannot take the fused residual add, or None: a small copy
-    (hidden 16, 2 heads on 1 kv head of 8) runs its own forward and the fused one on the
-    same random input and weights, and the two must agree."""
-    cfg = getattr(m, "config", None) or getattr(m.self_attn, "config", None)
-    if cfg is None:
-        return "no config to build a probe from"
-    small = copy.deepcopy(cfg)
-    for attr, v in (("hidden_size", 16), ("intermediate_size", 32), ("num_attention_heads", 2),
-                    ("num_key_value_heads", 1), ("head_dim", 8)):
-        if hasattr(small, attr):
-            setattr(small, attr, v)
-    small._attn_implementation = "eager"
-    try:
-        with torch.device("cpu"):
-            clone = type(m)(small, 0).float()
-        g = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in clone.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.ndim == 1 else 0))
-        norm = clone.post_attention_layernorm
-        norm._meshlab_norm = getattr(m.post_attention_layernorm, "_meshlab_norm")
-        ang = torch.randn(2, 5, 4, generator=g)
-        ang = torch.cat([ang, ang], -1)
-        kw = dict(attention_mask=None, position_ids=torch.arange(5)[None].expand(2, 5),
-                  position_embeddings=(ang.cos(), ang.sin()))
-        x = torch.randn(2, 5, 16, generator=g)
-        want = type(m).forward(clone, x, **kw)
-        got = _fused_layer_forward(clone, x, **kw)
-    except Exception as e:      # a class that differs: its layers keep their own forward
-        return f"the probe failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    got, want = got.detach().double(), want.detach().double()
-    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    if not err < 1e-4:
-        return (f"its forward is not norm, attention, add, norm, MLP, add (relative "
-                f"difference {err:.1e} on a probe)")
-    return None
-
-
-def _route_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
-    """Give each fusable decoder layer (:func:`_layer_fusable`) whose class passes its
-    probe the fused forward; returns the layers routed and, by class, why others were not."""
-    routed, why = [], {}
-    for name, m in model.named_modules():
-        if getattr(m, "_meshlab_layer", False):
-            routed.append(name)
-            continue
-        if not _layer_fusable(m):
-            continue
-        cls = type(m).__name__
-        if cls not in why:
-            with torch.random.fork_rng(devices=()):     # building the copy draws weights
-                why[cls] = _probe_layer(m)
-        if why[cls] is None:
-            m.forward = types.MethodType(_fused_layer_forward, m)
-            m._meshlab_layer = True
-            routed.append(name)
-    return routed, {k: v for k, v in why.items() if v is not None}
 
 
 # ------------------------------------------------------------------------ rotary
@@ -675,7 +579,7 @@ def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:
     found = {op: _find(model, op) for op in ops}
     report = FuseReport({op: _ROUTES[op][1](model, found[op]) for op in ops})
     if "rms_norm" in ops:
-        layers, report.unfused = _route_layers(model)
+        layers, report.unfused = route_layers(model)
         if layers:
             report.routed["residual_add"] = layers
     return report
