@@ -22,6 +22,7 @@ def write(prefix: str, card: str, out: dict, copy_to: str | None = None) -> Path
     path = RESULTS / name
     path.write_text(text)
     if copy_to:
+        Path(copy_to).mkdir(parents=True, exist_ok=True)
         Path(copy_to, name).write_text(text)
     return path
 

@@ -118,12 +118,37 @@ def test_engine_on_meshlab_kernels_equals_generate(family):
         "rms_norm": 2 * cfg.num_hidden_layers + 1, "rotary": cfg.num_hidden_layers,
         "mlp": cfg.num_hidden_layers, "residual_add": cfg.num_hidden_layers}
     merged = eng.model._meshlab_merged
-    assert merged.counts() == {"qkv": cfg.num_hidden_layers, "gate_up": cfg.num_hidden_layers}
+    layers = cfg.num_hidden_layers
+    # the output and down projections and the head go through decode_linear
+    assert merged.counts() == {"qkv": layers, "gate_up": layers, "linear": 2 * layers + 1}
+    assert merged.linear[-1] == "lm_head"
     assert merged.misses == 0
     # the merged weights are the modules' own parameters, names and values kept
     got, ref = eng.model.state_dict(), plain.state_dict()
     assert got.keys() == ref.keys()
     assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypatch):
+    """Under use_cuda_kernel a decode step of one request hands every product but the
+    gate/up one to ``decode_linear`` in a form the Triton matrix-vector kernel takes
+    (``one_row``; the kernel itself is checked on the GPU), with the modules' weights,
+    which are parameters; a prefill's products are not single rows."""
+    from meshlab.inference import _merge
+
+    seen = []
+    real = _merge.one_row
+    monkeypatch.setattr(_merge, "one_row", lambda *a: seen.append(real(*a)) or seen[-1])
+    for family in ("llama", "qwen2"):                  # qwen2: biases
+        eng = _engine(_tiny(family), ignore_eos=True, use_cuda_kernel=True)
+        eng.add_request([1, 2, 3], 4)
+        eng.step()                                         # the prefill
+        layers = eng.model.config.num_hidden_layers
+        assert seen == [False] * (3 * layers) + [True]     # the head reads the last row
+        seen.clear()
+        eng.step()                                         # one decode step
+        assert seen == [True] * (3 * layers + 1)
+        seen.clear()
 
 
 def test_merged_projections_make_four_products_per_layer():
@@ -213,7 +238,7 @@ def test_gemma_kernels_equal_generate():
     assert all(len(set(w)) > 1 for w in want[:4]), want           # not a repeated token
     eng = _engine(build(), use_cuda_kernel=True, ignore_eos=True)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
-    assert eng.model._meshlab_merged.counts() == {"qkv": 2, "gate_up": 2}
+    assert eng.model._meshlab_merged.counts() == {"qkv": 2, "gate_up": 2, "linear": 5}
     assert eng.model._meshlab_kernels.counts()["mlp"] == 2
     from meshlab.ops import _build
 
@@ -827,6 +852,40 @@ def test_paged_attention_triton_kernel_is_its_reference(dtype, tol):
     kc, vc = (torch.randn(3, 16, 8, 128, generator=g).to(dtype).cuda() for _ in "kv")
     paged_attention(q, kc, vc, torch.tensor([[2, 0, 1]]).cuda(), [40], [0, 40])
     assert "prefill" in _build.LAST_PATH[("paged_attention", "cuda")].reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2),
+                                       (torch.float16, 2e-3)])
+def test_decode_linear_triton_kernel_is_f_linear(dtype, tol, monkeypatch):
+    """One row on CUDA runs the Triton matrix-vector kernel (both tile widths, sizes that
+    are not multiples of the tiles, a bias, a weight that is a row slice of a larger one,
+    a row that is a view); several rows and the wide gated-MLP shapes stay on cuBLAS."""
+    from meshlab.inference._merge import decode_linear
+    from meshlab.ops import _build
+
+    g = torch.Generator().manual_seed(0)
+    for n, k, bias in ((2048, 2048, False), (3072, 2048, True), (4099, 1000, True),
+                       (1000, 8200, False), (3100, 8200, True), (70, 33, True)):
+        w = (torch.randn(n + 5, k, generator=g) * 0.05).to(dtype).cuda()[5:]
+        b = torch.randn(n, generator=g).to(dtype).cuda() if bias else None
+        x = torch.randn(1, 2, k, generator=g).to(dtype).cuda()[:, 1:]
+        got = decode_linear(x, w, b)
+        assert _build.LAST_PATH[("decode_linear", "cuda")].native
+        assert got.shape == (1, 1, n) and got.dtype == dtype
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(got.double(), want, atol=tol * k ** 0.5 / 10, rtol=tol)
+    mod = _build.triton_kernels("decode_linear")
+    ran = []
+    monkeypatch.setattr(mod, "gemv", lambda *a: ran.append(a) or F.linear(*a))
+    x2 = torch.randn(2, 64, device="cuda", dtype=dtype)
+    w2 = torch.randn(16384, 64, device="cuda", dtype=dtype)
+    decode_linear(x2, w2[:32])                  # two rows
+    decode_linear(x2[:1], w2)                   # a gated MLP's width
+    assert not ran
+    decode_linear(x2[:1], w2[:32])
+    assert len(ran) == 1
 
 
 @pytest.mark.gpu

@@ -15,6 +15,10 @@ dict keeps its names and shapes):
   the miss is counted (``Merged.misses``), so the result is always the module's own.
 * gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU or tanh GELU): one product
   for both and ``meshlab::swiglu`` (``meshlab::geglu``) on its two halves.
+* every other bare ``nn.Linear`` (output and down projections, the head) and the merged
+  query/key/value product: :func:`decode_linear`, which sends a single row on CUDA to a
+  Triton matrix-vector kernel (``meshlab/ops/_triton_gemv.py``: 1.1-1.7x cuBLAS on the
+  products of a batch-1 decode step) and everything else to ``F.linear``.
 
 The parts of a product of several rows are strided views (each row holds all parts); the
 Triton rotary and swiglu kernels read them in place, the queries and keys leave the
@@ -32,7 +36,32 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops import _build
 from ..parallel.fuse._hf import _bare_linear, _gate_kind
+
+
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def one_row(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
+    """Whether ``F.linear(x, w, b)`` suits the matrix-vector kernel, the device aside: one
+    row, plain tensors (parameters included; no DTensor or other subclass) of one dtype,
+    unit column strides."""
+    return (x.numel() == w.shape[1] and x.stride(-1) == 1 and w.stride(1) == 1
+            and type(x) in _PLAIN and type(w) in _PLAIN and x.dtype == w.dtype
+            and (b is None or (type(b) in _PLAIN and b.dtype == w.dtype and b.stride(0) == 1)))
+
+
+def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    """``F.linear(x, w, b)``. On CUDA, what :func:`one_row` accepts at a shape the kernel
+    wins at (``_triton_gemv.wins``) runs the Triton matrix-vector kernel; anything else
+    (several rows, CPU, DTensors, tracing by ``torch.compile``, kernels switched off) runs
+    ``F.linear``."""
+    if one_row(x, w, b) and x.is_cuda and not torch.compiler.is_compiling():
+        mod = _build.triton_kernels("decode_linear")
+        if mod is not None and mod.wins(*w.shape):
+            return mod.gemv(x, w, b).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w, b)
 
 
 @dataclasses.dataclass
@@ -42,10 +71,12 @@ class Merged:
 
     qkv: list[str] = dataclasses.field(default_factory=list)
     gate_up: list[str] = dataclasses.field(default_factory=list)
+    linear: list[str] = dataclasses.field(default_factory=list)   # through decode_linear
     misses: int = 0
 
     def counts(self) -> dict[str, int]:
-        return {"qkv": len(self.qkv), "gate_up": len(self.gate_up)}
+        return {"qkv": len(self.qkv), "gate_up": len(self.gate_up),
+                "linear": len(self.linear)}
 
 
 def _fuse_weights(mods) -> tuple[Tensor, Tensor | None]:
@@ -74,7 +105,7 @@ class _Group:
         self.held: dict[int, tuple[Tensor, Tensor]] = {}   # part -> (input, output)
 
     def first(self, q: nn.Linear, x: Tensor) -> Tensor:
-        parts = F.linear(x, self.w, self.b).split(self.sizes, -1)
+        parts = decode_linear(x, self.w, self.b).split(self.sizes, -1)
         self.held = {i: (x, p) for i, p in enumerate(parts) if i}
         return parts[0]
 
@@ -120,14 +151,26 @@ def _merge_gate_up(m: nn.Module) -> bool:
     return True
 
 
+def _linear_forward(self, x: Tensor) -> Tensor:
+    return decode_linear(x, self.weight, self.bias)
+
+
 def merge_projections(model: nn.Module) -> Merged:
     """Merge every attention layer's query/key/value projections and every gated MLP's
-    gate/up projections that qualify (module docstring); returns what was merged."""
+    gate/up projections that qualify, and route the other bare linear layers through
+    :func:`decode_linear` (module docstring); returns what was routed."""
     report = Merged()
     for name, m in model.named_modules():
         if _merge_qkv(m, report):
             report.qkv.append(name)
         elif _merge_gate_up(m):
             report.gate_up.append(name)
+    merged = {f"{a}.{p}".lstrip(".") for a in report.qkv for p in ("q_proj", "k_proj", "v_proj")}
+    merged |= {f"{a}.{p}".lstrip(".") for a in report.gate_up for p in ("gate_proj", "up_proj")}
+    for name, m in model.named_modules():
+        if name not in merged and isinstance(m, nn.Linear) and "forward" not in vars(m) \
+                and _bare_linear(m, m.weight.dtype, bias=True):
+            m.forward = types.MethodType(_linear_forward, m)
+            report.linear.append(name)
     model._meshlab_merged = report
     return report
