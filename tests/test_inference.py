@@ -119,8 +119,11 @@ def test_engine_on_meshlab_kernels_equals_generate(family):
         "mlp": cfg.num_hidden_layers, "residual_add": cfg.num_hidden_layers}
     merged = eng.model._meshlab_merged
     layers = cfg.num_hidden_layers
-    # the output and down projections and the head go through decode_linear
-    assert merged.counts() == {"qkv": layers, "gate_up": layers, "linear": 2 * layers + 1}
+    # the output and down projections and the head go through decode_linear; every layer
+    # normalizes its input in the query/key/value product and adds its residual in the down
+    assert merged.counts() == {"qkv": layers, "gate_up": layers, "linear": 2 * layers + 1,
+                               "layers": layers}
+    assert merged.unfused == {}
     assert merged.linear[-1] == "lm_head"
     assert merged.misses == 0
     # the merged weights are the modules' own parameters, names and values kept
@@ -141,6 +144,7 @@ def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypa
     monkeypatch.setattr(_merge, "one_row", lambda *a: seen.append(real(*a)) or seen[-1])
     for family in ("llama", "qwen2"):                  # qwen2: biases
         eng = _engine(_tiny(family), ignore_eos=True, use_cuda_kernel=True)
+        seen.clear()                                       # the layer probe's products
         eng.add_request([1, 2, 3], 4)
         eng.step()                                         # the prefill
         layers = eng.model.config.num_hidden_layers
@@ -149,6 +153,41 @@ def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypa
         eng.step()                                         # one decode step
         assert seen == [True] * (3 * layers + 1)
         seen.clear()
+
+
+def test_a_layer_whose_attention_reads_its_input_otherwise_keeps_its_norm_apart():
+    """A layer class whose attention uses its input beyond the three projections (here it
+    scales each token's output by its input's mean size) would compute something else if
+    handed the layer's raw input: the probe refuses it, the reason is recorded, and the
+    tokens are still transformers' own."""
+    from transformers.models.llama import modeling_llama as ml_llama
+
+    class Attention(ml_llama.LlamaAttention):
+        def forward(self, hidden_states, **kw):
+            out, w = super().forward(hidden_states, **kw)
+            return out * hidden_states.abs().mean(-1, keepdim=True), w
+
+    class Layer(ml_llama.LlamaDecoderLayer):
+        def __init__(self, config, layer_idx):
+            super().__init__(config, layer_idx)
+            self.self_attn = Attention(config, layer_idx)
+
+    def build():
+        model = M.build("llama")
+        with torch.device("meta"):
+            model.model.layers = torch.nn.ModuleList(
+                Layer(model.config, i) for i in range(model.config.num_hidden_layers))
+        return ml.init_weights(model, seed=0).eval()
+
+    ref = build()
+    prompts = _prompts()
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    eng = _engine(build(), use_cuda_kernel=True, ignore_eos=True)
+    merged = eng.model._meshlab_merged
+    assert merged.layers == [] and "relative difference" in merged.unfused["Layer"]
+    assert eng.model._meshlab_kernels.counts()["residual_add"] == 2     # fuse's own routing
+    assert eng.generate(prompts=prompts, max_new_tokens=8) == want
 
 
 def test_merged_projections_make_four_products_per_layer():
@@ -238,7 +277,8 @@ def test_gemma_kernels_equal_generate():
     assert all(len(set(w)) > 1 for w in want[:4]), want           # not a repeated token
     eng = _engine(build(), use_cuda_kernel=True, ignore_eos=True)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
-    assert eng.model._meshlab_merged.counts() == {"qkv": 2, "gate_up": 2, "linear": 5}
+    assert eng.model._meshlab_merged.counts() == {"qkv": 2, "gate_up": 2, "linear": 5,
+                                                   "layers": 0}     # offset norms
     assert eng.model._meshlab_kernels.counts()["mlp"] == 2
     from meshlab.ops import _build
 
@@ -861,7 +901,8 @@ def test_paged_attention_triton_kernel_is_its_reference(dtype, tol):
 def test_decode_linear_triton_kernel_is_f_linear(dtype, tol, monkeypatch):
     """One row on CUDA runs the Triton matrix-vector kernel (both tile widths, sizes that
     are not multiples of the tiles, a bias, a weight that is a row slice of a larger one,
-    a row that is a view); several rows and the wide gated-MLP shapes stay on cuBLAS."""
+    a row that is a view, an RMS norm of the row and a residual inside it); several rows
+    and the wide gated-MLP shapes stay on cuBLAS."""
     from meshlab.inference._merge import decode_linear
     from meshlab.ops import _build
 
@@ -876,9 +917,23 @@ def test_decode_linear_triton_kernel_is_f_linear(dtype, tol, monkeypatch):
         assert got.shape == (1, 1, n) and got.dtype == dtype
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
         torch.testing.assert_close(got.double(), want, atol=tol * k ** 0.5 / 10, rtol=tol)
+    from meshlab.parallel.fuse._hf import Norm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    for n, k in ((3072, 2048), (4100, 1000)):       # the norm inside, the residual added
+        norm = LlamaRMSNorm(k, eps=1e-5).cuda()
+        norm.weight.data = torch.randn(k, generator=g).to(dtype).cuda()
+        norm._meshlab_norm = Norm()
+        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).cuda()
+        x, r = (torch.randn(1, 1, m, generator=g).to(dtype).cuda() for m in (k, n))
+        got = decode_linear(x, w, norm=norm, residual=r)
+        xd = x.double()
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+        want = F.linear(xd, w.double()) + r.double()
+        torch.testing.assert_close(got.double(), want, atol=tol * k ** 0.5 / 10, rtol=tol)
     mod = _build.triton_kernels("decode_linear")
     ran = []
-    monkeypatch.setattr(mod, "gemv", lambda *a: ran.append(a) or F.linear(*a))
+    monkeypatch.setattr(mod, "gemv", lambda x, w, b, *rest: ran.append(x) or F.linear(x, w, b))
     x2 = torch.randn(2, 64, device="cuda", dtype=dtype)
     w2 = torch.randn(16384, 64, device="cuda", dtype=dtype)
     decode_linear(x2, w2[:32])                  # two rows

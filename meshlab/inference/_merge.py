@@ -17,8 +17,14 @@ dict keeps its names and shapes):
   for both and ``meshlab::swiglu`` (``meshlab::geglu``) on its two halves.
 * every other bare ``nn.Linear`` (output and down projections, the head) and the merged
   query/key/value product: :func:`decode_linear`, which sends a single row on CUDA to a
-  Triton matrix-vector kernel (``meshlab/ops/_triton_gemv.py``: 1.1-1.7x cuBLAS on the
+  Triton matrix-vector kernel (``meshlab/ops/_triton_gemv.py``: 1.05-1.4x cuBLAS on the
   products of a batch-1 decode step) and everything else to ``F.linear``.
+* a decoder layer fuse routed (norm, attention, ``add_rms_norm``, MLP, add), with both
+  groups merged: :func:`_decode_layer_forward` hands the attention the layer's input, the
+  merged product normalizes it (inside the kernel for a single row), and the down product
+  adds the residual. Two kernels fewer a layer at batch 1. Each layer class is probed
+  first (a small copy, its own forward against this one); ``Merged.unfused`` says why a
+  class was left alone.
 
 The parts of a product of several rows are strided views (each row holds all parts); the
 Triton rotary and swiglu kernels read them in place, the queries and keys leave the
@@ -52,16 +58,37 @@ def one_row(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
             and (b is None or (type(b) in _PLAIN and b.dtype == w.dtype and b.stride(0) == 1)))
 
 
-def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
-    """``F.linear(x, w, b)``. On CUDA, what :func:`one_row` accepts at a shape the kernel
-    wins at (``_triton_gemv.wins``) runs the Triton matrix-vector kernel; anything else
-    (several rows, CPU, DTensors, tracing by ``torch.compile``, kernels switched off) runs
-    ``F.linear``."""
-    if one_row(x, w, b) and x.is_cuda and not torch.compiler.is_compiling():
+def _vector(t: Tensor, n: int, dtype: torch.dtype | None) -> bool:
+    return type(t) in _PLAIN and t.numel() == n and t.is_contiguous() and \
+        (dtype is None or t.dtype == dtype)
+
+
+def _eps(norm: nn.Module) -> float:
+    return float(getattr(norm, norm._meshlab_norm.eps))
+
+
+def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *,
+                  norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
+    """``F.linear(norm(x), w, b) + residual`` (``norm`` a routed RMS norm module, each part
+    optional). On CUDA, what :func:`one_row` accepts at a shape the kernel wins at
+    (``_triton_gemv.wins``) runs the Triton matrix-vector kernel, the residual add inside
+    it, and the norm too where that measured faster (``takes_norm``; else the norm's own
+    kernel first), in float32; anything else (several rows, CPU, DTensors, tracing by
+    ``torch.compile``, kernels switched off) runs the norm, ``F.linear`` and the add."""
+    n, k = w.shape
+    if (one_row(x, w, b) and x.is_cuda and not torch.compiler.is_compiling()
+            and (residual is None or _vector(residual, n, w.dtype))
+            and (norm is None or _vector(norm.weight, k, None))):
         mod = _build.triton_kernels("decode_linear")
-        if mod is not None and mod.wins(*w.shape):
-            return mod.gemv(x, w, b).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w, b)
+        if mod is not None and mod.wins(n, k):
+            if norm is not None and not mod.takes_norm(n, k):
+                x, norm = norm(x), None
+            y = mod.gemv(x, w, b, None if residual is None else residual.view(n),
+                         None if norm is None else norm.weight,
+                         0.0 if norm is None else _eps(norm))
+            return y.view(*x.shape[:-1], n)
+    y = F.linear(x if norm is None else norm(x), w, b)
+    return y if residual is None else residual + y
 
 
 @dataclasses.dataclass
@@ -72,11 +99,13 @@ class Merged:
     qkv: list[str] = dataclasses.field(default_factory=list)
     gate_up: list[str] = dataclasses.field(default_factory=list)
     linear: list[str] = dataclasses.field(default_factory=list)   # through decode_linear
+    layers: list[str] = dataclasses.field(default_factory=list)   # norm and add in products
+    unfused: dict[str, str] = dataclasses.field(default_factory=dict)   # layer class -> why
     misses: int = 0
 
     def counts(self) -> dict[str, int]:
         return {"qkv": len(self.qkv), "gate_up": len(self.gate_up),
-                "linear": len(self.linear)}
+                "linear": len(self.linear), "layers": len(self.layers)}
 
 
 def _fuse_weights(mods) -> tuple[Tensor, Tensor | None]:
@@ -103,9 +132,10 @@ class _Group:
         self.sizes = [m.weight.shape[0] for m in mods]
         self.report = report
         self.held: dict[int, tuple[Tensor, Tensor]] = {}   # part -> (input, output)
+        self.norm: nn.Module | None = None     # set by _decode_layer_forward for one call
 
     def first(self, q: nn.Linear, x: Tensor) -> Tensor:
-        parts = decode_linear(x, self.w, self.b).split(self.sizes, -1)
+        parts = decode_linear(x, self.w, self.b, norm=self.norm).split(self.sizes, -1)
         self.held = {i: (x, p) for i, p in enumerate(parts) if i}
         return parts[0]
 
@@ -126,17 +156,22 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
                and (p.bias is None) == (q.bias is None) for p in projs):
         return False
     g = _Group(projs, report)
+    q._meshlab_group = g
     projs[0].forward = types.MethodType(lambda self, x: g.first(self, x), projs[0])
     for i, p in enumerate(projs[1:], 1):
         p.forward = types.MethodType(lambda self, x, i=i: g.take(i, self, x), p)
     return True
 
 
-def _merged_mlp_forward(self, x: Tensor) -> Tensor:
+def _merged_mlp_forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
     from ..ops.swiglu import geglu, swiglu
 
     a, b = F.linear(x, self._meshlab_gate_up).chunk(2, -1)
-    return self.down_proj((swiglu if _gate_kind(self) == "swiglu" else geglu)(a, b))
+    act = (swiglu if _gate_kind(self) == "swiglu" else geglu)(a, b)
+    if residual is None:
+        return self.down_proj(act)
+    d = self.down_proj
+    return decode_linear(act, d.weight, d.bias, residual=residual)
 
 
 def _merge_gate_up(m: nn.Module) -> bool:
@@ -155,10 +190,67 @@ def _linear_forward(self, x: Tensor) -> Tensor:
     return decode_linear(x, self.weight, self.bias)
 
 
+def _decode_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """A routed pre-norm decoder layer (fuse's ``_fused_layer_forward``) whose first norm
+    runs inside the merged query/key/value product and whose last residual add runs inside
+    the down product (:func:`decode_linear`): the attention is handed the layer's input,
+    and its ``q_proj`` normalizes it. The middle add and norm stay ``add_rms_norm``."""
+    from ..ops.rms_norm import add_rms_norm
+
+    if args:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    group = self.self_attn.q_proj._meshlab_group
+    group.norm = self.input_layernorm
+    try:
+        h, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    finally:
+        group.norm = None
+    post = self.post_attention_layernorm
+    normed, hidden = add_rms_norm(h, hidden_states, post.weight, _eps(post))
+    return _merged_mlp_forward(self.mlp, normed, residual=hidden)
+
+
+def _decode_layer_ready(m: nn.Module) -> bool:
+    """A layer fuse routed (its middle add in ``add_rms_norm``) whose query/key/value and
+    gate/up products are merged here, with a bare down projection and a routed input norm
+    of no weight offset."""
+    if not getattr(m, "_meshlab_layer", False):
+        return False
+    rule = getattr(m.input_layernorm, "_meshlab_norm", None)
+    q, mlp = getattr(m.self_attn, "q_proj", None), m.mlp
+    return (rule is not None and not rule.offset and hasattr(q, "_meshlab_group")
+            and hasattr(mlp, "_meshlab_gate_up")
+            and _bare_linear(mlp.down_proj, mlp.down_proj.weight.dtype, bias=True))
+
+
+def _route_layers(model: nn.Module, report: Merged) -> None:
+    from ..parallel.fuse._residual import _probe_layer
+
+    probed: dict[str, str | None] = {}           # layer class -> why not, or None
+    for name, m in model.named_modules():
+        if not _decode_layer_ready(m):
+            continue
+        cls = type(m).__name__
+        if cls not in probed:
+            def prepare(clone, m=m):
+                clone.input_layernorm._meshlab_norm = m.input_layernorm._meshlab_norm
+                _merge_qkv(clone.self_attn, Merged())
+                _merge_gate_up(clone.mlp)
+
+            with torch.random.fork_rng(devices=()):     # building the copy draws weights
+                probed[cls] = _probe_layer(m, _decode_layer_forward, prepare)
+        if probed[cls] is None:
+            m.forward = types.MethodType(_decode_layer_forward, m)
+            report.layers.append(name)
+    report.unfused.update({k: v for k, v in probed.items() if v is not None})
+
+
 def merge_projections(model: nn.Module) -> Merged:
     """Merge every attention layer's query/key/value projections and every gated MLP's
-    gate/up projections that qualify, and route the other bare linear layers through
-    :func:`decode_linear` (module docstring); returns what was routed."""
+    gate/up projections that qualify, route the other bare linear layers through
+    :func:`decode_linear`, and give each decoder layer that then qualifies (and whose
+    class passes a probe) :func:`_decode_layer_forward` (module docstring); returns what
+    was routed."""
     report = Merged()
     for name, m in model.named_modules():
         if _merge_qkv(m, report):
@@ -172,5 +264,6 @@ def merge_projections(model: nn.Module) -> Merged:
                 and _bare_linear(m, m.weight.dtype, bias=True):
             m.forward = types.MethodType(_linear_forward, m)
             report.linear.append(name)
+    _route_layers(model, report)
     model._meshlab_merged = report
     return report

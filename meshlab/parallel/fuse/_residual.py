@@ -54,10 +54,11 @@ def _layer_fusable(m: nn.Module) -> bool:
     return rule is not None and not rule.offset and "forward" not in vars(m)
 
 
-def _probe_layer(m: nn.Module) -> str | None:
-    """Why the layer's class cannot take the fused residual add, or None: a small copy
-    (hidden 16, 2 heads on 1 kv head of 8) runs its own forward and the fused one on the
-    same random input and weights, and the two must agree."""
+def _probe_layer(m: nn.Module, forward=_fused_layer_forward, prepare=None) -> str | None:
+    """Why the layer's class cannot take ``forward`` (the fused residual add), or None: a
+    small copy (hidden 16, 2 heads on 1 kv head of 8) runs its own forward and ``forward``
+    on the same random input and weights (``prepare`` routes the copy first, where given),
+    and the two must agree."""
     cfg = getattr(m, "config", None) or getattr(m.self_attn, "config", None)
     if cfg is None:
         return "no config to build a probe from"
@@ -82,7 +83,9 @@ def _probe_layer(m: nn.Module) -> str | None:
                   position_embeddings=(ang.cos(), ang.sin()))
         x = torch.randn(2, 5, 16, generator=g)
         want = type(m).forward(clone, x, **kw)
-        got = _fused_layer_forward(clone, x, **kw)
+        if prepare is not None:
+            prepare(clone)
+        got = forward(clone, x, **kw)
     except Exception as e:      # a class that differs: its layers keep their own forward
         return f"the probe failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
     got, want = got.detach().double(), want.detach().double()
