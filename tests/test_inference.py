@@ -420,6 +420,20 @@ def test_speculative_decoding_gives_the_greedy_tokens(family):
     assert a2 < a1 and s2 <= plain.steps
 
 
+def test_speculative_decoding_on_meshlab_kernels_gives_the_greedy_tokens():
+    """use_cuda_kernel with a drafter: the verification steps (several rows a sequence)
+    and the drafter's single rows take the routed layers; the tokens are the greedy ones."""
+    prompts = _prompts()
+    ref = _tiny()
+    want = [ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+            .tolist() for p in prompts]
+    engine = _engine(_tiny(), use_spec_dec=True, max_n_spec_tokens=3, use_cuda_kernel=True,
+                     drafter_model=_noisy(0.3))
+    assert engine.model._meshlab_merged.counts()["layers"] == ref.config.num_hidden_layers
+    assert engine.generate(prompts=prompts, max_new_tokens=8) == want
+    assert 0 < engine.spec.accepted < engine.spec.proposed
+
+
 def test_speculative_decoding_switched_on_and_off():
     prompts = _prompts()
     engine = _engine(_tiny())
