@@ -36,6 +36,13 @@ the median of ``--steps`` steps after ``--warmup``; peak memory is
     python benchmarks/single_gpu.py --shape llama3-8b      # hidden 4096, 32 layers, 2 x 4096
     python benchmarks/single_gpu.py --shape tinyllama --batch 1 --tag _b1 \
         --rows hf_eager,hf_liger,meshlab_fuse,meshlab_step,meshlab_graphs   # host-bound
+    python benchmarks/single_gpu.py --pair meshlab_fuse,meshlab_step --steps 30
+
+``--pair A,B`` times two rows interleaved, A, B, A, B, ..., both models and optimizers on
+the card after both are warmed up, and reports the median of the per-pair ratios B/A:
+separate runs drift by about 1% on this card (``meshlab_step`` against the loop:
+0.4% ahead in one run, 1.1% behind in the next), which is the size of the differences
+some comparisons ask about. Writes ``single_gpu_<shape>_pair_<A>_<B>_<card>.json``.
 """
 
 from __future__ import annotations
@@ -180,6 +187,29 @@ def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool
             "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30, "step_ms": times}
 
 
+def run_pair(a: str, b: str, base, batch, steps: int, warmup: int,
+             checkpointing: bool) -> dict:
+    """Rows ``a`` and ``b`` interleaved step by step (module docstring)."""
+    fns = {}
+    for name in (a, b):
+        model = copy.deepcopy(base)
+        if checkpointing and not name.startswith(NO_HF_CHECKPOINTING):
+            model.gradient_checkpointing_enable()
+        fns[name] = _step_fn(name, model, batch)
+        for _ in range(warmup):
+            fns[name]()
+    times = {a: [], b: []}
+    for _ in range(steps):
+        for name in (a, b):
+            times[name] += cuda_times(fns[name], 1)
+    ratios = [y / x for x, y in zip(times[a], times[b])]
+    tokens = batch["input_ids"].numel()
+    return {"rows": [a, b], "step_ms": times,
+            "tokens_per_s": {k: tokens / (statistics.median(v) * 1e-3) for k, v in times.items()},
+            "time_ratio_b_over_a": {"median": statistics.median(ratios), "min": min(ratios),
+                                    "max": max(ratios)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=tuple(SHAPES), default="tinyllama")
@@ -190,6 +220,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None, help="default: the shape's")
     ap.add_argument("--tag", default="", help="appended to the JSON's name")
     ap.add_argument("--copy-to", default=None)
+    ap.add_argument("--pair", default=None, help="A,B: two rows timed interleaved")
     args = ap.parse_args()
     import transformers
 
@@ -198,6 +229,23 @@ def main() -> None:
     base, batch = build(shape)
     cfg = base.config
     fpt = _flops_per_token(cfg, shape["seq"])
+    if args.pair:
+        a, b = args.pair.split(",")
+        r = run_pair(a, b, base, batch, args.steps, args.warmup, shape["checkpointing"])
+        print(f"{b} / {a} step time: median {r['time_ratio_b_over_a']['median']:.4f} "
+              f"(min {r['time_ratio_b_over_a']['min']:.4f}, max "
+              f"{r['time_ratio_b_over_a']['max']:.4f}); tokens/s {r['tokens_per_s']}",
+              flush=True)
+        dev = torch.cuda.get_device_properties(0)
+        out = {"card": dev.name, "torch": torch.__version__,
+               "transformers": transformers.__version__,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "shape": args.shape, "batch": shape["batch"], "seq": shape["seq"],
+               "method": f"{args.steps} steps of each row interleaved (CUDA events) after "
+                         f"{args.warmup} warm-up steps of each; bf16 parameters", **r}
+        name = f"single_gpu_{args.shape}_pair_{a}_{b}{args.tag}"
+        print(f"wrote {_results.write(name, dev.name, out, args.copy_to)}")
+        return
     results = {}
     rows = (args.rows or ",".join(ROWS_8B if args.shape == "llama3-8b" else ROWS)).split(",")
     # Liger patches transformers' modeling module for the whole process: its row runs last
