@@ -190,6 +190,21 @@ def test_a_layer_whose_attention_reads_its_input_otherwise_keeps_its_norm_apart(
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
 
 
+def test_the_engine_says_what_it_runs():
+    eng = _engine(_tiny(), use_cuda_kernel=True, use_spec_dec=True, max_n_spec_tokens=3,
+                  drafter_model=_noisy(0.3), ignore_eos=True)
+    eng.generate(prompts=_prompts()[:2], max_new_tokens=4)
+    text = repr(eng)
+    layers = eng.model.config.num_hidden_layers
+    assert text.startswith("InferenceEngine(LlamaForCausalLM, float32 on cpu, max_batch_size=2")
+    assert "blocks of 4 tokens" in text and "CUDA graphs" not in text
+    assert f"'residual_add': {layers}" in text and f"'layers': {layers}" in text
+    assert f"3 drafted tokens a step, {eng.spec.accepted} of {eng.spec.proposed}" in text
+    assert text.endswith(f"0 waiting, 0 running, {eng.steps} steps run)")
+    plain = repr(_engine(_tiny()))
+    assert "kernels" not in plain and "speculative" not in plain
+
+
 def test_merged_projections_make_four_products_per_layer():
     """A decode step under use_cuda_kernel, of one request or several: one product for the
     query, key and value, one for the gate and up, the output and down projections, and

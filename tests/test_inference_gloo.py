@@ -109,7 +109,7 @@ def serve_case(rank, world, family, layout, kv_heads=2):
     got, batches = _serve(engine, prompts)
     return {"engine": got, "want": [w[:n] if len(w) > n else w for w, n in zip(want, BUDGETS)],
             "generate": hf[:, 6:].tolist(), "want_generate": [want[LENGTHS.index(6)]] * 2,
-            "batches": batches, "stages_in_turn": engine.pipe is not None}
+            "batches": batches, "stages_in_turn": engine.pipe is not None, "repr": repr(engine)}
 
 
 def streaming_case(rank, world, family, layout):
@@ -196,6 +196,8 @@ def test_decoding_matches_one_process(world2, family, layout, kv_heads):
     o = out[0]
     assert o["generate"] == o["want_generate"]
     assert o["stages_in_turn"] == layout.startswith("pp")
+    assert "parallelized over Mesh(" in o["repr"]
+    assert ("pipelined" in o["repr"]) == layout.startswith("pp")
     assert o["engine"] == o["want"], (o["engine"], o["want"])
     # continuous batching: at most 3 at a time; some step ran a request that joined
     # while others were decoding, and one where a request had left and others went on

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .._errors import ConfigError, ConfigTypeError
+from .._placement import mesh_repr
 from ..ops.paged_attention import layout
 from ._config import InferenceConfig, window_blocks
 from ._paged import Blocks, PagedBatch, PagedCache, place, register, running
@@ -112,6 +113,34 @@ class InferenceEngine:
         elif drafter_model is not None:
             raise ConfigError("InferenceEngine(drafter_model=...) with use_spec_dec=False: set "
                               "InferenceConfig(use_spec_dec=True) to decode speculatively")
+
+    def __repr__(self) -> str:
+        """What the engine runs, in a few lines: the model and cache, how decode steps run
+        (graphs, kernels and what they routed, speculation), and the queue."""
+        cfg, m = self.config, self.model
+        dtype = str(cfg.dtype).removeprefix("torch.")
+        lines = [f"InferenceEngine({type(m).__name__}, {dtype} on {self.device}, "
+                 f"max_batch_size={cfg.max_batch_size}",
+                 f"  paged cache: {self.cache.num_blocks} blocks of {cfg.block_size} tokens"]
+        rt = getattr(m, "_meshlab", None)
+        if rt is not None:
+            lines.append(f"  parallelized over {mesh_repr(rt.plan.mesh_shape)}"
+                         + (", pipelined: stages in turn" if self.pipe is not None else ""))
+        if self.graphs is not None:
+            lines.append(f"  decode steps as CUDA graphs, batch buckets "
+                         f"{self.graphs.buckets}")
+        kernels, merged = getattr(m, "_meshlab_kernels", None), getattr(m, "_meshlab_merged", None)
+        if kernels is not None:
+            lines.append(f"  meshlab kernels: {kernels.counts()}")
+        if merged is not None:
+            lines.append(f"  merged products: {merged.counts()}")
+            lines += [f"  not fused: {k}: {v}" for k, v in merged.unfused.items()]
+        if self.spec is not None:
+            lines.append(f"  speculative decoding: {self.spec.k} drafted tokens a "
+                         f"step, {self.spec.accepted} of {self.spec.proposed} kept so far")
+        lines.append(f"  requests: {len(self.waiting)} waiting, {len(self.running)} running, "
+                     f"{self.steps} steps run)")
+        return "\n".join(lines)
 
     def _size_cache(self, ahead: int) -> None:
         """A cache for ``max_batch_size`` sequences (requests, or beams under beam
