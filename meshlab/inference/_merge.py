@@ -21,8 +21,9 @@ dict keeps its names and shapes):
   products of a batch-1 decode step) and everything else to ``F.linear``.
 * a decoder layer fuse routed (norm, attention, ``add_rms_norm``, MLP, add), with both
   groups merged: :func:`_decode_layer_forward` hands the attention the layer's input, the
-  merged product normalizes it (inside the kernel for a single row), and the down product
-  adds the residual. Two kernels fewer a layer at batch 1. Each layer class is probed
+  merged product normalizes it (inside the kernel for a single row, where that measured
+  faster), and the down product adds the residual: one or two kernels fewer a layer at
+  batch 1. Each layer class is probed
   first (a small copy, its own forward against this one); ``Merged.unfused`` says why a
   class was left alone.
 
