@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from ..ops import _build
 from ..parallel.fuse._hf import _bare_linear, _gate_kind
+from ..parallel.fuse._residual import _probe_layer, norm_eps
 
 
 _PLAIN = (Tensor, nn.Parameter)
@@ -62,10 +63,6 @@ def one_row(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
 def _vector(t: Tensor, n: int, dtype: torch.dtype | None) -> bool:
     return type(t) in _PLAIN and t.numel() == n and t.is_contiguous() and \
         (dtype is None or t.dtype == dtype)
-
-
-def _eps(norm: nn.Module) -> float:
-    return float(getattr(norm, norm._meshlab_norm.eps))
 
 
 def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *,
@@ -86,7 +83,7 @@ def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *,
                 x, norm = norm(x), None
             y = mod.gemv(x, w, b, None if residual is None else residual.view(n),
                          None if norm is None else norm.weight,
-                         0.0 if norm is None else _eps(norm))
+                         0.0 if norm is None else norm_eps(norm))
             return y.view(*x.shape[:-1], n)
     y = F.linear(x if norm is None else norm(x), w, b)
     return y if residual is None else residual + y
@@ -207,7 +204,7 @@ def _decode_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tenso
     finally:
         group.norm = None
     post = self.post_attention_layernorm
-    normed, hidden = add_rms_norm(h, hidden_states, post.weight, _eps(post))
+    normed, hidden = add_rms_norm(h, hidden_states, post.weight, norm_eps(post))
     return _merged_mlp_forward(self.mlp, normed, residual=hidden)
 
 
@@ -225,8 +222,6 @@ def _decode_layer_ready(m: nn.Module) -> bool:
 
 
 def _route_layers(model: nn.Module, report: Merged) -> None:
-    from ..parallel.fuse._residual import _probe_layer
-
     probed: dict[str, str | None] = {}           # layer class -> why not, or None
     for name, m in model.named_modules():
         if not _decode_layer_ready(m):

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def _gemv(X, W, B, R, G, Y, N, K, SW, eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
           NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -63,6 +64,11 @@ def _gemv(X, W, B, R, G, Y, N, K, SW, eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.c
     tl.store(Y + rn, y.to(Y.dtype.element_ty), mask=nmask)
 
 
+# Products of at most this many outputs take the wide tile (8 rows by 1024 inputs, 8 warps)
+# and the norm inside; wider ones the 512-input tile with the norm apart (module docstring).
+_WIDE_TILE_MAX_N = 3072
+
+
 def wins(n: int, k: int) -> bool:
     """Whether this kernel beat cuBLAS for a (``n`` out, ``k`` in) weight when measured:
     every decode product but the wide gated-MLP ones (module docstring)."""
@@ -75,7 +81,7 @@ def takes_norm(n: int, k: int) -> bool:
     1.030 to 0.990 ms with the residual add in the down product as well), not for the
     8B's (its products 1.99 to 2.12 ms a step: the extra loads of the norm weight slow the
     4-by-512 tiles more than the norm kernel costs)."""
-    return n <= 3072
+    return n <= _WIDE_TILE_MAX_N
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
@@ -87,7 +93,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     ``g``, in float32, as one product; returns (N,)."""
     n, k = w.shape
     # the tiles measured fastest (module docstring)
-    if n <= 3072:
+    if n <= _WIDE_TILE_MAX_N:
         bn, bk, warps = 8, 1024, 8
     else:
         bn, bk, warps = (4 if k >= 8192 else 8), 512, 4

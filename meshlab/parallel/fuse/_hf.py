@@ -62,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from ..._errors import ConfigError
-from ._residual import route_layers
+from ._residual import norm_eps, route_layers
 
 FUSABLE = ("rms_norm", "rotary", "attention", "mlp", "loss")
 
@@ -134,7 +134,7 @@ def _fused_norm_forward(self, hidden_states: Tensor) -> Tensor:
     w = self.weight
     if rule.offset:
         w = w.float() + rule.offset
-    return rms_norm(hidden_states, w, float(getattr(self, rule.eps)))
+    return rms_norm(hidden_states, w, norm_eps(self))
 
 
 def _probe_norm(m: nn.Module, rule: Norm) -> None:

@@ -20,6 +20,11 @@ from torch import Tensor, nn
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
+def norm_eps(m: nn.Module) -> float:
+    """The epsilon of a routed RMS norm module, read from the attribute its rule names."""
+    return float(getattr(m, m._meshlab_norm.eps))
+
+
 def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     """A pre-norm decoder layer (norm, attention, residual add, norm, MLP, residual add)
     whose middle add and the norm after it are one ``meshlab::add_rms_norm``. Positional
@@ -39,8 +44,7 @@ def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor
         hidden = residual + h
         normed = norm(hidden)
     else:
-        normed, hidden = add_rms_norm(h, residual, norm.weight,
-                                      float(getattr(norm, norm._meshlab_norm.eps)))
+        normed, hidden = add_rms_norm(h, residual, norm.weight, norm_eps(norm))
     return hidden + self.mlp(normed)
 
 
