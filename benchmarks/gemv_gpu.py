@@ -10,7 +10,9 @@ reach 1.5-2.2 TB/s and the down product 2.5 TB/s (split-K, a reduction kernel af
 where the gate/up product reaches 3.6. The candidates here read the weight in tiles of
 ``BLOCK_N`` output rows by ``BLOCK_K`` inputs, one program per tile row and, for
 ``SPLIT`` > 1, a share of the inputs each, summed by atomic adds into a float32 buffer
-(then cast: one more small kernel).
+(then cast: one more small kernel). For one row, the ``meshlab`` entry times the kernel
+the engine ships (``meshlab/ops/_triton_gemv.py``, with the tile it picks for the shape);
+the candidates here are the search space it was picked from.
 
 Timing: each product is captured ``CALLS`` times in one CUDA graph (a decode step replays
 its kernels from a graph, so launch cost is not what is measured), replayed after a
@@ -39,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _results  # noqa: E402
 from ops_gpu import graphed  # noqa: E402
+
+from meshlab.ops import _triton_gemv  # noqa: E402
 
 CALLS = 50
 RING_BYTES = 256e6            # about five times the H200's L2
@@ -173,6 +177,11 @@ def main() -> None:
         row = {"weight_MB": round(mb, 1)}
         us = _graph_time(lambda: F.linear(x, nxt()))
         row["cublas"] = {"us": round(us, 2), "TB/s": round(mb / us, 2)}
+        if args.rows == 1:          # the kernel the engine ships, with the tile it picks
+            err = (_triton_gemv.gemv(x[0], w).float() - want[0]).abs().max().item()
+            assert err < 2e-2 * want.abs().max().item(), f"{name}: meshlab kernel off by {err}"
+            us = _graph_time(lambda: _triton_gemv.gemv(x[0], nxt()))
+            row["meshlab"] = {"us": round(us, 2), "TB/s": round(mb / us, 2)}
         for cfg in CONFIGS:
             key = "triton_n{}_k{}_split{}_w{}_s{}".format(*cfg[:5]) + ("_acc2d" if cfg[5] else "")
             if cfg[5] and args.rows != 1:
