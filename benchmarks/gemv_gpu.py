@@ -11,8 +11,10 @@ where the gate/up product reaches 3.6. The candidates here read the weight in ti
 ``BLOCK_N`` output rows by ``BLOCK_K`` inputs, one program per tile row and, for
 ``SPLIT`` > 1, a share of the inputs each, summed by atomic adds into a float32 buffer
 (then cast: one more small kernel). For one row, the ``meshlab`` entry times the kernel
-the engine ships (``meshlab/ops/_triton_gemv.py``, with the tile it picks for the shape);
-the candidates here are the search space it was picked from.
+the engine ships (``meshlab/ops/_triton_gemv.py``, with the tile it picks for the shape),
+with programmatic dependent launch where the device has it (each call's first weight tile
+read while the call before drains) and, as ``meshlab_serial``, without; the candidates
+here are the search space it was picked from (``--shipped-only`` skips them).
 
 Timing: each product is captured ``CALLS`` times in one CUDA graph (a decode step replays
 its kernels from a graph, so launch cost is not what is measured), replayed after a
@@ -20,7 +22,7 @@ warm-up, median of 20 replays by CUDA events. The calls cycle through copies of 
 weight that together exceed the L2 cache (``RING_BYTES``), so each call reads its weight
 from memory as a decode step does; one weight called 50 times would sit in the 50 MB L2
 and flatter the small products. Outputs are checked against ``F.linear``
-in float32 before timing. Writes ``results/gemv_<card>.json``.
+in float32 before timing. Writes ``results/gemv_rows<rows>[_shipped]_<card>.json``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _results  # noqa: E402
 from ops_gpu import graphed  # noqa: E402
 
-from meshlab.ops import _triton_gemv  # noqa: E402
+from meshlab.ops import _triton, _triton_gemv  # noqa: E402
 
 CALLS = 50
 RING_BYTES = 256e6            # about five times the H200's L2
@@ -157,7 +159,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1, help="rows of x (a decode batch), <= 4")
     ap.add_argument("--copy-to", default=None)
+    ap.add_argument("--shipped-only", action="store_true",
+                    help="time cuBLAS and the shipped kernel only, not the candidates")
     args = ap.parse_args()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    pdl = _triton.pdl(dev)
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {"card": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "date": datetime.date.today().isoformat(),
@@ -180,9 +186,17 @@ def main() -> None:
         if args.rows == 1:          # the kernel the engine ships, with the tile it picks
             err = (_triton_gemv.gemv(x[0], w).float() - want[0]).abs().max().item()
             assert err < 2e-2 * want.abs().max().item(), f"{name}: meshlab kernel off by {err}"
-            us = _graph_time(lambda: _triton_gemv.gemv(x[0], nxt()))
-            row["meshlab"] = {"us": round(us, 2), "TB/s": round(mb / us, 2)}
-        for cfg in CONFIGS:
+            # with programmatic dependent launch where the device has it (the next call
+            # launched at this one's start or after its loop), and without
+            for key, on, late in (("meshlab", pdl, None), ("meshlab_early", pdl, False),
+                                  ("meshlab_late", pdl, True), ("meshlab_serial", False, None)):
+                _triton._PDL[dev.index] = on
+                us = _graph_time(lambda: _triton_gemv.gemv(x[0], nxt(), late=late))
+                row[key] = {"us": round(us, 2), "TB/s": round(mb / us, 2), "pdl": on}
+                if on and late is None:
+                    row[key]["late"] = _triton_gemv.late_trigger(n, k)
+            _triton._PDL[dev.index] = pdl
+        for cfg in ([] if args.shipped_only else CONFIGS):
             key = "triton_n{}_k{}_split{}_w{}_s{}".format(*cfg[:5]) + ("_acc2d" if cfg[5] else "")
             if cfg[5] and args.rows != 1:
                 continue
@@ -200,7 +214,8 @@ def main() -> None:
         out["shapes"][name] = row
         ring.clear()
         print(name, row["cublas"], best, flush=True)
-    print(_results.write(f"gemv_rows{args.rows}", out["card"], out, args.copy_to))
+    name = f"gemv_rows{args.rows}" + ("_shipped" if args.shipped_only else "")
+    print(_results.write(name, out["card"], out, args.copy_to))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,11 @@ the next (``engine.launch_ahead = False``), to show what launching ahead buys.
 Random bf16 weights of the named Llama shape, prompts of ``--prompt`` random tokens,
 ``--new`` tokens generated greedily with EOS disabled, so every path makes the same number
 of tokens. Per path and batch: time to first token (a generate of one new token, which is
-the prefill and one sampling), the whole generate of ``--new`` tokens, and decode tokens/s
-= batch x (new - 1) / (whole - first). Each is the median of ``--repeats`` calls after one
+the prefill and one sampling), the whole generate of ``--new`` tokens, decode tokens/s
+= batch x (new - 1) / (whole - first), and the steadier ``step_ms``: (whole - a generate
+of new // 2 tokens) / (new - new // 2), the time of a late decode step with prefill and
+call overheads cancelled (a slow first token raises the decode tokens/s above, not this);
+``step_tokens_per_s`` = batch / step_ms. Each is the median of ``--repeats`` calls after one
 warm-up call (which also compiles), timed with CUDA events around the call (host work
 included: it is what a user waits for). At batch 1 the HBM bound is weights / bandwidth
 per token (H200: 4.8 TB/s). Writes ``results/inference_<shape><tag>_<card>.json``.
@@ -98,16 +101,21 @@ def run_batch(model, batch: int, args) -> dict:
                 engine, make = _engine(copy.deepcopy(model) if kernels else model, ids,
                                        args.new, "graphs" in name, kernels)
                 engine.launch_ahead = not name.endswith("_inorder")
-                first, whole = _timed(make(1), args.repeats), _timed(make(args.new),
-                                                                       args.repeats)
+                first, half, whole = (_timed(make(n), args.repeats)
+                                      for n in (1, args.new // 2, args.new))
                 del engine
             else:
                 static = name == "hf_static_compile"
-                first = _timed(_hf(model, ids, 1, static), args.repeats)
-                whole = _timed(_hf(model, ids, args.new, static), args.repeats)
+                first, half, whole = (_timed(_hf(model, ids, n, static), args.repeats)
+                                      for n in (1, args.new // 2, args.new))
+            # step_ms: the last new // 2 steps' time over their number (two generates of
+            # one prompt, so prefill and call overheads cancel)
+            step = (whole - half) / (args.new - args.new // 2)
             rows[name] = dict(ttft_ms=round(first, 2), generate_ms=round(whole, 2),
                               decode_tokens_per_s=round(batch * (args.new - 1) /
-                                                        ((whole - first) / 1e3), 1))
+                                                        ((whole - first) / 1e3), 1),
+                              step_ms=round(step, 3),
+                              step_tokens_per_s=round(batch / (step / 1e3), 1))
         except Exception as e:             # a path that fails is reported, not hidden
             rows[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         gc.collect()
@@ -194,6 +202,9 @@ def main() -> None:
     args = ap.parse_args()
     args.paths = args.paths.split(",")
     import transformers
+    import triton
+
+    from meshlab.ops import _triton
 
     cfg = transformers.LlamaConfig(**SHAPES[args.shape], max_position_embeddings=4096,
                                    attn_implementation="sdpa")
@@ -204,7 +215,9 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     out = {"card": torch.cuda.get_device_name(), "shape": args.shape,
            "date": datetime.date.today().isoformat(),
-           "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+           "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "triton": triton.__version__},
+           "programmatic_dependent_launch": _triton.pdl(torch.device("cuda", 0)),
            "prompt_tokens": args.prompt, "new_tokens": args.new, "repeats": args.repeats,
            "weight_bytes": weights,
            "hbm_bound_tokens_per_s_batch1": round(HBM_BYTES_PER_S / weights, 1),

@@ -133,10 +133,10 @@ def test_engine_on_meshlab_kernels_equals_generate(family):
 
 
 def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypatch):
-    """Under use_cuda_kernel a decode step of one request hands every product but the
-    gate/up one to ``decode_linear`` in a form the Triton matrix-vector kernel takes
-    (``one_row``; the kernel itself is checked on the GPU), with the modules' weights,
-    which are parameters; a prefill's products are not single rows."""
+    """Under use_cuda_kernel a decode step of one request hands every product to
+    ``decode_linear`` in a form the Triton matrix-vector kernel takes (``one_row``; the
+    kernel itself, and which widths it takes, are checked on the GPU), with the modules'
+    weights, which are parameters; a prefill's products are not single rows."""
     from meshlab.inference import _merge
 
     seen = []
@@ -148,10 +148,10 @@ def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypa
         eng.add_request([1, 2, 3], 4)
         eng.step()                                         # the prefill
         layers = eng.model.config.num_hidden_layers
-        assert seen == [False] * (3 * layers) + [True]     # the head reads the last row
+        assert seen == [False] * (4 * layers) + [True]     # the head reads the last row
         seen.clear()
         eng.step()                                         # one decode step
-        assert seen == [True] * (3 * layers + 1)
+        assert seen == [True] * (4 * layers + 1)
         seen.clear()
 
 
@@ -933,7 +933,7 @@ def test_decode_linear_triton_kernel_is_f_linear(dtype, tol, monkeypatch):
     a row that is a view, an RMS norm of the row and a residual inside it); several rows
     and the wide gated-MLP shapes stay on cuBLAS."""
     from meshlab.inference._merge import decode_linear
-    from meshlab.ops import _build
+    from meshlab.ops import _build, _triton
 
     g = torch.Generator().manual_seed(0)
     for n, k, bias in ((2048, 2048, False), (3072, 2048, True), (4099, 1000, True),
@@ -966,10 +966,11 @@ def test_decode_linear_triton_kernel_is_f_linear(dtype, tol, monkeypatch):
     x2 = torch.randn(2, 64, device="cuda", dtype=dtype)
     w2 = torch.randn(16384, 64, device="cuda", dtype=dtype)
     decode_linear(x2, w2[:32])                  # two rows
-    decode_linear(x2[:1], w2)                   # a gated MLP's width
     assert not ran
+    decode_linear(x2[:1], w2)                   # a gated MLP's width: cuBLAS without PDL
+    assert len(ran) == (1 if _triton.pdl(x2.device) else 0)
     decode_linear(x2[:1], w2[:32])
-    assert len(ran) == 1
+    assert len(ran) == (2 if _triton.pdl(x2.device) else 1)
 
 
 @pytest.mark.gpu

@@ -173,3 +173,63 @@ def test_add_rms_norm_triton(dtype):
                           tuple(t.clone().requires_grad_() for t in (x, r, w)) + (1e-6,))
     torch.library.opcheck(torch.ops.meshlab.add_rms_norm_backward.default,
                           (dy, ds, total, w, rstd))
+
+
+def test_dependent_launch_chain_reads_what_the_kernel_before_wrote():
+    """On compute capability 9.0 and later the forward kernels launch with programmatic
+    dependent launch (each waits for the one before inside the kernel, the matrix-vector
+    kernel reading its first weight tile before that wait). A chain in which every kernel
+    reads the output of the one just before, replayed from a CUDA graph, equals the same
+    chain run one kernel after another, bit for bit."""
+    pytest.importorskip("triton")
+    from meshlab.ops import _triton, _triton_gemv, _triton_paged
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    on = _triton.pdl(dev)
+    assert on == (torch.cuda.get_device_capability(dev)[0] >= 9)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, f, kv, d = 2048, 5632, 4, 64
+    w_in = torch.randn(h, h, device=dev, generator=g, dtype=torch.bfloat16) * h ** -0.5
+    w_up = torch.randn(2 * f, h, device=dev, generator=g, dtype=torch.bfloat16) * h ** -0.5
+    w_dn = torch.randn(h, f, device=dev, generator=g, dtype=torch.bfloat16) * f ** -0.5
+    norm = torch.rand(h, device=dev, generator=g, dtype=torch.bfloat16) + 0.5
+    cos = torch.rand(4, d // 2, device=dev, generator=g)
+    sin = torch.rand(4, d // 2, device=dev, generator=g)
+    cache = torch.zeros(2, 8, 16, kv, d, device=dev, dtype=torch.bfloat16)
+    tables = torch.arange(8, device=dev, dtype=torch.int32).view(1, 8)
+    x0 = torch.randn(h, device=dev, generator=g, dtype=torch.bfloat16)
+
+    def chain():
+        x = x0
+        for i in range(6):
+            y = _triton_gemv.gemv(x, w_in, g=norm, eps=1e-5)         # norm inside
+            q = _triton.rotary_fwd(y.view(1, 1, h // d, d), cos[i % 4:], sin[i % 4:])
+            kvs = q.view(h // d, d)[:kv].unsqueeze(0)
+            _triton_paged.write_kv(cache[0], cache[1], torch.full((1,), i, device=dev),
+                                   kvs, kvs)
+            att = _triton_paged.paged_attention_fwd(
+                q.view(1, h // d, d), cache[0], cache[1], tables,
+                torch.zeros(1, device=dev, dtype=torch.int32),
+                torch.full((1,), i + 1, device=dev, dtype=torch.int32), d ** -0.5, splits=2)
+            y2, s, _ = _triton.add_rms_norm_fwd(att.view(1, h), x.view(1, h), norm, 1e-5)
+            up = y2.view(h) @ w_up.t()             # cuBLAS between, as for gate/up
+            a = _triton.swiglu_fwd(up[:f].view(1, f), up[f:].view(1, f))
+            x = _triton_gemv.gemv(a.view(f), w_dn, r=s.view(h))      # residual inside
+            x = _triton.rms_norm_fwd(x.view(1, h), norm, 1e-5)[0].view(h)
+        return x
+
+    _triton._PDL[dev.index] = False
+    try:
+        cache.zero_()
+        want = chain().clone()
+    finally:
+        _triton._PDL[dev.index] = on
+    chain()                                      # compile the PDL variants before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    for _ in range(20):
+        cache.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)

@@ -16,9 +16,10 @@ dict keeps its names and shapes):
 * gated MLP (``gate_proj``, ``up_proj`` bare, no bias, SiLU or tanh GELU): one product
   for both and ``meshlab::swiglu`` (``meshlab::geglu``) on its two halves.
 * every other bare ``nn.Linear`` (output and down projections, the head) and the merged
-  query/key/value product: :func:`decode_linear`, which sends a single row on CUDA to a
-  Triton matrix-vector kernel (``meshlab/ops/_triton_gemv.py``: 1.05-1.4x cuBLAS on the
-  products of a batch-1 decode step) and everything else to ``F.linear``.
+  products: :func:`decode_linear`, which sends a single row on CUDA to a Triton
+  matrix-vector kernel (``meshlab/ops/_triton_gemv.py``: 1.02-1.7x cuBLAS on the products
+  of a batch-1 decode step on an H200, the gate/up one only where kernels launch with
+  programmatic dependent launch) and everything else to ``F.linear``.
 * a decoder layer fuse routed (norm, attention, ``add_rms_norm``, MLP, add), with both
   groups merged: :func:`_decode_layer_forward` hands the attention the layer's input, the
   merged product normalizes it (inside the kernel for a single row, where that measured
@@ -65,26 +66,34 @@ def _vector(t: Tensor, n: int, dtype: torch.dtype | None) -> bool:
         (dtype is None or t.dtype == dtype)
 
 
+def _row_kernel(x: Tensor, w: Tensor, b: Tensor | None, rows: int):
+    """The matrix-vector kernel module where ``F.linear(x, w, b)`` (``rows`` of ``w``
+    read) should run it: what :func:`one_row` accepts, on CUDA, outside tracing, with the
+    kernels on, at a shape it wins at (``_triton_gemv.wins``); else ``None``."""
+    if not (one_row(x, w, b) and x.is_cuda and not torch.compiler.is_compiling()):
+        return None
+    mod = _build.triton_kernels("decode_linear")
+    return mod if mod is not None and mod.wins(rows, w.shape[1], x.device) else None
+
+
 def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *,
                   norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """``F.linear(norm(x), w, b) + residual`` (``norm`` a routed RMS norm module, each part
-    optional). On CUDA, what :func:`one_row` accepts at a shape the kernel wins at
-    (``_triton_gemv.wins``) runs the Triton matrix-vector kernel, the residual add inside
-    it, and the norm too where that measured faster (``takes_norm``; else the norm's own
-    kernel first), in float32; anything else (several rows, CPU, DTensors, tracing by
-    ``torch.compile``, kernels switched off) runs the norm, ``F.linear`` and the add."""
+    optional). Where :func:`_row_kernel` says so, the Triton matrix-vector kernel runs it,
+    the residual add inside it, and the norm too where that measured faster
+    (``takes_norm``; else the norm's own kernel first), in float32; anything else
+    (several rows, CPU, DTensors, tracing by ``torch.compile``, kernels switched off)
+    runs the norm, ``F.linear`` and the add."""
     n, k = w.shape
-    if (one_row(x, w, b) and x.is_cuda and not torch.compiler.is_compiling()
-            and (residual is None or _vector(residual, n, w.dtype))
-            and (norm is None or _vector(norm.weight, k, None))):
-        mod = _build.triton_kernels("decode_linear")
-        if mod is not None and mod.wins(n, k):
-            if norm is not None and not mod.takes_norm(n, k):
-                x, norm = norm(x), None
-            y = mod.gemv(x, w, b, None if residual is None else residual.view(n),
-                         None if norm is None else norm.weight,
-                         0.0 if norm is None else norm_eps(norm))
-            return y.view(*x.shape[:-1], n)
+    mod = _row_kernel(x, w, b, n)
+    if mod is not None and (residual is None or _vector(residual, n, w.dtype)) \
+            and (norm is None or _vector(norm.weight, k, None)):
+        if norm is not None and not mod.takes_norm(n, k):
+            x, norm = norm(x), None
+        y = mod.gemv(x, w, b, None if residual is None else residual.view(n),
+                     None if norm is None else norm.weight,
+                     0.0 if norm is None else norm_eps(norm))
+        return y.view(*x.shape[:-1], n)
     y = F.linear(x if norm is None else norm(x), w, b)
     return y if residual is None else residual + y
 
@@ -164,7 +173,7 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
 def _merged_mlp_forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
     from ..ops.swiglu import geglu, swiglu
 
-    a, b = F.linear(x, self._meshlab_gate_up).chunk(2, -1)
+    a, b = decode_linear(x, self._meshlab_gate_up).chunk(2, -1)
     act = (swiglu if _gate_kind(self) == "swiglu" else geglu)(a, b)
     if residual is None:
         return self.down_proj(act)

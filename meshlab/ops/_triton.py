@@ -15,13 +15,53 @@ their speed is one read of each input and one write of each output, in wide coal
 loads; a Triton program over a row or a block gets that, fusion included, in a few lines,
 with no nvcc at install time. Reductions (a row's sum of squares) stay in registers;
 weight gradients are summed per program over a band of rows, then once over programs.
+
+The forward kernels (the ones a decode step runs) launch with programmatic dependent
+launch on Hopper and later (:func:`pdl`): each starts by letting the next kernel launch and
+then waits for the one before it to finish, so the next kernel's programs are placed on
+the device while this one drains instead of after it. Nothing is read before the wait
+except what no kernel writes (the matrix-vector kernel's weights), so results are those
+of kernels run one after another.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+try:        # grid dependency control: Triton 3.3 and later, for sm_90 and later
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:     # pragma: no cover - older Triton: pdl() is False, the calls unused
+    gdc_launch_dependents = gdc_wait = None
+
+
+_PDL: dict[int, bool] = {}
+
+
+def pdl(device) -> bool:
+    """Whether kernels on CUDA ``device`` launch with programmatic dependent launch: on
+    compute capability 9.0 and later, with a Triton that has grid dependency control, not
+    under Triton's interpreter, and unless ``MESHLAB_PDL=0`` (read once per device)."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL:
+        _PDL[idx] = (gdc_wait is not None and os.environ.get("MESHLAB_PDL", "1") != "0"
+                     and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+                     and torch.cuda.get_device_capability(idx)[0] >= 9)
+    return _PDL[idx]
+
+
+@triton.jit
+def _after_previous(PDL: tl.constexpr):
+    # With PDL: the next kernel may be placed now; wait until the previous one has finished
+    # and its writes are visible (module docstring). A no-op without.
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 def _row_block(h: int) -> tuple[int, int]:
@@ -51,7 +91,8 @@ def _bands(n: int, device) -> tuple[int, int]:
 # ------------------------------------------------------------------ rms_norm
 
 @triton.jit
-def _rms_fwd(X, W, Y, RSTD, H, eps, BLOCK: tl.constexpr):
+def _rms_fwd(X, W, Y, RSTD, H, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -63,8 +104,9 @@ def _rms_fwd(X, W, Y, RSTD, H, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_fwd(X, R, W, Y, S, RSTD, H, eps, BLOCK: tl.constexpr):
+def _add_rms_fwd(X, R, W, Y, S, RSTD, H, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # s = x + r rounded to the activations' dtype, as a separate add rounds it; y = norm(s).
+    _after_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -111,7 +153,8 @@ def rms_norm_fwd(x, w, eps):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
     block, warps = _row_block(h)
-    _rms_fwd[(n,)](x, w, y, rstd, h, eps, BLOCK=block, num_warps=warps)
+    on = pdl(x.device)
+    _rms_fwd[(n,)](x, w, y, rstd, h, eps, BLOCK=block, PDL=on, num_warps=warps, launch_pdl=on)
     return y, rstd
 
 
@@ -121,7 +164,9 @@ def add_rms_norm_fwd(x, r, w, eps):
     s = torch.empty_like(y)
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
     block, warps = _row_block(h)
-    _add_rms_fwd[(n,)](x, r, w, y, s, rstd, h, eps, BLOCK=block, num_warps=warps)
+    on = pdl(x.device)
+    _add_rms_fwd[(n,)](x, r, w, y, s, rstd, h, eps, BLOCK=block, PDL=on, num_warps=warps,
+                       launch_pdl=on)
     return y, s, rstd
 
 
@@ -208,12 +253,13 @@ def layer_norm_bwd(dy, x, w, mean, rstd):
 
 @triton.jit
 def _rotary(X, COS, SIN, O, S, NH, HALF, XT, CS, SS, BLOCK_H: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+            BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     # One program per token: all its heads share one row of cos/sin, loaded once. XT: the
     # token stride of x (its heads and dims are contiguous; its tokens need not be, as in a
     # part of a merged query/key/value product); the output is contiguous. CS, SS: the row
     # strides of cos and sin, read in their own dtype (a slice of the model's (S, D)
     # tables, so no cast or copy of them runs per call).
+    _after_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     s = tok % S
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -250,8 +296,10 @@ def rotary_fwd(x, cos, sin):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     half = d // 2
     bh, bd = triton.next_power_of_2(nh), triton.next_power_of_2(half)
+    on = pdl(x.device)
     _rotary[(b * s,)](x, cos, sin, out, s, nh, half, xt, cos.stride(0), sin.stride(0),
-                      BLOCK_H=bh, BLOCK_D=bd, num_warps=4 if bh * bd <= 2048 else 8)
+                      BLOCK_H=bh, BLOCK_D=bd, PDL=on, num_warps=4 if bh * bd <= 2048 else 8,
+                      launch_pdl=on)
     return out
 
 
@@ -288,9 +336,10 @@ def _gate_grad(a, ACT: tl.constexpr):
 
 @triton.jit
 def _swiglu_fwd(A, B, Y, n, COLS, SA, SB, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
-                ACT: tl.constexpr):
+                ACT: tl.constexpr, PDL: tl.constexpr):
     # STRIDED: a and b are rows of COLS with row strides SA and SB (the halves of a merged
     # gate/up product); else both are contiguous. y is contiguous.
+    _after_previous(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if STRIDED:
@@ -341,9 +390,10 @@ def swiglu_fwd(a, b, act=0):
     n, cols = a.numel(), a.shape[-1]
     a2, b2 = _rows(a), _rows(b)
     strided = a2.stride(0) != cols or b2.stride(0) != cols
+    on = pdl(a.device)
     _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](a2, b2, y, n, cols, a2.stride(0), b2.stride(0),
                                               BLOCK=_EW_BLOCK, STRIDED=strided, ACT=act,
-                                              num_warps=8)
+                                              PDL=on, num_warps=8, launch_pdl=on)
     return y
 
 

@@ -31,13 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import sm_count
+from ._triton import _after_previous, pdl, sm_count
 
 
 @triton.jit
 def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, M, L, scale, Hq, Hkv, W, BS, D, SPLITS,
                   G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr):
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+                  PDL: tl.constexpr):
+    _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.load(SEQ + t).to(tl.int64)
@@ -91,8 +93,10 @@ def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, M, L, scale, Hq, Hkv, W, BS, D,
 
 
 @triton.jit
-def _paged_combine(P, M, L, O, SPLITS, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _paged_combine(P, M, L, O, SPLITS, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr):
     # One program per (query, head): its shares' softmax sums rescaled to one maximum.
+    _after_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -133,8 +137,10 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=No
     block_n = 64 if block_d <= 128 else 32
     if splits is None:
         splits = splits_for(t, hkv, tables.shape[1] * bs, block_n, q.device)
+    on = pdl(q.device)
     common = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
-                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, PDL=on, num_warps=4,
+                  num_stages=2, launch_pdl=on)
     if splits == 1:
         _paged_decode[(t, hkv, 1)](q, k_cache, v_cache, tables, seq, keys, out, out, out,
                                    float(scale), hq, hkv, tables.shape[1], bs, d, 1,
@@ -148,14 +154,15 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=No
                                     SPLIT=True, **common)
     _paged_combine[(t * hq,)](part, m, lsum, out, splits, d,
                               BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-                              num_warps=4 if block_d >= 128 else 2)
+                              PDL=on, num_warps=4 if block_d >= 128 else 2, launch_pdl=on)
     return out
 
 
 @triton.jit
 def _write_kv(K, V, KC, VC, SLOTS, KT, KH, VT, VH, HKV, D, BLOCK_H: tl.constexpr,
-              BLOCK_D: tl.constexpr):
+              BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     # One program per (token, keys or values): all its heads, to the token's slot.
+    _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     slot = tl.load(SLOTS + t).to(tl.int64)
@@ -181,7 +188,8 @@ def write_kv(k_cache, v_cache, slots, k, v) -> bool:
         return False
     if t:
         bh, bd = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
+        on = pdl(k.device)
         _write_kv[(t, 2)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0),
-                          v.stride(1), hkv, d, BLOCK_H=bh, BLOCK_D=bd,
-                          num_warps=4 if bh * bd <= 2048 else 8)
+                          v.stride(1), hkv, d, BLOCK_H=bh, BLOCK_D=bd, PDL=on,
+                          num_warps=4 if bh * bd <= 2048 else 8, launch_pdl=on)
     return True
