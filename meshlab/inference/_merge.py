@@ -17,7 +17,7 @@ dict keeps its names and shapes):
   for both and ``meshlab::swiglu`` (``meshlab::geglu``) on its two halves.
 * every other bare ``nn.Linear`` (output and down projections, the head) and the merged
   products: :func:`decode_linear`, which sends a single row on CUDA to a Triton
-  matrix-vector kernel (``meshlab/ops/_triton_gemv.py``: 1.02-1.7x cuBLAS on the products
+  matrix-vector kernel (``meshlab/ops/_triton_gemv.py``: 1.01-1.75x cuBLAS on the products
   of a batch-1 decode step on an H200, the gate/up one only where kernels launch with
   programmatic dependent launch) and everything else to ``F.linear``.
 * a decoder layer fuse routed (norm, attention, ``add_rms_norm``, MLP, add), with both
