@@ -66,14 +66,14 @@ def _vector(t: Tensor, n: int, dtype: torch.dtype | None) -> bool:
         (dtype is None or t.dtype == dtype)
 
 
-def _row_kernel(x: Tensor, w: Tensor, b: Tensor | None, rows: int):
-    """The matrix-vector kernel module where ``F.linear(x, w, b)`` (``rows`` of ``w``
-    read) should run it: what :func:`one_row` accepts, on CUDA, outside tracing, with the
-    kernels on, at a shape it wins at (``_triton_gemv.wins``); else ``None``."""
+def _row_kernel(x: Tensor, w: Tensor, b: Tensor | None):
+    """The matrix-vector kernel module where ``F.linear(x, w, b)`` should run it: what
+    :func:`one_row` accepts, on CUDA, outside tracing, with the kernels on, at a shape it
+    wins at (``_triton_gemv.wins``); else ``None``."""
     if not (one_row(x, w, b) and x.is_cuda and not torch.compiler.is_compiling()):
         return None
     mod = _build.triton_kernels("decode_linear")
-    return mod if mod is not None and mod.wins(rows, w.shape[1], x.device) else None
+    return mod if mod is not None and mod.wins(*w.shape, x.device) else None
 
 
 def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *,
@@ -85,7 +85,7 @@ def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *,
     (several rows, CPU, DTensors, tracing by ``torch.compile``, kernels switched off)
     runs the norm, ``F.linear`` and the add."""
     n, k = w.shape
-    mod = _row_kernel(x, w, b, n)
+    mod = _row_kernel(x, w, b)
     if mod is not None and (residual is None or _vector(residual, n, w.dtype)) \
             and (norm is None or _vector(norm.weight, k, None)):
         if norm is not None and not mod.takes_norm(n, k):

@@ -55,6 +55,13 @@ def pdl(device) -> bool:
     return _PDL[idx]
 
 
+def chained(device) -> dict:
+    """Launch arguments of a forward kernel that starts with :func:`_after_previous`: its
+    ``PDL`` switch and Triton's ``launch_pdl``, both :func:`pdl` of ``device``."""
+    on = pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @triton.jit
 def _after_previous(PDL: tl.constexpr):
     # With PDL: the next kernel may be placed now; wait until the previous one has finished
@@ -153,8 +160,7 @@ def rms_norm_fwd(x, w, eps):
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
     block, warps = _row_block(h)
-    on = pdl(x.device)
-    _rms_fwd[(n,)](x, w, y, rstd, h, eps, BLOCK=block, PDL=on, num_warps=warps, launch_pdl=on)
+    _rms_fwd[(n,)](x, w, y, rstd, h, eps, BLOCK=block, num_warps=warps, **chained(x.device))
     return y, rstd
 
 
@@ -164,9 +170,8 @@ def add_rms_norm_fwd(x, r, w, eps):
     s = torch.empty_like(y)
     rstd = torch.empty(n, device=x.device, dtype=torch.float32)
     block, warps = _row_block(h)
-    on = pdl(x.device)
-    _add_rms_fwd[(n,)](x, r, w, y, s, rstd, h, eps, BLOCK=block, PDL=on, num_warps=warps,
-                       launch_pdl=on)
+    _add_rms_fwd[(n,)](x, r, w, y, s, rstd, h, eps, BLOCK=block, num_warps=warps,
+                       **chained(x.device))
     return y, s, rstd
 
 
@@ -296,10 +301,9 @@ def rotary_fwd(x, cos, sin):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     half = d // 2
     bh, bd = triton.next_power_of_2(nh), triton.next_power_of_2(half)
-    on = pdl(x.device)
     _rotary[(b * s,)](x, cos, sin, out, s, nh, half, xt, cos.stride(0), sin.stride(0),
-                      BLOCK_H=bh, BLOCK_D=bd, PDL=on, num_warps=4 if bh * bd <= 2048 else 8,
-                      launch_pdl=on)
+                      BLOCK_H=bh, BLOCK_D=bd, num_warps=4 if bh * bd <= 2048 else 8,
+                      **chained(x.device))
     return out
 
 
@@ -390,10 +394,9 @@ def swiglu_fwd(a, b, act=0):
     n, cols = a.numel(), a.shape[-1]
     a2, b2 = _rows(a), _rows(b)
     strided = a2.stride(0) != cols or b2.stride(0) != cols
-    on = pdl(a.device)
     _swiglu_fwd[(triton.cdiv(n, _EW_BLOCK),)](a2, b2, y, n, cols, a2.stride(0), b2.stride(0),
                                               BLOCK=_EW_BLOCK, STRIDED=strided, ACT=act,
-                                              PDL=on, num_warps=8, launch_pdl=on)
+                                              num_warps=8, **chained(a.device))
     return y
 
 

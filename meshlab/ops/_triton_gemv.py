@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import gdc_launch_dependents, gdc_wait, pdl
+from ._triton import chained, gdc_launch_dependents, gdc_wait, pdl
 
 
 @triton.jit
@@ -158,11 +158,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     n, k = w.shape
     bn, bk, warps = _tile(n, k)
     y = torch.empty(n, device=x.device, dtype=x.dtype)
-    on = pdl(x.device)
     _gemv[(triton.cdiv(n, bn),)](x, w, y if b is None else b, y if r is None else r,
                                  y if g is None else g, y, n, k, w.stride(0), eps,
                                  HAS_BIAS=b is not None, HAS_RES=r is not None,
-                                 NORM=g is not None, BLOCK_N=bn, BLOCK_K=bk, PDL=on,
+                                 NORM=g is not None, BLOCK_N=bn, BLOCK_K=bk,
                                  LATE=late_trigger(n, k) if late is None else late,
-                                 num_warps=warps, num_stages=3, launch_pdl=on)
+                                 num_warps=warps, num_stages=3, **chained(x.device))
     return y

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import _after_previous, pdl, sm_count
+from ._triton import _after_previous, chained, sm_count
 
 
 @triton.jit
@@ -137,10 +137,9 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=No
     block_n = 64 if block_d <= 128 else 32
     if splits is None:
         splits = splits_for(t, hkv, tables.shape[1] * bs, block_n, q.device)
-    on = pdl(q.device)
     common = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
-                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, PDL=on, num_warps=4,
-                  num_stages=2, launch_pdl=on)
+                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4,
+                  num_stages=2, **chained(q.device))
     if splits == 1:
         _paged_decode[(t, hkv, 1)](q, k_cache, v_cache, tables, seq, keys, out, out, out,
                                    float(scale), hq, hkv, tables.shape[1], bs, d, 1,
@@ -154,7 +153,7 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=No
                                     SPLIT=True, **common)
     _paged_combine[(t * hq,)](part, m, lsum, out, splits, d,
                               BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-                              PDL=on, num_warps=4 if block_d >= 128 else 2, launch_pdl=on)
+                              num_warps=4 if block_d >= 128 else 2, **chained(q.device))
     return out
 
 
@@ -188,8 +187,7 @@ def write_kv(k_cache, v_cache, slots, k, v) -> bool:
         return False
     if t:
         bh, bd = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
-        on = pdl(k.device)
         _write_kv[(t, 2)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0),
-                          v.stride(1), hkv, d, BLOCK_H=bh, BLOCK_D=bd, PDL=on,
-                          num_warps=4 if bh * bd <= 2048 else 8, launch_pdl=on)
+                          v.stride(1), hkv, d, BLOCK_H=bh, BLOCK_D=bd,
+                          num_warps=4 if bh * bd <= 2048 else 8, **chained(k.device))
     return True
