@@ -122,7 +122,7 @@ def test_engine_on_meshlab_kernels_equals_generate(family):
     # the output and down projections and the head go through decode_linear; every layer
     # normalizes its input in the query/key/value product and adds its residual in the down
     assert merged.counts() == {"qkv": layers, "gate_up": layers, "linear": 2 * layers + 1,
-                               "layers": layers}
+                               "layers": layers, "rotary_tables": 1}
     assert merged.unfused == {}
     assert merged.linear[-1] == "lm_head"
     assert merged.misses == 0
@@ -136,12 +136,18 @@ def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypa
     """Under use_cuda_kernel a decode step of one request hands every product to
     ``decode_linear`` in a form the Triton matrix-vector kernel takes (``one_row``; the
     kernel itself, and which widths it takes, are checked on the GPU), with the modules'
-    weights, which are parameters; a prefill's products are not single rows."""
+    weights, which are parameters; a prefill's products are not single rows. Each layer
+    rotates its queries and keys in one call of the rotary op."""
+    import importlib
+
     from meshlab.inference import _merge
 
-    seen = []
+    seen, rotated = [], []
     real = _merge.one_row
     monkeypatch.setattr(_merge, "one_row", lambda *a: seen.append(real(*a)) or seen[-1])
+    rot = importlib.import_module("meshlab.ops.rotary")
+    real_rot = rot.rotary
+    monkeypatch.setattr(rot, "rotary", lambda x, *a: rotated.append(x.shape) or real_rot(x, *a))
     for family in ("llama", "qwen2"):                  # qwen2: biases
         eng = _engine(_tiny(family), ignore_eos=True, use_cuda_kernel=True)
         seen.clear()                                       # the layer probe's products
@@ -150,9 +156,90 @@ def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypa
         layers = eng.model.config.num_hidden_layers
         assert seen == [False] * (4 * layers) + [True]     # the head reads the last row
         seen.clear()
+        rotated.clear()
         eng.step()                                         # one decode step
         assert seen == [True] * (4 * layers + 1)
+        cfg = eng.model.config
+        heads = cfg.num_attention_heads + cfg.num_key_value_heads
+        assert [r[2] for r in rotated] == [heads] * layers     # queries and keys at once
         seen.clear()
+
+
+def test_rotary_tables_give_the_modules_own_angles():
+    """The rotary embedding's table rows are what its forward computes for those positions
+    alone, bit for bit (a default and a llama3-scaled rope); a dynamic rope type, whose
+    angles depend on the longest position seen, keeps its forward."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from meshlab.inference._merge import table_rotary
+
+    cfg = _tiny().config
+    llama3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                  high_freq_factor=4.0, original_max_position_embeddings=64)
+    for rope, dtype in ((None, torch.float32), (llama3, torch.bfloat16)):
+        c = type(cfg).from_dict(cfg.to_dict())
+        if rope is not None:
+            c.rope_parameters = rope
+        holder = torch.nn.Module()
+        holder.rotary_emb = LlamaRotaryEmbedding(c)
+        plain = LlamaRotaryEmbedding(c)
+        assert table_rotary(holder, 300, dtype) == ["rotary_emb"]
+        x = torch.empty(0, dtype=dtype)
+        for pos in (torch.tensor([[0, 7, 299]]), torch.tensor([[123]]),
+                    torch.arange(40).view(2, 20)):
+            got, want = holder.rotary_emb(x, pos), plain(x, pos)
+            for a, b in zip(got, want):
+                assert a.dtype == dtype and torch.equal(a, b)
+        assert torch.equal(holder.rotary_emb(x.double(), pos)[0], plain(x.double(), pos)[0])
+    c = type(cfg).from_dict(cfg.to_dict())
+    c.rope_parameters = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
+    holder = torch.nn.Module()
+    holder.rotary_emb = LlamaRotaryEmbedding(c)
+    assert table_rotary(holder, 300, torch.float32) == []
+    assert "forward" not in vars(holder.rotary_emb)
+
+
+def test_queries_and_keys_of_one_product_rotate_in_one_launch(monkeypatch):
+    """Queries and keys that are adjacent parts of one merged product (heads after heads,
+    the same token strides) are rotated as one tensor: one call of the op, the results of
+    two; tensors apart, or ones autograd records, take a call each."""
+    import importlib
+
+    from meshlab.parallel.fuse import _hf
+
+    rotary_mod = importlib.import_module("meshlab.ops.rotary")
+    calls = []
+    real = rotary_mod.rotary
+    monkeypatch.setattr(rotary_mod, "rotary", lambda x, c, s: calls.append(x.shape) or real(x, c, s))
+    hq, hkv, d, t = 4, 2, 8, 5
+    row = torch.randn(1, t, (hq + 2 * hkv) * d)
+    q = row[..., :hq * d].view(1, t, hq, d).transpose(1, 2)
+    k = row[..., hq * d:(hq + hkv) * d].view(1, t, hkv, d).transpose(1, 2)
+    angle = torch.outer(torch.arange(t, dtype=torch.float32), torch.rand(d // 2))
+    cos = torch.cat([angle.cos(), angle.cos()], -1)[None]
+    sin = torch.cat([angle.sin(), angle.sin()], -1)[None]
+    with torch.no_grad():
+        gq, gk = _hf._fused_apply_rotary(q, k, cos, sin)
+    assert calls == [(1, t, hq + hkv, d)]
+    assert gq.shape == q.shape and gk.shape == k.shape
+    calls.clear()
+    wq, wk = _hf._fused_apply_rotary(q.contiguous(), k.contiguous(), cos, sin)
+    assert len(calls) == 2
+    assert torch.equal(gq, wq) and torch.equal(gk, wk)
+    calls.clear()
+    qg = q.detach().requires_grad_()
+    _hf._fused_apply_rotary(qg, k, cos, sin)
+    assert len(calls) == 2
+    assert _hf._adjacent(k, q) is None            # keys before queries: not one tensor
+    # one token (a decode step): views of the size-1 dims may give q and k other strides
+    one = torch.randn(1, 1, (hq + 2 * hkv) * d)
+    q1, k1, _ = one.split([hq * d, hkv * d, hkv * d], -1)
+    q1 = q1.view(1, 1, hq, d).transpose(1, 2)
+    k1 = k1.view(1, 1, hkv, d).transpose(1, 2)
+    assert q1.stride(0) != k1.stride(0)
+    both = _hf._adjacent(q1, k1)
+    assert both is not None and both.shape == (1, 1, hq + hkv, d)
+    assert torch.equal(both[0, 0], one[0, 0, :(hq + hkv) * d].view(hq + hkv, d))
 
 
 def test_a_layer_whose_attention_reads_its_input_otherwise_keeps_its_norm_apart():
@@ -293,7 +380,8 @@ def test_gemma_kernels_equal_generate():
     eng = _engine(build(), use_cuda_kernel=True, ignore_eos=True)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
     assert eng.model._meshlab_merged.counts() == {"qkv": 2, "gate_up": 2, "linear": 5,
-                                                   "layers": 0}     # offset norms
+                                                   "layers": 0,     # offset norms
+                                                   "rotary_tables": 1}
     assert eng.model._meshlab_kernels.counts()["mlp"] == 2
     from meshlab.ops import _build
 
@@ -960,9 +1048,21 @@ def test_decode_linear_triton_kernel_is_f_linear(dtype, tol, monkeypatch):
         xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
         want = F.linear(xd, w.double()) + r.double()
         torch.testing.assert_close(got.double(), want, atol=tol * k ** 0.5 / 10, rtol=tol)
+    from meshlab.ops.swiglu import geglu, swiglu
+
+    for n, k in ((2048, 8192), (4096, 1000)):       # the gate's activation inside
+        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).cuda()
+        gu, r = (torch.randn(1, 1, m, generator=g).to(dtype).cuda() for m in (2 * k, n))
+        for glu, act in (("swiglu", swiglu), ("geglu", geglu)):
+            got = decode_linear(gu, w, residual=r, glu=glu)
+            assert _build.LAST_PATH[("decode_linear", "cuda")].native
+            # the same rounding as the activation's own kernel before the product
+            want = decode_linear(act(*gu.chunk(2, -1)), w, residual=r)
+            assert torch.equal(got, want)
     mod = _build.triton_kernels("decode_linear")
     ran = []
-    monkeypatch.setattr(mod, "gemv", lambda x, w, b, *rest: ran.append(x) or F.linear(x, w, b))
+    monkeypatch.setattr(mod, "gemv",
+                        lambda x, w, b, *rest, **kw: ran.append(x) or F.linear(x, w, b))
     x2 = torch.randn(2, 64, device="cuda", dtype=dtype)
     w2 = torch.randn(16384, 64, device="cuda", dtype=dtype)
     decode_linear(x2, w2[:32])                  # two rows

@@ -210,9 +210,13 @@ def test_dependent_launch_chain_reads_what_the_kernel_before_wrote():
             att = _triton_paged.paged_attention_fwd(
                 q.view(1, h // d, d), cache[0], cache[1], tables,
                 torch.zeros(1, device=dev, dtype=torch.int32),
-                torch.full((1,), i + 1, device=dev, dtype=torch.int32), d ** -0.5, splits=2)
+                torch.full((1,), 20 * i + 21, device=dev, dtype=torch.int32), d ** -0.5,
+                splits=2)                           # from i = 3 on, two shares combined
             y2, s, _ = _triton.add_rms_norm_fwd(att.view(1, h), x.view(1, h), norm, 1e-5)
             up = y2.view(h) @ w_up.t()             # cuBLAS between, as for gate/up
+            if i % 2:                               # the activation inside the product
+                x = _triton_gemv.gemv(up, w_dn, r=s.view(h), glu="swiglu")
+                continue
             a = _triton.swiglu_fwd(up[:f].view(1, f), up[f:].view(1, f))
             x = _triton_gemv.gemv(a.view(f), w_dn, r=s.view(h))      # residual inside
             x = _triton.rms_norm_fwd(x.view(1, h), norm, 1e-5)[0].view(h)

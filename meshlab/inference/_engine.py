@@ -492,7 +492,7 @@ def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:
     model.eval()
     model.set_attn_implementation(register())
     if cfg.use_cuda_kernel:
-        _fuse_kernels(model, rt)
+        _fuse_kernels(model, rt, cfg)
     return model
 
 
@@ -501,14 +501,16 @@ def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:
 KERNEL_OPS = ("rms_norm", "rotary", "mlp")
 
 
-def _fuse_kernels(model: nn.Module, rt) -> None:
+def _fuse_kernels(model: nn.Module, rt, cfg: InferenceConfig) -> None:
     """``use_cuda_kernel=True``: route the model's RMSNorm, rotary embedding and gated MLP
     to meshlab's fused ops (Triton on CUDA, C++ on the CPU), each routing probed first;
     the ops this model has none of are skipped (``model._meshlab_kernels`` says which
-    were routed), none at all is refused; and merge each layer's query/key/value and
-    gate/up projections into one product each (``_merge``, ``model._meshlab_merged``)."""
+    were routed), none at all is refused; merge each layer's query/key/value and
+    gate/up projections into one product each (``_merge``, ``model._meshlab_merged``);
+    and let the rotary embedding look its angles up in a table of every position a
+    request can reach (``_merge.table_rotary``)."""
     from ..parallel.fuse import fuse_model, refusals
-    from ._merge import merge_projections
+    from ._merge import merge_projections, table_rotary
 
     if rt is not None:
         raise ConfigError("InferenceConfig(use_cuda_kernel=True) is built for a model of one "
@@ -523,6 +525,8 @@ def _fuse_kernels(model: nn.Module, rt) -> None:
                           "; ".join(f"{op}: {why}" for op, why in refused.items()))
     model._meshlab_kernels = fuse_model(model, ops)
     merge_projections(model)
+    positions = cfg.max_input_len + cfg.max_output_len + cfg.max_n_spec_tokens + 1
+    model._meshlab_merged.tables = table_rotary(model, positions, cfg.dtype)
 
 
 def _beam_search(engine, cfg: InferenceConfig):

@@ -52,11 +52,12 @@ from ..parallel.fuse._residual import _probe_layer, norm_eps
 _PLAIN = (Tensor, nn.Parameter)
 
 
-def one_row(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
+def one_row(x: Tensor, w: Tensor, b: Tensor | None, parts: int = 1) -> bool:
     """Whether ``F.linear(x, w, b)`` suits the matrix-vector kernel, the device aside: one
-    row, plain tensors (parameters included; no DTensor or other subclass) of one dtype,
-    unit column strides."""
-    return (x.numel() == w.shape[1] and x.stride(-1) == 1 and w.stride(1) == 1
+    row (of ``parts`` times the weight's inputs: a gate/up row has two), plain tensors
+    (parameters included; no DTensor or other subclass) of one dtype, unit column
+    strides."""
+    return (x.numel() == parts * w.shape[1] and x.stride(-1) == 1 and w.stride(1) == 1
             and type(x) in _PLAIN and type(w) in _PLAIN and x.dtype == w.dtype
             and (b is None or (type(b) in _PLAIN and b.dtype == w.dtype and b.stride(0) == 1)))
 
@@ -66,34 +67,41 @@ def _vector(t: Tensor, n: int, dtype: torch.dtype | None) -> bool:
         (dtype is None or t.dtype == dtype)
 
 
-def _row_kernel(x: Tensor, w: Tensor, b: Tensor | None):
+def _row_kernel(x: Tensor, w: Tensor, b: Tensor | None, parts: int = 1):
     """The matrix-vector kernel module where ``F.linear(x, w, b)`` should run it: what
     :func:`one_row` accepts, on CUDA, outside tracing, with the kernels on, at a shape it
     wins at (``_triton_gemv.wins``); else ``None``."""
-    if not (one_row(x, w, b) and x.is_cuda and not torch.compiler.is_compiling()):
+    if not (one_row(x, w, b, parts) and x.is_cuda and not torch.compiler.is_compiling()):
         return None
     mod = _build.triton_kernels("decode_linear")
     return mod if mod is not None and mod.wins(*w.shape, x.device) else None
 
 
 def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *,
-                  norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
+                  norm: nn.Module | None = None, residual: Tensor | None = None,
+                  glu: str | None = None) -> Tensor:
     """``F.linear(norm(x), w, b) + residual`` (``norm`` a routed RMS norm module, each part
-    optional). Where :func:`_row_kernel` says so, the Triton matrix-vector kernel runs it,
-    the residual add inside it, and the norm too where that measured faster
-    (``takes_norm``; else the norm's own kernel first), in float32; anything else
-    (several rows, CPU, DTensors, tracing by ``torch.compile``, kernels switched off)
-    runs the norm, ``F.linear`` and the add."""
+    optional); with ``glu`` ("swiglu" or "geglu", no norm) ``x`` is a gate/up product's
+    output, gates then ups, and the product is of ``meshlab::swiglu`` (``geglu``) of its
+    halves. Where :func:`_row_kernel` says so, the Triton matrix-vector kernel runs it,
+    the residual add and the gate's activation inside it, and the norm too where that
+    measured faster (``takes_norm``; else the norm's own kernel first), in float32;
+    anything else (several rows, CPU, DTensors, tracing by ``torch.compile``, kernels
+    switched off) runs the norm or activation, ``F.linear`` and the add."""
     n, k = w.shape
-    mod = _row_kernel(x, w, b)
+    mod = _row_kernel(x, w, b, 2 if glu else 1)
     if mod is not None and (residual is None or _vector(residual, n, w.dtype)) \
             and (norm is None or _vector(norm.weight, k, None)):
         if norm is not None and not mod.takes_norm(n, k):
             x, norm = norm(x), None
         y = mod.gemv(x, w, b, None if residual is None else residual.view(n),
                      None if norm is None else norm.weight,
-                     0.0 if norm is None else norm_eps(norm))
+                     0.0 if norm is None else norm_eps(norm), glu=glu)
         return y.view(*x.shape[:-1], n)
+    if glu is not None:
+        from ..ops.swiglu import geglu, swiglu
+
+        x = (swiglu if glu == "swiglu" else geglu)(*x.chunk(2, -1))
     y = F.linear(x if norm is None else norm(x), w, b)
     return y if residual is None else residual + y
 
@@ -108,11 +116,13 @@ class Merged:
     linear: list[str] = dataclasses.field(default_factory=list)   # through decode_linear
     layers: list[str] = dataclasses.field(default_factory=list)   # norm and add in products
     unfused: dict[str, str] = dataclasses.field(default_factory=dict)   # layer class -> why
+    tables: list[str] = dataclasses.field(default_factory=list)   # rotary angles looked up
     misses: int = 0
 
     def counts(self) -> dict[str, int]:
         return {"qkv": len(self.qkv), "gate_up": len(self.gate_up),
-                "linear": len(self.linear), "layers": len(self.layers)}
+                "linear": len(self.linear), "layers": len(self.layers),
+                "rotary_tables": len(self.tables)}
 
 
 def _fuse_weights(mods) -> tuple[Tensor, Tensor | None]:
@@ -171,14 +181,14 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
 
 
 def _merged_mlp_forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-    from ..ops.swiglu import geglu, swiglu
-
-    a, b = decode_linear(x, self._meshlab_gate_up).chunk(2, -1)
-    act = (swiglu if _gate_kind(self) == "swiglu" else geglu)(a, b)
+    gate_up = decode_linear(x, self._meshlab_gate_up)
     if residual is None:
+        from ..ops.swiglu import geglu, swiglu
+
+        act = (swiglu if _gate_kind(self) == "swiglu" else geglu)(*gate_up.chunk(2, -1))
         return self.down_proj(act)
     d = self.down_proj
-    return decode_linear(act, d.weight, d.bias, residual=residual)
+    return decode_linear(gate_up, d.weight, d.bias, residual=residual, glu=_gate_kind(self))
 
 
 def _merge_gate_up(m: nn.Module) -> bool:
@@ -248,6 +258,43 @@ def _route_layers(model: nn.Module, report: Merged) -> None:
             m.forward = types.MethodType(_decode_layer_forward, m)
             report.layers.append(name)
     report.unfused.update({k: v for k, v in probed.items() if v is not None})
+
+
+# Rotary embeddings whose angles depend on the position alone (transformers' rope types
+# that ``dynamic_rope_update`` leaves as they are).
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")
+
+
+def _table_forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    table = self._meshlab_table
+    if x.dtype != table.dtype or x.device != table.device:
+        return type(self).forward(self, x, position_ids)
+    both = table[position_ids]                          # (B, S, 2, D): one gather
+    return both[..., 0, :], both[..., 1, :]
+
+
+def table_rotary(model: nn.Module, length: int, dtype: torch.dtype) -> list[str]:
+    """Give each rotary-embedding module of a static rope type a table of its own
+    (cos, sin) for positions ``0 .. length - 1`` in ``dtype``, made by its forward once,
+    and a forward that looks rows up in it: one gather a step where the module's own
+    forward launches about eight small kernels (a product, cos, sin, scalings, casts).
+    Each angle is one float32 product of a position and a frequency, so the rows equal
+    what the forward computes for those positions alone. Another dtype or device runs
+    the module's forward; a position past the table is an indexing error on the device.
+    Returns the modules' names."""
+    done = []
+    for name, m in model.named_modules():
+        if getattr(m, "rope_type", None) not in _STATIC_ROPE or "forward" in vars(m) \
+                or not isinstance(getattr(m, "inv_freq", None), Tensor):
+            continue
+        dev = m.inv_freq.device
+        with torch.no_grad():
+            cos, sin = m(torch.empty(0, device=dev, dtype=dtype),
+                         torch.arange(length, device=dev)[None])
+        m._meshlab_table = torch.stack([cos[0], sin[0]], 1)      # (length, 2, D)
+        m.forward = types.MethodType(_table_forward, m)
+        done.append(name)
+    return done
 
 
 def merge_projections(model: nn.Module) -> Merged:

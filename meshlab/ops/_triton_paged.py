@@ -1,7 +1,8 @@
 """Triton kernel of ``meshlab::paged_attention`` for decoding on CUDA.
 
 Mirrors ``paged_attention_fwd`` of ``csrc/attention_cpu.cpp`` (same name, same arguments):
-packed queries ``q`` (T, Hq, D), the paged caches (blocks, block_size, Hkv, D), the block
+packed queries ``q`` (T, Hq, D; its tokens may be strided, as the query part of a merged
+query/key/value product is), the paged caches (blocks, block_size, Hkv, D), the block
 tables (S, W), each query's sequence ``seq`` (T,) and the number of keys it sees ``keys``
 (T,), all on the device, so a decode step captured in a CUDA graph runs it unchanged.
 
@@ -10,8 +11,10 @@ query heads as the rows of one tile and walks its share of the sequence's keys `
 at a time, each key's slot found through the block table, with an online softmax in
 float32. Small batches cut each query's keys into shares (flash-decoding): one query and
 8 kv heads are 8 programs on a device of 132 SMs, each walking all the keys in turn, so
-the shares' sums go to a float32 buffer and a second launch combines them. Batches with
-programs enough for the device run one share, written as the output directly. Scores use
+the shares' sums go to a float32 buffer, and the share of a query that finishes last
+(a counter per query and kv head, released and acquired around the sums) combines them in
+the same launch. Batches with programs enough for the device run one share, written as
+the output directly. Scores use
 the inputs' precision for the products (float32 inputs:
 IEEE, not TF32) and float32 accumulation. The query tile is padded to 16 rows for the
 tensor cores; the padding rows read nothing.
@@ -35,26 +38,15 @@ from ._triton import _after_previous, chained, sm_count
 
 
 @triton.jit
-def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, M, L, scale, Hq, Hkv, W, BS, D, SPLITS,
-                  G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
-                  PDL: tl.constexpr):
-    _after_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.load(SEQ + t).to(tl.int64)
-    n = tl.load(KEYS + t)
-    if SPLIT:       # this program's share of the keys: whole tiles, the last share short
-        per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
-        lo = tl.program_id(2) * per
-        hi = tl.minimum(n, lo + per)
-    else:
-        lo = 0
-        hi = n
+def _attend(Q, K, V, TABLES, t, h, s, lo, hi, scale, QT, Hkv, W, BS, D,
+            G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    # kv head h's query rows of token t over keys lo .. hi - 1: the running maximum, sum of
+    # exponentials and unnormalized output, float32.
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     qmask = (g[:, None] < G) & (d[None, :] < D)
-    q = tl.load(Q + (t * Hq + h * G + g[:, None]) * D + d[None, :], mask=qmask, other=0.0)
+    q = tl.load(Q + t * QT + (h * G + g[:, None]) * D + d[None, :], mask=qmask, other=0.0)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -81,33 +73,85 @@ def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, M, L, scale, Hq, Hkv, W, BS, D,
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    if SPLIT:       # unnormalized: (T, Hq, SPLITS, D) sums, (T, Hq, SPLITS) maxima and totals
-        r = (t * Hq + h * G + g) * SPLITS + tl.program_id(2)
-        tl.store(M + r, m_i, mask=g < G)
-        tl.store(L + r, l_i, mask=g < G)
-        tl.store(O + r[:, None] * D + d[None, :], acc, mask=qmask)
-    else:
-        out = acc / l_i[:, None]
-        tl.store(O + (t * Hq + h * G + g[:, None]) * D + d[None, :],
-                 out.to(O.dtype.element_ty), mask=qmask)
+    return m_i, l_i, acc
 
 
 @triton.jit
-def _paged_combine(P, M, L, O, SPLITS, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PDL: tl.constexpr):
-    # One program per (query, head): its shares' softmax sums rescaled to one maximum.
-    _after_previous(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, BLOCK_S)
+def _combine(P, M, L, O, first, shares, SPLITS, D, G: tl.constexpr, BLOCK_GC: tl.constexpr,
+             BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Output rows first .. first + G - 1 from their first `shares` shares' sums, rescaled
+    # to one maximum; BLOCK_C shares a load. The sums were written by other programs: read
+    # from L2 (.cg), not from this multiprocessor's L1.
+    g = tl.arange(0, BLOCK_GC)
+    c = tl.arange(0, BLOCK_C)
     d = tl.arange(0, BLOCK_D)
-    smask = sp < SPLITS
-    m = tl.load(M + r * SPLITS + sp, mask=smask, other=float("-inf"))
-    l_s = tl.load(L + r * SPLITS + sp, mask=smask, other=0.0)
-    w = tl.exp(m - tl.max(m, axis=0))           # a share with no keys: -inf, weight 0
-    acc = tl.load(P + (r * SPLITS + sp[:, None]) * D + d[None, :],
-                  mask=smask[:, None] & (d[None, :] < D), other=0.0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
-    tl.store(O + r * D + d, out.to(O.dtype.element_ty), mask=d < D)
+    rows = (first + g) * SPLITS
+    mx = tl.full([BLOCK_GC], float("-inf"), tl.float32)
+    for c0 in tl.range(0, shares, BLOCK_C):
+        msk = (g[:, None] < G) & (c0 + c[None, :] < shares)
+        m = tl.load(M + rows[:, None] + c0 + c[None, :], mask=msk, other=float("-inf"),
+                    cache_modifier=".cg")
+        mx = tl.maximum(mx, tl.max(m, axis=1))
+    den = tl.zeros([BLOCK_GC], tl.float32)
+    acc = tl.zeros([BLOCK_GC, BLOCK_D], tl.float32)
+    for c0 in tl.range(0, shares, BLOCK_C):
+        idx = rows[:, None] + c0 + c[None, :]
+        msk = (g[:, None] < G) & (c0 + c[None, :] < shares)
+        m = tl.load(M + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(msk, tl.exp(m - mx[:, None]), 0.0)
+        den += tl.sum(tl.load(L + idx, mask=msk, other=0.0, cache_modifier=".cg") * w, axis=1)
+        part = tl.load(P + idx[:, :, None] * D + d[None, None, :],
+                       mask=msk[:, :, None] & (d[None, None, :] < D), other=0.0,
+                       cache_modifier=".cg")
+        acc += tl.sum(part * w[:, :, None], axis=1)
+    out = acc / den[:, None]
+    tl.store(O + (first + g[:, None]) * D + d[None, :], out.to(O.dtype.element_ty),
+             mask=(g[:, None] < G) & (d[None, :] < D))
+
+
+@triton.jit
+def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, P, M, L, COUNT, scale, QT, Hq, Hkv, W, BS, D,
+                  SPLITS, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    _after_previous(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.load(SEQ + t).to(tl.int64)
+    n = tl.load(KEYS + t)
+    if SPLIT:
+        # This program's share of the keys: whole tiles, the last share short; shares past
+        # the keys do nothing. Each share's sums go to P, M, L; the program that finishes
+        # last among the query's shares (a counter per (query, kv head), back to 0 after)
+        # combines them into the output, so no second launch is needed.
+        per = tl.maximum(tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+        shares = tl.cdiv(n, per)
+        lo = tl.program_id(2) * per
+        if lo < n:
+            m_i, l_i, acc = _attend(Q, K, V, TABLES, t, h, s, lo, tl.minimum(n, lo + per),
+                                    scale, QT, Hkv, W, BS, D, G, BLOCK_G, BLOCK_D, BLOCK_N,
+                                    IEEE)
+            g = tl.arange(0, BLOCK_G)
+            d = tl.arange(0, BLOCK_D)
+            r = (t * Hq + h * G + g) * SPLITS + tl.program_id(2)
+            tl.store(M + r, m_i, mask=g < G)
+            tl.store(L + r, l_i, mask=g < G)
+            tl.store(P + r[:, None] * D + d[None, :], acc,
+                     mask=(g[:, None] < G) & (d[None, :] < D))
+            tl.debug_barrier()          # every thread's stores before the release below
+            counter = COUNT + t * Hkv + h
+            if tl.atomic_add(counter, 1, sem="acq_rel") == shares - 1:
+                tl.store(counter, 0)
+                _combine(P, M, L, O, t * Hq + h * G, shares, SPLITS, D, G, BLOCK_GC,
+                         BLOCK_C, BLOCK_D)
+    else:
+        m_i, l_i, acc = _attend(Q, K, V, TABLES, t, h, s, 0, n, scale, QT, Hkv, W, BS, D, G,
+                                BLOCK_G, BLOCK_D, BLOCK_N, IEEE)
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        out = acc / l_i[:, None]
+        tl.store(O + (t * Hq + h * G + g[:, None]) * D + d[None, :], out.to(O.dtype.element_ty),
+                 mask=(g[:, None] < G) & (d[None, :] < D))
 
 
 def splits_for(t: int, hkv: int, max_keys: int, block_n: int, device) -> int:
@@ -119,15 +163,42 @@ def splits_for(t: int, hkv: int, max_keys: int, block_n: int, device) -> int:
     return max(1, min(fill, triton.cdiv(max_keys, block_n), 64))
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(n: int, device) -> torch.Tensor:
+    """The device's share counters (int32, all 0 between launches), at least ``n``. Made
+    outside graph capture (a warm-up call makes them); a larger set replaces a smaller one,
+    which stays alive for any graph that captured it. The launches that use them must run
+    on one stream at a time, as a decode step's do."""
+    idx = torch.device(device)
+    if idx.type == "cuda" and idx.index is None:
+        idx = torch.device("cuda", torch.cuda.current_device())
+    have = _COUNTERS.get(idx)
+    if have is None or have.numel() < n:
+        if idx.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"meshlab::paged_attention: its first call with {n} (query, "
+                               f"kv head) pairs cut into shares is being captured in a CUDA "
+                               f"graph; run the step once before capturing it (a warm-up), "
+                               f"so its counters exist")
+        _KEEP.append(have)
+        _COUNTERS[idx] = have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
+
+
+_KEEP: list = []        # replaced counter sets, kept for graphs that captured them
+
+
 def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=None):
     """(T, Hq, D) attention of each packed query over its sequence's first ``keys[t]`` keys;
     ``splits``: shares of the keys per query (default :func:`splits_for`); more than one
-    runs flash-decoding, each share's softmax sums combined by a second launch."""
+    runs flash-decoding, the last share of each query to finish combining them."""
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
-    q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
-    tables = tables.contiguous()
-    out = torch.empty_like(q)
+    if q.stride(-1) != 1 or q.stride(1) != d:       # tokens may be strided, heads not
+        q = q.contiguous()
+    k_cache, v_cache, tables = k_cache.contiguous(), v_cache.contiguous(), tables.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     g = hq // hkv
@@ -137,23 +208,22 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=No
     block_n = 64 if block_d <= 128 else 32
     if splits is None:
         splits = splits_for(t, hkv, tables.shape[1] * bs, block_n, q.device)
-    common = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=block_d,
+    common = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)),
+                  BLOCK_GC=max(2, triton.next_power_of_2(g)), BLOCK_C=8, BLOCK_D=block_d,
                   BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4,
                   num_stages=2, **chained(q.device))
     if splits == 1:
-        _paged_decode[(t, hkv, 1)](q, k_cache, v_cache, tables, seq, keys, out, out, out,
-                                   float(scale), hq, hkv, tables.shape[1], bs, d, 1,
-                                   SPLIT=False, **common)
+        _paged_decode[(t, hkv, 1)](q, k_cache, v_cache, tables, seq, keys, out, out, out, out,
+                                   out, float(scale), q.stride(0), hq, hkv, tables.shape[1],
+                                   bs, d, 1, SPLIT=False, **common)
         return out
     part = torch.empty(t, hq, splits, d, device=q.device, dtype=torch.float32)
     m = torch.empty(t, hq, splits, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
-    _paged_decode[(t, hkv, splits)](q, k_cache, v_cache, tables, seq, keys, part, m, lsum,
-                                    float(scale), hq, hkv, tables.shape[1], bs, d, splits,
+    _paged_decode[(t, hkv, splits)](q, k_cache, v_cache, tables, seq, keys, out, part, m,
+                                    lsum, _counters(t * hkv, q.device), float(scale),
+                                    q.stride(0), hq, hkv, tables.shape[1], bs, d, splits,
                                     SPLIT=True, **common)
-    _paged_combine[(t * hq,)](part, m, lsum, out, splits, d,
-                              BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
-                              num_warps=4 if block_d >= 128 else 2, **chained(q.device))
     return out
 
 

@@ -156,7 +156,9 @@ def paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tens
                           f"the cache is {k_cache.dtype}, the queries {q.dtype}")
             mod = None
         if mod is not None:
-            return mod.paged_attention_fwd(q.contiguous(), k_cache.contiguous(),
+            # Triton reads strided tokens (the query part of a merged product) in place.
+            return mod.paged_attention_fwd(q if dev == "cuda" else q.contiguous(),
+                                           k_cache.contiguous(),
                                            v_cache.contiguous(), tables.contiguous(),
                                            seq.contiguous(), keys.contiguous(), float(scale))
 

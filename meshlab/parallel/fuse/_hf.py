@@ -188,6 +188,28 @@ def _active() -> bool:
     return getattr(_ROUTED, "depth", 0) > 0
 
 
+def _adjacent(q: Tensor, k: Tensor) -> Tensor | None:
+    """q (B, H, S, D) and k (B, Hkv, S, D) as one (B, S, H + Hkv, D) view where k's heads
+    follow q's in memory at the same token strides (the parts of a merged query/key/value
+    product), outside autograd and tracing; else None."""
+    if type(q) is not Tensor or type(k) is not Tensor or q.dtype != k.dtype \
+            or q.device != k.device or torch.compiler.is_compiling() \
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        return None
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+    d = q.shape[-1]
+    # Strides of batch or sequence dims of size 1 are arbitrary (a view may set them either
+    # way), so only the others must agree.
+    if qt.shape[:2] != kt.shape[:2] or kt.shape[-1] != d \
+            or any(n > 1 and a != b for n, a, b in zip(qt.shape[:2], qt.stride(), kt.stride())) \
+            or qt.stride(-1) != 1 or (q.shape[1] > 1 and qt.stride(2) != d) \
+            or (k.shape[1] > 1 and kt.stride(2) != d) \
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr() \
+            or k.storage_offset() != q.storage_offset() + q.shape[1] * d:
+        return None
+    return qt.as_strided((*qt.shape[:2], q.shape[1] + k.shape[1], d), (*qt.stride()[:2], d, 1))
+
+
 def _fused_apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
                         unsqueeze_dim: int = 1) -> tuple[Tensor, Tensor]:
     """Hugging Face's ``apply_rotary_pos_emb`` on ``meshlab::rotary``: q (B, H, S, D),
@@ -198,6 +220,11 @@ def _fused_apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     c, sn = cos[..., : d // 2], sin[..., : d // 2]
     if c.shape[0] == 1:
         c, sn = c[0], sn[0]
+        both = _adjacent(q, k)
+        if both is not None:        # one launch for the two, as parts of one tensor
+            y = rotary(both, c, sn)
+            hq = q.shape[1]
+            return y[:, :, :hq].transpose(1, 2), y[:, :, hq:].transpose(1, 2)
 
         def rot(x):
             return rotary(x.transpose(1, 2), c, sn).transpose(1, 2)
