@@ -1013,6 +1013,61 @@ def test_paged_attention_triton_kernel_is_its_reference(dtype, tol):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_stores_its_keys_inside_the_attention_launch(dtype):
+    """A decode step (one query per sequence) on CUDA stores each query's key and value in
+    the attention's own launch (``meshlab::paged_decode``): the caches and the output equal
+    a separate cache write and the attention after it, whether a query's keys are one
+    share or several, and a step of several queries per sequence keeps the two launches."""
+    from meshlab.ops import _triton_paged
+    from meshlab.ops.paged_attention import layout, write_and_attend, write_cache
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, bs = 32, 8, 128, 16
+    lens = [5, 300, 17, 64, 1]
+    width = max(-(-n // bs) for n in lens)
+    nb = len(lens) * width + 1
+    kc0, vc0 = (torch.randn(nb, bs, hkv, d, generator=g).to(dtype).cuda() for _ in "kv")
+    tables = torch.randperm(nb, generator=g)[:len(lens) * width].view(len(lens), width).cuda()
+    slots = torch.tensor([int(tables[i, (n - 1) // bs]) * bs + (n - 1) % bs
+                          for i, n in enumerate(lens)], device="cuda")
+    row = torch.randn(len(lens), (hq + 2 * hkv) * d, generator=g).to(dtype).cuda()
+    q = row[:, :hq * d].view(-1, hq, d)                 # strided parts of one product
+    k = row[:, hq * d:(hq + hkv) * d].view(-1, hkv, d)
+    v = row[:, (hq + hkv) * d:].view(-1, hkv, d)
+    where = layout(tables, lens, list(range(len(lens) + 1)), bs)
+    kw, vw = kc0.clone(), vc0.clone()
+    write_cache(kw, vw, slots, k, v)
+    for splits in (1, 3, 64):
+        want = _triton_paged.paged_attention_fwd(q, kw, vw, where.tables, where.seq,
+                                                 where.keys, 0.1, splits=splits)
+        kc, vc = kc0.clone(), vc0.clone()
+        got = _triton_paged.paged_attention_fwd(q, kc, vc, where.tables, where.seq,
+                                                where.keys, 0.1, splits=splits,
+                                                new=(k, v, slots))
+        assert torch.equal(kc, kw) and torch.equal(vc, vw)
+        assert torch.equal(got, want)
+    kc, vc = kc0.clone(), vc0.clone()
+    got = write_and_attend(q, kc, vc, slots, k, v, where, 0.1)
+    assert torch.equal(kc, kw) and torch.equal(vc, vw)
+    assert torch.equal(got, _triton_paged.paged_attention_fwd(q, kw, vw, where.tables,
+                                                              where.seq, where.keys, 0.1))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        write_and_attend(q, kc0.clone(), vc0.clone(), slots, k, v, where, 0.1)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not any("_write_kv" in n for n in names) and any("_paged_decode" in n for n in names)
+    two = layout(tables[:2], [6, 300], [0, 2, 3], bs)         # two queries in sequence 0
+    kc, vc = kc0.clone(), vc0.clone()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        write_and_attend(q[:3], kc, vc, slots[:3], k[:3], v[:3], two, 0.1)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("_write_kv" in n for n in names)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2),
                                        (torch.float16, 2e-3)])
 def test_decode_linear_triton_kernel_is_f_linear(dtype, tol, monkeypatch):
@@ -1048,17 +1103,6 @@ def test_decode_linear_triton_kernel_is_f_linear(dtype, tol, monkeypatch):
         xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
         want = F.linear(xd, w.double()) + r.double()
         torch.testing.assert_close(got.double(), want, atol=tol * k ** 0.5 / 10, rtol=tol)
-    from meshlab.ops.swiglu import geglu, swiglu
-
-    for n, k in ((2048, 8192), (4096, 1000)):       # the gate's activation inside
-        w = (torch.randn(n, k, generator=g) * 0.05).to(dtype).cuda()
-        gu, r = (torch.randn(1, 1, m, generator=g).to(dtype).cuda() for m in (2 * k, n))
-        for glu, act in (("swiglu", swiglu), ("geglu", geglu)):
-            got = decode_linear(gu, w, residual=r, glu=glu)
-            assert _build.LAST_PATH[("decode_linear", "cuda")].native
-            # the same rounding as the activation's own kernel before the product
-            want = decode_linear(act(*gu.chunk(2, -1)), w, residual=r)
-            assert torch.equal(got, want)
     mod = _build.triton_kernels("decode_linear")
     ran = []
     monkeypatch.setattr(mod, "gemv",

@@ -205,18 +205,17 @@ def test_dependent_launch_chain_reads_what_the_kernel_before_wrote():
             y = _triton_gemv.gemv(x, w_in, g=norm, eps=1e-5)         # norm inside
             q = _triton.rotary_fwd(y.view(1, 1, h // d, d), cos[i % 4:], sin[i % 4:])
             kvs = q.view(h // d, d)[:kv].unsqueeze(0)
-            _triton_paged.write_kv(cache[0], cache[1], torch.full((1,), i, device=dev),
-                                   kvs, kvs)
-            att = _triton_paged.paged_attention_fwd(
+            slot = torch.full((1,), 20 * i + 20, device=dev)
+            if i % 2 == 0:
+                _triton_paged.write_kv(cache[0], cache[1], slot, kvs, kvs)
+            att = _triton_paged.paged_attention_fwd(   # odd steps: the write inside it
                 q.view(1, h // d, d), cache[0], cache[1], tables,
                 torch.zeros(1, device=dev, dtype=torch.int32),
                 torch.full((1,), 20 * i + 21, device=dev, dtype=torch.int32), d ** -0.5,
-                splits=2)                           # from i = 3 on, two shares combined
+                splits=2,                           # from i = 3 on, two shares combined
+                new=(kvs, kvs, slot) if i % 2 else None)
             y2, s, _ = _triton.add_rms_norm_fwd(att.view(1, h), x.view(1, h), norm, 1e-5)
             up = y2.view(h) @ w_up.t()             # cuBLAS between, as for gate/up
-            if i % 2:                               # the activation inside the product
-                x = _triton_gemv.gemv(up, w_dn, r=s.view(h), glu="swiglu")
-                continue
             a = _triton.swiglu_fwd(up[:f].view(1, f), up[f:].view(1, f))
             x = _triton_gemv.gemv(a.view(f), w_dn, r=s.view(h))      # residual inside
             x = _triton.rms_norm_fwd(x.view(1, h), norm, 1e-5)[0].view(h)

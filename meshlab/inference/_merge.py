@@ -52,12 +52,11 @@ from ..parallel.fuse._residual import _probe_layer, norm_eps
 _PLAIN = (Tensor, nn.Parameter)
 
 
-def one_row(x: Tensor, w: Tensor, b: Tensor | None, parts: int = 1) -> bool:
+def one_row(x: Tensor, w: Tensor, b: Tensor | None) -> bool:
     """Whether ``F.linear(x, w, b)`` suits the matrix-vector kernel, the device aside: one
-    row (of ``parts`` times the weight's inputs: a gate/up row has two), plain tensors
-    (parameters included; no DTensor or other subclass) of one dtype, unit column
-    strides."""
-    return (x.numel() == parts * w.shape[1] and x.stride(-1) == 1 and w.stride(1) == 1
+    row, plain tensors (parameters included; no DTensor or other subclass) of one dtype,
+    unit column strides."""
+    return (x.numel() == w.shape[1] and x.stride(-1) == 1 and w.stride(1) == 1
             and type(x) in _PLAIN and type(w) in _PLAIN and x.dtype == w.dtype
             and (b is None or (type(b) in _PLAIN and b.dtype == w.dtype and b.stride(0) == 1)))
 
@@ -67,41 +66,34 @@ def _vector(t: Tensor, n: int, dtype: torch.dtype | None) -> bool:
         (dtype is None or t.dtype == dtype)
 
 
-def _row_kernel(x: Tensor, w: Tensor, b: Tensor | None, parts: int = 1):
+def _row_kernel(x: Tensor, w: Tensor, b: Tensor | None):
     """The matrix-vector kernel module where ``F.linear(x, w, b)`` should run it: what
     :func:`one_row` accepts, on CUDA, outside tracing, with the kernels on, at a shape it
     wins at (``_triton_gemv.wins``); else ``None``."""
-    if not (one_row(x, w, b, parts) and x.is_cuda and not torch.compiler.is_compiling()):
+    if not (one_row(x, w, b) and x.is_cuda and not torch.compiler.is_compiling()):
         return None
     mod = _build.triton_kernels("decode_linear")
     return mod if mod is not None and mod.wins(*w.shape, x.device) else None
 
 
 def decode_linear(x: Tensor, w: Tensor, b: Tensor | None = None, *,
-                  norm: nn.Module | None = None, residual: Tensor | None = None,
-                  glu: str | None = None) -> Tensor:
+                  norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """``F.linear(norm(x), w, b) + residual`` (``norm`` a routed RMS norm module, each part
-    optional); with ``glu`` ("swiglu" or "geglu", no norm) ``x`` is a gate/up product's
-    output, gates then ups, and the product is of ``meshlab::swiglu`` (``geglu``) of its
-    halves. Where :func:`_row_kernel` says so, the Triton matrix-vector kernel runs it,
-    the residual add and the gate's activation inside it, and the norm too where that
-    measured faster (``takes_norm``; else the norm's own kernel first), in float32;
-    anything else (several rows, CPU, DTensors, tracing by ``torch.compile``, kernels
-    switched off) runs the norm or activation, ``F.linear`` and the add."""
+    optional). Where :func:`_row_kernel` says so, the Triton matrix-vector kernel runs it,
+    the residual add inside it, and the norm too where that measured faster
+    (``takes_norm``; else the norm's own kernel first), in float32; anything else
+    (several rows, CPU, DTensors, tracing by ``torch.compile``, kernels switched off)
+    runs the norm, ``F.linear`` and the add."""
     n, k = w.shape
-    mod = _row_kernel(x, w, b, 2 if glu else 1)
+    mod = _row_kernel(x, w, b)
     if mod is not None and (residual is None or _vector(residual, n, w.dtype)) \
             and (norm is None or _vector(norm.weight, k, None)):
         if norm is not None and not mod.takes_norm(n, k):
             x, norm = norm(x), None
         y = mod.gemv(x, w, b, None if residual is None else residual.view(n),
                      None if norm is None else norm.weight,
-                     0.0 if norm is None else norm_eps(norm), glu=glu)
+                     0.0 if norm is None else norm_eps(norm))
         return y.view(*x.shape[:-1], n)
-    if glu is not None:
-        from ..ops.swiglu import geglu, swiglu
-
-        x = (swiglu if glu == "swiglu" else geglu)(*x.chunk(2, -1))
     y = F.linear(x if norm is None else norm(x), w, b)
     return y if residual is None else residual + y
 
@@ -181,14 +173,14 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
 
 
 def _merged_mlp_forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
-    gate_up = decode_linear(x, self._meshlab_gate_up)
-    if residual is None:
-        from ..ops.swiglu import geglu, swiglu
+    from ..ops.swiglu import geglu, swiglu
 
-        act = (swiglu if _gate_kind(self) == "swiglu" else geglu)(*gate_up.chunk(2, -1))
+    a, b = decode_linear(x, self._meshlab_gate_up).chunk(2, -1)
+    act = (swiglu if _gate_kind(self) == "swiglu" else geglu)(a, b)
+    if residual is None:
         return self.down_proj(act)
     d = self.down_proj
-    return decode_linear(gate_up, d.weight, d.bias, residual=residual, glu=_gate_kind(self))
+    return decode_linear(act, d.weight, d.bias, residual=residual)
 
 
 def _merge_gate_up(m: nn.Module) -> bool:

@@ -9,7 +9,8 @@ blocks in every layer (a beam forking from its parent). ``Blocks`` hands out blo
 numbers. A step of the engine runs the model on all its sequences' new tokens packed in
 one row (``input_ids`` (1, T), ``position_ids`` (1, T)) inside ``running(batch)``; each
 attention layer then stores its new keys and values at the batch's slots and attends
-through ``meshlab::paged_attention``. The model's own mask is not used: the mask function
+through ``meshlab::paged_attention`` (a decode step on CUDA: both in one launch,
+``meshlab::paged_decode``). The model's own mask is not used: the mask function
 registered with the attention gives ``None``, and the op masks causally per sequence.
 """
 
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 
 import torch
 from torch import Tensor
 
 from .._errors import ConfigError
-from ..ops.paged_attention import Layout, paged_attention, write_cache
+from ..ops.paged_attention import Layout, write_and_attend
 
 NAME = "meshlab_paged"
 _RUNNING = threading.local()
@@ -152,10 +154,8 @@ def paged_hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
                           f"{layer}")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))      # (T, H, D)
     kc, vc = batch.cache.layer(layer, k)
-    write_cache(kc, vc, batch.slots, k, v)
-    out = paged_attention(q, kc, vc, batch.block_tables, batch.seq_lens, batch.query_start,
-                          scaling, where=batch.where)
-    return out.unsqueeze(0), None
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scaling is None else scaling
+    return write_and_attend(q, kc, vc, batch.slots, k, v, batch.where, scale).unsqueeze(0), None
 
 
 def register() -> str:

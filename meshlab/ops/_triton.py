@@ -259,15 +259,15 @@ def layer_norm_bwd(dy, x, w, mean, rstd):
 @triton.jit
 def _rotary(X, COS, SIN, O, S, NH, HALF, XT, CS, SS, BLOCK_H: tl.constexpr,
             BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    # One program per token: all its heads share one row of cos/sin, loaded once. XT: the
-    # token stride of x (its heads and dims are contiguous; its tokens need not be, as in a
-    # part of a merged query/key/value product); the output is contiguous. CS, SS: the row
-    # strides of cos and sin, read in their own dtype (a slice of the model's (S, D)
+    # One program per token and BLOCK_H of its heads, which share one row of cos/sin. XT:
+    # the token stride of x (its heads and dims are contiguous; its tokens need not be, as
+    # in a part of a merged query/key/value product); the output is contiguous. CS, SS: the
+    # row strides of cos and sin, read in their own dtype (a slice of the model's (S, D)
     # tables, so no cast or copy of them runs per call).
     _after_previous(PDL)
     tok = tl.program_id(0).to(tl.int64)
     s = tok % S
-    h = tl.arange(0, BLOCK_H)[:, None]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < NH) & (d < HALF)
     inner = h * 2 * HALF + d
@@ -291,6 +291,11 @@ def _token_stride(x) -> int | None:
     return x.stride(1) if b == 1 or x.stride(0) == s * x.stride(1) else None
 
 
+# Heads per program where there are fewer tokens than multiprocessors: a decode step's one
+# token would otherwise be one program walking all of its heads.
+_FEW_TOKENS_HEADS = 4
+
+
 def rotary_fwd(x, cos, sin):
     b, s, nh, d = x.shape
     xt = _token_stride(x)
@@ -301,9 +306,12 @@ def rotary_fwd(x, cos, sin):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     half = d // 2
     bh, bd = triton.next_power_of_2(nh), triton.next_power_of_2(half)
-    _rotary[(b * s,)](x, cos, sin, out, s, nh, half, xt, cos.stride(0), sin.stride(0),
-                      BLOCK_H=bh, BLOCK_D=bd, num_warps=4 if bh * bd <= 2048 else 8,
-                      **chained(x.device))
+    if b * s < (sm_count(x.device) if x.is_cuda else 1):   # few tokens: heads over programs
+        bh = min(bh, _FEW_TOKENS_HEADS)
+    _rotary[(b * s, triton.cdiv(nh, bh))](x, cos, sin, out, s, nh, half, xt, cos.stride(0),
+                                          sin.stride(0), BLOCK_H=bh, BLOCK_D=bd,
+                                          num_warps=4 if bh * bd <= 2048 else 8,
+                                          **chained(x.device))
     return out
 
 

@@ -40,7 +40,11 @@ Without programmatic dependent launch (before Hopper, or ``MESHLAB_PDL=0``) the 
 products were not faster here, so callers keep cuBLAS for them there (``wins``). A
 variant that applied the gate's SiLU inside the gate/up product (two tiles a program)
 measured slower (19.8 and 57.0 us) than this product and the activation kernel after
-it. With two rows cuBLAS wins at 8B, so only single rows come here.
+it. So did the gate's activation applied to this product's input (the down product
+reading the gate/up row): every program recomputes it for the whole row, and a step took
+4.40 against 4.14 ms at 8B, 0.936 against 0.911 at 1B
+(``results/inference_*_cmp-{new,noglu}_h200.json``). With two rows cuBLAS wins at 8B, so
+only single rows come here.
 """
 
 from __future__ import annotations
@@ -49,20 +53,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import _gate, chained, gdc_launch_dependents, gdc_wait, pdl
+from ._triton import chained, gdc_launch_dependents, gdc_wait, pdl
 
 
 @triton.jit
-def _row_part(X, G, rk, kmask, sq, K, NORM: tl.constexpr, GLU: tl.constexpr):
-    # x's inputs rk in float32, normalized by g (and its squares summed) with NORM. With
-    # GLU (1 SiLU, 2 tanh GELU) X holds a gate/up product's row, gates then ups, and x is
-    # act(gate) * up rounded to X's dtype, as the gated-MLP op's output is.
-    if GLU > 0:
-        a = tl.load(X + rk, mask=kmask, other=0.0).to(tl.float32)
-        u = tl.load(X + K + rk, mask=kmask, other=0.0).to(tl.float32)
-        x = (_gate(a, GLU - 1) * u).to(X.dtype.element_ty).to(tl.float32)
-    else:
-        x = tl.load(X + rk, mask=kmask, other=0.0).to(tl.float32)
+def _row_part(X, G, rk, kmask, sq, NORM: tl.constexpr):
+    # x's inputs rk in float32, normalized by g (and its squares summed) with NORM
+    x = tl.load(X + rk, mask=kmask, other=0.0).to(tl.float32)
     if NORM:
         sq += x * x
         x = x * tl.load(G + rk, mask=kmask, other=0.0).to(tl.float32)
@@ -71,8 +68,8 @@ def _row_part(X, G, rk, kmask, sq, K, NORM: tl.constexpr, GLU: tl.constexpr):
 
 @triton.jit
 def _gemv(X, W, B, R, G, Y, N, K, SW, eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-          NORM: tl.constexpr, GLU: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, PDL: tl.constexpr, LATE: tl.constexpr):
+          NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          PDL: tl.constexpr, LATE: tl.constexpr):
     # y = W (x [* g * rstd(x)]) [+ b] [+ r]; with NORM every program reads all of x anyway,
     # so each sums its squares too, and rstd scales the program's dot products at the end.
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,14 +87,14 @@ def _gemv(X, W, B, R, G, Y, N, K, SW, eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.c
         if not LATE:        # the next kernel may be placed now, else after the loop
             gdc_launch_dependents()
         gdc_wait()
-    x, sq = _row_part(X, G, rk, kmask, sq, K, NORM, GLU)
+    x, sq = _row_part(X, G, rk, kmask, sq, NORM)
     acc += w.to(tl.float32) * x[None, :]
     for k0 in tl.range(BLOCK_K, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         wmask = nmask[:, None] & kmask[None, :]
         w = tl.load(rows + rk[None, :], mask=wmask, other=0.0)
-        x, sq = _row_part(X, G, rk, kmask, sq, K, NORM, GLU)
+        x, sq = _row_part(X, G, rk, kmask, sq, NORM)
         acc += w.to(tl.float32) * x[None, :]
     if PDL and LATE:
         gdc_launch_dependents()
@@ -150,19 +147,13 @@ def _tile(n: int, k: int) -> tuple[int, int, int]:
     return (4 if k >= 8192 else 8), 512, 4
 
 
-GLUS = {"swiglu": 1, "geglu": 2}
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
          r: torch.Tensor | None = None, g: torch.Tensor | None = None,
-         eps: float = 0.0, *, glu: str | None = None, late: bool | None = None) -> torch.Tensor:
+         eps: float = 0.0, *, late: bool | None = None) -> torch.Tensor:
     """``F.linear(x, w, b) + r`` for ``x`` (K,) contiguous, ``w`` (N, K) with unit column
     stride, bias ``b`` and residual ``r`` (N,) contiguous or ``None``, all of one dtype;
     with a norm weight ``g`` (K,), ``x`` is first RMS-normalized (``eps``) and scaled by
-    ``g``, in float32, as one product; returns (N,). ``glu`` ("swiglu" or "geglu"): ``x``
-    is (2K,), a gate/up product's row, and the product is of ``act(gate) * up`` (the
-    gated MLP's activation, rounded to ``x``'s dtype as ``meshlab::swiglu`` rounds it),
-    so the activation needs no launch of its own.
+    ``g``, in float32, as one product; returns (N,).
 
     With programmatic dependent launch (``_triton.pdl``) the first tile of ``w`` is read
     before the kernels queued ahead of this one have finished: ``w`` must be a weight that
@@ -174,8 +165,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
     _gemv[(triton.cdiv(n, bn),)](x, w, y if b is None else b, y if r is None else r,
                                  y if g is None else g, y, n, k, w.stride(0), eps,
                                  HAS_BIAS=b is not None, HAS_RES=r is not None,
-                                 NORM=g is not None, GLU=GLUS[glu] if glu else 0,
-                                 BLOCK_N=bn, BLOCK_K=bk,
+                                 NORM=g is not None, BLOCK_N=bn, BLOCK_K=bk,
                                  LATE=late_trigger(n, k) if late is None else late,
                                  num_warps=warps, num_stages=3, **chained(x.device))
     return y

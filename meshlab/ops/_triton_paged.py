@@ -79,41 +79,59 @@ def _attend(Q, K, V, TABLES, t, h, s, lo, hi, scale, QT, Hkv, W, BS, D,
 @triton.jit
 def _combine(P, M, L, O, first, shares, SPLITS, D, G: tl.constexpr, BLOCK_GC: tl.constexpr,
              BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Output rows first .. first + G - 1 from their first `shares` shares' sums, rescaled
-    # to one maximum; BLOCK_C shares a load. The sums were written by other programs: read
-    # from L2 (.cg), not from this multiprocessor's L1.
+    # Output rows first .. first + G - 1 from their first `shares` shares' sums, BLOCK_C
+    # shares a load, rescaled to a running maximum (one pass: a step's few shares are one
+    # load). The sums were written by other programs: read from L2 (.cg), not from this
+    # multiprocessor's L1.
     g = tl.arange(0, BLOCK_GC)
     c = tl.arange(0, BLOCK_C)
     d = tl.arange(0, BLOCK_D)
     rows = (first + g) * SPLITS
     mx = tl.full([BLOCK_GC], float("-inf"), tl.float32)
-    for c0 in tl.range(0, shares, BLOCK_C):
-        msk = (g[:, None] < G) & (c0 + c[None, :] < shares)
-        m = tl.load(M + rows[:, None] + c0 + c[None, :], mask=msk, other=float("-inf"),
-                    cache_modifier=".cg")
-        mx = tl.maximum(mx, tl.max(m, axis=1))
     den = tl.zeros([BLOCK_GC], tl.float32)
     acc = tl.zeros([BLOCK_GC, BLOCK_D], tl.float32)
     for c0 in tl.range(0, shares, BLOCK_C):
         idx = rows[:, None] + c0 + c[None, :]
         msk = (g[:, None] < G) & (c0 + c[None, :] < shares)
         m = tl.load(M + idx, mask=msk, other=float("-inf"), cache_modifier=".cg")
-        w = tl.where(msk, tl.exp(m - mx[:, None]), 0.0)
-        den += tl.sum(tl.load(L + idx, mask=msk, other=0.0, cache_modifier=".cg") * w, axis=1)
+        lsum = tl.load(L + idx, mask=msk, other=0.0, cache_modifier=".cg")
         part = tl.load(P + idx[:, :, None] * D + d[None, None, :],
                        mask=msk[:, :, None] & (d[None, None, :] < D), other=0.0,
                        cache_modifier=".cg")
-        acc += tl.sum(part * w[:, :, None], axis=1)
+        m_new = tl.maximum(mx, tl.max(m, axis=1))
+        alpha = tl.exp(mx - m_new)                  # 0 on the first load
+        w = tl.where(msk, tl.exp(m - m_new[:, None]), 0.0)
+        den = den * alpha + tl.sum(lsum * w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(part * w[:, :, None], axis=1)
+        mx = m_new
     out = acc / den[:, None]
     tl.store(O + (first + g[:, None]) * D + d[None, :], out.to(O.dtype.element_ty),
              mask=(g[:, None] < G) & (d[None, :] < D))
 
 
 @triton.jit
-def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, P, M, L, COUNT, scale, QT, Hq, Hkv, W, BS, D,
-                  SPLITS, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr,
-                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IEEE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+def _store_new(K, V, KN, VN, SLOTS, t, h, Hkv, D, KNT, KNH, VNT, VNH, BLOCK_D: tl.constexpr):
+    # Query t's own key and value of kv head h (its sequence's last key) into its slot of
+    # the caches, before this program reads them back with the rest.
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    dst = (slot * Hkv + h) * D + d
+    kn = tl.load(KN + t * KNT + h * KNH + d, mask=d < D)
+    vn = tl.load(VN + t * VNT + h * VNH + d, mask=d < D)
+    tl.store(K + dst, kn.to(K.dtype.element_ty), mask=d < D)
+    tl.store(V + dst, vn.to(V.dtype.element_ty), mask=d < D)
+    tl.debug_barrier()          # the stores before any thread of the program reads them
+
+
+@triton.jit
+def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, P, M, L, COUNT, KN, VN, SLOTS, scale, QT, Hq,
+                  Hkv, W, BS, D, SPLITS, KNT, KNH, VNT, VNH, G: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_GC: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                  SPLIT: tl.constexpr, WRITE: tl.constexpr, PDL: tl.constexpr):
+    # WRITE: every query is its sequence's only one this step (a decode step), and its key
+    # and value (KN, VN at their strides) are stored at SLOTS here, by the program whose
+    # keys end with them, instead of by a launch before.
     _after_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -127,6 +145,9 @@ def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, P, M, L, COUNT, scale, QT, Hq, 
         per = tl.maximum(tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
         shares = tl.cdiv(n, per)
         lo = tl.program_id(2) * per
+        if WRITE:
+            if (n - 1) // per == tl.program_id(2):
+                _store_new(K, V, KN, VN, SLOTS, t, h, Hkv, D, KNT, KNH, VNT, VNH, BLOCK_D)
         if lo < n:
             m_i, l_i, acc = _attend(Q, K, V, TABLES, t, h, s, lo, tl.minimum(n, lo + per),
                                     scale, QT, Hkv, W, BS, D, G, BLOCK_G, BLOCK_D, BLOCK_N,
@@ -145,6 +166,8 @@ def _paged_decode(Q, K, V, TABLES, SEQ, KEYS, O, P, M, L, COUNT, scale, QT, Hq, 
                 _combine(P, M, L, O, t * Hq + h * G, shares, SPLITS, D, G, BLOCK_GC,
                          BLOCK_C, BLOCK_D)
     else:
+        if WRITE:
+            _store_new(K, V, KN, VN, SLOTS, t, h, Hkv, D, KNT, KNH, VNT, VNH, BLOCK_D)
         m_i, l_i, acc = _attend(Q, K, V, TABLES, t, h, s, 0, n, scale, QT, Hkv, W, BS, D, G,
                                 BLOCK_G, BLOCK_D, BLOCK_N, IEEE)
         g = tl.arange(0, BLOCK_G)
@@ -189,15 +212,35 @@ def _counters(n: int, device) -> torch.Tensor:
 _KEEP: list = []        # replaced counter sets, kept for graphs that captured them
 
 
-def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=None):
+def writes_new(k_cache, v_cache, slots, k, v) -> bool:
+    """Whether :func:`paged_attention_fwd` can store a decode step's ``k``, ``v`` (T, Hkv, D)
+    at ``slots`` itself: contiguous caches of their dtype, unit strides along the head dim,
+    contiguous slots."""
+    return (k_cache.is_contiguous() and v_cache.is_contiguous() and k.stride(-1) == 1
+            and v.stride(-1) == 1 and slots.is_contiguous() and k_cache.dtype == k.dtype
+            and v_cache.dtype == v.dtype)
+
+
+def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=None,
+                        new=None):
     """(T, Hq, D) attention of each packed query over its sequence's first ``keys[t]`` keys;
     ``splits``: shares of the keys per query (default :func:`splits_for`); more than one
-    runs flash-decoding, the last share of each query to finish combining them."""
+    runs flash-decoding, the last share of each query to finish combining them. ``new``:
+    (k, v, slots) of a decode step (each query its sequence's only one, its key and value
+    its sequence's last), stored into the caches by the same launch (:func:`writes_new`
+    must hold; the caches are then written in place)."""
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
     if q.stride(-1) != 1 or q.stride(1) != d:       # tokens may be strided, heads not
         q = q.contiguous()
-    k_cache, v_cache, tables = k_cache.contiguous(), v_cache.contiguous(), tables.contiguous()
+    if new is None:
+        k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+        kn = vn = slots = q
+        kns = vns = (0, 0)
+    else:
+        kn, vn, slots = new
+        kns, vns = kn.stride()[:2], vn.stride()[:2]
+    tables = tables.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
@@ -208,22 +251,24 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=No
     block_n = 64 if block_d <= 128 else 32
     if splits is None:
         splits = splits_for(t, hkv, tables.shape[1] * bs, block_n, q.device)
-    common = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)),
-                  BLOCK_GC=max(2, triton.next_power_of_2(g)), BLOCK_C=8, BLOCK_D=block_d,
-                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4,
-                  num_stages=2, **chained(q.device))
+    block_gc = max(2, triton.next_power_of_2(g))
+    common = dict(G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_GC=block_gc,
+                  BLOCK_C=max(2, min(16, 64 // block_gc)), BLOCK_D=block_d,
+                  BLOCK_N=block_n, IEEE=q.dtype == torch.float32, WRITE=new is not None,
+                  num_warps=4, num_stages=2, **chained(q.device))
     if splits == 1:
         _paged_decode[(t, hkv, 1)](q, k_cache, v_cache, tables, seq, keys, out, out, out, out,
-                                   out, float(scale), q.stride(0), hq, hkv, tables.shape[1],
-                                   bs, d, 1, SPLIT=False, **common)
+                                   out, kn, vn, slots, float(scale), q.stride(0), hq, hkv,
+                                   tables.shape[1], bs, d, 1, *kns, *vns, SPLIT=False,
+                                   **common)
         return out
     part = torch.empty(t, hq, splits, d, device=q.device, dtype=torch.float32)
     m = torch.empty(t, hq, splits, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
     _paged_decode[(t, hkv, splits)](q, k_cache, v_cache, tables, seq, keys, out, part, m,
-                                    lsum, _counters(t * hkv, q.device), float(scale),
-                                    q.stride(0), hq, hkv, tables.shape[1], bs, d, splits,
-                                    SPLIT=True, **common)
+                                    lsum, _counters(t * hkv, q.device), kn, vn, slots,
+                                    float(scale), q.stride(0), hq, hkv, tables.shape[1], bs,
+                                    d, splits, *kns, *vns, SPLIT=True, **common)
     return out
 
 

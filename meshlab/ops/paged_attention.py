@@ -193,6 +193,41 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
                               where.mask, where.keys, scale)
 
 
+@torch.library.custom_op("meshlab::paged_decode", mutates_args=("k_cache", "v_cache"))
+def paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, seq: Tensor,
+                    keys: Tensor, scale: float, k: Tensor, v: Tensor, slots: Tensor) -> Tensor:
+    """A decode step's attention on CUDA (each query its sequence's only one): the Triton
+    kernel stores each query's key and value ``k``, ``v`` (T, Hkv, D) at ``slots`` and
+    attends over the sequence's keys, its own last, in one launch."""
+    from . import _build
+
+    return _build.triton_kernels("paged_attention").paged_attention_fwd(
+        q, k_cache, v_cache, tables, seq, keys, float(scale), new=(k, v, slots))
+
+
+@paged_decode_op.register_fake
+def _(q, k_cache, v_cache, tables, seq, keys, scale, k, v, slots):
+    return q.new_empty(q.shape)
+
+
+def write_and_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor,
+                     v: Tensor, where: Layout, scale: float) -> Tensor:
+    """:func:`write_cache` of the step's keys and values, then :func:`paged_attention` of
+    its queries over the batch ``where`` (its layout, checked by the caller). On CUDA, when
+    every sequence has one query (a decode step) and the Triton kernel applies
+    (``_triton_paged.writes_new``), one launch does both (``meshlab::paged_decode``)."""
+    if q.is_cuda and where.mask.shape[2] == 1 and k_cache.dtype == q.dtype:
+        from . import _build
+
+        mod = _build.triton_kernels("paged_attention")
+        if mod is not None and mod.writes_new(k_cache, v_cache, slots, k, v):
+            return paged_decode_op(q, k_cache, v_cache, where.tables, where.seq, where.keys,
+                                   float(scale), k, v, slots)
+    write_cache(k_cache, v_cache, slots, k, v)
+    return paged_attention_op(q, k_cache, v_cache, where.tables, where.seq, where.row,
+                              where.mask, where.keys, float(scale))
+
+
 def write_cache(k_cache: Tensor, v_cache: Tensor, slots: Tensor, k: Tensor, v: Tensor) -> None:
     """Store the keys and values ``k``, ``v`` (T, Hkv, D) of T new tokens at flat slot
     indices ``slots`` (T,) (``block * block_size + offset``), in the caches' dtype."""
