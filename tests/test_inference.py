@@ -1013,6 +1013,40 @@ def test_paged_attention_triton_kernel_is_its_reference(dtype, tol):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_greedy_on_cuda_is_argmax_in_one_launch():
+    """Greedy's arg-max on CUDA is one Triton launch and equals ``argmax``: the first of
+    equal maxima, one row or many, a vocabulary not a multiple of its chunk, a row view;
+    replayed from a CUDA graph, its counters back at 0 each time."""
+    from meshlab.inference._sampling import greedy
+    from meshlab.ops import _build
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, v, dtype in ((1, 128256, torch.bfloat16), (40, 32000, torch.float32),
+                           (3, 151936, torch.bfloat16), (2, 5, torch.float16)):
+        x = torch.randn(rows, v + 3, device="cuda", generator=g).to(dtype)[:, 3:]
+        x[0, v // 3] = x[0, v - 1] = 60.0          # a tie: the first index wins
+        x[-1, :] = 1.0                             # all equal: index 0
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+            got = greedy(x)
+            torch.cuda.synchronize()
+        assert _build.LAST_PATH[("argmax", "cuda")].native
+        kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1 and "_argmax" in kernels[0].name
+        assert torch.equal(got, x.argmax(-1)) and got[0] == v // 3 and got[-1] == 0
+    x = torch.randn(2, 128256, device="cuda", generator=g).to(torch.bfloat16)
+    greedy(x)                                      # warm-up, outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = greedy(x)
+    for i in range(5):
+        x.normal_(generator=g)
+        x[1, 1000 * i] = 99.0
+        graph.replay()
+        assert torch.equal(got, x.argmax(-1)) and got[1] == 1000 * i
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_step_stores_its_keys_inside_the_attention_launch(dtype):
     """A decode step (one query per sequence) on CUDA stores each query's key and value in

@@ -21,10 +21,17 @@ def _chunk(v: int) -> int | None:
 
 def greedy(logits: Tensor) -> Tensor:
     """``logits.argmax(-1)`` of (S, V) logits, the first index among equal maxima as
-    ``argmax`` gives. On CUDA, for fewer than 16 rows, in two reductions: one row's
-    arg-max over a vocabulary of 128k runs as one thread block (37 us on an H200, a
-    twentieth of a Llama-1B decode step), while the maxima of the vocabulary's chunks
+    ``argmax`` gives. On CUDA, the Triton kernel of ``meshlab/ops/_triton_argmax.py`` in
+    one launch; with the kernels off, for fewer than 16 rows, in two reductions: one
+    row's arg-max over a vocabulary of 128k runs as one thread block (37 us on an H200,
+    a twentieth of a Llama-1B decode step), while the maxima of the vocabulary's chunks
     reduce in parallel and then their arg-max is a short row."""
+    if logits.is_cuda and not torch.compiler.is_compiling():
+        from ..ops import _build
+
+        mod = _build.triton_kernels("argmax")
+        if mod is not None and mod.fits(logits):
+            return mod.argmax(logits)
     c = _chunk(logits.shape[-1])
     if not logits.is_cuda or logits.shape[0] >= 16 or c is None:
         return logits.argmax(-1)

@@ -270,7 +270,7 @@ def cpu_kernels(op: str):
 
 # Ops whose Triton kernels are not in _triton.py: op -> module (mirroring _OWN_EXTENSION).
 _OWN_TRITON = {"paged_attention": "_triton_paged", "kv_cache_write": "_triton_paged",
-               "decode_linear": "_triton_gemv"}
+               "decode_linear": "_triton_gemv", "argmax": "_triton_argmax"}
 _TRITON: dict[str, object] = {}
 _TRITON_WHY: dict[str, str] = {}
 

@@ -88,6 +88,32 @@ def sm_count(device) -> int:
     return _SMS[idx]
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+_REPLACED: list = []        # smaller counter sets, kept alive for graphs that captured them
+
+
+def counters(n: int, device, name: str) -> torch.Tensor:
+    """At least ``n`` int32 counters on ``device`` for the kernels called ``name``, all 0
+    between launches: a kernel's programs count themselves in, and the last one does the
+    finishing work and sets its counter back to 0. Made outside graph capture (a warm-up
+    call makes them); a larger set replaces a smaller one, which stays alive for any graph
+    that captured it. The launches that use one set must run on one stream at a time, as
+    a decode step's do."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    have = _COUNTERS.get((dev, name))
+    if have is None or have.numel() < n:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"meshlab's {name} kernel: its first call needing {n} "
+                               f"counters is being captured in a CUDA graph; run the step "
+                               f"once before capturing it (a warm-up), so they exist")
+        _REPLACED.append(have)
+        _COUNTERS[(dev, name)] = have = torch.zeros(max(n, 4096), dtype=torch.int32,
+                                                    device=dev)
+    return have
+
+
 def _bands(n: int, device) -> tuple[int, int]:
     # Backward kernels: a few programs per multiprocessor, each over a band of rows, so the
     # weight-gradient partials are (programs, H), small next to (n, H).

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton import _after_previous, chained, sm_count
+from ._triton import _after_previous, chained, counters, sm_count
 
 
 @triton.jit
@@ -186,32 +186,6 @@ def splits_for(t: int, hkv: int, max_keys: int, block_n: int, device) -> int:
     return max(1, min(fill, triton.cdiv(max_keys, block_n), 64))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(n: int, device) -> torch.Tensor:
-    """The device's share counters (int32, all 0 between launches), at least ``n``. Made
-    outside graph capture (a warm-up call makes them); a larger set replaces a smaller one,
-    which stays alive for any graph that captured it. The launches that use them must run
-    on one stream at a time, as a decode step's do."""
-    idx = torch.device(device)
-    if idx.type == "cuda" and idx.index is None:
-        idx = torch.device("cuda", torch.cuda.current_device())
-    have = _COUNTERS.get(idx)
-    if have is None or have.numel() < n:
-        if idx.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"meshlab::paged_attention: its first call with {n} (query, "
-                               f"kv head) pairs cut into shares is being captured in a CUDA "
-                               f"graph; run the step once before capturing it (a warm-up), "
-                               f"so its counters exist")
-        _KEEP.append(have)
-        _COUNTERS[idx] = have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return have
-
-
-_KEEP: list = []        # replaced counter sets, kept for graphs that captured them
-
-
 def writes_new(k_cache, v_cache, slots, k, v) -> bool:
     """Whether :func:`paged_attention_fwd` can store a decode step's ``k``, ``v`` (T, Hkv, D)
     at ``slots`` itself: contiguous caches of their dtype, unit strides along the head dim,
@@ -266,7 +240,7 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=No
     m = torch.empty(t, hq, splits, device=q.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
     _paged_decode[(t, hkv, splits)](q, k_cache, v_cache, tables, seq, keys, out, part, m,
-                                    lsum, _counters(t * hkv, q.device), kn, vn, slots,
+                                    lsum, counters(t * hkv, q.device, "paged"), kn, vn, slots,
                                     float(scale), q.stride(0), hq, hkv, tables.shape[1], bs,
                                     d, splits, *kns, *vns, SPLIT=True, **common)
     return out
