@@ -1025,7 +1025,8 @@ def test_greedy_on_cuda_is_argmax_in_one_launch():
                            (3, 151936, torch.bfloat16), (2, 5, torch.float16)):
         x = torch.randn(rows, v + 3, device="cuda", generator=g).to(dtype)[:, 3:]
         x[0, v // 3] = x[0, v - 1] = 60.0          # a tie: the first index wins
-        x[-1, :] = 1.0                             # all equal: index 0
+        if rows > 1:
+            x[-1, :] = 1.0                         # all equal: index 0
         greedy(x)                                  # first call: compiles, makes counters
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
             got = greedy(x)
@@ -1033,7 +1034,8 @@ def test_greedy_on_cuda_is_argmax_in_one_launch():
         assert _build.LAST_PATH[("argmax", "cuda")].native
         kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         assert len(kernels) == 1 and "_argmax" in kernels[0].name
-        assert torch.equal(got, x.argmax(-1)) and got[0] == v // 3 and got[-1] == 0
+        assert torch.equal(got, x.argmax(-1)) and got[0] == v // 3
+        assert rows == 1 or got[-1] == 0
     x = torch.randn(2, 128256, device="cuda", generator=g).to(torch.bfloat16)
     greedy(x)                                      # warm-up, outside capture
     graph = torch.cuda.CUDAGraph()
