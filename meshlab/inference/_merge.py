@@ -32,6 +32,9 @@ The parts of a product of several rows are strided views (each row holds all par
 Triton rotary and swiglu kernels read them in place, the queries and keys leave the
 rotary contiguous and the values go to the cache as they are.
 
+And :func:`table_rotary` gives rotary-embedding modules a table of their angles (the
+engine calls it with the positions a request can reach).
+
 What the model routes is in ``model._meshlab_merged`` (:class:`Merged`).
 """
 

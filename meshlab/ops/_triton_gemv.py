@@ -43,7 +43,7 @@ measured slower (19.8 and 57.0 us) than this product and the activation kernel a
 it. So did the gate's activation applied to this product's input (the down product
 reading the gate/up row): every program recomputes it for the whole row, and a step took
 4.40 against 4.14 ms at 8B, 0.936 against 0.911 at 1B
-(``results/inference_*_cmp-{new,noglu}_h200.json``). With two rows cuBLAS wins at 8B, so
+(``results/inference_*_glu-{inside,apart}_h200.json``). With two rows cuBLAS wins at 8B, so
 only single rows come here.
 """
 
