@@ -137,7 +137,8 @@ def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypa
     ``decode_linear`` in a form the Triton matrix-vector kernel takes (``one_row``; the
     kernel itself, and which widths it takes, are checked on the GPU), with the modules'
     weights, which are parameters; a prefill's products are not single rows. Each layer
-    rotates its queries and keys in one call of the rotary op."""
+    rotates its queries and keys in one call of the rotary op, by angles looked up in the
+    rotary embedding's table."""
     import importlib
 
     from meshlab.inference import _merge
@@ -157,12 +158,30 @@ def test_a_one_request_decode_step_puts_every_product_on_the_row_kernel(monkeypa
         assert seen == [False] * (4 * layers) + [True]     # the head reads the last row
         seen.clear()
         rotated.clear()
+        rope = eng.model.model.rotary_emb
+        looked_up = []
+        rope._meshlab_table = _Counted(rope._meshlab_table, looked_up)
         eng.step()                                         # one decode step
+        assert len(looked_up) == 1                         # the angles from the table
         assert seen == [True] * (4 * layers + 1)
         cfg = eng.model.config
         heads = cfg.num_attention_heads + cfg.num_key_value_heads
         assert [r[2] for r in rotated] == [heads] * layers     # queries and keys at once
         seen.clear()
+
+
+class _Counted(torch.Tensor):
+    """A table that records its lookups."""
+
+    @staticmethod
+    def __new__(cls, t, log):
+        out = t.as_subclass(cls)
+        out.log = log
+        return out
+
+    def __getitem__(self, idx):
+        self.log.append(idx)
+        return torch.Tensor.__getitem__(self.as_subclass(torch.Tensor), idx)
 
 
 def test_rotary_tables_give_the_modules_own_angles():
@@ -172,6 +191,7 @@ def test_rotary_tables_give_the_modules_own_angles():
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     from meshlab.inference._merge import table_rotary
+    from meshlab.inference._paged import running
 
     cfg = _tiny().config
     llama3 = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
@@ -185,12 +205,21 @@ def test_rotary_tables_give_the_modules_own_angles():
         plain = LlamaRotaryEmbedding(c)
         assert table_rotary(holder, 300, dtype) == ["rotary_emb"]
         x = torch.empty(0, dtype=dtype)
-        for pos in (torch.tensor([[0, 7, 299]]), torch.tensor([[123]]),
-                    torch.arange(40).view(2, 20)):
-            got, want = holder.rotary_emb(x, pos), plain(x, pos)
-            for a, b in zip(got, want):
-                assert a.dtype == dtype and torch.equal(a, b)
-        assert torch.equal(holder.rotary_emb(x.double(), pos)[0], plain(x.double(), pos)[0])
+        looked_up = []
+        holder.rotary_emb._meshlab_table = _Counted(holder.rotary_emb._meshlab_table,
+                                                    looked_up)
+        with running(object()):                        # inside an engine step
+            for pos in (torch.tensor([[0, 7, 299]]), torch.tensor([[123]]),
+                        torch.arange(40).view(2, 20)):
+                got, want = holder.rotary_emb(x, pos), plain(x, pos)
+                for a, b in zip(got, want):
+                    assert a.dtype == dtype and torch.equal(a, b)
+            assert len(looked_up) == 3
+            assert torch.equal(holder.rotary_emb(x.double(), pos)[0],
+                               plain(x.double(), pos)[0])
+        far = torch.tensor([[5000]])                   # outside a step: the module's forward
+        assert torch.equal(holder.rotary_emb(x, far)[0], plain(x, far)[0])
+        assert len(looked_up) == 3
     c = type(cfg).from_dict(cfg.to_dict())
     c.rope_parameters = dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)
     holder = torch.nn.Module()

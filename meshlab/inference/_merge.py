@@ -261,8 +261,10 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def _table_forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    from ._paged import current_batch
+
     table = self._meshlab_table
-    if x.dtype != table.dtype or x.device != table.device:
+    if x.dtype != table.dtype or x.device != table.device or current_batch() is None:
         return type(self).forward(self, x, position_ids)
     both = table[position_ids]                          # (B, S, 2, D): one gather
     return both[..., 0, :], both[..., 1, :]
@@ -274,9 +276,10 @@ def table_rotary(model: nn.Module, length: int, dtype: torch.dtype) -> list[str]
     and a forward that looks rows up in it: one gather a step where the module's own
     forward launches about eight small kernels (a product, cos, sin, scalings, casts).
     Each angle is one float32 product of a position and a frequency, so the rows equal
-    what the forward computes for those positions alone. Another dtype or device runs
-    the module's forward; a position past the table is an indexing error on the device.
-    Returns the modules' names."""
+    what the forward computes for those positions alone. The table serves the engine's
+    steps only (inside ``_paged.running``, whose positions the engine bounds); another
+    call (``model.generate`` on the same model), dtype or device runs the module's own
+    forward. Returns the modules' names."""
     done = []
     for name, m in model.named_modules():
         if getattr(m, "rope_type", None) not in _STATIC_ROPE or "forward" in vars(m) \

@@ -111,6 +111,11 @@ class PagedBatch:
     where: Layout              # the same as device tensors, made once for every layer
 
 
+def current_batch() -> PagedBatch | None:
+    """The batch of the engine step running on this thread, if any."""
+    return getattr(_RUNNING, "batch", None)
+
+
 @contextlib.contextmanager
 def running(batch: PagedBatch):
     """The model's attention layers read and write ``batch`` inside this block."""
