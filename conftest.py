@@ -6,7 +6,7 @@ import importlib.util
 # and a CPU-only machine has no triton to import them with.
 collect_ignore = [] if importlib.util.find_spec("triton") else [
     "meshlab/ops/_triton.py", "meshlab/ops/_triton_adamw.py", "meshlab/ops/_triton_paged.py",
-    "meshlab/ops/_triton_gemv.py"]
+    "meshlab/ops/_triton_gemv.py", "meshlab/ops/_triton_argmax.py"]
 
 
 # The C++ kernels build on first use, one after another as the examples and tests reach
