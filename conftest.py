@@ -1,12 +1,13 @@
 """Collection settings for the docstring examples (``pytest --doctest-modules meshlab``)."""
 
 import importlib.util
+from pathlib import Path
 
 # The Triton kernel files import triton at the top; they are loaded only for CUDA tensors,
 # and a CPU-only machine has no triton to import them with.
-collect_ignore = [] if importlib.util.find_spec("triton") else [
-    "meshlab/ops/_triton.py", "meshlab/ops/_triton_adamw.py", "meshlab/ops/_triton_paged.py",
-    "meshlab/ops/_triton_gemv.py", "meshlab/ops/_triton_argmax.py"]
+collect_ignore = [] if importlib.util.find_spec("triton") else sorted(
+    str(p.relative_to(Path(__file__).parent))
+    for p in Path(__file__).parent.glob("meshlab/ops/_triton*.py"))
 
 
 # The C++ kernels build on first use, one after another as the examples and tests reach
