@@ -276,6 +276,35 @@ def _paged_attention(layout: str) -> list[Case]:
                  want)]
 
 
+def _paged_decode(layout: str) -> list[Case]:
+    """A decode step that stores its keys and values and attends (one query a sequence);
+    ``strided``: the queries, keys and values are parts of one merged product's rows."""
+    from meshlab.ops.paged_attention import layout as paged_layout, paged_attention_reference
+
+    bs, blocks = 4, 12
+    kc, vc = _r(blocks, bs, HKV, D), _r(blocks, bs, HKV, D)
+    tables = torch.tensor([[5, 2, 9], [0, 7, 3]], dtype=torch.int32)
+    lens, starts = [10, 7], [0, 1, 2]
+    slots = torch.tensor([9 * bs + 1, 7 * bs + 2])          # each sequence's last key
+    if layout == "strided":
+        row = _r(2, (H + 2 * HKV) * D)
+        q = row[:, :H * D].view(2, H, D)
+        k, v = row[:, H * D:(H + HKV) * D].view(2, HKV, D), row[:, (H + HKV) * D:].view(2, HKV, D)
+    else:
+        q, k, v = _r(2, H, D), _r(2, HKV, D), _r(2, HKV, D)
+    where = paged_layout(tables, lens, starts, bs)
+
+    def want(q, kc, vc, tables_, seq, keys, scale, k, v, slots):
+        kw, vw = kc.clone(), vc.clone()
+        kw.view(-1, HKV, D)[slots] = k
+        vw.view(-1, HKV, D)[slots] = v
+        return (paged_attention_reference(q, kw, vw, tables, lens, starts, D ** -0.5),)
+
+    return [Case(torch.ops.meshlab.paged_decode.default,
+                 (q, kc, vc, where.tables, where.seq, where.keys, D ** -0.5, k, v, slots), (),
+                 want)]
+
+
 # ---------------------------------------------------------------------------- the checks
 
 BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_tables",
@@ -293,7 +322,8 @@ BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_table
                                        "decode")),
             "linear_cross_entropy": (_linear_cross_entropy, ("contiguous", "transposed",
                                                              "sliced", "expanded")),
-            "paged_attention": (_paged_attention, ("contiguous", "transposed", "decode"))}
+            "paged_attention": (_paged_attention, ("contiguous", "transposed", "decode")),
+            "paged_decode": (_paged_decode, ("contiguous", "strided"))}
 PARAMS = [(op, layout) for op, (_, layouts) in BUILDERS.items() for layout in layouts]
 
 

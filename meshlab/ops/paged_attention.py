@@ -196,13 +196,24 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: T
 @torch.library.custom_op("meshlab::paged_decode", mutates_args=("k_cache", "v_cache"))
 def paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor, seq: Tensor,
                     keys: Tensor, scale: float, k: Tensor, v: Tensor, slots: Tensor) -> Tensor:
-    """A decode step's attention on CUDA (each query its sequence's only one): the Triton
-    kernel stores each query's key and value ``k``, ``v`` (T, Hkv, D) at ``slots`` and
-    attends over the sequence's keys, its own last, in one launch."""
+    """A decode step's attention (each query its sequence's only one, in order): store each
+    query's key and value ``k``, ``v`` (T, Hkv, D) at ``slots``, its sequence's last key,
+    and attend over the sequence's ``keys``. On CUDA where ``_triton_paged.writes_new``
+    holds, the Triton kernel does both in one launch; elsewhere :func:`write_cache` and
+    ``meshlab::paged_attention``."""
     from . import _build
 
-    return _build.triton_kernels("paged_attention").paged_attention_fwd(
-        q, k_cache, v_cache, tables, seq, keys, float(scale), new=(k, v, slots))
+    if q.is_cuda and k_cache.dtype == q.dtype:
+        mod = _build.triton_kernels("paged_attention")
+        if mod is not None and mod.writes_new(k_cache, v_cache, slots, k, v):
+            return mod.paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys,
+                                           float(scale), new=(k, v, slots))
+    write_cache(k_cache, v_cache, slots, k, v)
+    width = tables.shape[1] * k_cache.shape[1]
+    mask = torch.zeros(tables.shape[0], 1, 1, width, dtype=torch.bool, device=q.device)
+    mask[seq, 0, 0] = torch.arange(width, device=q.device)[None, :] < keys[:, None]
+    return paged_attention_op(q, k_cache, v_cache, tables, seq, torch.zeros_like(seq), mask,
+                              keys, float(scale))
 
 
 @paged_decode_op.register_fake
@@ -221,6 +232,7 @@ def write_and_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
 
         mod = _build.triton_kernels("paged_attention")
         if mod is not None and mod.writes_new(k_cache, v_cache, slots, k, v):
+            # the fused launch; paged_decode_op's own fallback is for other callers
             return paged_decode_op(q, k_cache, v_cache, where.tables, where.seq, where.keys,
                                    float(scale), k, v, slots)
     write_cache(k_cache, v_cache, slots, k, v)
