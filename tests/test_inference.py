@@ -234,7 +234,7 @@ def test_queries_and_keys_of_one_product_rotate_in_one_launch(monkeypatch):
     two; tensors apart, or ones autograd records, take a call each."""
     import importlib
 
-    from meshlab.parallel.fuse import _hf
+    from meshlab.parallel.fuse import _rotary
 
     rotary_mod = importlib.import_module("meshlab.ops.rotary")
     calls = []
@@ -248,25 +248,25 @@ def test_queries_and_keys_of_one_product_rotate_in_one_launch(monkeypatch):
     cos = torch.cat([angle.cos(), angle.cos()], -1)[None]
     sin = torch.cat([angle.sin(), angle.sin()], -1)[None]
     with torch.no_grad():
-        gq, gk = _hf._fused_apply_rotary(q, k, cos, sin)
+        gq, gk = _rotary._fused_apply_rotary(q, k, cos, sin)
     assert calls == [(1, t, hq + hkv, d)]
     assert gq.shape == q.shape and gk.shape == k.shape
     calls.clear()
-    wq, wk = _hf._fused_apply_rotary(q.contiguous(), k.contiguous(), cos, sin)
+    wq, wk = _rotary._fused_apply_rotary(q.contiguous(), k.contiguous(), cos, sin)
     assert len(calls) == 2
     assert torch.equal(gq, wq) and torch.equal(gk, wk)
     calls.clear()
     qg = q.detach().requires_grad_()
-    _hf._fused_apply_rotary(qg, k, cos, sin)
+    _rotary._fused_apply_rotary(qg, k, cos, sin)
     assert len(calls) == 2
-    assert _hf._adjacent(k, q) is None            # keys before queries: not one tensor
+    assert _rotary._adjacent(k, q) is None            # keys before queries: not one tensor
     # one token (a decode step): views of the size-1 dims may give q and k other strides
     one = torch.randn(1, 1, (hq + 2 * hkv) * d)
     q1, k1, _ = one.split([hq * d, hkv * d, hkv * d], -1)
     q1 = q1.view(1, 1, hq, d).transpose(1, 2)
     k1 = k1.view(1, 1, hkv, d).transpose(1, 2)
     assert q1.stride(0) != k1.stride(0)
-    both = _hf._adjacent(q1, k1)
+    both = _rotary._adjacent(q1, k1)
     assert both is not None and both.shape == (1, 1, hq + hkv, d)
     assert torch.equal(both[0, 0], one[0, 0, :(hq + hkv) * d].view(hq + hkv, d))
 

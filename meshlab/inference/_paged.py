@@ -137,7 +137,7 @@ def paged_hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, valu
     (1, Hkv, T, D) of the packed new tokens -> (attn_output (1, T, Hq, D), None)."""
     from torch.distributed.tensor import DTensor
 
-    batch = getattr(_RUNNING, "batch", None)
+    batch = current_batch()
     what = type(module).__name__
     if batch is None:
         raise ConfigError(f"{what}: attn_implementation={NAME!r} runs only inside "

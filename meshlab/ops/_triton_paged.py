@@ -186,10 +186,10 @@ def splits_for(t: int, hkv: int, max_keys: int, block_n: int, device) -> int:
     return max(1, min(fill, triton.cdiv(max_keys, block_n), 64))
 
 
-def writes_new(k_cache, v_cache, slots, k, v) -> bool:
-    """Whether :func:`paged_attention_fwd` can store a decode step's ``k``, ``v`` (T, Hkv, D)
-    at ``slots`` itself: contiguous caches of their dtype, unit strides along the head dim,
-    contiguous slots."""
+def stores_kv(k_cache, v_cache, slots, k, v) -> bool:
+    """Whether these kernels can store ``k``, ``v`` (T, Hkv, D) at ``slots`` of the caches
+    (:func:`write_kv`, or :func:`paged_attention_fwd` with ``new``): contiguous caches of
+    their dtype, unit strides along the head dim, contiguous slots."""
     return (k_cache.is_contiguous() and v_cache.is_contiguous() and k.stride(-1) == 1
             and v.stride(-1) == 1 and slots.is_contiguous() and k_cache.dtype == k.dtype
             and v_cache.dtype == v.dtype)
@@ -201,7 +201,7 @@ def paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys, scale, splits=No
     ``splits``: shares of the keys per query (default :func:`splits_for`); more than one
     runs flash-decoding, the last share of each query to finish combining them. ``new``:
     (k, v, slots) of a decode step (each query its sequence's only one, its key and value
-    its sequence's last), stored into the caches by the same launch (:func:`writes_new`
+    its sequence's last), stored into the caches by the same launch (:func:`stores_kv`
     must hold; the caches are then written in place)."""
     t, hq, d = q.shape
     hkv, bs = k_cache.shape[2], k_cache.shape[1]
@@ -270,9 +270,7 @@ def write_kv(k_cache, v_cache, slots, k, v) -> bool:
     """Store ``k``, ``v`` (T, Hkv, D) at flat ``slots`` (T,) of the contiguous caches; False
     (nothing written) where the layouts do not suit the kernel."""
     t, hkv, d = k.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k.stride(-1) == 1
-            and v.stride(-1) == 1 and slots.is_contiguous() and k_cache.dtype == k.dtype
-            and v_cache.dtype == v.dtype):
+    if not stores_kv(k_cache, v_cache, slots, k, v):
         return False
     if t:
         bh, bd = triton.next_power_of_2(hkv), triton.next_power_of_2(d)

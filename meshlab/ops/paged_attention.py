@@ -198,14 +198,14 @@ def paged_decode_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, tables: Tensor,
                     keys: Tensor, scale: float, k: Tensor, v: Tensor, slots: Tensor) -> Tensor:
     """A decode step's attention (each query its sequence's only one, in order): store each
     query's key and value ``k``, ``v`` (T, Hkv, D) at ``slots``, its sequence's last key,
-    and attend over the sequence's ``keys``. On CUDA where ``_triton_paged.writes_new``
+    and attend over the sequence's ``keys``. On CUDA where ``_triton_paged.stores_kv``
     holds, the Triton kernel does both in one launch; elsewhere :func:`write_cache` and
     ``meshlab::paged_attention``."""
     from . import _build
 
     if q.is_cuda and k_cache.dtype == q.dtype:
         mod = _build.triton_kernels("paged_attention")
-        if mod is not None and mod.writes_new(k_cache, v_cache, slots, k, v):
+        if mod is not None and mod.stores_kv(k_cache, v_cache, slots, k, v):
             return mod.paged_attention_fwd(q, k_cache, v_cache, tables, seq, keys,
                                            float(scale), new=(k, v, slots))
     write_cache(k_cache, v_cache, slots, k, v)
@@ -225,16 +225,11 @@ def write_and_attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
                      v: Tensor, where: Layout, scale: float) -> Tensor:
     """:func:`write_cache` of the step's keys and values, then :func:`paged_attention` of
     its queries over the batch ``where`` (its layout, checked by the caller). On CUDA, when
-    every sequence has one query (a decode step) and the Triton kernel applies
-    (``_triton_paged.writes_new``), one launch does both (``meshlab::paged_decode``)."""
-    if q.is_cuda and where.mask.shape[2] == 1 and k_cache.dtype == q.dtype:
-        from . import _build
-
-        mod = _build.triton_kernels("paged_attention")
-        if mod is not None and mod.writes_new(k_cache, v_cache, slots, k, v):
-            # the fused launch; paged_decode_op's own fallback is for other callers
-            return paged_decode_op(q, k_cache, v_cache, where.tables, where.seq, where.keys,
-                                   float(scale), k, v, slots)
+    every sequence has one query (a decode step), ``meshlab::paged_decode`` (one launch for
+    both where the Triton kernel applies)."""
+    if q.is_cuda and where.mask.shape[2] == 1:
+        return paged_decode_op(q, k_cache, v_cache, where.tables, where.seq, where.keys,
+                               float(scale), k, v, slots)
     write_cache(k_cache, v_cache, slots, k, v)
     return paged_attention_op(q, k_cache, v_cache, where.tables, where.seq, where.row,
                               where.mask, where.keys, float(scale))

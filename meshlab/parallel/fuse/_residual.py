@@ -1,4 +1,5 @@
-"""A pre-norm decoder layer's middle residual add in its second norm's kernel.
+"""A pre-norm decoder layer's middle residual add in its second norm's kernel, and the
+closeness test every routing probe of fuse applies (:func:`probe_difference`).
 
 Part of fuse's ``rms_norm`` routing (``_hf``): a layer with Llama's parts
 (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``) whose norm
@@ -16,8 +17,27 @@ import types
 import torch
 from torch import Tensor, nn
 
+from ..._errors import ConfigError
+
 
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def probe_difference(got: Tensor, want: Tensor) -> float | None:
+    """The relative difference of a probe's fused output from the module's own where it
+    exceeds 1e-4 (float32 rounding), else None."""
+    got, want = got.detach().double(), want.detach().double()
+    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
+    return None if err < 1e-4 else err
+
+
+def probe_close(got: Tensor, want: Tensor, what: str, fix: str) -> None:
+    """Raise a ConfigError naming ``what`` and ``fix`` where :func:`probe_difference` finds
+    the outputs apart."""
+    err = probe_difference(got, want)
+    if err is not None:
+        raise ConfigError(f"{what}: meshlab's op does not reproduce this module's output "
+                          f"(relative difference {err:.1e} on a probe); {fix}")
 
 
 def norm_eps(m: nn.Module) -> float:
@@ -92,9 +112,8 @@ def _probe_layer(m: nn.Module, forward=_fused_layer_forward, prepare=None) -> st
         got = forward(clone, x, **kw)
     except Exception as e:      # a class that differs: its layers keep their own forward
         return f"the probe failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    got, want = got.detach().double(), want.detach().double()
-    err = float((got - want).norm() / want.norm().clamp_min(1e-30))
-    if not err < 1e-4:
+    err = probe_difference(got, want)
+    if err is not None:
         return (f"its forward is not norm, attention, add, norm, MLP, add (relative "
                 f"difference {err:.1e} on a probe)")
     return None
