@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from ..ops import _build
 from ..parallel.fuse._hf import _bare_linear, _gate_kind
 from ..parallel.fuse._residual import _probe_layer, norm_eps
+from ._paged import current_batch
 
 
 _PLAIN = (Tensor, nn.Parameter)
@@ -128,6 +129,7 @@ def _fuse_weights(mods) -> tuple[Tensor, Tensor | None]:
         b = torch.cat([m.bias for m in mods]) if mods[0].bias is not None else None
         at = 0
         for m in mods:
+            m._meshlab_merged_part = True
             n = m.weight.shape[0]
             m.weight.data = w[at:at + n]
             if b is not None:
@@ -261,8 +263,6 @@ _STATIC_ROPE = ("default", "linear", "llama3", "yarn")
 
 
 def _table_forward(self, x: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-    from ._paged import current_batch
-
     table = self._meshlab_table
     if x.dtype != table.dtype or x.device != table.device or current_batch() is None:
         return type(self).forward(self, x, position_ids)
@@ -307,11 +307,9 @@ def merge_projections(model: nn.Module) -> Merged:
             report.qkv.append(name)
         elif _merge_gate_up(m):
             report.gate_up.append(name)
-    merged = {f"{a}.{p}".lstrip(".") for a in report.qkv for p in ("q_proj", "k_proj", "v_proj")}
-    merged |= {f"{a}.{p}".lstrip(".") for a in report.gate_up for p in ("gate_proj", "up_proj")}
     for name, m in model.named_modules():
-        if name not in merged and isinstance(m, nn.Linear) and "forward" not in vars(m) \
-                and _bare_linear(m, m.weight.dtype, bias=True):
+        if isinstance(m, nn.Linear) and not getattr(m, "_meshlab_merged_part", False) \
+                and "forward" not in vars(m) and _bare_linear(m, m.weight.dtype, bias=True):
             m.forward = types.MethodType(_linear_forward, m)
             report.linear.append(name)
     _route_layers(model, report)
