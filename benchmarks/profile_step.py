@@ -8,6 +8,7 @@ much of the step the GPU waits on the host). Writes
 ``benchmarks/results/profile_step_<shape>_<card>.json``.
 
     python benchmarks/profile_step.py --shape tinyllama --rows meshlab_fuse,hf_liger
+    python benchmarks/profile_step.py --rows meshlab_fuse --ops   # operators by shapes too
 """
 
 from __future__ import annotations
@@ -71,7 +72,19 @@ def idle_gaps(prof, steps: int, top: int = 12) -> dict:
             "longest": [{"us": g, "after": a[:90], "before": b[:90]} for g, a, b in gaps[:top]]}
 
 
-def profile_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool) -> dict:
+def op_table(prof, steps: int, top: int = 30) -> list[dict]:
+    """The operators whose own kernels took the most GPU time per step, by name and input
+    shapes (which add, which copy): what the kernel list cannot say."""
+    rows = [a for a in prof.key_averages(group_by_input_shape=True)
+            if a.key.startswith("aten::") and a.self_device_time_total > 0]
+    rows.sort(key=lambda a: -a.self_device_time_total)
+    return [{"op": a.key, "shapes": str(a.input_shapes)[:120],
+             "ms": a.self_device_time_total / 1e3 / steps, "calls": a.count / steps}
+            for a in rows[:top]]
+
+
+def profile_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool,
+                ops: bool = False) -> dict:
     import copy
 
     from torch.profiler import ProfilerActivity, profile
@@ -83,7 +96,8 @@ def profile_row(name: str, base, batch, steps: int, warmup: int, checkpointing: 
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU],
+                 record_shapes=ops) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
@@ -101,7 +115,7 @@ def profile_row(name: str, base, batch, steps: int, warmup: int, checkpointing: 
     busy = sum(by_kind.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:40]
     del model, step
-    return {"wall_ms": wall * 1e3, "gpu_busy_ms": busy, "by_kind_ms": dict(by_kind),
+    return {**({"ops": op_table(prof, steps)} if ops else {}), "wall_ms": wall * 1e3, "gpu_busy_ms": busy, "by_kind_ms": dict(by_kind),
             "kernels_per_step": sum(c for _, c in per_kernel.values()) / steps,
             "idle": gaps,
             "top": [{"kernel": k[:160], "ms": ms, "calls": c / steps, "kind": kind(k)}
@@ -115,6 +129,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--copy-to", default=None)
+    ap.add_argument("--ops", action="store_true",
+                    help="also list operators by input shapes (slows the profiled steps)")
     args = ap.parse_args()
     import transformers
 
@@ -126,7 +142,8 @@ def main() -> None:
            "shape": args.shape, "method": f"torch.profiler, {args.steps} steps after "
            f"{args.warmup} warm-up; CUDA kernel time per step summed by kind", "rows": {}}
     for name in args.rows.split(","):
-        r = profile_row(name, base, batch, args.steps, args.warmup, shape["checkpointing"])
+        r = profile_row(name, base, batch, args.steps, args.warmup, shape["checkpointing"],
+                        args.ops)
         out["rows"][name] = r
         print(f"{name}: wall {r['wall_ms']:.1f} ms, GPU busy {r['gpu_busy_ms']:.1f} ms, "
               f"{r['kernels_per_step']:.0f} kernels; "
@@ -137,6 +154,8 @@ def main() -> None:
             print(f"   gap {g['us']:8.0f} us after {g['after'][:50]} before {g['before'][:50]}")
         for t in r["top"][:25]:
             print(f"   {t['ms']:8.2f} ms {t['calls']:6.0f}x {t['kind']:>14}  {t['kernel'][:100]}")
+        for t in r.get("ops", []):
+            print(f"   {t['ms']:8.2f} ms {t['calls']:6.0f}x {t['op']:>24}  {t['shapes']}")
         gc.collect()
         torch.cuda.empty_cache()
     path = _results.write(f"profile_step_{args.shape}", out["card"], out, args.copy_to)

@@ -10,6 +10,7 @@ single-process weights, and ``parallelize`` refuses what ``plan`` refuses."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -132,6 +133,63 @@ def test_fused_equals_unfused(family):
     # Outside fused_labels the head is the plain projection: logits as before.
     torch.testing.assert_close(model(input_ids=batch["input_ids"]).logits,
                                ref(input_ids=batch["input_ids"]).logits, atol=1e-5, rtol=1e-5)
+
+
+def _full_width_adds(model, batch) -> int:
+    """The (batch, seq, hidden) adds one forward and backward of ``model`` runs outside
+    meshlab's kernels (autograd's accumulations included)."""
+    from meshlab.parallel.fuse import causal_lm_loss
+
+    shape = [*batch["input_ids"].shape, model.config.hidden_size]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                record_shapes=True) as prof:
+        causal_lm_loss(model, batch).backward()
+    return sum(1 for e in prof.events() if e.name in ("aten::add", "aten::add_")
+               and e.input_shapes and list(e.input_shapes[0]) == shape)
+
+
+def test_layer_sums_run_inside_norms_and_products():
+    """A routed Llama layer adds its residual stream's gradient inside the first norm's
+    backward and sums its query/key/value input gradient inside the products: of the six
+    full-width adds a layer's own forward and its backward run on routed norms (two residual
+    adds, the input-gradient sums of the three projections, the residual stream's gradient
+    at the layer's two norms), one is left: the last residual add. Where something between the layer and its projections
+    changes their input, the products ahead go unused: a warning, the same gradients, and
+    the plain products from then on."""
+    import meshlab as ml
+    from meshlab.parallel.fuse import causal_lm_loss, fuse_model as fuse
+
+    ref = _model("llama")
+    layers = M.TINY["llama"]["num_hidden_layers"]
+    ids = M.batches(1, batch=2, seq=9)[0]
+    batch = {"input_ids": ids, "labels": ids}
+    model = copy.deepcopy(ref)
+    fuse(model, OPS)
+    own = [layer.__dict__.pop("forward") for layer in model.model.layers]
+    assert _full_width_adds(model, batch) == 6 * layers      # the layers' own forward
+    for layer, forward in zip(model.model.layers, own):
+        layer.forward = forward
+    assert _full_width_adds(model, batch) == layers
+
+    attn = model.model.layers[0].self_attn
+    own = attn.forward
+    attn.forward = lambda hidden_states, **kw: own(hidden_states=hidden_states * 1.0, **kw)
+    for m in (model, ref):
+        for p in m.parameters():
+            p.grad = None
+    with pytest.warns(UserWarning, match="did not call q_proj, k_proj, v_proj on its input"):
+        got = causal_lm_loss(model, batch)
+    got.backward()
+    want = ml.losses.causal_lm_loss(ref(input_ids=ids), batch)
+    want.backward()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    refp = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, refp[n].grad, atol=1e-6, rtol=1e-4,
+                                   msg=lambda m, n=n: f"grad of {n}: {m}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        causal_lm_loss(model, batch)                 # once: the layer runs plain products
 
 
 def test_fused_under_autocast():

@@ -230,6 +230,40 @@ def test_add_rms_norm_is_the_add_then_the_norm(dtype):
         add_rms_norm(x, r.double(), w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fork_adds_the_residual_gradient_inside_the_norm(dtype):
+    """``rms_norm_fork`` returns the norm and ``x`` itself; the gradient reaching that view
+    is added inside the norm's backward kernel, giving what autograd gives the norm and the
+    identity used apart; only the view used, or only the norm, works too."""
+    from meshlab.ops.rms_norm import rms_norm, rms_norm_fork
+
+    x, _, w, dy, ds = _add_norm_case(dtype)
+
+    def grads(fork, dy, ds):
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        if fork:
+            y, through = rms_norm_fork(*leaves)
+            assert through._base is leaves[0] and torch.equal(through, x)
+        else:
+            y, through = rms_norm(*leaves), leaves[0]
+        outs = [(o, g) for o, g in ((y, dy), (through, ds)) if g is not None]
+        return torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs],
+                                   allow_unused=True)
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for dy_, ds_ in ((dy, ds), (dy, None), (None, ds)):
+        got, want = grads(True, dy_, ds_), grads(False, dy_, ds_)
+        for a, b in zip(got, want):
+            if b is None:
+                assert a is None or not a.any()
+            else:
+                torch.testing.assert_close(a, b, **tol)
+    if NATIVE:
+        _build.LAST_PATH.clear()
+        grads(True, dy, ds)
+        assert _build.LAST_PATH[("rms_norm_backward", "cpu")].native
+
+
 def test_add_rms_norm_opcheck():
     from meshlab.ops.rms_norm import add_rms_norm
 

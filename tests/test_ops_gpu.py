@@ -139,6 +139,32 @@ def test_cache_write_is_one_launch_and_equals_index_copy():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fork_triton(dtype):
+    """The residual stream's gradient added inside the norm's Triton backward: what
+    autograd gives the norm and the identity used apart."""
+    pytest.importorskip("triton")
+    from meshlab.ops import _build
+    from meshlab.ops.rms_norm import rms_norm, rms_norm_fork
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, dy, ds = (torch.randn(3, 17, 300, device="cuda", generator=g).to(dtype)
+                 for _ in range(3))
+    w = (1 + 0.1 * torch.randn(300, device="cuda", generator=g)).to(dtype)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        y, through = fn(*leaves)
+        return torch.autograd.grad((y, through), leaves, (dy, ds))
+
+    got = grads(rms_norm_fork)
+    assert _build.LAST_PATH[("rms_norm_backward", "cuda")].reason.startswith("Triton")
+    want = grads(lambda a, b: (rms_norm(a, b), a * 1))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rms_norm_triton(dtype):
     """The residual add and the norm in one Triton pass: the sum as the separate add rounds
     it, outputs and gradients those of the add then the norm, and opcheck passes."""

@@ -142,6 +142,48 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
     return torch.ops.meshlab.rms_norm(x, weight, eps)[0]
 
 
+class _EagerFork(torch.autograd.Function):
+    """:func:`rms_norm_fork`'s kernels: the norm's forward, and a backward that adds the
+    gradient of the returned view of ``x`` inside the norm's backward kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = _forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.set_materialize_grads(False)    # an output not used passes None, not zeros
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dx_through):
+        x, weight, rstd = ctx.saved_tensors
+        if dy is None:                      # only the view was used: the norm passes nothing
+            return dx_through, None, None
+        dx, dw = _backward_impl(dy, x, weight, rstd, dx_through)
+        return dx, dw, None
+
+
+def rms_norm_fork(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(x, weight, eps), x)`` for a pre-norm block, whose input goes both into
+    its norm and around the block on the residual stream: the returned ``x`` (a view) is
+    the one to add the block's output to, and the gradient reaching it is added inside the
+    norm's backward kernel instead of by autograd's separate accumulation. Eagerly on plain
+    tensors; otherwise (compiling, DTensors) the same math as ``rms_norm`` and ``x`` apart.
+
+    >>> import torch
+    >>> from meshlab.ops.rms_norm import rms_norm, rms_norm_fork
+    >>> x, w = torch.randn(2, 4, 8, requires_grad=True), torch.ones(8)
+    >>> y, r = rms_norm_fork(x, w)
+    >>> (y * 2 + r * 3).sum().backward()
+    >>> x2 = x.detach().requires_grad_()
+    >>> (rms_norm(x2, w) * 2 + x2 * 3).sum().backward()
+    >>> torch.allclose(x.grad, x2.grad, atol=1e-6)
+    True
+    """
+    if _build.eager(x, weight):
+        return _EagerFork.apply(x, weight, eps)
+    return rms_norm(x, weight, eps), x
+
+
 # ------------------------------------------------------------------ add_rms_norm
 
 def _add_forward(x: Tensor, residual: Tensor, weight: Tensor,

@@ -1,20 +1,30 @@
-"""A pre-norm decoder layer's middle residual add in its second norm's kernel, and the
-closeness test every routing probe of fuse applies (:func:`probe_difference`).
+"""A pre-norm decoder layer's sums inside the passes that already read their terms, and
+the closeness test every routing probe of fuse applies (:func:`probe_difference`).
 
 Part of fuse's ``rms_norm`` routing (``_hf``): a layer with Llama's parts
 (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``) whose norm
-is routed gets an instance ``forward`` that runs ``residual + attention`` and the norm
-after it as one ``meshlab::add_rms_norm``, where a probe of the layer's class (a small
-copy run through its own forward and the fused one) agrees. Other layers keep their own
-forward, and the report says why.
+is routed gets an instance ``forward`` (where a probe of the layer's class, a small copy
+run through its own forward and the fused one, agrees) that
+
+* runs ``residual + attention`` and the norm after it as one ``meshlab::add_rms_norm``;
+* adds the gradient of the layer's input that flows along the residual stream inside the
+  first norm's backward kernel (:func:`meshlab.ops.rms_norm.rms_norm_fork`);
+* sums the input gradient of the query, key and value projections inside their products'
+  backward (:class:`_SharedInput`), where the three are bare ``nn.Linear`` maps of the
+  attention's input.
+
+Autograd would otherwise add each of those terms in a pass of its own over a
+(tokens, hidden) tensor. Other layers keep their own forward, and the report says why.
 """
 
 from __future__ import annotations
 
 import copy
 import types
+import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..._errors import ConfigError
@@ -45,19 +55,112 @@ def norm_eps(m: nn.Module) -> float:
     return float(getattr(m, m._meshlab_norm.eps))
 
 
-def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
-    """A pre-norm decoder layer (norm, attention, residual add, norm, MLP, residual add)
-    whose middle add and the norm after it are one ``meshlab::add_rms_norm``. Positional
-    extras, or a sum the op does not take (dtypes or shapes that differ, DTensors), run the
-    class's own forward or the two steps apart: the same math."""
+class _SharedInput(torch.autograd.Function):
+    """Linear maps of one input (a layer's query, key and value projections), each its own
+    product forward; the backward sums the input's gradient inside the products
+    (``addmm_``) where autograd would add the maps' gradients in separate passes."""
+
+    @staticmethod
+    def forward(ctx, x, *wb):
+        ws, bs = wb[0::2], wb[1::2]
+        ctx.save_for_backward(x, *ws)
+        ctx.biased = tuple(b is not None for b in bs)
+        return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, *ws = ctx.saved_tensors
+        flat = x.reshape(-1, x.shape[-1])
+        dx, grads = None, []
+        for i, (dy, w, biased) in enumerate(zip(dys, ws, ctx.biased)):
+            if dy is None:
+                grads += [None, None]
+                continue
+            d = dy.reshape(-1, dy.shape[-1])
+            if ctx.needs_input_grad[0]:
+                dx = d @ w if dx is None else dx.addmm_(d, w)
+            grads.append(d.t() @ flat if ctx.needs_input_grad[1 + 2 * i] else None)
+            grads.append(d.sum(0) if biased and ctx.needs_input_grad[2 + 2 * i] else None)
+        return (None if dx is None else dx.view(x.shape), *grads)
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _pending_linear(self, x: Tensor) -> Tensor:
+    """A projection whose output the layer computed ahead with its siblings' (for ``x``);
+    any other input runs the plain product."""
+    pending = self._meshlab_pending
+    if pending is not None and pending[0] is x:
+        self._meshlab_pending = None
+        return pending[1]
+    return F.linear(x, self.weight, self.bias)
+
+
+def _shared_projections(attn: nn.Module) -> tuple[nn.Module, ...] | None:
+    """The attention's query, key and value projections where each is a plain
+    ``nn.Linear`` (bias allowed; no hooks, subclass or DTensor weight) of one dtype."""
     from torch.distributed.tensor import DTensor
 
-    from ...ops.rms_norm import add_rms_norm
+    ms = tuple(getattr(attn, n, None) for n in _QKV)
+    if not all(type(m) is nn.Linear for m in ms):
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks or isinstance(m.weight, DTensor)
+           for m in ms) or len({m.weight.dtype for m in ms}) != 1:
+        return None
+    return ms
+
+
+def _attend(self, x: Tensor, **kwargs) -> Tensor:
+    """The layer's attention on its normed input ``x``, the query, key and value products
+    computed ahead as one :class:`_SharedInput` where they are the routed plain maps."""
+    from ...ops import _build
+
+    attn = self.self_attn
+    projs = _shared_projections(attn) if getattr(attn, "_meshlab_shared", False) else None
+    if projs is None or any(getattr(m.forward, "__func__", None) is not _pending_linear
+                            for m in projs) or \
+            not _build.eager(x, *(m.weight for m in projs)) or \
+            torch.is_autocast_enabled(x.device.type) or x.dtype != projs[0].weight.dtype:
+        return attn(hidden_states=x, **kwargs)[0]
+    outs = _SharedInput.apply(x, *(t for m in projs for t in (m.weight, m.bias)))
+    for m, out in zip(projs, outs):
+        m._meshlab_pending = (x, out)
+    try:
+        h = attn(hidden_states=x, **kwargs)[0]
+    finally:
+        left = [n for n, m in zip(_QKV, projs) if m._meshlab_pending is not None]
+        for m in projs:
+            m._meshlab_pending = None
+    if left:        # the products ahead went unused (the math is the attention's own)
+        attn._meshlab_shared = False
+        warnings.warn(f"fuse: {type(attn).__name__} did not call {', '.join(left)} on its "
+                      f"input (something between the layer and its projections changes it); "
+                      f"its query, key and value products are no longer computed ahead",
+                      stacklevel=2)
+    return h
+
+
+def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+    """A pre-norm decoder layer (norm, attention, residual add, norm, MLP, residual add)
+    whose residual stream's gradient joins the first norm's backward, whose attention's
+    input gradient is summed inside its products, and whose middle add and the norm after
+    it are one ``meshlab::add_rms_norm``. Positional extras, or a sum the op does not take
+    (dtypes or shapes that differ, DTensors), run the class's own forward or the steps
+    apart: the same math."""
+    from torch.distributed.tensor import DTensor
+
+    from ...ops.rms_norm import add_rms_norm, rms_norm_fork
 
     if args:
         return type(self).forward(self, hidden_states, *args, **kwargs)
-    residual = hidden_states
-    h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    first = self.input_layernorm
+    rule = getattr(first, "_meshlab_norm", None)
+    if rule is not None and not rule.offset:
+        normed, residual = rms_norm_fork(hidden_states, first.weight, norm_eps(first))
+    else:
+        normed, residual = first(hidden_states), hidden_states
+    h = _attend(self, normed, **kwargs)
     norm = self.post_attention_layernorm
     if h.dtype != residual.dtype or h.shape != residual.shape or \
             any(isinstance(t, DTensor) for t in (h, residual, norm.weight)):
@@ -101,6 +204,9 @@ def _probe_layer(m: nn.Module, forward=_fused_layer_forward, prepare=None) -> st
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.ndim == 1 else 0))
         norm = clone.post_attention_layernorm
         norm._meshlab_norm = getattr(m.post_attention_layernorm, "_meshlab_norm")
+        first = getattr(m.input_layernorm, "_meshlab_norm", None)
+        if first is not None:
+            clone.input_layernorm._meshlab_norm = first
         ang = torch.randn(2, 5, 4, generator=g)
         ang = torch.cat([ang, ang], -1)
         kw = dict(attention_mask=None, position_ids=torch.arange(5)[None].expand(2, 5),
@@ -119,6 +225,19 @@ def _probe_layer(m: nn.Module, forward=_fused_layer_forward, prepare=None) -> st
     return None
 
 
+def _share_projections(layer: nn.Module) -> None:
+    """Let the layer compute its attention's query, key and value products ahead
+    (:func:`_attend`) where they are plain maps of one dtype."""
+    attn = layer.self_attn
+    projs = _shared_projections(attn)
+    if projs is None:
+        return
+    for m in projs:
+        m._meshlab_pending = None
+        m.forward = types.MethodType(_pending_linear, m)
+    attn._meshlab_shared = True
+
+
 def route_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
     """Give each fusable decoder layer (:func:`_layer_fusable`) whose class passes its
     probe the fused forward; returns the layers routed and, by class, why others were not."""
@@ -132,8 +251,9 @@ def route_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
         cls = type(m).__name__
         if cls not in why:
             with torch.random.fork_rng(devices=()):     # building the copy draws weights
-                why[cls] = _probe_layer(m)
+                why[cls] = _probe_layer(m, prepare=_share_projections)
         if why[cls] is None:
+            _share_projections(m)
             m.forward = types.MethodType(_fused_layer_forward, m)
             m._meshlab_layer = True
             routed.append(name)
