@@ -230,3 +230,42 @@ def test_compiled_fused_llama_trains_like_eager():
     eager, compiled = train(False), train(True)
     assert eager[-1] < eager[0] - 0.5
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_llama_gradients_on_cuda(dtype):
+    """fuse_model on CUDA (the layers' sums inside the norms' Triton backward and the
+    query/key/value products, cuDNN or the reference attention): loss and every gradient
+    those of the unrouted model, to float32 rounding in float32 and bf16 rounding in bf16."""
+    import copy
+
+    import transformers
+
+    import meshlab as ml
+    from meshlab.ops import _build
+    from meshlab.parallel.fuse import causal_lm_loss, fuse_model
+
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, attn_implementation="sdpa",
+                                   use_cache=False, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        ref = transformers.LlamaForCausalLM(cfg).to(dtype)
+    model = copy.deepcopy(ref)
+    assert fuse_model(model).counts()["residual_add"] == 2
+    ids = torch.randint(0, 512, (2, 64), device="cuda")
+    batch = {"input_ids": ids, "labels": ids}
+    want = ml.losses.causal_lm_loss(ref(input_ids=ids), batch)
+    want.backward()
+    _build.LAST_PATH.clear()
+    got = causal_lm_loss(model, batch)
+    got.backward()
+    assert _build.LAST_PATH[("rms_norm_backward", "cuda")].reason.startswith("Triton")
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    refp = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        rel = float((p.grad.float() - refp[n].grad.float()).norm()
+                    / refp[n].grad.float().norm())
+        assert rel < (1e-3 if dtype == torch.float32 else 3e-2), (n, rel)
