@@ -8,7 +8,7 @@ much of the step the GPU waits on the host). Writes
 ``benchmarks/results/profile_step_<shape>_<card>.json``.
 
     python benchmarks/profile_step.py --shape tinyllama --rows meshlab_fuse,hf_liger
-    python benchmarks/profile_step.py --rows meshlab_fuse --ops   # operators by shapes too
+    python benchmarks/profile_step.py --rows meshlab_fuse --ops --tag _ops   # + operators
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--copy-to", default=None)
+    ap.add_argument("--tag", default="", help="appended to the JSON's name")
     ap.add_argument("--ops", action="store_true",
                     help="also list operators by input shapes (slows the profiled steps)")
     args = ap.parse_args()
@@ -158,7 +159,7 @@ def main() -> None:
             print(f"   {t['ms']:8.2f} ms {t['calls']:6.0f}x {t['op']:>24}  {t['shapes']}")
         gc.collect()
         torch.cuda.empty_cache()
-    path = _results.write(f"profile_step_{args.shape}", out["card"], out, args.copy_to)
+    path = _results.write(f"profile_step_{args.shape}{args.tag}", out["card"], out, args.copy_to)
     print(f"wrote {path}")
 
 

@@ -27,8 +27,10 @@ class Fuse(Transform):
     meshlab's custom ops without changing any class (instance forwards only); each routing
     is probed against the module it replaces when the plan is made from the model (``plan``
     refuses what the install would) and again when it is installed. With ``rms_norm``, a
-    decoder layer's middle residual add also runs inside its second norm where a probe of
-    the layer proves it (reported, never refused)."""
+    decoder layer's middle residual add also runs inside its second norm, the residual
+    stream's gradient inside its first norm's backward, and its query/key/value input
+    gradient inside those products, where a probe of the layer proves it (reported, never
+    refused)."""
 
     kind: ClassVar[str] = "fuse"
     phase: ClassVar[Phase] = Phase.KERNELS

@@ -14,8 +14,10 @@ finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it
   layer (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``: Llama's,
   Mistral's, Qwen's, ...) whose class passes a probe of its whole forward also gets an
   instance ``forward`` that runs its middle residual add and the norm after it as one
-  ``meshlab::add_rms_norm`` (``_residual``; reported as ``residual_add``, classes left as
-  they are, and why, in ``FuseReport.unfused``).
+  ``meshlab::add_rms_norm``, adds the residual stream's gradient inside the first norm's
+  backward and sums the query/key/value products' input gradient inside them (``_residual``;
+  reported as ``residual_add``, classes left as they are, and why, in
+  ``FuseReport.unfused``).
 * ``rotary`` (``_rotary``): the modeling file's ``apply_rotary_pos_emb`` is wrapped once
   by a dispatcher that calls ``meshlab::rotary`` while a routed model's attention module
   is running and the original function otherwise, so other models in the process are
