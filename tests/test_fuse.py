@@ -192,6 +192,41 @@ def test_layer_sums_run_inside_norms_and_products():
         causal_lm_loss(model, batch)                 # once: the layer runs plain products
 
 
+@pytest.mark.parametrize("case", ["all", "frozen", "unused", "q_unused", "bias"])
+def test_shared_input_products_give_autograds_gradients(case):
+    """The query/key/value products computed as one function: the input gradient summed in
+    the products and the key and value parts' gradients as one product each way give the
+    gradients autograd gives three ``F.linear`` calls, with frozen weights, an output not
+    used and biases."""
+    import importlib
+
+    shared = importlib.import_module("meshlab.parallel.fuse._residual")._SharedInput
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=g, dtype=torch.float64)
+    ws = [torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (16, 4, 4)]
+    bs = [torch.randn(n, generator=g, dtype=torch.float64) if case == "bias" else None
+          for n in (16, 4, 4)]
+    dys = [torch.randn(2, 5, n, generator=g, dtype=torch.float64) for n in (16, 4, 4)]
+    used = {"unused": (0, 2), "q_unused": (1, 2)}.get(case, (0, 1, 2))
+
+    def grads(fn):
+        leaves = [x.clone().requires_grad_()]
+        leaves += [t.clone().requires_grad_(case != "frozen") for t in ws]
+        leaves += [None if b is None else b.clone().requires_grad_() for b in bs]
+        outs = fn(leaves[0], leaves[1:4], leaves[4:])
+        loss = sum((outs[i] * dys[i]).sum() for i in used)
+        loss.backward()
+        return [None if t is None else t.grad for t in leaves]
+
+    got = grads(lambda x, w, b: shared.apply(x, *(t for p in zip(w, b) for t in p)))
+    want = grads(lambda x, w, b: [torch.nn.functional.linear(x, *p) for p in zip(w, b)])
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b)
+
+
 def test_fused_under_autocast():
     """Under bf16 autocast the fused head runs in bf16, as the unfused head's matmul does."""
     import meshlab as ml

@@ -57,30 +57,42 @@ def norm_eps(m: nn.Module) -> float:
 
 class _SharedInput(torch.autograd.Function):
     """Linear maps of one input (a layer's query, key and value projections), each its own
-    product forward; the backward sums the input's gradient inside the products
-    (``addmm_``) where autograd would add the maps' gradients in separate passes."""
+    product forward. The backward sums the input's gradient inside the products
+    (``addmm_``) where autograd would add the maps' gradients in separate passes, and runs
+    the maps after the first as one product each way (their gradients side by side): a
+    layer's key and value parts are narrow, so a product of theirs is bound by reading and
+    writing the (tokens, hidden) input gradient, which one product does once."""
 
     @staticmethod
     def forward(ctx, x, *wb):
         ws, bs = wb[0::2], wb[1::2]
         ctx.save_for_backward(x, *ws)
         ctx.biased = tuple(b is not None for b in bs)
+        ctx.set_materialize_grads(False)    # an output not used passes None, not zeros
         return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
 
     @staticmethod
     def backward(ctx, *dys):
         x, *ws = ctx.saved_tensors
         flat = x.reshape(-1, x.shape[-1])
-        dx, grads = None, []
-        for i, (dy, w, biased) in enumerate(zip(dys, ws, ctx.biased)):
-            if dy is None:
-                grads += [None, None]
-                continue
-            d = dy.reshape(-1, dy.shape[-1])
-            if ctx.needs_input_grad[0]:
+        need = ctx.needs_input_grad
+        grads: list = [None] * (2 * len(ws))
+        rest = [i for i in range(1, len(ws)) if dys[i] is not None]
+        parts = ([[0]] if dys[0] is not None else []) + ([rest] if rest else [])
+        dx = None
+        for part in parts:
+            ds = [dys[i].reshape(-1, dys[i].shape[-1]) for i in part]
+            d = ds[0] if len(ds) == 1 else torch.cat(ds, -1)
+            if need[0]:
+                w = ws[part[0]] if len(part) == 1 else torch.cat([ws[i] for i in part])
                 dx = d @ w if dx is None else dx.addmm_(d, w)
-            grads.append(d.t() @ flat if ctx.needs_input_grad[1 + 2 * i] else None)
-            grads.append(d.sum(0) if biased and ctx.needs_input_grad[2 + 2 * i] else None)
+            widths = [t.shape[-1] for t in ds]
+            if any(need[1 + 2 * i] for i in part):
+                for i, g in zip(part, (d.t() @ flat).split(widths)):
+                    grads[2 * i] = g if need[1 + 2 * i] else None
+            if any(ctx.biased[i] and need[2 + 2 * i] for i in part):
+                for i, g in zip(part, d.sum(0).split(widths)):
+                    grads[2 * i + 1] = g if ctx.biased[i] and need[2 + 2 * i] else None
         return (None if dx is None else dx.view(x.shape), *grads)
 
 
