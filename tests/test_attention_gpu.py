@@ -195,22 +195,27 @@ def test_custom_op_gradients_with_hugging_face_layouts(causal):
     assert [a.stride() for a in got] == [q.stride(), k.stride(), v.stride()]
 
 
-def test_compiled_fused_llama_trains_like_eager():
-    """fuse_model then torch.compile on CUDA: the losses of four AdamW steps equal the eager
-    fused model's (within bf16 rounding)."""
-    import copy
-
+def _small_llama(vocab: int, dtype: torch.dtype):
+    """A two-layer Llama on CUDA (hidden 256, 4 heads on 2 kv heads), seeded."""
     import transformers
 
-    from meshlab.parallel.fuse import causal_lm_loss, fuse_model
-
-    cfg = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, attn_implementation="sdpa",
                                    use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        base = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        return transformers.LlamaForCausalLM(cfg).to(dtype)
+
+
+def test_compiled_fused_llama_trains_like_eager():
+    """fuse_model then torch.compile on CUDA: the losses of four AdamW steps equal the eager
+    fused model's (within bf16 rounding)."""
+    import copy
+
+    from meshlab.parallel.fuse import causal_lm_loss, fuse_model
+
+    base = _small_llama(1024, torch.bfloat16)
     ids = torch.randint(0, 1024, (4, 128), device="cuda")
 
     def train(compiled: bool) -> list[float]:
@@ -239,19 +244,11 @@ def test_fused_llama_gradients_on_cuda(dtype):
     those of the unrouted model, to float32 rounding in float32 and bf16 rounding in bf16."""
     import copy
 
-    import transformers
-
     import meshlab as ml
     from meshlab.ops import _build
     from meshlab.parallel.fuse import causal_lm_loss, fuse_model
 
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, attn_implementation="sdpa",
-                                   use_cache=False, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        ref = transformers.LlamaForCausalLM(cfg).to(dtype)
+    ref = _small_llama(512, dtype)
     model = copy.deepcopy(ref)
     assert fuse_model(model).counts()["residual_add"] == 2
     ids = torch.randint(0, 512, (2, 64), device="cuda")
