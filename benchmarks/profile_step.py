@@ -115,7 +115,8 @@ def profile_row(name: str, base, batch, steps: int, warmup: int, checkpointing: 
     busy = sum(by_kind.values())
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:40]
     del model, step
-    return {**({"ops": op_table(prof, steps)} if ops else {}), "wall_ms": wall * 1e3, "gpu_busy_ms": busy, "by_kind_ms": dict(by_kind),
+    return {**({"ops": op_table(prof, steps)} if ops else {}),
+            "wall_ms": wall * 1e3, "gpu_busy_ms": busy, "by_kind_ms": dict(by_kind),
             "kernels_per_step": sum(c for _, c in per_kernel.values()) / steps,
             "idle": gaps,
             "top": [{"kernel": k[:160], "ms": ms, "calls": c / steps, "kind": kind(k)}

@@ -159,6 +159,8 @@ def _step_fn(name: str, model, batch):
     if name == "meshlab_fuse_sums_apart":
         for layer in model.model.layers:
             layer.forward = types.MethodType(_layer_sums_apart, layer)
+            for proj in ("q_proj", "k_proj", "v_proj"):     # each its own product again
+                vars(getattr(layer.self_attn, proj)).pop("forward", None)
     run = torch.compile(model) if name == "meshlab_compile" else model
     opt = FusedAdamW(model.parameters(), lr=1e-5)
 

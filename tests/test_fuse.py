@@ -151,11 +151,11 @@ def _full_width_adds(model, batch) -> int:
 def test_layer_sums_run_inside_norms_and_products():
     """A routed Llama layer adds its residual stream's gradient inside the first norm's
     backward and sums its query/key/value input gradient inside the products: of the six
-    full-width adds a layer's own forward and its backward run on routed norms (two residual
-    adds, the input-gradient sums of the three projections, the residual stream's gradient
-    at the layer's two norms), one is left: the last residual add. Where something between the layer and its projections
-    changes their input, the products ahead go unused: a warning, the same gradients, and
-    the plain products from then on."""
+    full-width adds a layer's own forward and its backward run on routed norms (two
+    residual adds, the input-gradient sums of the three projections, the residual stream's
+    gradient at the layer's two norms), one is left: the last residual add. The query
+    projection computes the three products for whatever input it is handed, so an attention
+    that changes its input first keeps them, with the same gradients."""
     import meshlab as ml
     from meshlab.parallel.fuse import causal_lm_loss, fuse_model as fuse
 
@@ -165,31 +165,68 @@ def test_layer_sums_run_inside_norms_and_products():
     batch = {"input_ids": ids, "labels": ids}
     model = copy.deepcopy(ref)
     fuse(model, OPS)
-    own = [layer.__dict__.pop("forward") for layer in model.model.layers]
-    assert _full_width_adds(model, batch) == 6 * layers      # the layers' own forward
-    for layer, forward in zip(model.model.layers, own):
-        layer.forward = forward
+    routed = [m for layer in model.model.layers for m in (
+        layer, layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)]
+    own = [m.__dict__.pop("forward") for m in routed]
+    assert _full_width_adds(model, batch) == 6 * layers      # the modules' own forwards
+    for m, forward in zip(routed, own):
+        m.forward = forward
     assert _full_width_adds(model, batch) == layers
 
-    attn = model.model.layers[0].self_attn
-    own = attn.forward
-    attn.forward = lambda hidden_states, **kw: own(hidden_states=hidden_states * 1.0, **kw)
+    for layer in model.model.layers:
+        attn_forward = layer.self_attn.forward
+        layer.self_attn.forward = lambda hidden_states, f=attn_forward, **kw: f(
+            hidden_states=hidden_states * 1.0, **kw)
     for m in (model, ref):
         for p in m.parameters():
             p.grad = None
-    with pytest.warns(UserWarning, match="did not call q_proj, k_proj, v_proj on its input"):
-        got = causal_lm_loss(model, batch)
-    got.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _full_width_adds(model, batch) == layers
     want = ml.losses.causal_lm_loss(ref(input_ids=ids), batch)
     want.backward()
+    for p in model.parameters():
+        p.grad = None
+    got = causal_lm_loss(model, batch)
+    got.backward()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     refp = dict(ref.named_parameters())
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, refp[n].grad, atol=1e-6, rtol=1e-4,
                                    msg=lambda m, n=n: f"grad of {n}: {m}")
+
+
+def test_projections_called_on_other_inputs_run_their_own_products(monkeypatch):
+    """A key or value projection called on another input than the query projection's runs
+    its own product (its output is that input's), with a warning, and the layer's
+    projections stop computing ahead; one called before the query projection runs its own
+    product too."""
+    import importlib
+
+    from meshlab.parallel.fuse import fuse_model as fuse
+
+    shared = importlib.import_module("meshlab.parallel.fuse._residual")._SharedInput
+    calls = []
+    apply = shared.apply
+    monkeypatch.setattr(shared, "apply", lambda *a: calls.append(1) or apply(*a))
+    model = _model("llama")
+    fuse(model, OPS)
+    calls.clear()                                      # the layer's probe ran it too
+    attn = model.model.layers[0].self_attn
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(2, 3, q.in_features, generator=g) for _ in "xy")
+    plain = torch.nn.functional.linear
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        causal_lm_loss(model, batch)                 # once: the layer runs plain products
+        torch.testing.assert_close(k(x), plain(x, k.weight, k.bias))   # before q: its own
+        torch.testing.assert_close(q(x), plain(x, q.weight, q.bias))
+        torch.testing.assert_close(k(x), plain(x, k.weight, k.bias))   # handed over
+    assert len(calls) == 1
+    with pytest.warns(UserWarning, match="called its key or value projection on another input"):
+        torch.testing.assert_close(v(y), plain(y, v.weight, v.bias))
+    q(x)
+    assert len(calls) == 1                                             # no longer ahead
 
 
 @pytest.mark.parametrize("case", ["all", "frozen", "unused", "q_unused", "bias"])

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import _build
-from ..parallel.fuse._hf import _bare_linear, _gate_kind
-from ..parallel.fuse._residual import _probe_layer, norm_eps
+from ..parallel.fuse._hf import _gate_kind
+from ..parallel.fuse._residual import Handoff, _bare_linear, _probe_layer, norm_eps
 from ._paged import current_batch
 
 
@@ -138,27 +138,21 @@ def _fuse_weights(mods) -> tuple[Tensor, Tensor | None]:
     return w, b
 
 
-class _Group:
+class _Group(Handoff):
     """The merged product of one attention layer, handed from ``q_proj`` to the others."""
 
     def __init__(self, mods, report: Merged):
+        super().__init__(mods)
         self.w, self.b = _fuse_weights(mods)
         self.sizes = [m.weight.shape[0] for m in mods]
         self.report = report
-        self.held: dict[int, tuple[Tensor, Tensor]] = {}   # part -> (input, output)
         self.norm: nn.Module | None = None     # set by _decode_layer_forward for one call
 
-    def first(self, q: nn.Linear, x: Tensor) -> Tensor:
-        parts = decode_linear(x, self.w, self.b, norm=self.norm).split(self.sizes, -1)
-        self.held = {i: (x, p) for i, p in enumerate(parts) if i}
-        return parts[0]
+    def products(self, x):
+        return decode_linear(x, self.w, self.b, norm=self.norm).split(self.sizes, -1)
 
-    def take(self, i: int, m: nn.Linear, x: Tensor) -> Tensor:
-        got = self.held.pop(i, None)
-        if got is not None and got[0] is x:
-            return got[1]
+    def missed(self, other_input):
         self.report.misses += 1                     # merged for another input, or not at all
-        return F.linear(x, m.weight, m.bias)
 
 
 def _merge_qkv(m: nn.Module, report: Merged) -> bool:
@@ -169,11 +163,8 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
     if not all(_bare_linear(p, q.weight.dtype, bias=True) and p.in_features == q.in_features
                and (p.bias is None) == (q.bias is None) for p in projs):
         return False
-    g = _Group(projs, report)
-    q._meshlab_group = g
-    projs[0].forward = types.MethodType(lambda self, x: g.first(self, x), projs[0])
-    for i, p in enumerate(projs[1:], 1):
-        p.forward = types.MethodType(lambda self, x, i=i: g.take(i, self, x), p)
+    q._meshlab_group = _Group(projs, report)
+    q._meshlab_group.install()
     return True
 
 

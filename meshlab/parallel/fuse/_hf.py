@@ -62,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from ..._errors import ConfigError
-from ._residual import norm_eps, probe_close, route_layers
+from ._residual import _bare_linear, _is_dtensor, norm_eps, probe_close, route_layers
 from ._rotary import _find_rotary, _route_rotary
 
 FUSABLE = ("rms_norm", "rotary", "attention", "mlp", "loss")
@@ -197,27 +197,12 @@ def _gate_kind(m: nn.Module) -> str | None:
     return "swiglu" if act in _SILU else "geglu" if act in _GELU_TANH else None
 
 
-def _bare_linear(m: nn.Module, dtype: torch.dtype, bias: bool = False) -> bool:
-    """An ``nn.Linear`` whose call is its weight's matmul and nothing else (plus its bias,
-    where ``bias`` allows one): no hooks (tensor parallelism, LoRA and the like act through
-    them or through a subclass), a plain weight of ``dtype``."""
-    w = getattr(m, "weight", None)
-    return type(m) is nn.Linear and (bias or m.bias is None) and not m._forward_hooks and \
-        not m._forward_pre_hooks and not _is_dtensor(w) and w.dtype == dtype
-
-
 def _saved_tensors_hooked() -> bool:
     """Saved-tensor hooks decide what autograd keeps (checkpointing, activation offload):
     there the function's smaller set buys nothing, and under torch's checkpoint it measured
     slower than the module's own calls (17.1 ms against 15.8 for a Llama-3-8B MLP's
     forward, recompute and backward on an H200)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def _fused_mlp_forward(self, x: Tensor) -> Tensor:

@@ -9,11 +9,12 @@ run through its own forward and the fused one, agrees) that
 * runs ``residual + attention`` and the norm after it as one ``meshlab::add_rms_norm``;
 * adds the gradient of the layer's input that flows along the residual stream inside the
   first norm's backward kernel (:func:`meshlab.ops.rms_norm.rms_norm_fork`);
-* sums the input gradient of the query, key and value projections inside their products'
-  backward (:class:`_SharedInput`), where the three are bare ``nn.Linear`` maps of the
-  attention's input.
 
-Autograd would otherwise add each of those terms in a pass of its own over a
+and where its attention's query, key and value projections are bare ``nn.Linear`` maps,
+the query projection computes the three products as one :class:`_SharedInput`, whose
+backward sums their input gradient inside the products, and hands the key and value
+projections their outputs (:class:`Handoff`, which the inference engine's merged product
+uses too). Autograd would otherwise add each of those terms in a pass of its own over a
 (tokens, hidden) tensor. Other layers keep their own forward, and the report says why.
 """
 
@@ -96,68 +97,97 @@ class _SharedInput(torch.autograd.Function):
         return (None if dx is None else dx.view(x.shape), *grads)
 
 
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
-def _pending_linear(self, x: Tensor) -> Tensor:
-    """A projection whose output the layer computed ahead with its siblings' (for ``x``);
-    any other input runs the plain product."""
-    pending = self._meshlab_pending
-    if pending is not None and pending[0] is x:
-        self._meshlab_pending = None
-        return pending[1]
-    return F.linear(x, self.weight, self.bias)
-
-
-def _shared_projections(attn: nn.Module) -> tuple[nn.Module, ...] | None:
-    """The attention's query, key and value projections where each is a plain
-    ``nn.Linear`` (bias allowed; no hooks, subclass or DTensor weight) of one dtype."""
+def _is_dtensor(t) -> bool:
     from torch.distributed.tensor import DTensor
 
-    ms = tuple(getattr(attn, n, None) for n in _QKV)
-    if not all(type(m) is nn.Linear for m in ms):
-        return None
-    if any(m._forward_hooks or m._forward_pre_hooks or isinstance(m.weight, DTensor)
-           for m in ms) or len({m.weight.dtype for m in ms}) != 1:
-        return None
-    return ms
+    return isinstance(t, DTensor)
 
 
-def _attend(self, x: Tensor, **kwargs) -> Tensor:
-    """The layer's attention on its normed input ``x``, the query, key and value products
-    computed ahead as one :class:`_SharedInput` where they are the routed plain maps."""
-    from ...ops import _build
+def _bare_linear(m: nn.Module, dtype: torch.dtype, bias: bool = False) -> bool:
+    """An ``nn.Linear`` whose call is its weight's matmul and nothing else (plus its bias,
+    where ``bias`` allows one): no hooks (tensor parallelism, LoRA and the like act through
+    them or through a subclass), a plain weight of ``dtype``."""
+    w = getattr(m, "weight", None)
+    return type(m) is nn.Linear and (bias or m.bias is None) and not m._forward_hooks and \
+        not m._forward_pre_hooks and not _is_dtensor(w) and w.dtype == dtype
 
-    attn = self.self_attn
-    projs = _shared_projections(attn) if getattr(attn, "_meshlab_shared", False) else None
-    if projs is None or any(getattr(m.forward, "__func__", None) is not _pending_linear
-                            for m in projs) or \
-            not _build.eager(x, *(m.weight for m in projs)) or \
-            torch.is_autocast_enabled(x.device.type) or x.dtype != projs[0].weight.dtype:
-        return attn(hidden_states=x, **kwargs)[0]
-    outs = _SharedInput.apply(x, *(t for m in projs for t in (m.weight, m.bias)))
-    for m, out in zip(projs, outs):
-        m._meshlab_pending = (x, out)
-    try:
-        h = attn(hidden_states=x, **kwargs)[0]
-    finally:
-        left = [n for n, m in zip(_QKV, projs) if m._meshlab_pending is not None]
-        for m in projs:
-            m._meshlab_pending = None
-    if left:        # the products ahead went unused (the math is the attention's own)
-        attn._meshlab_shared = False
-        warnings.warn(f"fuse: {type(attn).__name__} did not call {', '.join(left)} on its "
-                      f"input (something between the layer and its projections changes it); "
-                      f"its query, key and value products are no longer computed ahead",
-                      stacklevel=2)
-    return h
+
+class Handoff:
+    """Linear maps of one input (an attention's query, key and value projections) whose
+    products the first map's call computes together (:meth:`products`), handing each other
+    map its output when that map is called with the same input; a map called with another
+    input, or before the first, runs its own product. :meth:`install` gives the maps
+    these calls as instance forwards."""
+
+    def __init__(self, mods):
+        self.mods = tuple(mods)
+        self.held: dict[int, tuple[Tensor, Tensor]] = {}    # map -> (input, output)
+
+    def install(self) -> None:
+        first, *rest = self.mods
+        first.forward = types.MethodType(lambda m, x: self.first(m, x), first)
+        for i, m in enumerate(rest, 1):
+            m.forward = types.MethodType(lambda m, x, i=i: self.take(i, m, x), m)
+
+    def products(self, x: Tensor) -> tuple[Tensor, ...] | None:
+        """Every map's output for ``x``, or None to run the first map's product alone."""
+        raise NotImplementedError
+
+    def missed(self, other_input: bool) -> None:
+        """A map ran its own product: its held output was for ``other_input``, or none was
+        held."""
+
+    def first(self, m: nn.Linear, x: Tensor) -> Tensor:
+        parts = self.products(x)
+        if parts is None:        # held untouched: compiling, nothing may change here
+            return F.linear(x, m.weight, m.bias)
+        self.held = {i: (x, p) for i, p in enumerate(parts) if i}
+        return parts[0]
+
+    def take(self, i: int, m: nn.Linear, x: Tensor) -> Tensor:
+        got = self.held.pop(i) if i in self.held else None
+        if got is not None and got[0] is x:
+            return got[1]
+        self.missed(got is not None)
+        return F.linear(x, m.weight, m.bias)
+
+
+class _Shared(Handoff):
+    """A training layer's query, key and value products as one :class:`_SharedInput`,
+    eagerly on plain tensors of the maps' dtype (compiling, under autocast, with DTensors or
+    once a map has hooks, each map runs its own product: the same math)."""
+
+    def __init__(self, mods, where: str):
+        super().__init__(mods)
+        self.where, self.off = where, False
+
+    def products(self, x):
+        from ...ops import _build
+
+        ms = self.mods
+        dtype = ms[0].weight.dtype
+        if self.off or x.dtype != dtype or not _build.eager(x, *(m.weight for m in ms)) or \
+                torch.is_autocast_enabled(x.device.type) or \
+                not all(_bare_linear(m, dtype, bias=True) for m in ms):
+            return None
+        return _SharedInput.apply(x, *(t for m in ms for t in (m.weight, m.bias)))
+
+    def missed(self, other_input):
+        if other_input and not self.off:
+            self.off = True
+            warnings.warn(f"fuse: {self.where} called its key or value projection on another "
+                          f"input than its query projection; the products computed ahead "
+                          f"went unused, and each projection runs its own from now on",
+                          stacklevel=3)
+
+
+_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
     """A pre-norm decoder layer (norm, attention, residual add, norm, MLP, residual add)
-    whose residual stream's gradient joins the first norm's backward, whose attention's
-    input gradient is summed inside its products, and whose middle add and the norm after
-    it are one ``meshlab::add_rms_norm``. Positional extras, or a sum the op does not take
+    whose residual stream's gradient joins the first norm's backward and whose middle add
+    and the norm after it are one ``meshlab::add_rms_norm``. Positional extras, or a sum the op does not take
     (dtypes or shapes that differ, DTensors), run the class's own forward or the steps
     apart: the same math."""
     from torch.distributed.tensor import DTensor
@@ -172,7 +202,7 @@ def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor
         normed, residual = rms_norm_fork(hidden_states, first.weight, norm_eps(first))
     else:
         normed, residual = first(hidden_states), hidden_states
-    h = _attend(self, normed, **kwargs)
+    h, _ = self.self_attn(hidden_states=normed, **kwargs)
     norm = self.post_attention_layernorm
     if h.dtype != residual.dtype or h.shape != residual.shape or \
             any(isinstance(t, DTensor) for t in (h, residual, norm.weight)):
@@ -238,16 +268,12 @@ def _probe_layer(m: nn.Module, forward=_fused_layer_forward, prepare=None) -> st
 
 
 def _share_projections(layer: nn.Module) -> None:
-    """Let the layer compute its attention's query, key and value products ahead
-    (:func:`_attend`) where they are plain maps of one dtype."""
-    attn = layer.self_attn
-    projs = _shared_projections(attn)
-    if projs is None:
-        return
-    for m in projs:
-        m._meshlab_pending = None
-        m.forward = types.MethodType(_pending_linear, m)
-    attn._meshlab_shared = True
+    """Let the layer's query projection compute the key and value products with its own
+    (:class:`_Shared`) where the three are plain maps of one dtype."""
+    ms = tuple(getattr(layer.self_attn, n, None) for n in _QKV)
+    w = getattr(ms[0], "weight", None)
+    if w is not None and all(_bare_linear(m, w.dtype, bias=True) for m in ms):
+        _Shared(ms, type(layer.self_attn).__name__).install()
 
 
 def route_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
