@@ -5,7 +5,7 @@ The same model (Llama-3 shape scaled to ``--layers`` layers of hidden 2048, voca
 on ``--batch`` x ``--seq`` tokens, as
 
 * ``hf_sdpa``  -- transformers as shipped, ``attn_implementation="sdpa"``;
-* ``meshlab``  -- the same model after ``meshlab.parallel.fuse.fuse_model(model)`` (RMSNorm, rotary,
+* ``meshlab``  -- the same model after ``meshlab.transforms.fuse.fuse_model(model)`` (RMSNorm, rotary,
   attention and the loss on meshlab's ops; the logits never exist).
 
 Both start from the same weights; the first step's losses are compared. Time: CUDA events
@@ -33,7 +33,7 @@ import _results  # noqa: E402
 from _timing import cuda_times  # noqa: E402
 
 import meshlab as ml  # noqa: E402
-from meshlab.parallel.fuse import causal_lm_loss, fuse_model as fuse  # noqa: E402
+from meshlab.transforms.fuse import causal_lm_loss, fuse_model as fuse  # noqa: E402
 
 
 def run(model, batch, steps: int, fused: bool) -> dict:

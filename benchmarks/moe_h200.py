@@ -45,7 +45,7 @@ def block(E: int) -> dict:
     import transformers
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from meshlab.parallel.expert._dispatch import IMPL, EPState, EPStats, ep_experts_forward
+    from meshlab.transforms.expert._dispatch import IMPL, EPState, EPStats, ep_experts_forward
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(IMPL, ep_experts_forward)

@@ -102,7 +102,7 @@ def run_meshlab(shape: str, frac: float, args) -> dict:
     import torch
 
     import meshlab as ml
-    from meshlab.parallel.offload._install import OffloadPart
+    from meshlab.transforms.offload._install import OffloadPart
 
     _init_dist()
     model = _model(shape, args.seq)
@@ -139,7 +139,7 @@ def _native_path() -> bool:
 
 
 def _profile():
-    from meshlab.parallel.offload._estimates import Profile
+    from meshlab.transforms.offload._estimates import Profile
 
     p = Path(_results_dir(), "offload_profile_h200.json")
     if p.exists():
@@ -188,7 +188,7 @@ def _summary(times: list[float], n_params: int, args) -> dict:
 
 
 def run_profile() -> dict:
-    from meshlab.parallel.offload import measure_profile
+    from meshlab.transforms.offload import measure_profile
 
     return {"profile": measure_profile(nbytes=1 << 30).to_json()}
 

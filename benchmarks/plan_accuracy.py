@@ -75,7 +75,7 @@ def _meta_model(shape: str, seq: int):
 
 def predict(name: str, card) -> dict:
     import meshlab as ml
-    from meshlab._profile import _COUNTS, profile
+    from meshlab.estimate.profile import _COUNTS, profile
 
     shape, batch, seq, make = ROWS[name]
     plan = ml.plan(_meta_model(shape, seq), make(ml), ml.Mesh(dp=1, fake=True))

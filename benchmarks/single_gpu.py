@@ -6,7 +6,7 @@ Rows (each from the same bf16 weights, on the same batch):
 * ``hf_compile``        -- the same under ``torch.compile(model)``;
 * ``hf_liger``          -- transformers after Liger-Kernel's ``apply_liger_kernel_to_llama``
   (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy);
-* ``meshlab_fuse``      -- ``meshlab.parallel.fuse.fuse_model(model)`` (RMSNorm, rotary,
+* ``meshlab_fuse``      -- ``meshlab.transforms.fuse.fuse_model(model)`` (RMSNorm, rotary,
   attention, SwiGLU MLP, the loss without logits) and meshlab's ``FusedAdamW``;
 * ``meshlab_step``      -- ``ml.parallelize(model, ml.fuse(), Mesh(dp=1))`` and ``ml.step``
   with ``ml.optimizer(model, FusedAdamW)``: the same kernels through meshlab's API;
@@ -118,7 +118,7 @@ def _layer_sums_apart(self, hidden_states, **kwargs):
     joined the first norm's backward and its query/key/value input gradient was summed
     inside the products (row ``meshlab_fuse_sums_apart``): the comparison for those two."""
     from meshlab.ops.rms_norm import add_rms_norm
-    from meshlab.parallel.fuse._residual import norm_eps
+    from meshlab.transforms.fuse._residual import norm_eps
 
     h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
     post = self.post_attention_layernorm
@@ -130,7 +130,7 @@ def _step_fn(name: str, model, batch):
     """(step callable, the model as run) for one row."""
     import meshlab as ml
     from meshlab.ops import FusedAdamW
-    from meshlab.parallel.fuse import causal_lm_loss, fuse_model
+    from meshlab.transforms.fuse import causal_lm_loss, fuse_model
 
     ids = batch["input_ids"]
     if name in ("hf_eager", "hf_compile", "hf_liger"):

@@ -7,46 +7,48 @@
 P('dp', 'tp')
 """
 
-from ._spec import P as P, PartitionSpec as PartitionSpec
-from ._errors import (MeshlabError as MeshlabError, SpecError as SpecError,
+from .core.spec import P as P, PartitionSpec as PartitionSpec
+from .core.errors import (MeshlabError as MeshlabError, SpecError as SpecError,
                       MeshError as MeshError, RulesError as RulesError,
                       PlanError as PlanError, PolicyError as PolicyError,
                       ConfigError as ConfigError, NotRunnable as NotRunnable,
                       RankMismatchError as RankMismatchError, PeerError as PeerError,
                       BatchError as BatchError, NonFiniteError as NonFiniteError)
-from ._rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
-from ._mesh import Mesh as Mesh
-from ._context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh
-from ._placement import to_placements as to_placements, from_placements as from_placements
-from ._distribute import (distribute as distribute, constrain as constrain,
+from .core.rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
+from .core.mesh import Mesh as Mesh
+from .core.context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh
+from .core.placement import to_placements as to_placements, from_placements as from_placements
+from .core.distribute import (distribute as distribute, constrain as constrain,
                           shard_map as shard_map, spec_of as spec_of)
-from ._visualize import visualize as visualize, typeof as typeof, type_string as type_string
-from ._plan import Plan as Plan, ParamEntry as ParamEntry, ActivationEntry as ActivationEntry
-from ._trace import trace as trace
-from ._specs_tree import specs_like as specs_like
-from .parallel import (Transform as Transform, shard as shard, zero_shard as zero_shard,
+from .core.visualize import visualize as visualize, typeof as typeof, type_string as type_string
+from .planning.plan import Plan as Plan, ParamEntry as ParamEntry, ActivationEntry as ActivationEntry
+from .planning.trace import trace as trace
+from .core.specs_tree import specs_like as specs_like
+from .transforms import (Transform as Transform, shard as shard, zero_shard as zero_shard,
                        data_parallel as data_parallel, precision as precision, remat as remat,
                        pipeline as pipeline, sequence as sequence, fuse as fuse,
                        offload as offload, expert_route as expert_route,
                        lora as lora, compile_blocks as compile_blocks,
                        step_in_backward as step_in_backward)
-from .parallel.lora import (save_adapter as save_adapter, load_adapter as load_adapter,
+from .checkpoint.adapters import (save_adapter as save_adapter, load_adapter as load_adapter,
                             save_merged as save_merged, merge as merge_adapters,
                             unmerge as unmerge_adapters)
-from ._api import plan as plan
-from ._advise import advise as advise
-from ._machine import Machine as Machine, machine as machine, calibrate as calibrate
-from ._parallelize import parallelize as parallelize
-from ._materialize import init_weights as init_weights
-from ._optimizer import optimizer as optimizer
-from ._step import no_sync as no_sync
-from ._step import step as step
-from ._data import dataloader as dataloader
-from . import losses as losses
-from . import checkpoint as checkpoint
-from . import policies as policies
+from .apply.plan import plan as plan
+from .estimate.advise import advise as advise
+from .estimate.machine import Machine as Machine, machine as machine, calibrate as calibrate
+from .apply.parallelize import parallelize as parallelize
+from .apply.materialize import init_weights as init_weights
+from .train.optimizer import optimizer as optimizer
+from .train.step import no_sync as no_sync
+from .train.step import step as step
+from .train.data import dataloader as dataloader
+from . import losses
+from . import checkpoint
+from . import policies
+from .policies import presets as presets
 
-from . import data as data
-from .launch import notebook_launcher as notebook_launcher
+from . import data
+from . import parallel
+from .train.launch import notebook_launcher as notebook_launcher
 
 __version__ = "0.1.0"

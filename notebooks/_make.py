@@ -110,7 +110,7 @@ NB01 = [
     "`policies.auto`, and the plan is bound to a fake mesh. A plan shows as a table: each "
     "parameter's spec and per-rank shape, the transforms that made it and the memory each rank "
     "keeps (`print(plan)` gives the same table as text).",
-    "import time\nfrom meshlab import presets\n\nt0 = time.perf_counter()\n"
+    "import time\nfrom meshlab.policies import presets\n\nt0 = time.perf_counter()\n"
     "model = presets.build('llama3-70b', dtype=torch.bfloat16)\n"
     "big = ml.Mesh(fsdp=128, tp=8, fake=True)\n"
     "tp_rules = ml.Rules(batch='fsdp', heads='tp', kv_heads='tp', mlp='tp', vocab='tp', embed='fsdp')\n"
@@ -133,7 +133,7 @@ NB02 = [
     "md:# 02 · Compose transforms, plan, train\n\nA layout is a value: transforms composed with "
     "`|`. We compose one, plan two models on a few (fake) topologies to compare their memory, "
     "then train the tiny model on four real CPU processes started from this notebook.",
-    "import torch\nimport meshlab as ml\nfrom meshlab import presets\n"
+    "import torch\nimport meshlab as ml\nfrom meshlab.policies import presets\n"
     "from rich.console import Console\nfrom rich.table import Table\n\n"
     "console = Console(width=140)",
     "md:## Composing transforms\n`shard` places parameters (here from the model's own tensor-"
@@ -205,7 +205,7 @@ NB02 = [
     "it, everything else comes through `args` (a function imported from a module works as "
     "is). `ml.Mesh(...)` inside joins the process group the launcher prepared.",
     "def train(mesh_text, steps, zero=0):\n"
-    "    import torch\n    import meshlab as ml\n    from meshlab import presets\n"
+    "    import torch\n    import meshlab as ml\n    from meshlab.policies import presets\n"
     "    from meshlab.data import TextDataset\n\n"
     "    torch.set_num_threads(1)\n"
     "    mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)\n"
@@ -242,7 +242,7 @@ NB03 = [
     "and how long a step takes. Nothing here needs a GPU or more than one process: the "
     "model is built on the meta device, and the activations come from a shape-only run of "
     "one block (fake tensors).",
-    "import torch\nimport meshlab as ml\nfrom meshlab import presets\n\n"
+    "import torch\nimport meshlab as ml\nfrom meshlab.policies import presets\n\n"
     "def gib(n):\n    return f'{n / 2**30:,.1f} GiB'\n\n"
     "llama70 = presets.build('llama3-70b', device='meta', dtype=torch.bfloat16)\n"
     "h200 = ml.machine('h200')\nprint(h200)",

@@ -55,7 +55,7 @@ def _fused_ops(fam) -> tuple[str, ...]:
     """The ops of ``fuse()`` that route in this family (the loss aside: the cells pass
     the family's loss function), each routed on a meta copy of the model."""
     import meshlab as ml
-    from meshlab.parallel.fuse._hf import FUSABLE, fuse as route
+    from meshlab.transforms.fuse._hf import FUSABLE, fuse as route
 
     from tests import _families as F
 
@@ -236,7 +236,7 @@ def table(matrix: dict) -> str:
         counts[o["outcome"]] = counts.get(o["outcome"], 0) + 1
     lines += ["", f"## Every family with a `base_model_tp_plan` (transformers "
               f"{walked['transformers']})", "",
-              "One parity step at tp=2 each (`tests/test_family_walk_gloo.py` runs it in CI "
+              "One parity step at tp=2 each (`tests/policies/test_family_walk_gloo.py` runs it in CI "
               "and holds it equal to `meshlab/policies/support.json`); `policies.auto` "
               "lets only `trained` through and refuses the rest with the reason shown. "
               + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + ".", "",

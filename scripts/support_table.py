@@ -3,7 +3,7 @@
     python scripts/support_table.py            # every family with a tp plan
     python scripts/support_table.py llama qwen2
 
-Each family is one parity step at tp=2 (``meshlab.policies.walk.check_family``); a
+Each family is one parity step at tp=2 (``meshlab.testing.walk.check_family``); a
 family that hangs is recorded as an error and the processes are restarted.
 """
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def run(families: list[str], timeout: float = 60) -> dict:
-    from meshlab.policies import walk
+    from meshlab.testing import walk
     from tests._world import World
 
     out, world = {}, World(2)
@@ -45,7 +45,7 @@ def run(families: list[str], timeout: float = 60) -> dict:
 def main(argv: list[str]) -> None:
     import transformers
 
-    from meshlab.policies import walk
+    from meshlab.testing import walk
 
     families = argv or walk.tp_plan_families()
     results = run(families)

@@ -1,5 +1,5 @@
 """Pipeline idle fraction on pp=4 with 16 microbatches (1F1B and interleaved), measured
-against the plan's formula ``meshlab.parallel.pipeline.bubble(plan)``.
+against the plan's formula ``meshlab.transforms.pipeline.bubble(plan)``.
 
 Each rank times the work of its own blocks (``model._meshlab.part(PipelinePart).kept``): a forward
 pre-hook and a forward hook bracket every block's forward, and identity autograd markers
@@ -109,7 +109,7 @@ class _OutputMark(torch.autograd.Function):
 
 
 def instrument(model, clock: Clock) -> int:
-    from meshlab.parallel.pipeline._runtime import PipelinePart
+    from meshlab.transforms.pipeline._runtime import PipelinePart
 
     mods = dict(model.named_modules())
     kept = sorted(model._meshlab.part(PipelinePart).kept)
@@ -164,7 +164,7 @@ def run(env, args, schedule: str, cfg: dict, seq: int) -> dict:
     import torch.distributed as dist
 
     import meshlab as ml
-    from meshlab.parallel.pipeline import bubble
+    from meshlab.estimate.pipeline import bubble
 
     axes = {"pp": PP} if env.world == PP else {"pp": PP, "dp": env.world // PP}
     spec = ml.pipeline("pp", schedule=schedule, microbatches=MICROBATCHES)

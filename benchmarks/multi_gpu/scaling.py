@@ -1,7 +1,7 @@
 """Training throughput per GPU of a ~1B and an 8B Llama under DP and ZeRO-3, bf16.
 
 Models: ``llama-1b`` (hidden 2048, 16 layers, 16 heads, 8 KV heads, intermediate 5632,
-vocabulary 32000) and ``llama3-8b`` (``meshlab.presets``), SDPA attention, untied head.
+vocabulary 32000) and ``llama3-8b`` (``meshlab.policies.presets``), SDPA attention, untied head.
 Each (model, layout) is built on the meta device and parallelized once
 (``ml.data_parallel('dp')`` or ``ml.zero_shard(3, 'dp')``, with ``ml.precision('bf16')``:
 fp32 parameters and AdamW state, bf16 compute, fp32 gradient reduction; ``--remat
@@ -59,7 +59,7 @@ TARGET = {"model": "llama3-8b", "seq": 8192, "layout": "zero3", "compile": True,
 def model_config(name: str, quick: bool):
     from transformers import AutoConfig
 
-    from meshlab import presets
+    from meshlab.policies import presets
 
     kw = dict(LLAMA_1B) if name == "llama-1b" else dict(presets.PRESETS[name])
     if quick:

@@ -20,4 +20,4 @@ from .plugin import (Plugin as Plugin, TorchDDPPlugin as TorchDDPPlugin,
 from ._optim import HybridAdam as HybridAdam, CPUAdam as CPUAdam, FusedAdam as FusedAdam
 from ._booster import Booster as Booster, launch_from_torch as launch_from_torch
 from ._table import mapping_table as mapping_table
-from . import optimizer as optimizer
+from . import optimizer

@@ -21,7 +21,7 @@ import inspect
 import warnings
 from typing import Any
 
-from .._errors import ConfigError, ConfigTypeError
+from ..core.errors import ConfigError, ConfigTypeError
 
 REQUIRED = inspect.Parameter.empty
 

@@ -8,14 +8,14 @@ import dataclasses
 import math
 from typing import ClassVar
 
-from .._errors import MeshError
+from ..core.errors import MeshError
 from ._args import Arg, UnsupportedArgument, bind, signature
 from ._common import Stack
 
 
 def _clean(spec):
     """``spec`` without its ``identity()`` parts (the neutral start of a stack)."""
-    from ..parallel import Identity
+    from ..transforms import Identity
 
     parts = [t for t in getattr(spec, "parts", (spec,)) if not isinstance(t, Identity)]
     if not parts:
@@ -86,7 +86,7 @@ class Plugin:
         """The mesh over the launched ranks (``launch_from_torch`` first)."""
         import torch.distributed as dist
 
-        from .._mesh import Mesh
+        from ..core.mesh import Mesh
 
         if self._mesh is None:
             if not dist.is_initialized():
@@ -103,8 +103,8 @@ class Plugin:
         """A DataLoader of ``batch_size`` samples per data-parallel rank (Colossal-AI's
         convention; ``meshlab.dataloader`` takes the global batch): data-parallel ranks
         get distinct samples, tensor/pipeline/sequence peers the same ones."""
-        from .._data import dataloader
-        from .._errors import check_int
+        from ..train.data import dataloader
+        from ..core.errors import check_int
 
         check_int(batch_size, "prepare_dataloader", "batch_size", example=8)
         if distributed_sampler_cls is not None:

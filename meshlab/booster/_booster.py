@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._errors import ConfigError, ConfigTypeError
+from ..core.errors import ConfigError, ConfigTypeError
 from ._args import UnsupportedArgument
 from ._base import Plugin
 from ._common import Stack
@@ -36,7 +36,7 @@ def launch_from_torch(backend: str | None = None, seed: int = 1024, verbose: boo
     import os
     import random
 
-    from .._errors import check_int
+    from ..core.errors import check_int
 
     check_int(seed, "launch_from_torch", "seed", low=0, example=1024)
     if not dist.is_initialized():
@@ -98,7 +98,7 @@ class Booster:
         self._criteria: dict[int, Callable] = {}
 
     def _mixed(self, mixed):
-        from ..parallel import Precision, precision
+        from ..transforms import Precision, precision
 
         if mixed is None:
             mine = None
@@ -138,7 +138,7 @@ class Booster:
         parts = [t for t in parts if getattr(t, "kind", None) != "identity"]
         lo = getattr(model, "_meshlab_booster_lora", None) if model is not None else None
         if lo is not None:
-            from ..parallel import lora
+            from ..transforms import lora
 
             at = next((i + 1 for i, t in enumerate(parts) if t.kind == "shard"), 0)
             parts.insert(at, lora(lo.config))
@@ -158,8 +158,8 @@ class Booster:
     def plan(self, model: nn.Module, world_size: int | None = None):
         """What ``boost(model)`` runs, as a bound plan (``plan.table()``, ``.memory()``,
         ``.comm()``); a boosted model's own plan. ``world_size`` plans on a fake mesh."""
-        from .._api import plan as make_plan
-        from .._mesh import Mesh
+        from ..apply.plan import plan as make_plan
+        from ..core.mesh import Mesh
 
         rt = getattr(model, "_meshlab", None)
         if rt is not None:
@@ -175,8 +175,8 @@ class Booster:
         criterion, dataloader, lr_scheduler]``. The optimizer is rebuilt over the sharded
         parameters (same class and hyper-parameters, ``meshlab.optimizer`` around it, with
         the plugin's clipping); a scheduler built on it is pointed at the new one."""
-        from .._optimizer import optimizer as mesh_optimizer
-        from .._parallelize import parallelize
+        from ..train.optimizer import optimizer as mesh_optimizer
+        from ..apply.parallelize import parallelize
         from ._optim import rebind_scheduler, recipe
 
         if not isinstance(model, nn.Module):
@@ -193,7 +193,7 @@ class Booster:
         lo = getattr(model, "_meshlab_booster_lora", None)
         model = parallelize(model, st.spec, self.plugin.mesh)
         if lo is not None and lo.pretrained_dir is not None:
-            from ..parallel.lora import load_adapter
+            from ..checkpoint.adapters import load_adapter
 
             load_adapter(lo.pretrained_dir, model)
         if st.broadcast_buffers:
@@ -232,7 +232,7 @@ class Booster:
         own loss of the labels), ``inputs`` holds the microbatch's ``labels``. Returns
         ``{'loss': the loss averaged over microbatches and data ranks (on every rank),
         'outputs': the last stage's logits (there; None elsewhere)}``."""
-        from ..parallel.pipeline._runtime import PipelinePart
+        from ..transforms.pipeline._runtime import PipelinePart
 
         rt = getattr(model, "_meshlab", None)
         part = rt.part(PipelinePart) if rt is not None else None
@@ -278,7 +278,7 @@ class Booster:
     def no_sync(self, model: nn.Module | None = None, optimizer=None):
         """Backwards inside accumulate gradients without communicating; the first
         backward after it reduces the sums (meshlab.no_sync)."""
-        from .._step import no_sync
+        from ..train.step import no_sync
 
         if model is None and optimizer is not None:
             model = self._model_of(optimizer, "no_sync")
@@ -336,7 +336,7 @@ def _compose(parts: list):
 
 
 def _stack_precision(st: Stack):
-    from ..parallel import Precision, precision
+    from ..transforms import Precision, precision
 
     parts = getattr(st.spec, "parts", (st.spec,))
     have = next((t for t in parts if isinstance(t, Precision)), None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from .._errors import check_int
+from ..core.errors import check_int
 from ._args import Arg, UnsupportedArgument, bind, hint, maps, only
 
 _SHARDS = "size_per_shard applies to use_safetensors=True (DCP writes one file per rank)"
@@ -196,7 +196,7 @@ def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
 
 def save_lora_as_pretrained(self, model, checkpoint: str, use_safetensors: bool = False) -> None:
     """Write the adapters in PEFT format (``meshlab.save_adapter``)."""
-    from ..parallel.lora import save_adapter
+    from ..checkpoint.adapters import save_adapter
 
     _args("save_lora_as_pretrained", dict(use_safetensors=use_safetensors))
     save_adapter(checkpoint, model)

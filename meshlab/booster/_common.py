@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .._errors import ConfigError
+from ..core.errors import ConfigError
 from ._args import Arg, UnsupportedArgument, hint, maps, only
 
 FP8 = "FP8 compute and communication are not implemented"
@@ -103,7 +103,7 @@ def precision_of(plugin, v: dict, allowed: tuple[str, ...], communication=None):
     ``initial_scale=1`` there) have nothing to scale, and warn when not the defaults."""
     import warnings
 
-    from ..parallel import precision
+    from ..transforms import precision
     from ._args import NoEffectWarning, is_default
 
     owner = type(plugin).__name__
@@ -153,6 +153,6 @@ def clip(v: dict) -> float | None:
 
 
 def positive_int(owner: str, name: str, value, low: int = 1) -> int:
-    from .._errors import check_int
+    from ..core.errors import check_int
 
     return check_int(value, owner, name, low=low)

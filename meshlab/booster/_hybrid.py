@@ -9,7 +9,7 @@ expert and data parallelism with ZeRO, on a mesh ``dp x pp x [sp x] [ep x] tp``.
 
 from __future__ import annotations
 
-from .._errors import ConfigError
+from ..core.errors import ConfigError
 from ._args import REQUIRED, Arg, UnsupportedArgument, With, hint, maps, only
 from ._base import Plugin
 from ._common import (FP8, Stack, clip, communication, ddp_args, fuse_ops, positive_int,
@@ -120,7 +120,7 @@ class HybridParallelPlugin(Plugin):
         return {"pp": fixed["pp"], "dp": None, **{k: s for k, s in fixed.items() if k != "pp"}}
 
     def _build(self, v: dict) -> Stack:
-        from ..parallel import Identity, data_parallel, fuse, offload, shard, zero_shard
+        from ..transforms import Identity, data_parallel, fuse, offload, shard, zero_shard
 
         owner = type(self).__name__
         tp = positive_int(owner, "tp_size", v["tp_size"])
@@ -135,7 +135,7 @@ class HybridParallelPlugin(Plugin):
                               f"parallelism splits the model; set tp_size > 1")
         spec = spec | _sequence(owner, v, tp, sp)
         if ep > 1:
-            from ..parallel import expert_route
+            from ..transforms import expert_route
 
             spec = spec | expert_route("ep")
         stage = v["zero_stage"]
@@ -171,7 +171,7 @@ class HybridParallelPlugin(Plugin):
 
 
 def _P():
-    from .._spec import P
+    from ..core.spec import P
 
     return P
 
@@ -190,7 +190,7 @@ def _policy(owner: str, custom):
 
 
 def _sequence(owner: str, v: dict, tp: int, sp: int):
-    from ..parallel import Identity, sequence
+    from ..transforms import Identity, sequence
 
     mode = v["sequence_parallelism_mode"]
     on = v["enable_sequence_parallelism"]
@@ -216,7 +216,7 @@ def _sequence(owner: str, v: dict, tp: int, sp: int):
 
 
 def _pipeline(owner: str, v: dict, spec, pp: int):
-    from ..parallel import pipeline
+    from ..transforms import pipeline
 
     n, size = v["num_microbatches"], v["microbatch_size"]
     if (n is None) == (size is None):
@@ -238,7 +238,7 @@ def _pipeline(owner: str, v: dict, spec, pp: int):
 
 
 def _remat(owner: str, cfg):
-    from ..parallel import Remat, remat
+    from ..transforms import Remat, remat
 
     if cfg is None or isinstance(cfg, Remat):
         return cfg

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ConfigError, ConfigTypeError
+from ..core.errors import ConfigError, ConfigTypeError
 from ._args import UnsupportedArgument
 
 

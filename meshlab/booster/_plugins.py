@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from .._errors import ConfigError, ConfigTypeError
+from ..core.errors import ConfigError, ConfigTypeError
 from ._args import UnsupportedArgument, With, hint, maps, only
 from ._base import Plugin
 from ._common import (FP8, Stack, clip, clip_args, communication, ddp_args, fuse_ops,
@@ -25,7 +25,7 @@ class TorchDDPPlugin(Plugin):
     )
 
     def _build(self, v: dict) -> Stack:
-        from ..parallel import data_parallel
+        from ..transforms import data_parallel
 
         return Stack({}, data_parallel("dp", bucket_mb=float(v["bucket_cap_mb"])), ("dp",),
                      broadcast_buffers=v["broadcast_buffers"])
@@ -76,7 +76,7 @@ class TorchFSDPPlugin(Plugin):
     )
 
     def _build(self, v: dict) -> Stack:
-        from ..parallel import data_parallel, offload, zero_shard
+        from ..transforms import data_parallel, offload, zero_shard
 
         owner = type(self).__name__
         strategy = _enum_name(v["sharding_strategy"]) or "FULL_SHARD"
@@ -111,7 +111,7 @@ def _fsdp_precision(owner: str, mp):
     """torch FSDP's ``MixedPrecision`` (or the probe string) as ``precision(...)``."""
     import torch
 
-    from ..parallel import precision
+    from ..transforms import precision
 
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", None: None}
     param = getattr(mp, "param_dtype", "missing")
@@ -163,7 +163,7 @@ class LowLevelZeroPlugin(Plugin):
     )
 
     def _build(self, v: dict) -> Stack:
-        from ..parallel import offload, zero_shard
+        from ..transforms import offload, zero_shard
 
         owner = type(self).__name__
         stage = v["stage"]
@@ -248,7 +248,7 @@ class GeminiPlugin(Plugin):
 
     def _build(self, v: dict) -> Stack:
         from .. import policies
-        from ..parallel import Identity, fuse, offload, sequence, shard, zero_shard
+        from ..transforms import Identity, fuse, offload, sequence, shard, zero_shard
 
         owner = type(self).__name__
         tp = positive_int(owner, "tp_size", v["tp_size"])

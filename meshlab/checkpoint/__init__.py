@@ -25,7 +25,7 @@ def _check_args(call: str, args: dict) -> None:
 
     from torch import nn
 
-    from .._errors import ConfigTypeError, check_bool, check_int, check_number
+    from ..core.errors import ConfigTypeError, check_bool, check_int, check_number
 
     path = args.get("path")
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
@@ -58,7 +58,7 @@ def _checked(fn):
     import functools
     import inspect
 
-    from .._errors import ConfigTypeError
+    from ..core.errors import ConfigTypeError
 
     sig = inspect.signature(fn)
     call_name = f"checkpoint.{fn.__name__}"

@@ -25,7 +25,8 @@ from typing import Any
 
 from torch import nn
 
-from . import _rng, _state
+from . import _rng
+from . import _state
 from ._commit import base_names, commit, discard, recover, resolve, write_json
 from ._files import (FORMAT, MARKER, checked, entry, is_complete, order_key, rank_file,
                      shard_prefix)

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _rng, _state
+from . import _rng
+from . import _state
 from ._commit import resolve
 from ._files import LEGACY, MARKER, is_complete, rank_file, read_marker, verify
 from ._inflight import wait

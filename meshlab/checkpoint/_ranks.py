@@ -14,8 +14,8 @@ import os
 
 import torch.distributed as dist
 
-from .._agree import agree as _agree
-from .._errors import PeerError, RankMismatchError
+from ..core.agree import agree as _agree
+from ..core.errors import PeerError, RankMismatchError
 from ._safe import CheckpointError, CheckpointMismatchError, CheckpointPeerError
 
 
@@ -46,7 +46,7 @@ def _agree_group(group):
 
 def agree(group, what: str, fields: dict | None = None,
           error: BaseException | None = None, timeout: float | None = None) -> None:
-    """``meshlab._agree.agree`` over ``group``, every failure a ``CheckpointError``."""
+    """``meshlab.core.agree.agree`` over ``group``, every failure a ``CheckpointError``."""
     try:
         _agree(_agree_group(group), what, fields, error, timeout=timeout)
     except CheckpointError:

@@ -21,7 +21,7 @@ import os
 import pickle
 from typing import Any
 
-from .._errors import MeshlabError, PeerError, RankMismatchError
+from ..core.errors import MeshlabError, PeerError, RankMismatchError
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", n) for n in (

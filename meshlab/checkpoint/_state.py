@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._safe import CheckpointError
-from .._tensors import local as _local
+from ..core.tensors import local as _local
 
 OPT_PREFIX = "optim."
 

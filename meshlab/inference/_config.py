@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from .._errors import ConfigError
+from ..core.errors import ConfigError
 
 # field -> why a value other than the default is refused
 _NOT_BUILT = {

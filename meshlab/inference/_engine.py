@@ -32,8 +32,8 @@ import os
 import torch
 from torch import nn
 
-from .._errors import ConfigError, ConfigTypeError
-from .._placement import mesh_repr
+from ..core.errors import ConfigError, ConfigTypeError
+from ..core.placement import mesh_repr
 from ..ops.paged_attention import layout
 from ._config import InferenceConfig, window_blocks
 from ._paged import Blocks, PagedBatch, PagedCache, place, register, running
@@ -362,7 +362,7 @@ class InferenceEngine:
         packed row.
         A pipelined model with ``micro_batch_size`` k > 1 runs micro-batches of k requests
         through its stages (``_pipeline``); the logits come back in the requests' order."""
-        from ..parallel.shard._styles import whole_logits
+        from ..transforms.shard._styles import whole_logits
 
         seqs = self.running if seqs is None else seqs
         k = self.config.micro_batch_size
@@ -509,7 +509,7 @@ def _fuse_kernels(model: nn.Module, rt, cfg: InferenceConfig) -> None:
     gate/up projections into one product each (``_merge``, ``model._meshlab_merged``);
     and let the rotary embedding look its angles up in a table of every position a
     request can reach (``_merge.table_rotary``)."""
-    from ..parallel.fuse import fuse_model, refusals
+    from ..transforms.fuse import fuse_model, refusals
     from ._merge import merge_projections, table_rotary
 
     if rt is not None:
@@ -564,7 +564,7 @@ def _pipeline_decoder(model: nn.Module):
     rt = getattr(model, "_meshlab", None)
     if rt is None:
         return None
-    from ..parallel.pipeline._runtime import PipelinePart
+    from ..transforms.pipeline._runtime import PipelinePart
     from ._pipeline import PipelineDecoder
 
     part = rt.part(PipelinePart)
@@ -572,15 +572,19 @@ def _pipeline_decoder(model: nn.Module):
 
 
 def _parallelize(model: nn.Module, tp: int, policy) -> nn.Module:
-    import meshlab as ml
+    from ..apply.parallelize import parallelize
+    from ..core.mesh import Mesh
+    from ..core.rules import Rules
+    from ..policies import auto
+    from ..transforms.shard import shard
 
-    rules = ml.Rules(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
-    return ml.parallelize(model, ml.shard(policy or ml.policies.auto, rules), ml.Mesh(tp=tp))
+    rules = Rules(heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+    return parallelize(model, shard(policy or auto, rules), Mesh(tp=tp))
 
 
 def _check_plan(rt, cfg: InferenceConfig) -> None:
-    from ..parallel.sequence import Sequence
-    from ..parallel.shard._layout import sequence_parallel
+    from ..transforms.sequence import Sequence
+    from ..transforms.shard._layout import sequence_parallel
 
     plan = rt.plan          # pp_size other than 1 is refused by InferenceConfig itself
     tp = plan.roles.tp

@@ -112,7 +112,7 @@ class DecodeGraphs:
             tables[i, :len(r.blocks)] = r.blocks
 
     def _forward(self, b: dict):
-        from ..parallel.shard._styles import whole_logits
+        from ..transforms.shard._styles import whole_logits
 
         n = b["ids"].shape[1]
         rows = b["rows"]

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import _build
-from ..parallel.fuse._hf import _gate_kind
-from ..parallel.fuse._residual import Handoff, _bare_linear, _probe_layer, norm_eps
+from ..transforms.fuse._hf import _gate_kind
+from ..transforms.fuse._residual import Handoff, _bare_linear, _probe_layer, norm_eps
 from ._paged import current_batch
 
 

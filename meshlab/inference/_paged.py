@@ -24,7 +24,7 @@ import threading
 import torch
 from torch import Tensor
 
-from .._errors import ConfigError
+from ..core.errors import ConfigError
 from ..ops.paged_attention import Layout, write_and_attend
 
 NAME = "meshlab_paged"

@@ -35,7 +35,7 @@ class PipelineDecoder:
     """The pipelined model's stages, as this rank runs them for decoding."""
 
     def __init__(self, model: nn.Module, rt, part):
-        from ..parallel.pipeline import stages
+        from ..transforms.pipeline import stages
 
         self.model, self.group = model, part.group
         self.all = stages(rt.plan)

@@ -23,7 +23,7 @@ import dataclasses
 
 from torch import nn
 
-from .._errors import ConfigError
+from ..core.errors import ConfigError
 
 
 def spec_tokens(engine, drafter: nn.Module, k: int | None) -> int:

@@ -48,7 +48,7 @@ import math
 import torch
 from torch import Tensor
 
-from .._errors import ConfigError
+from ..core.errors import ConfigError
 from . import _build
 from ._attention_cuda import _expand, _reduce, cuda_backward, cuda_forward
 

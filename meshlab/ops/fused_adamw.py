@@ -71,10 +71,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .._errors import ConfigError
+from ..core.errors import ConfigError
 from . import _build
 from .cpu_adam import adamw_reference, cpu_adam_kernels
-from .._tensors import local as _local
+from ..core.tensors import local as _local
 
 OP = "fused_adamw"
 _TRITON_PATH = "Triton kernel (meshlab/ops/_triton_adamw.py)"

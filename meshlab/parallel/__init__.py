@@ -1,21 +1,20 @@
-"""Transforms, one room each: frozen values ``Plan -> Plan`` composed with ``|``, and
-everything each one does at bind, install and run time (see ``_protocol``).
+"""``meshlab.parallel``: the transforms under the path earlier releases used.
 
-Import order is the dependency order: a room imports only the rooms above it.
+The rooms live in ``meshlab.transforms``; ``meshlab.parallel.<room>`` is the same module
+object as ``meshlab.transforms.<room>`` (no second copy is imported).
 """
 
-from ._protocol import (Compose as Compose, CommOp as CommOp, Identity as Identity,
-                        MemRow as MemRow, Part as Part, Phase as Phase, Transform as Transform)
-from .precision import Precision as Precision, precision as precision
-from .shard import Shard as Shard, shard as shard
-from .expert import ExpertRoute as ExpertRoute, expert_route as expert_route
-from .zero import ZeroShard as ZeroShard, data_parallel as data_parallel, zero_shard as zero_shard
-from .remat import Remat as Remat, remat as remat
-from .pipeline import Pipeline as Pipeline, pipeline as pipeline
-from .sequence import Sequence as Sequence, sequence as sequence
-from .fuse import Fuse as Fuse, fuse as fuse
-from .offload import Offload as Offload, offload as offload
-from .lora import Lora as Lora, lora as lora
-from .compile import Compile as Compile, compile_blocks as compile_blocks
-from .step_in_backward import (StepInBackward as StepInBackward,
-                               step_in_backward as step_in_backward)
+import importlib as _importlib
+import sys as _sys
+
+from .. import transforms as _transforms
+
+globals().update({k: v for k, v in vars(_transforms).items() if not k.startswith("_")})
+
+ROOMS = ("shard", "zero", "precision", "remat", "pipeline", "sequence", "fuse", "offload",
+         "expert", "lora", "compile", "step_in_backward")
+for _room in ROOMS:
+    _mod = _importlib.import_module(f"meshlab.transforms.{_room}")
+    _sys.modules[f"{__name__}.{_room}"] = _mod
+    globals().setdefault(_room, _mod)   # where a room's function has its name, it wins
+del _room, _mod

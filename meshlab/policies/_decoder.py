@@ -6,7 +6,7 @@ the ``embed`` axis (replicated under TP rules, sharded under FSDP-style rules), 
 decoder block output as an activation boundary (``batch, seq, embed``).
 """
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule, Policy
 
 DECODER = Policy(

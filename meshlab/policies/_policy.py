@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
-from .._errors import PolicyError
-from .._spec import P
+from ..core.errors import PolicyError
+from ..core.spec import P
 
 # style -> (weight spec, bias spec) with "{tp}" standing for the module's logical TP axis.
 # nn.Linear weights are (out_features, in_features).
@@ -144,7 +144,7 @@ class Policy:
     def param_specs(self, plan) -> dict[str, P]:
         """Parameter FQN -> logical ``P`` for ``plan``'s model. Raises for a module glob
         that matches nothing (unless listed in ``optional``)."""
-        from .._specs_tree import glob_match
+        from ..core.specs_tree import glob_match
 
         prefix = plan.model.base_prefix
         mods = self._modules_of(plan)
@@ -181,7 +181,7 @@ class Policy:
         return out
 
     def tags(self, plan) -> dict[str, tuple[str, ...]]:
-        from .._specs_tree import glob_match
+        from ..core.specs_tree import glob_match
 
         prefix = plan.model.base_prefix
         out: dict[str, tuple[str, ...]] = {}
@@ -201,7 +201,7 @@ class Policy:
         """Optional globs that match no module of this model are dropped."""
         if glob not in self.optional:
             return True
-        from .._specs_tree import glob_match
+        from ..core.specs_tree import glob_match
 
         g = self._abs(glob, plan.model.base_prefix)
         mods = {p for e in plan.params for p in _prefixes(e.module)} | set(plan.model.blocks)
@@ -223,7 +223,7 @@ class Policy:
                 k = self._abs(g, prefix)
                 out[k] = out.get(k, ()) + (head_arg_tag(kw, attr, dim),)
         if self.dense_regions:
-            from .._specs_tree import glob_match
+            from ..core.specs_tree import glob_match
 
             experts = [m.fqn for m in plan.model.modules if dict(m.ints).get("experts_interface")]
             for g in self.dense_regions:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from .._errors import PolicyError
+from ..core.errors import PolicyError
 from ._policy import ModuleRule, Policy
 
 _REGISTRY: dict[str, Policy] = {}

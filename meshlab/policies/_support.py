@@ -2,7 +2,7 @@
 
 ``{"transformers": version, "torch": version, "families": {model_type: {"outcome": ...,
 "reason": ...}}}``, written by ``scripts/support_table.py`` and held equal to a fresh walk
-by ``tests/test_family_walk_gloo.py``. ``policies.auto`` reads it.
+by ``tests/policies/test_family_walk_gloo.py``. ``policies.auto`` reads it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import functools
 import json
 import pathlib
 
-from .._errors import PolicyError
+from ..core.errors import PolicyError
 
 PATH = pathlib.Path(__file__).with_name("support.json")
 

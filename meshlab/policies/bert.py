@@ -1,6 +1,6 @@
 """BERT: post-norm encoder blocks; the MLM head's decoder is tied to the word embeddings."""
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

@@ -17,7 +17,7 @@ query MLP (``intermediate_query``/``output_query``) are regions; its layernorms,
 query tokens and ``language_projection`` stay replicated outside them.
 
 Language model: the ``opt`` policy, rooted at ``language_model``: vocab-parallel
-embedding and head (the logits stay vocab-sharded; ``meshlab.losses`` reads them). A
+embedding and head (the logits stay vocab-sharded; ``meshlab.transforms.losses`` reads them). A
 BLIP-2 whose text config is not OPT (Flan-T5) does not fit: the OPT globs match no module
 and ``policies.auto`` raises PolicyError naming them.
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 from .opt import OPT

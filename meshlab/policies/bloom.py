@@ -9,7 +9,7 @@ heads' rows (``head_args``). Attention and MLP add the residual after their row-
 projection, inside the region, on this rank's rows (or sequence shard).
 """
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

@@ -1,6 +1,6 @@
 """GPT-2: Conv1D projections (weights stored (in, out)) and a fused q|k|v ``c_attn``."""
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

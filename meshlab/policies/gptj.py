@@ -7,7 +7,7 @@ them. The forward reshapes by ``head_dim`` with ``-1`` heads, so no attribute ch
 under TP; the untied ``lm_head`` has a bias, split with the vocabulary.
 """
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

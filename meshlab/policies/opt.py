@@ -8,7 +8,7 @@ layer flattens the hidden states to (batch x seq, hidden) before ``fc1``, so the
 the layout check refuses ``fc1`` (ConfigError), naming it.
 """
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

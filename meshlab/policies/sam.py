@@ -18,7 +18,7 @@ encoder's blocks, and the windowed blocks reshape the (batch, height, width, cha
 map into windows; the layout check refuses it (ConfigError).
 """
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

@@ -2,7 +2,7 @@
 tied to both stacks and the LM head, a per-head relative position bias in each stack's
 first block, and cross-attention (``EncDecAttention``) on the encoder's output."""
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

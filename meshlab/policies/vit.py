@@ -9,7 +9,7 @@ Under sequence parallelism the blocks' layernorms see sequence shards only; the 
 count (patches plus one CLS token) must divide over tp, which the sequence split checks.
 """
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

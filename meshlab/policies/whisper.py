@@ -2,7 +2,7 @@
 decoder with cross-attention (``encoder_attn``) on the encoder's output; the output
 projection ``proj_out`` is tied to the decoder's token embedding."""
 
-from .._spec import P
+from ..core.spec import P
 from ._policy import ModuleRule as R, Policy
 from ._registry import register
 

@@ -1,0 +1,291 @@
+"""materialize: the one place that mutates a model to run a bound plan.
+
+Every check ran in ``bind``. Here: each room's ``prepare`` -> the parameters are
+initialized module by module (rooms may act on each module as soon as it exists: tensor
+parallelism shards it then) -> each room's ``install`` in phase order (``Phase``), plain
+tensors moved to the mesh's device after the sharding phase -> the ``Runtime`` the
+optimizer, ``step`` and checkpoints read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from ..core.errors import ConfigError, PlanError
+from ..core.mesh import Mesh
+from ..planning.plan import Plan
+from ..core.tensors import local as _local
+from ..transforms._gradsync import GradSync, bucket_mb, plan_reductions
+from ..transforms._install import Install, Runtime, mesh_device
+from ..transforms._protocol import Phase
+
+
+def _post_order(m: nn.Module) -> Iterator[nn.Module]:
+    for c in m.children():
+        yield from _post_order(c)
+    yield m
+
+
+def _has_meta(m: nn.Module) -> bool:
+    return any(t.is_meta for t in list(m.parameters()) + list(m.buffers()))
+
+
+def _init_fn(model: nn.Module):
+    """The function that initializes one module the way the model itself would."""
+    hf = getattr(model, "_initialize_weights", None)
+    if hf is not None:
+        # A composite model (SAM, BLIP-2) holds sub-models with configs of their own:
+        # each module is initialized by its nearest enclosing model, as transformers'
+        # ``initialize_weights`` dispatches.
+        owner: dict[int, object] = {}
+        todo = [(model, hf)]
+        while todo:
+            m, fn = todo.pop()
+            fn = getattr(m, "_initialize_weights", None) or fn
+            owner[id(m)] = fn
+            todo.extend((c, fn) for c in m.children())
+        return lambda m: owner.get(id(m), hf)(m)
+
+    def plain(m: nn.Module) -> None:
+        reset = getattr(m, "reset_parameters", None)
+        if reset is not None and any(True for _ in m.parameters(recurse=False)):
+            reset()
+    return plain
+
+
+def init_weights(model: nn.Module, seed: int = 0, *, device: str = "cpu",
+                 on_module=None) -> nn.Module:
+    """Initialize a model built on the meta device, one module at a time.
+
+    Modules are visited children-first (the order Hugging Face's ``initialize_weights``
+    uses) with the global RNG seeded to ``seed``, so the values equal those of the same
+    call in any other process; ``on_module(module)`` runs right after each module is
+    initialized (the materializer shards it there, so the whole model never exists at
+    once). Returns ``model``, initialized in place.
+
+    A model with no meta tensor is refused (``ConfigError``): its values were drawn when
+    it was built, from whatever the global RNG held, and handing it back as if ``seed``
+    had made them would be a silent no-op.
+    """
+    if not _has_meta(model):
+        raise ConfigError(f"init_weights: {type(model).__name__} holds no meta tensors, so "
+                          f"its values came from the global RNG when it was built, not "
+                          f"from seed={seed}; build it under `with torch.device('meta'):` "
+                          f"and call init_weights on that, or keep the weights it has")
+    fn = _init_fn(model)
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        for m in _post_order(model):
+            if any(t.is_meta for t in list(m.parameters(recurse=False)) +
+                   list(m.buffers(recurse=False))):
+                m.to_empty(device=device, recurse=False)
+                if hasattr(m, "_is_hf_initialized"):
+                    del m._is_hf_initialized
+            with torch.no_grad():
+                fn(m)
+            if on_module is not None:
+                on_module(m)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
+    return model
+
+
+def _load_state(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(dict(model.named_buffers()))
+    missing = [k for k, p in model.named_parameters() if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if missing or unexpected:
+        raise PlanError(f"state_dict does not fit the model: missing {missing[:5]}"
+                        f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                        f"{'...' if len(unexpected) > 5 else ''}")
+    with torch.no_grad():
+        for k, v in state_dict.items():
+            t = own[k]
+            if tuple(t.shape) != tuple(v.shape):
+                raise PlanError(f"{k}: state_dict has shape {tuple(v.shape)}, the model "
+                                f"{tuple(t.shape)}")
+            t.copy_(v)
+
+
+_CHUNK = 1 << 22     # elements per pass of ``_checksum`` (bounds its scratch memory)
+
+
+def _checksum(t: torch.Tensor) -> tuple[int, int]:
+    """Two 64-bit sums over the bytes of ``t`` read as integers: plain, and weighted by
+    each word's position, so a transposed or permuted tensor differs in the second. The
+    arithmetic wraps, so the order of the additions cannot change them: the same bytes
+    give the same sums on every rank (NaNs included, which a float sum would not)."""
+    flat = _local(t).detach().reshape(-1)
+    word = {8: torch.int64, 4: torch.int32, 2: torch.int16}.get(flat.element_size())
+    w = flat.view(word) if word is not None else flat.view(torch.uint8)
+    s1 = torch.zeros((), dtype=torch.int64, device=w.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=w.device)
+    for i in range(0, w.numel(), _CHUNK):
+        part = w[i:i + _CHUNK].to(torch.int64)
+        pos = torch.arange(i + 1, i + 1 + part.numel(), dtype=torch.int64, device=w.device)
+        s1 += part.sum()
+        s2 += (part * pos).sum()
+    return int(s1), int(s2)
+
+
+def _check_same_everywhere(model: nn.Module, group) -> None:
+    """Parameters built outside meshlab (or loaded from a ``state_dict``) must hold the
+    same bytes on every rank before sharding: a digest of each parameter (``_checksum``)
+    is reduced with MIN and MAX over the control group, and where they differ every rank
+    raises ``RankMismatchError`` naming the first parameter that differs and which ranks
+    hold which value."""
+    import torch.distributed as dist
+
+    from ..core.errors import RankMismatchError
+
+    named = list(model.named_parameters())
+    mine = torch.tensor([_checksum(p) for _, p in named] or [[0, 0]], dtype=torch.int64)
+    lo, hi = mine.clone(), mine.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    differ = (lo != hi).any(dim=1).nonzero().flatten().tolist()
+    if not differ or not named:
+        return
+    i = differ[0]
+    held = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(held, mine[i].clone(), group=group)
+    ranks = dist.get_process_group_ranks(group)
+    groups: dict = {}
+    for r, h in zip(ranks, held):
+        groups.setdefault(tuple(h.tolist()), []).append(r)
+    who = "; ".join(f"ranks {rs} hold digest {d[1] & 0xffff_ffff_ffff_ffff:016x}"
+                    for d, rs in groups.items())
+    raise RankMismatchError(
+        f"parameter {named[i][0]} differs across ranks ({who}; {len(differ)} of "
+        f"{len(named)} parameters differ): data-parallel replicas would train different "
+        f"models. Seed every rank the same before building the model and load the same "
+        f"weights everywhere, or build it on the meta device and let parallelize "
+        f"initialize it (seed=...)")
+
+
+def _to_device(model: nn.Module, device: torch.device) -> None:
+    """Move the plain parameters and buffers (initialized on the CPU, so that values equal
+    ``init_weights`` in one process) to the mesh's device; DTensors already live there."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for m in model.modules():
+            for k, p in m._parameters.items():
+                if p is not None and not isinstance(p, DTensor) and p.device != device:
+                    p.data = p.data.to(device)
+            for k, b in m._buffers.items():
+                if b is not None and not isinstance(b, DTensor) and b.device != device:
+                    m._buffers[k] = b.to(device)
+
+
+def control_group():
+    """A gloo group beside whatever the mesh runs on, for CPU-side agreement (fingerprints,
+    weights, checkpoints); torch's fake backend, for dry runs of large meshes, has no gloo
+    to pair with. Collective: every rank calls it."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    if dist.get_backend() == "fake":
+        return dist.new_group()
+    # bounded: a rank that never reaches an agreement fails the others after this long
+    secs = float(os.environ.get("MESHLAB_CONTROL_TIMEOUT", "600"))
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=secs))
+
+
+def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
+                state_dict: Mapping[str, torch.Tensor] | None = None,
+                ctrl_group=None) -> nn.Module:
+    """Run the bound ``plan`` on ``model`` over the real ``mesh`` (see the module doc)."""
+    if mesh.fake or not plan.is_bound:
+        raise ConfigError(f"materialize needs a plan bound to a real Mesh inside launched "
+                          f"processes; got {mesh!r}{'' if plan.is_bound else ' and an unbound plan'}")
+    if plan.not_runnable:     # what the plan's table shows; nothing has communicated yet
+        raise ConfigError(plan.not_runnable[0])
+    ctrl = ctrl_group if ctrl_group is not None else control_group()
+    ctx = Install(model=model, plan=plan, mesh=mesh, ctrl_group=ctrl)
+    for t in plan.rooms:
+        t.prepare(ctx)
+    _initialize(ctx, seed, state_dict)
+    # Plain tensors (initialized on the CPU, as in one process) move once sharding is done.
+    for t in [t for t in plan.rooms if t.phase <= Phase.SHARD]:
+        ctx.parts.append(t.install(ctx))
+    _to_device(model, mesh_device(mesh))
+    for t in [t for t in plan.rooms if t.phase > Phase.SHARD]:
+        ctx.parts.append(t.install(ctx))
+    ctx.parts[:] = [p for p in ctx.parts if p is not None]
+    model._meshlab = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl,
+                             grad_sync=_grad_sync(ctx))
+    _forward_in_context(model, model._meshlab)
+    _check_vocabulary(model, model._meshlab)
+    return model
+
+
+def _check_vocabulary(model: nn.Module, rt: Runtime) -> None:
+    """Every forward checks its token ids and labels against the vocabulary
+    (``meshlab.transforms.losses.guard_model``); the ranks agree on the outcome where they read
+    different batches (data-parallel ranks), outside a pipeline."""
+    from ..transforms.losses import guard_model
+
+    guard_model(model, rt.ctrl_group, agreed=rt.dp_size > 1, pipelined=rt.roles.pp is not None,
+                tp_axis=rt.roles.tp)
+
+
+def _forward_in_context(model: nn.Module, rt: Runtime) -> None:
+    """The model's forward runs in the runtime's context (``precision``'s autocast)
+    however it is called: ``model(x)`` in a plain loop computes as ``step`` does."""
+    if isinstance(rt.autocast(), contextlib.nullcontext):
+        return
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with rt.autocast():
+            return inner(*args, **kwargs)
+
+    model.forward = forward
+
+
+def _grad_sync(ctx: Install):
+    """The backward hooks that run every room's gradient reductions (or None)."""
+    reductions = plan_reductions(ctx.plan)
+    if not reductions:
+        return None
+    params = [(n, p) for n, p in ctx.model.named_parameters() if p.requires_grad]
+    return GradSync(params, reductions, ctx, bucket_mb=bucket_mb(ctx.plan))
+
+
+def _initialize(ctx: Install, seed: int, state_dict) -> None:
+    """Meta parameters are initialized from ``seed`` (which ``parallelize`` agreed on; each
+    room's ``on_module`` sees every module right after); ``state_dict`` then overrides.
+    Values that did not come from the seed (real weights, a ``state_dict``) must hold the
+    same bytes on every rank (``_check_same_everywhere``)."""
+    model = ctx.model
+    seeded = _has_meta(model)
+    if seeded:
+        # the values come from the seed alone; parallelize's fingerprint agreed on it
+        names = {id(m): n for n, m in model.named_modules()}
+        hooks = ctx.on_module if state_dict is None else []
+
+        def on_module(m: nn.Module) -> None:
+            for fn in hooks:
+                fn(names.get(id(m)), m)
+
+        init_weights(model, seed, on_module=on_module if hooks else None)
+    if state_dict is not None:
+        _load_state(model, state_dict)
+    if not seeded or state_dict is not None:
+        _check_same_everywhere(model, ctx.ctrl_group)
+    for fn in ctx.after_init:
+        fn(model)

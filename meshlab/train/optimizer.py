@@ -1,0 +1,294 @@
+"""``optimizer``: a torch optimizer with what only the whole mesh can add.
+
+Gradients are synchronized by the backward itself (each room's ``Reduction``, run by
+``GradSync``), so a plain ``torch.optim.AdamW(model.parameters())`` trains a
+parallelized model correctly. ``meshlab.optimizer`` adds, in ``step()``: ZeRO-1's
+reduce-scatter into fp32 slices and all-gather back (``Part.sync_grads`` /
+``after_step``), unscaling and the overflow check agreed by every rank (fp16 loss
+scaling), gradient-norm clipping over every mesh axis, and the skip of a step whose
+global gradient norm is NaN or infinite (``nonfinite``). It is a
+``torch.optim.Optimizer``: learning-rate schedulers, ``param_groups``,
+``state_dict()``/``load_state_dict()`` and step hooks work as with the optimizer inside.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.errors import ConfigError, NonFiniteError
+from ..core.tensors import local as _local
+from ..transforms._install import runtime_of
+from ..transforms.precision import PrecisionPart
+from ..transforms.zero._install import Zero1Part
+from ..transforms.zero._zero1 import shard_groups
+
+
+_NONFINITE = (None, "skip", "raise")
+
+
+def _params_of(cls) -> set[str]:
+    try:
+        return set(inspect.signature(cls.__init__).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+class MeshOptimizer(torch.optim.Optimizer):
+    """A torch optimizer driven the way a parallelized model needs (see module doc).
+
+    It holds the optimizer it was built with as ``inner`` and shares its
+    ``param_groups`` and ``state``; under ZeRO-1 those are the fp32 slices this rank
+    owns, not the model's parameters.
+    """
+
+    def __init__(self, model: nn.Module, cls: type, *, clip_grad_norm: float | None = None,
+                 nonfinite: str | None = None, **kwargs: Any) -> None:
+        if nonfinite not in _NONFINITE:
+            raise ConfigError(f"optimizer(nonfinite={nonfinite!r}): use one of "
+                              f"{sorted(k for k in _NONFINITE if k)} (or leave it out)")
+        # Optimizer.__init__ would build param_groups of its own: this one shares inner's.
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
+        self._optimizer_load_state_dict_pre_hooks = {}
+        self._optimizer_load_state_dict_post_hooks = {}
+        self.model, self.rt = model, runtime_of(model)
+        self.clip, self.nonfinite = clip_grad_norm, nonfinite
+        seen: set[int] = set()
+        self.params: list[tuple[str, nn.Parameter]] = []
+        for n, p in model.named_parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append((n, p))
+        prec = self.rt.part(PrecisionPart)
+        self.scaler = prec.scaler() if prec is not None else None
+        tensors = self._inner_params(cls, kwargs)
+        self.inner = None
+        for part in self.rt.parts:          # offload splits it between host and device
+            self.inner = part.make_optimizer(self, cls, kwargs, tensors) or self.inner
+        if self.inner is None:
+            self.inner = cls(tensors, **kwargs)
+        self.inner._meshlab_inner = True
+        self.defaults = self.inner.defaults
+        self.last_grad_norm: float | None = None
+        self.steps = 0                  # step() calls, skipped ones included
+        self.skipped_steps = 0          # steps skipped for a non-finite gradient norm
+        self._synced = False
+
+    def _inner_params(self, cls: type, kwargs: dict) -> list:
+        inner = None
+        for part in self.rt.parts:
+            inner = part.optimizer_params(self.params) or inner
+        if inner is not None:
+            return inner
+        from torch.distributed.tensor import DTensor
+
+        inner = [p for _, p in self.params]
+        kinds = {isinstance(p, DTensor) for p in inner}
+        if len(kinds) > 1 and "foreach" in _params_of(cls) and "foreach" not in kwargs:
+            # torch's multi-tensor kernels group by device and dtype, not by tensor
+            # type: DTensor and plain parameters in one list fail on CUDA.
+            kwargs["foreach"] = False
+        return inner
+
+    @property
+    def param_groups(self) -> list:
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ConfigError("meshlab.optimizer covers every trainable parameter of the model "
+                          "already; set per-group options with param_groups[i]['lr'] etc.")
+
+    def __repr__(self) -> str:
+        return f"MeshOptimizer({self.inner!r})"
+
+    def __getstate__(self):
+        raise ConfigError("a MeshOptimizer holds process groups and cannot be pickled; save "
+                          "it with meshlab.checkpoint.save(..., optimizer=opt)")
+
+    # -- ZeRO-1's buffers, for checkpoints and tests -------------------------------------
+    @property
+    def zero1(self):
+        """This optimizer's ZeRO-1 buffers (``Zero1Buffers``), or None."""
+        part = self.rt.part(Zero1Part)
+        return part.buffers if part is not None else None
+
+    @property
+    def buckets(self) -> list:
+        return self.zero1.buckets if self.zero1 is not None else []
+
+    @property
+    def shards(self) -> list:
+        return self.zero1.shards if self.zero1 is not None else []
+
+    def refresh_master(self) -> None:
+        """Copy the parameters into this rank's fp32 master copies (after a load)."""
+        for part in self.rt.parts:
+            part.refresh_master()
+
+    def tensor_of(self, p: nn.Parameter) -> torch.Tensor:
+        """The tensor the inner optimizer updates for parameter ``p`` (its key in
+        ``state``): ``p``, or offload's host master of it."""
+        for part in self.rt.parts:
+            p = part.tensor_of(p)
+        return p
+
+    # -- the step -------------------------------------------------------------------
+    def _sync_grads(self) -> None:
+        """What the backward could not do (ZeRO-1's reduce-scatter; once per step)."""
+        if self._synced:
+            return
+        self._synced = True
+        for part in self.rt.sync_parts:
+            part.sync_grads(self.params)
+
+    def _grad_items(self) -> list[tuple[torch.Tensor, tuple]]:
+        """(local gradient, groups it is sharded over) for the norm and overflow checks."""
+        items = [(_local(p.grad), shard_groups(p.grad)) for _, p in self.params
+                 if p.grad is not None]
+        for part in self.rt.parts:
+            items = part.grad_items(items)
+        return items
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of all gradients, over every mesh axis."""
+        sums: dict[tuple, list] = {}
+        for g, groups in self._grad_items():
+            key = tuple(id(x) for x in groups)
+            acc = sums.setdefault(key, [torch.zeros((), dtype=torch.float64, device=g.device),
+                                        groups])
+            acc[0] += g.detach().double().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+        for s, groups in sums.values():
+            for grp in groups:
+                dist.all_reduce(s, group=grp)
+            total += s.to(total.device)
+        for part in self.rt.parts:          # e.g. each pipeline stage holds other parameters
+            for grp in part.norm_groups():
+                dist.all_reduce(total, group=grp)
+        return float(total.sqrt())
+
+    @torch.no_grad()
+    def step(self, closure=None) -> bool:
+        """ZeRO-1's reduce-scatter, unscale, check overflow, clip, update, all-gather.
+        Returns False if the step was skipped (an fp16 overflow, or a non-finite gradient
+        norm under ``nonfinite='skip'``)."""
+        if closure is not None:
+            raise ConfigError("meshlab.optimizer's step takes no closure (optimizers that "
+                              "re-evaluate the loss, such as LBFGS, are not supported)")
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
+        self.steps += 1
+        self._sync_grads()
+        # Read only when needed: offloaded gradients are then waited for on the host.
+        items = self._grad_items() if self.scaler is not None or self.clip is not None or \
+            self.nonfinite is not None else []
+        if self.scaler is not None and not self._unscale(items):
+            return False
+        if self.clip is not None or self.nonfinite is not None:
+            norm = self.grad_norm()
+            self.last_grad_norm = norm
+            if not math.isfinite(norm):
+                return self._nonfinite(norm)
+            coef = self.clip / (norm + 1e-6) if self.clip is not None else 1.0
+            if coef < 1.0:
+                for g, _ in items:
+                    g.mul_(coef)
+        self.inner.step()
+        for part in self.rt.parts:
+            part.after_step()
+        self._synced = False
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        return True
+
+    def _nonfinite(self, norm: float) -> bool:
+        """A NaN or infinite global norm: every rank computed the same value (it is reduced
+        over every axis the gradients are split over, and replicated gradients are equal
+        after the backward's reduction), so every rank skips, or raises, alike. The
+        gradients are dropped either way, leaving the optimizer ready for the next step."""
+        self.zero_grad()
+        self.skipped_steps += 1
+        what = (f"step {self.steps}: the global gradient norm is {norm} (a NaN or infinity in "
+                f"some rank's loss or gradients, spread to every rank by the reduction)")
+        if self.nonfinite == "raise":
+            raise NonFiniteError(f"meshlab.optimizer {what}; the step did not run. Look for the "
+                                 f"batch or operation that overflows, lower the learning rate, "
+                                 f"or pass nonfinite='skip' to skip such steps")
+        warnings.warn(f"meshlab.optimizer {what}: the step was skipped on every rank and the "
+                      f"weights are unchanged ({self.skipped_steps} skipped so far); pass "
+                      f"nonfinite='raise' to stop instead", RuntimeWarning, stacklevel=3)
+        return False
+
+    def _unscale(self, items: list) -> bool:
+        inv = 1.0 / self.scaler.scale
+        for g, _ in items:
+            g.mul_(inv)
+        overflow = self.scaler.found_inf([g for g, _ in items], self.rt.device)
+        self.scaler.update(overflow)
+        if overflow:
+            self.zero_grad()
+        return not overflow
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._synced = False
+        for _, p in self.params:
+            p.grad = None
+        for s in self.shards:
+            s.grad = None
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's ``state_dict`` (plus ``grad_scaler`` under fp16)."""
+        d = self.inner.state_dict()
+        if self.scaler is not None:
+            d["grad_scaler"] = self.scaler.state_dict()
+        return d
+
+    def load_state_dict(self, d: Mapping) -> None:
+        d = dict(d)
+        scaler = d.pop("grad_scaler", None)
+        self.inner.load_state_dict(d)
+        if self.scaler is not None and scaler is not None:
+            self.scaler.load_state_dict(scaler)
+
+
+def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
+              clip_grad_norm: float | None = None, nonfinite: str | None = None,
+              **kwargs: Any) -> MeshOptimizer:
+    """An optimizer over a parallelized model's parameters (``cls(**kwargs)`` inside).
+
+    ``clip_grad_norm`` clips by the global norm over all mesh axes. ZeRO-1 keeps the
+    optimizer state for this rank's slice only.
+
+    ``nonfinite`` says what a step whose global gradient norm is NaN or infinite does (a
+    NaN on one rank reaches every rank through the gradient reduction, and one update
+    would turn every weight NaN): ``'skip'`` skips it on every rank, weights and optimizer
+    state unchanged, and warns with the step and the norm (``step()`` returns False);
+    ``'raise'`` raises ``NonFiniteError`` on every rank. The check reads the global norm:
+    with ``clip_grad_norm`` it is computed anyway, and a non-finite one is skipped unless
+    ``nonfinite='raise'``. Without clipping the norm costs one all-reduce per group of
+    gradients split alike (none for replicated ones), so it runs only when ``nonfinite`` is
+    given. Under ``precision('fp16')`` the loss scaler skips overflowing steps first.
+
+    >>> opt = optimizer(model, torch.optim.AdamW, lr=3e-4, clip_grad_norm=1.0)  # doctest: +SKIP
+    """
+    from ..core.errors import check_number
+
+    if not isinstance(cls, type) or not issubclass(cls, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer(model, cls, ...): cls must be an optimizer class such as "
+                          f"torch.optim.AdamW, got {cls!r}")
+    if clip_grad_norm is not None:
+        check_number(clip_grad_norm, "optimizer", "clip_grad_norm", example=1.0)
+    return MeshOptimizer(model, cls, clip_grad_norm=clip_grad_norm, nonfinite=nonfinite,
+                         **kwargs)

@@ -1,0 +1,242 @@
+"""``step``: one training step of a parallelized model — microbatches, mixed precision,
+loss scaling, and the pipeline schedule where a room runs the step itself."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import inspect
+from typing import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.agree import agree
+from ..core.errors import ConfigError, MeshlabError, check_int
+from .optimizer import MeshOptimizer
+from ..transforms._install import runtime_of
+
+
+def _split(batch, k: int) -> list:
+    """``batch`` cut into ``k`` equal microbatches along dim 0 (every tensor of a dict; other
+    values repeated). Checked before the step's first collective: batch shapes are the same
+    on every rank, so a batch that does not divide raises on every rank alike."""
+    k = check_int(k, "step", "microbatches", example=2)
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] == 0:
+            raise ConfigError(f"step: a batch tensor of shape {tuple(batch.shape)} holds no "
+                              f"samples along dim 0, where microbatches are cut; give a "
+                              f"batch of shape (batch, ...) with batch >= 1")
+        if batch.shape[0] % k:
+            raise ConfigError(f"step(microbatches={k}): local batch size {batch.shape[0]} does "
+                              f"not divide into {k} microbatches; use a batch size that is a "
+                              f"multiple of {k}, or microbatches that divide {batch.shape[0]}")
+        return list(batch.chunk(k))
+    if isinstance(batch, Mapping):
+        parts = {key: _split(v, k) if isinstance(v, torch.Tensor) else [v] * k
+                 for key, v in batch.items()}
+        return [{key: parts[key][i] for key in batch} for i in range(k)]
+    raise ConfigError(f"step: batch must be a tensor or a dict of tensors, got {type(batch).__name__}")
+
+
+def _forward_params(model: nn.Module) -> tuple[set[str], bool]:
+    """The keyword names ``model.forward`` accepts, and whether it takes ``**kwargs``."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return set(), True
+    kinds = {p.kind for p in sig.parameters.values()}
+    names = {n for n, p in sig.parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, inspect.Parameter.VAR_KEYWORD in kinds
+
+
+def _call(model: nn.Module, mb, inputs):
+    """The forward of one microbatch, by ``step``'s convention (see ``step``)."""
+    if inputs is not None:
+        if callable(inputs):
+            args = inputs(mb)
+            return model(*args) if isinstance(args, tuple) else model(args)
+        missing = [k for k in inputs if k not in mb]
+        if missing:
+            raise ConfigError(f"step(inputs={list(inputs)}): the batch has no key(s) {missing}; "
+                              f"it has {sorted(mb)}")
+        return model(*[mb[k] for k in inputs])
+    if not isinstance(mb, Mapping):
+        return model(mb)
+    names, var_kw = _forward_params(model)
+    keys = [k for k in mb if k != "labels"]
+    unknown = [k for k in keys if k not in names and not var_kw]
+    if unknown:
+        raise ConfigError(
+            f"step: the batch has keys {sorted(mb)}, but {type(model).__name__}.forward takes "
+            f"{sorted(names) or 'no keyword arguments'}; key(s) {unknown} have no parameter. "
+            f"Pass inputs=['{keys[0]}'] to call model(batch['{keys[0]}']) positionally, or "
+            f"inputs=lambda b: (b['x'],) for any mapping")
+    return model(**{k: mb[k] for k in keys})
+
+
+def _loss(loss_fn, out, mb):
+    if loss_fn is not None:
+        return loss_fn(out, mb)
+    from ..transforms.losses import causal_lm_loss
+
+    if not isinstance(mb, Mapping) or not ({"input_ids", "labels"} & set(mb)):
+        got = sorted(mb) if isinstance(mb, Mapping) else type(mb).__name__
+        raise ConfigError(
+            f"step: the default loss is the causal-LM loss of batch['labels'] (or "
+            f"batch['input_ids']) against output.logits; this batch has {got}. Pass "
+            f"loss_fn=lambda output, batch: ... to compute the loss yourself")
+    return causal_lm_loss(out, mb)
+
+
+def _check_optimizer(opt, rt) -> None:
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(f"step(model, opt, batch): opt must be a torch optimizer or "
+                          f"meshlab.optimizer(...), got {type(opt).__name__}")
+    if not isinstance(opt, MeshOptimizer):
+        from ..transforms.precision import PrecisionPart
+
+        prec = rt.part(PrecisionPart)
+        if prec is not None and prec.scaler() is not None:
+            raise ConfigError("precision('fp16') scales the loss, so the step must unscale "
+                              "the gradients and skip overflows: build the optimizer with "
+                              "meshlab.optimizer(model, torch.optim.AdamW, ...)")
+
+
+@contextlib.contextmanager
+def _gc_paused(pause: bool):
+    """Python's automatic garbage collection off inside, the young generations collected
+    once on the way out; nothing where ``pause`` is False or collection is already off
+    (the caller manages it)."""
+    if not pause or not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect(1)
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable | None = None,
+         *, microbatches: int = 1, inputs=None, pause_gc: bool = True) -> float:
+    """One training step: forward/backward over ``microbatches`` slices of this rank's
+    ``batch``, then ``opt.step()`` and ``opt.zero_grad()``. Returns the loss averaged
+    over microbatches and data-parallel ranks (the single-process loss of the global batch).
+
+    The convention, for a dict ``batch``: every key but ``labels`` is passed to the model
+    by name (``model(input_ids=...)``: labels go to ``loss_fn``, not to the model, which
+    would otherwise compute a second loss), and ``loss_fn(output, batch)`` defaults to the
+    causal-LM loss of ``batch['labels']`` (or ``batch['input_ids']``) against
+    ``output.logits``. A tensor ``batch`` is passed positionally. For any other model,
+    say how to call it: ``inputs=['idx']`` calls ``model(batch['idx'])``; ``inputs=fn``
+    calls ``model(*fn(batch))``. A key the forward does not take, or a batch the default
+    loss cannot read, raises ``ConfigError`` naming the keys.
+
+    ``opt`` may be any torch optimizer (gradients are synchronized by the backward);
+    ``meshlab.optimizer`` is needed for fp16 loss scaling, ZeRO-1 and clipping.
+
+    ``pause_gc``: Python's automatic garbage collection is paused for the step and its
+    young generations are collected once at the end. A collection then costs one short
+    pause per step, not pauses at random points of a step the host sets the pace of (on
+    one rank, stalling the others at the next collective), and the reference cycles a
+    step makes (selective checkpointing's) are freed every step. ``False`` leaves the
+    collector alone, as does a collector the caller has turned off.
+    """
+    rt = runtime_of(model)
+    fused = getattr(model, "_meshlab_fused_loss", False)
+    mbs, error = None, None
+    try:
+        _check_optimizer(opt, rt)
+        if fused and loss_fn is not None:
+            raise ConfigError("this model's loss is fused (fuse('loss')): its head returns "
+                              "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
+                              "'loss' out of fuse() to pass one")
+        mbs = _split(batch, microbatches)
+        if not isinstance(pause_gc, bool):
+            raise ConfigError(f"step(pause_gc={pause_gc!r}): pass True (pause Python's "
+                              f"garbage collection for the step) or False")
+    except MeshlabError as e:
+        error = e
+    # The ranks agree on the step's shape before its first collective (one small exchange).
+    agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches},
+          error)
+    with _gc_paused(pause_gc):
+        loss = _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused)
+    # Read after the collection on the way out of the pause: it then runs while the device
+    # still works through the optimizer, not while it waits for the next step.
+    return float(loss)
+
+
+def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused):
+    """The step's work once its shape is agreed: a room's own schedule, or forward and
+    backward over the microbatches, the optimizer, and the loss averaged over the data
+    ranks (a float from a room's schedule, else a tensor not yet read from the device)."""
+    for part in rt.parts:
+        done = part.run_step(rt, opt, batch, loss_fn or _default_loss)
+        if done is not None:
+            return done
+    scaler = getattr(opt, "scaler", None)
+    # The loss stays on the device until the optimizer's work is queued: reading it after
+    # each backward would stop the host there, and the GPU would then wait for the host to
+    # launch the optimizer and the next step's first kernels.
+    total = None
+    for i, mb in enumerate(mbs):
+        rt.set_gradient_sync(model, i == len(mbs) - 1)
+        with rt.autocast():
+            if fused:
+                from ..transforms.fuse import causal_lm_loss as fused_causal_lm_loss
+
+                loss = fused_causal_lm_loss(model, mb) / len(mbs)
+            else:
+                loss = _loss(loss_fn, _call(model, mb, inputs), mb) / len(mbs)
+        (loss * scaler.scale if scaler is not None else loss).backward()
+        part = _whole(loss.detach()).to(torch.float64)
+        total = part if total is None else total + part
+    opt.step()
+    opt.zero_grad()
+    if rt.dp_group is not None and rt.dp_size > 1:
+        t = total.reshape(1).to(rt.device)
+        dist.all_reduce(t, group=rt.dp_group)
+        return t[0] / rt.dp_size
+    return total
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A scalar loss as a plain tensor: a DTensor's full value (a partial sum reduced, as
+    ``float()`` of it would), any other tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
+def _shapes(batch) -> object:
+    """The shapes and dtypes of a batch's tensors (what every rank's batch must share)."""
+    if isinstance(batch, torch.Tensor):
+        return [list(batch.shape), str(batch.dtype)]
+    if isinstance(batch, Mapping):
+        return {str(k): _shapes(v) for k, v in batch.items()}
+    return type(batch).__name__
+
+
+def _default_loss(out, batch):
+    return _loss(None, out, batch)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Backwards inside accumulate gradients locally, without communication (DDP's
+    ``no_sync``); the first backward after it synchronizes the sums.
+
+    >>> with ml.no_sync(model):            # doctest: +SKIP
+    ...     model(**mb0).loss.backward()
+    >>> model(**mb1).loss.backward()       # reduces mb0 + mb1  # doctest: +SKIP
+    """
+    rt = runtime_of(model)
+    rt.set_gradient_sync(model, False)
+    try:
+        yield model
+    finally:
+        rt.set_gradient_sync(model, True)

@@ -1,0 +1,141 @@
+"""What ``materialize`` hands each room's ``prepare`` and ``install``, and what the
+parallelized model keeps: ``Install`` (the model being changed, the bound plan, process
+groups by axis name) and ``Runtime`` (the plan, the mesh and every room's ``Part``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..core.errors import ConfigError
+from ..core.mesh import Mesh
+from ..planning.plan import Plan
+from ..planning.roles import AxisRoles
+
+
+def axes_mesh(mesh: Mesh, axes: tuple[str, ...]):
+    """The DeviceMesh over ``axes`` of ``mesh`` (several axes flattened into one)."""
+    dm = mesh.device_mesh
+    if len(axes) == 1:
+        return dm[axes[0]]
+    return dm[axes]._flatten("_".join(axes))
+
+
+def mesh_device(mesh: Mesh) -> torch.device:
+    """The device this rank computes on: its CUDA device, or the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+class _Groups:
+    """Process groups by mesh axis name (several names: the flattened axis)."""
+
+    mesh: Mesh
+    plan: Plan
+
+    @property
+    def roles(self) -> AxisRoles:
+        return self.plan.roles
+
+    def device_mesh(self, *axes: str):
+        return axes_mesh(self.mesh, tuple(axes))
+
+    def group(self, *axes: str):
+        return self.device_mesh(*axes).get_group()
+
+    def size(self, *axes: str) -> int:
+        import math
+
+        return math.prod(self.mesh.axis_size(a) for a in axes) if axes else 1
+
+    def coordinate(self, axis: str) -> int:
+        return self.mesh.coordinate(self.mesh.rank)[axis]
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device; small reduced values (losses, norms, overflow flags) live
+        there too, since an NCCL-only group cannot reduce CPU tensors."""
+        return mesh_device(self.mesh)
+
+    @property
+    def dp_group(self):
+        """The group over every axis whose ranks read different batches (``roles.data``)."""
+        return self.group(*self.roles.data) if self.roles.data else None
+
+    @property
+    def dp_size(self) -> int:
+        return self.size(*self.roles.data)
+
+    @property
+    def tp_group(self):
+        return self.group(self.roles.tp) if self.roles.tp else None
+
+    @property
+    def tp_size(self) -> int:
+        return self.size(*self.roles.axes("tp"))
+
+
+@dataclasses.dataclass
+class Install(_Groups):
+    """The state of one ``materialize``: rooms read and extend it in phase order."""
+
+    model: nn.Module
+    plan: Plan
+    mesh: Mesh
+    ctrl_group: object
+    on_module: list[Callable[[str, nn.Module], None]] = dataclasses.field(default_factory=list)
+    dropped: set[str] = dataclasses.field(default_factory=set)  # blocks run by other ranks
+    after_init: list[Callable[[nn.Module], None]] = dataclasses.field(default_factory=list)
+    parts: list = dataclasses.field(default_factory=list)
+    state: dict = dataclasses.field(default_factory=dict)   # a room's prepare -> its install
+
+    def part(self, cls: type):
+        return next((p for p in self.parts if isinstance(p, cls)), None)
+
+
+@dataclasses.dataclass
+class Runtime(_Groups):
+    """What a parallelized model carries for ``optimizer``, ``step`` and checkpoints."""
+
+    plan: Plan
+    mesh: Mesh
+    parts: tuple
+    ctrl_group: object     # gloo group for checkpoint agreement and barriers
+    grad_sync: object = None   # ``GradSync``: the reductions the backward runs
+
+    def part(self, cls: type):
+        """The installed part of type ``cls``, or None."""
+        return next((p for p in self.parts if isinstance(p, cls)), None)
+
+    def autocast(self):
+        """The context every forward runs in (``precision``'s autocast, or none)."""
+        for p in self.parts:
+            ctx = p.compute_context(self.parts)
+            if ctx is not None:
+                return ctx
+        return contextlib.nullcontext()
+
+    def set_gradient_sync(self, model: nn.Module, enabled: bool) -> None:
+        """Whether the next backward synchronizes gradients (off: they accumulate
+        locally, as under DDP's ``no_sync``)."""
+        if self.grad_sync is not None:
+            self.grad_sync.enabled = enabled
+        for p in self.parts:
+            p.set_gradient_sync(model, enabled)
+
+    @property
+    def sync_parts(self) -> tuple:
+        return tuple(sorted(self.parts, key=lambda p: p.order))
+
+
+def runtime_of(model: nn.Module) -> Runtime:
+    rt = getattr(model, "_meshlab", None)
+    if rt is None:
+        raise ConfigError("this model was not parallelized by meshlab; call "
+                          "meshlab.parallelize(model, spec, mesh) first")
+    return rt

@@ -1,0 +1,357 @@
+"""The transform protocol: what a transform is, and what it may contribute.
+
+A transform is a frozen value. Everything about it lives in its own room (a package
+under ``meshlab/transforms/``), written against the hooks below, each optional:
+
+=================  ======================================================================
+``apply(plan)``    the pure plan step, ``Plan -> Plan`` (default: the plan as it is; the
+                   transform is recorded in ``plan.options`` either way)
+``claims(plan)``   the mesh axes it takes, by role: ``{'dp': ('dp',)}``
+``check(plan)``    model-free checks on the bound plan (fake or real mesh alike); raise a
+                   ``MeshlabError`` naming the thing and the fix
+``prepare(ctx)``   before the model is initialized (may add ``ctx.on_module`` and
+                   ``ctx.after_init`` callbacks)
+``install(ctx)``   at ``phase``: mutate the model; return a ``Part`` the runtime keeps
+``memory(plan,     its share of ``plan.memory()``: returns the per-rank rows, changed or
+rows)``            extended
+``comm(plan,       its share of ``plan.comm()``: ``CommOp`` rows
+...)``
+``local_blocks(    the repeated blocks the rank at ``coord`` runs (``plan.local_blocks``),
+plan, coord)``     or None for all of them (pipeline: its stages' blocks)
+``profile(plan,    change the one-block meta copy the activation profile runs as
+model)``           ``install`` would change the model (fused ops, checkpointing)
+``activation_memory(  its share of the activation estimate: rewrite the per-rank
+plan, rows, ...)`` ``ActRow``s (split by TP, multiplied by microbatches in flight)
+``transients(      what it adds to the step's peak only (ZeRO's gathered parameters)
+plan, ...)``
+``work_share``,    its share of ``plan.time()``: the compute a rank does, how much of its
+``hidden``,        collectives hide behind it, a pipeline's idle fraction, host work
+``idle``,
+``host_seconds``
+=================  ======================================================================
+
+``t1 | t2`` composes; two transforms of one kind (``kind``) refuse to compose unless the
+kind is ``repeatable``. A transform written outside meshlab subclasses ``Transform`` as a
+frozen dataclass and composes like a built-in one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, ClassVar, Iterable, Mapping
+
+from ..planning.rows import CommOp as CommOp
+from ..core.errors import ConfigError
+from ..planning.rows import MemRow as MemRow
+from ..planning.plan import Plan, option_type, register_option
+
+
+class Phase(enum.IntEnum):
+    """The fixed order in which ``materialize`` runs the install steps."""
+
+    ADAPTERS = 10    # adapters put into the model (lora), before anything is sharded
+    SHARD = 20       # parameters become DTensors (tensor parallel)
+    EXPERTS = 25     # expert weights sharded over the expert axis; tokens dispatched
+    HOOKS = 30       # forward hooks of the sharded modules
+    KERNELS = 40     # fused ops routed in
+    REMAT = 50       # activation checkpointing of the blocks
+    COMPILE = 55     # torch.compile of the blocks (after remat, before FSDP2)
+    DATA = 60        # data-parallel sharding (FSDP2)
+    OFFLOAD = 65     # host-resident optimizer state, gradients and parameters
+    OPTIMIZER = 67   # how the optimizer steps (in the backward, per parameter)
+    SEQUENCE = 70    # sequence-parallel attention
+    SCHEDULE = 80    # pipeline stages and their schedule
+    USER = 90        # the default for transforms written outside meshlab
+
+
+class Part:
+    """What an installed transform leaves with the runtime: its share of the step.
+
+    What the backward does to the gradients is declared on the transform
+    (``Transform.reductions``; ``GradSync`` runs it). ``sync_grads`` is for what only
+    ``meshlab.optimizer`` can do (ZeRO-1's reduce-scatter into its fp32 slices), run in ``order``. The other hooks
+    let a part own the optimizer's view of the parameters (ZeRO-1), add groups to the
+    gradient norm (pipeline), or run the whole step (pipeline schedules).
+    """
+
+    order: ClassVar[int] = 0
+    casts_params: ClassVar[bool] = False   # runs the forward in the compute dtype itself
+
+    def sync_grads(self, params: list) -> None:
+        """Reduce the gradients of ``params`` (``[(fqn, parameter)]``) in place, in
+        ``meshlab.optimizer``'s step (only what a plain optimizer cannot do)."""
+
+    def optimizer_params(self, params: list) -> list | None:
+        """The tensors the inner optimizer updates instead of ``params`` (or None)."""
+        return None
+
+    def make_optimizer(self, opt, cls: type, kwargs: dict, tensors: list):
+        """The inner optimizer over ``tensors`` (what ``optimizer_params`` chose), or None
+        for ``cls(tensors, **kwargs)``; ``offload`` splits it between host and device."""
+        return None
+
+    def refresh_master(self) -> None:
+        """Copy the model's parameters into master copies a part keeps (after a load)."""
+
+    def tensor_of(self, p):
+        """The tensor the inner optimizer updates for model parameter ``p`` (its state's
+        key): ``p``, or a copy the part keeps (offload's host master)."""
+        return p
+
+    def model_state(self) -> dict:
+        """FQN -> the tensor that holds a parameter's value when it is not the parameter
+        itself (offload's fp32 master of a bf16 device copy); checkpoints save that."""
+        return {}
+
+    def grad_items(self, items: list) -> list:
+        """``[(local gradient, groups it is sharded over)]`` for norms and overflow."""
+        return items
+
+    def norm_groups(self) -> tuple:
+        """Groups over which the summed squared norm is also all-reduced."""
+        return ()
+
+    def after_step(self) -> None:
+        """Runs after the inner optimizer's update."""
+
+    def set_gradient_sync(self, model, enabled: bool) -> None:
+        """Microbatches before the last run with ``enabled=False``."""
+
+    def compute_context(self, parts: tuple):
+        """A context every forward runs in (``precision``'s autocast), or None."""
+        return None
+
+    def run_step(self, rt, opt, batch, loss_fn) -> float | None:
+        """Run forward, backward and ``opt.step()`` for ``batch``; None leaves it to ``step``."""
+        return None
+
+
+class Transform:
+    """Base of every transform: a frozen dataclass implementing some of the hooks above."""
+
+    kind: ClassVar[str] = ""
+    repeatable: ClassVar[bool] = False
+    phase: ClassVar[Phase] = Phase.USER
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        if not cls.__dict__.get("kind"):
+            cls.kind = cls.__name__.lower()
+        if cls.kind not in ("compose", "identity"):
+            register_option(cls.kind, cls)
+
+    # -- the hooks ----------------------------------------------------------------------
+    def apply(self, plan: Plan) -> Plan:
+        return plan
+
+    def claims(self, plan: Plan) -> Mapping[str, tuple[str, ...]]:
+        return {}
+
+    def check(self, plan: Plan) -> None:
+        pass
+
+    def prepare(self, ctx) -> None:
+        pass
+
+    def install(self, ctx) -> Part | None:
+        return None
+
+    def reductions(self, plan: Plan) -> list:
+        """The gradient ``Reduction``s (``_gradsync``) the backward runs for this room,
+        from the plan alone: ``materialize`` installs them and ``plan.comm`` counts them."""
+        return []
+
+    def memory(self, plan: Plan, rows: list[MemRow]) -> list[MemRow]:
+        return rows
+
+    def comm(self, plan: Plan, *, batch: int | None, seq: int | None,
+             coord: Mapping[str, int] | None) -> Iterable[CommOp]:
+        return ()
+
+    def local_blocks(self, plan: Plan, coord: Mapping[str, int] | None) -> tuple[str, ...] | None:
+        """The blocks of ``plan.model.blocks`` the rank at ``coord`` runs (None: the room's
+        default rank), or None when this room runs every block on every rank."""
+        return None
+
+    def profile(self, plan: Plan, model) -> dict | None:
+        """Change ``model`` (a meta copy cut to one block, ``meshlab.estimate.profile``) the way
+        ``install`` would, so the activation profile sees what this room changes; may
+        return ``{'loss': loss_fn, 'contexts': [context managers the step runs in]}``."""
+        return None
+
+    def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
+        """Its share of the activation estimate: rewrite the per-rank ``ActRow``s."""
+        return rows
+
+    def transients(self, plan: Plan, *, batch: int, seq: int) -> list:
+        """``ActRow``s this room adds to the step's peak only (gathered parameters)."""
+        return []
+
+    # -- its share of the step time (``meshlab.estimate.time``) ---------------------------------
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """The compute one rank does: ``{'blocks': Work, 'rest': Work}`` rewritten."""
+        return parts
+
+    def hidden(self, plan: Plan, kind: str) -> float:
+        """The fraction of this room's ``kind`` collectives hidden behind compute."""
+        return 0.0
+
+    def idle(self, plan: Plan, seconds: dict | None = None) -> float:
+        """The fraction of the step the busiest rank waits (a pipeline's bubble), given
+        the profiled ``seconds`` by part (``meshlab.estimate.time.part_seconds``) where known."""
+        return 0.0
+
+    def host_seconds(self, plan: Plan) -> float:
+        """Seconds of host work a step adds after the backward (offload's step)."""
+        return 0.0
+
+    # -- composition --------------------------------------------------------------------
+    def __call__(self, plan: Plan) -> Plan:
+        if not isinstance(plan, Plan):
+            from ..core.errors import ConfigTypeError
+
+            raise ConfigTypeError(f"{self!r} takes a Plan, got {type(plan).__name__}; build one "
+                                  f"with meshlab.plan(model, spec, mesh) or meshlab.trace(model)")
+        _refuse_second(self, plan.options)
+        out = self.apply(plan)
+        return dataclasses.replace(out, options=out.options + (self,),
+                                   transforms=out.transforms + (repr(self),))
+
+    def __or__(self, other: "Transform") -> "Compose":
+        if not isinstance(other, Transform):
+            raise ConfigError(f"{self!r} | {other!r}: both sides of | must be transforms "
+                              f"such as zero_shard(3) or precision('bf16'), not "
+                              f"{type(other).__name__}")
+        return Compose(_flat(self) + _flat(other))
+
+    def __ror__(self, other):
+        raise ConfigError(f"{other!r} | {self!r}: both sides of | must be transforms, not "
+                          f"{type(other).__name__}")
+
+    @property
+    def parts(self) -> tuple["Transform", ...]:
+        return (self,)
+
+    # -- JSON ---------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """``{'kind': ..., <field>: <JSON value>}``; ``from_json`` reads it back."""
+        return {"kind": self.kind, **{f.name: encode(getattr(self, f.name))
+                                      for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Transform":
+        if d.get("kind") == "compose":
+            return Compose(tuple(Transform.from_json(x) for x in d["transforms"]))
+        cls = option_type(d.get("kind"))
+        if cls.from_json.__func__ is not Transform.from_json.__func__:
+            return cls.from_json(d)          # a transform with its own JSON form (shard)
+        return cls._from_fields({k: decode(v) for k, v in d.items() if k != "kind"})
+
+    @classmethod
+    def _from_fields(cls, fields: dict) -> "Transform":
+        return cls(**fields)
+
+
+def _flat(t: Transform) -> tuple[Transform, ...]:
+    """``t``'s transforms in order; ``identity()`` is the neutral element and drops out."""
+    if isinstance(t, Identity):
+        return ()
+    return t.transforms if isinstance(t, Compose) else (t,)
+
+
+def _refuse_second(t: Transform, earlier: Iterable[Transform]) -> None:
+    if t.repeatable:
+        return
+    for prev in earlier:
+        if getattr(prev, "kind", None) == t.kind:
+            raise ConfigError(f"{prev!r} and {t!r}: two {t.kind} transforms in one spec; the "
+                              f"second would silently replace the first. Keep one")
+
+
+@dataclasses.dataclass(frozen=True)
+class Compose(Transform):
+    """``t1 | t2 | ...``: apply left to right."""
+
+    kind: ClassVar[str] = "compose"
+    transforms: tuple[Transform, ...]
+
+    def __post_init__(self):
+        seen: list[Transform] = []
+        for t in self.transforms:
+            _refuse_second(t, seen)
+            seen.append(t)
+
+    def __call__(self, plan: Plan) -> Plan:
+        for t in self.transforms:
+            plan = t(plan)
+        return plan
+
+    def apply(self, plan: Plan) -> Plan:
+        return self(plan)
+
+    @property
+    def parts(self) -> tuple[Transform, ...]:
+        return self.transforms
+
+    def to_json(self) -> dict:
+        return {"kind": "compose", "transforms": [t.to_json() for t in self.transforms]}
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(t) for t in self.transforms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity(Transform):
+    """The transform that changes nothing (a neutral element for ``|``)."""
+
+    kind: ClassVar[str] = "identity"
+
+    def __call__(self, plan: Plan) -> Plan:
+        return plan
+
+    def __repr__(self) -> str:
+        return "identity()"
+
+
+# -- field codec: the few value types transforms hold ---------------------------------
+def encode(v: Any) -> Any:
+    from ..core.rules import Rules
+    from ..core.spec import P
+
+    if isinstance(v, P):
+        return {"P": v.to_json()}
+    if isinstance(v, Rules):
+        return {"Rules": v.to_json()}
+    if isinstance(v, Transform):
+        return {"transform": v.to_json()}
+    if isinstance(v, Mapping):
+        return {"map": [[encode(k), encode(x)] for k, x in v.items()]}
+    if isinstance(v, (tuple, list)):
+        return {"tuple": [encode(x) for x in v]}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    enc = getattr(v, "to_json", None)
+    if enc is None:
+        raise ConfigError(f"{type(v).__name__} {v!r} cannot be written as JSON; give the "
+                          f"transform a to_json/_from_fields pair")
+    return {"value": type(v).__name__, "json": enc()}
+
+
+def decode(v: Any) -> Any:
+    from ..core.rules import Rules
+    from ..core.spec import P
+
+    if not isinstance(v, dict):
+        return v
+    if "P" in v:
+        return P.from_json(v["P"])
+    if "Rules" in v:
+        return Rules.from_json(v["Rules"])
+    if "transform" in v:
+        return Transform.from_json(v["transform"])
+    if "map" in v:
+        return {decode(k): decode(x) for k, x in v["map"]}
+    if "tuple" in v:
+        return tuple(decode(x) for x in v["tuple"])
+    return v

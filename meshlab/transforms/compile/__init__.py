@@ -1,0 +1,130 @@
+"""compile: each repeated block under ``torch.compile``, in place.
+
+The room: ``Compile`` (a plan value), its checks (the compositions not yet shown compiled
+are refused by name) and its install: every block this rank runs is compiled with
+``nn.Module.compile`` after its activation checkpointing is wrapped and before FSDP2
+shards it (``Phase.COMPILE``), as torchtitan orders them. ``fullgraph=True`` (the default)
+makes a graph break inside a block an error at its first forward instead of a silent
+fall back to eager for part of it. Every meshlab op is a custom op with a fake kernel, so
+the fused ops compile inside the blocks. Dynamo keeps one cache entry per block (they
+share ``Module._call_impl``), so the install raises its recompile limit to the number of
+blocks plus its default margin.
+
+``mode='reduce-overhead'`` also records each compiled block's forward and backward as CUDA
+graphs (torch's CUDA graph trees): a step then costs the host a replay per block instead
+of a launch per kernel, which is what a small batch is bound by. ``meshlab.step`` marks
+the start of each step for the graph trees (the runtime part below), so the outputs of
+one step are never taken for another's. Modes are inductor's: another ``backend`` with a
+``mode`` is refused.
+
+>>> compile_blocks()
+compile_blocks(fullgraph=True)
+>>> compile_blocks(mode="reduce-overhead")
+compile_blocks(fullgraph=True, mode='reduce-overhead')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+from ...core.errors import ConfigError, check_bool, check_choice
+from ...planning.plan import Plan
+from .._protocol import Part, Phase, Transform
+
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+GRAPH_MODES = ("reduce-overhead", "max-autotune")       # the modes that record CUDA graphs
+_COMPILED = 0           # blocks compiled by this room in the process (dynamo's cache holds them)
+
+
+class GraphSteps(Part):
+    """Marks the start of each ``meshlab.step`` for torch's CUDA graph trees, so that a
+    step's replays may reuse the memory of the last step's outputs."""
+
+    def run_step(self, rt, opt, batch, loss_fn):
+        torch.compiler.cudagraph_mark_step_begin()
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Compile(Transform):
+    """``torch.compile`` of every repeated block (``mode``, ``dynamic`` and ``backend`` as
+    torch's)."""
+
+    kind: ClassVar[str] = "compile"
+    phase: ClassVar[Phase] = Phase.COMPILE
+
+    fullgraph: bool = True
+    mode: str | None = None
+    dynamic: bool | None = False
+    backend: str = "inductor"
+
+    def __post_init__(self):
+        check_bool(self.fullgraph, "compile_blocks", "fullgraph")
+        if self.mode is not None:
+            check_choice(self.mode, "compile_blocks", "mode", MODES[1:])
+        if self.dynamic is not None:
+            check_bool(self.dynamic, "compile_blocks", "dynamic")
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"compile_blocks(backend={self.backend!r}): the name of a "
+                              f"torch.compile backend, e.g. 'inductor' or 'aot_eager'")
+        if self.mode is not None and self.backend != "inductor":
+            raise ConfigError(f"compile_blocks(mode={self.mode!r}, backend={self.backend!r}): "
+                              f"modes are inductor's; leave mode out or use backend='inductor'")
+
+    def check(self, plan: Plan) -> None:
+        if not plan.model.blocks:
+            raise ConfigError("compile_blocks(): the model has no repeated blocks to compile; "
+                              "call torch.compile(model) on it instead")
+        for t in plan.rooms:
+            if t.kind in ("pipeline", "sequence", "offload", "expert_route", "lora"):
+                raise ConfigError(f"compile_blocks() with {t!r} is not yet shown to train like "
+                                  f"the eager model; leave one of them out")
+
+    def install(self, ctx) -> None:
+        import torch._dynamo
+
+        mods = dict(ctx.model.named_modules())
+        kw = {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
+        if self.mode is not None:
+            kw["mode"] = self.mode
+        blocks = [b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped]
+        # Every block shares one code object (Module._call_impl), so dynamo keeps one
+        # cache entry per block: its recompile limit (8) must cover the model's depth, or
+        # fullgraph turns the ninth block into an error. The entries of blocks compiled
+        # earlier in the process stay (a notebook cell run again builds a new model), so
+        # the limit covers every block compiled so far.
+        global _COMPILED
+        _COMPILED += len(blocks)
+        cfg = torch._dynamo.config
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), _COMPILED + 8))
+        for b in blocks:
+            mods[b].compile(**kw)
+        return GraphSteps() if self.mode in GRAPH_MODES else None
+
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """Under CUDA graphs the blocks' ops are replayed, not issued one by one: the host
+        makes one call per block and direction (a replay, costed as one call of a fused
+        op), the device runs the same kernels."""
+        if self.mode not in GRAPH_MODES or "blocks" not in parts:
+            return parts
+        w = parts["blocks"]
+        graphs = 2 * len(plan.model.blocks)
+        return {**parts, "blocks": dataclasses.replace(
+            w, fused=0, hooked=0, hooked_fused=0, replayed=w.ops, graphs=graphs)}
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:]
+                        if getattr(self, f.name) != f.default)
+        return f"compile_blocks(fullgraph={self.fullgraph!r}{extra})"
+
+
+def compile_blocks(fullgraph: bool = True, mode: str | None = None,
+                   dynamic: bool | None = False, backend: str = "inductor") -> Compile:
+    """Compile each repeated block with ``torch.compile`` (see the module doc); ``backend``
+    as torch.compile's (``'aot_eager'`` runs the traced graphs without generating code)."""
+    return Compile(fullgraph, mode, dynamic, backend)

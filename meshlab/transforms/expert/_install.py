@@ -1,0 +1,77 @@
+"""What ``expert_route`` installs: sharded expert weights and the dispatching experts
+implementation (``_dispatch``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...core.errors import ConfigError
+from .._protocol import Part
+from ._aux import patch_family, scope_forward
+from ._layout import experts_of
+from ._dispatch import IMPL, EPState, EPStats, ep_experts_forward
+
+
+def _interface():
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:                # transformers 4: no ExpertsInterface
+        return None
+    return ALL_EXPERTS_FUNCTIONS
+
+
+def check_model(t, ctx) -> None:
+    """The model has what the dispatching implementation needs (before anything changes)."""
+    if _interface() is None:
+        import transformers
+
+        raise ConfigError(f"{t!r} needs transformers' ExpertsInterface (transformers >= 5); "
+                          f"this is transformers {transformers.__version__}")
+    mods = dict(ctx.model.named_modules())
+    for x in experts_of(ctx.plan):
+        m = mods[x.fqn]
+        if not hasattr(type(m).forward, "__wrapped__") or not hasattr(m, "config"):
+            raise ConfigError(f"{x.fqn} ({x.cls}): not an ExpertsInterface module (no "
+                              f"@use_experts_implementation forward); expert_route cannot "
+                              f"dispatch it")
+
+
+def install_experts(t, ctx):
+    from torch.distributed.tensor import DTensor, Shard
+
+    _interface().register(IMPL, ep_experts_forward)
+    mesh = ctx.device_mesh(t.axis)
+    n, rank = ctx.size(t.axis), ctx.coordinate(t.axis)
+    group = ctx.group(t.axis)
+    stats = EPStats()
+    aux = False
+    mods = dict(ctx.model.named_modules())
+    # The experts of this rank's pipeline stage (the others' modules are gone).
+    layouts = [x for x in experts_of(ctx.plan) if x.fqn in mods]
+    # What each module ran before: read all first, as modules share one config object.
+    before = {x.fqn: mods[x.fqn].config._experts_implementation for x in layouts}
+    for x in layouts:
+        m = mods[x.fqn]
+        for fqn in x.params if n > 1 else ():      # one rank holds them all as they are
+            name = fqn.rsplit(".", 1)[-1]
+            p = m._parameters[name]
+            full = p.detach()
+            local = full.chunk(n, 0)[rank].contiguous()
+            d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                   shape=full.shape, stride=full.stride())
+            m._parameters[name] = nn.Parameter(d, requires_grad=p.requires_grad)
+        prev = before[x.fqn]
+        m._meshlab_ep = EPState(group, n, rank, None if prev == IMPL else prev,
+                                t.capacity_factor, stats)
+        m.config._experts_implementation = IMPL
+        aux = patch_family(type(m)) or aux
+    if aux and ctx.dp_group is not None and ctx.dp_size > 1:
+        scope_forward(ctx.model, ctx.dp_group)
+    return ExpertPart(stats)
+
+
+class ExpertPart(Part):
+    """The runtime's handle on the exchanges (``stats``: all-to-alls, rows, drops)."""
+
+    def __init__(self, stats: EPStats):
+        self.stats = stats

@@ -1,0 +1,101 @@
+"""fuse: run a Hugging Face model's RMSNorm, rotary embedding, attention, gated MLP and loss on
+meshlab's fused ops (``meshlab.ops``), routed at materialize time.
+
+The room: ``Fuse`` (a plan value), its checks (ops the traced model has nothing to route
+for or whose probe disagrees, found by its plan step; combinations whose loss or attention
+another room owns) and its install, the Hugging Face routing of ``_hf`` (also usable on
+its own: ``fuse_model(model)``), each routing probed against what it replaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from ...core.errors import ConfigError
+from ...planning.plan import Plan
+from .._protocol import Phase, Transform
+from ..pipeline import Pipeline
+from ..sequence import Sequence
+from ._hf import FUSABLE as FUSABLE, NORMS as NORMS, causal_lm_loss as causal_lm_loss
+from ._hf import fuse as fuse_model, fused_labels as fused_labels, refusals
+
+
+@dataclasses.dataclass(frozen=True)
+class Fuse(Transform):
+    """Route ``ops`` (any of ``rms_norm``, ``rotary``, ``attention``, ``mlp``, ``loss``) to
+    meshlab's custom ops without changing any class (instance forwards only); each routing
+    is probed against the module it replaces when the plan is made from the model (``plan``
+    refuses what the install would) and again when it is installed. With ``rms_norm``, a
+    decoder layer's middle residual add also runs inside its second norm, the residual
+    stream's gradient inside its first norm's backward, and its query/key/value input
+    gradient inside those products, where a probe of the layer proves it (reported, never
+    refused)."""
+
+    kind: ClassVar[str] = "fuse"
+    phase: ClassVar[Phase] = Phase.KERNELS
+
+    ops: tuple[str, ...] = FUSABLE
+
+    def __post_init__(self):
+        ops = (self.ops,) if isinstance(self.ops, str) else \
+            tuple(self.ops) if isinstance(self.ops, (tuple, list)) else None
+        bad = None if ops is None else [o for o in ops if not isinstance(o, str)
+                                        or o not in FUSABLE]
+        if ops is None or bad or not ops or len(set(ops)) != len(ops):
+            given = ", ".join(map(repr, ops if ops is not None else (self.ops,)))
+            raise ConfigError(f"fuse({given}): choose "
+                              f"distinct op names from {FUSABLE}, e.g. fuse('rms_norm', "
+                              f"'loss'), or fuse() for all of them")
+        object.__setattr__(self, "ops", ops)
+
+    def apply(self, plan: Plan) -> Plan:
+        if plan.source is None:                # no module to probe: the install checks
+            return plan
+        refused = tuple(refusals(plan.source, self.ops).items())
+        return plan.replace(model=dataclasses.replace(plan.model, fuse_refusals=refused))
+
+    def check(self, plan: Plan) -> None:
+        refused = dict(plan.model.fuse_refusals)
+        why = next((refused[op] for op in self.ops if op in refused), None)
+        if why is not None:
+            raise ConfigError(why)
+        if "loss" in self.ops:
+            if plan.get(Pipeline) is not None:
+                raise ConfigError("fuse('loss') with pipeline(): the last stage's loss comes "
+                                  "from the schedule's loss_fn on logits; leave 'loss' out of "
+                                  "fuse()")
+            head = plan.model.head
+            tp = plan.roles.tp
+            if head is not None and tp is not None and any(
+                    e.module == head and tp in e.mesh_spec.axes for e in plan.params):
+                raise ConfigError(f"fuse('loss') with {head} sharded by shard(): the fused loss "
+                                  f"needs the whole vocabulary on each rank; leave 'loss' out of "
+                                  f"fuse() (the vocabulary-parallel cross-entropy runs instead)")
+        if "attention" in self.ops:
+            sq = plan.get(Sequence)
+            if sq is not None and sq.mode != "split_gather":
+                raise ConfigError("fuse('attention') with sequence(): sequence parallelism "
+                                  "installs its own attention; leave 'attention' out of fuse()")
+
+    def install(self, ctx) -> None:
+        fuse_model(ctx.model, self.ops)
+
+    def profile(self, plan: Plan, model) -> dict | None:
+        fuse_model(model, self.ops)
+        return {"loss": _fused_loss} if "loss" in self.ops else None
+
+    def __repr__(self) -> str:
+        return "fuse()" if self.ops == FUSABLE else f"fuse{self.ops!r}".replace(",)", ")")
+
+
+def _fused_loss(forward, batch):
+    """The step's loss through the fused head, for the activation profile."""
+    with fused_labels(batch["labels"]):
+        return forward(input_ids=batch["input_ids"], use_cache=False).logits
+
+
+def fuse(*ops: str) -> Fuse:
+    """Fused ops for a Hugging Face model: ``fuse()`` routes all of them, ``fuse('rms_norm',
+    'loss')`` those named."""
+    return Fuse(tuple(ops) or FUSABLE)

@@ -1,0 +1,450 @@
+"""Run a Hugging Face model's RMSNorm, rotary embedding, attention and loss on meshlab's ops.
+
+No ``forward`` of the model is copied or rewritten; each op is routed at the seam
+transformers already has, and every routing is proven on the spot against what it
+replaces (a small random probe through the original and the fused path, compared to
+float32 rounding) before it is installed, so a family whose module does something else
+fails loudly instead of training on different math. Each op first finds (and probes) what
+it would route without changing the model, then installs it: :func:`check` runs the
+finding alone and raises what :func:`fuse` would, so ``meshlab.plan`` refuses it too:
+
+* ``rms_norm``: each RMSNorm module (the class names in :data:`NORMS`, or any ``*RMSNorm``
+  with ``weight`` and ``variance_epsilon``) gets an instance ``forward`` that calls
+  ``meshlab::rms_norm`` with the module's own weight and epsilon. A pre-norm decoder
+  layer (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``: Llama's,
+  Mistral's, Qwen's, ...) whose class passes a probe of its whole forward also gets an
+  instance ``forward`` that runs its middle residual add and the norm after it as one
+  ``meshlab::add_rms_norm``, adds the residual stream's gradient inside the first norm's
+  backward and sums the query/key/value products' input gradient inside them (``_residual``;
+  reported as ``residual_add``, classes left as they are, and why, in
+  ``FuseReport.unfused``).
+* ``rotary`` (``_rotary``): the modeling file's ``apply_rotary_pos_emb`` is wrapped once
+  by a dispatcher that calls ``meshlab::rotary`` while a routed model's attention module
+  is running and the original function otherwise, so other models in the process are
+  untouched.
+* ``attention``: ``meshlab::attention`` is registered in transformers'
+  ``AttentionInterface`` as ``"meshlab"`` and the model switched to it.
+* ``mlp``: each gated MLP with ``gate_proj``, ``up_proj``, ``down_proj`` and a SiLU
+  ``act_fn`` (Llama's, Mistral's, Qwen's, ...) or a tanh-GELU one (Gemma's) gets an
+  instance ``forward`` computing ``down_proj(meshlab::swiglu(gate_proj(x), up_proj(x)))``
+  (``meshlab::geglu`` for GELU), the gate one kernel; one with a single ``gate_up_proj``
+  (Phi-3's, GLM's) gates the two halves of its output in place. Where the
+  three projections are bare ``nn.Linear`` (no bias, hooks or subclass; plain weights, no
+  autocast, no saved-tensor hooks such as eager checkpointing's) the whole MLP
+  is :func:`meshlab.ops.swiglu_mlp`: the backward keeps the gate and up projections'
+  outputs only and rebuilds their product in its swiglu pass
+  (2 x intermediate values per token, where the module with the fused gate keeps 3 and
+  the unfused module 4). Otherwise the projections stay the module's own, hooks and
+  sharding included, and the product is kept.
+* ``loss``: the output head gets an instance ``forward`` that, inside
+  :func:`fused_labels`, returns the causal-LM loss from ``meshlab::linear_cross_entropy``
+  (the logits never exist), and the plain projection otherwise. :func:`causal_lm_loss`
+  runs the model that way; ``meshlab.step`` does it for a model routed here.
+
+>>> import torch, transformers
+>>> from meshlab.transforms.fuse import fuse_model as fuse
+>>> cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+...                                num_hidden_layers=1, num_attention_heads=4)
+>>> model = transformers.LlamaForCausalLM(cfg)
+>>> fuse(model, ops=("rms_norm", "loss")).counts()
+{'rms_norm': 3, 'loss': 1, 'residual_add': 1}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import threading
+import types
+
+import torch
+from torch import Tensor, nn
+
+from ...core.errors import ConfigError
+from ._residual import _bare_linear, _is_dtensor, norm_eps, probe_close, route_layers
+from ._rotary import _find_rotary, _route_rotary
+
+FUSABLE = ("rms_norm", "rotary", "attention", "mlp", "loss")
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+    """How an RMSNorm class maps onto ``meshlab::rms_norm``: the attribute holding epsilon,
+    and ``offset`` added to the weight (Gemma scales by ``1 + weight``)."""
+
+    eps: str = "variance_epsilon"
+    offset: float = 0.0
+
+
+# Classes whose RMSNorm differs from Llama's attribute names or math. Others named
+# ``*RMSNorm`` with ``weight`` and ``variance_epsilon`` take the default; all are probed.
+NORMS: dict[str, Norm] = {
+    "GemmaRMSNorm": Norm("eps", 1.0),
+    "Gemma2RMSNorm": Norm("eps", 1.0),
+    "Gemma3RMSNorm": Norm("eps", 1.0),
+    "T5LayerNorm": Norm("variance_epsilon"),
+}
+
+# Config attributes that transform the logits after the head: the fused loss would
+# skip them, so a model with any of them set is refused for "loss".
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                     "output_multiplier_scale": 1.0}
+
+
+@dataclasses.dataclass
+class FuseReport:
+    """Which modules (FQNs) or functions were routed to which op."""
+
+    routed: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    unfused: dict[str, str] = dataclasses.field(default_factory=dict)   # class -> why
+
+    def counts(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.routed.items()}
+
+    def __repr__(self) -> str:
+        extra = f", unfused={self.unfused}" if self.unfused else ""
+        return f"FuseReport({self.counts()}{extra})"
+
+
+# ------------------------------------------------------------------------ rms_norm
+
+def _norm_rule(m: nn.Module) -> Norm | None:
+    name = type(m).__name__
+    if name in NORMS:
+        return NORMS[name]
+    w = getattr(m, "weight", None)
+    if name.endswith("RMSNorm") and isinstance(w, torch.Tensor) and w.ndim == 1 and \
+            hasattr(m, "variance_epsilon"):
+        return Norm()
+    return None
+
+
+def _fused_norm_forward(self, hidden_states: Tensor) -> Tensor:
+    from ...ops.rms_norm import rms_norm
+
+    rule: Norm = self._meshlab_norm
+    w = self.weight
+    if rule.offset:
+        w = w.float() + rule.offset
+    return rms_norm(hidden_states, w, norm_eps(self))
+
+
+def _probe_norm(m: nn.Module, rule: Norm) -> None:
+    # A CPU float32 copy with a random weight (the module itself may be on meta or sharded),
+    # seeded: the same probe, and the same refusal, wherever it runs.
+    clone = copy.deepcopy(m)
+    h = m.weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    clone.weight = nn.Parameter(torch.randn(h, generator=g) * 0.1 +
+                                (0.0 if rule.offset else 1.0))
+    x = torch.randn(3, h, generator=g)
+    want = type(m).forward(clone, x)
+    clone._meshlab_norm = rule
+    got = _fused_norm_forward(clone, x)
+    probe_close(got, want, type(m).__name__, "leave 'rms_norm' out of fuse(ops=...) "
+                 "or add the class to meshlab.transforms.fuse.NORMS with its epsilon attribute")
+
+
+def _find_norms(model: nn.Module) -> list[tuple[str, nn.Module, Norm | None]]:
+    """``(name, module, rule)`` of each RMSNorm, the rule None where it was routed before;
+    each class not routed before is probed once."""
+    found, probed = [], set()
+    for name, m in model.named_modules():
+        rule = _norm_rule(m)
+        if rule is None:
+            continue
+        if getattr(m, "_meshlab_norm", None) is not None:      # routed before
+            found.append((name, m, None))
+            continue
+        if type(m) not in probed:
+            _probe_norm(m, rule)
+            probed.add(type(m))
+        found.append((name, m, rule))
+    return found
+
+
+def _route_norms(model: nn.Module, found) -> list[str]:
+    for _, m, rule in found:
+        if rule is not None:
+            m._meshlab_norm = rule
+            m.forward = types.MethodType(_fused_norm_forward, m)
+    return [name for name, _, _ in found]
+
+
+# ------------------------------------------------------------------------ mlp
+
+_SILU = ("SiLU", "SiLUActivation")
+# GELU with the tanh approximation, as transformers' activations name it (probed like all).
+_GELU_TANH = ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation")
+
+
+def _has(m: nn.Module, *names: str) -> bool:
+    return all(isinstance(getattr(m, a, None), nn.Module) for a in names)
+
+
+def _gate_kind(m: nn.Module) -> str | None:
+    """``"swiglu"`` or ``"geglu"`` for a gated MLP, else None: ``gate_proj``, ``up_proj``,
+    ``down_proj`` and a SiLU or tanh-GELU ``act_fn`` (Llama's, Gemma's layout), or one
+    ``gate_up_proj`` whose output's halves are the gate and the up projection, ``down_proj``
+    and ``activation_fn`` (Phi-3's, GLM's)."""
+    if _has(m, "gate_proj", "up_proj", "down_proj"):
+        act = type(getattr(m, "act_fn", None)).__name__
+    elif _has(m, "gate_up_proj", "down_proj"):
+        act = type(getattr(m, "activation_fn", None)).__name__
+    else:
+        return None
+    return "swiglu" if act in _SILU else "geglu" if act in _GELU_TANH else None
+
+
+def _saved_tensors_hooked() -> bool:
+    """Saved-tensor hooks decide what autograd keeps (checkpointing, activation offload):
+    there the function's smaller set buys nothing, and under torch's checkpoint it measured
+    slower than the module's own calls (17.1 ms against 15.8 for a Llama-3-8B MLP's
+    forward, recompute and backward on an H200)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _fused_mlp_forward(self, x: Tensor) -> Tensor:
+    from ...ops.swiglu import geglu, geglu_mlp, swiglu, swiglu_mlp
+
+    gate, mlp = (swiglu, swiglu_mlp) if _gate_kind(self) == "swiglu" else (geglu, geglu_mlp)
+    if not hasattr(self, "gate_proj"):     # one gate_up_proj: its halves, read in place
+        a, b = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(gate(a, b))
+    projs = (self.gate_proj, self.up_proj, self.down_proj)
+    # Compiled, the function traces as one (its backward keeps what it keeps eagerly);
+    # saved-tensor hooks are then the compiler's, not read from here.
+    if not _is_dtensor(x) and not torch.is_autocast_enabled(x.device.type) and \
+            (torch.compiler.is_compiling() or not _saved_tensors_hooked()) and \
+            all(_bare_linear(m, x.dtype) for m in projs):
+        return mlp(x, *(m.weight for m in projs))
+    a, b = self.gate_proj(x), self.up_proj(x)
+    if a.dtype != b.dtype:                 # autocast leaves both in its dtype; be exact
+        b = b.to(a.dtype)
+    return self.down_proj(gate(a, b))
+
+
+def _probe_mlp(m: nn.Module) -> None:
+    """The class built small (its config with hidden 8, intermediate 16) computes what the
+    fused forward computes on the same weights."""
+    cfg = getattr(m, "config", None)
+    what = type(m).__name__
+    fix = "leave 'mlp' out of fuse(ops=...)"
+    if cfg is None:
+        raise ConfigError(f"{what}: a gated MLP without a config to build a probe from; {fix}")
+    small = copy.deepcopy(cfg)
+    for attr, v in (("hidden_size", 8), ("intermediate_size", 16)):
+        if hasattr(small, attr):
+            setattr(small, attr, v)
+    try:
+        with torch.device("cpu"):
+            clone = type(m)(small).float()
+    except Exception as e:
+        raise ConfigError(f"{what}: cannot build a small copy to probe the fused MLP against "
+                          f"({type(e).__name__}: {e}); {fix}") from None
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(3, clone.down_proj.out_features, generator=g)
+    probe_close(_fused_mlp_forward(clone, x), type(m).forward(clone, x), what, fix)
+
+
+def _find_mlp(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of each gated MLP (or one routed before); each class not routed
+    before is probed once."""
+    found, probed = [], set()
+    for name, m in model.named_modules():
+        routed = getattr(m, "_meshlab_mlp", False)
+        if not routed and _gate_kind(m) is None:
+            continue
+        if not routed and type(m) not in probed:
+            _probe_mlp(m)
+            probed.add(type(m))
+        found.append((name, m))
+    return found
+
+
+def _route_mlp(model: nn.Module, found) -> list[str]:
+    for _, m in found:
+        if not getattr(m, "_meshlab_mlp", False):
+            m.forward = types.MethodType(_fused_mlp_forward, m)
+            m._meshlab_mlp = True
+    return [name for name, _ in found]
+
+
+# ------------------------------------------------------------------------ loss
+
+_LABELS = threading.local()
+
+
+@contextlib.contextmanager
+def fused_labels(labels: Tensor, ignore_index: int = -100):
+    """Inside this block a routed output head returns the causal-LM loss of ``labels``
+    (B, S), next-token shifted, instead of logits."""
+    prev = getattr(_LABELS, "value", None)
+    _LABELS.value = (labels, ignore_index)
+    try:
+        yield
+    finally:
+        _LABELS.value = prev
+
+
+def _fused_head_forward(self, hidden_states: Tensor) -> Tensor:
+    ctx = getattr(_LABELS, "value", None)
+    if ctx is None:
+        return self._meshlab_linear_forward(hidden_states)
+    from ...ops.linear_cross_entropy import linear_cross_entropy
+
+    labels, ignore_index = ctx
+    w = self.weight
+    dev = hidden_states.device.type
+    if torch.is_autocast_enabled(dev):
+        # What autocast does to the head's matmul: both sides in the autocast dtype.
+        dt = torch.get_autocast_dtype(dev)
+        hidden_states, w = hidden_states.to(dt), w.to(dt)
+    if hidden_states.shape[:2] != labels.shape:
+        raise ConfigError(f"fused loss: hidden states {tuple(hidden_states.shape)} do not match "
+                          f"labels {tuple(labels.shape)}; call the model with logits_to_keep=0")
+    return linear_cross_entropy(hidden_states[:, :-1], w, labels[:, 1:],
+                                ignore_index=ignore_index)
+
+
+def _find_loss(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """``(name, head)`` of the output head, refused where the fused loss would compute
+    something else."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__} has no nn.Linear "
+                          f"output head (get_output_embeddings() is {type(head).__name__}); "
+                          f"leave 'loss' out")
+    if head.bias is not None:
+        raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__}'s output head has a "
+                          f"bias, which meshlab::linear_cross_entropy does not add; leave "
+                          f"'loss' out")
+    cfg = getattr(model, "config", None)
+    for attr, neutral in _LOGIT_TRANSFORMS.items():
+        v = getattr(cfg, attr, neutral)
+        if v is not None and v != neutral:
+            raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__} transforms its logits "
+                              f"({attr}={v}) after the head, which the fused loss would skip; "
+                              f"leave 'loss' out")
+    return [(next(n for n, m in model.named_modules() if m is head), head)]
+
+
+def _route_loss(model: nn.Module, found) -> list[str]:
+    (name, head), = found
+    if getattr(head, "_meshlab_linear_forward", None) is None:
+        head._meshlab_linear_forward = head.forward
+        head.forward = types.MethodType(_fused_head_forward, head)
+    model._meshlab_fused_loss = True
+    return [name]
+
+
+def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
+    """Next-token loss of ``model`` on ``batch`` (``input_ids``, optional ``labels``,
+    other model inputs) through the fused head: ``batch['labels']`` (or ``input_ids``)
+    shifted by one, ``ignore_index`` not counted. Equal to meshlab.transforms.losses.causal_lm_loss
+    of the unfused model's output."""
+    if not getattr(model, "_meshlab_fused_loss", False):
+        raise ConfigError(f"{type(model).__name__} has no fused loss; call "
+                          f"meshlab.transforms.fuse.fuse_model(model, ops=('loss',)) first")
+    labels = batch.get("labels", batch["input_ids"])
+    with fused_labels(labels, ignore_index):
+        out = model(**{k: v for k, v in batch.items() if k != "labels"})
+    loss = out.logits if hasattr(out, "logits") else out
+    if not isinstance(loss, Tensor) or loss.ndim != 0:
+        raise ConfigError(f"fused loss: {type(model).__name__}'s forward did not return the "
+                          f"head's output as logits; leave 'loss' out of fuse(ops=...)")
+    return loss
+
+
+# ------------------------------------------------------------------------ attention
+
+def _find_attention(model: nn.Module) -> list:
+    """The model's ``set_attn_implementation``, refused where it has none."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is None:
+        raise ConfigError(f"fuse(ops=('attention',)): {type(model).__name__} is not a "
+                          f"transformers model with set_attn_implementation; leave "
+                          f"'attention' out")
+    return [setter]
+
+
+def _route_attention(model: nn.Module, found) -> list[str]:
+    from ...ops.attention import register_hf
+
+    register_hf()
+    found[0]("meshlab")
+    return [f"config._attn_implementation={model.config._attn_implementation!r}"]
+
+
+# Each op: what it finds (and probes) without changing the model, and how it installs
+# what was found.
+_ROUTES = {"rms_norm": (_find_norms, _route_norms), "rotary": (_find_rotary, _route_rotary),
+           "attention": (_find_attention, _route_attention), "mlp": (_find_mlp, _route_mlp),
+           "loss": (_find_loss, _route_loss)}
+
+
+def _op_names(ops) -> tuple[str, ...]:
+    ops = (ops,) if isinstance(ops, str) else tuple(ops)
+    bad = [o for o in ops if o not in FUSABLE]
+    if bad:
+        raise ConfigError(f"fuse(ops={ops!r}): unknown {bad}; choose from {FUSABLE}")
+    return ops
+
+
+def _find(model: nn.Module, op: str) -> list:
+    found = _ROUTES[op][0](model)
+    if not found:
+        raise ConfigError(f"fuse(ops=({op!r},)): nothing in {type(model).__name__} to route "
+                          f"to meshlab::{op}; leave it out")
+    return found
+
+
+def check(model: nn.Module, ops=FUSABLE) -> None:
+    """Raise the ``ConfigError`` that ``fuse(model, ops)`` would raise, changing nothing:
+    each op finds its modules and probes them on small CPU copies, and nothing is
+    installed (the global RNG is left as it was)."""
+    ops = _op_names(ops)
+    with torch.random.fork_rng(devices=()):
+        for op in ops:
+            _find(model, op)
+
+
+def refusals(model: nn.Module, ops=FUSABLE) -> dict[str, str]:
+    """For each of ``ops`` that ``fuse`` would refuse on ``model``, its ``ConfigError``
+    message (:func:`check`, one op at a time). Ops that route are left out, and so is one
+    whose finding fails otherwise (a module that cannot run where it lies, on the meta
+    device): installing it runs the same probe on the real module, and raises there."""
+    out = {}
+    ops = _op_names(ops)
+    with torch.random.fork_rng(devices=()):
+        for op in ops:
+            try:
+                _find(model, op)
+            except ConfigError as e:
+                out[op] = str(e)
+            except Exception:
+                pass
+    return out
+
+
+def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:
+    """Route ``ops`` (a subset of :data:`FUSABLE`) of ``model`` to meshlab's fused ops.
+
+    Mutates ``model`` in place (instance attributes and hooks only; the classes and other
+    models are untouched) and returns what was routed. An op that finds nothing to route
+    raises, as does one whose probe disagrees with the module it would replace; every op
+    is found and probed (:func:`check`) before any is installed.
+    """
+    ops = _op_names(ops)
+    found = {op: _find(model, op) for op in ops}
+    report = FuseReport({op: _ROUTES[op][1](model, found[op]) for op in ops})
+    if "rms_norm" in ops:
+        layers, report.unfused = route_layers(model)
+        if layers:
+            report.routed["residual_add"] = layers
+    return report

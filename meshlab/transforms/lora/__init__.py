@@ -1,0 +1,213 @@
+"""lora: low-rank adapters through peft, on a parallelized model.
+
+The room: ``Lora`` (a plan value holding a ``peft.LoraConfig``), its plan step (the
+parameter table as peft will leave it: each target's weight becomes the frozen
+``<module>.base_layer.weight``, its adapters ``lora_A.default.weight [r, in]`` and
+``lora_B.default.weight [out, r]`` are added with specs derived from the base weight's
+(A follows its input sharding, B its output sharding), ``modules_to_save`` become a
+frozen ``original_module`` and a trainable ``modules_to_save.default`` copy, and every
+other parameter is frozen), its checks, and its prepare step (peft's
+``inject_adapter_in_model`` on the model before it is initialized, checked against the
+plan; B starts at zero so the model starts equal to its base). Export and import in PEFT
+format live in ``meshlab.checkpoint.adapters``.
+
+Frozen parameters hold no gradient and no optimizer state: ``plan.memory()`` counts the
+adapters' share alone, the gradient reductions cover only them, and ZeRO-3 shards the
+base and the adapters alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from ...core.errors import ConfigError, NotRunnable
+from ...planning.plan import ModuleInfo, ParamEntry, Plan
+from ...core.spec import P
+from .._protocol import Phase, Transform
+from ._peft import jsonable as _jsonable, peft_module as _peft
+
+__all__ = ["Lora", "lora", "save_adapter", "load_adapter", "merged_state", "save_merged",
+           "merge", "unmerge"]
+
+
+def _targets(config, plan: Plan) -> list[ModuleInfo]:
+    """The linear modules peft will wrap (its own matching rule)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    out = []
+    for m in plan.model.modules:
+        if m.fqn and check_target_module_exists(config, m.fqn):
+            if m.kind != "linear":
+                raise ConfigError(f"lora: target {m.fqn} is a {m.cls}, not a Linear; meshlab "
+                                  f"runs LoRA on nn.Linear targets (narrow target_modules)")
+            out.append(m)
+    if not out:
+        raise ConfigError(f"lora: target_modules={sorted(config.target_modules)} match no "
+                          f"module of {plan.model.cls}; name modules such as 'q_proj'")
+    return out
+
+
+def _saved(config, plan: Plan) -> list[str]:
+    names = list(config.modules_to_save or ())
+    return [m.fqn for m in plan.model.modules if m.fqn and any(
+        m.fqn == t or m.fqn.endswith("." + t) for t in names)]
+
+
+def _axis(spec: P, d: int):
+    return spec[d] if d < len(spec) else None
+
+
+def lora_entries(config, plan: Plan) -> tuple[ParamEntry, ...]:
+    """The parameter table after peft's injection (see the module doc)."""
+    targets = {m.fqn: m for m in _targets(config, plan)}
+    saved = _saved(config, plan)
+    r = config.r
+    out: list[ParamEntry] = []
+    for e in plan.params:
+        if e.module in targets:
+            name = e.fqn.rsplit(".", 1)[-1]
+            base = dataclasses.replace(e, fqn=f"{e.module}.base_layer.{name}",
+                                       module=f"{e.module}.base_layer", requires_grad=False)
+            out.append(base)
+            if name == "weight":
+                if e.tied_to is not None:
+                    raise ConfigError(f"lora: target {e.module} shares its weight with "
+                                      f"{e.tied_to}; untie them or target other modules")
+                spec = e.spec
+                out_ax, in_ax = _axis(spec, 0), _axis(spec, 1)
+                # Under tensor parallelism: a base split on its outputs has B split alike
+                # and A replicated, reading the region's input, its gradient partial like
+                # every input's there (summed over tp); a base split on its inputs has A
+                # split alike and B replicated after the reduction, its gradient whole.
+                row = any("rowwise" in t for t in e.tags)
+                col = any("colwise" in t for t in e.tags)
+                a_tags = ("replicated_with_grad_allreduce",) if col else ()
+                b_tags = ("full_grad",) if row else ()
+                A = ParamEntry(f"{e.module}.lora_A.default.weight", (r, e.shape[1]), e.dtype,
+                               P(None, in_ax), True, None, f"{e.module}.lora_A.default",
+                               tags=a_tags)
+                B = ParamEntry(f"{e.module}.lora_B.default.weight", (e.shape[0], r), e.dtype,
+                               P(out_ax, None), True, None, f"{e.module}.lora_B.default",
+                               tags=b_tags)
+                out += [A, B]
+            continue
+        owner = next((s for s in saved if e.module == s or e.module.startswith(s + ".")), None)
+        if owner is not None:
+            if e.tied_to is not None:
+                raise ConfigError(f"lora(modules_to_save=...): {owner} shares {e.fqn} with "
+                                  f"{e.tied_to}; untie them or save another module")
+            rest = e.fqn[len(owner) + 1:]
+            sub = e.module[len(owner):]
+            out.append(dataclasses.replace(e, fqn=f"{owner}.original_module.{rest}",
+                                           module=f"{owner}.original_module{sub}",
+                                           requires_grad=False))
+            out.append(dataclasses.replace(e, fqn=f"{owner}.modules_to_save.default.{rest}",
+                                           module=f"{owner}.modules_to_save.default{sub}",
+                                           requires_grad=True))
+            continue
+        out.append(dataclasses.replace(e, requires_grad=False))
+    return tuple(out)
+
+
+def lora_modules(config, plan: Plan) -> tuple[ModuleInfo, ...]:
+    """The module table after injection: each target gains ``base_layer`` (the original
+    Linear) and its two adapter Linears."""
+    targets = {m.fqn for m in _targets(config, plan)}
+    saved = set(_saved(config, plan))
+    out = []
+    for m in plan.model.modules:
+        if m.fqn in saved:      # peft's ModulesToSaveWrapper around the original and a copy
+            out += [dataclasses.replace(m, cls="ModulesToSaveWrapper", kind=""),
+                    dataclasses.replace(m, fqn=f"{m.fqn}.original_module"),
+                    dataclasses.replace(m, fqn=f"{m.fqn}.modules_to_save.default")]
+            continue
+        owner = next((o for o in saved if m.fqn.startswith(o + ".")), None)
+        if owner is not None:   # a submodule of a saved module: in both copies
+            sub = m.fqn[len(owner):]
+            out += [dataclasses.replace(m, fqn=f"{owner}.original_module{sub}"),
+                    dataclasses.replace(m, fqn=f"{owner}.modules_to_save.default{sub}")]
+            continue
+        if m.fqn not in targets:
+            out.append(m)
+        else:                   # peft's wrapper: no weight of its own
+            out.append(dataclasses.replace(m, cls=f"lora.{m.cls}", kind=""))
+            ints = dict(m.ints)
+            fin, fout = ints.get("in_features"), ints.get("out_features")
+            out += [dataclasses.replace(m, fqn=f"{m.fqn}.base_layer"),
+                    ModuleInfo(f"{m.fqn}.lora_A.default", "Linear", "linear",
+                               (("in_features", fin), ("out_features", config.r))),
+                    ModuleInfo(f"{m.fqn}.lora_B.default", "Linear", "linear",
+                               (("in_features", config.r), ("out_features", fout)))]
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora(Transform):
+    """LoRA adapters from a ``peft.LoraConfig`` (see the module doc)."""
+
+    kind: ClassVar[str] = "lora"
+    phase: ClassVar[Phase] = Phase.ADAPTERS
+
+    config: Any
+
+    def apply(self, plan: Plan) -> Plan:
+        if plan.is_bound:
+            raise ConfigError("lora() rewrites the parameter table: apply it to an unbound "
+                              "plan, as part of the spec given to plan/parallelize")
+        return plan.replace(params=lora_entries(self.config, plan),
+                            model=dataclasses.replace(plan.model, modules=lora_modules(
+                                self.config, plan)))
+
+    def check(self, plan: Plan) -> None:
+        for t in plan.rooms:
+            if getattr(t, "kind", "") in ("sequence", "expert_route", "offload"):
+                raise NotRunnable(f"{self!r} with {t!r}: not yet shown to match single-process "
+                                  f"peft; drop one of them")
+
+    def prepare(self, ctx) -> None:
+        from ._inject import inject
+
+        inject(self, ctx)
+
+    # -- JSON: the config as peft writes it ------------------------------------------------
+    def to_json(self) -> dict:
+        d = self.config.to_dict()
+        return {"kind": self.kind, "config": _jsonable(d)}
+
+    @classmethod
+    def from_json(cls, d) -> "Lora":
+        peft = _peft()
+        cfg = dict(d["config"])
+        cfg.pop("peft_type", None)
+        return cls(peft.LoraConfig(**{k: v for k, v in cfg.items()
+                                      if k in peft.LoraConfig.__dataclass_fields__}))
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"lora(r={c.r}, alpha={c.lora_alpha}, targets={sorted(c.target_modules)}"
+                + (f", modules_to_save={list(c.modules_to_save)}" if c.modules_to_save else "")
+                + ")")
+
+
+def lora(config=None, **kwargs) -> Lora:
+    """LoRA through peft: ``lora(peft.LoraConfig(r=8, target_modules=['q_proj', 'v_proj']))``
+    or the same keywords (``lora(r=8, target_modules=[...])``)."""
+    peft = _peft()
+    if config is None:
+        config = peft.LoraConfig(**kwargs)
+    elif kwargs:
+        raise ConfigError("lora(config, ...): give a LoraConfig or its keywords, not both")
+    if not isinstance(config, peft.LoraConfig):
+        raise ConfigError(f"lora(config): a peft.LoraConfig, got {type(config).__name__}")
+    for name in ("rank_pattern", "alpha_pattern"):
+        if getattr(config, name, None):
+            raise ConfigError(f"lora: LoraConfig({name}=...) gives modules their own rank or "
+                              f"alpha, which meshlab does not plan yet; use one r and alpha")
+    if getattr(config, "use_dora", False):
+        raise ConfigError("lora: LoraConfig(use_dora=True) is not planned by meshlab yet; "
+                          "use plain LoRA")
+    if not config.target_modules:
+        raise ConfigError("lora: the LoraConfig names no target_modules; name some, e.g. "
+                          "target_modules=['q_proj', 'v_proj']")
+    return Lora(config)

@@ -1,0 +1,55 @@
+"""peft's adapters put into the model before it is initialized, as the plan said."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...core.errors import ConfigError
+
+
+def inject(t, ctx) -> None:
+    from ._peft import peft_module
+
+    peft = peft_module()
+    model = ctx.model
+    meta = any(p.is_meta for p in model.parameters())
+    device = "meta" if meta else next(model.parameters()).device
+    with torch.device(device):
+        peft.inject_adapter_in_model(t.config, model)
+    want = {e.fqn: e for e in ctx.plan.params}
+    got = dict(model.named_parameters())
+    if set(got) != set(want):
+        raise ConfigError(
+            f"{t!r}: peft wrapped other parameters than the plan predicted (in the model, not "
+            f"the plan: {sorted(set(got) - set(want))[:4]}; in the plan, not the model: "
+            f"{sorted(set(want) - set(got))[:4]}); narrow target_modules to Linear modules")
+    for n, p in got.items():
+        p.requires_grad_(want[n].requires_grad)
+    if meta:     # right after each wrapper is initialized, before its block is sharded
+        ctx.on_module.append(lambda _name, m: start(m))
+    else:
+        g = torch.Generator().manual_seed(0)
+        for m in model.modules():
+            start(m, generator=g)
+
+
+def start(m, generator=None) -> None:
+    """An adapter wrapper's starting values, the same on every rank: B zero (the model
+    starts equal to its base), A from the seeded initialization (or, for a model with real
+    weights, Kaiming-uniform from a fixed generator, as peft draws it); a module to save
+    starts as a copy of the original."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    with torch.no_grad():
+        if isinstance(m, LoraLayer):
+            for name in m.lora_A:
+                if generator is not None:
+                    torch.nn.init.kaiming_uniform_(m.lora_A[name].weight, a=math.sqrt(5),
+                                                   generator=generator)
+                m.lora_B[name].weight.zero_()
+        elif isinstance(m, ModulesToSaveWrapper):
+            for copy in m.modules_to_save.values():
+                copy.load_state_dict(m.original_module.state_dict())

@@ -1,0 +1,221 @@
+"""pipeline: split the repeated blocks into stages over a mesh axis.
+
+The room: ``Pipeline`` (claims the ``pp`` role), its checks (stages fill the ranks, no
+tied weights across stages, combinations it cannot run), its install (other ranks'
+blocks dropped after initialization, ``torch.distributed.pipelining`` stages, and
+torch's schedule runtime over the schedule's action lists; ``_runtime``), its part (the
+schedule runs the step; the gradient norm is summed over stages) and the schedule's
+picture and idle fraction (``_schedule``), from the same action lists the runtime runs:
+
+* GPipe and 1F1B:           (p - 1) / (m + p - 1)
+* interleaved 1F1B (v > 1): (p - 1) / (v m + p - 1)
+* zero-bubble and ZB-V: the action lists replayed with forward = 1, backward = 2 units
+  (``simulate``), which gives the two formulas above exactly for the others
+
+with p pipeline ranks, m microbatches and v stages per rank. Those formulas give every
+stage the same work; ``meshlab.estimate.pipeline.bubble(plan, batch=, seq=)`` and ``plan.time()`` replay the
+schedule at each stage's profiled seconds instead, the embeddings on the first stage and
+the final norm, head and loss on the last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from ...core.errors import ConfigError, PlanError, check_choice, check_int, check_name
+from ...planning.plan import Plan
+from .._protocol import Phase, Transform
+from ..shard._layout import sequence_parallel
+from ..zero import ZeroShard
+from . import _schedule
+from ._schedule import Stage as Stage
+
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero_bubble": 2, "zbv": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline(Transform):
+    """Pipeline parallelism over ``axis`` with ``schedule`` and ``microbatches``."""
+
+    kind: ClassVar[str] = "pipeline"
+    phase: ClassVar[Phase] = Phase.SCHEDULE
+
+    axis: str = "pp"
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    virtual_stages: int | None = None
+    layers_per_stage: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        check_name(self.axis, "pipeline", "axis", example="pp")
+        check_choice(self.schedule, "pipeline", "schedule", tuple(SCHEDULES))
+        object.__setattr__(self, "microbatches", check_int(
+            self.microbatches, "pipeline", "microbatches", example=4))
+        if self.virtual_stages is not None:
+            object.__setattr__(self, "virtual_stages", check_int(
+                self.virtual_stages, "pipeline", "virtual_stages", example=2))
+        v = self.v
+        if self.schedule in ("gpipe", "1f1b") and v != 1:
+            raise ConfigError(f"{self.schedule} runs one stage per rank; use "
+                              f"schedule='interleaved' for virtual_stages={v}")
+        if self.schedule == "zbv" and v != 2:
+            raise ConfigError("zbv runs exactly two stages per rank (a V shape)")
+        object.__setattr__(self, "virtual_stages", v)
+        if self.layers_per_stage is not None:
+            object.__setattr__(self, "layers_per_stage", _layers(self.layers_per_stage))
+
+    @property
+    def v(self) -> int:
+        return self.virtual_stages or SCHEDULES[self.schedule]
+
+    def memory(self, plan: Plan, rows: list) -> list:
+        """Each rank holds its own stages' parameters: the rows of the heaviest rank."""
+        from ._schedule import rank_rows
+
+        return rank_rows(plan, self, rows)
+
+    def comm(self, plan: Plan, *, batch, seq, coord):
+        """The stage boundaries' sends and receives of the rank at ``coord`` (``_p2p``)."""
+        from ._p2p import p2p_comm
+
+        return p2p_comm(plan, self, batch, seq, coord)
+
+    def local_blocks(self, plan: Plan, coord) -> tuple[str, ...]:
+        """The blocks of the stages the rank at ``coord`` runs (default: the busiest)."""
+        from ._p2p import rank_blocks
+
+        return rank_blocks(plan, self, coord)
+
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """The busiest pipeline rank: its stages' blocks, the head and loss if it holds them."""
+        st = _schedule.stages(plan, self)
+        L = len(plan.model.blocks)
+        b, r = parts["blocks"], parts["rest"]
+        best = None
+        for rank in sorted({s.rank for s in st}):
+            n = sum(len(s.blocks) for s in st if s.rank == rank)
+            ends = any(s.last or s.first for s in st if s.rank == rank)
+            cand = {"blocks": b.scale(n / L), "rest": r if ends else r.scale(0.0)}
+            if best is None or cand["blocks"].flops + cand["rest"].flops > \
+                    best["blocks"].flops + best["rest"].flops:
+                best = cand
+        return best
+
+    def hidden(self, plan: Plan, kind: str) -> float:
+        return 0.5      # sends and receives are batched with the neighbour's, half waited
+
+    def idle(self, plan: Plan, seconds: dict | None = None) -> float:
+        """The busiest rank's idle fraction: the schedule replayed at the stages' profiled
+        costs (embeddings on the first stage, head and loss on the last), or the formula
+        without a profile."""
+        if seconds is None or not seconds["block"][0]:
+            return _schedule.bubble(plan, self)
+        costs = _schedule.stage_costs(plan, self, seconds)
+        return _schedule.idle(plan, self, costs)["busiest"]
+
+    def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
+        """The rank holding the most: its stages' blocks per microbatch in flight."""
+        from ._schedule import rank_activations
+
+        return rank_activations(plan, self, rows, _head_modules(plan))
+
+    def apply(self, plan: Plan) -> Plan:
+        if not plan.model.blocks:
+            raise PlanError(f"pipeline: {plan.model.cls or 'the model'} has no repeated blocks "
+                            f"to split into stages")
+        return plan
+
+    def claims(self, plan: Plan):
+        return {"pp": (self.axis,)}
+
+    def check(self, plan: Plan) -> None:
+        from ._stage import check_layout, check_untied
+
+        check_layout(plan)
+        check_untied(plan, _schedule.stages(plan, self))
+        zero = plan.get(ZeroShard)
+        if zero is not None and zero.stage >= 2:
+            raise ConfigError("pipeline with zero_shard(stage >= 2) is not supported; use "
+                              "zero_shard(1, ...) on the data-parallel axis")
+        if plan.roles.tp is not None and sequence_parallel(plan, plan.roles.tp):
+            raise ConfigError("pipeline with sequence parallelism is not supported; map 'seq' "
+                              "to None in Rules")
+
+    def prepare(self, ctx) -> None:
+        from ._runtime import PipelineSetup
+
+        ctx.state["pipeline"] = PipelineSetup(self, ctx)
+
+    def install(self, ctx):
+        return ctx.state["pipeline"].build(ctx)
+
+    def __repr__(self) -> str:
+        layers = ("" if self.layers_per_stage is None
+                  else f", layers_per_stage={self.layers_per_stage!r}")
+        return (f"pipeline({self.axis!r}, schedule={self.schedule!r}, "
+                f"microbatches={self.microbatches}, virtual_stages={self.v}{layers})")
+
+
+def _layers(value) -> tuple[int, ...]:
+    """``layers_per_stage``: a non-empty tuple (or list) of block counts, each >= 1."""
+    if not isinstance(value, (tuple, list)) or not value:
+        raise ConfigError(f"pipeline(layers_per_stage={value!r}): give one block count per "
+                          f"stage, e.g. layers_per_stage=(3, 3, 2), or None to balance them")
+    return tuple(check_int(n, "pipeline", f"layers_per_stage[{i}]", example=2)
+                 for i, n in enumerate(value))
+
+
+def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
+             virtual_stages: int | None = None,
+             layers_per_stage: tuple[int, ...] | list[int] | None = None) -> Pipeline:
+    """Split the model's blocks into pipeline stages over mesh axis ``axis``.
+
+    >>> pipeline('pp', schedule='interleaved', microbatches=8)
+    pipeline('pp', schedule='interleaved', microbatches=8, virtual_stages=2)
+    """
+    return Pipeline(axis, schedule, microbatches, virtual_stages, layers_per_stage)
+
+
+def stages(plan: Plan) -> list[Stage]:
+    """The stages of a bound plan with a pipeline: blocks balanced by parameter bytes."""
+    t = plan.get(Pipeline)
+    return [] if t is None else _schedule.stages(plan, t)
+
+
+def bubble(plan: Plan) -> float:
+    """Expected idle fraction of the pipeline schedule by the formula (module docstring);
+    ``meshlab.estimate.pipeline.bubble(plan, batch=, seq=)`` replays it at profiled costs."""
+    t = plan.get(Pipeline)
+    return 0.0 if t is None else _schedule.bubble(plan, t)
+
+
+def simulate(plan: Plan, forward: float = 1.0, backward: float = 2.0):
+    """Replay the schedule with unit costs: ``[(rank, start, end, tag, microbatch, stage)]``."""
+    return _schedule.simulate(plan, _need(plan), forward, backward)
+
+
+def draw_schedule(plan: Plan) -> str:
+    """A text picture of the schedule, one row per pipeline rank."""
+    return _schedule.draw_schedule(plan, _need(plan))
+
+
+def stage_table(plan: Plan):
+    """A rich table: each stage's rank, blocks and parameter bytes, and the bubble."""
+    return _schedule.stage_table(plan, _need(plan))
+
+
+def _head_modules(plan: Plan) -> set[str]:
+    """Modules after the last block: the final norm, the head (the last stage's)."""
+    last = plan.model.blocks[-1]
+    names = [m.fqn for m in plan.model.modules]
+    after = names[names.index(last) + 1:] if last in names else []
+    return {n for n in after if n and not n.startswith(last + ".")} | (
+        {plan.model.head} if plan.model.head else set())
+
+
+def _need(plan: Plan) -> Pipeline:
+    t = plan.get(Pipeline)
+    if t is None:
+        raise ConfigError("this plan has no pipeline(); compose one into the spec first")
+    return t

@@ -1,0 +1,185 @@
+"""This rank's pipeline stages and the schedule that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...core.errors import ConfigError
+from .._protocol import Part
+from ._schedule import stages, torch_actions
+from ._stage import DecoderStage, prune
+
+
+class PipelineSetup:
+    """Chosen before initialization (which blocks this rank keeps); the other ranks'
+    blocks are dropped right after it, so every rank initializes the same values."""
+
+    def __init__(self, t, ctx):
+        self.t = t
+        self.all = stages(ctx.plan, t)
+        rank = ctx.coordinate(t.axis)
+        self.mine = [s for s in self.all if s.rank == rank]
+        self.kept = {b for s in self.mine for b in s.blocks}
+        self.first = any(s.first for s in self.mine)
+        self.last = any(s.last for s in self.mine)
+        ctx.dropped |= set(ctx.plan.model.blocks) - self.kept
+        ctx.after_init.append(self.prune)
+
+    def prune(self, model: nn.Module) -> None:
+        prune(model, self.kept)
+        base = getattr(model, model.base_model_prefix)
+        if not self.first:
+            base.embed_tokens = nn.Module()
+        if not self.last:
+            base.norm = nn.Module()
+            model.lm_head = nn.Module()
+
+    def build(self, ctx) -> "PipelinePart":
+        from torch.distributed.pipelining import PipelineStage
+
+        mesh = ctx.device_mesh(self.t.axis)
+        group = mesh.get_group()
+        built = [PipelineStage(DecoderStage(ctx.model, [int(b.rsplit(".", 1)[1]) for b in s.blocks],
+                                            s.first, s.last),
+                               s.index, len(self.all), ctx.device, group=group)
+                 for s in self.mine]
+        _refuse_generate(ctx.model)
+        return PipelinePart(self.t, group, built, self.kept, self.first, self.last)
+
+
+def _refuse_generate(model: nn.Module) -> None:
+    """transformers' ``generate`` runs the whole model on one rank; a pipeline rank holds
+    only its stages, so it is refused with the way that works."""
+    if getattr(model, "generate", None) is None:
+        return
+
+    def refused(*args, **kwargs):
+        raise ConfigError(f"{type(model).__name__}.generate on a pipelined model: each rank "
+                          f"holds only its stages. Decode with meshlab.inference."
+                          f"InferenceEngine(model, ...), which runs the stages in turn")
+    model.generate = refused
+
+
+def _pipeline_batch(batch, microbatches: int):
+    """The schedule's input ids and targets, checked before its first send: the schedule
+    cuts dim 0 into ``microbatches`` equal parts, and a batch that does not divide would
+    fail on the last stage alone. Batch shapes are the same on every rank (``step`` agreed
+    on them), so this raises ``ConfigError`` on every rank alike."""
+    from ...core.errors import ConfigError
+
+    if isinstance(batch, Mapping):
+        if "input_ids" not in batch:
+            raise ConfigError(f"step: a pipelined model reads batch['input_ids'] (and "
+                              f"batch['labels'], default the ids); this batch has "
+                              f"{sorted(map(str, batch))}")
+        x, target = batch["input_ids"], batch.get("labels", batch["input_ids"])
+        for k, v in batch.items():
+            if k in ("input_ids", "labels") or (
+                    k == "attention_mask" and isinstance(v, torch.Tensor) and bool((v == 1).all())):
+                continue     # an all-ones mask changes nothing; anything else would be lost
+            raise ConfigError(f"step: a pipelined model reads batch['input_ids'] and "
+                              f"batch['labels'] only; batch[{k!r}] would be dropped (for "
+                              f"padding, mark the padded labels -100 and drop the mask)")
+    else:
+        x = target = batch
+    for name, t in (("input_ids", x), ("labels", target)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise ConfigError(f"step: a pipelined model's batch[{name!r}] must be a tensor of "
+                              f"shape (batch, seq), got {type(t).__name__}")
+    if x.shape[0] % microbatches or x.shape[0] == 0 or target.shape[0] != x.shape[0]:
+        raise ConfigError(
+            f"step: pipeline(microbatches={microbatches}) cuts the local batch into "
+            f"{microbatches} equal microbatches, but input_ids has {x.shape[0]} rows (labels "
+            f"{target.shape[0]}); use a batch size per data-parallel rank that is a multiple "
+            f"of {microbatches}, or pipeline(microbatches=...) that divides {x.shape[0]}")
+    return x, target
+
+
+@dataclasses.dataclass
+class PipelinePart(Part):
+    """Runs the step through the schedule; the gradient norm is summed over the stages."""
+
+    t: Any
+    group: Any
+    stages: list
+    kept: set
+    first: bool
+    last: bool
+    _schedules: dict = dataclasses.field(default_factory=dict)
+    _scale: float = 1.0
+
+    def norm_groups(self) -> tuple:
+        return (self.group,)
+
+    def schedule(self, loss_fn):
+        """torch's schedule runtime over the action lists the plan simulates and draws
+        (``_schedule.torch_actions``): each rank runs its own list, sends as soon as a stage has
+        computed and waits for a receive only where its input is used."""
+        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+        key = id(loss_fn)
+        if key not in self._schedules:
+            def stage_loss(out, target):
+                loss = loss_fn(out, {"input_ids": target, "labels": target})
+                return loss * self._scale if self._scale != 1.0 else loss
+
+            sched = _PipelineScheduleRuntime(self.stages, self.t.microbatches,
+                                             loss_fn=stage_loss)
+            sched._prepare_schedule_with_comms(torch_actions(
+                self.t.schedule, self.group.size(), self.t.microbatches, self.t.v))
+            self._schedules[key] = sched
+        return self._schedules[key]
+
+    def run_step(self, rt, opt, batch, loss_fn) -> float:
+        """The schedule runs the microbatches; the loss comes from the last stage."""
+        scaler = getattr(opt, "scaler", None)
+        loss, _ = self.forward_backward(rt, batch, loss_fn,
+                                        scale=scaler.scale if scaler is not None else 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def forward_backward(self, rt, batch, loss_fn, *, return_outputs: bool = False,
+                         scale: float = 1.0):
+        """Forward and backward of every microbatch through the schedule, the gradients
+        reduced; no optimizer step. The backward runs on the loss times ``scale`` (fp16's
+        loss scale). Returns (the unscaled loss averaged over microbatches and data ranks,
+        on every rank; the last stage's merged outputs when ``return_outputs``, else
+        None)."""
+        x, target = _pipeline_batch(batch, self.t.microbatches)
+        losses: list = []
+        sched = self.schedule(loss_fn)
+        self._scale = scale
+        sync = rt.grad_sync
+        if sync is not None:         # the microbatches accumulate; one reduction after
+            sync.enabled = False
+        try:
+            with rt.autocast():
+                if self.first:
+                    out = sched.step(x, target=target if self.last else None, losses=losses,
+                                     return_outputs=return_outputs)
+                elif self.last:
+                    out = sched.step(target=target, losses=losses,
+                                     return_outputs=return_outputs)
+                else:
+                    out = sched.step(return_outputs=return_outputs)
+        finally:
+            if sync is not None:
+                sync.enabled = True
+        if sync is not None:
+            sync.flush()
+        # Summed on the device and read once, by the caller: no host round trip per
+        # microbatch.
+        t = (torch.stack([l.detach().to(torch.float64) for l in losses]).sum().reshape(1) /
+             (len(losses) * scale) if losses else
+             torch.zeros(1, dtype=torch.float64, device=rt.device))
+        dist.all_reduce(t, group=self.group)      # only the last stage holds a loss
+        if rt.dp_group is not None and rt.dp_size > 1:
+            dist.all_reduce(t, group=rt.dp_group)
+            t /= rt.dp_size
+        return float(t), (out if self.last and return_outputs else None)

@@ -1,0 +1,116 @@
+"""Pipeline stages of an unmodified Hugging Face decoder, on torch.distributed.pipelining.
+
+A stage is the model itself with the blocks of other stages removed, run by a small
+module that calls the model's own parts in the order the model's ``forward`` does (the
+``base_model_pp_plan`` Hugging Face configs carry: embed_tokens -> layers -> norm, then
+the LM head). Parameter names stay those of the model, so checkpoints and plans line up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...core.errors import ConfigError
+
+
+def _no_cache_kwargs() -> dict:
+    """transformers renamed create_causal_mask's cache argument (past_key_values -> cache)."""
+    import inspect
+
+    from transformers.masking_utils import create_causal_mask
+
+    params = inspect.signature(create_causal_mask).parameters
+    return {"cache": None} if "cache" in params else {"past_key_values": None}
+
+
+try:
+    _NO_CACHE = _no_cache_kwargs()
+except ImportError:  # pragma: no cover - transformers without masking_utils
+    _NO_CACHE = {}
+
+
+class DecoderStage(nn.Module):
+    """Runs blocks ``layer_ids`` of ``model`` (plus the embeddings on the first stage and
+    the final norm and head on the last)."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        base = getattr(model, model.base_model_prefix)
+        for need in ("embed_tokens", "layers", "norm", "rotary_emb"):
+            if not hasattr(base, need):
+                raise ConfigError(
+                    f"pipeline: {type(model).__name__} lacks {need!r}; meshlab pipelines "
+                    f"decoders laid out as embed_tokens -> layers -> norm (the "
+                    f"base_model_pp_plan of Llama-like families)")
+        # Only this stage's parts are registered: the schedule scales and zeroes the
+        # gradients of a stage's own parameters, and a rank may run several stages.
+        self._model = (model,)                       # a tuple: not registered
+        self.layers = nn.ModuleDict({str(i): base.layers[i] for i in layer_ids})
+        self.embed = base.embed_tokens if first else None
+        self.norm = base.norm if last else None
+        self.head = model.lm_head if last else None
+        self.layer_ids, self.first, self.last = list(layer_ids), first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        model = self._model[0]
+        base = getattr(model, model.base_model_prefix)
+        h = self.embed(x) if self.first else x                   # (B, S, H)
+        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        # No position ids to the mask: they are 0..S-1 here, never packed sequences, and
+        # given, transformers reads them back to look for packing (a host round trip per
+        # stage and microbatch).
+        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None,
+                                  position_ids=None, **_NO_CACHE)
+        pe = base.rotary_emb(h, pos)
+        for i in self.layer_ids:
+            out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos,
+                                      position_embeddings=pe)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.last:
+            h = self.head(self.norm(h))                         # (B, S, V)
+        return h
+
+
+def prune(model: nn.Module, blocks_kept: set[str]) -> None:
+    """Drop the blocks of other stages (their parameters are freed)."""
+    base = getattr(model, model.base_model_prefix)
+    prefix = model.base_model_prefix + ".layers."
+    for i in range(len(base.layers)):
+        if f"{prefix}{i}" not in blocks_kept:
+            base.layers[i] = nn.Module()
+
+
+NEEDS = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def check_layout(plan) -> None:
+    """The stages run decoders laid out as ``embed_tokens -> layers -> norm`` (with the
+    model's ``rotary_emb``), the base_model_pp_plan of Llama-like families; refuse others
+    at plan time, as ``DecoderStage`` would at install."""
+    prefix = plan.model.base_prefix
+    names = {m.fqn for m in plan.model.modules}
+    missing = [n for n in NEEDS if (f"{prefix}.{n}" if prefix else n) not in names]
+    if not missing:
+        return
+    cls = plan.model.cls or "the model"
+    tops = {n.split(".")[-1] for n in names if n.count(".") <= (1 if prefix else 0)}
+    if {"encoder", "decoder"} <= tops:
+        raise ConfigError(f"pipeline: {cls} is an encoder-decoder model; meshlab pipelines "
+                          f"decoder-only models (embed_tokens -> layers -> norm) and does not "
+                          f"yet split an encoder and a decoder into stages; use zero_shard, "
+                          f"shard or remat for it")
+    raise ConfigError(f"pipeline: {cls} lacks {missing} under {prefix or 'the model'!r}; meshlab "
+                      f"pipelines decoders laid out as embed_tokens -> layers -> norm (the "
+                      f"base_model_pp_plan of Llama-like families)")
+
+
+def check_untied(plan, stages) -> None:
+    first = {s.index for s in stages if s.first}
+    last = {s.index for s in stages if s.last}
+    if first != last and any(e.tied_to for e in plan.params):
+        tied = [f"{e.fqn} -> {e.tied_to}" for e in plan.params if e.tied_to]
+        raise ConfigError(f"pipeline: tied weights across the first and last stage ({tied}) "
+                          f"are not supported; build the model with tie_word_embeddings=False")

@@ -1,0 +1,185 @@
+"""sequence: shard activations along the sequence over a mesh axis.
+
+* ``split_gather``: Megatron sequence parallelism inside tensor parallelism — the axis
+  must be the tensor-parallel one; the blocks' outputs are sequence-sharded between the
+  TP regions (the same as mapping the logical ``seq`` axis to it in Rules).
+* ``all_to_all``: DeepSpeed-Ulysses — each rank keeps a slice of the sequence through the
+  whole block stack; attention exchanges sequence for heads with an all-to-all before and
+  after (the head count must divide over the axis).
+* ``ring``: context parallelism — K/V blocks travel around the ring with online-softmax
+  accumulation; the sequence is split in 2n chunks, rank r keeping chunks r and 2n-1-r so
+  the causal work is balanced.
+
+For ``all_to_all`` and ``ring`` the sequence is split before the first block and gathered
+after the last, so the embeddings, final norm and head see the whole sequence. Causal
+attention without padding masks.
+
+Odd lengths are never padded silently: a sequence not divisible by the axis raises.
+
+The room: ``Sequence`` (claims the ``sp`` role), its checks, its install (``_ulysses``,
+``_ring``; the split/gather hooks of ``_hooks`` are shared with Megatron SP) and its
+gradient sync (block parameters saw one slice of the sequence: summed over the axis).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from ...core.errors import ConfigError, check_choice, check_name
+from ...planning.plan import Plan
+from ...core.rules import Rules
+from .._gradsync import Reduction
+from .._protocol import Part, Phase, Transform
+from ..pipeline import Pipeline
+
+MODES = ("split_gather", "all_to_all", "ring")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sequence(Transform):
+    kind: ClassVar[str] = "sequence"
+    phase: ClassVar[Phase] = Phase.SEQUENCE
+
+    axis: str = "sp"
+    mode: str = "all_to_all"
+
+    def __post_init__(self):
+        check_name(self.axis, "sequence", "axis", example="sp")
+        check_choice(self.mode, "sequence", "mode", MODES)
+
+    def apply(self, plan: Plan) -> Plan:
+        if self.mode == "split_gather":
+            rules = Rules(seq=self.axis)
+            return plan.replace(rules=rules if plan.rules is None else plan.rules | rules)
+        if not plan.model.blocks:
+            raise ConfigError(f"sequence({self.mode}) needs a model with repeated blocks")
+        return plan
+
+    def claims(self, plan: Plan):
+        return {} if self.mode == "split_gather" else {"sp": (self.axis,)}
+
+    def work_share(self, plan: Plan, parts: dict) -> dict:
+        """Each rank computes its share of the sequence (Ulysses: of the heads)."""
+        n = plan.mesh_shape.get(self.axis, 1)
+        if self.mode == "split_gather" or n == 1:
+            return parts
+        return {k: w.scale(1 / n, ops=1.0) for k, w in parts.items()}
+
+    def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
+        """Every rank holds its share of the sequence (Ulysses: of the heads inside
+        attention, the same bytes); split_gather is shard()'s sequence parallelism."""
+        n = plan.mesh_shape.get(self.axis, 1)
+        if self.mode == "split_gather" or n == 1:
+            return rows
+        return [r if r.grad or not r.shape else r.split(n, f"/{n} sp") for r in rows]
+
+    def check(self, plan: Plan) -> None:
+        sizes = plan.mesh_shape
+        if self.axis not in sizes:
+            raise ConfigError(f"sequence axis {self.axis!r} is not a mesh axis {tuple(sizes)}")
+        if self.mode == "split_gather":
+            if plan.roles.tp != self.axis:
+                raise ConfigError(
+                    f"sequence({self.axis!r}, 'split_gather') is Megatron sequence parallelism "
+                    f"inside tensor parallelism: {self.axis!r} must be the tensor-parallel axis "
+                    f"(it is {plan.roles.tp!r}); shard over it or use mode='all_to_all'")
+            return
+        if plan.get(Pipeline) is not None:
+            raise ConfigError(f"sequence({self.mode}) with pipeline is not supported")
+        _refuse_non_causal(plan, self.mode)
+        heads = plan.model.config_get("num_attention_heads")
+        if heads is None:
+            raise ConfigError(f"sequence({self.mode}) needs a Hugging Face model (config with "
+                              f"num_attention_heads)")
+        n = sizes[self.axis]
+        if self.mode == "all_to_all" and heads % n:
+            raise ConfigError(f"sequence(all_to_all): {heads} attention heads do not divide over "
+                              f"{n} ranks; use a sequence axis size that divides {heads}")
+
+    def install(self, ctx) -> Part | None:
+        if self.mode == "split_gather":
+            return None            # shard's room runs Megatron SP
+        from . import _ring
+        from . import _ulysses
+
+        group = ctx.group(self.axis)
+        blocks = tuple(b for b in ctx.plan.model.blocks if b not in ctx.dropped)
+        (_ring if self.mode == "ring" else _ulysses).install(ctx.model, blocks, group)
+        return None
+
+    def reductions(self, plan: Plan) -> list:
+        """Every block parameter sees this rank's slice of the sequence only: its
+        gradient is summed over the sequence axis (Megatron SP's are shard's)."""
+        if self.mode == "split_gather":
+            return []
+        blocks = plan.model.blocks
+        names = frozenset(e.fqn for e in plan.params
+                          if any(e.fqn.startswith(b + ".") for b in blocks))
+        return [Reduction((self.axis,), average=False, names=names, order=5)]
+
+    def comm(self, plan: Plan, *, batch, seq, coord):
+        """Per block, Ulysses moves q, k, v and the output through one all-to-all each way
+        (k and v after GQA expansion: heads x seq/n x head_dim), and the sequence is
+        gathered once after the blocks and once (gradients) before them; ring sends K and
+        V n - 1 steps forward and their gradients n - 1 steps back."""
+        from .._protocol import CommOp
+
+        n = plan.mesh_shape.get(self.axis, 1)
+        if self.mode == "split_gather" or n == 1 or batch is None or seq is None:
+            return []
+        from ...core.units import dtype_bytes
+
+        cfg = plan.model.config_get
+        h = cfg("hidden_size") or cfg("n_embd")
+        heads = cfg("num_attention_heads") or cfg("n_head")
+        d = cfg("head_dim") or h // heads
+        wb = dtype_bytes(plan.params[0].dtype) if plan.params else 4
+        L = len(plan.model.blocks)
+        piece = batch * heads * (seq // n) * d * wb
+        if self.mode == "ring":
+            k = 4 * L * (n - 1)
+            return [CommOp("send", self.axis, k, k * piece), CommOp("recv", self.axis, k,
+                                                                     k * piece)]
+        return [CommOp("all_to_all", self.axis, 8 * L, 8 * L * piece),
+                CommOp("all_gather", self.axis, 2, 2 * batch * seq * h * wb)]
+
+    def __repr__(self) -> str:
+        return f"sequence({self.axis!r}, mode={self.mode!r})"
+
+
+def _refuse_non_causal(plan: Plan, mode: str) -> None:
+    """Ulysses and ring attention are shown for decoder-only models whose attention
+    modules say they are causal (``is_causal``); an encoder-decoder, a bidirectional
+    encoder, or attention that does not say (ALiBi's BLOOM) is refused."""
+    model, cls = plan.model, plan.model.cls or "this model"
+    fix = "use tensor parallelism with Megatron SP (shard with seq mapped to the tp axis)"
+    if model.config_get("is_encoder_decoder"):
+        raise ConfigError(f"sequence({mode}): {cls} is an encoder-decoder model; meshlab "
+                          f"splits the sequence of one decoder-only stack; {fix}")
+    blocks = tuple(model.blocks)
+    attn = [m for m in model.modules if any(m.fqn.startswith(b + ".") for b in blocks)
+            and m.get("is_causal") is not None]
+    if not attn:
+        raise ConfigError(f"sequence({mode}): no attention module in {cls}'s blocks says it "
+                          f"is causal (is_causal), and meshlab's sequence-parallel attention "
+                          f"is shown for causal attention only; {fix}")
+    own = next((m for m in attn if not m.get("attention_interface")), None)
+    if own is not None:
+        raise ConfigError(f"sequence({mode}): {own.fqn} ({own.cls}) runs its own attention "
+                          f"kernel, not through transformers' AttentionInterface, where "
+                          f"meshlab's sequence-parallel attention enters; {fix}")
+    bidi = next((m for m in attn if not m.get("is_causal")), None)
+    if bidi is not None:
+        raise ConfigError(f"sequence({mode}): {bidi.fqn} ({bidi.cls}) attends both ways "
+                          f"(is_causal=False); meshlab's sequence-parallel attention is "
+                          f"causal; {fix}")
+
+
+def sequence(axis: str = "sp", mode: str = "all_to_all") -> Sequence:
+    """Sequence parallelism over ``axis`` (``'split_gather'`` or ``'all_to_all'``).
+
+    >>> sequence('sp', 'all_to_all')
+    sequence('sp', mode='all_to_all')
+    """
+    return Sequence(axis, mode)

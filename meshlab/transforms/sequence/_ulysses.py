@@ -1,0 +1,88 @@
+"""Ulysses sequence parallelism on unmodified Hugging Face models.
+
+The blocks run on a slice of the sequence; attention goes through an implementation
+registered in Hugging Face's ``AttentionInterface`` (the extension point transformers
+offers for attention kernels), which trades the sequence for heads with an all-to-all,
+runs causal SDPA over the whole sequence for its heads, and trades back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ...core import collectives as C
+from ...core.errors import SpecError
+from .._seqsplit import install_split
+
+NAME = "meshlab_ulysses"
+
+
+def _a2a(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    if x.shape[scatter] % n:
+        raise SpecError(f"sequence(all_to_all): dim {scatter} of size {x.shape[scatter]} does "
+                        f"not divide over {n} ranks (heads must divide over the axis)")
+    inp = torch.stack(x.chunk(n, dim=scatter)).contiguous()     # (n, ...)
+    out = torch.empty_like(inp)
+    dist.all_to_all_single(out, inp, group=group)
+    return torch.cat(list(out.unbind(0)), dim=gather)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter, gather):
+        ctx.group, ctx.scatter, ctx.gather = group, scatter, gather
+        return _a2a(x, group, scatter, gather)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _a2a(g.contiguous(), ctx.group, ctx.gather, ctx.scatter), None, None, None
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """(B, H, S/n, D) per rank -> heads split, whole sequence -> causal SDPA -> back."""
+    group = module._meshlab_sp_group
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:                                   # GQA: one K/V per query head
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    q, k, v = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # (B, H/n, S, D)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                         dropout_p=dropout if module.training else 0.0)
+    out = _AllToAll.apply(out, group, 2, 1)          # (B, H, S/n, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install(model: nn.Module, blocks: tuple[str, ...], group) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, attention)
+    _route_attention(model, blocks, group, NAME)
+    n = dist.get_world_size(group)
+
+    def split(h):
+        if h.shape[1] % n:
+            raise SpecError(f"sequence(all_to_all): sequence length {h.shape[1]} does not divide "
+                            f"over {n} ranks; pad the batch to a multiple of {n}")
+        return C.split_seq(h, group, 1)
+
+    install_split(model, blocks, split, lambda h: C.gather_seq_replicated(h, group, 1))
+
+
+def _route_attention(model: nn.Module, blocks: tuple[str, ...], group, name: str) -> None:
+    """Every config of the model names ``name`` as its attention; the blocks' modules
+    carry the sequence group the attention function reads."""
+    for sub in model.modules():
+        cfg = getattr(sub, "config", None)
+        if cfg is not None:
+            try:
+                cfg._attn_implementation = name
+            except AttributeError:
+                pass
+    mods = dict(model.named_modules())
+    for b in blocks:
+        for m in mods[b].modules():
+            m._meshlab_sp_group = group

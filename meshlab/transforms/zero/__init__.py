@@ -1,0 +1,157 @@
+"""zero_shard and data_parallel: what is split or replicated over the data-parallel axes.
+
+The room: ``ZeroShard`` (claims the ``dp`` role), its checks, its install (FSDP2
+``fully_shard`` for stages 2 and 3; meshlab's flat sharded optimizer for stage 1, in
+``_zero1``), its gradient sync (all-reduce, reduce-scatter, or what FSDP2 left), its
+memory rows and its traffic. Plain data parallelism implied by the rules (the batch
+maps to an axis no transform claims) is this room at stage 0; parameter specs that shard
+over such an axis (``P('fsdp', 'tp')``) make it stage 3 with FSDP2 sharding each
+parameter on the dimension its spec names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from ...core.errors import ConfigError, NotRunnable, check_int, check_names, check_number
+from ...planning.plan import Plan
+from ...planning.roles import implied_room
+from .._protocol import Phase, Transform
+from ._estimates import zero_comm, zero_memory, zero_transients
+from .._gradsync import BUCKET_MB, Reduction
+from ..precision import Precision
+from ._install import fsdp_ignored, install_zero
+
+
+def _axes(axis, call: str = "zero_shard") -> tuple[str, ...]:
+    """``axis`` as a tuple of distinct mesh axis names."""
+    return check_names(axis, call, "axis")
+
+
+def _stage(stage) -> int:
+    """ZeRO's stage, 0 to 3; a bool or a float (``True``, ``1.0``) is refused."""
+    return check_int(stage, "zero_shard", "stage", low=0, high=3, example=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroShard(Transform):
+    """ZeRO over ``axis``: stage 1 shards optimizer state, 2 also gradients, 3 also
+    parameters. Stages 2 and 3 run on FSDP2 ``fully_shard``; stage 1 is meshlab's own
+    sharded optimizer. Stage 0 is plain data parallelism (gradients all-reduced)."""
+
+    kind: ClassVar[str] = "zero"
+    phase: ClassVar[Phase] = Phase.DATA
+
+    stage: int
+    axis: tuple[str, ...] = ("dp",)
+    bucket_mb: float = BUCKET_MB       # the gradient all-reduce buckets (stage 0, leftovers)
+
+    def __post_init__(self):
+        object.__setattr__(self, "stage", _stage(self.stage))
+        object.__setattr__(self, "axis", _axes(self.axis))
+        object.__setattr__(self, "bucket_mb", check_number(
+            self.bucket_mb, "zero_shard", "bucket_mb", example=25.0))
+
+    def claims(self, plan: Plan):
+        return {"dp": self.axis}
+
+    def check(self, plan: Plan) -> None:
+        for a in self.axis:
+            if a not in plan.mesh_shape:
+                raise ConfigError(f"zero_shard/data-parallel axis {a!r} is not a mesh axis "
+                                  f"{tuple(plan.mesh_shape)}; use one of those")
+        fsdp = plan.roles.fsdp
+        if fsdp and self.stage != 3:
+            e = next(e for e in plan.params if set(e.mesh_spec.axes) & set(fsdp))
+            raise ConfigError(
+                f"{e.fqn}: {e.spec!r} shards a parameter over {fsdp[0]!r}, the axis "
+                f"{self!r} keeps parameters whole on; use zero_shard(3, {fsdp[0]!r}) (FSDP) or "
+                f"map that logical axis to None in Rules")
+        if fsdp:
+            _check_fsdp_specs(plan, fsdp)
+        prec = plan.get(Precision)
+        if (prec is not None and prec.reduce != "float32" and self.stage < 2
+                and any(plan.mesh_shape[a] > 1 for a in self.axis)):
+            # Only FSDP2 reduces in another dtype; these all-reduces and reduce-scatters
+            # reduce the gradients as they are (fp32), so the request is refused.
+            raise ConfigError(f"{prec!r} with {self!r}: gradients are reduced in "
+                              f"{prec.reduce} only by FSDP2 (zero_shard(2) or zero_shard(3)); "
+                              f"this room reduces them in fp32. Use reduce='fp32', or "
+                              f"zero_shard(2)")
+
+    def install(self, ctx):
+        return install_zero(self, ctx)
+
+    def reductions(self, plan: Plan) -> list:
+        """Stage 0 averages every gradient over the data axes from the backward; stages
+        2/3 only those FSDP2 leaves replicated (it reduce-scatters the rest itself);
+        stage 1 reduce-scatters in ``meshlab.optimizer``."""
+        if self.stage == 1:
+            return []
+        names = None if self.stage == 0 else fsdp_ignored(plan)
+        if names is not None and not names:
+            return []
+        return [Reduction(self.axis, average=True, names=names, order=10)]
+
+    def memory(self, plan: Plan, rows: list) -> list:
+        return zero_memory(self, plan, rows)
+
+    def comm(self, plan: Plan, *, batch, seq, coord):
+        return zero_comm(self, plan, coord)
+
+    def transients(self, plan: Plan, *, batch: int, seq: int) -> list:
+        return zero_transients(self, plan)
+
+    def hidden(self, plan: Plan, kind: str) -> float:
+        """Stage 0 all-reduces buckets as the backward makes them, FSDP2 (2, 3) prefetches
+        its gathers and reduce-scatters during the backward: all hidden but the last
+        bucket or unit (~10%); ZeRO-1 reduces and gathers in the optimizer step."""
+        return 0.0 if self.stage == 1 else 0.9
+
+    def __repr__(self) -> str:
+        a = self.axis[0] if len(self.axis) == 1 else self.axis
+        b = "" if self.bucket_mb == BUCKET_MB else f", bucket_mb={self.bucket_mb!r}"
+        return f"zero_shard(stage={self.stage}, axis={a!r}{b})"
+
+
+def _check_fsdp_specs(plan: Plan, fsdp: tuple[str, ...]) -> None:
+    """FSDP2 shards one dimension of each parameter over the whole data axis."""
+    for e in plan.params:
+        dims = [d for d in range(len(e.mesh_spec)) if set(e.mesh_spec.dim_axes(d)) & set(fsdp)]
+        if not dims:
+            continue
+        d = dims[0]
+        if len(dims) > 1 or tuple(a for a in e.mesh_spec.dim_axes(d) if a in fsdp) != fsdp \
+                or len(e.mesh_spec.dim_axes(d)) > len(fsdp):
+            raise NotRunnable(
+                f"{e.fqn} {e.shape}: {e.spec!r} -> {e.mesh_spec!r}; FSDP over {fsdp} shards "
+                f"one dimension of a parameter over all of {fsdp} and nothing else; give that "
+                f"dimension exactly {fsdp} in the spec")
+
+
+def zero_shard(stage: int = 3, axis: str | tuple[str, ...] = "dp", *,
+               bucket_mb: float = BUCKET_MB) -> ZeroShard:
+    """Shard optimizer state (1), + gradients (2), + parameters (3) over ``axis``.
+
+    >>> zero_shard(3, 'dp')
+    zero_shard(stage=3, axis='dp')
+    """
+    return ZeroShard(stage=_stage(stage), axis=_axes(axis), bucket_mb=bucket_mb)
+
+
+def data_parallel(axis: str | tuple[str, ...] = "dp", *,
+                  bucket_mb: float = BUCKET_MB) -> ZeroShard:
+    """Plain data parallelism over ``axis`` (``zero_shard(0, axis)``): replicated
+    parameters, gradients all-reduced from the backward in buckets of ``bucket_mb`` MiB
+    (DDP's ``bucket_cap_mb``)."""
+    return ZeroShard(stage=0, axis=_axes(axis, "data_parallel"), bucket_mb=bucket_mb)
+
+
+@implied_room
+def _implied_dp(plan: Plan, roles) -> Any:
+    """The batch maps to axes no transform claims: data parallelism over them (FSDP where
+    the parameter specs shard over them too)."""
+    if not roles.dp or any(isinstance(t, ZeroShard) for t in plan.options):
+        return None
+    return ZeroShard(3 if roles.fsdp else 0, roles.dp)

@@ -1,0 +1,128 @@
+"""``zero_shard``'s share of ``plan.memory()`` and ``plan.comm()``.
+
+Memory: from stage 2 on, parameters, gradients and AdamW's moments are split over the
+ZeRO axes (FSDP2 keeps them sharded at rest; ``ceil(local_0 / n) * rest`` per rank, as
+FSDP2 pads dim 0); stage 1 keeps parameters and gradients whole and updates an fp32
+master slice (its moments, the slice and its reduced gradient, fp32, split). Layouts
+whose specs already shard over the data axis (FSDP by spec) are counted by the specs.
+
+Traffic, with Ψ the bytes of this rank's (TP-local) gradients: stage 0 the backward's
+bucketed all-reduces of Ψ (counted by ``_gradsync.estimate``); stage 1 a reduce-scatter and an all-gather of Ψ; stage 2 an all-gather in forward and
+a reduce-scatter in backward per FSDP unit; stage 3 also the backward all-gather. Plus
+one all-reduce of the step's loss (8 bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+from ...core.placement import local_shape
+from ...planning.plan import Plan, dtype_bytes
+from .._protocol import CommOp
+from ..precision import Precision
+
+
+def _split(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    if not shape or n == 1:
+        return shape
+    return (-(-shape[0] // n),) + tuple(shape[1:])
+
+
+def zero_memory(t, plan: Plan, rows: list) -> list:
+    if plan.roles.fsdp:
+        return rows                    # the specs split what FSDP splits
+    n = math.prod(plan.mesh_shape[a] for a in t.axis)
+    if t.stage >= 2:
+        return [dataclasses.replace(r, shape=_split(r.shape, n)) for r in rows]
+    if t.stage == 0 or n == 1:         # ZeRO-1 over one rank keeps no slices
+        return rows
+    out = []
+    for r in rows:
+        if r.category == "optimizer":        # the moments of the fp32 slice
+            out.append(dataclasses.replace(r, dtype="float32", shape=_split(r.shape, n)))
+        elif r.category == "grads":          # the gradient, and the slice's reduced one
+            out += [r, dataclasses.replace(r, dtype="float32", shape=_split(r.shape, n))]
+        else:
+            out.append(r)
+    masters = [dataclasses.replace(r, category="optimizer", dtype="float32",
+                                   shape=_split(r.shape, n))
+               for r in rows if r.category == "grads"]
+    return out + masters
+
+
+def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
+    sizes = plan.mesh_shape
+    dp = math.prod(sizes[a] for a in t.axis)
+    if dp == 1:
+        return []
+    name = "_".join(t.axis)
+    prec = plan.get(Precision)
+    grad_dt = prec.reduce if prec else None
+    buckets: dict = defaultdict(int)      # (dtype, tp-sharded?) -> elements
+    units: dict = defaultdict(int)        # FSDP unit -> padded elements
+    from ...planning.rows import rank_params
+
+    blocks = plan.model.blocks
+    for e in rank_params(plan, coord):       # a pipeline rank: its stages' parameters
+        if e.tied_to is not None or not e.requires_grad:
+            continue
+        ls = local_shape(e.shape, e.mesh_spec, sizes, coord)
+        buckets[(grad_dt or e.dtype if t.stage < 2 else e.dtype, bool(e.mesh_spec.axes))] += \
+            math.prod(ls)
+        unit = next((b for b in blocks if e.fqn.startswith(b + ".")), "")
+        units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
+    ops = _stage_ops(t.stage, name, dp, buckets, units, prec)
+    return ops + [CommOp("all_reduce", name, 1, 8)]      # the step's loss
+
+
+def _stage_ops(stage, name, dp, buckets, units, prec) -> list[CommOp]:
+    if stage == 0:
+        return []          # the backward's all-reduces: ``_gradsync.estimate``
+    if stage == 1:
+        ops = []
+        for n in buckets.values():
+            padded = -(-n // dp) * dp
+            ops += [CommOp("reduce_scatter", name, 1, padded * 4),
+                    CommOp("all_gather", name, 1, padded * 4)]
+        return ops
+    pbytes = dtype_bytes(prec.compute if prec else "float32")
+    gbytes = dtype_bytes(prec.reduce if prec else "float32")
+    ops = []
+    for n in units.values():
+        ops += [CommOp("all_gather", name, 1, n * pbytes),
+                CommOp("reduce_scatter", name, 1, n * gbytes)]
+        if stage == 3:                 # re-gathered for backward (the root too)
+            ops.append(CommOp("all_gather", name, 1, n * pbytes))
+    return ops
+
+
+def zero_transients(t, plan: Plan) -> list:
+    """What FSDP2 gathers at the peak, in buffers beside the shards counted in memory
+    (at any world size): ZeRO-3 one unit in use and the next prefetched (the largest two),
+    ZeRO-2 every unit (kept gathered from forward to backward); a unit's whole gradient
+    before its reduce-scatter. Layouts sharded by spec (FSDP by spec) and stage < 2 add nothing."""
+    from ...planning.rows import ActRow
+
+    if t.stage < 2 or plan.roles.fsdp:
+        return []
+    prec = plan.get(Precision)
+    sizes = plan.mesh_shape
+    units: dict = defaultdict(int)
+    for e in plan.params:
+        if e.tied_to is not None:
+            continue
+        ls = local_shape(e.shape, e.mesh_spec, sizes)
+        unit = next((b for b in plan.model.blocks if e.fqn.startswith(b + ".")), "")
+        units[unit] += math.prod(ls)
+    pb = dtype_bytes(prec.compute) if prec else 4
+    gb = dtype_bytes(prec.reduce) if prec else 4
+    held = sorted(units.values(), reverse=True)[:2] if t.stage == 3 else list(units.values())
+    # FSDP2 gathers into buffers of its own, beside the shards (at any world size).
+    rows = [ActRow(module="(gathered parameters)", op="all_gather", dtype="",
+                   shape=(sum(held),), bytes=sum(held) * pb)]
+    rows.append(ActRow(module="(unit gradient)", op="reduce_scatter", dtype="",
+                       shape=(max(units.values(), default=0),),
+                       bytes=max(units.values(), default=0) * gb))
+    return rows

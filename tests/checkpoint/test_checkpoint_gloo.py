@@ -1,0 +1,265 @@
+"""Checkpoints across real gloo processes: bitwise resume in new processes, a rank killed
+mid-save, resharding to other meshes and to one process, the Hugging Face round trip,
+and a save entered by one rank only."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests import _models as M
+from tests._world import World
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _setup(world, spec_name, seed=0, **overrides):
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    torch.use_deterministic_algorithms(True)
+    mesh = M.mesh_for(spec_name, world)
+    model = ml.parallelize(M.build("llama", **overrides), M.spec(spec_name), mesh, seed=seed)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3, clip_grad_norm=1.0)
+    ds = torch.utils.data.TensorDataset(torch.randint(0, 97, (64, 8),
+                                                      generator=torch.Generator().manual_seed(0)))
+    dl = ml.dataloader(ds, mesh, batch_size=4, shuffle=True, seed=1)
+    return model, opt, dl
+
+
+def train_case(rank, world, directory, spec_name, steps, save_at=None, resume=False):
+    """Train ``steps`` steps (after loading the latest checkpoint when ``resume``);
+    save at step ``save_at``. Returns losses and every full parameter."""
+    import meshlab as ml
+
+    # dropout draws from each rank's RNG: a bitwise resume must restore it
+    model, opt, dl = _setup(world, spec_name, attention_dropout=0.1)
+    torch.manual_seed(1234 + rank)
+    start = 0
+    if resume:
+        extra, _ = ml.checkpoint.load(ml.checkpoint.latest(directory), model, opt, dataloader=dl)
+        start = extra["step"]
+    losses = []
+    it = iter(dl)
+    for s in range(start, start + steps):
+        (batch,) = next(it)
+        losses.append(ml.step(model, opt, {"input_ids": batch}))
+        if save_at == s + 1:
+            ml.checkpoint.save(os.path.join(directory, f"step-{s + 1}"), model, opt,
+                               extra={"step": s + 1}, dataloader=dl)
+    return losses, {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def test_resume_is_bitwise_in_new_processes(tmp_path):
+    d = str(tmp_path)
+    w = World(4)
+    try:
+        straight = w.run(train_case, directory=d + "/a", spec_name="tp_zero3", steps=4)
+        first = w.run(train_case, directory=d + "/b", spec_name="tp_zero3", steps=2, save_at=2)
+    finally:
+        w.close()
+    w = World(4)                                       # new processes
+    try:
+        second = w.run(train_case, directory=d + "/b", spec_name="tp_zero3", steps=2,
+                       resume=True)
+    finally:
+        w.close()
+    assert first[0][0] + second[0][0] == straight[0][0]          # losses, bitwise
+    for name, t in straight[0][1].items():
+        assert torch.equal(second[0][1][name], t), name           # weights, bitwise
+
+
+def save_then_die_case(rank, world, directory, kill):
+    import meshlab as ml
+
+    model, opt, dl = _setup(world, "tp_zero3")
+    (batch,) = next(iter(dl))
+    ml.step(model, opt, {"input_ids": batch})
+    if kill:
+        os.environ["MESHLAB_FAULT"] = "after_write:2"   # rank 2 dies after writing its shards
+        ml.step(model, opt, {"input_ids": batch})
+        ml.checkpoint.save(os.path.join(directory, "step-2"), model, opt, extra={"step": 2},
+                           timeout=20)
+        return None
+    ml.checkpoint.save(os.path.join(directory, "step-1"), model, opt, extra={"step": 1})
+    return {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def load_case(rank, world, directory, spec_name):
+    import meshlab as ml
+
+    model, opt, _ = _setup(world, spec_name, seed=99)
+    path = ml.checkpoint.latest(directory)
+    extra, _ = ml.checkpoint.load(path, model, opt)
+    opt_t, _ = ml.checkpoint._state.optimizer_state(opt, model)
+    return (os.path.basename(path), extra,
+            {n: M.full(p).detach().clone() for n, p in model.named_parameters()},
+            {k: M.full(v).detach().clone() for k, v in opt_t.items()})
+
+
+def test_rank_killed_mid_save_leaves_the_previous_step(tmp_path):
+    d = str(tmp_path)
+    w = World(4)
+    try:
+        saved = w.run(save_then_die_case, directory=d, kill=False)[0]
+        with pytest.raises(AssertionError):           # rank 2 is SIGKILLed, the rest time out
+            w.run(save_then_die_case, directory=d, kill=True, timeout=25)
+    finally:
+        w.close(force=True)
+    assert not ml_complete(os.path.join(d, "step-2"))
+    w = World(4)
+    try:
+        name, extra, params, _ = w.run(load_case, directory=d, spec_name="tp_zero3")[0]
+    finally:
+        w.close()
+    assert name == "step-1" and extra == {"step": 1}
+    for n, t in saved.items():
+        assert torch.equal(params[n], t), n
+
+
+def ml_complete(path):
+    import meshlab as ml
+
+    return ml.checkpoint.is_complete(path)
+
+
+def reshard_save_case(rank, world, directory):
+    import meshlab as ml
+
+    model, opt, dl = _setup(world, "tp_zero3", vocab_size=101)   # uneven vocab shards
+    for _ in range(2):
+        (batch,) = next(iter(dl))
+        ml.step(model, opt, {"input_ids": batch})
+    ml.checkpoint.save(os.path.join(directory, "step-2"), model, opt, extra={"step": 2})
+    opt_t, _ = ml.checkpoint._state.optimizer_state(opt, model)
+    return ({n: M.full(p).detach().clone() for n, p in model.named_parameters()},
+            {k: M.full(v).detach().clone() for k, v in opt_t.items()})
+
+
+def reshard_load_case(rank, world, directory, spec_name, mesh_text):
+    import meshlab as ml
+
+    mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
+    model = ml.parallelize(M.build("llama", vocab_size=101), M.spec(spec_name), mesh, seed=5)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    ml.checkpoint.load(ml.checkpoint.latest(directory), model, opt)
+    opt_t, _ = ml.checkpoint._state.optimizer_state(opt, model)
+    return ({n: M.full(p).detach().clone() for n, p in model.named_parameters()},
+            {k: M.full(v).detach().clone() for k, v in opt_t.items()})
+
+
+def _assert_same(a, b):
+    params_a, opt_a = a
+    params_b, opt_b = b
+    assert params_a.keys() == params_b.keys() and opt_a.keys() == opt_b.keys()
+    for k in params_a:
+        assert torch.equal(params_a[k], params_b[k]), k
+    for k in opt_a:
+        assert torch.equal(opt_a[k], opt_b[k]), k
+
+
+def test_reshard_matrix(tmp_path):
+    """Saved on (dp=2, tp=2) with TP x ZeRO-3; loaded on (tp=4), (dp=4) ZeRO-1, (dp=2) DP
+    in a world of 2, and in one process: model and optimizer state equal after gathering."""
+    import meshlab as ml
+
+    d = str(tmp_path)
+    w = World(4)
+    try:
+        saved = w.run(reshard_save_case, directory=d)[0]
+        for spec_name, mesh in (("tp", "dp=1,tp=4"), ("zero1", "dp=4"), ("tp_zero1", "dp=2,tp=2")):
+            _assert_same(saved, w.run(reshard_load_case, directory=d, spec_name=spec_name,
+                                      mesh_text=mesh)[0])
+    finally:
+        w.close()
+    w = World(2)
+    try:
+        _assert_same(saved, w.run(reshard_load_case, directory=d, spec_name="dp",
+                                  mesh_text="dp=2")[0])
+    finally:
+        w.close()
+    # one process, plain torch: no process group at all
+    model = ml.init_weights(M.build("llama", vocab_size=101), seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ml.checkpoint.load(ml.checkpoint.latest(d), model, opt)
+    opt_t, _ = ml.checkpoint._state.optimizer_state(opt, model)
+    _assert_same(saved, (dict((n, p.detach()) for n, p in model.named_parameters()), opt_t))
+
+
+def hf_export_case(rank, world, directory, family):
+    import meshlab as ml
+
+    mesh = M.mesh_for("tp", world)
+    model = ml.parallelize(M.build(family), M.spec("tp_zero3"), mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    rt = model._meshlab
+    import torch.distributed as dist
+
+    dpr = dist.get_rank(rt.dp_group)
+    for b in M.batches(2):
+        local = b.chunk(rt.dp_size)[dpr]
+        ml.step(model, opt, {"input_ids": local, "labels": local}, M.loss_fn(family))
+    ml.checkpoint.save_pretrained(directory, model, max_shard_size="30KB")
+    return {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+def hf_import_case(rank, world, directory, family):
+    import meshlab as ml
+
+    model = ml.parallelize(M.build(family), M.spec("tp"), ml.Mesh(dp=1, tp=4), seed=7)
+    report = ml.checkpoint.load_pretrained(directory, model)
+    assert report.ok
+    return {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hugging_face_round_trip(tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    import meshlab as ml
+
+    d = str(tmp_path / "hf")
+    w = World(4)
+    try:
+        trained = w.run(hf_export_case, directory=d, family=family)[0]
+        reimported = w.run(hf_import_case, directory=d, family=family)[0]
+    finally:
+        w.close()
+    assert os.path.exists(os.path.join(d, "model.safetensors.index.json"))
+    for n, t in trained.items():
+        assert torch.equal(reimported[n], t), n
+    hf = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
+    ref = ml.init_weights(M.build(family))
+    ref.load_state_dict(trained, strict=False)
+    ref.tie_weights()
+    x = M.batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=x).logits, ref.eval()(input_ids=x).logits,
+                                   atol=1e-6, rtol=1e-5)
+    if family == "gpt2":   # tied weights stay tied
+        assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+
+
+def one_rank_saves_case(rank, world, directory):
+    import meshlab as ml
+
+    model, opt, _ = _setup(world, "tp")
+    if rank != 0:
+        return None
+    try:
+        ml.checkpoint.save(os.path.join(directory, "x"), model, opt, timeout=5)
+    except ml.checkpoint.CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_save_entered_by_one_rank_fails_within_the_timeout(tmp_path):
+    w = World(4)
+    try:
+        out = w.run(one_rank_saves_case, directory=str(tmp_path), timeout=60)
+    finally:
+        w.close(force=True)
+    assert "collective" in out[0] and "within 5 s" in out[0], out[0]

@@ -1,0 +1,446 @@
+"""Fused ops on the CPU: opcheck, numerics against the references in float32 and bfloat16
+(outputs and gradients), the C++ path actually taken, the fallback giving the same numbers,
+DTensor inputs sharded across two gloo ranks, and CPUAdamW against torch.optim.AdamW."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshlab.ops import check as _check
+from meshlab.ops import OPS, _build
+
+# Ops with their own kernels (linear_cross_entropy's is its softmax step between matmuls).
+KERNEL_OPS = ("geglu", "layer_norm", "linear_cross_entropy", "rms_norm", "rotary", "swiglu")
+NATIVE = shutil.which(os.environ.get("CXX", "c++")) is not None and \
+    os.environ.get("MESHLAB_OPS_NATIVE", "1") != "0"
+
+
+def _grads(fn, args, grad_idx, gout=None):
+    leaves = [a.detach().requires_grad_(i in grad_idx) if isinstance(a, torch.Tensor) else a
+              for i, a in enumerate(args)]
+    out = fn(*leaves)
+    gout = torch.randn_like(out) if gout is None else gout
+    return (out, *torch.autograd.grad(out, [leaves[i] for i in grad_idx], gout)), gout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    # Build once up front so a build failure shows as one clear error, not in every test.
+    _build.build_all()                    # both extensions, side by side
+    mod = _build.ops_cpu()
+    if NATIVE:
+        assert mod is not None, f"C++ kernels failed to build: {_build.failure('meshlab_ops_cpu')}"
+    return mod
+
+
+def test_import_builds_nothing():
+    code = ("import meshlab, meshlab.ops, sys; from meshlab.ops import _build; "
+            "assert not _build._MODULES and not _build._FAILED and not _build.LAST_PATH; "
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_opcheck(op):
+    row = _check.check_op(op, "cpu", dtypes=("float32", "bfloat16"), small=True)
+    assert row.opcheck == "pass", row.failures
+    assert not row.failures, row.failures
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_numerics_and_path(op, dtype):
+    row = _check.check_op(op, "cpu", dtypes=(dtype,), run_opcheck=False)
+    assert not row.failures, row.failures
+    if NATIVE and op in KERNEL_OPS:
+        assert row.native, row.reason
+        assert _build.LAST_PATH[(op, "cpu")].reason.startswith("C++"), row.reason
+        bwd = _build.LAST_PATH.get((f"{op}_backward", "cpu"))
+        assert bwd is None or bwd.native, bwd
+
+
+@pytest.mark.skipif(not NATIVE, reason="no C++ compiler: only the fallback exists")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", KERNEL_OPS)
+def test_fallback_matches_native(op, dtype):
+    _, args, grad_idx = _check.cases(op, getattr(torch, dtype), "cpu")
+    fn = OPS[op][0]
+    native, gout = _grads(fn, args, grad_idx)
+    assert _build.LAST_PATH[(op, "cpu")].native
+    with _build.force_reference():
+        ref, _ = _grads(fn, args, grad_idx, gout)
+        path = _build.LAST_PATH[(op, "cpu")]
+    assert not path.native and "force_reference" in path.reason
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1.6e-2, atol=1e-2)
+    for a, b in zip(native, ref):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("op", ["attention", "geglu", "layer_norm", "rms_norm", "rotary",
+                                "swiglu"])
+def test_eager_path_equals_custom_op(op):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    _, args, grad_idx = _check.cases(op, torch.float32, "cpu")
+    fn = OPS[op][0]
+    fast, gout = _grads(fn, args, grad_idx)
+    with _build.dispatcher_only():
+        slow, _ = _grads(fn, args, grad_idx, gout)
+    for a, b in zip(fast, slow):               # the same kernels: bit for bit
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():                                # a mode sees the custom op, not its insides
+        fn(*args)
+    assert f"meshlab.{op}.default" in seen, seen
+
+
+def test_kernels_reject_what_they_do_not_handle():
+    # float16 has no CPU kernel: the op runs the reference and says why.
+    x = torch.randn(4, 8, dtype=torch.float16)
+    y = OPS["rms_norm"][0](x, torch.ones(8))
+    path = _build.LAST_PATH[("rms_norm", "cpu")]
+    assert not path.native and "float16" in path.reason
+    torch.testing.assert_close(y, OPS["rms_norm"][1](x, torch.ones(8)))
+    with pytest.raises(ValueError, match=r"\(S, D/2\)"):
+        OPS["rotary"][0](torch.randn(1, 4, 2, 8), torch.randn(4, 8), torch.randn(4, 8))
+
+
+def test_linear_cross_entropy_edges():
+    from meshlab.ops.linear_cross_entropy import default_chunk, linear_cross_entropy
+
+    assert default_chunk(128256) == 4096 and default_chunk(32000) == 16384
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(2, 9, 16, generator=g), torch.randn(50, 16, generator=g)
+    t = torch.randint(0, 50, (2, 9), generator=g)
+    t[0, :4] = -100
+    want = OPS["linear_cross_entropy"][1](h.reshape(-1, 16), w, t.reshape(-1))
+    for chunk in (1, 5, 18, 1000):              # chunks that split, end short, or exceed N
+        torch.testing.assert_close(linear_cross_entropy(h, w, t, chunk=chunk), want)
+    # Every token ignored: NaN, as F.cross_entropy gives.
+    assert linear_cross_entropy(h, w, torch.full_like(t, -100)).isnan()
+    with pytest.raises(TypeError, match="cast one"):
+        linear_cross_entropy(h, w.double(), t)
+    with pytest.raises(ValueError, match=r"weight must be \(vocab, 16\)"):
+        linear_cross_entropy(h, w[:, :8], t)
+    with pytest.raises(ValueError, match="leading dims"):
+        linear_cross_entropy(h, w, t[:, :3])
+    hg = h.clone().requires_grad_()
+    loss = linear_cross_entropy(hg, w, t)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+    if NATIVE:
+        with pytest.raises(RuntimeError, match="out of range"):
+            linear_cross_entropy(h, w, t.masked_fill(t == t[1, 0], 50))
+
+
+def test_non_contiguous_inputs():
+    x = torch.randn(64, 6, 40).transpose(0, 1)           # (6, 64, 40), not contiguous
+    w = torch.randn(40)
+    torch.testing.assert_close(OPS["rms_norm"][0](x, w), OPS["rms_norm"][1](x, w))
+    a, b = torch.randn(30, 20).t(), torch.randn(30, 20).t()
+    torch.testing.assert_close(OPS["swiglu"][0](a, b), OPS["swiglu"][1](a, b))
+
+
+@pytest.mark.skipif(not NATIVE, reason="the C++ kernels did not build")
+def test_norm_weights_are_read_in_their_own_dtype():
+    """A bfloat16 norm weight goes to the kernels as it is (they read it as float32), with the
+    same outputs and gradients as its float32 copy, and the weight's gradient in its dtype."""
+    from meshlab.ops.layer_norm import layer_norm
+    from meshlab.ops.rms_norm import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 48, generator=g, dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(48, generator=g)).bfloat16()
+    b = (0.1 * torch.randn(48, generator=g)).bfloat16()
+    for fn, params in ((rms_norm, (w,)), (layer_norm, (w, b))):
+        got = [t.clone().requires_grad_() for t in (x, *params)]
+        ref = [x.clone().requires_grad_()] + [t.float().requires_grad_() for t in params]
+        y, y_ref = fn(*got), fn(*ref)
+        assert _build.LAST_PATH[(fn.__name__, "cpu")].native
+        assert torch.equal(y, y_ref)
+        dy = torch.randn(y.shape, generator=g).bfloat16()
+        y.backward(dy)
+        y_ref.backward(dy)
+        assert torch.equal(got[0].grad, ref[0].grad)
+        for p_, r in zip(got[1:], ref[1:]):
+            assert p_.grad.dtype == torch.bfloat16
+            assert torch.equal(p_.grad, r.grad.bfloat16())
+
+
+def _add_norm_case(dtype, b=3, s=17, h=300):
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(b, s, h, generator=g).to(dtype) for _ in "xr")
+    w = (1 + 0.1 * torch.randn(h, generator=g)).to(dtype)
+    dy, ds = (torch.randn(b, s, h, generator=g).to(dtype) for _ in "ys")
+    return x, r, w, dy, ds
+
+
+def _add_norm_grads(fn, x, r, w, dy, ds):
+    leaves = [t.clone().requires_grad_() for t in (x, r, w)]
+    y, total = fn(*leaves)
+    return (y, total, *torch.autograd.grad((y, total), leaves, (dy, ds)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype):
+    """``add_rms_norm`` gives the sum exactly as the separate add rounds it, the norm of
+    that sum, and the gradients autograd gives the add followed by the norm (the residual
+    stream's gradient added inside the norm's backward); the C++ kernels run it on CPU and
+    the eager path is the custom op's, bit for bit."""
+    from meshlab.ops.rms_norm import add_rms_norm, rms_norm_reference
+
+    x, r, w, dy, ds = _add_norm_case(dtype)
+
+    got = _add_norm_grads(add_rms_norm, x, r, w, dy, ds)
+    if NATIVE:
+        assert _build.LAST_PATH[("add_rms_norm", "cpu")].native
+        assert _build.LAST_PATH[("rms_norm_backward", "cpu")].native
+    assert torch.equal(got[1], x + r)
+    # The reference in float64 from the sum as the add rounds it, which the norm then reads.
+    total, w64 = (x + r).double().requires_grad_(), w.double().requires_grad_()
+    y64 = rms_norm_reference(total, w64)
+    dtotal, dw64 = torch.autograd.grad(y64, (total, w64), dy.double())
+    want = [t.detach() for t in (y64, total, dtotal + ds.double(), dtotal + ds.double(), dw64)]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, **tol)
+    with _build.dispatcher_only():
+        slow = _add_norm_grads(add_rms_norm, x, r, w, dy, ds)
+    for a, b in zip(got, slow):
+        assert torch.equal(a, b)
+    with _build.force_reference():
+        ref = _add_norm_grads(add_rms_norm, x, r, w, dy, ds)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **tol)
+    with pytest.raises(ValueError, match="must match in shape and dtype"):
+        add_rms_norm(x, r.double(), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fork_adds_the_residual_gradient_inside_the_norm(dtype):
+    """``rms_norm_fork`` returns the norm and ``x`` itself; the gradient reaching that view
+    is added inside the norm's backward kernel, giving what autograd gives the norm and the
+    identity used apart; only the view used, or only the norm, works too."""
+    from meshlab.ops.rms_norm import rms_norm, rms_norm_fork
+
+    x, _, w, dy, ds = _add_norm_case(dtype)
+
+    def grads(fork, dy, ds):
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        if fork:
+            y, through = rms_norm_fork(*leaves)
+            assert through._base is leaves[0] and torch.equal(through, x)
+        else:
+            y, through = rms_norm(*leaves), leaves[0]
+        outs = [(o, g) for o, g in ((y, dy), (through, ds)) if g is not None]
+        return torch.autograd.grad([o for o, _ in outs], leaves, [g for _, g in outs],
+                                   allow_unused=True)
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for dy_, ds_ in ((dy, ds), (dy, None), (None, ds)):
+        got, want = grads(True, dy_, ds_), grads(False, dy_, ds_)
+        for a, b in zip(got, want):
+            if b is None:
+                assert a is None or not a.any()
+            else:
+                torch.testing.assert_close(a, b, **tol)
+    if NATIVE:
+        _build.LAST_PATH.clear()
+        grads(True, dy, ds)
+        assert _build.LAST_PATH[("rms_norm_backward", "cpu")].native
+
+
+def test_add_rms_norm_opcheck():
+    from meshlab.ops.rms_norm import add_rms_norm
+
+    x, r, w, dy, ds = _add_norm_case(torch.float32, 2, 5, 67)
+    y, total, rstd = torch.ops.meshlab.add_rms_norm(x, r, w, 1e-6)
+    torch.library.opcheck(torch.ops.meshlab.add_rms_norm.default,
+                          tuple(t.clone().requires_grad_() for t in (x, r, w)) + (1e-6,))
+    torch.library.opcheck(torch.ops.meshlab.add_rms_norm_backward.default,
+                          (dy, ds, total, w, rstd))
+    compiled = torch.compile(lambda a, b, c: add_rms_norm(a, b, c), backend="aot_eager",
+                             fullgraph=True)
+    for a, b in zip(compiled(x, r, w), add_rms_norm(x, r, w)):
+        assert torch.equal(a, b)
+
+
+def test_failed_build_is_recorded_not_raised(monkeypatch):
+    assert _build.cpu_extension("meshlab_missing_src", ("no_such_file.cpp",)) is None
+    assert "sources not found" in _build.failure("meshlab_missing_src")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert _build.cpu_extension("meshlab_no_compiler", ("ops_cpu.cpp",)) is None
+    assert "no C++ compiler" in _build.failure("meshlab_no_compiler")
+
+
+def test_build_command(capsys):
+    from meshlab import cli
+
+    rc = cli.main(["build"])
+    out = capsys.readouterr().out
+    if NATIVE:
+        assert rc == 0, out
+        assert "3 of 3 extensions ready" in out and "meshlab_attention_cpu" in out
+    else:
+        assert rc == 1
+
+
+def test_check_command_exit_code(capsys):
+    from rich.console import Console
+
+    assert _check.run(ops=["swiglu"], devices=["cpu"], run_opcheck=False,
+                      console=Console(width=200)) == 0
+    out = capsys.readouterr().out
+    assert "swiglu" in out and ("native" in out if NATIVE else "fallback" in out)
+    assert "fused_adamw" in out and "cpu_adamw" in out
+
+
+# ---------------------------------------------------------------------------- CPUAdamW
+
+def _params(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    # 70_000 elements spans several of the kernel's work chunks; 3 tests the tail.
+    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in [(70_000,), (37, 11), (3,)]]
+
+
+@pytest.mark.parametrize("force_reference", [False, True])
+def test_cpu_adamw_matches_torch_adamw(force_reference):
+    from meshlab.ops import CPUAdamW
+
+    a, b = _params(0), _params(0)
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    oa, ob = CPUAdamW(a, **kw), torch.optim.AdamW(b, **kw)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for pa, pb in zip(a, b):
+            pa.grad = torch.randn(pa.shape, generator=g)
+            pb.grad = pa.grad.clone()
+        if force_reference:
+            with _build.force_reference():
+                oa.step()
+        else:
+            oa.step()
+        ob.step()
+        assert oa.native is (NATIVE and not force_reference), oa.fallback_reason
+    for pa, pb, p0 in zip(a, b, _params(0)):
+        assert not torch.equal(pa.detach(), p0.detach())       # it did move
+        torch.testing.assert_close(pa.detach(), pb.detach(), rtol=0, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(oa.state[pa][key], ob.state[pb][key], rtol=1e-6, atol=1e-7)
+    # Same state layout: AdamW can take over from CPUAdamW.
+    torch.optim.AdamW(b, **kw).load_state_dict(oa.state_dict())
+
+
+# ---------------------------------------------------------------------------- DTensor
+
+@pytest.fixture(scope="module")
+def world():
+    from tests._world import World
+
+    w = World(2, env={"OMP_NUM_THREADS": "1"})
+    yield w
+    w.close()
+
+
+def case_dtensor_ops(rank, world):
+    """Each op on DTensors sharded over 2 ranks equals the op on the full tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from meshlab.ops import OPS, _build
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)                                   # same global tensors on each rank
+    B, S, H = 4, 6, 48
+    x, w, b = torch.randn(B, S, H), torch.randn(H), torch.randn(H)
+    q, ang = torch.randn(B, S, 3, 16), torch.randn(S, 8)
+    cases = {
+        "rms_norm": ((x, w), [(Shard(0), Replicate()), (Shard(1), Replicate())]),
+        "layer_norm": ((x, w, b), [(Shard(0), Replicate(), Replicate())]),
+        "swiglu": ((x, b.expand(B, S, H).contiguous()), [(Shard(0), Shard(0)),
+                                                         (Shard(2), Shard(2))]),
+        "rotary": ((q, ang.cos(), ang.sin()), [(Shard(0), Replicate(), Replicate()),
+                                               (Shard(1), Shard(0), Shard(0))]),
+    }
+    # linear_cross_entropy: tokens split across ranks; the mean must be the global one even
+    # though the ranks count different numbers of tokens.
+    from meshlab.ops import linear_cross_entropy
+
+    hid, head = torch.randn(12, 16, requires_grad=True), torch.randn(30, 16, requires_grad=True)
+    tgt = torch.randint(0, 30, (12,))
+    tgt[:5] = -100                                          # rank 0 counts 1 token, rank 1 six
+    want = linear_cross_entropy(hid, head, tgt, chunk=4)
+    want_g = torch.autograd.grad(want, (hid, head))
+    dh = distribute_tensor(hid.detach(), mesh, [Shard(0)]).requires_grad_()
+    dw = distribute_tensor(head.detach(), mesh, [Replicate()]).requires_grad_()
+    got = linear_cross_entropy(dh, dw, distribute_tensor(tgt, mesh, [Shard(0)]), chunk=4)
+    got_g = torch.autograd.grad(got, (dh, dw))
+    torch.testing.assert_close(got.full_tensor(), want.detach())
+    for g, e in zip(got_g, want_g):
+        torch.testing.assert_close(g.full_tensor(), e, rtol=1e-5, atol=1e-6)
+    checked = []
+    for op, (args, layouts) in cases.items():
+        fn = OPS[op][0]
+        full = [a.clone().requires_grad_() for a in args]
+        want = fn(*full)
+        gout = torch.randn_like(want)
+        want_g = torch.autograd.grad(want, full, gout)
+        for layout in layouts:
+            dts = [distribute_tensor(a, mesh, [p]).requires_grad_() for a, p in zip(args, layout)]
+            out = fn(*dts)
+            assert out.placements == (layout[0],), (op, layout, out.placements)
+            got_g = torch.autograd.grad(out, dts, distribute_tensor(gout, mesh, [layout[0]]))
+            torch.testing.assert_close(out.full_tensor(), want, rtol=1e-5, atol=1e-5)
+            for g, e in zip(got_g, want_g):
+                torch.testing.assert_close(g.full_tensor(), e, rtol=1e-5, atol=1e-5)
+            checked.append((op, str(layout[0])))
+        assert _build.LAST_PATH[(op, "cpu")].native or not _build.ops_cpu()
+    return checked + [("linear_cross_entropy", "S(0)")]
+
+
+def test_dtensor_sharded_equals_unsharded(world):
+    checked = world.run(case_dtensor_ops)
+    assert checked[0] == checked[1] and len(checked[0]) == 8
+
+
+def test_swiglu_wide_range():
+    # The C++ kernel's own exp must hold over the whole float range, tails and infinities too.
+    a = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([float("inf"), 0.0, -0.0])])
+    b = torch.randn_like(a)
+    want = (torch.nn.functional.silu(a.double()) * b.double()).float()
+    got = OPS["swiglu"][0](a, b)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+
+
+def test_rotary_keeps_only_the_angles_for_backward():
+    """The input's gradient is the output's rotated back: x is not kept for the backward
+    (queries and keys of every layer would stay alive), unless the angles want gradients."""
+    from meshlab.ops import rotary, rotary_reference
+
+    x = torch.randn(2, 16, 4, 32, requires_grad=True)
+    ang = torch.outer(torch.arange(16.0), torch.rand(16))
+    for angles_grad in (False, True):
+        cos, sin = ang.cos().requires_grad_(angles_grad), ang.sin().requires_grad_(angles_grad)
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.shape) or t,
+                                                      lambda t: t):
+            y = rotary(x, cos, sin)
+        assert (tuple(x.shape) in map(tuple, kept)) == angles_grad, kept
+        y.sum().backward()
+        want = torch.autograd.grad(rotary_reference(x, cos, sin).sum(), x)[0]
+        torch.testing.assert_close(x.grad, want, atol=1e-5, rtol=1e-5)
+        x.grad = None

@@ -1,0 +1,303 @@
+"""``lora`` on real gloo ranks against single-process peft on the same model.
+
+* DP, ZeRO-1, ZeRO-3 and pp=2 on 2 ranks, ZeRO-3 over 4, with and without
+  ``modules_to_save``: the loss of every step and the adapter weights after three AdamW
+  steps equal single-process peft's (started from the same weights); the base weights do
+  not change by a bit, and hold no gradient or optimizer state.
+* Memory: gradient and optimizer bytes per rank are the adapters' share alone, as
+  ``plan.memory()`` says.
+* Round trips: ``save_adapter`` -> ``PeftModel.from_pretrained`` on one process gives the
+  same logits; ``save_merged`` -> ``AutoModelForCausalLM.from_pretrained`` too;
+  ``load_adapter`` reads an adapter back into a parallelized model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests import _models as M
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.timeout(900)
+LR = 1e-2
+
+
+def _config(save: bool):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["q_proj", "v_proj", "down_proj"],
+                      modules_to_save=["lm_head"] if save else None)
+
+
+def _spec(layout: str, cfg):
+    import meshlab as ml
+
+    lo = ml.lora(cfg)
+    return {"dp": (lo | ml.data_parallel("dp"), dict(dp=2)),
+            "zero1": (lo | ml.zero_shard(1, "dp"), dict(dp=2)),
+            "zero2": (lo | ml.zero_shard(2, "dp"), dict(dp=2)),
+            "zero3": (lo | ml.zero_shard(3, "dp"), dict(dp=2)),
+            "bf16": (lo | ml.precision("bf16") | ml.data_parallel("dp"), dict(dp=2)),
+            "zero3_w4": (lo | ml.zero_shard(3, "dp"), dict(dp=4)),
+            "pp2": (lo | ml.pipeline("pp", schedule="1f1b", microbatches=2), dict(pp=2)),
+            "tp2": (ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | lo, dict(tp=2)),
+            "tp_zero3": (ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | lo
+                         | ml.zero_shard(3, "dp"), dict(dp=2, tp=2))}[layout]
+
+
+def _reference(model, cfg):
+    """Single-process peft on the weights the parallelized model starts from (every
+    pipeline stage's, gathered)."""
+    import torch.distributed as dist
+    from peft import get_peft_model
+
+    import meshlab as ml
+
+    mine = {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    start = {n: t for part in parts for n, t in part.items()}
+    ref = get_peft_model(ml.init_weights(M.build("llama", **LAYERS)), cfg)
+    own = dict(ref.base_model.model.named_parameters())
+    with torch.no_grad():
+        for n, t in start.items():
+            own[n].copy_(t)
+    return ref, start
+
+
+LAYERS = dict(num_hidden_layers=4)
+
+
+def parity_case(rank, world, layout, save, bf16=False):
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    cfg = _config(save)
+    spec, mesh = _spec(layout, cfg)
+    model = ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(**mesh), seed=0)
+    ref, gathered = _reference(model, cfg)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    rt = model._meshlab
+    r = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
+    data = M.batches(3, batch=4)
+    got, want = [], []
+    for b in data:
+        got.append(ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[r]}))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = M.loss_fn("llama")(ref(input_ids=b), {"input_ids": b, "labels": b})
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(float(loss))
+    refp = dict(ref.base_model.model.named_parameters())
+    trainable, frozen_same, changed = 0, True, 0
+    for n, p in model.named_parameters():
+        w = M.full(p).detach()
+        if p.requires_grad:
+            trainable += 1
+            torch.testing.assert_close(w, refp[n].detach(), atol=3e-2 if bf16 else 1e-5,
+                                       rtol=1.0 if bf16 else 1e-4,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+            changed += not torch.equal(w, gathered[n])
+        else:
+            frozen_same &= torch.equal(w, gathered[n]) and p.grad is None
+    grads = sum(p.grad is not None for p in model.parameters() if not p.requires_grad)
+    est = rt.plan.memory()
+    from meshlab.core.tensors import local
+
+    state_bytes = sum(local(v).numel() * v.element_size() for st in opt.state.values()
+                      for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return dict(got=got, want=want, trainable=trainable, changed=changed,
+                frozen_same=frozen_same, frozen_grads=grads,
+                state_bytes=state_bytes, opt_bytes=est.optimizer, grad_bytes=est.grads,
+                adapter_bytes=sum(e.numel * 4 for e in rt.plan.params if e.requires_grad
+                                  and e.tied_to is None))
+
+
+def _check(results, layout):
+    for r in results:
+        torch.testing.assert_close(r["got"], r["want"], atol=1e-5, rtol=1e-4)
+        assert r["frozen_same"] and r["frozen_grads"] == 0, r
+        assert r["trainable"] > 0 and r["changed"] == r["trainable"], r
+        # the gradients hold the adapters' share alone (ZeRO-1: whole, plus the fp32
+        # slice of the reduced ones; ZeRO-3: sharded)
+        a = r["adapter_bytes"]
+        want = {"dp": a, "zero1": a * 1.5, "zero2": a / 2, "zero3": a / 2,
+                "zero3_w4": a / 4}.get(layout)
+        if want is not None:
+            assert abs(r["grad_bytes"] - want) <= 0.15 * want, (r, want)
+        # the optimizer's state, measured: AdamW's two moments of this rank's adapters
+        # (ZeRO-1: of its fp32 slices), as plan.memory() counts them
+        # (under a pipeline the plan counts the heaviest stage's rank: the most any holds)
+        held = max(x["state_bytes"] for x in results) if layout == "pp2" else r["state_bytes"]
+        moments = r["opt_bytes"] * (2 / 3 if layout == "zero1" else 1)   # ZeRO-1: + master
+        assert abs(held - moments) <= 0.15 * moments, (r, held)
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero1", "zero2", "zero3", "pp2"])
+@pytest.mark.parametrize("save", [False, True])
+def test_lora_matches_single_process_peft(world2, layout, save):
+    _check(world2.run(parity_case, layout=layout, save=save), layout)
+
+
+def test_lora_under_bf16(world2):
+    # bf16 rounding follows the order of operations: losses within 2e-2 of single-process
+    # peft under autocast; adapters after three steps within 3e-2 (AdamW moves a weight
+    # by up to the learning rate, 1e-2, a step, whatever the gradient's size)
+    for r in world2.run(parity_case, layout="bf16", save=False, bf16=True):
+        torch.testing.assert_close(r["got"], r["want"], atol=2e-2, rtol=1e-2)
+        assert r["frozen_same"] and r["frozen_grads"] == 0
+
+
+def test_lora_zero3_on_4_ranks(world4):
+    _check(world4.run(parity_case, layout="zero3_w4", save=True), "zero3_w4")
+
+
+@pytest.mark.parametrize("save", [False, True])
+def test_lora_under_tensor_parallelism(world2, save):
+    _check(world2.run(parity_case, layout="tp2", save=save), "tp2")
+
+
+def test_lora_under_tp_and_zero3(world4):
+    _check(world4.run(parity_case, layout="tp_zero3", save=True), "tp_zero3")
+
+
+# -- round trips ----------------------------------------------------------------------------
+def export_case(rank, world, directory):
+    import meshlab as ml
+
+    cfg = _config(True)
+    spec, mesh = _spec("zero3", cfg)
+    model = ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(**mesh), seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    b = M.batches(1, batch=4)[0]
+    ml.step(model, opt, {"input_ids": b.chunk(world)[rank]})
+    ml.save_adapter(os.path.join(directory, "adapter"), model)
+    ml.save_merged(os.path.join(directory, "merged"), model)
+    full = {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():                        # every rank the same tokens
+        logits = model(input_ids=M.batches(1, batch=2, seed=3)[0]).logits.detach().clone()
+    # a fresh parallelized model takes the adapter back
+    model2 = ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(**mesh), seed=5)
+    ml.load_adapter(os.path.join(directory, "adapter"), model2)
+    back = {n: M.full(p).detach() for n, p in model2.named_parameters()}
+    same = all(torch.equal(back[n], full[n]) for n in full if ".lora_" in n or
+               ".modules_to_save." in n)
+    return full, same, logits
+
+
+def test_exports_load_in_peft_and_transformers(world2, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import meshlab as ml
+
+    (full, same, logits), _ = world2.run(export_case, directory=str(tmp_path))
+    assert same
+    base = ml.init_weights(M.build("llama", **LAYERS))
+    with torch.no_grad():                      # the frozen base the adapters were trained on
+        own = dict(base.named_parameters())
+        for n, t in full.items():
+            key = n.replace(".base_layer.", ".").replace(".original_module.", ".")
+            if ".lora_" not in n and ".modules_to_save." not in n:
+                own[key].copy_(t)
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+    x = M.batches(1, batch=2, seed=3)[0]
+    peft_model.eval()
+    merged.eval()
+    with torch.no_grad():
+        a = peft_model(input_ids=x).logits
+        b = merged(input_ids=x).logits
+    # the trained, parallelized model's logits, from the adapter and from the merged model
+    torch.testing.assert_close(a, logits, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(b, logits, atol=1e-4, rtol=1e-4)
+    trained = dict(peft_model.base_model.model.named_parameters())
+    for n, t in full.items():
+        if ".lora_" in n or ".modules_to_save." in n:
+            assert torch.equal(trained[n], t), n
+
+
+def test_plan_memory_counts_the_adapters_alone():
+    import meshlab as ml
+
+    cfg = _config(False)
+    plain = ml.plan(M.build("llama", **LAYERS), ml.data_parallel("dp"),
+                    ml.Mesh(dp=2, fake=True)).memory()
+    p = ml.plan(M.build("llama", **LAYERS), ml.lora(cfg) | ml.data_parallel("dp"),
+                ml.Mesh(dp=2, fake=True))
+    est = p.memory()
+    adapters = sum(e.numel * 4 for e in p.params if e.requires_grad)
+    assert est.grads == adapters and est.optimizer == 2 * adapters
+    assert est.params == plain.params + adapters
+    assert {e.fqn for e in p.params if e.requires_grad} == {
+        e.fqn for e in p.params if ".lora_" in e.fqn}
+
+
+def test_refusals_name_the_fix():
+    import meshlab as ml
+    from peft import LoraConfig
+
+    with pytest.raises(ml.ConfigError, match="match no module"):
+        ml.plan(M.build("llama"), ml.lora(LoraConfig(target_modules=["nope"])),
+                ml.Mesh(dp=1, fake=True))
+    with pytest.raises(ml.ConfigError, match="not a Linear"):
+        ml.plan(M.build("llama"), ml.lora(LoraConfig(target_modules=["embed_tokens"])),
+                ml.Mesh(dp=1, fake=True))
+    with pytest.raises(ml.ConfigError, match="LoraConfig"):
+        ml.lora("q_proj")
+    with pytest.raises(ml.ConfigError, match="rank_pattern"):     # per-module ranks: unplanned
+        ml.lora(LoraConfig(target_modules=["q_proj"], rank_pattern={"q_proj": 8}))
+    with pytest.raises(ml.ConfigError):           # the policy would not see the model
+        ml.plan(M.build("llama"), ml.lora(LoraConfig(target_modules=["q_proj"]))
+                | ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)), ml.Mesh(tp=2, fake=True))
+
+
+def merge_case(rank, world, layout):
+    """Merging on the sharded model gives the same logits without the adapters' path;
+    unmerging gives the base weights back (within float32 rounding)."""
+    import meshlab as ml
+
+    spec, mesh = _spec(layout, _config(False))
+    model = ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(**mesh), seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    b = M.batches(1, batch=4)[0]
+    ml.step(model, opt, {"input_ids": b.chunk(world)[rank]})     # B is no longer zero
+    x = M.batches(1, batch=2, seed=3)[0]
+    base = {n: M.full(p).detach().clone() for n, p in model.named_parameters()
+            if ".base_layer." in n}
+    with torch.no_grad():
+        before = model(input_ids=x).logits
+        layers = ml.merge_adapters(model)
+        merged = model(input_ids=x).logits
+        changed = sum(not torch.equal(M.full(p), base[n]) for n, p in model.named_parameters()
+                      if n in base)
+        ml.unmerge_adapters(model)
+        after = model(input_ids=x).logits
+    back = max(float((M.full(p) - base[n]).abs().max()) for n, p in model.named_parameters()
+               if n in base)
+    return layers, changed, float((merged - before).abs().max()), \
+        float((after - before).abs().max()), back
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero3"])
+def test_merge_and_unmerge_on_the_sharded_model(world2, layout):
+    for layers, changed, merged, after, back in world2.run(merge_case, layout=layout):
+        assert layers == 3 * LAYERS["num_hidden_layers"] and changed == layers
+        assert merged < 1e-5 and after < 1e-5 and back < 1e-6
+
+
+def test_without_peft_the_error_names_the_install(monkeypatch):
+    import sys
+
+    import meshlab as ml
+
+    monkeypatch.setitem(sys.modules, "peft", None)          # import peft now fails
+    with pytest.raises(ml.ConfigError, match=r"pip install 'meshlab\[lora\]'"):
+        ml.lora(r=4, target_modules=["q_proj"])

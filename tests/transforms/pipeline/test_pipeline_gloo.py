@@ -1,0 +1,170 @@
+"""Pipeline parallelism against the single-process model on gloo processes, and the plan's
+stage table and bubble formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import _models as M
+
+pytestmark = pytest.mark.timeout(900)
+LAYERS = dict(num_hidden_layers=4)
+
+
+def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=3, lr=1e-3,
+            family="llama"):
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    data = M.batches(steps, batch=8)
+    ref, ref_losses, _ = M.reference(family, data, lr, **LAYERS)
+    mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
+    spec = ml.pipeline("pp", schedule=schedule, microbatches=microbatches)
+    if extra == "zero1":
+        spec = spec | ml.zero_shard(1, "dp")
+    elif extra == "tp":
+        spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | spec
+    elif extra == "fuse":
+        spec = spec | ml.fuse("rms_norm", "rotary", "attention")
+    model = ml.parallelize(M.build(family, **LAYERS), spec, mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=lr)
+    rt = model._meshlab
+    dp_rank = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
+    from meshlab.ops import _build
+
+    _build.LAST_PATH.clear()
+    losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[dp_rank]}) for b in data]
+    if extra == "fuse":                  # the stage really ran meshlab's ops
+        ran = {op for op, _ in _build.LAST_PATH}
+        assert {"rms_norm", "rotary", "attention", "attention_backward"} <= ran, ran
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
+                               atol=1e-5, rtol=1e-3)
+    owned = M.assert_weights_match(model, ref)
+    return losses, sorted(owned), len(dict(ref.named_parameters()))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"])
+def test_pp2(world2, schedule):
+    out = world2.run(pp_case, schedule=schedule, mesh_text="pp=2")
+    _check_disjoint(out)
+
+
+def test_pp2_fused_ops(world2):
+    """fuse() inside pipeline stages: each stage's norms, rotary and attention on meshlab's ops."""
+    out = world2.run(pp_case, schedule="1f1b", mesh_text="pp=2", extra="fuse")
+    _check_disjoint(out)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
+def test_pp2_qwen2(world2, schedule):
+    out = world2.run(pp_case, schedule=schedule, mesh_text="pp=2", family="qwen2")
+    _check_disjoint(out)
+
+
+def _check_disjoint(out):
+    names = set(out[0][1]) | set(out[1][1])
+    assert not set(out[0][1]) & set(out[1][1])            # stages hold disjoint parameters
+    assert len(names) == out[0][2]                          # every parameter is somewhere
+
+
+@pytest.mark.parametrize("extra,mesh_text", [("zero1", "pp=2,dp=2"), ("tp", "pp=2,tp=2")])
+def test_pp2_composed(world4, extra, mesh_text):
+    world4.run(pp_case, schedule="1f1b", mesh_text=mesh_text, extra=extra)
+
+
+def test_plan_reports_stages_and_bubble():
+    import meshlab as ml
+    from meshlab.transforms.pipeline import bubble, stages
+
+    model = M.build("llama", num_hidden_layers=8)
+    p = ml.plan(model, ml.pipeline("pp", schedule="interleaved", microbatches=8),
+                ml.Mesh(pp=4, fake=True))
+    st = stages(p)
+    assert [s.rank for s in st] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert sum(len(s.blocks) for s in st) == 8 and st[0].first and st[-1].last
+    assert bubble(p) == pytest.approx(3 / (2 * 8 + 3))
+    p = ml.plan(model, ml.pipeline("pp", schedule="1f1b", microbatches=8), ml.Mesh(pp=4, fake=True))
+    assert bubble(p) == pytest.approx(3 / 11)
+    with pytest.raises(ml.ConfigError, match="cannot fill"):
+        from meshlab.transforms.pipeline import stages as _s
+
+        _s(ml.plan(M.build("llama"), ml.pipeline("pp"), ml.Mesh(pp=4, fake=True)))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbv", "zero_bubble"])
+def test_schedule_picture_and_simulated_bubble(schedule):
+    import meshlab as ml
+    from meshlab.transforms.pipeline import bubble, draw_schedule, simulate, stages
+
+    p = ml.plan(M.build("llama", num_hidden_layers=8),
+                ml.pipeline("pp", schedule=schedule, microbatches=8), ml.Mesh(pp=4, fake=True))
+    pic = draw_schedule(p)
+    assert pic.count("rank ") == 4 and "idle" in pic
+    events = simulate(p)
+    n = len(stages(p))
+    assert sum(1 for e in events if e[3] == "F") == n * 8      # every microbatch, every stage
+    end = max(e[2] for e in events)
+    idle = 1 - sum(e[2] - e[1] for e in events) / (4 * end)
+    if schedule in ("gpipe", "1f1b", "interleaved"):          # the closed forms hold exactly
+        assert idle == pytest.approx(bubble(p))
+    else:
+        assert idle == pytest.approx(bubble(p)) and idle < 3 / 11
+
+
+def p2p_case(rank, world, schedule):
+    import meshlab as ml
+    from meshlab.estimate.comm import CommCounter
+
+    m, B, S, H = 4, 8, 8, 32
+    model = ml.parallelize(M.build("llama", **LAYERS),
+                           ml.pipeline("pp", schedule=schedule, microbatches=m), ml.Mesh(pp=2))
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    batch = {"input_ids": torch.randint(0, 97, (B, S))}
+    ml.step(model, opt, batch)                       # warm-up: shape inference runs once
+    with CommCounter(per_module=False) as cc:
+        ml.step(model, opt, batch)
+    act = (B // m) * S * H * 4                       # one microbatch's hidden states, fp32
+    sends = [c for c in cc.calls if c[0] == "send"]
+    recvs = [c for c in cc.calls if c[0] == "recv"]
+    return (len(sends), sum(c[2] for c in sends), len(recvs), sum(c[2] for c in recvs), act,
+            _host_reads(model, batch))
+
+
+def _host_reads(model, batch) -> int:
+    """The device-to-host reads (``.item()``, ``float(t)``: each a round trip on a GPU)
+    of one pipelined forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshlab.train.step import _default_loss
+    from meshlab.transforms.pipeline._runtime import PipelinePart
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                Reads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    rt = model._meshlab
+    with Reads():
+        rt.part(PipelinePart).forward_backward(rt, batch, _default_loss)
+    return Reads.n
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pipeline_p2p_volume(world2, schedule):
+    """Each stage boundary carries every microbatch's activations forward and their
+    gradients backward: per step, boundaries x m sends of B/m x S x H fp32 each way."""
+    out = world2.run(p2p_case, schedule=schedule)
+    assert [o[5] for o in out] == [1, 1], "one read of the step's loss, none per microbatch"
+    m = 4
+    boundaries = {"1f1b": 1, "interleaved": 3}[schedule]      # stages - 1
+    total_sends = sum(o[0] for o in out)
+    total_bytes = sum(o[1] for o in out)
+    act = out[0][4]
+    assert total_sends == 2 * boundaries * m, out
+    assert total_bytes == 2 * boundaries * m * act, out
+    assert sum(o[2] for o in out) == total_sends and sum(o[3] for o in out) == total_bytes
