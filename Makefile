@@ -19,4 +19,13 @@ test: install
 	$(PY) -m pytest -q -x --timeout=600 --durations=20 --doctest-modules meshlab tests
 	$(PY) -m pytest -q --nbmake --nbmake-timeout=600 notebooks
 
-.PHONY: install demo test
+# The fast tier, for edits: every test recorded under half a second in tests/durations.json
+# that starts no processes (about 1,200 of the suite's 1,700 tests; 85 s on 2 cores).
+test-fast: install
+	$(PY) -m pytest -q -x --timeout=300 -m "not slow and not gpu" --doctest-modules meshlab tests
+
+# Refresh tests/durations.json (commit it) after adding tests.
+durations: install
+	$(PY) -m pytest -q --timeout=600 --doctest-modules --record-durations meshlab tests
+
+.PHONY: install demo test test-fast durations

@@ -30,3 +30,48 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     for t in _BUILDS:
         t.join()
+    if session.config.getoption("--record-durations", default=False):
+        _write_durations()
+
+
+# -- the suite's durations and its fast tier ------------------------------------------
+# tests/durations.json holds the seconds each test took in the last full run (setup, call
+# and teardown), refreshed by `make durations` when tests are added. The fast tier
+# (`make test-fast`, `-m "not slow"`) leaves out every test recorded at FAST_LIMIT seconds
+# or more and every test that starts gloo processes; a test not recorded yet counts as fast.
+DURATIONS = Path(__file__).parent / "tests" / "durations.json"
+FAST_LIMIT = 0.5
+_TIMES: dict = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true",
+                     help="write each test's seconds into tests/durations.json")
+
+
+def _recorded() -> dict:
+    import json
+
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    recorded = _recorded()
+    for item in items:
+        t = recorded.get(item.nodeid)
+        if (t is not None and t >= FAST_LIMIT) or {"world2", "world4"} & set(
+                getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_logreport(report):
+    _TIMES[report.nodeid] = _TIMES.get(report.nodeid, 0.0) + report.duration
+
+
+def _write_durations() -> None:
+    import json
+
+    merged = {**_recorded(), **{k: round(v, 2) for k, v in _TIMES.items()}}
+    DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
