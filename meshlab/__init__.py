@@ -15,7 +15,7 @@ from .core.errors import (MeshlabError as MeshlabError, SpecError as SpecError,
                       RankMismatchError as RankMismatchError, PeerError as PeerError,
                       BatchError as BatchError, NonFiniteError as NonFiniteError)
 from .core.rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
-from .core.mesh import Mesh as Mesh
+from .core.mesh import Mesh as Mesh, AbstractMesh as AbstractMesh
 from .core.context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh
 from .core.placement import to_placements as to_placements, from_placements as from_placements
 from .core.distribute import (distribute as distribute, constrain as constrain,

@@ -208,7 +208,7 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
                 state_dict: Mapping[str, torch.Tensor] | None = None,
                 ctrl_group=None) -> nn.Module:
     """Run the bound ``plan`` on ``model`` over the real ``mesh`` (see the module doc)."""
-    if mesh.fake or not plan.is_bound:
+    if not isinstance(mesh, Mesh) or not plan.is_bound:
         raise ConfigError(f"materialize needs a plan bound to a real Mesh inside launched "
                           f"processes; got {mesh!r}{'' if plan.is_bound else ' and an unbound plan'}")
     if plan.not_runnable:     # what the plan's table shows; nothing has communicated yet

@@ -12,7 +12,7 @@ from ..core.context import current_mesh
 from ..core.agree import agree
 from ..core.errors import ConfigError, MeshError, MeshlabError
 from .materialize import control_group, materialize
-from ..core.mesh import Mesh
+from ..core.mesh import AbstractMesh, Mesh
 from ..transforms._protocol import Transform
 
 
@@ -42,6 +42,11 @@ def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, 
     if mesh is None:
         raise MeshError("parallelize: no mesh given and none is active; pass mesh= or use "
                         "`with mesh:`")
+    if isinstance(mesh, AbstractMesh):
+        raise MeshError(f"parallelize(..., {mesh!r}): an abstract mesh is for planning only; "
+                        f"plan on it with meshlab.plan(model, spec, mesh), and run on a "
+                        f"Mesh({', '.join(f'{n}={s}' for n, s in mesh.shape.items())}) built "
+                        f"inside launched processes (meshlab run --nproc-per-node {mesh.size})")
     ctrl = control_group()
     bound, error = None, None
     try:

@@ -6,7 +6,7 @@ from torch import nn
 
 from ..core.context import current_mesh
 from ..core.errors import ConfigTypeError, MeshError, check_bool
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, MeshBase
 from ..planning.plan import Plan
 from ..planning.trace import trace
 from ..transforms._protocol import Transform
@@ -43,7 +43,7 @@ def check_plan_args(model, spec, mesh, uneven, call: str) -> None:
         raise ConfigTypeError(f"{call}: spec must be a transform such as shard(...) | "
                               f"zero_shard(...), got {type(spec).__name__}; a dict of specs "
                               f"goes into shard({{...}})")
-    if mesh is not None and not isinstance(mesh, Mesh):
+    if mesh is not None and not isinstance(mesh, MeshBase):
         raise MeshError(f"{call}: mesh must be a meshlab.Mesh, e.g. Mesh(dp=2, tp=2, "
                         f"fake=True), got {type(mesh).__name__}")
     check_bool(uneven, call, "uneven")

@@ -21,7 +21,7 @@ from .context import (ModelLayout, current_layout, current_mesh, current_rules,
                        layout_of_mesh, local_region)
 from .errors import (ConfigError, ConfigTypeError, MeshError, RulesError, SpecError,
                       check_bool, check_int)
-from .mesh import Mesh
+from .mesh import Mesh, MeshBase
 from .placement import check_spec, dim_block, from_placements, to_placements
 from .rules import LOGICAL_AXES, Rules, nearest_axis
 from .spec import P
@@ -32,7 +32,7 @@ def _check_common(fn: str, mesh=None, rules=None, x=None, tensor: bool = False) 
     name when it is something else."""
     if tensor and not isinstance(x, torch.Tensor):
         raise ConfigTypeError(f"{fn}: expected a torch.Tensor, got {type(x).__name__}")
-    if mesh is not None and not isinstance(mesh, Mesh):
+    if mesh is not None and not isinstance(mesh, MeshBase):
         raise MeshError(f"{fn}(mesh=...): a meshlab.Mesh such as Mesh(dp=2, tp=2), or None "
                         f"for the active one; got {type(mesh).__name__}")
     if rules is not None and not isinstance(rules, Rules):

@@ -1,8 +1,9 @@
-"""Mesh: named axes over a ``DeviceMesh``, or a fake one for planning.
+"""Meshes: ``Mesh`` (named axes over a ``DeviceMesh``) and ``AbstractMesh`` (for planning).
 
-A real mesh spans the processes that a launcher (``torchrun``, ``meshlab run``, a test
-harness) started: gloo on CPU, NCCL on CUDA. A fake mesh is a shape and nothing else: it
-plans a 16,384-rank job in one process without devices or process groups.
+A ``Mesh`` spans the processes that a launcher (``torchrun``, ``meshlab run``, a test
+harness) started: gloo on CPU, NCCL on CUDA. An ``AbstractMesh`` (``Mesh(..., fake=True)``)
+is a shape and nothing else: it plans a 16,384-rank job in one process without devices or
+process groups, and ``parallelize`` refuses it by its type.
 
 >>> mesh = Mesh(pp=8, dp=16, tp=8, fake=True)
 >>> mesh.size, mesh['tp'].size
@@ -104,50 +105,17 @@ def _checked_axes(axes, sizes: Mapping) -> tuple[tuple[str, int], ...]:
     return tuple((n, int(s)) for n, s in items)
 
 
-class Mesh:
-    """Named mesh axes, major first; real (over started ranks) or ``fake`` (planning only)."""
+class MeshBase:
+    """What every mesh is: named axes, major first, with their sizes and the layout of
+    ranks over them; sub-meshes, flattening, the ``with mesh:`` context and value
+    semantics. Two kinds share it, as in JAX: ``Mesh`` (over launched processes) and
+    ``AbstractMesh`` (a shape for planning, which nothing can run on)."""
 
-    __slots__ = ("_axes", "_fake", "_device_type", "_device_mesh", "_ranks")
-
-    def __init__(self, axes: Mapping[str, int] | None = None, /, *, fake: bool = False,
-                 device_type: str | None = None, _device_mesh=None, _ranks=None,
-                 **sizes: int) -> None:
-        items = _checked_axes(axes, sizes)
-        if not isinstance(fake, bool):
-            raise MeshError(f"Mesh(fake={fake!r}): fake must be True (plan only) or False "
-                            f"(over launched processes)")
-        if device_type is not None and not (isinstance(device_type, str) and device_type):
-            raise MeshError(f"Mesh(device_type={device_type!r}): give a device type such as "
-                            f"'cpu' or 'cuda', or None for the default")
-        set_ = object.__setattr__
-        set_(self, "_axes", items)
-        set_(self, "_fake", fake)
-        set_(self, "_device_type", device_type or ("meta" if fake else _default_device_type()))
-        size = math.prod(s for _, s in items)
-        # None: the row-major layout, computed when asked for (a fake mesh of 2**30 ranks
-        # would otherwise allocate 8 GiB of rank numbers to plan nothing with them).
-        set_(self, "_ranks", _ranks)
-        if fake:
-            set_(self, "_device_mesh", None)
-            return
-        if _device_mesh is None:
-            import torch.distributed as dist
-            from torch.distributed.device_mesh import init_device_mesh
-
-            _init_process_group(self._device_type, size, repr(self))
-            world = dist.get_world_size()
-            if world != size:
-                raise MeshError(
-                    f"{self!r} has {' x '.join(str(s) for _, s in items)} = {size} ranks, but "
-                    f"{world} processes were started; start {size} processes or change the "
-                    f"axis sizes so that their product is {world}"
-                )
-            _device_mesh = init_device_mesh(self._device_type, self.shape_tuple,
-                                            mesh_dim_names=self.axis_names)
-        set_(self, "_device_mesh", _device_mesh)
+    __slots__ = ("_axes", "_device_type", "_device_mesh", "_ranks")
+    fake: bool = False
 
     def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("Mesh is immutable")
+        raise AttributeError(f"{type(self).__name__} is immutable")
 
     # -- description -------------------------------------------------------------------
     @property
@@ -170,10 +138,6 @@ class Mesh:
     @property
     def ndim(self) -> int:
         return len(self._axes)
-
-    @property
-    def fake(self) -> bool:
-        return self._fake
 
     @property
     def device_type(self) -> str:
@@ -219,27 +183,12 @@ class Mesh:
                          zip(index, self.shape_tuple, strides) if isinstance(i, slice)])
         return np.asarray(offset + sum(grids, np.int64(0)))
 
-    @property
-    def device_mesh(self):
-        """The ``torch.distributed.DeviceMesh`` behind a real mesh."""
-        if self._device_mesh is None:
-            raise MeshError(
-                f"{self!r} is fake (planning only) and has no DeviceMesh; build a real Mesh "
-                f"inside launched processes to run on it"
-            )
-        return self._device_mesh
-
-    @property
-    def rank(self) -> int:
-        """This process's global rank (0 for a fake mesh)."""
-        if self._fake:
-            return 0
-        import torch.distributed as dist
-
-        return dist.get_rank()
+    def _like(self, axes: dict, ranks, device_mesh) -> "MeshBase":
+        """A mesh of this kind over ``axes`` (a sub-mesh or a flattened one)."""
+        raise NotImplementedError
 
     # -- slicing -----------------------------------------------------------------------
-    def __getitem__(self, names) -> "Mesh":
+    def __getitem__(self, names) -> "MeshBase":
         """``mesh['tp']`` (one axis), ``mesh['dp', 'tp']`` (a sub-mesh over those axes)."""
         if not isinstance(names, (str, tuple, list)):
             raise MeshError(f"{self!r}[{names!r}]: index a mesh by axis names, e.g. "
@@ -247,8 +196,8 @@ class Mesh:
         names = (names,) if isinstance(names, str) else tuple(names)
         return self.sub(*names)
 
-    def sub(self, *names: str) -> "Mesh":
-        """The sub-mesh over ``names`` that contains this rank (rank 0 when fake)."""
+    def sub(self, *names: str) -> "MeshBase":
+        """The sub-mesh over ``names`` that contains this rank (rank 0 when abstract)."""
         for n in names:
             self.axis_size(n)
         if len(set(names)) != len(names):
@@ -260,11 +209,11 @@ class Mesh:
         # keep the requested axis order
         order = sorted(range(len(names)), key=lambda i: dims[i])
         ranks = np.transpose(ranks, [order.index(i) for i in range(len(names))])
-        dm = None if self._fake else self._device_mesh[names if len(names) > 1 else names[0]]
-        return Mesh({n: self.axis_size(n) for n in names}, fake=self._fake,
-                    device_type=self._device_type, _device_mesh=dm, _ranks=ranks)
+        dm = None if self._device_mesh is None else \
+            self._device_mesh[names if len(names) > 1 else names[0]]
+        return self._like({n: self.axis_size(n) for n in names}, ranks, dm)
 
-    def flatten(self, *names: str, name: str | None = None) -> "Mesh":
+    def flatten(self, *names: str, name: str | None = None) -> "MeshBase":
         """This mesh with adjacent axes ``names`` merged into one (default name ``a_b``)."""
         if len(names) < 2:
             raise MeshError(f"flatten needs at least two axes, got {names}")
@@ -293,16 +242,15 @@ class Mesh:
         # Merging adjacent axes keeps a row-major layout row-major.
         ranks = None if self._ranks is None else self._ranks.reshape([axes[n] for n in axes])
         dm = None
-        if not self._fake:
+        if self._device_mesh is not None:
             dm_flat = self._device_mesh[names]._flatten(new)
             keep = [n for n in axes]
             root = dm_flat._get_root_mesh() if hasattr(dm_flat, "_get_root_mesh") else None
             dm = root[tuple(keep)] if root is not None and len(keep) > 1 else dm_flat
-        return Mesh(axes, fake=self._fake, device_type=self._device_type,
-                    _device_mesh=dm, _ranks=ranks)
+        return self._like(axes, ranks, dm)
 
     # -- context -----------------------------------------------------------------------
-    def __enter__(self) -> "Mesh":
+    def __enter__(self) -> "MeshBase":
         cm = _context.use_mesh(self)
         cm.__enter__()
         _STACK.append(cm)
@@ -313,23 +261,122 @@ class Mesh:
 
     # -- value semantics ---------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, Mesh) and self._axes == other._axes
-                and self._fake == other._fake and (
-                    self._ranks is None and other._ranks is None
-                    or np.array_equal(self.ranks, other.ranks)))
+        return (type(other) is type(self) and self._axes == other._axes and (
+            self._ranks is None and other._ranks is None
+            or np.array_equal(self.ranks, other.ranks)))
 
     def __hash__(self) -> int:
-        return hash((self._axes, self._fake))
+        return hash((self._axes, self.fake))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.axis_names)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{n}={s}" for n, s in self._axes)
-        return f"Mesh({body}, fake=True)" if self._fake else f"Mesh({body})"
+        return f"Mesh({body}, fake=True)" if self.fake else f"Mesh({body})"
+
+
+class AbstractMesh(MeshBase):
+    """A mesh that is a shape and nothing else (JAX's ``AbstractMesh``): it plans a
+    16,384-rank job in one process, without devices or process groups, and nothing can be
+    materialized on it. ``Mesh(..., fake=True)`` builds one; its repr pastes back as that.
+
+    >>> m = AbstractMesh(dp=2, tp=2)
+    >>> m == Mesh(dp=2, tp=2, fake=True), isinstance(m, Mesh), m.rank
+    (True, False, 0)
+    """
+
+    __slots__ = ()
+    fake = True
+
+    def __init__(self, axes: Mapping[str, int] | None = None, /, *,
+                 device_type: str | None = None, _ranks=None, **sizes: int) -> None:
+        items = _checked_axes(axes, sizes)
+        _check_device_type(device_type)
+        set_ = object.__setattr__
+        set_(self, "_axes", items)
+        set_(self, "_device_type", device_type or "meta")
+        # None: the row-major layout, computed when asked for (a mesh of 2**30 ranks
+        # would otherwise allocate 8 GiB of rank numbers to plan nothing with them).
+        set_(self, "_ranks", _ranks)
+        set_(self, "_device_mesh", None)
+
+    @property
+    def rank(self) -> int:
+        """Rank 0: a planning mesh is seen from its first rank."""
+        return 0
+
+    @property
+    def device_mesh(self):
+        raise MeshError(
+            f"{self!r} is abstract (planning only) and has no DeviceMesh; build a real Mesh "
+            f"inside launched processes to run on it"
+        )
+
+    def _like(self, axes: dict, ranks, device_mesh) -> "AbstractMesh":
+        return AbstractMesh(axes, device_type=self._device_type, _ranks=ranks)
+
+
+class Mesh(MeshBase):
+    """Named mesh axes, major first, over the ranks a launcher started (gloo on CPU, NCCL
+    on CUDA). ``Mesh(..., fake=True)`` returns an ``AbstractMesh`` (planning only)."""
+
+    __slots__ = ()
+
+    def __new__(cls, axes: Mapping[str, int] | None = None, /, *, fake: bool = False,
+                device_type: str | None = None, _device_mesh=None, _ranks=None,
+                **sizes: int):
+        if not isinstance(fake, bool):
+            raise MeshError(f"Mesh(fake={fake!r}): fake must be True (plan only) or False "
+                            f"(over launched processes)")
+        if fake:
+            return AbstractMesh(axes, device_type=device_type, _ranks=_ranks, **sizes)
+        return super().__new__(cls)
+
+    def __init__(self, axes: Mapping[str, int] | None = None, /, *, fake: bool = False,
+                 device_type: str | None = None, _device_mesh=None, _ranks=None,
+                 **sizes: int) -> None:
+        items = _checked_axes(axes, sizes)
+        _check_device_type(device_type)
+        set_ = object.__setattr__
+        set_(self, "_axes", items)
+        set_(self, "_device_type", device_type or _default_device_type())
+        set_(self, "_ranks", _ranks)
+        if _device_mesh is None:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+
+            size = math.prod(s for _, s in items)
+            _init_process_group(self._device_type, size, repr(self))
+            world = dist.get_world_size()
+            if world != size:
+                raise MeshError(
+                    f"{self!r} has {' x '.join(str(s) for _, s in items)} = {size} ranks, but "
+                    f"{world} processes were started; start {size} processes or change the "
+                    f"axis sizes so that their product is {world}"
+                )
+            _device_mesh = init_device_mesh(self._device_type, self.shape_tuple,
+                                            mesh_dim_names=self.axis_names)
+        set_(self, "_device_mesh", _device_mesh)
+
+    @property
+    def device_mesh(self):
+        """The ``torch.distributed.DeviceMesh`` behind this mesh."""
+        return self._device_mesh
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def _like(self, axes: dict, ranks, device_mesh) -> "Mesh":
+        return Mesh(axes, device_type=self._device_type, _device_mesh=device_mesh,
+                    _ranks=ranks)
 
     @classmethod
-    def parse(cls, text: str, *, fake: bool = True) -> "Mesh":
+    def parse(cls, text: str, *, fake: bool = True) -> MeshBase:
         """``Mesh.parse('pp=8,dp=16,tp=8')`` (the CLI's ``--mesh`` syntax)."""
         if not isinstance(text, str):
             raise MeshError(f"Mesh.parse({text!r}): give the mesh as text, e.g. 'dp=16,tp=8'")
@@ -343,6 +390,12 @@ class Mesh:
                 raise MeshError(f"--mesh {text!r}: axis {name!r} is given twice")
             axes[name] = int(size)
         return cls(axes, fake=fake)
+
+
+def _check_device_type(device_type) -> None:
+    if device_type is not None and not (isinstance(device_type, str) and device_type):
+        raise MeshError(f"Mesh(device_type={device_type!r}): give a device type such as "
+                        f"'cpu' or 'cuda', or None for the default")
 
 
 _STACK: list = []

@@ -20,7 +20,7 @@ def _check_args(dataset, mesh, batch_size, axes, model, plan, shuffle, seed,
     from torch import nn
 
     from ..core.errors import ConfigTypeError, MeshError, check_bool, check_int, check_names
-    from ..core.mesh import Mesh
+    from ..core.mesh import MeshBase
     from ..planning.plan import Plan
 
     call = "dataloader"
@@ -28,7 +28,7 @@ def _check_args(dataset, mesh, batch_size, axes, model, plan, shuffle, seed,
         raise ConfigTypeError(f"{call}: dataset must be a map-style dataset (with __len__ and "
                               f"__getitem__, e.g. meshlab.data.TextDataset), got "
                               f"{type(dataset).__name__}")
-    if mesh is not None and not isinstance(mesh, Mesh):
+    if mesh is not None and not isinstance(mesh, MeshBase):
         raise MeshError(f"{call}: mesh must be a meshlab.Mesh (or None with model=), got "
                         f"{type(mesh).__name__}")
     check_int(batch_size, call, "batch_size", example=8)

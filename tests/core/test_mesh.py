@@ -259,3 +259,20 @@ def test_use_mesh_with_rules():
         assert ml.current_mesh() is mesh
         assert current_rules() is rules
     assert ml.current_mesh() is None and current_rules() is None
+
+
+def test_abstract_mesh_is_its_own_type_and_cannot_run():
+    """A planning mesh is an ``AbstractMesh`` (JAX's split): it plans, and ``parallelize``
+    refuses it by its type before any process group is needed."""
+    from meshlab import AbstractMesh, MeshError
+    from tests import _models as M
+
+    m = Mesh(dp=2, tp=2, fake=True)
+    assert type(m) is AbstractMesh and not isinstance(m, Mesh)
+    assert AbstractMesh(dp=2, tp=2) == m and m.flatten("dp", "tp") == AbstractMesh(dp_tp=4)
+    assert type(m["tp"]) is AbstractMesh and m.rank == 0
+    with pytest.raises(MeshError, match="no DeviceMesh"):
+        m.device_mesh
+    assert ml.plan(M.build("llama"), ml.zero_shard(3, ("dp", "tp")), m).runnable
+    with pytest.raises(MeshError, match="abstract mesh is for planning only"):
+        ml.parallelize(M.build("llama"), ml.zero_shard(3, "dp"), AbstractMesh(dp=1))
