@@ -215,13 +215,20 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         raise ConfigError(plan.not_runnable[0])
     ctrl = ctrl_group if ctrl_group is not None else control_group()
     ctx = Install(model=model, plan=plan, mesh=mesh, ctrl_group=ctrl)
+    # 1. Before any weight exists, each room says what it needs of the initialization
+    #    (tensor parallelism: shard each module as soon as it is initialized).
     for t in plan.rooms:
         t.prepare(ctx)
+    # 2. The weights, module by module from the seed (the single process's values); the
+    #    whole model never exists on one rank.
     _initialize(ctx, seed, state_dict)
-    # Plain tensors (initialized on the CPU, as in one process) move once sharding is done.
+    # 3. The rooms that change the parameters themselves (adapters, tensor parallelism), on
+    #    the CPU where the values were made.
     for t in [t for t in plan.rooms if t.phase <= Phase.SHARD]:
         ctx.parts.append(t.install(ctx))
+    # 4. Plain tensors move to the mesh's device once: the DTensors are there already.
     _to_device(model, mesh_device(mesh))
+    # 5. Every other room in phase order (``Phase`` says why each comes where it does).
     for t in [t for t in plan.rooms if t.phase > Phase.SHARD]:
         ctx.parts.append(t.install(ctx))
     ctx.parts[:] = [p for p in ctx.parts if p is not None]
