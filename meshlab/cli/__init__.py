@@ -256,10 +256,10 @@ def cmd_plan(args) -> int:
         console.print(str(p.get(ExpertRoute).load(p, batch=args.batch, seq=args.seq)))
     if args.offload:
         from ..transforms import Offload
+        from ..transforms.offload import Choice
 
-        off = p.get(Offload)
-        console.print(off.choice(p).describe())
-        console.print(str(off.step_cost(p)))
+        console.print(p.decision(Choice).describe())       # what bind selected
+        console.print(str(p.get(Offload).step_cost(p)))
     if args.json:
         with open(args.json, "w") as f:
             f.write(p.to_json(indent=1))

@@ -189,13 +189,53 @@ def _option_from_json(d: Mapping) -> Any:
     return option_type(d.get("kind")).from_json(d)
 
 
+# What the rooms decide at bind time (``Transform.decide``): frozen values with
+# ``to_json()`` and a ``from_json(d)`` classmethod, written into JSON under the name they
+# are registered by, as transform options are.
+_DECISION_TYPES: dict[str, type] = {}
+_DECISION_NAMES: dict[type, str] = {}
+
+
+def register_decision(name: str, cls: type) -> None:
+    """Make ``cls`` (a room's decision type) writable to and readable from plan JSON under
+    ``name``; one name per type."""
+    known = _DECISION_TYPES.get(name)
+    # the same type again (its module reloaded) takes the name over; another type may not
+    if known is not None and known.__qualname__ != cls.__qualname__:
+        raise PlanError(f"register_decision({name!r}, {cls.__qualname__}): the name is taken "
+                        f"by {known.__qualname__}; register the decision under another name")
+    _DECISION_TYPES[name] = cls
+    _DECISION_NAMES[cls] = name
+
+
+def _decision_to_json(d: Any) -> dict:
+    name = _DECISION_NAMES.get(type(d))
+    if name is None:
+        raise PlanError(f"the plan holds a decision of type {type(d).__qualname__} that is not "
+                        f"registered; call register_decision(name, {type(d).__qualname__}) "
+                        f"where the type is defined")
+    return {"kind": name, "value": d.to_json()}
+
+
+def _decision_from_json(d: Mapping) -> Any:
+    cls = _DECISION_TYPES.get(d.get("kind"))
+    if cls is None:
+        raise PlanError(f"the plan records a decision of kind {d.get('kind')!r} that is not "
+                        f"defined here (known: {sorted(_DECISION_TYPES)}); import the module "
+                        f"of the transform that makes it first")
+    return cls.from_json(d["value"])
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """An immutable table: parameters, activation boundaries, rules and options.
 
     ``options`` are the transform values applied, in order (``plan.get(ZeroShard)``);
-    ``transforms`` their reprs. ``bind`` adds the mesh, the axis ``roles`` and ``rooms``:
-    every transform the plan runs, implied ones included, in install order.
+    ``transforms`` their reprs. ``bind`` adds the mesh, the axis ``roles``, ``rooms``:
+    every transform the plan runs, implied ones included, in install order, and
+    ``decisions``: what those rooms decided for this layout (a pipeline's stages, offload's
+    host set, the experts each rank holds), looked up by type with ``plan.decision(cls)``
+    and read from there by everything downstream.
     """
 
     params: tuple[ParamEntry, ...]
@@ -208,6 +248,7 @@ class Plan:
     uneven: bool = False
     roles: AxisRoles | None = None
     rooms: tuple[Any, ...] = ()
+    decisions: tuple[Any, ...] = ()
     not_runnable: tuple[str, ...] = ()   # why parallelize cannot run this layout, if it cannot
     # The traced module, for the estimates that run it on fake tensors (activations, time)
     # and for fuse()'s probes; not part of the value: never compared, printed or written
@@ -236,6 +277,19 @@ class Plan:
         for t in self.rooms or self.options:
             if isinstance(t, cls):
                 return t
+        return None
+
+    def decision(self, cls: type):
+        """The decision of type ``cls`` a room recorded in ``bind`` (``Transform.decide``),
+        or None where no room of this plan makes one. An unbound plan has no decisions:
+        asking one raises ``PlanError``."""
+        if self.mesh is None:
+            raise PlanError(f"plan.decision({cls.__name__}): this plan is not bound to a mesh, "
+                            f"and the rooms decide at bind time; call plan.bind(mesh) (or "
+                            f"meshlab.plan(model, spec, mesh)) first")
+        for d in self.decisions:
+            if isinstance(d, cls):
+                return d
         return None
 
     def replace(self, **kw) -> "Plan":
@@ -274,11 +328,19 @@ class Plan:
             input=None if a.input is None else rules.resolve(a.input, axes, what=a.module))
             for a in self.activations)
         bound = dataclasses.replace(self, params=out, activations=acts,
-                                    mesh=tuple(sizes.items()), uneven=uneven, rooms=())
+                                    mesh=tuple(sizes.items()), uneven=uneven, rooms=(),
+                                    decisions=())
         roles = derive_roles(bound, sizes)
         rooms = self.options + implied_rooms(bound.replace(roles=roles), roles)
         rooms = tuple(sorted(_unique_rooms(rooms), key=lambda t: t.phase))
         bound = bound.replace(roles=roles, rooms=rooms)
+        # Each room decides once, in install order, seeing what the rooms before it decided
+        # (offload's auto selection reads the memory rows of the rooms before it); the
+        # checks then read those decisions, as does everything after bind.
+        for t in rooms:
+            decided = t.decide(bound)
+            if decided is not None:
+                bound = bound.replace(decisions=bound.decisions + (decided,))
         blocked = [_unused_message(a, sizes[a]) for a in roles.replicated(sizes)]
         for t in rooms:
             try:
@@ -423,6 +485,7 @@ class Plan:
             "uneven": self.uneven,
             "roles": None if self.roles is None else self.roles.to_json(),
             "rooms": [t.to_json() for t in self.rooms],
+            "decisions": [_decision_to_json(x) for x in self.decisions],
             "not_runnable": list(self.not_runnable),
         }
         return json.dumps(d, **dump_kw)
@@ -465,6 +528,7 @@ class Plan:
             uneven=d["uneven"],
             roles=None if d.get("roles") is None else AxisRoles.from_json(d["roles"]),
             rooms=tuple(_option_from_json(o) for o in d.get("rooms", ())),
+            decisions=tuple(_decision_from_json(x) for x in d.get("decisions", ())),
             not_runnable=tuple(d.get("not_runnable", ())),
         )
 

@@ -92,10 +92,23 @@ class Install(_Groups):
     dropped: set[str] = dataclasses.field(default_factory=set)  # blocks run by other ranks
     after_init: list[Callable[[nn.Module], None]] = dataclasses.field(default_factory=list)
     parts: list = dataclasses.field(default_factory=list)
-    state: dict = dataclasses.field(default_factory=dict)   # a room's prepare -> its install
+    # Typed values a room's ``prepare`` leaves for its own ``install`` (or for a room
+    # installed later), one per type: ``keep(value)``, ``kept(cls)``.
+    _kept: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def part(self, cls: type):
         return next((p for p in self.parts if isinstance(p, cls)), None)
+
+    def keep(self, value) -> None:
+        """Keep ``value`` for a later step of this materialize, found by its type."""
+        if type(value) in self._kept:
+            raise ConfigError(f"materialize: a {type(value).__name__} is kept already; each "
+                              f"type is kept once per install (two rooms of one kind?)")
+        self._kept[type(value)] = value
+
+    def kept(self, cls: type):
+        """The value of type ``cls`` a ``prepare`` kept, or None."""
+        return self._kept.get(cls)
 
 
 @dataclasses.dataclass

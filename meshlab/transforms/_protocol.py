@@ -7,6 +7,9 @@ under ``meshlab/transforms/``), written against the hooks below, each optional:
 ``apply(plan)``    the pure plan step, ``Plan -> Plan`` (default: the plan as it is; the
                    transform is recorded in ``plan.options`` either way)
 ``claims(plan)``   the mesh axes it takes, by role: ``{'dp': ('dp',)}``
+``decide(plan)``   what it decides for the bound layout (a frozen value registered with
+                   ``register_decision``), recorded in ``plan.decisions`` before any check
+                   and read everywhere after with ``plan.decision(cls)``
 ``check(plan)``    model-free checks on the bound plan (fake or real mesh alike); raise a
                    ``MeshlabError`` naming the thing and the fix
 ``prepare(ctx)``   before the model is initialized (may add ``ctx.on_module`` and
@@ -147,6 +150,14 @@ class Transform:
 
     def claims(self, plan: Plan) -> Mapping[str, tuple[str, ...]]:
         return {}
+
+    def decide(self, plan: Plan) -> Any:
+        """What this room decides for the bound ``plan`` (which stages run which blocks,
+        which tensors live on the host), or None: ``bind`` records it in
+        ``plan.decisions`` once, before the checks, and every later step reads it with
+        ``plan.decision(cls)`` instead of working it out again. ``plan`` holds the
+        decisions of the rooms before this one in install order."""
+        return None
 
     def check(self, plan: Plan) -> None:
         pass

@@ -23,9 +23,10 @@ from ...planning.plan import Plan
 from ...core.spec import P
 from .._gradsync import Reduction
 from .._protocol import CommOp, Phase, Transform
-from ._layout import ExpertLayout, experts_of
+from ._layout import ExpertLayout, ExpertPlacement, experts_of, place, placement
 
-__all__ = ["ExpertRoute", "ExpertLayout", "ExpertLoad", "expert_route", "experts_of"]
+__all__ = ["ExpertRoute", "ExpertLayout", "ExpertLoad", "ExpertPlacement", "expert_route",
+           "experts_of"]
 
 
 # Families whose expert-parallel training is shown equal to one process (tests/
@@ -59,6 +60,11 @@ class ExpertRoute(Transform):
     def claims(self, plan: Plan):
         return {"ep": (self.axis,)}
 
+    def decide(self, plan: Plan) -> ExpertPlacement:
+        """Where the experts go, once: the experts modules found and the run of experts
+        each rank of ``axis`` holds (``_layout.place``)."""
+        return place(plan, self.axis)
+
     def apply(self, plan: Plan) -> Plan:
         names = {f for x in experts_of(plan) for f in x.params}
         params = tuple(dataclasses.replace(e, spec=P(self.axis, *([None] * (len(e.shape) - 1))))
@@ -66,7 +72,7 @@ class ExpertRoute(Transform):
         return plan.replace(params=params)
 
     def check(self, plan: Plan) -> None:
-        layouts = experts_of(plan)
+        layouts = placement(plan, self).layouts
         if self.axis not in plan.mesh_shape:
             raise ConfigError(f"{self!r}: {self.axis!r} is not a mesh axis "
                               f"{tuple(plan.mesh_shape)}; add it, e.g. Mesh(ep=2)")
@@ -119,7 +125,7 @@ class ExpertRoute(Transform):
         """The dense weights are averaged over ``axis`` (its ranks read different
         tokens); the experts' gradients are complete where they live (scaled by 1/n in
         the forward)."""
-        experts = {f for x in experts_of(plan) for f in x.params}
+        experts = {f for x in placement(plan, self).layouts for f in x.params}
         dense = frozenset(e.fqn for e in plan.params if e.requires_grad and
                           e.fqn not in experts and e.tied_to is None)
         return [Reduction((self.axis,), average=True, names=dense, order=5)]
@@ -130,8 +136,8 @@ class ExpertRoute(Transform):
         the ``tokens * k`` rows away (rows in the experts' dtype)."""
         from ...core.units import dtype_bytes
 
-        n = plan.mesh_shape[self.axis]
-        layouts = experts_of(plan)
+        where = placement(plan, self)
+        n, layouts = where.ranks, where.layouts
         if n == 1 or batch is None or not layouts:
             return []
         k = plan.model.config_get("num_experts_per_tok") or 1
@@ -142,7 +148,7 @@ class ExpertRoute(Transform):
         # per layer: the counts (E int64s), then the rows there and back, each way again
         # in the backward
         return [CommOp("all_to_all", self.axis, layers,
-                       layers * 8 * (experts_of(plan)[0].num_experts if layers else 0)),
+                       layers * 8 * (layouts[0].num_experts if layers else 0)),
                 CommOp("all_to_all", self.axis, 4 * layers, int(4 * layers * per))]
 
     def load(self, plan: Plan, *, batch: int, seq: int) -> "ExpertLoad":
@@ -151,8 +157,8 @@ class ExpertRoute(Transform):
         from ...core.units import dtype_bytes
         from ...core.placement import local_shape
 
-        n = plan.mesh_shape[self.axis]
-        layouts = experts_of(plan)
+        where = placement(plan, self)
+        n, layouts = where.ranks, where.layouts
         k = plan.model.config_get("num_experts_per_tok") or 1
         hidden = plan.model.config_get("hidden_size") or 0
         pairs = batch * seq * k
@@ -169,7 +175,7 @@ class ExpertRoute(Transform):
             away = capacity(self.capacity_factor, pairs, E) * E * (n - 1) / n
         return ExpertLoad(
             layers=len(layouts), experts=layouts[0].num_experts if layouts else 0,
-            per_rank=(layouts[0].num_experts // n) if layouts else 0, expert_bytes=held,
+            per_rank=where.per_rank[0] if layouts else 0, expert_bytes=held,
             pairs=pairs, received=pairs, away=int(away),
             all_to_all_bytes=int(4 * len(layouts) * away * hidden * elem))
 

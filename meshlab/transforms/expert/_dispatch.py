@@ -77,6 +77,12 @@ class EPState:
     stats: EPStats
 
 
+def attach_state(module: nn.Module, st: EPState) -> None:
+    """Give an experts module its expert-parallel setup, which ``ep_experts_forward``
+    (its implementation from now on) reads."""
+    module._meshlab_ep = st
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows to other ranks (``in_splits`` sent, ``out_splits`` received); the backward
     sends the gradients back the same way."""

@@ -8,8 +8,8 @@ from torch import nn
 from ...core.errors import ConfigError
 from .._protocol import Part
 from ._aux import patch_family, scope_forward
-from ._layout import experts_of
-from ._dispatch import IMPL, EPState, EPStats, ep_experts_forward
+from ._layout import placement
+from ._dispatch import IMPL, EPState, EPStats, attach_state, ep_experts_forward
 
 
 def _interface():
@@ -28,7 +28,7 @@ def check_model(t, ctx) -> None:
         raise ConfigError(f"{t!r} needs transformers' ExpertsInterface (transformers >= 5); "
                           f"this is transformers {transformers.__version__}")
     mods = dict(ctx.model.named_modules())
-    for x in experts_of(ctx.plan):
+    for x in placement(ctx.plan, t).layouts:
         m = mods[x.fqn]
         if not hasattr(type(m).forward, "__wrapped__") or not hasattr(m, "config"):
             raise ConfigError(f"{x.fqn} ({x.cls}): not an ExpertsInterface module (no "
@@ -46,8 +46,9 @@ def install_experts(t, ctx):
     stats = EPStats()
     aux = False
     mods = dict(ctx.model.named_modules())
+    where = placement(ctx.plan, t)
     # The experts of this rank's pipeline stage (the others' modules are gone).
-    layouts = [x for x in experts_of(ctx.plan) if x.fqn in mods]
+    layouts = [x for x in where.layouts if x.fqn in mods]
     # What each module ran before: read all first, as modules share one config object.
     before = {x.fqn: mods[x.fqn].config._experts_implementation for x in layouts}
     for x in layouts:
@@ -56,13 +57,14 @@ def install_experts(t, ctx):
             name = fqn.rsplit(".", 1)[-1]
             p = m._parameters[name]
             full = p.detach()
-            local = full.chunk(n, 0)[rank].contiguous()
+            held = where.held(x, rank)              # this rank's run of the experts
+            local = full[held.start:held.stop].contiguous()
             d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
                                    shape=full.shape, stride=full.stride())
             m._parameters[name] = nn.Parameter(d, requires_grad=p.requires_grad)
         prev = before[x.fqn]
-        m._meshlab_ep = EPState(group, n, rank, None if prev == IMPL else prev,
-                                t.capacity_factor, stats)
+        attach_state(m, EPState(group, n, rank, None if prev == IMPL else prev,
+                                t.capacity_factor, stats))
         m.config._experts_implementation = IMPL
         aux = patch_family(type(m)) or aux
     if aux and ctx.dp_group is not None and ctx.dp_size > 1:

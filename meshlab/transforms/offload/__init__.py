@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from ...core.errors import (ConfigError, NotRunnable, check_bool, check_choice, check_int,
-                        check_number)
+from ...core.errors import (ConfigError, NotRunnable, PlanError, check_bool, check_choice,
+                            check_int, check_number)
 from ...planning.plan import Plan
 from .._protocol import Phase, Transform
 from ._estimates import Profile, StepCost, measure_profile, offload_memory, step_cost
@@ -121,7 +121,20 @@ class Offload(Transform):
                          and e.dtype == "float32" and not e.mesh_spec.axes)
 
     def choice(self, plan: Plan) -> Choice:
-        """Which tensors this offload keeps on the host on ``plan`` (bound)."""
+        """Which tensors this offload keeps on the host on ``plan``: what ``bind`` decided
+        (``decide``), read from the bound plan."""
+        got = plan.decision(Choice)
+        if got is None:
+            raise PlanError(f"{self!r}: this plan records no offload selection; bind the spec "
+                            f"that holds {self!r} with plan.bind(mesh) (or meshlab.plan(model, "
+                            f"spec, mesh)), which selects the tensors once")
+        return got
+
+    def decide(self, plan: Plan) -> Choice:
+        """Which tensors this offload keeps on the host on the bound ``plan``, decided once:
+        the static fractions' selection, or (``policy='auto'``) the smallest fractions whose
+        device bytes, after the rooms before this one, fit the budget; 'auto' refuses a
+        budget nothing fits (``OffloadBudgetError``)."""
         stage = self._stage(plan)
         if self.policy == "static":
             return choose(plan, (self.params, self.grads, self.optimizer), zero_stage=stage)
@@ -179,7 +192,6 @@ class Offload(Transform):
                 f"{self!r}: parameters leave the device per FSDP2 unit, which needs "
                 f"zero_shard(3) (on one rank too: zero_shard(3) over a size-1 axis); add it "
                 f"or use params=0")
-        self.choice(plan)                   # 'auto' refuses a budget nothing fits
 
     def memory(self, plan: Plan, rows: list) -> list:
         c = self.choice(plan)
@@ -199,11 +211,15 @@ class Offload(Transform):
         return self.step_cost(plan).seconds or 0.0
 
     def prepare(self, ctx) -> None:
-        """Tell ``zero_shard``'s install what it builds differently: the FSDP2 units that
-        keep their shards on the host, the ZeRO-1 parameters bucketed apart."""
+        """Tell ``zero_shard``'s install what it builds differently (``HostResidency``):
+        the FSDP2 units that keep their shards on the host, the ZeRO-1 parameters bucketed
+        apart."""
+        from ..zero import HostResidency
+
         c = self.choice(ctx.plan)
-        ctx.state["offload.units"] = (c.units, self.pin_memory and ctx.mesh.device_type == "cuda")
-        ctx.state["offload.host"] = c.optimizer
+        ctx.keep(HostResidency(units=c.units,
+                               pinned=self.pin_memory and ctx.mesh.device_type == "cuda",
+                               optimizer_host=c.optimizer))
 
     def install(self, ctx):
         from ._install import install_offload

@@ -21,6 +21,7 @@ import re
 from ...core.units import dtype_bytes
 from ...core.errors import ConfigError
 from ...core.placement import local_shape
+from ...planning.plan import register_decision
 
 _STEPS = 20           # auto tries fractions in steps of 1/20
 
@@ -32,7 +33,8 @@ class OffloadBudgetError(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The resolved selection: FQNs per kind and the fractions they reach."""
+    """The resolved selection: FQNs per kind and the fractions they reach. ``offload``
+    decides it once, in ``bind``; the bound plan records it (``plan.decision(Choice)``)."""
 
     fractions: tuple[float, float, float]         # requested (or chosen) params, grads, optimizer
     params: frozenset[str]
@@ -47,6 +49,20 @@ class Choice:
         got = ", ".join(f"{k}={f:.2f}" for k, f in zip(kinds, self.reached))
         return f"offload: {got} of the trainable bytes in host memory" + (
             f" ({self.auto})" if self.auto else "")
+
+    def to_json(self) -> dict:
+        return {"fractions": list(self.fractions), "params": sorted(self.params),
+                "grads": sorted(self.grads), "optimizer": sorted(self.optimizer),
+                "units": list(self.units), "reached": list(self.reached), "auto": self.auto}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Choice":
+        return cls(tuple(d["fractions"]), frozenset(d["params"]), frozenset(d["grads"]),
+                   frozenset(d["optimizer"]), tuple(d["units"]), tuple(d["reached"]),
+                   d["auto"])
+
+
+register_decision("offload.choice", Choice)
 
 
 def parse_bytes(value, what: str = "offload(budget=...)") -> int:

@@ -29,7 +29,7 @@ from .._protocol import Phase, Transform
 from ..shard._layout import sequence_parallel
 from ..zero import ZeroShard
 from . import _schedule
-from ._schedule import Stage as Stage
+from ._schedule import PipelineStages as PipelineStages, Stage as Stage
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero_bubble": 2, "zbv": 2}
 
@@ -129,6 +129,11 @@ class Pipeline(Transform):
     def claims(self, plan: Plan):
         return {"pp": (self.axis,)}
 
+    def decide(self, plan: Plan) -> PipelineStages:
+        """The stages, once: the blocks split over the pipeline ranks (``_schedule.split``);
+        every other step reads them from the plan (``stages(plan)``)."""
+        return _schedule.split(plan, self)
+
     def check(self, plan: Plan) -> None:
         from ._stage import check_layout, check_untied
 
@@ -145,10 +150,12 @@ class Pipeline(Transform):
     def prepare(self, ctx) -> None:
         from ._runtime import PipelineSetup
 
-        ctx.state["pipeline"] = PipelineSetup(self, ctx)
+        ctx.keep(PipelineSetup(self, ctx))
 
     def install(self, ctx):
-        return ctx.state["pipeline"].build(ctx)
+        from ._runtime import PipelineSetup
+
+        return ctx.kept(PipelineSetup).build(ctx)
 
     def __repr__(self) -> str:
         layers = ("" if self.layers_per_stage is None
@@ -178,7 +185,8 @@ def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
 
 
 def stages(plan: Plan) -> list[Stage]:
-    """The stages of a bound plan with a pipeline: blocks balanced by parameter bytes."""
+    """The stages a bound plan's pipeline runs (as ``bind`` split the blocks, balanced by
+    parameter bytes); none without a pipeline."""
     t = plan.get(Pipeline)
     return [] if t is None else _schedule.stages(plan, t)
 

@@ -23,7 +23,7 @@ import math
 from ...core.units import dtype_bytes
 from ...planning.plan import Plan
 from .._protocol import CommOp
-from ._schedule import boundaries, stage_rank_bytes, stages
+from ._schedule import boundaries, stages
 
 
 def busiest_rank(plan: Plan, opt) -> int:
@@ -35,7 +35,7 @@ def busiest_rank(plan: Plan, opt) -> int:
     def load(r: int):
         mine = [s for s in st if s.rank == r]
         return (sum(len(s.blocks) for s in mine), boundaries(st, r),
-                sum(stage_rank_bytes(plan, s) for s in mine), -r)
+                sum(s.rank_bytes for s in mine), -r)
 
     return max(ranks, key=load)
 

@@ -1,7 +1,8 @@
 """pipeline: split the repeated blocks into stages over a mesh axis.
 
-The plan only records the choice; ``stages(plan)`` (on a bound plan) assigns blocks to
-stages and ranks and ``bubble(plan)`` gives the expected idle fraction:
+``split`` assigns blocks to stages and ranks once, in ``bind`` (``Pipeline.decide``): the
+bound plan records the result (``PipelineStages``) and ``stages(plan, opt)`` reads it
+there. ``bubble(plan)`` gives the expected idle fraction:
 
 * GPipe and 1F1B:           (p - 1) / (m + p - 1)
 * interleaved 1F1B (v > 1): (p - 1) / (v m + p - 1)
@@ -15,25 +16,53 @@ with p pipeline ranks, m microbatches and v stages per rank.
 
 from __future__ import annotations
 
-import collections
-import copy
 import dataclasses
-import functools
 import math
 
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, PlanError
 from ...core.placement import local_shape
 from ...core.names import owner as plan_owner
-from ...planning.plan import Plan, dtype_bytes
+from ...planning.plan import Plan, dtype_bytes, register_decision
+
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
+    """One pipeline stage: its blocks, the pipeline rank that runs it, whether it holds the
+    embeddings (``first``) or the final norm and head (``last``), the bytes of its whole
+    parameters and those one rank of it holds (its local shards, ``rank_bytes``)."""
+
     index: int                 # pipeline stage (chunk) index
     rank: int                  # coordinate on the pipeline axis that runs it
     blocks: tuple[str, ...]
     first: bool
     last: bool
     param_bytes: int
+    rank_bytes: int = 0
+
+    def to_json(self) -> list:
+        return [self.index, self.rank, list(self.blocks), self.first, self.last,
+                self.param_bytes, self.rank_bytes]
+
+    @classmethod
+    def from_json(cls, d: list) -> "Stage":
+        return cls(d[0], d[1], tuple(d[2]), d[3], d[4], d[5], d[6])
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStages:
+    """What ``pipeline`` decided in ``bind``: its stages in order (``split``)."""
+
+    stages: tuple[Stage, ...]
+
+    def to_json(self) -> dict:
+        return {"stages": [s.to_json() for s in self.stages]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PipelineStages":
+        return cls(tuple(Stage.from_json(s) for s in d["stages"]))
+
+
+register_decision("pipeline.stages", PipelineStages)
 
 
 def _rank_of(chunk: int, p: int, v: int, schedule: str) -> int:
@@ -42,32 +71,19 @@ def _rank_of(chunk: int, p: int, v: int, schedule: str) -> int:
     return chunk % p
 
 
-def _per_plan(fn):
-    """Remember ``fn(plan, x)`` for the last few plans (by identity: a plan is immutable)
-    and hashable ``x``; planning asks for a layout's stages and their bytes many times."""
-    memo: collections.OrderedDict = collections.OrderedDict()
-
-    @functools.wraps(fn)
-    def wrapper(plan, x):
-        try:
-            key = (id(plan), x)
-            hit = memo.get(key)
-        except TypeError:                   # an unhashable option: nothing to remember
-            return fn(plan, x)
-        if hit is not None and hit[0] is plan:
-            return copy.copy(hit[1])
-        out = fn(plan, x)
-        memo[key] = (plan, copy.copy(out))
-        if len(memo) > 256:
-            memo.popitem(last=False)
-        return out
-
-    return wrapper
-
-
-@_per_plan
 def stages(plan: Plan, opt) -> list[Stage]:
-    """The stages of a bound plan with a pipeline: blocks balanced by parameter bytes."""
+    """The stages ``bind`` recorded for the bound ``plan`` (``PipelineStages``)."""
+    got = plan.decision(PipelineStages)
+    if got is None:
+        raise PlanError(f"{opt!r}: this plan records no pipeline stages; bind the spec that "
+                        f"holds the pipeline with plan.bind(mesh) (or meshlab.plan(model, "
+                        f"spec, mesh)), which splits the blocks once")
+    return list(got.stages)
+
+
+def split(plan: Plan, opt) -> PipelineStages:
+    """The stages of a bound plan with a pipeline: blocks balanced by parameter bytes (or
+    ``layers_per_stage``), each stage on its rank (``Pipeline.decide``)."""
     p = plan.mesh_shape.get(opt.axis)
     if p is None:
         raise ConfigError(f"pipeline axis {opt.axis!r} is not a mesh axis "
@@ -102,8 +118,9 @@ def stages(plan: Plan, opt) -> list[Stage]:
         start += c
         nb = sum(size[b] for b in bl) + (outside[0] if i == 0 else 0) + \
             (outside[1] if i == n - 1 else 0)
-        out.append(Stage(i, _rank_of(i, p, v, opt.schedule), bl, i == 0, i == n - 1, nb))
-    return out
+        s = Stage(i, _rank_of(i, p, v, opt.schedule), bl, i == 0, i == n - 1, nb)
+        out.append(dataclasses.replace(s, rank_bytes=stage_rank_bytes(plan, s)))
+    return PipelineStages(tuple(out))
 
 
 def rank_rows(plan: Plan, opt, rows: list) -> list:
@@ -142,7 +159,6 @@ def boundaries(st: list, rank: int) -> int:
     return sum(1 for a, b in zip(st, st[1:]) if a.rank != b.rank and rank in (a.rank, b.rank))
 
 
-@_per_plan
 def stage_rank_bytes(plan: Plan, s: Stage) -> int:
     """The parameter bytes one rank of stage ``s`` holds: the local shards of its blocks'
     parameters, of the embeddings on the first stage and of the rest outside the blocks on
@@ -209,7 +225,7 @@ def bubble(plan: Plan, opt) -> float:
 
 def stage_table(plan: Plan, opt):
     """A rich table: each stage's rank, blocks and the parameter bytes one rank of it holds
-    (its local shards, ``stage_rank_bytes``), and the bubble."""
+    (its local shards, ``Stage.rank_bytes``), and the bubble."""
     from rich.table import Table
 
     from ...core.units import fmt_bytes
@@ -221,7 +237,7 @@ def stage_table(plan: Plan, opt):
     for s in stages(plan, opt):
         extra = (" + embeddings" if s.first else "") + (" + norm, head" if s.last else "")
         span = f"{s.blocks[0]} .. {s.blocks[-1].rsplit('.', 1)[-1]} ({len(s.blocks)}){extra}"
-        t.add_row(str(s.index), str(s.rank), span, fmt_bytes(stage_rank_bytes(plan, s)))
+        t.add_row(str(s.index), str(s.rank), span, fmt_bytes(s.rank_bytes))
     return t
 
 

@@ -88,10 +88,10 @@ class Shard(Transform):
 
     def prepare(self, ctx) -> None:
         if ctx.roles.tp is not None:
-            ctx.state["shard"] = _Setup(ctx)
+            ctx.keep(_Setup(ctx))
 
     def install(self, ctx) -> Part | None:
-        setup = ctx.state.get("shard")
+        setup = ctx.kept(_Setup)
         return setup.finish(ctx) if setup is not None else None
 
     def reductions(self, plan: Plan) -> list:

@@ -21,7 +21,7 @@ from .._protocol import Phase, Transform
 from ._estimates import zero_comm, zero_memory, zero_transients
 from .._gradsync import BUCKET_MB, Reduction
 from ..precision import Precision
-from ._install import fsdp_ignored, install_zero
+from ._install import HostResidency as HostResidency, fsdp_ignored, install_zero
 
 
 def _axes(axis, call: str = "zero_shard") -> tuple[str, ...]:

@@ -13,6 +13,18 @@ from ..precision import Precision
 from ._zero1 import Zero1Buffers
 
 
+@dataclasses.dataclass(frozen=True)
+class HostResidency:
+    """What a room that keeps training state in host memory (``offload``) tells this
+    room's install, from its ``prepare``: the FSDP2 ``units`` whose shards stay on the host
+    (``''``: the root), whether those are ``pinned``, and the parameters whose optimizer
+    state lives on the host (``optimizer_host``: ZeRO-1 buckets them apart)."""
+
+    units: tuple[str, ...] = ()
+    pinned: bool = False
+    optimizer_host: frozenset = frozenset()
+
+
 @dataclasses.dataclass
 class FSDPPart(Part):
     """Stages 2/3: FSDP2 reduce-scatters (and averages) the gradients in backward;
@@ -68,7 +80,8 @@ def install_zero(t, ctx) -> Part:
         if size > 1:
             require_mesh_optimizer(ctx.model.parameters(), f"zero_shard(1) keeps its "
                                    f"optimizer state sharded over {'x'.join(t.axis)}")
-        return Zero1Part(group, size, apart=ctx.state.get("offload.host", frozenset()))
+        host = ctx.kept(HostResidency) or HostResidency()     # none kept: nothing on the host
+        return Zero1Part(group, size, apart=host.optimizer_host)
     if t.stage == 0:
         return None                # GradSync averages every gradient (ZeroShard.reductions)
     _fully_shard(t, ctx)
@@ -93,12 +106,13 @@ def _fully_shard(t, ctx) -> None:
     if placement is not None:
         kw["shard_placement_fn"] = placement
     # offload(params=...) names the units whose shards FSDP2 keeps on the host ('' = root).
-    host_units, pin = ctx.state.get("offload.units", ((), False))
-    if host_units:
+    host = ctx.kept(HostResidency) or HostResidency()     # none kept: nothing on the host
+    if host.units:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
     def policy(unit: str) -> dict:
-        return {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if unit in host_units else {}
+        return {"offload_policy": CPUOffloadPolicy(pin_memory=host.pinned)} \
+            if unit in host.units else {}
 
     for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
         fully_shard(mods[b], **kw, **policy(b))
