@@ -38,7 +38,8 @@ for arg in sys.argv[1:]:  # --name=value overrides, as nanoGPT's configurator
     try:
         globals()[name] = type(globals()[name])(value)
     except ValueError:
-        raise SystemExit(f"{arg!r}: {name} takes a {type(globals()[name]).__name__}") from None
+        kind = type(globals()[name]).__name__
+        raise SystemExit(f"{arg!r}: {name} takes a value of type {kind}") from None
 
 torch.manual_seed(seed)
 torch.set_num_threads(1)  # the ranks share the machine's cores
