@@ -1,9 +1,10 @@
 """The canonical state of a model and its optimizer, whatever the parallelism.
 
 Model: parameters keyed by FQN, as DTensors laid out like the model (or plain tensors).
-Optimizer: ``optim.<fqn>.<key>`` tensors shaped and laid out like the parameter — for
-ZeRO-1, whose state lives in flat slices, they are assembled over the data-parallel axis
-for the save and scattered back after the load. DCP then reshards between any two
+Optimizer: ``optim.<fqn>.<key>`` tensors shaped and laid out like the parameter — where a
+runtime part steps tensors of its own (ZeRO-1's flat slices), the part gives them back per
+parameter for the save and cuts them again after the load (``Part.state_to_save``,
+``Part.load_saved_state``). DCP then reshards between any two
 layouts: ZeRO-3 to ZeRO-1, tp=2 to tp=4, or to a single process.
 """
 
@@ -91,6 +92,12 @@ def _params(opt, model: nn.Module | None = None) -> list[tuple[str, nn.Parameter
     return out
 
 
+def _parts(opt) -> tuple:
+    """The runtime parts of a ``MeshOptimizer``'s model (none for a plain optimizer)."""
+    rt = getattr(opt, "rt", None)
+    return rt.parts if rt is not None else ()
+
+
 def has_state(opt) -> bool:
     """Whether the optimizer holds any state yet (AdamW creates it on its first step)."""
     return any(bool(v) for v in getattr(opt, "inner", opt).state.values())
@@ -105,7 +112,7 @@ def ensure_state(opt) -> None:
     inner = getattr(opt, "inner", opt)
     if has_state(opt):
         return
-    targets = list(getattr(opt, "shards", [])) if getattr(opt, "zero1", None) is not None else \
+    targets = [t for part in _parts(opt) for _, t in part.stepped()] or \
         [p for g in inner.param_groups for p in g["params"]]
     saved = [g["lr"] for g in inner.param_groups]
     grads = [p.grad for p in targets]
@@ -153,17 +160,12 @@ def optimizer_state(opt, model: nn.Module | None = None
     """(tensors for DCP, JSON-able rest: param groups and the loss scaler)."""
     inner = getattr(opt, "inner", opt)
     tensors: dict[str, torch.Tensor] = {}
-    z = getattr(opt, "zero1", None)
-    if z is not None:
+    owned = [got for got in (part.state_to_save(inner.state) for part in _parts(opt))
+             if got is not None]
+    if owned:                            # parts step tensors of their own (ZeRO-1)
         names = {id(p): n for n, p in opt.params}
-        for b, shard in zip(z.buckets, z.shards):
-            for key, flat_local in inner.state.get(shard, {}).items():
-                if flat_local.dim() == 0:     # the step counter: the same on every rank
-                    for p in b.params:
-                        tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = flat_local.clone()
-                    continue
-                for p, loc in zip(b.params, z.full_state(flat_local, b)):
-                    tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = _like(p, loc)
+        for p, key, t in (x for got in owned for x in got):
+            tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] = t if t.dim() == 0 else _like(p, t)
     else:
         key_of = getattr(opt, "tensor_of", lambda p: p)        # offload's host masters
         for name, p in _params(opt, model):
@@ -184,16 +186,13 @@ def load_optimizer_state(opt, tensors: dict[str, torch.Tensor], rest: dict[str, 
     (``strict=False``) still hold the current state, so a ZeRO-1 slice that mixes loaded
     and unloaded parameters keeps the current values of the latter."""
     inner = getattr(opt, "inner", opt)
-    z = getattr(opt, "zero1", None)
-    if z is not None:
-        names = {id(p): n for n, p in opt.params}
-        for b, shard in zip(z.buckets, z.shards):
-            for key, flat_local in inner.state.get(shard, {}).items():
-                if flat_local.dim() == 0:
-                    flat_local.copy_(tensors[f"{OPT_PREFIX}{names[id(b.params[0])]}.{key}"])
-                    continue
-                parts = [tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"] for p in b.params]
-                flat_local.copy_(z.slice_state(parts, b, flat_local))
+    names = {id(p): n for n, p in getattr(opt, "params", ())}
+
+    def read(p, key: str) -> torch.Tensor:
+        return tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"]
+
+    # every part loads its own (a list, not any(): none may be skipped)
+    if any([part.load_saved_state(inner.state, read) for part in _parts(opt)]):
         opt.refresh_master()
     groups = rest.get("param_groups")
     if groups is not None:          # check_optimizer made sure they fit

@@ -7,3 +7,16 @@ def local(t):
     """The local shard of a DTensor; any other tensor as it is."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
+
+
+def shard_groups(t) -> tuple:
+    """The process groups over which ``t``'s local data is a disjoint piece (the mesh
+    dimensions a DTensor is sharded over, of size > 1); none for any other tensor."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(t, DTensor):
+        return ()
+    mesh = t.device_mesh
+    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements)
+                 if isinstance(pl, (Shard, _StridedShard)) and mesh.size(i) > 1)

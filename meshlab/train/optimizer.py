@@ -23,11 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import ConfigError, NonFiniteError
-from ..core.tensors import local as _local
+from ..core.tensors import local as _local, shard_groups
 from ..transforms._install import runtime_of
 from ..transforms.precision import PrecisionPart
-from ..transforms.zero._install import Zero1Part
-from ..transforms.zero._zero1 import shard_groups
 
 
 _NONFINITE = (None, "skip", "raise")
@@ -116,20 +114,23 @@ class MeshOptimizer(torch.optim.Optimizer):
         raise ConfigError("a MeshOptimizer holds process groups and cannot be pickled; save "
                           "it with meshlab.checkpoint.save(..., optimizer=opt)")
 
-    # -- ZeRO-1's buffers, for checkpoints and tests -------------------------------------
+    # -- a part's own view of the parameters (ZeRO-1's slices), through ``Part.stepped`` --
     @property
     def zero1(self):
-        """This optimizer's ZeRO-1 buffers (``Zero1Buffers``), or None."""
-        part = self.rt.part(Zero1Part)
-        return part.buffers if part is not None else None
+        """The part whose tensors the inner optimizer steps in place of the parameters
+        (ZeRO-1 over more than one data rank), or None."""
+        return next((part for part in self.rt.parts if part.stepped()), None)
 
     @property
     def buckets(self) -> list:
-        return self.zero1.buckets if self.zero1 is not None else []
+        """The buckets of parameters behind ``shards``, in the same order."""
+        return [b for part in self.rt.parts for b, _ in part.stepped()]
 
     @property
     def shards(self) -> list:
-        return self.zero1.shards if self.zero1 is not None else []
+        """The tensors the inner optimizer steps in place of parameters (ZeRO-1's fp32
+        slices); empty where it steps the parameters themselves."""
+        return [t for part in self.rt.parts for _, t in part.stepped()]
 
     def refresh_master(self) -> None:
         """Copy the parameters into this rank's fp32 master copies (after a load)."""

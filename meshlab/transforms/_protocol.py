@@ -73,9 +73,11 @@ class Part:
 
     What the backward does to the gradients is declared on the transform
     (``Transform.reductions``; ``GradSync`` runs it). ``sync_grads`` is for what only
-    ``meshlab.optimizer`` can do (ZeRO-1's reduce-scatter into its fp32 slices), run in ``order``. The other hooks
-    let a part own the optimizer's view of the parameters (ZeRO-1), add groups to the
-    gradient norm (pipeline), or run the whole step (pipeline schedules).
+    ``meshlab.optimizer`` can do (ZeRO-1's reduce-scatter into its fp32 slices), run in
+    ``order``. The other hooks let a part own the optimizer's view of the parameters
+    (ZeRO-1: ``optimizer_params``, ``stepped``, and for checkpoints ``state_to_save`` and
+    ``load_saved_state``), add groups to the gradient norm (pipeline), or run the whole
+    step (pipeline schedules).
     """
 
     order: ClassVar[int] = 0
@@ -88,6 +90,26 @@ class Part:
     def optimizer_params(self, params: list) -> list | None:
         """The tensors the inner optimizer updates instead of ``params`` (or None)."""
         return None
+
+    def stepped(self) -> list:
+        """``[(bucket, tensor)]``: each tensor the inner optimizer steps in place of model
+        parameters (ZeRO-1: this rank's fp32 slice of a bucket) with the bucket of
+        parameters it stands for (``bucket.params``); empty where the optimizer steps the
+        parameters themselves."""
+        return []
+
+    def state_to_save(self, state: Mapping) -> list | None:
+        """``[(parameter, key, tensor)]``: the inner optimizer's ``state`` of the tensors
+        this part steps (``stepped``), given back per model parameter for a checkpoint
+        (shaped like the parameter's local block, or a scalar such as the step count);
+        None where this part steps no tensors of its own."""
+        return None
+
+    def load_saved_state(self, state: Mapping, read) -> bool:
+        """Write a checkpoint's per-parameter state (``read(parameter, key)``, as
+        ``state_to_save`` gave it) into the inner optimizer's ``state`` of the tensors this
+        part steps; False where it steps none."""
+        return False
 
     def make_optimizer(self, opt, cls: type, kwargs: dict, tensors: list):
         """The inner optimizer over ``tensors`` (what ``optimizer_params`` chose), or None

@@ -91,8 +91,8 @@ class OffloadPart(Part):
         device_kwargs = adamw_family(cls, kwargs)
         hyper = {k: v for k, v in kwargs.items() if k not in device_kwargs}
         self._check_host_memory(opt)
-        if self.zero1 and opt.zero1 is not None:
-            tensors = self._zero1_entries(opt.zero1, tensors)
+        if self.zero1 and opt.shards:
+            tensors = self._zero1_entries(opt, tensors)
         else:
             tensors = [self._entry(n, p) if n in self.choice.optimizer else p
                        for n, p in opt.params]
@@ -119,11 +119,11 @@ class OffloadPart(Part):
         self.by_param[id(p)] = e
         return e.master
 
-    def _zero1_entries(self, z, tensors: list) -> list:
-        """ZeRO-1: the fp32 slices of the host buckets move to the host; ``Zero1Buffers``
-        reduce-scatters into them and all-gathers from them."""
+    def _zero1_entries(self, opt, tensors: list) -> list:
+        """ZeRO-1: the fp32 slices of the host buckets (``opt.buckets``, ``opt.shards``)
+        move to the host; ZeRO-1 reduce-scatters into them and all-gathers from them."""
         names = {id(p): n for n, p in self.params.items()}
-        for b, shard in zip(z.buckets, z.shards):
+        for b, shard in zip(opt.buckets, opt.shards):
             fq = [names[id(p)] for p in b.params]
             if fq[0] not in self.choice.optimizer:
                 continue
@@ -207,7 +207,7 @@ class OffloadPart(Part):
         clipping see and scale what the CPU AdamW reads)."""
         if not self.entries or self.zero1:
             return items
-        from ..zero._zero1 import shard_groups
+        from ...core.tensors import shard_groups
 
         out = list(items)
         for e in self.entries:

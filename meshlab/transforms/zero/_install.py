@@ -73,6 +73,41 @@ class Zero1Part(Part):
         if self.buffers is not None:
             self.buffers.refresh_master()
 
+    def stepped(self) -> list:
+        """Each bucket with this rank's fp32 slice of it (none on one data rank)."""
+        if self.buffers is None:
+            return []
+        return list(zip(self.buffers.buckets, self.buffers.shards))
+
+    def state_to_save(self, state) -> list | None:
+        """The slices' optimizer state gathered over the data axis into each parameter's
+        local block (the step count, the same on every rank, once per parameter)."""
+        z = self.buffers
+        if z is None:
+            return None
+        out = []
+        for b, shard in zip(z.buckets, z.shards):
+            for key, flat_local in state.get(shard, {}).items():
+                if flat_local.dim() == 0:
+                    out += [(p, key, flat_local.clone()) for p in b.params]
+                else:
+                    out += [(p, key, loc) for p, loc in zip(b.params, z.full_state(flat_local, b))]
+        return out
+
+    def load_saved_state(self, state, read) -> bool:
+        """Each slice's optimizer state cut from its parameters' loaded blocks."""
+        z = self.buffers
+        if z is None:
+            return False
+        for b, shard in zip(z.buckets, z.shards):
+            for key, flat_local in state.get(shard, {}).items():
+                if flat_local.dim() == 0:
+                    flat_local.copy_(read(b.params[0], key))
+                else:
+                    flat_local.copy_(z.slice_state([read(p, key) for p in b.params], b,
+                                                   flat_local))
+        return True
+
 
 def install_zero(t, ctx) -> Part:
     group, size = ctx.group(*t.axis), ctx.size(*t.axis)

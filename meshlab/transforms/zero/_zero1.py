@@ -1,8 +1,9 @@
 """ZeRO-1's flat buffers: one per (dtype, tensor-parallel sharding) bucket of parameters,
 each data-parallel rank owning a contiguous slice that its optimizer updates in fp32.
 
-The optimizer (``sync``, ``gather``) and the checkpoint code (``state``/``load``) share
-this one type.
+The optimizer runs them through ``Zero1Part`` (``sync``, ``gather``); checkpoints save
+and load their state through the same part's ``Part`` hooks (``full_state``,
+``slice_state``).
 """
 
 from __future__ import annotations
@@ -14,19 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...core.collectives import all_gather_into, reduce_scatter_into
-from ...core.tensors import local as _local
-
-
-def shard_groups(t) -> tuple:
-    """The process groups over which ``t``'s local data is a disjoint piece."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if not isinstance(t, DTensor):
-        return ()
-    mesh = t.device_mesh
-    return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements)
-                 if isinstance(pl, (Shard, _StridedShard)) and mesh.size(i) > 1)
+from ...core.tensors import local as _local, shard_groups
 
 
 class Bucket(NamedTuple):
