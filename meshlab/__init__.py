@@ -18,8 +18,12 @@ from .core.rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
 from .core.mesh import Mesh as Mesh, AbstractMesh as AbstractMesh
 from .core.context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh
 from .core.placement import to_placements as to_placements, from_placements as from_placements
-from .core.distribute import (distribute as distribute, constrain as constrain,
-                          shard_map as shard_map, spec_of as spec_of)
+from .core.distribute import distribute as distribute, constrain as constrain, spec_of as spec_of
+from .core.shard_map import shard_map as shard_map
+from .core.named import (psum as psum, pmean as pmean, pmax as pmax, pmin as pmin,
+                         all_gather as all_gather, psum_scatter as psum_scatter,
+                         ppermute as ppermute, all_to_all as all_to_all,
+                         axis_index as axis_index, axis_size as axis_size)
 from .core.visualize import visualize as visualize, typeof as typeof, type_string as type_string
 from .planning.plan import Plan as Plan, ParamEntry as ParamEntry, ActivationEntry as ActivationEntry
 from .planning.trace import trace as trace

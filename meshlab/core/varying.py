@@ -1,0 +1,204 @@
+"""Which mesh axes a value inside ``shard_map``'s function varies along, and the gradient
+rule that follows from it (JAX's device-variance types, JEP 17111).
+
+Inside the function every rank computes on its own blocks. A value is *varying* along a
+mesh axis when the ranks of that axis may hold different values (an input split over the
+axis, anything computed from one), *invariant* otherwise (an input its spec replicates
+over the axis, a value the function closes over, the result of ``psum``). When an op mixes
+an invariant operand with one varying along axis ``a``, JAX inserts ``pbroadcast`` (a
+no-op whose transpose is a ``psum``) on the invariant one; this module does the same:
+
+    w (invariant) * x (varying along 'dp')  ->  pvary(w, 'dp') * x
+
+so the gradient reaching ``w`` is summed over ``'dp'``: the gradient of the global
+computation, as in one process. ``Region`` is the running call's mesh and the axes it
+tracks; ``VaryingMode`` (a ``TorchFunctionMode`` active while the function runs) marks
+each op's outputs with the union of its operands' axes and inserts ``pvary`` where an
+operand with ``requires_grad`` lacks some of them.
+
+Inside a parallelized model the data-parallel axes are not tracked (every rank runs its
+own batch there and the optimizer averages gradients over them), and on the local-shard
+path a tensor the function closes over counts as varying (a tensor-parallel module's
+weight is a local view there, not a replicated value), so only declared inputs get the
+rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+_VMA = "_meshlab_vma"          # the attribute a tensor inside the function keeps its axes in
+
+
+@dataclasses.dataclass
+class Region:
+    """The ``shard_map`` call running now: its DeviceMesh, the axes whose variance is
+    tracked, and what a tensor without a mark counts as (``unmarked``: the empty set,
+    invariant, or every tracked axis)."""
+
+    dm: Any
+    tracked: frozenset
+    unmarked: frozenset
+    name: str
+    suspended: bool = False
+    # marks are (token, axes): a mark another call left on a tensor counts as none here
+    token: int = dataclasses.field(default_factory=lambda: next(_TOKENS))
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(self.dm.mesh_dim_names)
+
+    def group(self, axis: str):
+        return self.dm.get_group(self.axes.index(axis))
+
+    def size(self, axis: str) -> int:
+        return self.dm.size(self.axes.index(axis))
+
+    def index(self, axis: str) -> int:
+        return self.dm.get_local_rank(self.axes.index(axis))
+
+
+_TOKENS = itertools.count()
+_REGION: contextvars.ContextVar["Region | None"] = contextvars.ContextVar(
+    "meshlab_shard_map_region", default=None)
+
+
+def current_region() -> Region | None:
+    return _REGION.get()
+
+
+def vma(t: torch.Tensor, region: Region | None = None) -> frozenset:
+    """The axes ``t`` varies along in the running function (``region``'s default for a
+    tensor it never saw)."""
+    region = region or current_region()
+    if region is None:
+        return frozenset()
+    got = getattr(t, _VMA, None)
+    if got is not None and got[0] == region.token:
+        return got[1]
+    return region.unmarked
+
+
+def mark(t: Any, axes: frozenset, region: Region | None = None) -> Any:
+    """Record that tensor ``t`` varies along ``axes`` in the running call; returns ``t``."""
+    region = region or current_region()
+    if isinstance(t, torch.Tensor) and region is not None:
+        try:
+            setattr(t, _VMA, (region.token, frozenset(axes)))
+        except (AttributeError, RuntimeError):      # a tensor that takes no attributes
+            pass
+    return t
+
+
+@contextlib.contextmanager
+def suspended():
+    """Run collectives' own tensor code without the mode marking it."""
+    region = current_region()
+    if region is None or region.suspended:
+        yield
+        return
+    region.suspended = True
+    try:
+        yield
+    finally:
+        region.suspended = False
+
+
+def _sum_over(g: torch.Tensor, groups: tuple) -> torch.Tensor:
+    g = g.contiguous().clone()
+    for grp in groups:
+        dist.all_reduce(g, group=grp)
+    return g
+
+
+class _PVary(torch.autograd.Function):
+    """``pbroadcast``: the identity, whose transpose sums the cotangent over ``groups``."""
+
+    @staticmethod
+    def forward(ctx, x, groups):
+        ctx.groups = groups
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _sum_over(g, ctx.groups), None
+
+
+def pvary(x: torch.Tensor, axes, region: Region | None = None) -> torch.Tensor:
+    """``x`` marked varying along ``axes`` as well; its gradient is summed over them."""
+    region = region or current_region()
+    new = frozenset(axes) - vma(x, region)
+    if not new:
+        return x
+    with suspended():
+        groups = tuple(region.group(a) for a in region.axes if a in new)
+        out = _PVary.apply(x, groups) if x.requires_grad and torch.is_grad_enabled() else x
+    if out is x:
+        out = x.view_as(x) if x.requires_grad else x
+    return mark(out, vma(x, region) | new, region)
+
+
+# Functions whose results are not values of the computation (shapes, dtypes, the tensor's
+# attributes): no mark, no pbroadcast.
+_PASS = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.__len__,
+         torch.Tensor.element_size, torch.Tensor.is_contiguous, torch.Tensor.stride,
+         torch.Tensor.data_ptr, torch.Tensor.__repr__, torch.Tensor.__format__,
+         torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__}
+
+
+class VaryingMode(TorchFunctionMode):
+    """Active while ``shard_map``'s function runs: every op's tensor outputs are marked
+    with the union of its operands' axes, and an operand that needs a gradient and lacks
+    some of them goes through ``pvary`` first (see the module doc)."""
+
+    def __init__(self, region: Region):
+        super().__init__()
+        self.region = region
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        region = self.region
+        if region.suspended or func in _PASS:
+            return func(*args, **kwargs)
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if not leaves:
+            return func(*args, **kwargs)
+        axes = [vma(t, region) for t in leaves]
+        union = frozenset().union(*axes) & region.tracked
+        name = getattr(func, "__name__", "")
+        inplace = name.endswith("_") or name == "__setitem__" or "out" in kwargs
+        lacking = [t for t, a in zip(leaves, axes) if a != union and t.requires_grad
+                   and not isinstance(t, DTensor)]
+        if union and not inplace and torch.is_grad_enabled() and lacking:
+            swap = {id(t): pvary(t, union, region) for t in lacking}
+            args, kwargs = tree_map(lambda v: swap.get(id(v), v) if isinstance(
+                v, torch.Tensor) else v, (args, kwargs))
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                mark(t, union | (vma(t, region) if t is leaves[0] and inplace else frozenset()),
+                     region)
+        return out
+
+
+@contextlib.contextmanager
+def region(dm, tracked, *, unmarked_varying: bool, name: str):
+    """Run a ``shard_map`` function: the region is current and the mode is on."""
+    tracked = frozenset(tracked)
+    r = Region(dm, tracked, tracked if unmarked_varying else frozenset(), name)
+    token = _REGION.set(r)
+    try:
+        with VaryingMode(r):
+            yield r
+    finally:
+        _REGION.reset(token)
