@@ -193,16 +193,25 @@ class HandAttention(torch.nn.Module):
         self.q, self.k, self.v, self.o = (torch.nn.Linear(dim, dim, bias=False)
                                           for _ in range(4))
         self.core = causal_attention
+        heads = P("batch", "heads", None, None)
         if core == "shard_map":     # the core over heads, each rank on its own
-            heads = P("batch", "heads", None, None)
             self.core = ml.shard_map(sdpa_attention, in_specs=(heads,) * 3, out_specs=heads)
+        if core == "shard_map_temperature":   # and a learnable temperature, replicated
+            self.temperature = torch.nn.Parameter(torch.empty(()))
+            self.core = ml.shard_map(lambda q, k, v, t: sdpa_attention(q * t, k, v),
+                                     in_specs=(heads,) * 3 + (P(),), out_specs=heads)
+
+    def reset_parameters(self):
+        if getattr(self, "temperature", None) is not None:
+            torch.nn.init.constant_(self.temperature, 1.5)
 
     def forward(self, x):
         B, S, _ = x.shape
         q = self.q(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        y = self.core(q, k, v).transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
+        extra = (self.temperature,) if getattr(self, "temperature", None) is not None else ()
+        y = self.core(q, k, v, *extra).transpose(1, 2).reshape(B, S, self.n_heads * self.head_dim)
         return self.o(y)
 
 

@@ -21,7 +21,7 @@ from ..core.mesh import Mesh
 from ..planning.plan import Plan
 from ..core.tensors import local as _local
 from ..transforms._gradsync import GradSync, bucket_mb, plan_reductions
-from ..transforms._install import Install, Runtime, mesh_device
+from ..transforms._install import Install, Runtime, attach_runtime, mesh_device
 from ..transforms._protocol import Phase
 
 
@@ -232,10 +232,11 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     for t in [t for t in plan.rooms if t.phase > Phase.SHARD]:
         ctx.parts.append(t.install(ctx))
     ctx.parts[:] = [p for p in ctx.parts if p is not None]
-    model._meshlab = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl,
-                             grad_sync=_grad_sync(ctx))
-    _forward_in_context(model, model._meshlab)
-    _check_vocabulary(model, model._meshlab)
+    rt = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl,
+                 grad_sync=_grad_sync(ctx))
+    attach_runtime(model, rt)
+    _forward_in_context(model, rt)
+    _check_vocabulary(model, rt)
     return model
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.errors import ConfigError, ConfigTypeError
+from ..transforms._install import runtime_of, runtime_or_none
 from ._args import UnsupportedArgument
 from ._base import Plugin
 from ._common import Stack
@@ -161,7 +162,7 @@ class Booster:
         from ..apply.plan import plan as make_plan
         from ..core.mesh import Mesh
 
-        rt = getattr(model, "_meshlab", None)
+        rt = runtime_or_none(model)
         if rt is not None:
             return rt.plan
         mesh = (self.plugin.mesh if world_size is None
@@ -181,7 +182,7 @@ class Booster:
 
         if not isinstance(model, nn.Module):
             raise ConfigTypeError(f"boost(model=...): an nn.Module, got {type(model).__name__}")
-        if getattr(model, "_meshlab", None) is not None:
+        if runtime_or_none(model) is not None:
             raise ConfigError("boost: this model was boosted (or parallelized) already; build "
                               "a fresh model to boost again")
         if lr_scheduler is not None and optimizer is None:
@@ -209,8 +210,8 @@ class Booster:
             from rich.console import Console
 
             c = Console()
-            c.print(model._meshlab.plan.table())
-            c.print(model._meshlab.plan.memory())
+            c.print(runtime_of(model).plan.table())
+            c.print(runtime_of(model).plan.memory())
         return [model, new_opt, criterion, dataloader, lr_scheduler]
 
     # -- the step ---------------------------------------------------------------------
@@ -234,7 +235,7 @@ class Booster:
         'outputs': the last stage's logits (there; None elsewhere)}``."""
         from ..transforms.pipeline._runtime import PipelinePart
 
-        rt = getattr(model, "_meshlab", None)
+        rt = runtime_or_none(model)
         part = rt.part(PipelinePart) if rt is not None else None
         if part is None:
             raise ConfigError(f"execute_pipeline: this model runs no pipeline ({self.plugin!r});"
@@ -297,7 +298,7 @@ class Booster:
                                       bnb_quantization_config, "quantized (QLoRA) bases are "
                                       "not implemented", "meshlab.lora(config) on a bf16 base "
                                       "(precision('bf16'))")
-        if getattr(model, "_meshlab", None) is not None:
+        if runtime_or_none(model) is not None:
             raise ConfigError("enable_lora: call it before boost (the adapters are part of "
                               "the plan boost runs)")
         if not self.plugin.support_lora():
@@ -383,7 +384,7 @@ def _broadcast_state(model: nn.Module) -> None:
 def _buffer_broadcast(model: nn.Module) -> None:
     """Before each forward, every buffer from data-parallel rank 0 of this rank's group
     (DDP's ``broadcast_buffers``)."""
-    rt = model._meshlab
+    rt = runtime_of(model)
     group = rt.dp_group
     if group is None or rt.dp_size == 1:
         return

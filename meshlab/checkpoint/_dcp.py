@@ -34,6 +34,7 @@ from ._inflight import IN_FLIGHT, Pending, background_group, wait
 from ._load import LoadReport as LoadReport, load as load
 from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank, world
 from ._safe import CheckpointError
+from ..transforms._install import runtime_or_none
 
 
 def _fault(point: str) -> None:
@@ -120,7 +121,7 @@ def _start(path, tmp, model, scheduler, extra, dataloader, overwrite, keep_last,
 
 def _meta(model, scheduler, extra, dataloader) -> dict:
     meta: dict[str, Any] = {"format": FORMAT, "world_size": world(), "time": time.time()}
-    rt = getattr(model, "_meshlab", None)
+    rt = runtime_or_none(model)
     if rt is not None:
         meta["mesh"] = dict(rt.mesh.shape)
         meta["transforms"] = list(rt.plan.transforms)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..core.agree import agree as _agree
 from ..core.errors import PeerError, RankMismatchError
+from ..transforms._install import runtime_or_none
 from ._safe import CheckpointError, CheckpointMismatchError, CheckpointPeerError
 
 
@@ -33,7 +34,7 @@ def world() -> int:
 
 def ctrl_group(model):
     """The model's gloo control group (None: the default group, or no group at all)."""
-    rt = getattr(model, "_meshlab", None)
+    rt = runtime_or_none(model)
     return getattr(rt, "ctrl_group", None) if rt is not None else None
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from ._safe import CheckpointError
 from ..core.tensors import local as _local
+from ..transforms._install import runtime_or_none
 
 OPT_PREFIX = "optim."
 
@@ -36,7 +37,7 @@ def _like(param, local: torch.Tensor):
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    if getattr(model, "_meshlab", None) is not None and dist.is_initialized():
+    if runtime_or_none(model) is not None and dist.is_initialized():
         sd = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=False))
         params = dict(model.named_parameters())
         for fqn, master in _masters(model).items():      # offload's fp32 masters
@@ -45,25 +46,31 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict().items()}
 
 
+def _parts_of(model: nn.Module) -> tuple:
+    """The runtime parts of a parallelized model (none for any other)."""
+    rt = runtime_or_none(model)
+    return rt.parts if rt is not None else ()
+
+
 def _masters(model: nn.Module) -> dict[str, torch.Tensor]:
     """FQN -> the fp32 master that holds a parameter's value where the device keeps only
     a compute-dtype copy (``offload`` on one rank under bf16)."""
     out: dict[str, torch.Tensor] = {}
-    for part in getattr(getattr(model, "_meshlab", None), "parts", ()):
+    for part in _parts_of(model):
         out.update(part.model_state())
     return out
 
 
 def refresh_masters(model: nn.Module) -> None:
     """After a model load: master copies kept by parts (offload) agree with it again."""
-    for part in getattr(getattr(model, "_meshlab", None), "parts", ()):
+    for part in _parts_of(model):
         part.refresh_master()
 
 
 def set_model_state(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    if getattr(model, "_meshlab", None) is not None and dist.is_initialized():
+    if runtime_or_none(model) is not None and dist.is_initialized():
         masters = _masters(model)
         set_model_state_dict(model, {k: v for k, v in sd.items() if k not in masters},
                              options=StateDictOptions(strict=strict and not masters))

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..transforms._install import runtime_of
+
 ADAPTER = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
 
@@ -53,7 +55,7 @@ def _adapter(n: str) -> bool:
 
 
 def _lora_config(model):
-    t = next((t for t in model._meshlab.plan.rooms if getattr(t, "kind", "") == "lora"), None)
+    t = next((t for t in runtime_of(model).plan.rooms if getattr(t, "kind", "") == "lora"), None)
     if t is None:
         from ..core.errors import ConfigError
 

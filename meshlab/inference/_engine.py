@@ -35,7 +35,9 @@ from torch import nn
 from ..core.errors import ConfigError, ConfigTypeError
 from ..core.placement import mesh_repr
 from ..ops.paged_attention import layout
+from ..transforms._install import runtime_of, runtime_or_none
 from ._config import InferenceConfig, window_blocks
+from ._merge import merged_of
 from ._paged import Blocks, PagedBatch, PagedCache, place, register, running
 from ._sampling import choose
 
@@ -122,14 +124,14 @@ class InferenceEngine:
         lines = [f"InferenceEngine({type(m).__name__}, {dtype} on {self.device}, "
                  f"max_batch_size={cfg.max_batch_size}",
                  f"  paged cache: {self.cache.num_blocks} blocks of {cfg.block_size} tokens"]
-        rt = getattr(m, "_meshlab", None)
+        rt = runtime_or_none(m)
         if rt is not None:
             lines.append(f"  parallelized over {mesh_repr(rt.plan.mesh_shape)}"
                          + (", pipelined: stages in turn" if self.pipe is not None else ""))
         if self.graphs is not None:
             lines.append(f"  decode steps as CUDA graphs, batch buckets "
                          f"{self.graphs.buckets}")
-        kernels, merged = getattr(m, "_meshlab_kernels", None), getattr(m, "_meshlab_merged", None)
+        kernels, merged = getattr(m, "_meshlab_kernels", None), merged_of(m)
         if kernels is not None:
             lines.append(f"  meshlab kernels: {kernels.counts()}")
         if merged is not None:
@@ -481,10 +483,10 @@ def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:
         raise ConfigError(f"InferenceEngine: {type(model).__name__} is not a transformers "
                           f"model (set_attn_implementation); the engine routes its attention "
                           f"to the paged cache through transformers' AttentionInterface")
-    rt = getattr(model, "_meshlab", None)
+    rt = runtime_or_none(model)
     if rt is None and cfg.tp_size > 1:
         model = _parallelize(model, cfg.tp_size, policy)
-        rt = model._meshlab
+        rt = runtime_of(model)
     if rt is not None:
         _check_plan(rt, cfg)
     if any(p.is_floating_point() and p.dtype != cfg.dtype for p in model.parameters()):
@@ -506,7 +508,7 @@ def _fuse_kernels(model: nn.Module, rt, cfg: InferenceConfig) -> None:
     to meshlab's fused ops (Triton on CUDA, C++ on the CPU), each routing probed first;
     the ops this model has none of are skipped (``model._meshlab_kernels`` says which
     were routed), none at all is refused; merge each layer's query/key/value and
-    gate/up projections into one product each (``_merge``, ``model._meshlab_merged``);
+    gate/up projections into one product each (``_merge``, ``merged_of(model)``);
     and let the rotary embedding look its angles up in a table of every position a
     request can reach (``_merge.table_rotary``)."""
     from ..transforms.fuse import fuse_model, refusals
@@ -524,9 +526,9 @@ def _fuse_kernels(model: nn.Module, rt, cfg: InferenceConfig) -> None:
                           f"has nothing meshlab's kernels route: " +
                           "; ".join(f"{op}: {why}" for op, why in refused.items()))
     model._meshlab_kernels = fuse_model(model, ops)
-    merge_projections(model)
+    merged = merge_projections(model)
     positions = cfg.max_input_len + cfg.max_output_len + cfg.max_n_spec_tokens + 1
-    model._meshlab_merged.tables = table_rotary(model, positions, cfg.dtype)
+    merged.tables = table_rotary(model, positions, cfg.dtype)
 
 
 def _beam_search(engine, cfg: InferenceConfig):
@@ -545,7 +547,7 @@ def _graphs(engine, cfg: InferenceConfig, model: nn.Module):
     if engine.device.type != "cuda":
         raise ConfigError(f"InferenceConfig(use_cuda_graph=True): the model is on "
                           f"{engine.device}; CUDA graphs need it on a GPU")
-    if getattr(model, "_meshlab", None) is not None:
+    if runtime_or_none(model) is not None:
         raise ConfigError("InferenceConfig(use_cuda_graph=True) on a parallelized model: "
                           "decode graphs are built for a model on one GPU; leave "
                           "use_cuda_graph off under tp, zero_shard or pipeline")
@@ -561,7 +563,7 @@ def _graphs(engine, cfg: InferenceConfig, model: nn.Module):
 
 def _pipeline_decoder(model: nn.Module):
     """The stages of a pipelined model as the engine runs them, or None."""
-    rt = getattr(model, "_meshlab", None)
+    rt = runtime_or_none(model)
     if rt is None:
         return None
     from ..transforms.pipeline._runtime import PipelinePart

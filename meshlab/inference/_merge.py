@@ -35,7 +35,7 @@ rotary contiguous and the values go to the cache as they are.
 And :func:`table_rotary` gives rotary-embedding modules a table of their angles (the
 engine calls it with the positions a request can reach).
 
-What the model routes is in ``model._meshlab_merged`` (:class:`Merged`).
+What the model routes is in ``merged_of(model)`` (:class:`Merged`).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops import _build
-from ..transforms.fuse._hf import _gate_kind
-from ..transforms.fuse._residual import Handoff, _bare_linear, _probe_layer, norm_eps
+from ..transforms.fuse.shared import (Handoff, bare_linear, gate_kind, layer_routed, norm_eps,
+                                      norm_rule, probe_layer, set_norm_rule)
 from ._paged import current_batch
 
 
@@ -160,7 +160,7 @@ def _merge_qkv(m: nn.Module, report: Merged) -> bool:
     if not all(isinstance(p, nn.Linear) for p in projs):
         return False
     q = projs[0]
-    if not all(_bare_linear(p, q.weight.dtype, bias=True) and p.in_features == q.in_features
+    if not all(bare_linear(p, q.weight.dtype, bias=True) and p.in_features == q.in_features
                and (p.bias is None) == (q.bias is None) for p in projs):
         return False
     q._meshlab_group = _Group(projs, report)
@@ -172,7 +172,7 @@ def _merged_mlp_forward(self, x: Tensor, residual: Tensor | None = None) -> Tens
     from ..ops.swiglu import geglu, swiglu
 
     a, b = decode_linear(x, self._meshlab_gate_up).chunk(2, -1)
-    act = (swiglu if _gate_kind(self) == "swiglu" else geglu)(a, b)
+    act = (swiglu if gate_kind(self) == "swiglu" else geglu)(a, b)
     if residual is None:
         return self.down_proj(act)
     d = self.down_proj
@@ -180,10 +180,10 @@ def _merged_mlp_forward(self, x: Tensor, residual: Tensor | None = None) -> Tens
 
 
 def _merge_gate_up(m: nn.Module) -> bool:
-    if _gate_kind(m) is None or not hasattr(m, "gate_proj"):   # gate_up_proj: merged already
+    if gate_kind(m) is None or not hasattr(m, "gate_proj"):   # gate_up_proj: merged already
         return False
     g, u = m.gate_proj, m.up_proj
-    if not (_bare_linear(g, g.weight.dtype) and _bare_linear(u, g.weight.dtype)
+    if not (bare_linear(g, g.weight.dtype) and bare_linear(u, g.weight.dtype)
             and g.weight.shape == u.weight.shape):
         return False
     m._meshlab_gate_up, _ = _fuse_weights([g, u])
@@ -219,13 +219,13 @@ def _decode_layer_ready(m: nn.Module) -> bool:
     """A layer fuse routed (its middle add in ``add_rms_norm``) whose query/key/value and
     gate/up products are merged here, with a bare down projection and a routed input norm
     of no weight offset."""
-    if not getattr(m, "_meshlab_layer", False):
+    if not layer_routed(m):
         return False
-    rule = getattr(m.input_layernorm, "_meshlab_norm", None)
+    rule = norm_rule(m.input_layernorm)
     q, mlp = getattr(m.self_attn, "q_proj", None), m.mlp
     return (rule is not None and not rule.offset and hasattr(q, "_meshlab_group")
             and hasattr(mlp, "_meshlab_gate_up")
-            and _bare_linear(mlp.down_proj, mlp.down_proj.weight.dtype, bias=True))
+            and bare_linear(mlp.down_proj, mlp.down_proj.weight.dtype, bias=True))
 
 
 def _route_layers(model: nn.Module, report: Merged) -> None:
@@ -236,12 +236,12 @@ def _route_layers(model: nn.Module, report: Merged) -> None:
         cls = type(m).__name__
         if cls not in probed:
             def prepare(clone, m=m):
-                clone.input_layernorm._meshlab_norm = m.input_layernorm._meshlab_norm
+                set_norm_rule(clone.input_layernorm, norm_rule(m.input_layernorm))
                 _merge_qkv(clone.self_attn, Merged())
                 _merge_gate_up(clone.mlp)
 
             with torch.random.fork_rng(devices=()):     # building the copy draws weights
-                probed[cls] = _probe_layer(m, _decode_layer_forward, prepare)
+                probed[cls] = probe_layer(m, _decode_layer_forward, prepare)
         if probed[cls] is None:
             m.forward = types.MethodType(_decode_layer_forward, m)
             report.layers.append(name)
@@ -300,9 +300,14 @@ def merge_projections(model: nn.Module) -> Merged:
             report.gate_up.append(name)
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear) and not getattr(m, "_meshlab_merged_part", False) \
-                and "forward" not in vars(m) and _bare_linear(m, m.weight.dtype, bias=True):
+                and "forward" not in vars(m) and bare_linear(m, m.weight.dtype, bias=True):
             m.forward = types.MethodType(_linear_forward, m)
             report.linear.append(name)
     _route_layers(model, report)
     model._meshlab_merged = report
     return report
+
+
+def merged_of(model: nn.Module) -> Merged | None:
+    """What :func:`merge_projections` routed in ``model``, or None where it did not run."""
+    return getattr(model, "_meshlab_merged", None)

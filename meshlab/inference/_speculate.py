@@ -24,6 +24,7 @@ import dataclasses
 from torch import nn
 
 from ..core.errors import ConfigError
+from ..transforms._install import runtime_or_none
 
 
 def spec_tokens(engine, drafter: nn.Module, k: int | None) -> int:
@@ -126,7 +127,7 @@ def _check(engine, drafter: nn.Module) -> None:
     if any(p.device != engine.device for p in drafter.parameters()):
         raise ConfigError(f"enable_spec_dec: put the drafter on {engine.device}, where the "
                           f"model is")
-    if getattr(drafter, "_meshlab", None) is not None:
+    if runtime_or_none(drafter) is not None:
         raise ConfigError("enable_spec_dec: the drafter runs whole on every rank; give it "
                           "unparallelized")
 

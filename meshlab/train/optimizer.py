@@ -24,6 +24,7 @@ from torch import nn
 
 from ..core.errors import ConfigError, NonFiniteError
 from ..core.tensors import local as _local, shard_groups
+from ..transforms._gradsync import mark_mesh_optimizer
 from ..transforms._install import runtime_of
 from ..transforms.precision import PrecisionPart
 
@@ -72,7 +73,7 @@ class MeshOptimizer(torch.optim.Optimizer):
             self.inner = part.make_optimizer(self, cls, kwargs, tensors) or self.inner
         if self.inner is None:
             self.inner = cls(tensors, **kwargs)
-        self.inner._meshlab_inner = True
+        mark_mesh_optimizer(self.inner)
         self.defaults = self.inner.defaults
         self.last_grad_norm: float | None = None
         self.steps = 0                  # step() calls, skipped ones included

@@ -16,6 +16,7 @@ from ..core.agree import agree
 from ..core.errors import ConfigError, MeshlabError, check_int
 from .optimizer import MeshOptimizer
 from ..transforms._install import runtime_of
+from ..transforms.fuse import fused_loss_of
 
 
 def _split(batch, k: int) -> list:
@@ -147,7 +148,7 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     collector alone, as does a collector the caller has turned off.
     """
     rt = runtime_of(model)
-    fused = getattr(model, "_meshlab_fused_loss", False)
+    fused = fused_loss_of(model)
     mbs, error = None, None
     try:
         _check_optimizer(opt, rt)

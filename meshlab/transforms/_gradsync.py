@@ -223,6 +223,12 @@ def require_mesh_optimizer(params, why: str) -> None:
         register_optimizer_step_pre_hook(_refuse_plain)
 
 
+def mark_mesh_optimizer(opt) -> None:
+    """Mark ``opt`` as an optimizer ``meshlab.optimizer`` drives (its inner one, or
+    offload's device half): it may step parameters ``require_mesh_optimizer`` marked."""
+    opt._meshlab_inner = True
+
+
 def _refuse_plain(opt, args, kwargs) -> None:
     from ..core.errors import ConfigError
 

@@ -146,8 +146,20 @@ class Runtime(_Groups):
         return tuple(sorted(self.parts, key=lambda p: p.order))
 
 
+# The runtime rides on the model it runs, under this one attribute, set and read only here.
+def attach_runtime(model: nn.Module, rt: Runtime) -> None:
+    """Give a materialized model its ``Runtime`` (``materialize``'s last step)."""
+    model._meshlab = rt
+
+
+def runtime_or_none(model: nn.Module) -> Runtime | None:
+    """The ``Runtime`` of a model ``parallelize`` ran, or None for any other model."""
+    return getattr(model, "_meshlab", None)
+
+
 def runtime_of(model: nn.Module) -> Runtime:
-    rt = getattr(model, "_meshlab", None)
+    """The ``Runtime`` of a model ``parallelize`` ran; ``ConfigError`` for any other."""
+    rt = runtime_or_none(model)
     if rt is None:
         raise ConfigError("this model was not parallelized by meshlab; call "
                           "meshlab.parallelize(model, spec, mesh) first")

@@ -316,6 +316,11 @@ def _positional_names(model) -> list[str]:
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def guard_of_model(model) -> VocabGuard | None:
+    """The vocabulary guard ``guard_model`` gave ``model``, or None."""
+    return getattr(model, _GUARD, None)
+
+
 def guard_model(model, group, *, agreed: bool, pipelined: bool, tp_axis: str | None) -> None:
     """Check every forward's token ids and labels against ``model``'s vocabulary.
 

@@ -153,6 +153,15 @@ def test_shard_mapped_attention_core_matches_one_process(world4):
     world4.run(hand_case, core="shard_map")
 
 
+def test_a_replicated_parameter_in_a_shard_mapped_core_gets_the_whole_gradient(world4):
+    """A learnable temperature passed to the attention core as P() meets this rank's heads
+    only: its gradient is summed over tp (JAX's transpose of the broadcast), so every rank
+    holds one process's gradient and the replicas stay equal."""
+    out = world4.run(hand_case, core="shard_map_temperature", dtype="float64",
+                     tols=(1e-10, 1e-10) * 3)
+    assert all(o["losses"] == out[0]["losses"] for o in out)
+
+
 def test_disagreeing_specs_run_in_dtensor_mode(world4):
     """Only q split, up split with down whole: DTensor redistributes, the run is exact."""
     world4.run(hand_case, specs="mixed")

@@ -19,6 +19,7 @@ from ..pipeline import Pipeline
 from ..sequence import Sequence
 from ._hf import FUSABLE as FUSABLE, NORMS as NORMS, causal_lm_loss as causal_lm_loss
 from ._hf import fuse as fuse_model, fused_labels as fused_labels, refusals
+from ._hf import fused_loss_of as fused_loss_of
 
 
 @dataclasses.dataclass(frozen=True)

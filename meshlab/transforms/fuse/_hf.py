@@ -62,7 +62,8 @@ import torch
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
-from ._residual import _bare_linear, _is_dtensor, norm_eps, probe_close, route_layers
+from ._residual import (_bare_linear, _is_dtensor, norm_eps, norm_rule, probe_close, route_layers,
+                        set_norm_rule)
 from ._rotary import _find_rotary, _route_rotary
 
 FUSABLE = ("rms_norm", "rotary", "attention", "mlp", "loss")
@@ -123,7 +124,7 @@ def _norm_rule(m: nn.Module) -> Norm | None:
 def _fused_norm_forward(self, hidden_states: Tensor) -> Tensor:
     from ...ops.rms_norm import rms_norm
 
-    rule: Norm = self._meshlab_norm
+    rule: Norm = norm_rule(self)
     w = self.weight
     if rule.offset:
         w = w.float() + rule.offset
@@ -140,7 +141,7 @@ def _probe_norm(m: nn.Module, rule: Norm) -> None:
                                 (0.0 if rule.offset else 1.0))
     x = torch.randn(3, h, generator=g)
     want = type(m).forward(clone, x)
-    clone._meshlab_norm = rule
+    set_norm_rule(clone, rule)
     got = _fused_norm_forward(clone, x)
     probe_close(got, want, type(m).__name__, "leave 'rms_norm' out of fuse(ops=...) "
                  "or add the class to meshlab.transforms.fuse.NORMS with its epsilon attribute")
@@ -154,7 +155,7 @@ def _find_norms(model: nn.Module) -> list[tuple[str, nn.Module, Norm | None]]:
         rule = _norm_rule(m)
         if rule is None:
             continue
-        if getattr(m, "_meshlab_norm", None) is not None:      # routed before
+        if norm_rule(m) is not None:                           # routed before
             found.append((name, m, None))
             continue
         if type(m) not in probed:
@@ -167,7 +168,7 @@ def _find_norms(model: nn.Module) -> list[tuple[str, nn.Module, Norm | None]]:
 def _route_norms(model: nn.Module, found) -> list[str]:
     for _, m, rule in found:
         if rule is not None:
-            m._meshlab_norm = rule
+            set_norm_rule(m, rule)
             m.forward = types.MethodType(_fused_norm_forward, m)
     return [name for name, _, _ in found]
 
@@ -343,12 +344,17 @@ def _route_loss(model: nn.Module, found) -> list[str]:
     return [name]
 
 
+def fused_loss_of(model: nn.Module) -> bool:
+    """Whether ``model``'s head returns the causal-LM loss (``fuse('loss')`` routed it)."""
+    return getattr(model, "_meshlab_fused_loss", False)
+
+
 def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
     """Next-token loss of ``model`` on ``batch`` (``input_ids``, optional ``labels``,
     other model inputs) through the fused head: ``batch['labels']`` (or ``input_ids``)
     shifted by one, ``ignore_index`` not counted. Equal to meshlab.transforms.losses.causal_lm_loss
     of the unfused model's output."""
-    if not getattr(model, "_meshlab_fused_loss", False):
+    if not fused_loss_of(model):
         raise ConfigError(f"{type(model).__name__} has no fused loss; call "
                           f"meshlab.transforms.fuse.fuse_model(model, ops=('loss',)) first")
     labels = batch.get("labels", batch["input_ids"])

@@ -51,9 +51,27 @@ def probe_close(got: Tensor, want: Tensor, what: str, fix: str) -> None:
                           f"(relative difference {err:.1e} on a probe); {fix}")
 
 
+# What fuse routed rides on the modules themselves, under attributes set and read only in
+# this file: a norm's rule (``Norm``, what ``meshlab::rms_norm`` reads of it) and the mark
+# of a decoder layer given the fused residual add.
+def norm_rule(m: nn.Module):
+    """The rule (``Norm``) of a norm module fuse routed, or None."""
+    return getattr(m, "_meshlab_norm", None)
+
+
+def set_norm_rule(m: nn.Module, rule) -> None:
+    """Route norm module ``m`` by ``rule`` (its forward reads it through ``norm_rule``)."""
+    m._meshlab_norm = rule
+
+
+def layer_routed(m: nn.Module) -> bool:
+    """Whether decoder layer ``m`` runs the fused residual add (``route_layers``)."""
+    return getattr(m, "_meshlab_layer", False)
+
+
 def norm_eps(m: nn.Module) -> float:
     """The epsilon of a routed RMS norm module, read from the attribute its rule names."""
-    return float(getattr(m, m._meshlab_norm.eps))
+    return float(getattr(m, norm_rule(m).eps))
 
 
 class _SharedInput(torch.autograd.Function):
@@ -197,7 +215,7 @@ def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor
     if args:
         return type(self).forward(self, hidden_states, *args, **kwargs)
     first = self.input_layernorm
-    rule = getattr(first, "_meshlab_norm", None)
+    rule = norm_rule(first)
     if rule is not None and not rule.offset:
         normed, residual = rms_norm_fork(hidden_states, first.weight, norm_eps(first))
     else:
@@ -219,7 +237,7 @@ def _layer_fusable(m: nn.Module) -> bool:
     room, such as tensor parallelism's, to keep)."""
     if not all(isinstance(getattr(m, a, None), nn.Module) for a in _LAYER):
         return False
-    rule = getattr(m.post_attention_layernorm, "_meshlab_norm", None)
+    rule = norm_rule(m.post_attention_layernorm)
     return rule is not None and not rule.offset and "forward" not in vars(m)
 
 
@@ -244,11 +262,10 @@ def _probe_layer(m: nn.Module, forward=_fused_layer_forward, prepare=None) -> st
         with torch.no_grad():
             for p in clone.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.ndim == 1 else 0))
-        norm = clone.post_attention_layernorm
-        norm._meshlab_norm = getattr(m.post_attention_layernorm, "_meshlab_norm")
-        first = getattr(m.input_layernorm, "_meshlab_norm", None)
+        set_norm_rule(clone.post_attention_layernorm, norm_rule(m.post_attention_layernorm))
+        first = norm_rule(m.input_layernorm)
         if first is not None:
-            clone.input_layernorm._meshlab_norm = first
+            set_norm_rule(clone.input_layernorm, first)
         ang = torch.randn(2, 5, 4, generator=g)
         ang = torch.cat([ang, ang], -1)
         kw = dict(attention_mask=None, position_ids=torch.arange(5)[None].expand(2, 5),
@@ -281,7 +298,7 @@ def route_layers(model: nn.Module) -> tuple[list[str], dict[str, str]]:
     probe the fused forward; returns the layers routed and, by class, why others were not."""
     routed, why = [], {}
     for name, m in model.named_modules():
-        if getattr(m, "_meshlab_layer", False):
+        if layer_routed(m):
             routed.append(name)
             continue
         if not _layer_fusable(m):

@@ -14,6 +14,7 @@ import torch
 
 from ...core.errors import ConfigError
 from ...ops.cpu_adam import CPUAdamW
+from .._gradsync import mark_mesh_optimizer
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 _DEVICE_ONLY = ("foreach", "fused", "capturable", "differentiable")
@@ -60,7 +61,7 @@ class HybridAdamW(torch.optim.Optimizer):
             self.device_opt = device_cls(dev, lr=lr, betas=betas, eps=eps,
                                          weight_decay=weight_decay, **device_kwargs)
             self.device_opt.state = self.state          # one state, one state_dict
-            self.device_opt._meshlab_inner = True
+            mark_mesh_optimizer(self.device_opt)
 
     @property
     def host_params(self) -> list:

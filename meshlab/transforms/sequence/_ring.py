@@ -18,7 +18,7 @@ from torch import nn
 from ...core import collectives as C
 from ...core.errors import SpecError
 from .._seqsplit import install_split
-from ._ulysses import _route_attention
+from ._ulysses import _route_attention, sp_group
 
 NAME = "meshlab_ring"
 
@@ -60,7 +60,7 @@ def zigzag_order(n: int, seq: int) -> torch.Tensor:
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """(B, H, S/n, D) per rank, zigzag chunks -> causal attention over the whole sequence."""
-    group = module._meshlab_sp_group
+    group = sp_group(module)
     n, r = dist.get_world_size(group), dist.get_rank(group)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:

@@ -42,9 +42,15 @@ class _AllToAll(torch.autograd.Function):
         return _a2a(g.contiguous(), ctx.group, ctx.gather, ctx.scatter), None, None, None
 
 
+def sp_group(module: nn.Module):
+    """The sequence-parallel group an attention module of a routed block runs over
+    (``_route_attention`` gave it)."""
+    return module._meshlab_sp_group
+
+
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """(B, H, S/n, D) per rank -> heads split, whole sequence -> causal SDPA -> back."""
-    group = module._meshlab_sp_group
+    group = sp_group(module)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:                                   # GQA: one K/V per query head
         key = key.repeat_interleave(groups, dim=1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...core.errors import ConfigError
-from ..losses import _GUARD, hf_loss, mark
+from ..losses import guard_of_model, hf_loss, mark
 
 _LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
@@ -53,7 +53,7 @@ def install_loss(model: nn.Module) -> None:
             return out
         kw = state.pop("kw")
         logits = out[0] if isinstance(out, tuple) else out["logits"]   # tuple: return_dict=False
-        guard = getattr(mod, _GUARD, None)
+        guard = guard_of_model(mod)
         mark(logits, guard)       # a check the loss makes is agreed as the forward's
         kw["check"] = guard is None or "shift_labels" in kw or not guard.covers(
             labels, logits.shape[-1], kw.get("ignore_index", -100))
