@@ -124,12 +124,18 @@ class PipelinePart(Part):
 
         key = id(loss_fn)
         if key not in self._schedules:
+            m = self.t.microbatches
+
+            # Each microbatch's loss is divided by their number here, so the backward
+            # accumulates the mean's gradient; torch's own ``scale_grads`` divides every
+            # gradient after the schedule instead, including gradients accumulated before
+            # this call (a second call without zero_grad would hold g2 + g1 / m).
             def stage_loss(out, target):
                 loss = loss_fn(out, {"input_ids": target, "labels": target})
-                return loss * self._scale if self._scale != 1.0 else loss
+                return loss * (self._scale / m)
 
-            sched = _PipelineScheduleRuntime(self.stages, self.t.microbatches,
-                                             loss_fn=stage_loss)
+            sched = _PipelineScheduleRuntime(self.stages, m, loss_fn=stage_loss,
+                                             scale_grads=False)
             sched._prepare_schedule_with_comms(torch_actions(
                 self.t.schedule, self.group.size(), self.t.microbatches, self.t.v))
             self._schedules[key] = sched
@@ -176,7 +182,7 @@ class PipelinePart(Part):
         # Summed on the device and read once, by the caller: no host round trip per
         # microbatch.
         t = (torch.stack([l.detach().to(torch.float64) for l in losses]).sum().reshape(1) /
-             (len(losses) * scale) if losses else
+             scale if losses else          # each already divided by the microbatches
              torch.zeros(1, dtype=torch.float64, device=rt.device))
         dist.all_reduce(t, group=self.group)      # only the last stage holds a loss
         if rt.dp_group is not None and rt.dp_size > 1:

@@ -63,6 +63,44 @@ def test_pp2_qwen2(world2, schedule):
     _check_disjoint(out)
 
 
+def accumulate_case(rank, world, schedule):
+    """Two forward/backward passes through the schedule without zero_grad in between hold
+    the sum of the two batches' gradients, as one process does (float64, SGD's update)."""
+    import meshlab as ml
+    from meshlab.transforms._install import runtime_of
+    from meshlab.transforms.pipeline._runtime import PipelinePart
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        data = M.batches(2, batch=8)
+        ref = ml.init_weights(M.build("llama", **LAYERS), seed=0)
+        for b in data:
+            M.loss_fn("llama")(ref(input_ids=b), {"input_ids": b, "labels": b}).backward()
+        model = ml.parallelize(M.build("llama", **LAYERS),
+                               ml.pipeline("pp", schedule=schedule, microbatches=4),
+                               ml.Mesh(pp=world), seed=0)
+        rt = runtime_of(model)
+        part = rt.part(PipelinePart)
+        for b in data:
+            part.forward_backward(rt, {"input_ids": b}, M.loss_fn("llama"))
+        grads = {n: p.grad for n, p in ref.named_parameters()}
+        checked = 0
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                torch.testing.assert_close(M.full(p.grad), grads[n], rtol=1e-9, atol=1e-12,
+                                           msg=lambda m, n=n: f"grad of {n}: {m}")
+                checked += 1
+        return checked
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_gradients_accumulate_across_schedule_calls(world2, schedule):
+    out = world2.run(accumulate_case, schedule=schedule)
+    assert all(n > 0 for n in out)
+
+
 def _check_disjoint(out):
     names = set(out[0][1]) | set(out[1][1])
     assert not set(out[0][1]) & set(out[1][1])            # stages hold disjoint parameters
