@@ -315,11 +315,11 @@ class Plan:
         ``uneven=True``) a dimension its shard count does not divide; ``ConfigError`` for
         a combination of transforms that cannot run.
         """
-        from ..core.mesh import Mesh
+        from ..core.mesh import MeshBase
 
         uneven = self.uneven if uneven is None else uneven
-        axes = mesh.axis_names if isinstance(mesh, Mesh) else tuple(n for n, _ in mesh)
-        sizes = mesh.shape if isinstance(mesh, Mesh) else dict(mesh)
+        axes = mesh.axis_names if isinstance(mesh, MeshBase) else tuple(n for n, _ in mesh)
+        sizes = mesh.shape if isinstance(mesh, MeshBase) else dict(mesh)
         rules = self.rules or Rules()
         out = tuple(_bind_entry(e, rules, axes, sizes, self.model, uneven) for e in self.params)
         acts = tuple(dataclasses.replace(
