@@ -51,21 +51,48 @@ from ..planning.plan import Plan, option_type, register_option
 
 
 class Phase(enum.IntEnum):
-    """The fixed order in which ``materialize`` runs the install steps."""
+    """The fixed order in which ``materialize`` runs the install steps, and why each comes
+    where it does (the order torchtitan's ``parallelize`` writes out: tensor parallelism,
+    then activation checkpointing, then compile, then FSDP).
+    """
 
-    ADAPTERS = 10    # adapters put into the model (lora), before anything is sharded
-    SHARD = 20       # parameters become DTensors (tensor parallel)
-    EXPERTS = 25     # expert weights sharded over the expert axis; tokens dispatched
-    HOOKS = 30       # forward hooks of the sharded modules
-    KERNELS = 40     # fused ops routed in
-    REMAT = 50       # activation checkpointing of the blocks
-    COMPILE = 55     # torch.compile of the blocks (after remat, before FSDP2)
-    DATA = 60        # data-parallel sharding (FSDP2)
-    OFFLOAD = 65     # host-resident optimizer state, gradients and parameters
-    OPTIMIZER = 67   # how the optimizer steps (in the backward, per parameter)
-    SEQUENCE = 70    # sequence-parallel attention
-    SCHEDULE = 80    # pipeline stages and their schedule
-    USER = 90        # the default for transforms written outside meshlab
+    # peft wraps the target Linear modules before anything is sharded, so tensor
+    # parallelism sees the adapters' A and B as parameters of the model and splits them
+    # with their base weight
+    ADAPTERS = 10
+    # parameters become DTensors (tensor parallelism), module by module as each is
+    # initialized; every room after this one sees the local shapes
+    SHARD = 20
+    # expert weights split over the expert axis and tokens dispatched to them, once tensor
+    # parallelism has laid out the rest of each mixture-of-experts block
+    EXPERTS = 25
+    # forward hooks of the sharded modules (the activation layouts the specs name)
+    HOOKS = 30
+    # fused ops routed into the sharded modules (fuse) and the compute dtype (precision):
+    # they need the final parameters and wrap no forward that a later room wraps again
+    KERNELS = 40
+    # checkpointing wraps each block's forward, the fused ops inside it, so the recompute
+    # in the backward runs the same kernels
+    REMAT = 50
+    # torch.compile of each block compiles the checkpoint wrapper with it, and runs before
+    # FSDP2, whose gather and reshard hooks must stay outside the compiled graphs
+    COMPILE = 55
+    # data parallelism and ZeRO (FSDP2's fully_shard on the finished blocks: each unit is a
+    # compiled, checkpointed block; ZeRO-1's optimizer slices)
+    DATA = 60
+    # host residency of what DATA built: FSDP2's units, gradients and optimizer state
+    OFFLOAD = 65
+    # how the optimizer steps (in the backward, per parameter), hooked onto the final
+    # parameters and gradients
+    OPTIMIZER = 67
+    # sequence-parallel attention routed in and the sequence cut at the blocks'
+    # boundaries; it changes no parameter, so it follows every room that does
+    SEQUENCE = 70
+    # the pipeline splits the finished model into stages last, so every change the rooms
+    # above made to the blocks travels with them
+    SCHEDULE = 80
+    # transforms written outside meshlab run after all of these unless they say otherwise
+    USER = 90
 
 
 class Part:
