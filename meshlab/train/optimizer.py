@@ -31,6 +31,57 @@ from ..transforms.precision import PrecisionPart
 
 _NONFINITE = (None, "skip", "raise")
 
+# Optimizers whose update of each element reads that element's gradient and state only, so
+# they step a flat slice of a parameter exactly as they step the whole of it (ZeRO-1's fp32
+# slices). Those that reduce over a tensor (Adafactor's factored moments, LAMB's and LARS's
+# trust ratios, Muon's and Shampoo's whole-matrix preconditioners) would compute those
+# reductions over each slice instead: on slices they are refused, never run.
+ELEMENTWISE: list[type] = [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                           torch.optim.Adamax, torch.optim.Adagrad, torch.optim.Adadelta,
+                           torch.optim.RMSprop, torch.optim.Rprop, torch.optim.NAdam,
+                           torch.optim.RAdam, torch.optim.ASGD]
+
+
+def _meshlab_elementwise() -> list[type]:
+    from ..ops.cpu_adam import CPUAdamW
+    from ..ops.fused_adamw import FusedAdamW
+    from ..transforms.offload._hybrid import HybridAdamW
+
+    return [FusedAdamW, CPUAdamW, HybridAdamW]
+
+
+def register_elementwise(cls: type) -> type:
+    """Declare that optimizer ``cls`` updates every element from that element's gradient
+    and state alone, so ZeRO-1 may hand it flat slices of parameters; returns ``cls``
+    (usable as a class decorator)."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigError(f"register_elementwise({cls!r}): give a torch.optim.Optimizer class")
+    if cls not in ELEMENTWISE:
+        ELEMENTWISE.append(cls)
+    return cls
+
+
+def elementwise(cls: type) -> bool:
+    """Whether ``cls`` (or a class it derives from) is known to update elementwise."""
+    return any(issubclass(cls, e) for e in ELEMENTWISE + _meshlab_elementwise())
+
+
+def _refuse_on_slices(cls: type, owner) -> None:
+    """A part hands the optimizer slices of parameters (ZeRO-1): refuse an optimizer that
+    is not known to update elementwise, by name and with the fixes."""
+    if elementwise(cls):
+        return
+    raise ConfigError(
+        f"optimizer {cls.__name__} under {type(owner).__name__.removesuffix('Part')}: this "
+        f"room steps flat slices of the parameters, and {cls.__name__} is not known to "
+        f"update elementwise (factored moments, trust ratios or whole-matrix "
+        f"preconditioners would be computed over each slice, not the tensor: the weights "
+        f"would silently differ from one process). Use an elementwise optimizer (SGD, "
+        f"Adam, AdamW, Adagrad, RMSprop, ...), drop zero_shard(1) (zero_shard(3) and plain "
+        f"data parallelism step whole tensors or DTensors), or, if {cls.__name__} does "
+        f"update each element alone, declare it with "
+        f"meshlab.train.optimizer.register_elementwise({cls.__name__})")
+
 
 def _params_of(cls) -> set[str]:
     try:
@@ -81,10 +132,13 @@ class MeshOptimizer(torch.optim.Optimizer):
         self._synced = False
 
     def _inner_params(self, cls: type, kwargs: dict) -> list:
-        inner = None
+        inner, owner = None, None
         for part in self.rt.parts:
-            inner = part.optimizer_params(self.params) or inner
+            got = part.optimizer_params(self.params)
+            if got is not None:
+                inner, owner = got, part
         if inner is not None:
+            _refuse_on_slices(cls, owner)
             return inner
         from torch.distributed.tensor import DTensor
 
