@@ -16,6 +16,7 @@ from ..core.agree import agree
 from ..core.errors import ConfigError, MeshlabError, check_int
 from .optimizer import MeshOptimizer
 from ..transforms._install import runtime_of
+from ..transforms._protocol import Part
 from ..transforms.fuse import fused_loss_of
 
 
@@ -123,10 +124,23 @@ def _gc_paused(pause: bool):
 
 
 def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable | None = None,
-         *, microbatches: int = 1, inputs=None, pause_gc: bool = True) -> float:
+         *, microbatches: int = 1, inputs=None, pause_gc: bool = True,
+         reduction: str = "mean", num_tokens: Callable | None = None) -> float:
     """One training step: forward/backward over ``microbatches`` slices of this rank's
-    ``batch``, then ``opt.step()`` and ``opt.zero_grad()``. Returns the loss averaged
-    over microbatches and data-parallel ranks (the single-process loss of the global batch).
+    ``batch``, then ``opt.step()`` and ``opt.zero_grad()``. Returns the loss of the global
+    batch as ``reduction`` defines it, and the gradients are that loss's, as one process
+    computes them on the whole global batch:
+
+    * ``'mean'`` (the default): ``loss_fn`` returns the mean over its microbatch; the step's
+      loss is the mean of those over microbatches and data-parallel ranks (equal to the
+      global mean when every microbatch counts alike);
+    * ``'sum'``: ``loss_fn`` returns the sum over its microbatch; the step's loss is the sum
+      over the global batch (data-parallel gradients are summed, not averaged);
+    * ``'tokens'``: ``loss_fn`` returns the sum over its microbatch's tokens; the step's
+      loss is that sum over the global batch divided by the global count of tokens
+      (``num_tokens(microbatch)``, by default the labelled next-token positions:
+      ``batch['labels'][:, 1:] != -100``), the token-weighted mean a single process takes
+      of a padded batch. The default loss follows the reduction.
 
     The convention, for a dict ``batch``: every key but ``labels`` is passed to the model
     by name (``model(input_ids=...)``: labels go to ``loss_fn``, not to the model, which
@@ -157,25 +171,27 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
                               "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
                               "'loss' out of fuse() to pass one")
         mbs = _split(batch, microbatches)
+        _check_reduction(reduction, num_tokens, rt)
         if not isinstance(pause_gc, bool):
             raise ConfigError(f"step(pause_gc={pause_gc!r}): pass True (pause Python's "
                               f"garbage collection for the step) or False")
     except MeshlabError as e:
         error = e
     # The ranks agree on the step's shape before its first collective (one small exchange).
-    agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches},
-          error)
+    agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches,
+                                  "reduction": reduction}, error)
     with _gc_paused(pause_gc):
-        loss = _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused)
+        loss = _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused,
+                    _Reduce(reduction, num_tokens, rt, mbs))
     # Read after the collection on the way out of the pause: it then runs while the device
     # still works through the optimizer, not while it waits for the next step.
     return float(loss)
 
 
-def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused):
+def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
     """The step's work once its shape is agreed: a room's own schedule, or forward and
-    backward over the microbatches, the optimizer, and the loss averaged over the data
-    ranks (a float from a room's schedule, else a tensor not yet read from the device)."""
+    backward over the microbatches, the optimizer, and the loss of the global batch (a
+    float from a room's schedule, else a tensor not yet read from the device)."""
     for part in rt.parts:
         done = part.run_step(rt, opt, batch, loss_fn or _default_loss)
         if done is not None:
@@ -191,10 +207,16 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused):
             if fused:
                 from ..transforms.fuse import causal_lm_loss as fused_causal_lm_loss
 
-                loss = fused_causal_lm_loss(model, mb) / len(mbs)
+                raw = red.default(fused_causal_lm_loss(model, mb), mb)
+            elif loss_fn is None:
+                raw = red.default(_loss(None, _call(model, mb, inputs), mb), mb)
             else:
-                loss = _loss(loss_fn, _call(model, mb, inputs), mb) / len(mbs)
-        (loss * scaler.scale if scaler is not None else loss).backward()
+                raw = _loss(loss_fn, _call(model, mb, inputs), mb)
+            loss = raw * red.factor
+        # the data-parallel reduction averages gradients: ``backward_scale`` undoes it
+        # where the global loss is a sum over the ranks
+        scale = red.backward_scale * (scaler.scale if scaler is not None else 1.0)
+        (loss * scale if scale != 1.0 else loss).backward()
         part = _whole(loss.detach()).to(torch.float64)
         total = part if total is None else total + part
     opt.step()
@@ -202,8 +224,60 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused):
     if rt.dp_group is not None and rt.dp_size > 1:
         t = total.reshape(1).to(rt.device)
         dist.all_reduce(t, group=rt.dp_group)
-        return t[0] / rt.dp_size
+        return t[0] * red.backward_scale / rt.dp_size
     return total
+
+
+_REDUCTIONS = ("mean", "sum", "tokens")
+
+
+def _check_reduction(reduction, num_tokens, rt) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ConfigError(f"step(reduction={reduction!r}): one of {_REDUCTIONS} ('mean': "
+                          f"loss_fn returns a mean; 'sum': a sum; 'tokens': a sum over "
+                          f"tokens, divided by the global token count)")
+    if num_tokens is not None and (reduction != "tokens" or not callable(num_tokens)):
+        raise ConfigError("step(num_tokens=...): a function of a microbatch, with "
+                          "reduction='tokens' only")
+    if reduction != "mean" and any(type(p).run_step is not Part.run_step for p in rt.parts):
+        raise ConfigError(f"step(reduction={reduction!r}) with a room that runs the step "
+                          f"itself (the pipeline's schedule): not yet; use reduction='mean'")
+
+
+def _labelled(mb) -> torch.Tensor:
+    """The default count of a microbatch's tokens: next-token positions with a label."""
+    if not isinstance(mb, Mapping) or not ({"input_ids", "labels"} & set(mb)):
+        raise ConfigError("step(reduction='tokens'): the default token count reads "
+                          "batch['labels'] (or batch['input_ids']); pass num_tokens=fn for "
+                          "this batch")
+    labels = mb.get("labels", mb.get("input_ids"))
+    return (labels[:, 1:] != -100).sum()
+
+
+class _Reduce:
+    """How the step's microbatch losses make the global batch's loss (``step``'s
+    ``reduction``): the factor each microbatch's loss is multiplied by, and the scale its
+    backward runs at, which undoes the data-parallel average for a sum over the ranks."""
+
+    def __init__(self, reduction: str, num_tokens, rt, mbs):
+        self.reduction = reduction
+        self.backward_scale = float(rt.dp_size) if reduction != "mean" else 1.0
+        self.factor = 1.0 / len(mbs) if reduction == "mean" else 1.0
+        self.count = None
+        if reduction == "tokens":
+            count = sum((num_tokens or _labelled)(mb) for mb in mbs)
+            count = torch.as_tensor(count, dtype=torch.float64, device=rt.device).reshape(1)
+            if rt.dp_group is not None and rt.dp_size > 1:
+                dist.all_reduce(count, group=rt.dp_group)
+            self.count = count
+            self.factor = 1.0 / float(count.clamp(min=1))
+
+    def default(self, mean: torch.Tensor, mb) -> torch.Tensor:
+        """The default (causal-LM) loss, a mean over the microbatch's labelled tokens, as
+        this reduction wants it: the mean, or the sum (mean times the count)."""
+        if self.reduction == "mean":
+            return mean
+        return mean * _labelled(mb).clamp(min=1).to(mean.dtype)
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

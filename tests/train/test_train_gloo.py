@@ -188,3 +188,47 @@ def test_a_factored_optimizer_is_exact_or_refused(world2):
     out = world2.run(factored_case, spec_name="zero1")
     assert all(o == out[0] for o in out)
     assert "Adafactor under Zero1" in out[0] and "register_elementwise" in out[0]
+
+
+def reduction_case(rank, world, reduction, microbatches):
+    """``step(reduction=)`` against one process on the whole global batch (float64, SGD):
+    'sum' is the gradient of the summed token losses (not divided by the data-parallel
+    size, as DDP's averaging would), 'tokens' of their sum over the global count of
+    labelled tokens, with ranks holding different numbers of them."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import meshlab as ml
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        data = M.batches(2, batch=8)
+        labels = [b.clone() for b in data]
+        for i, lab in enumerate(labels):        # padding: more of it on the later rows
+            lab[4:, 2 + i:] = -100
+        ref = ml.init_weights(M.build("llama"), seed=0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+        for b, lab in zip(data, labels):
+            logits = ref(input_ids=b).logits[:, :-1].flatten(0, 1)
+            loss = F.cross_entropy(logits, lab[:, 1:].flatten(), reduction="sum")
+            if reduction == "tokens":
+                loss = loss / (lab[:, 1:] != -100).sum()
+            loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        model = ml.parallelize(M.build("llama"), ml.data_parallel("dp"), ml.Mesh(dp=world),
+                               seed=0)
+        opt = ml.optimizer(model, torch.optim.SGD, lr=0.05)
+        r = dist.get_rank(model._meshlab.dp_group)
+        for b, lab in zip(data, labels):
+            ml.step(model, opt, {"input_ids": b.chunk(world)[r], "labels": lab.chunk(world)[r]},
+                    reduction=reduction, microbatches=microbatches)
+        M.assert_weights_match(model, ref, atol=1e-10, rtol=1e-9)
+        return True
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "tokens"])
+def test_sum_and_token_losses_are_the_global_batch_s(world2, reduction):
+    assert world2.run(reduction_case, reduction=reduction, microbatches=2) == [True] * 2
