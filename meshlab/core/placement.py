@@ -20,12 +20,14 @@ import math
 from typing import Sequence
 
 from .errors import SpecError
-from .spec import P
+from .spec import PARTIAL_OPS, P
 
 
 def check_spec(spec: P, shape: Sequence[int], mesh_axes: Sequence[str], *,
-               what: str = "tensor", mesh_repr: str | None = None) -> None:
-    """Raise ``SpecError`` unless ``spec`` names only mesh axes, in order, within ``ndim``."""
+               what: str = "tensor", mesh_repr: str | None = None,
+               any_order: bool = False) -> None:
+    """Raise ``SpecError`` unless ``spec`` names only mesh axes, in order (unless
+    ``any_order``: a layout only read, as ``visualize`` reads one), within ``ndim``."""
     mesh_axes = tuple(mesh_axes)
     where = mesh_repr or f"mesh axes {mesh_axes}"
     if len(spec) > len(shape):
@@ -42,7 +44,7 @@ def check_spec(spec: P, shape: Sequence[int], mesh_axes: Sequence[str], *,
     for d in range(len(spec)):
         axes = spec.dim_axes(d)
         idx = [mesh_axes.index(a) for a in axes]
-        if idx != sorted(idx):
+        if idx != sorted(idx) and not any_order:
             fixed = tuple(sorted(axes, key=mesh_axes.index))
             raise SpecError(
                 f"{what} {tuple(shape)}: {spec!r} shards dim {d} over {axes}, against the "
@@ -63,31 +65,52 @@ def to_placements(spec: P, mesh_axes: Sequence[str], shape: Sequence[int], *,
         for a in spec.dim_axes(d):
             out[mesh_axes.index(a)] = Shard(d)
     for a in spec.partial:
-        out[mesh_axes.index(a)] = Partial("sum")
+        out[mesh_axes.index(a)] = Partial(spec.partial_op)
     return tuple(out)
 
 
 def from_placements(placements: Sequence, mesh_axes: Sequence[str], ndim: int) -> P:
-    """DTensor placements -> ``P`` in mesh axes (inverse of ``to_placements``)."""
+    """DTensor placements -> ``P`` in mesh axes (inverse of ``to_placements``).
+
+    Every placement meshlab makes has a spelling: ``Partial('avg')`` (the mean of a sharded
+    value) is ``P(partial=..., partial_op='avg')``, and the strided shard FSDP2 leaves on a
+    tensor-parallel parameter (``_StridedShard`` over the data axis: the dim is split by the
+    tensor-parallel axis first, each block then by the data axis) is the joint
+    ``P(('tp', 'dp'))`` in that true major order, against the mesh order (a layout to read,
+    ``visualize`` and ``typeof``; ``to_placements`` builds only mesh-ordered ones).
+    """
     from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     dims: list[list[str]] = [[] for _ in range(ndim)]
+    strided: list[list[str]] = [[] for _ in range(ndim)]
     partial: list[str] = []
+    ops: set[str] = set()
     for axis, pl in zip(mesh_axes, placements):
-        if type(pl) is Shard:
+        if isinstance(pl, _StridedShard):
+            strided[pl.dim if pl.dim >= 0 else pl.dim + ndim].append(axis)
+        elif type(pl) is Shard:
             dims[pl.dim if pl.dim >= 0 else pl.dim + ndim].append(axis)
         elif isinstance(pl, Partial):
-            if pl.reduce_op != "sum":
-                raise SpecError(f"placement {pl!r} on axis {axis!r}: P.partial means a pending "
-                                f"sum; reduce op {pl.reduce_op!r} has no P spelling")
+            if pl.reduce_op not in PARTIAL_OPS:
+                raise SpecError(f"placement {pl!r} on axis {axis!r}: reduce op "
+                                f"{pl.reduce_op!r} has no P spelling (P's partial_op is one "
+                                f"of {PARTIAL_OPS}); redistribute it first")
             partial.append(axis)
+            ops.add(pl.reduce_op)
         elif isinstance(pl, Replicate):
             pass
         else:
-            raise SpecError(f"placement {pl!r} on axis {axis!r} has no P spelling (only Shard, "
-                            f"Replicate and Partial('sum') do); redistribute it first")
-    entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in dims]
-    return P(*entries, partial=tuple(partial) or None).normalized()
+            raise SpecError(f"placement {pl!r} on axis {axis!r} has no P spelling; "
+                            f"redistribute it first")
+    if len(ops) > 1:
+        raise SpecError(f"placements {tuple(placements)}: pending reductions of different kinds "
+                        f"({sorted(ops)}) on one value have no P spelling; reduce one first")
+    # a strided axis splits what the plain shards of its dim left: it is the minor one
+    merged = [a + s for a, s in zip(dims, strided)]
+    entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in merged]
+    return P(*entries, partial=tuple(partial) or None,
+             partial_op=ops.pop() if ops else "sum").normalized()
 
 
 def dim_block(n: int, sizes: Sequence[int], coords: Sequence[int]) -> tuple[int, int]:

@@ -49,12 +49,17 @@ def _norm_entry(e: object, i: int) -> Entry:
     )
 
 
+# The pending reductions a value may carry over its partial axes (DTensor's Partial ops).
+PARTIAL_OPS = ("sum", "avg")
+
+
 class P:
     """A PartitionSpec: one entry per tensor dimension; immutable and hashable."""
 
-    __slots__ = ("_dims", "_partial")
+    __slots__ = ("_dims", "_partial", "_op")
 
-    def __init__(self, *entries: Entry, partial: str | tuple[str, ...] | None = None) -> None:
+    def __init__(self, *entries: Entry, partial: str | tuple[str, ...] | None = None,
+                 partial_op: str = "sum") -> None:
         dims = tuple(_norm_entry(e, i) for i, e in enumerate(entries))
         if partial is None:
             part: tuple[str, ...] = ()
@@ -64,8 +69,12 @@ class P:
             raise SpecError(f"P(partial={partial!r}): give an axis name or a tuple of axis names")
         else:
             part = tuple(_check_name(n, "P partial") for n in partial)
+        if partial_op not in PARTIAL_OPS:
+            raise SpecError(f"P(partial_op={partial_op!r}): a pending reduction is one of "
+                            f"{PARTIAL_OPS} ('sum' unless a mean left it: 'avg')")
         object.__setattr__(self, "_dims", dims)
         object.__setattr__(self, "_partial", part)
+        object.__setattr__(self, "_op", partial_op if part else "sum")
         seen: dict[str, str] = {}
         for where, name in self._iter_named():
             if name in seen:
@@ -91,8 +100,14 @@ class P:
     # -- queries -------------------------------------------------------------------------
     @property
     def partial(self) -> tuple[str, ...]:
-        """Axes over which this value is an unreduced (pending) sum."""
+        """Axes over which this value is an unreduced (pending) reduction."""
         return self._partial
+
+    @property
+    def partial_op(self) -> str:
+        """The pending reduction over ``partial``: ``'sum'`` (the default), or ``'avg'``
+        (a mean of sharded values, as DTensor leaves ``x.mean()``)."""
+        return self._op
 
     def _iter_named(self) -> Iterator[tuple[str, str]]:
         for i, e in enumerate(self._dims):
@@ -121,19 +136,21 @@ class P:
             ndim = check_int(ndim, f"{self!r}.padded", "ndim", low=0, error=SpecError, example=2)
         if len(self) > ndim:
             raise SpecError(f"{self!r} has {len(self)} entries but the tensor has {ndim} dims")
-        return P(*self._dims, *([None] * (ndim - len(self))), partial=self._partial or None)
+        return P(*self._dims, *([None] * (ndim - len(self))), partial=self._partial or None,
+                 partial_op=self._op)
 
     def normalized(self) -> "P":
         """Trailing ``None`` entries dropped: ``P('dp', None) -> P('dp')``."""
         dims = list(self._dims)
         while dims and dims[-1] is None:
             dims.pop()
-        return P(*dims, partial=self._partial or None)
+        return P(*dims, partial=self._partial or None, partial_op=self._op)
 
     def replace(self, *entries: Entry, partial: object = ...) -> "P":
         """A copy with new dimension entries and/or ``partial``."""
         return P(*(entries if entries else self._dims),
-                 partial=self._partial or None if partial is ... else partial)
+                 partial=self._partial or None if partial is ... else partial,
+                 partial_op=self._op)
 
     # -- value semantics -----------------------------------------------------------------
     def _key(self) -> tuple:
@@ -141,7 +158,7 @@ class P:
         while dims and dims[-1] is None:
             dims.pop()
         # A pending sum over several axes is one sum whatever order they are named in.
-        return (tuple(dims), tuple(sorted(self._partial)))
+        return (tuple(dims), tuple(sorted(self._partial)), self._op)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, P):
@@ -156,17 +173,22 @@ class P:
         if self._partial:
             p = self._partial[0] if len(self._partial) == 1 else self._partial
             parts.append(f"partial={p!r}")
+            if self._op != "sum":
+                parts.append(f"partial_op={self._op!r}")
         return f"P({', '.join(parts)})"
 
     __str__ = __repr__
 
     def __reduce__(self):
-        return (_rebuild, (self._dims, self._partial))
+        return (_rebuild, (self._dims, self._partial, self._op))
 
     def to_json(self) -> dict:
         """A JSON-ready dict; ``P.from_json`` inverts it."""
-        return {"dims": [list(e) if isinstance(e, tuple) else e for e in self._dims],
-                "partial": list(self._partial)}
+        d = {"dims": [list(e) if isinstance(e, tuple) else e for e in self._dims],
+             "partial": list(self._partial)}
+        if self._op != "sum":
+            d["partial_op"] = self._op
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "P":
@@ -178,11 +200,11 @@ class P:
                             f"[axis, ...]}} as P.to_json() writes it, e.g. "
                             f"{P('dp', None).to_json()!r}")
         return cls(*[tuple(e) if isinstance(e, list) else e for e in dims],
-                   partial=tuple(partial) or None)
+                   partial=tuple(partial) or None, partial_op=d.get("partial_op", "sum"))
 
 
-def _rebuild(dims: tuple, partial: tuple) -> P:
-    return P(*dims, partial=partial or None)
+def _rebuild(dims: tuple, partial: tuple, op: str = "sum") -> P:
+    return P(*dims, partial=partial or None, partial_op=op)
 
 
 PartitionSpec = P

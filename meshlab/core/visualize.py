@@ -37,7 +37,8 @@ def type_string(shape: Sequence[int], dtype: torch.dtype, spec: P) -> str:
             dims.append(f"{n}@({','.join(axes)})")
     s = f"{dtype_short(dtype)}[{','.join(dims)}]"
     if spec.partial:
-        s += "{P:" + ",".join(spec.partial) + "}"
+        op = "" if spec.partial_op == "sum" else f".{spec.partial_op}"
+        s += "{P" + op + ":" + ",".join(spec.partial) + "}"
     return s
 
 
@@ -131,10 +132,14 @@ def _fmt_ranks(ranks: Sequence[int]) -> str:
     return ",".join(map(str, ranks))
 
 
-def sharding_view(shape: Sequence[int], spec: P, mesh: Mesh, dtype=torch.float32) -> ShardingView:
-    """Compute which rank of ``mesh`` holds which block of a tensor laid out as ``spec``."""
+def sharding_view(shape: Sequence[int], spec: P, mesh: Mesh, dtype=torch.float32, *,
+                  any_order: bool = False) -> ShardingView:
+    """Compute which rank of ``mesh`` holds which block of a tensor laid out as ``spec``
+    (``any_order``: the axes of a dim in their true major order, as a DTensor with a
+    strided shard holds them, not in mesh order)."""
     shape = tuple(int(n) for n in shape)
-    check_spec(spec, shape, mesh.axis_names, what="visualize", mesh_repr=repr(mesh))
+    check_spec(spec, shape, mesh.axis_names, what="visualize", mesh_repr=repr(mesh),
+               any_order=any_order)
     names = mesh.axis_names
     sizes = mesh.shape
     blocks: dict = {}
@@ -168,7 +173,7 @@ def visualize(x, spec: P | None = None, mesh: Mesh | None = None, *, show: bool 
         dm = x.device_mesh
         mesh = Mesh(dict(zip(dm.mesh_dim_names, dm.shape)), fake=True,
                     _ranks=dm.mesh.cpu().numpy())
-        view = sharding_view(x.shape, spec_of(x), mesh, x.dtype)
+        view = sharding_view(x.shape, spec_of(x), mesh, x.dtype, any_order=True)
     else:
         if spec is None or mesh is None:
             raise SpecError("visualize: a plain tensor or shape needs spec= and mesh= as well")

@@ -255,3 +255,39 @@ def test_errors_are_typed_and_identical_on_every_rank(world4):
 
 def test_flatten_and_submesh(world4):
     world4.run(case_flatten)
+
+
+def case_every_layout_has_a_type(rank, world):
+    """typeof and visualize spell every placement meshlab makes: FSDP2's strided shards
+    of tensor-parallel parameters (the joint spec in true major order, whose blocks are
+    exactly what each rank holds) and the pending mean of a sharded value."""
+    import meshlab as ml
+    from meshlab import P
+    from tests import _models as M
+
+    rules = ml.Rules(batch="dp", heads="tp", kv_heads="tp", mlp="tp", vocab="tp", embed=None)
+    model = ml.parallelize(M.build("llama"), ml.shard(ml.policies.auto, rules) |
+                           ml.zero_shard(3, "dp"), _mesh(), seed=0)
+    full = ml.init_weights(M.build("llama"), seed=0)
+    ref = dict(full.named_parameters())
+    strided = 0
+    for n, p in model.named_parameters():
+        types = {type(pl).__name__ for pl in p.placements}
+        strided += "_StridedShard" in types
+        assert ml.typeof(p).startswith(("f32[", "f64["))
+        view = ml.visualize(p, show=False)
+        blk = view.rank_block(rank)
+        want = ref[n][tuple(slice(o, o + k) for o, k in blk)]
+        assert torch.equal(p.to_local().detach(), want.detach()), (n, view.spec)
+    x = ml.distribute(torch.arange(8.0).reshape(4, 2), _mesh(), P("dp", "tp"))
+    m = x.mean()
+    assert ml.spec_of(m) == P(partial=("dp", "tp"), partial_op="avg")
+    assert "{P.avg:dp,tp}" in ml.typeof(m)
+    ml.visualize(m, show=False)
+    torch.testing.assert_close(m.full_tensor(), torch.tensor(3.5))
+    return strided
+
+
+def test_typeof_and_visualize_spell_every_layout(world4):
+    out = world4.run(case_every_layout_has_a_type)
+    assert all(s > 0 for s in out)          # FSDP2 over tensor-parallel parameters
