@@ -64,9 +64,10 @@ class Advice:
 
     @property
     def title(self) -> str:
+        fit = sum(1 for lay in self.tried if lay.fits)
         return (f"{self.model} on {self.gpus} x {self.gpu}, batch {self.batch} x {self.seq}: "
-                f"{len(self.best)} of {len(self.tried)} layouts fit ({self.refused} refused by "
-                f"their checks), searched in {self.seconds:.1f} s")
+                f"{fit} of {len(self.tried)} layouts fit ({self.refused} refused by their "
+                f"checks), the fastest {len(self.best)} shown; searched in {self.seconds:.1f} s")
 
     def __rich__(self):
         from rich.table import Table

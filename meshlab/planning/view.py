@@ -11,6 +11,7 @@ from ..core.errors import MeshlabError
 from ..core.placement import local_shape
 from ..core.spec import P
 from ..core.units import fmt_bytes
+from .rows import room_rows
 from ..core.visualize import type_string
 
 _INDEX = re.compile(r"\.(\d+)\.")
@@ -39,6 +40,7 @@ def plan_cells(plan, *, collapse: bool = True, max_rows: int = 200):
     if bound:
         header += ["local shape", "bytes/rank"]
     rows = plan_rows(plan, collapse=collapse)
+    held = _held(plan) if bound else {}
     out = []
     for fqn, n, e in rows[:max_rows]:
         spec = e.mesh_spec if bound else e.spec
@@ -49,11 +51,21 @@ def plan_cells(plan, *, collapse: bool = True, max_rows: int = 200):
         cells = [fqn + tied, str(n), type_string(e.shape, dtype, spec if bound else P()),
                  shown_spec]
         if bound:
-            ls = local_shape(e.shape, spec, plan.mesh_shape)
-            nbytes = 0 if e.tied_to else math.prod(ls) * dtype.itemsize
+            ls, nbytes = held.get(e.fqn, (local_shape(e.shape, spec, plan.mesh_shape), 0))
             cells += [str(tuple(ls)), fmt_bytes(nbytes * n)]
         out.append(cells)
     return header, out, max(0, len(rows) - max_rows)
+
+
+def _held(plan) -> dict:
+    """FQN -> (local shape, bytes) of each parameter one rank keeps on its device after
+    every room's share (ZeRO-3 splits them further, offload moves them to the host: 0
+    bytes there), as ``plan.memory()`` counts them; tied parameters count once."""
+    out: dict = {}
+    for r in room_rows(plan, 0):
+        if r.category == "params":
+            out[r.fqn] = (r.shape, r.bytes if r.where == "device" else 0)
+    return out
 
 
 def _title(plan) -> str:

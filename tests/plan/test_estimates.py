@@ -265,6 +265,10 @@ def test_advise_70b_on_64():
     assert speeds == sorted(speeds, reverse=True)
     assert len(a.tried) > len(a.best)            # some layouts do not fit
     assert "tokens/s" in str(a) and "<table" in a._repr_html_()
+    # the title counts every layout that fits, not only the ones shown
+    fit = sum(t.fits for t in a.tried)
+    assert f"{fit} of {len(a.tried)} layouts fit" in a.title
+    assert f"the fastest {len(a.best)} shown" in a.title
 
 
 def test_advise_405b_on_16384_ranks_within_a_minute():

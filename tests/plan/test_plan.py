@@ -840,3 +840,32 @@ def test_diff_zero1_zero3_shows_the_dim0_split(llama):
     assert after.params * 2 == before.params
     text = str(d)
     assert "option zero" in text and "(64,) 256 B" in text and "(32,) 128 B" in text
+
+
+def test_the_table_counts_what_memory_counts():
+    """The plan table's bytes per rank are what ``plan.memory()`` counts for parameters:
+    under ZeRO-3 each rank's share of the shards, not the tensor-parallel shard whole."""
+    from meshlab.planning.view import plan_cells
+    from tests import _models as M
+
+    p = ml.plan(M.build("llama"), ml.zero_shard(3, "dp"), ml.Mesh(dp=4, fake=True))
+    header, rows, _ = plan_cells(p, collapse=False)
+    col = header.index("bytes/rank")
+    shown = {r[0]: r[col] for r in rows}
+    params = sum(p.memory().by_category["params"].values())
+    assert sum(e.numel for e in p if not e.tied_to) * 4 > 3 * params     # ZeRO-3 splits them
+    held = sum(_bytes(v) for v in shown.values())
+    assert abs(held - params) <= 0.01 * params + 64 * len(shown), (held, params)
+
+
+def _bytes(text: str) -> float:
+    n, unit = text.split()
+    return float(n) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
+def test_the_uneven_hint_names_the_public_calls():
+    from tests import _models as M
+
+    with pytest.raises(ml.SpecError, match=r"meshlab\.plan\(\.\.\., uneven=True\)"):
+        ml.plan(M.build("llama"), ml.shard({"lm_head.weight": ml.P("tp")}),
+                ml.Mesh(tp=7, fake=True))
