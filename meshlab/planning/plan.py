@@ -551,7 +551,8 @@ def _bind_entry(e: ParamEntry, rules: Rules, axes, sizes, model: ModelInfo,
                 f"{e.fqn} {e.shape}: {e.spec!r} shards dim {d} over "
                 f"{' x '.join(f'{a!r} (size {sizes[a]})' for a in via)}, but "
                 f"{e.shape[d]} % {k} != 0; change the mesh, {fix_axis}, or allow "
-                f"uneven shards with bind(mesh, uneven=True)"
+                f"uneven shards with meshlab.plan(..., uneven=True) / "
+                f"meshlab.parallelize(..., uneven=True)"
             )
     ms, extra = _split_heads(e, ms, sizes, model)
     return dataclasses.replace(e, mesh_spec=ms, tags=tuple(dict.fromkeys(e.tags + extra)))
