@@ -1,0 +1,549 @@
+"""The composition table: what composes with what, as data every room's check reads.
+
+Its rows are transforms as users spell them; variants that behave differently are rows
+of their own (``data_parallel`` and each ``zero_shard`` stage, each ``offload`` target,
+each ``sequence`` mode, each ``precision`` mode, the ``fuse`` ops other rooms care about).
+A transform names the rows it takes in a bound plan with ``Transform.rows(plan)``. Each
+unordered pair of rows is one ``Cell``:
+
+* ``composes``, with ``test``: the node id of a test that trains the pair against one
+  process (``None``: composes, no parity test yet);
+* ``not yet``, with the reason and how it is refused: ``plan`` raises ``ConfigError``
+  (``RAISES``), records ``NotRunnable`` in ``plan.not_runnable`` for ``parallelize`` to
+  raise (``RECORDS``), or ``meshlab.optimizer`` refuses it (``AT_OPTIMIZER``); ``scope``
+  narrows a refusal to meshes with more than one data rank;
+* ``meaningless``: two variants of one kind on one axis (two ZeRO stages).
+
+``Transform.composition_check`` reads the table for every pair of rows of a bound plan
+(``Plan.bind`` calls it once), and ``|`` reads it for two transforms of one kind or a
+pair written in the wrong order. A transform written outside meshlab declares its row's
+cells in a ``composition`` class attribute (``{row: Cell}``); a row it names no cell for
+is ``not yet``. ``docs/composition.md`` is ``page()``; ``scripts/composition_matrix.py``
+measures the table against ``meshlab.plan``.
+
+>>> cell("pipeline", "zero_shard(3)").describe()
+'not yet (plan raises ConfigError)'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping
+
+from ._cell import (ALWAYS as ALWAYS, AT_OPTIMIZER as AT_OPTIMIZER, COMPOSES as COMPOSES,
+                    MEANINGLESS as MEANINGLESS, NOT_YET as NOT_YET, PAGE as PAGE,
+                    RAISES as RAISES, RECORDS as RECORDS,
+                    SEVERAL_DATA_RANKS as SEVERAL_DATA_RANKS, Cell as Cell,
+                    composes as composes, meaningless as meaningless, not_yet as not_yet)
+
+# -- the rows, in the page's order ---------------------------------------------------------
+ROWS: dict[str, str] = {
+    "shard": "tensor parallelism: parameter specs over the tensor-parallel axis",
+    "data_parallel": "zero_shard(0): replicated parameters, gradients all-reduced",
+    "zero_shard(1)": "optimizer state sharded over the data axes (meshlab's flat optimizer)",
+    "zero_shard(2)": "optimizer state and gradients sharded (FSDP2)",
+    "zero_shard(3)": "optimizer state, gradients and parameters sharded (FSDP2; also "
+                     "parameter specs over a data axis)",
+    "offload(optimizer)": "optimizer state and fp32 masters in host memory (CPU AdamW)",
+    "offload(grads)": "gradients leave the device in the backward",
+    "offload(params)": "FSDP2 units keep their parameter shards in host memory",
+    "pipeline": "the blocks split into stages over a mesh axis",
+    "sequence('split_gather')": "Megatron sequence parallelism inside tensor parallelism "
+                                "(also shard with seq -> the tensor-parallel axis)",
+    "sequence('all_to_all')": "Ulysses: attention exchanges sequence for heads",
+    "sequence('ring')": "ring attention: K/V blocks travel around the ranks",
+    "expert_route": "experts sharded over an expert axis, tokens dispatched to them",
+    "lora": "low-rank adapters through peft, the base frozen",
+    "remat": "activation checkpointing of the blocks",
+    "precision('fp32')": "fp32 compute",
+    "precision('bf16')": "bf16 compute (autocast; FSDP2's mixed precision)",
+    "precision('fp16')": "fp16 compute",
+    "precision(reduce='bf16')": "gradients reduced in bf16",
+    "precision(reduce='fp16')": "gradients reduced in fp16",
+    "precision(loss_scale)": "a loss scale (fp16's default 'dynamic', or fixed)",
+    "fuse": "fused RMSNorm, rotary embedding and gated MLP (fuse('rms_norm', 'rotary', "
+            "'mlp'))",
+    "fuse('attention')": "meshlab's fused attention",
+    "fuse('loss')": "the fused head and cross-entropy",
+    "compile_blocks": "torch.compile of every block",
+    "step_in_backward": "each parameter updated in the backward as its gradient completes",
+}
+
+# -- the tests that train a pair against one process ---------------------------------------
+_PAR = "tests/transforms/test_parallel_gloo.py::test_parity_world4"
+_HAND = "tests/transforms/test_handwritten_gloo.py::test_composes_with_zero_and_remat"
+_TRAIN = "tests/train/test_train_gloo.py"
+_PIPE = "tests/transforms/pipeline/test_pipeline_gloo.py"
+_EXP = "tests/transforms/expert/test_expert_gloo.py"
+_LORA = "tests/transforms/lora/test_lora_gloo.py"
+_FUSE = "tests/transforms/fuse/test_fuse.py"
+_SEQ = "tests/transforms/sequence/test_sequence_gloo.py::test_sequence_modes"
+_BOOST = "tests/booster/test_booster_gloo.py"
+_OFF = "tests/transforms/offload/test_offload_gloo.py::" \
+       "test_fractions_match_no_offload_bitwise_on_2_ranks"
+_COMP = "tests/transforms/compile/test_compile.py::test_compiled_blocks_gloo"
+_SIB = "tests/transforms/step_in_backward/test_step_in_backward.py::" \
+       "test_trains_as_the_ordinary_step"
+_FP16 = f"{_BOOST}::test_mixed_precision_through_the_booster"
+_GUIDE = f"{_BOOST}::test_guide_scaffold_trains_like_one_process"
+_VS_ZERO = "bitwise against the same zero_shard without offload (itself shown against one " \
+           "process)"
+_VS_EAGER = "against the same spec run eagerly (itself shown against one process)"
+_VS_STEP = "against the ordinary step of the same spec on one process"
+_HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse refuses a " \
+        "vocabulary-sharded head (the fused loss needs the whole vocabulary)"
+
+# -- why pairs are not yet shown, and today's refusals ---------------------------------------
+_HYBRID = not_yet("hybrid sharding (replicated over one data axis, ZeRO over another) is not "
+                  "yet supported; keep one zero_shard over every data axis")
+_ZERO = meaningless("one ZeRO stage for the data axes; keep one zero_shard")
+_DTYPE = meaningless("one compute dtype per spec; keep one precision()")
+_REDUCE_ONE = meaningless("one reduction dtype per spec; keep one precision()")
+_PIPE_ZERO = not_yet("FSDP2 under the pipeline schedule is not supported",
+                     "pipeline with zero_shard(stage >= 2) is not supported; use "
+                     "zero_shard(1, ...) on the data-parallel axis")
+_PIPE_SP = not_yet("Megatron SP between pipeline stages is not supported",
+                   "pipeline with sequence parallelism is not supported; map 'seq' to None "
+                   "in Rules")
+_SEQ_PIPE = {m: not_yet(f"sequence({m}) between pipeline stages is not supported",
+                        f"sequence({m}) with pipeline is not supported")
+             for m in ("all_to_all", "ring")}
+_OFF_PIPE = not_yet("offload is not yet shown to match the single process under pipeline "
+                    "stages", "{a} with {b}: offload is not yet shown to match the single "
+                    "process under pipeline stages; drop one of them", RECORDS)
+_OFF_SEQ = not_yet("offload is not yet shown to match the single process under "
+                   "sequence-parallel attention", "{a} with {b}: offload is not yet shown to "
+                   "match the single process under sequence-parallel attention; drop one of "
+                   "them", RECORDS)
+_OFF_TP = not_yet("offload is not yet shown to match the single process with sharded "
+                  "parameters", "{a} with tensor parallelism over {tp!r}: offload is not yet "
+                  "shown to match the single process with sharded parameters; offload under "
+                  "zero_shard only", RECORDS)
+_OFF_GRADS = not_yet(
+    "gradients reduced after the backward cannot leave the device as the backward makes "
+    "them", "{a} under {b} over {ranks} data ranks: the gradients are reduced after the "
+    "backward there (whole on every rank until the step), so they cannot leave the device "
+    "as the backward makes them; use zero_shard(2) or zero_shard(3), or grads=0",
+    scope=SEVERAL_DATA_RANKS)
+_OFF_PARAMS = not_yet(
+    "parameters leave the device per FSDP2 unit, which needs zero_shard(3)",
+    "{a}: parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one "
+    "rank too: zero_shard(3) over a size-1 axis); add it or use params=0")
+_REDUCE = {d: not_yet(f"only FSDP2 reduces gradients in {d}",
+                      "{a} with {b}: gradients are reduced in " + d + " only by FSDP2 "
+                      "(zero_shard(2) or zero_shard(3)); this room reduces them in fp32. Use "
+                      "reduce='fp32', or zero_shard(2)", scope=SEVERAL_DATA_RANKS)
+           for d in ("bfloat16", "float16")}
+_EXPERT = not_yet("expert parallelism is not yet shown to match the single process with it",
+                  "{a} with {b}: not yet shown to match the single process; drop one of them",
+                  RECORDS)
+_EXPERT_SP = not_yet(
+    "each tensor-parallel rank would route another part of every sequence",
+    "{a} with sequence parallelism over {tp!r} (seq -> {tp!r} in the rules): each "
+    "tensor-parallel rank would route another part of every sequence; not yet shown to "
+    "match the single process", RECORDS,
+    note="shard's tensor-parallel layout raises ConfigError first: the experts, "
+         "replicated over the tensor-parallel axis, would see part of the activations")
+_LORA_NO = not_yet("not yet shown to match single-process peft",
+                   "{a} with {b}: not yet shown to match single-process peft; drop one of "
+                   "them", RECORDS)
+_COMPILE = not_yet("not yet shown to train like the eager model",
+                   "compile_blocks() with {b} is not yet shown to train like the eager model; "
+                   "leave one of them out")
+_STEP = not_yet("not yet shown to train like the ordinary step",
+                "step_in_backward() with {b} is not yet shown to train like the ordinary "
+                "step; leave one of them out")
+_STEP_SCALE = not_yet("each parameter is updated before the global gradient norm (and an "
+                      "overflow) is known", "step_in_backward() with precision('fp16')'s "
+                      "loss scaling: each parameter is updated before the global gradient "
+                      "norm is known; leave one of them out", AT_OPTIMIZER)
+_FUSE_LOSS_PIPE = not_yet("the last stage's loss comes from the schedule's loss_fn on "
+                          "logits", "fuse('loss') with pipeline(): the last stage's loss "
+                          "comes from the schedule's loss_fn on logits; leave 'loss' out of "
+                          "fuse()")
+_FUSE_ATTN_SEQ = not_yet("sequence parallelism installs its own attention",
+                         "fuse('attention') with sequence(): sequence parallelism installs "
+                         "its own attention; leave 'attention' out of fuse()")
+_TWO_SEQ = not_yet("Ulysses over one axis with ring attention over another (2-D sequence "
+                   "parallelism) is not yet supported; one sequence() per spec")
+_SEQ_SG = "spelled shard(..., Rules(seq=<tp axis>)) | sequence(axis, mode): two sequence() " \
+          "values in one spec are refused, the room holds one"
+_ORDER = "lora(...) | {b}: the sharding reads the model as it was before adapters; write " \
+         "{b} | lora(...)"
+
+_OFFLOADS = ("offload(optimizer)", "offload(grads)", "offload(params)")
+_SEQS = ("sequence('split_gather')", "sequence('all_to_all')", "sequence('ring')")
+_PRECS = ("precision('fp32')", "precision('bf16')", "precision('fp16')",
+          "precision(reduce='bf16')", "precision(reduce='fp16')", "precision(loss_scale)")
+_FUSES = ("fuse", "fuse('attention')", "fuse('loss')")
+
+
+def _each(rows: Iterable[str], other: str, c: Cell) -> list:
+    """The same cell for ``row x other``, each of ``rows``."""
+    return [(r, other, c) for r in rows]
+
+
+def _untested(row: str, others: str) -> list:
+    """Pairs that compose and that no test trains yet (``others`` space-separated)."""
+    return [(row, o, composes()) for o in others.split()]
+
+
+def _t(test: str, note: str = "") -> Cell:
+    return composes(test, note)
+
+
+# Every unordered pair of ROWS once, as (a, b, cell): ``_index`` refuses a pair given twice.
+_LISTED: list[tuple[str, str, Cell]] = [
+    # shard
+    ("shard", "data_parallel", _t(f"{_PAR}[llama-tp]")),
+    ("shard", "zero_shard(1)", _t(f"{_HAND}[zero1]")),
+    ("shard", "zero_shard(3)", _t(f"{_PAR}[llama-tp_zero3]")),
+    *_each(_OFFLOADS, "shard", _OFF_TP),
+    ("shard", "pipeline", _t(f"{_PIPE}::test_pp2_composed[tp-pp=2,tp=2]")),
+    ("shard", "sequence('split_gather')", _t(f"{_PAR}[llama-tp_sp]")),
+    ("shard", "expert_route", _t(f"{_EXP}::test_four_ranks_match_one_process[mixtral-ep2_tp2]")),
+    ("lora", "shard", composes(f"{_LORA}::test_lora_under_tensor_parallelism[False]",
+                               before="shard", message=_ORDER)),
+    ("shard", "remat", _t(f"{_TRAIN}::test_remat_keeps_the_numbers[full-tp]")),
+    ("shard", "precision('bf16')", _t(f"{_TRAIN}::test_bf16[tp]")),
+    ("shard", "fuse", _t(f"{_FUSE}::test_fuse_composes_gloo[tp-ops2]")),
+    ("shard", "fuse('attention')", _t(f"{_FUSE}::test_fuse_composes_gloo[tp-ops2]")),
+    ("shard", "fuse('loss')", composes(note=_HEAD)),
+    ("step_in_backward", "shard", _STEP),
+    *_untested("shard", "zero_shard(2) sequence('all_to_all') sequence('ring') "
+                        "precision('fp32') precision('fp16') precision(reduce='bf16') "
+                        "precision(reduce='fp16') precision(loss_scale) compile_blocks"),
+    # data_parallel
+    *[("data_parallel", f"zero_shard({s})", _HYBRID) for s in (1, 2, 3)],
+    ("offload(grads)", "data_parallel", _OFF_GRADS),
+    ("offload(params)", "data_parallel", _OFF_PARAMS),
+    ("data_parallel", "pipeline", _t(f"{_FP16}[pp_fp16]")),
+    ("data_parallel", "sequence('split_gather')", _t(f"{_PAR}[llama-tp_sp]")),
+    ("data_parallel", "sequence('all_to_all')", _t(f"{_SEQ}[all_to_all-dp=2,sp=2-llama]")),
+    ("data_parallel", "sequence('ring')", _t(f"{_SEQ}[ring-dp=2,sp=2-llama]")),
+    ("data_parallel", "expert_route",
+     _t(f"{_EXP}::test_four_ranks_match_one_process[mixtral-ep2_dp2]")),
+    ("data_parallel", "lora", _t(f"{_LORA}::test_lora_matches_single_process_peft[False-dp]")),
+    ("data_parallel", "remat", _t(f"{_TRAIN}::test_remat_keeps_the_numbers[full-tp]")),
+    ("data_parallel", "precision('bf16')", _t(f"{_TRAIN}::test_bf16[dp]")),
+    ("data_parallel", "precision('fp16')", _t(f"{_FP16}[pp_fp16]")),
+    ("precision(reduce='bf16')", "data_parallel", _REDUCE["bfloat16"]),
+    ("precision(reduce='fp16')", "data_parallel", _REDUCE["float16"]),
+    ("data_parallel", "precision(loss_scale)", _t(f"{_FP16}[pp_fp16]")),
+    ("data_parallel", "compile_blocks", _t(f"{_COMP}[remat]", _VS_EAGER)),
+    ("step_in_backward", "data_parallel", _STEP),
+    *_untested("data_parallel", "offload(optimizer) precision('fp32') fuse fuse('attention') "
+                                "fuse('loss')"),
+    # zero_shard(1)
+    ("zero_shard(1)", "zero_shard(2)", _ZERO),
+    ("zero_shard(1)", "zero_shard(3)", _ZERO),
+    ("zero_shard(1)", "offload(optimizer)", _t(_OFF, _VS_ZERO)),
+    ("offload(grads)", "zero_shard(1)", _OFF_GRADS),
+    ("offload(params)", "zero_shard(1)", _OFF_PARAMS),
+    ("zero_shard(1)", "pipeline", _t(f"{_PIPE}::test_pp2_composed[zero1-pp=2,dp=2]")),
+    ("zero_shard(1)", "expert_route", _t(f"{_BOOST}::test_loop_matches_one_process[moe]")),
+    ("zero_shard(1)", "lora",
+     _t(f"{_LORA}::test_lora_matches_single_process_peft[False-zero1]")),
+    ("zero_shard(1)", "precision('fp16')", _t(f"{_FP16}[zero_fp16]")),
+    ("precision(reduce='bf16')", "zero_shard(1)", _REDUCE["bfloat16"]),
+    ("precision(reduce='fp16')", "zero_shard(1)", _REDUCE["float16"]),
+    ("zero_shard(1)", "precision(loss_scale)", _t(f"{_FP16}[zero_fp16]")),
+    *[("zero_shard(1)", f, _t(f"{_FUSE}::test_fuse_composes_gloo[zero1-ops1]"))
+      for f in _FUSES],
+    ("step_in_backward", "zero_shard(1)", _STEP),
+    *_untested("zero_shard(1)", "sequence('split_gather') sequence('all_to_all') "
+                                "sequence('ring') remat precision('fp32') precision('bf16') "
+                                "compile_blocks"),
+    # zero_shard(2)
+    ("zero_shard(2)", "zero_shard(3)", _ZERO),
+    ("offload(params)", "zero_shard(2)", _OFF_PARAMS),
+    ("pipeline", "zero_shard(2)", _PIPE_ZERO),
+    ("zero_shard(2)", "lora",
+     _t(f"{_LORA}::test_lora_matches_single_process_peft[False-zero2]")),
+    ("step_in_backward", "zero_shard(2)", _STEP),
+    *_untested("zero_shard(2)", "offload(optimizer) offload(grads) sequence('split_gather') "
+                                "sequence('all_to_all') sequence('ring') expert_route remat "
+                                + " ".join(_PRECS + _FUSES) + " compile_blocks"),
+    # zero_shard(3)
+    ("zero_shard(3)", "offload(optimizer)",
+     _t(f"{_BOOST}::test_loop_matches_one_process[gemini]")),
+    ("zero_shard(3)", "offload(grads)", _t(_OFF, _VS_ZERO)),
+    ("zero_shard(3)", "offload(params)", _t(_OFF, _VS_ZERO)),
+    ("pipeline", "zero_shard(3)", _PIPE_ZERO),
+    ("zero_shard(3)", "expert_route",
+     _t(f"{_EXP}::test_four_ranks_match_one_process[mixtral-ep2_zero3]")),
+    ("zero_shard(3)", "lora",
+     _t(f"{_LORA}::test_lora_matches_single_process_peft[False-zero3]")),
+    ("zero_shard(3)", "remat", _t(f"{_TRAIN}::test_remat_keeps_the_numbers[full-zero3]")),
+    ("zero_shard(3)", "precision('bf16')", _t(f"{_TRAIN}::test_bf16[zero3]")),
+    *[("zero_shard(3)", f, _t(f"{_FUSE}::test_fuse_composes_gloo[zero3-ops0]"))
+      for f in _FUSES],
+    ("zero_shard(3)", "compile_blocks", _t(f"{_COMP}[zero3]", _VS_EAGER)),
+    ("step_in_backward", "zero_shard(3)", _STEP),
+    *_untested("zero_shard(3)", "sequence('split_gather') sequence('all_to_all') "
+                                "sequence('ring') precision('fp32') precision('fp16') "
+                                "precision(reduce='bf16') precision(reduce='fp16') "
+                                "precision(loss_scale)"),
+    # offload: one value holds its three targets
+    ("offload(optimizer)", "offload(grads)", _t(_OFF, _VS_ZERO)),
+    ("offload(optimizer)", "offload(params)", _t(_OFF, _VS_ZERO)),
+    ("offload(grads)", "offload(params)", _t(_OFF, _VS_ZERO)),
+    *_each(_OFFLOADS, "pipeline", _OFF_PIPE),
+    *[(o, s, _OFF_SEQ) for o in _OFFLOADS for s in _SEQS],
+    *[("expert_route", o, _EXPERT) for o in _OFFLOADS],
+    *[("lora", o, _LORA_NO) for o in _OFFLOADS],
+    *[("compile_blocks", o, _COMPILE) for o in _OFFLOADS],
+    *[("step_in_backward", o, _STEP) for o in _OFFLOADS],
+    *[(o, x, composes()) for o in _OFFLOADS for x in ("remat",) + _PRECS + _FUSES],
+    # pipeline
+    ("pipeline", "sequence('split_gather')", _PIPE_SP),
+    ("sequence('all_to_all')", "pipeline", _SEQ_PIPE["all_to_all"]),
+    ("sequence('ring')", "pipeline", _SEQ_PIPE["ring"]),
+    ("pipeline", "expert_route",
+     _t(f"{_EXP}::test_pipeline_with_expert_parallelism[mixtral-1f1b]")),
+    ("pipeline", "lora", _t(f"{_LORA}::test_lora_matches_single_process_peft[False-pp2]")),
+    ("pipeline", "precision('bf16')", _t(_GUIDE)),
+    ("pipeline", "precision('fp16')", _t(f"{_FP16}[pp_fp16]")),
+    ("pipeline", "precision(loss_scale)", _t(f"{_FP16}[pp_fp16]")),
+    ("pipeline", "fuse", _t(f"{_PIPE}::test_pp2_fused_ops")),
+    ("pipeline", "fuse('attention')", _t(f"{_PIPE}::test_pp2_fused_ops")),
+    ("fuse('loss')", "pipeline", _FUSE_LOSS_PIPE),
+    ("compile_blocks", "pipeline", _COMPILE),
+    ("step_in_backward", "pipeline", _STEP),
+    *_untested("pipeline", "remat precision('fp32') precision(reduce='bf16') "
+                           "precision(reduce='fp16')"),
+    # sequence('split_gather')
+    ("sequence('split_gather')", "sequence('all_to_all')", composes(note=_SEQ_SG)),
+    ("sequence('split_gather')", "sequence('ring')", composes(note=_SEQ_SG)),
+    ("expert_route", "sequence('split_gather')", _EXPERT_SP),
+    ("lora", "sequence('split_gather')", _LORA_NO),
+    ("sequence('split_gather')", "remat",
+     _t(f"{_TRAIN}::test_remat_keeps_the_numbers[selective-tp_sp]")),
+    ("sequence('split_gather')", "fuse('loss')", composes(note=_HEAD)),
+    ("compile_blocks", "sequence('split_gather')", _COMPILE),
+    ("step_in_backward", "sequence('split_gather')", _STEP),
+    *_untested("sequence('split_gather')", " ".join(_PRECS) + " fuse fuse('attention')"),
+    # sequence('all_to_all') and sequence('ring')
+    ("sequence('all_to_all')", "sequence('ring')", _TWO_SEQ),
+    *[("expert_route", s, _EXPERT) for s in _SEQS[1:]],
+    *[("lora", s, _LORA_NO) for s in _SEQS[1:]],
+    *[("fuse('attention')", s, _FUSE_ATTN_SEQ) for s in _SEQS[1:]],
+    *[("compile_blocks", s, _COMPILE) for s in _SEQS[1:]],
+    *[("step_in_backward", s, _STEP) for s in _SEQS[1:]],
+    *[(s, x, composes()) for s in _SEQS[1:] for x in ("remat",) + _PRECS
+      + ("fuse", "fuse('loss')")],
+    # expert_route
+    ("lora", "expert_route", _LORA_NO),
+    ("expert_route", "remat", _t(f"{_EXP}::test_ep2_with_remat_matches_one_process[mixtral]")),
+    ("expert_route", "precision('bf16')",
+     _t(f"{_EXP}::test_ep2_under_bf16_matches_one_process_under_autocast")),
+    ("expert_route", "fuse", composes(note="fuse('mlp') finds no gated MLP to route in a "
+                                           "model whose MLPs are mixtures of experts")),
+    ("compile_blocks", "expert_route", _COMPILE),
+    ("step_in_backward", "expert_route", _STEP),
+    *_untested("expert_route", "precision('fp32') precision('fp16') precision(reduce='bf16') "
+                               "precision(reduce='fp16') precision(loss_scale) "
+                               "fuse('attention') fuse('loss')"),
+    # lora
+    ("lora", "precision('bf16')", _t(f"{_LORA}::test_lora_under_bf16")),
+    ("compile_blocks", "lora", _COMPILE),
+    ("step_in_backward", "lora", _STEP),
+    *_untested("lora", "remat precision('fp32') precision('fp16') precision(reduce='bf16') "
+                       "precision(reduce='fp16') precision(loss_scale) fuse "
+                       "fuse('attention') fuse('loss')"),
+    # remat
+    ("remat", "compile_blocks", _t(f"{_COMP}[remat]", _VS_EAGER)),
+    ("remat", "step_in_backward", _t(f"{_SIB}[AdamW-fuse_remat]", _VS_STEP)),
+    *_untested("remat", " ".join(_PRECS + _FUSES)),
+    # precision: one value holds a compute dtype, a reduction dtype and a loss scale
+    ("precision('fp32')", "precision('bf16')", _DTYPE),
+    ("precision('fp32')", "precision('fp16')", _DTYPE),
+    ("precision('bf16')", "precision('fp16')", _DTYPE),
+    ("precision(reduce='bf16')", "precision(reduce='fp16')", _REDUCE_ONE),
+    ("precision('fp16')", "precision(loss_scale)", _t(f"{_FP16}[zero_fp16]")),
+    *[(p, r, composes()) for p in _PRECS[:3] for r in _PRECS[3:]
+      if (p, r) != ("precision('fp16')", "precision(loss_scale)")],
+    *[(r, "precision(loss_scale)", composes()) for r in _PRECS[3:5]],
+    ("precision('bf16')", "fuse", _t(_GUIDE)),
+    ("precision('bf16')", "fuse('attention')", _t(_GUIDE)),
+    *[(p, x, composes()) for p in _PRECS for x in _FUSES + ("compile_blocks",)
+      if (p, x) not in (("precision('bf16')", "fuse"), ("precision('bf16')",
+                                                        "fuse('attention')"))],
+    ("precision('bf16')", "step_in_backward", _t(f"{_SIB}[AdamW-bf16]", _VS_STEP)),
+    ("precision(loss_scale)", "step_in_backward", _STEP_SCALE),
+    *[(p, "step_in_backward", composes()) for p in _PRECS[:1] + _PRECS[2:5]],
+    # fuse: one value routes any of its ops
+    ("fuse", "fuse('attention')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),
+    ("fuse", "fuse('loss')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),
+    ("fuse('attention')", "fuse('loss')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),
+    *[(f, "compile_blocks", _t(f"{_COMP}[zero3]", _VS_EAGER)) for f in _FUSES],
+    *[(f, "step_in_backward", _t(f"{_SIB}[AdamW-fuse_remat]", _VS_STEP)) for f in _FUSES],
+    # compile_blocks
+    ("compile_blocks", "step_in_backward", _t(f"{_SIB}[FusedAdamW-compiled]", _VS_STEP)),
+]
+
+
+def _index(listed) -> dict[tuple[str, str], Cell]:
+    """The listed cells by pair; a row that is not in ROWS, or a pair given twice (in
+    either order), is refused here, when meshlab is imported."""
+    from ..core.errors import PlanError
+
+    out: dict[tuple[str, str], Cell] = {}
+    for a, b, c in listed:
+        if a not in ROWS or b not in ROWS or a == b:
+            raise PlanError(f"composition table: {a} x {b} is not a pair of two rows of ROWS")
+        if (a, b) in out or (b, a) in out:
+            raise PlanError(f"composition table: {a} x {b} is given twice")
+        out[(a, b)] = c
+    return out
+
+
+CELLS: dict[tuple[str, str], Cell] = _index(_LISTED)
+_DECLARED: dict[str, Mapping[str, Cell]] = {}      # rows declared outside meshlab
+
+
+# -- reading the table ---------------------------------------------------------------------
+def declare(row: str, cells: Mapping[str, Cell]) -> None:
+    """Add ``row`` (a transform written outside meshlab) with its ``cells`` to the table;
+    ``Transform`` calls this for a subclass with a ``composition`` attribute."""
+    from ..core.errors import ConfigError
+
+    if row in ROWS:
+        raise ConfigError(f"composition: {row!r} is a row of meshlab's own table; give the "
+                          f"transform another kind, or leave out its composition attribute")
+    if not isinstance(cells, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Cell) for k, v in cells.items()):
+        raise ConfigError(f"{row}.composition: a mapping of row names to Cell values, e.g. "
+                          f"{{'zero_shard(1)': composes('tests/test_mine.py::test_x')}}")
+    _DECLARED[row] = dict(cells)
+
+
+def rows(declared: bool = True) -> tuple[str, ...]:
+    """Every row: meshlab's, then (with ``declared``) those declared outside it."""
+    return tuple(ROWS) + tuple(r for r in _DECLARED if declared)
+
+
+def cell(a: str, b: str) -> Cell:
+    """The cell of rows ``a`` and ``b`` (either order). A row from outside meshlab gets the
+    cell it (or the other row) declares, else ``not yet``."""
+    return _lookup(a, b)[0]
+
+
+def _lookup(a: str, b: str) -> tuple[Cell, bool]:
+    """The cell, and whether the table names the pair the other way round (``b x a``)."""
+    from ..core.errors import ConfigError, PlanError
+
+    for key, flip in (((a, b), False), ((b, a), True)):
+        if key in CELLS:
+            return CELLS[key], flip
+    if a in ROWS and b in ROWS:
+        raise PlanError(f"composition table: no cell for {a} x {b}")
+    mine, theirs = _DECLARED.get(a, {}).get(b), _DECLARED.get(b, {}).get(a)
+    if mine is not None and theirs is not None and mine != theirs:
+        raise ConfigError(f"composition: {a} and {b} declare different cells for each other "
+                          f"({mine.describe()} and {theirs.describe()}); make them agree")
+    if mine is not None or theirs is not None:
+        return (mine if mine is not None else theirs), mine is None
+    outside, other = (a, b) if a not in ROWS else (b, a)
+    return not_yet(f"{outside} is written outside meshlab and declares no cell for {other}; "
+                   f"add {other!r} to its composition attribute once a test shows the "
+                   f"pair"), outside != a
+
+
+def table(declared: bool = True) -> dict[tuple[str, str], Cell]:
+    """Every pair of rows (``rows(declared)``, in order) -> its cell."""
+    names = rows(declared)
+    return {(a, b): cell(a, b) for i, a in enumerate(names) for b in names[i + 1:]}
+
+
+def label(a: str, b: str, c: Cell) -> str:
+    """Where a refusal comes from: the cell, and the page that shows the table."""
+    status = f"composes with {c.before} first" if c.before and not c.refused else c.status
+    return f"(composition table: {a} x {b}: {status}; see {PAGE})"
+
+
+def refusal(a: str, b: str, ta, tb, *, tp=None, ranks: int = 1) -> str:
+    """The text refusing rows ``a`` (held by transform ``ta``) and ``b`` (``tb``): the
+    cell's message, ending in its label."""
+    c, flip = _lookup(a, b)
+    if flip:
+        a, b, ta, tb = b, a, tb, ta
+    text = (c.message or "{a} with {b}: " + c.reason).format(a=ta, b=tb, tp=tp, ranks=ranks)
+    return f"{text} {label(a, b, c)}"
+
+
+def applies(c: Cell, data_ranks: int) -> bool:
+    """Whether ``c`` refuses its pair on a mesh of ``data_ranks`` data ranks."""
+    return c.refused and (c.scope == ALWAYS or data_ranks > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """What ``meshlab.plan`` does with a spec, by the table: ``outcome`` (``runnable``,
+    ``raises``, ``not runnable``) and the pairs that decide it."""
+
+    outcome: str
+    pairs: tuple[tuple[str, str], ...]
+
+    def matches(self, outcome: str, message: str) -> bool:
+        """Whether a measured ``outcome`` and its ``message`` are what the table predicts:
+        the same outcome, and a refusal that names a cell names one of ``pairs``."""
+        if outcome != self.outcome:
+            return False
+        if "composition table:" not in message:
+            return True
+        return any(f"composition table: {x} x {y}:" in message
+                   for a, b in self.pairs for x, y in ((a, b), (b, a)))
+
+
+def expect(names: Iterable[str], data_ranks: int = 1) -> Expected:
+    """What the table says ``plan`` does with a spec that takes the rows ``names``."""
+    names = set(names)
+    ordered = [n for n in rows() if n in names] + sorted(names - set(rows()))
+    raised, recorded = [], []
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            c = cell(a, b)
+            if applies(c, data_ranks) and c.refusal != AT_OPTIMIZER:
+                (recorded if c.refusal == RECORDS and c.status == NOT_YET
+                 else raised).append((a, b))
+    if raised:
+        return Expected("raises", tuple(raised))
+    return Expected("not runnable", tuple(recorded)) if recorded else Expected("runnable", ())
+
+
+# -- the page ------------------------------------------------------------------------------
+def page() -> str:
+    """``docs/composition.md``: meshlab's rows, the matrix of their marks, every cell."""
+    names = rows(declared=False)
+    num = {n: i + 1 for i, n in enumerate(names)}
+    cells = table(declared=False)
+    out = ["# Composition table", "",
+           "<!-- generated from meshlab/transforms/composition.py by "
+           "`python scripts/composition_matrix.py --page`; edit the table there -->", "",
+           "What composes with what. Every room's check reads this table "
+           "(`meshlab.transforms.composition`); a refusal names its cell and this page. "
+           "`python scripts/composition_matrix.py` plans every pair on a fake mesh and "
+           "holds the outcome against the table.", "",
+           "Marks: ✓ composes (a test trains the pair against one process), ○ composes (no "
+           "parity test yet), E not yet (`plan` raises `ConfigError`), N not yet (`plan` "
+           "records `NotRunnable`, `parallelize` raises it), O not yet (`meshlab.optimizer` "
+           "raises), * only over more than one data rank, - meaningless (two variants of "
+           "one kind on one axis).", "", "## Rows", ""]
+    out += [f"{num[n]}. `{n}`: {ROWS[n]}" for n in names]
+    out += ["", "## Matrix", "", "| | " + " | ".join(str(num[n]) for n in names) + " |",
+            "|---|" + "---|" * len(names)]
+    out += [f"| {num[a]} `{a}` | " + " | ".join("" if a == b else cell(a, b).mark()
+                                                for b in names) + " |" for a in names]
+    out += ["", "## Cells", ""]
+    for (a, b), c in cells.items():
+        parts = [f"* `{a}` x `{b}`: {c.describe()}"] + [x for x in (
+            c.reason, c.test and f"test: `{c.test}`", c.note,
+            c.before and f"write `{c.before}` first in the spec") if x]
+        out.append(". ".join(parts))
+    counts: dict[str, int] = {}
+    for c in cells.values():
+        counts[c.describe()] = counts.get(c.describe(), 0) + 1
+    out += ["", "## Summary", "", f"{len(names)} rows, {len(cells)} pairs:", ""]
+    out += [f"* {k}: {v}" for k, v in sorted(counts.items())]
+    return "\n".join(out) + "\n"
