@@ -313,7 +313,8 @@ class Plan:
         Raises ``SpecError`` naming the FQN, shape, spec, axis and the fix for an unknown
         axis, a spec longer than its tensor, axes out of mesh order, or (unless
         ``uneven=True``) a dimension its shard count does not divide; ``ConfigError`` for
-        a combination of transforms that cannot run.
+        a combination of transforms that cannot run (the composition table's pairs are
+        held by ``composition_check``, which every transform inherits).
         """
         from ..core.mesh import MeshBase
 
@@ -342,6 +343,10 @@ class Plan:
             if decided is not None:
                 bound = bound.replace(decisions=bound.decisions + (decided,))
         blocked = [_unused_message(a, sizes[a]) for a in roles.replicated(sizes)]
+        # What composes with what is one table (meshlab.transforms.composition), read once
+        # for every pair of rows the rooms take, before each room's own checks.
+        if rooms:
+            blocked += rooms[0].composition_check(bound)
         for t in rooms:
             try:
                 t.check(bound)

@@ -1,11 +1,15 @@
 """Transforms, one room each: frozen values ``Plan -> Plan`` composed with ``|``, and
 everything each one does at bind, install and run time (see ``_protocol``).
 
-Import order is the dependency order: a room imports only the rooms above it.
+Import order is the dependency order: a room imports only the rooms above it. What
+composes with what is the table in ``composition``, which no room imports.
 """
 
 from ._protocol import (Compose as Compose, CommOp as CommOp, Identity as Identity,
                         MemRow as MemRow, Part as Part, Phase as Phase, Transform as Transform)
+from . import composition as composition
+from .composition import (Cell as Cell, composes as composes, meaningless as meaningless,
+                          not_yet as not_yet)
 from .precision import Precision as Precision, precision as precision
 from .shard import Shard as Shard, shard as shard
 from .expert import ExpertRoute as ExpertRoute, expert_route as expert_route

@@ -7,6 +7,9 @@ under ``meshlab/transforms/``), written against the hooks below, each optional:
 ``apply(plan)``    the pure plan step, ``Plan -> Plan`` (default: the plan as it is; the
                    transform is recorded in ``plan.options`` either way)
 ``claims(plan)``   the mesh axes it takes, by role: ``{'dp': ('dp',)}``
+``rows(plan)``     the rows of the composition table (``composition``) it takes in the
+                   bound ``plan`` (``plan=None``: those its value alone names); default
+                   ``(kind,)``
 ``decide(plan)``   what it decides for the bound layout (a frozen value registered with
                    ``register_decision``), recorded in ``plan.decisions`` before any check
                    and read everywhere after with ``plan.decision(cls)``
@@ -34,8 +37,19 @@ plan, ...)``
 =================  ======================================================================
 
 ``t1 | t2`` composes; two transforms of one kind (``kind``) refuse to compose unless the
-kind is ``repeatable``. A transform written outside meshlab subclasses ``Transform`` as a
-frozen dataclass and composes like a built-in one.
+kind is ``repeatable`` (where they take two rows of the composition table, with that
+cell's reason). What composes with what is one table, ``composition``: every transform
+inherits ``composition_check(plan)``, which ``Plan.bind`` runs once for all the rows of
+all the rooms of a plan (a pair the table has as ``not yet`` raises ``ConfigError`` or is
+recorded in ``plan.not_runnable``, as its cell says), and ``|`` refuses a pair written in
+the order the table forbids. No room names another room's kind: their own checks hold
+only conditions that are not pairs.
+
+A transform written outside meshlab subclasses ``Transform`` as a frozen dataclass and
+composes like a built-in one. It takes the row ``kind`` and declares that row's cells in a
+class attribute, ``composition: ClassVar[Mapping[str, Cell]]`` (other row -> ``Cell``,
+e.g. ``{'zero_shard(1)': composes('tests/test_mine.py::test_parity')}``); a row it names
+no cell for is ``not yet``. ``composition.table()`` then lists it with meshlab's rows.
 """
 
 from __future__ import annotations
@@ -44,10 +58,13 @@ import dataclasses
 import enum
 from typing import Any, ClassVar, Iterable, Mapping
 
+import math
+
 from ..planning.rows import CommOp as CommOp
 from ..core.errors import ConfigError
 from ..planning.rows import MemRow as MemRow
 from ..planning.plan import Plan, option_type, register_option
+from . import composition
 
 
 class Phase(enum.IntEnum):
@@ -192,6 +209,9 @@ class Transform:
             cls.kind = cls.__name__.lower()
         if cls.kind not in ("compose", "identity"):
             register_option(cls.kind, cls)
+        cells = cls.__dict__.get("composition")
+        if cells is not None:               # a transform from outside meshlab: its own row
+            composition.declare(cls.kind, cells)
 
     # -- the hooks ----------------------------------------------------------------------
     def apply(self, plan: Plan) -> Plan:
@@ -199,6 +219,42 @@ class Transform:
 
     def claims(self, plan: Plan) -> Mapping[str, tuple[str, ...]]:
         return {}
+
+    def rows(self, plan: Plan | None) -> tuple[str, ...]:
+        """The rows of the composition table this transform takes in the bound ``plan``
+        (with ``plan=None``, those its value alone names: what ``|`` reads); a transform
+        whose variants compose differently names each (``zero_shard(3)``,
+        ``offload(grads)``)."""
+        return (self.kind,)
+
+    def composition_check(self, plan: Plan) -> tuple[str, ...]:
+        """Hold every pair of rows the rooms of the bound ``plan`` take against the
+        composition table: raise ``ConfigError`` for the first pair (in the table's order)
+        whose cell raises, and return the ``NotRunnable`` reasons, one per pair of
+        transforms, for ``plan.not_runnable``. The same for every transform; ``Plan.bind``
+        calls it once, through any room. A row two rooms take (Megatron SP: ``shard`` with
+        seq -> tp, and ``sequence('split_gather')``) is named by the one that takes fewest
+        rows, the transform written for it."""
+        taken = {id(t): t.rows(plan) for t in plan.rooms}
+        holder: dict[str, Transform] = {}
+        for t in sorted(plan.rooms, key=lambda t: len(taken[id(t)])):
+            for r in taken[id(t)]:
+                holder.setdefault(r, t)
+        known = composition.rows()
+        names = [r for r in known if r in holder] + [r for r in holder if r not in known]
+        ranks = math.prod(plan.mesh_shape[a] for a in plan.roles.dp)
+        recorded: dict[frozenset, str] = {}
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                c = composition.cell(a, b)
+                if not composition.applies(c, ranks) or c.refusal == composition.AT_OPTIMIZER:
+                    continue      # composes here (or meshlab.optimizer refuses it)
+                text = composition.refusal(a, b, holder[a], holder[b], tp=plan.roles.tp,
+                                           ranks=ranks)
+                if c.refusal == composition.RAISES or c.status == composition.MEANINGLESS:
+                    raise ConfigError(text)
+                recorded.setdefault(frozenset((id(holder[a]), id(holder[b]))), text)
+        return tuple(recorded.values())
 
     def decide(self, plan: Plan) -> Any:
         """What this room decides for the bound ``plan`` (which stages run which blocks,
@@ -274,6 +330,7 @@ class Transform:
             raise ConfigTypeError(f"{self!r} takes a Plan, got {type(plan).__name__}; build one "
                                   f"with meshlab.plan(model, spec, mesh) or meshlab.trace(model)")
         _refuse_second(self, plan.options)
+        _refuse_order(self, plan.options)
         out = self.apply(plan)
         return dataclasses.replace(out, options=out.options + (self,),
                                    transforms=out.transforms + (repr(self),))
@@ -321,12 +378,34 @@ def _flat(t: Transform) -> tuple[Transform, ...]:
 
 
 def _refuse_second(t: Transform, earlier: Iterable[Transform]) -> None:
+    """Refuse ``t`` after a transform of its kind (unless the kind is ``repeatable``): a
+    room holds one. Where the two take different rows of the composition table whose
+    cell refuses them (hybrid sharding's ``data_parallel x zero_shard(3)`` is ``not yet``,
+    two ZeRO stages are ``meaningless``), the refusal gives that cell's reason."""
     if t.repeatable:
         return
     for prev in earlier:
-        if getattr(prev, "kind", None) == t.kind:
-            raise ConfigError(f"{prev!r} and {t!r}: two {t.kind} transforms in one spec; the "
-                              f"second would silently replace the first. Keep one")
+        if getattr(prev, "kind", None) != t.kind:
+            continue
+        text = (f"{prev!r} and {t!r}: two {t.kind} transforms in one spec; the second would "
+                f"silently replace the first. Keep one")
+        theirs, mine = prev.rows(None), t.rows(None)
+        pair = None if set(theirs) & set(mine) else next(
+            ((a, b) for a in theirs for b in mine if composition.cell(a, b).refused), None)
+        if pair is not None:
+            c = composition.cell(*pair)
+            text += f"; {c.reason} {composition.label(*pair, c)}"
+        raise ConfigError(text)
+
+
+def _refuse_order(t: Transform, earlier: Iterable[Transform]) -> None:
+    """Refuse ``t`` after a transform whose row the composition table says must come
+    after ``t``'s (``lora`` after ``shard``: the sharding reads the model before adapters)."""
+    for prev in earlier:
+        for a in prev.rows(None):
+            for b in t.rows(None):
+                if a != b and composition.cell(a, b).before == b:
+                    raise ConfigError(composition.refusal(a, b, prev, t))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,21 +1,22 @@
 """The transform protocol from outside meshlab, and plan refusing what parallelize refuses.
 
 ``ScaleGrads`` is written here against the public protocol only (``meshlab.transforms``):
-it composes with ``shard | zero_shard`` by ``|``, plans on a fake mesh, adds rows to
-``plan.memory()``, and on 2 gloo ranks its part of gradient synchronization scales every
-gradient — so SGD at ``lr`` matches the single process at ``lr * factor``.
+it declares its row of the composition table (it composes with ``shard`` and
+``zero_shard(1)``), composes with ``shard | zero_shard`` by ``|``, plans on a fake mesh,
+adds rows to ``plan.memory()``, and on 2 gloo ranks its part of gradient synchronization
+scales every gradient — so SGD at ``lr`` matches the single process at ``lr * factor``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, Mapping
 
 import pytest
 import torch
 
 import meshlab as ml
-from meshlab.transforms import MemRow, Part, Phase, Transform
+from meshlab.transforms import Cell, MemRow, Part, Phase, Transform, composes
 
 from tests import _models as M
 
@@ -42,6 +43,12 @@ class ScaleGrads(Transform):
 
     kind: ClassVar[str] = "scale_grads"
     phase: ClassVar[Phase] = Phase.USER
+    # its row of the composition table: the rows it is shown with (any other is not yet)
+    composition: ClassVar[Mapping[str, Cell]] = {
+        "zero_shard(1)": composes(
+            "tests/transforms/test_rooms.py::test_external_transform_runs_on_two_ranks"),
+        "shard": composes(),
+    }
     factor: float = 0.5
 
     def check(self, plan):
@@ -103,6 +110,23 @@ def scaled_case(rank, world):
 
 def test_external_transform_runs_on_two_ranks(world2):
     assert world2.run(scaled_case) == [2, 2]
+
+
+def test_external_transform_has_a_row_in_the_composition_table():
+    from meshlab.transforms import composition
+
+    assert "scale_grads" in composition.rows() and "scale_grads" not in composition.ROWS
+    table = composition.table()
+    assert table[("zero_shard(1)", "scale_grads")].test.endswith(
+        "::test_external_transform_runs_on_two_ranks")
+    assert table[("shard", "scale_grads")].status == "composes"
+    # a row it declares nothing for is not yet, the reason naming the transform
+    other = table[("zero_shard(3)", "scale_grads")]
+    assert other.status == "not yet" and "scale_grads" in other.reason
+    with pytest.raises(ml.ConfigError, match=r"scale_grads x zero_shard\(3\)|zero_shard\(3\) "
+                                             r"x scale_grads"):
+        ml.plan(M.build("llama"), ml.zero_shard(3, "dp") | ScaleGrads(),
+                ml.Mesh(dp=2, fake=True))
 
 
 # -- plan refuses exactly what parallelize refuses ------------------------------------

@@ -1,11 +1,11 @@
 """compile: each repeated block under ``torch.compile``, in place.
 
-The room: ``Compile`` (a plan value), its checks (the compositions not yet shown compiled
-are refused by name) and its install: every block this rank runs is compiled with
-``nn.Module.compile`` after its activation checkpointing is wrapped and before FSDP2
-shards it (``Phase.COMPILE``), as torchtitan orders them. ``fullgraph=True`` (the default)
-makes a graph break inside a block an error at its first forward instead of a silent
-fall back to eager for part of it. Every meshlab op is a custom op with a fake kernel, so
+The room: ``Compile`` (a plan value), its check (a model with blocks to compile; the rooms
+not yet shown compiled are the composition table's) and its install: every block this
+rank runs is compiled with ``nn.Module.compile`` after its activation checkpointing is
+wrapped and before FSDP2 shards it (``Phase.COMPILE``), as torchtitan orders them.
+``fullgraph=True`` (the default) makes a graph break inside a block an error at its first
+forward instead of a silent fall back to eager for part of it. Every meshlab op is a custom op with a fake kernel, so
 the fused ops compile inside the blocks. Dynamo keeps one cache entry per block (they
 share ``Module._call_impl``), so the install raises its recompile limit to the number of
 blocks plus its default margin.
@@ -74,14 +74,14 @@ class Compile(Transform):
             raise ConfigError(f"compile_blocks(mode={self.mode!r}, backend={self.backend!r}): "
                               f"modes are inductor's; leave mode out or use backend='inductor'")
 
+    def rows(self, plan: Plan | None) -> tuple[str, ...]:
+        """Its row, as users spell it: ``compile_blocks``."""
+        return ("compile_blocks",)
+
     def check(self, plan: Plan) -> None:
         if not plan.model.blocks:
             raise ConfigError("compile_blocks(): the model has no repeated blocks to compile; "
                               "call torch.compile(model) on it instead")
-        for t in plan.rooms:
-            if t.kind in ("pipeline", "sequence", "offload", "expert_route", "lora"):
-                raise ConfigError(f"compile_blocks() with {t!r} is not yet shown to train like "
-                                  f"the eager model; leave one of them out")
 
     def install(self, ctx) -> None:
         import torch._dynamo

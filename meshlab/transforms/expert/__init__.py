@@ -99,17 +99,6 @@ class ExpertRoute(Transform):
                 raise ConfigError(f"{x.fqn}: {x.num_experts} experts do not divide over "
                                   f"{self.axis}={n}; use an {self.axis} size that divides "
                                   f"{x.num_experts}")
-        for t in plan.rooms:
-            kind = getattr(t, "kind", "")
-            if kind in ("sequence", "offload"):
-                raise NotRunnable(f"{self!r} with {t!r}: not yet shown to match the single "
-                                  f"process; drop one of them")
-        if plan.roles.tp and plan.rules is not None and plan.roles.tp in \
-                plan.rules.resolve(P("seq"), tuple(plan.mesh_shape)).axes:
-            raise NotRunnable(f"{self!r} with sequence parallelism over {plan.roles.tp!r} "
-                              f"(seq -> {plan.roles.tp!r} in the rules): each tensor-parallel "
-                              f"rank would route another part of every sequence; not yet "
-                              f"shown to match the single process")
 
     def prepare(self, ctx) -> None:
         from ._install import check_model

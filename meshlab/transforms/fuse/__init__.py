@@ -2,8 +2,9 @@
 meshlab's fused ops (``meshlab.ops``), routed at materialize time.
 
 The room: ``Fuse`` (a plan value), its checks (ops the traced model has nothing to route
-for or whose probe disagrees, found by its plan step; combinations whose loss or attention
-another room owns) and its install, the Hugging Face routing of ``_hf`` (also usable on
+for or whose probe disagrees, found by its plan step; a head the loss would need whole but
+tensor parallelism splits; the rooms whose loss or attention replaces fuse's are the
+composition table's) and its install, the Hugging Face routing of ``_hf`` (also usable on
 its own: ``fuse_model(model)``), each routing probed against what it replaces.
 """
 
@@ -15,8 +16,6 @@ from typing import ClassVar
 from ...core.errors import ConfigError
 from ...planning.plan import Plan
 from .._protocol import Phase, Transform
-from ..pipeline import Pipeline
-from ..sequence import Sequence
 from ._hf import FUSABLE as FUSABLE, NORMS as NORMS, causal_lm_loss as causal_lm_loss
 from ._hf import fuse as fuse_model, fused_labels as fused_labels, refusals
 from ._hf import fused_loss_of as fused_loss_of
@@ -56,28 +55,26 @@ class Fuse(Transform):
         refused = tuple(refusals(plan.source, self.ops).items())
         return plan.replace(model=dataclasses.replace(plan.model, fuse_refusals=refused))
 
+    def rows(self, plan: Plan | None) -> tuple[str, ...]:
+        """``fuse`` for the norms, rotary embedding and MLP, and ``fuse('attention')`` and
+        ``fuse('loss')`` for the ops other rooms replace too (sequence parallelism's
+        attention, the pipeline's loss)."""
+        return ((("fuse",) if set(self.ops) & {"rms_norm", "rotary", "mlp"} else ())
+                + tuple(f"fuse({op!r})" for op in ("attention", "loss") if op in self.ops))
+
     def check(self, plan: Plan) -> None:
         refused = dict(plan.model.fuse_refusals)
         why = next((refused[op] for op in self.ops if op in refused), None)
         if why is not None:
             raise ConfigError(why)
-        if "loss" in self.ops:
-            if plan.get(Pipeline) is not None:
-                raise ConfigError("fuse('loss') with pipeline(): the last stage's loss comes "
-                                  "from the schedule's loss_fn on logits; leave 'loss' out of "
-                                  "fuse()")
-            head = plan.model.head
-            tp = plan.roles.tp
-            if head is not None and tp is not None and any(
-                    e.module == head and tp in e.mesh_spec.axes for e in plan.params):
-                raise ConfigError(f"fuse('loss') with {head} sharded by shard(): the fused loss "
-                                  f"needs the whole vocabulary on each rank; leave 'loss' out of "
-                                  f"fuse() (the vocabulary-parallel cross-entropy runs instead)")
-        if "attention" in self.ops:
-            sq = plan.get(Sequence)
-            if sq is not None and sq.mode != "split_gather":
-                raise ConfigError("fuse('attention') with sequence(): sequence parallelism "
-                                  "installs its own attention; leave 'attention' out of fuse()")
+        head, tp = plan.model.head, plan.roles.tp
+        if "loss" in self.ops and head is not None and tp is not None and any(
+                e.module == head and tp in e.mesh_spec.axes for e in plan.params):
+            raise ConfigError(f"fuse('loss') with {head} sharded by shard(): the fused loss "
+                              f"needs the whole vocabulary on each rank; leave 'loss' out of "
+                              f"fuse() (the vocabulary-parallel cross-entropy runs instead; the "
+                              f"composition table's fuse('loss') x shard composes with the head "
+                              f"whole on each rank: see docs/composition.md)")
 
     def install(self, ctx) -> None:
         fuse_model(ctx.model, self.ops)

@@ -6,7 +6,8 @@ parameter table as peft will leave it: each target's weight becomes the frozen
 ``lora_B.default.weight [out, r]`` are added with specs derived from the base weight's
 (A follows its input sharding, B its output sharding), ``modules_to_save`` become a
 frozen ``original_module`` and a trainable ``modules_to_save.default`` copy, and every
-other parameter is frozen), its checks, and its prepare step (peft's
+other parameter is frozen; the rooms it runs with are the composition table's), and its
+prepare step (peft's
 ``inject_adapter_in_model`` on the model before it is initialized, checked against the
 plan; B starts at zero so the model starts equal to its base). Export and import in PEFT
 format live in ``meshlab.checkpoint.adapters``.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ...core.errors import ConfigError, NotRunnable
+from ...core.errors import ConfigError
 from ...planning.plan import ModuleInfo, ParamEntry, Plan
 from ...core.spec import P
 from .._protocol import Phase, Transform
@@ -158,12 +159,6 @@ class Lora(Transform):
         return plan.replace(params=lora_entries(self.config, plan),
                             model=dataclasses.replace(plan.model, modules=lora_modules(
                                 self.config, plan)))
-
-    def check(self, plan: Plan) -> None:
-        for t in plan.rooms:
-            if getattr(t, "kind", "") in ("sequence", "expert_route", "offload"):
-                raise NotRunnable(f"{self!r} with {t!r}: not yet shown to match single-process "
-                                  f"peft; drop one of them")
 
     def prepare(self, ctx) -> None:
         from ._inject import inject

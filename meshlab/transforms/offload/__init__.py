@@ -161,37 +161,35 @@ class Offload(Transform):
         return z is not None and z.stage == 3
 
     # -- the hooks -------------------------------------------------------------------------
-    def check(self, plan: Plan) -> None:
-        from ..pipeline import Pipeline
-        from ..sequence import Sequence
+    def rows(self, plan: Plan | None) -> tuple[str, ...]:
+        """One row per target it keeps a nonzero fraction of on the host
+        (``offload(optimizer)``, ``offload(grads)``, ``offload(params)``): the fractions
+        given, or those ``policy='auto'`` chose for the bound plan (none before)."""
+        if self.policy == "static":
+            fr = (self.params, self.grads, self.optimizer)
+        elif plan is not None and plan.is_bound and plan.decision(Choice) is not None:
+            fr = plan.decision(Choice).fractions
+        else:
+            return ()
+        return tuple(f"offload({k})" for k, f in zip(("params", "grads", "optimizer"), fr)
+                     if f > 0)[::-1]
 
+    def check(self, plan: Plan) -> None:
         if not any(e.requires_grad for e in plan.params):
             raise ConfigError(f"{self!r}: the model has no trainable parameters, so there is "
                               f"no gradient or optimizer state to offload; drop offload()")
-        for other, why in ((plan.get(Pipeline), "pipeline stages"),
-                           (plan.get(Sequence), "sequence-parallel attention")):
-            if other is not None:
-                raise NotRunnable(f"{self!r} with {other!r}: offload is not yet shown to match "
-                                  f"the single process under {why}; drop one of them")
-        if plan.roles.tp:
-            raise NotRunnable(f"{self!r} with tensor parallelism over {plan.roles.tp!r}: "
-                              f"offload is not yet shown to match the single process with "
-                              f"sharded parameters; offload under zero_shard only")
         if plan.roles.fsdp:
             raise NotRunnable(f"{self!r}: parameter specs that shard over the data axis "
                               f"{plan.roles.fsdp!r} (FSDP by spec) are not yet shown with "
-                              f"offload; use zero_shard(3) with unsharded specs")
-        if self.grads > 0 and not self._grads_ok(plan):
-            raise ConfigError(
-                f"{self!r} under {self._zero(plan)!r} over {self._dp(plan)} data ranks: the "
-                f"gradients are reduced after the backward there (whole on every rank until "
-                f"the step), so they cannot leave the device as the backward makes them; use "
-                f"zero_shard(2) or zero_shard(3), or grads=0")
-        if self.params > 0 and not self._params_ok(plan):
+                              f"offload; use zero_shard(3) with unsharded specs (in the "
+                              f"composition table offload composes with zero_shard(3) written "
+                              f"as a transform; see docs/composition.md)")
+        if self.params > 0 and self._zero(plan) is None:
             raise ConfigError(
                 f"{self!r}: parameters leave the device per FSDP2 unit, which needs "
                 f"zero_shard(3) (on one rank too: zero_shard(3) over a size-1 axis); add it "
-                f"or use params=0")
+                f"or use params=0 (the composition table's offload(params) composes with "
+                f"zero_shard(3) only: see docs/composition.md)")
 
     def memory(self, plan: Plan, rows: list) -> list:
         c = self.choice(plan)

@@ -1,11 +1,12 @@
 """pipeline: split the repeated blocks into stages over a mesh axis.
 
 The room: ``Pipeline`` (claims the ``pp`` role), its checks (stages fill the ranks, no
-tied weights across stages, combinations it cannot run), its install (other ranks'
-blocks dropped after initialization, ``torch.distributed.pipelining`` stages, and
-torch's schedule runtime over the schedule's action lists; ``_runtime``), its part (the
-schedule runs the step; the gradient norm is summed over stages) and the schedule's
-picture and idle fraction (``_schedule``), from the same action lists the runtime runs:
+tied weights across stages; the rooms it runs with are the composition table's), its
+install (other ranks' blocks dropped after initialization, ``torch.distributed.pipelining``
+stages, and torch's schedule runtime over the schedule's action lists; ``_runtime``), its
+part (the schedule runs the step; the gradient norm is summed over stages) and the
+schedule's picture and idle fraction (``_schedule``), from the same action lists the
+runtime runs:
 
 * GPipe and 1F1B:           (p - 1) / (m + p - 1)
 * interleaved 1F1B (v > 1): (p - 1) / (v m + p - 1)
@@ -26,8 +27,6 @@ from typing import ClassVar
 from ...core.errors import ConfigError, PlanError, check_choice, check_int, check_name
 from ...planning.plan import Plan
 from .._protocol import Phase, Transform
-from ..shard._layout import sequence_parallel
-from ..zero import ZeroShard
 from . import _schedule
 from ._schedule import PipelineStages as PipelineStages, Stage as Stage
 
@@ -139,13 +138,6 @@ class Pipeline(Transform):
 
         check_layout(plan)
         check_untied(plan, _schedule.stages(plan, self))
-        zero = plan.get(ZeroShard)
-        if zero is not None and zero.stage >= 2:
-            raise ConfigError("pipeline with zero_shard(stage >= 2) is not supported; use "
-                              "zero_shard(1, ...) on the data-parallel axis")
-        if plan.roles.tp is not None and sequence_parallel(plan, plan.roles.tp):
-            raise ConfigError("pipeline with sequence parallelism is not supported; map 'seq' "
-                              "to None in Rules")
 
     def prepare(self, ctx) -> None:
         from ._runtime import PipelineSetup

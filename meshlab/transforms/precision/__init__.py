@@ -16,6 +16,7 @@ from ...core.errors import ConfigError, check_int, check_number
 from ...planning.plan import Plan
 from .._protocol import Part, Phase, Transform
 
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
             "fp16": "float16", "float16": "float16"}
 
@@ -89,6 +90,15 @@ class Precision(Transform):
                 and self.min_scale > self.max_scale):
             raise ConfigError(f"precision(min_scale={self.min_scale}, max_scale="
                               f"{self.max_scale}): min_scale must not exceed max_scale")
+
+    def rows(self, plan: Plan | None) -> tuple[str, ...]:
+        """Its compute dtype (``precision('bf16')``), its reduction dtype where that is not
+        fp32 (``precision(reduce='bf16')``), and ``precision(loss_scale)`` where it scales
+        the loss."""
+        return ((f"precision('{_SHORT[self.compute]}')",)
+                + ((f"precision(reduce='{_SHORT[self.reduce]}')",)
+                   if self.reduce != "float32" else ())
+                + (("precision(loss_scale)",) if self.loss_scale is not None else ()))
 
     def install(self, ctx) -> Part:
         cast = None if self.compute == "float32" else getattr(torch, self.compute)

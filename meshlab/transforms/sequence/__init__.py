@@ -31,7 +31,6 @@ from ...planning.plan import Plan
 from ...core.rules import Rules
 from .._gradsync import Reduction
 from .._protocol import Part, Phase, Transform
-from ..pipeline import Pipeline
 
 MODES = ("split_gather", "all_to_all", "ring")
 
@@ -59,6 +58,11 @@ class Sequence(Transform):
     def claims(self, plan: Plan):
         return {} if self.mode == "split_gather" else {"sp": (self.axis,)}
 
+    def rows(self, plan: Plan | None) -> tuple[str, ...]:
+        """Its mode: ``sequence('all_to_all')``, ``sequence('ring')`` or
+        ``sequence('split_gather')``."""
+        return (f"sequence({self.mode!r})",)
+
     def work_share(self, plan: Plan, parts: dict) -> dict:
         """Each rank computes its share of the sequence (Ulysses: of the heads)."""
         n = plan.mesh_shape.get(self.axis, 1)
@@ -83,10 +87,10 @@ class Sequence(Transform):
                 raise ConfigError(
                     f"sequence({self.axis!r}, 'split_gather') is Megatron sequence parallelism "
                     f"inside tensor parallelism: {self.axis!r} must be the tensor-parallel axis "
-                    f"(it is {plan.roles.tp!r}); shard over it or use mode='all_to_all'")
+                    f"(it is {plan.roles.tp!r}); shard over it or use mode='all_to_all' (the "
+                    f"composition table's sequence('split_gather') row is shard's Megatron SP; "
+                    f"see docs/composition.md)")
             return
-        if plan.get(Pipeline) is not None:
-            raise ConfigError(f"sequence({self.mode}) with pipeline is not supported")
         _refuse_non_causal(plan, self.mode)
         heads = plan.model.config_get("num_attention_heads")
         if heads is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
-from ...core.errors import ConfigError, PlanError, RulesError, SpecError
+from ...core.errors import PlanError, RulesError, SpecError
 from ...planning.plan import ActivationEntry, Plan
 from ...planning.roles import implied_room
 from ...core.rules import DEFAULT_RULES, Rules
@@ -65,9 +65,6 @@ class Shard(Transform):
         rules = _join_rules(plan.rules, self.rules)
         if _uses_default_rules(self, plan):
             rules = DEFAULT_RULES
-        if any(getattr(t, "kind", "") == "lora" for t in plan.options):
-            raise ConfigError(f"lora(...) | {self!r}: the sharding reads the model as it was "
-                              f"before adapters; write {self!r} | lora(...)")
         policy = resolve_policy(self.specs, plan)
         if policy is not None:
             param_specs, tags, acts = policy.param_specs(plan), policy.tags(plan), \
@@ -83,6 +80,18 @@ class Shard(Transform):
         return dataclasses.replace(plan, params=params, rules=rules, activations=act_entries)
 
     # -- bind, install, sync, estimates ---------------------------------------------------
+    def rows(self, plan: Plan | None) -> tuple[str, ...]:
+        """``shard`` where its specs shard over a tensor-parallel axis, and
+        ``sequence('split_gather')`` where the rules map the sequence to that axis too
+        (Megatron SP); the value alone names ``shard``."""
+        if plan is None:
+            return ("shard",)
+        tp = plan.roles.tp
+        if tp is None:
+            return ()
+        return ("shard",) + (("sequence('split_gather')",) if sequence_parallel(plan, tp)
+                             else ())
+
     def check(self, plan: Plan) -> None:
         tp_layout(plan, 0)
 

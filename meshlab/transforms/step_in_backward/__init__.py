@@ -1,12 +1,12 @@
 """step_in_backward: each parameter updated by the optimizer as soon as its gradient is
 complete in the backward, and the gradient freed there.
 
-The room: ``StepInBackward`` (a plan value), its checks (the rooms and meshes it is not
-yet shown with are refused by name), its estimate (no gradient is held across the
-backward: the ``grads`` rows go, and the largest single gradient is added to the peak)
-and its runtime part, which builds the optimizer ``meshlab.optimizer`` asks for as one
-optimizer per bucket (a repeated block's parameters, or one parameter outside the blocks)
-and steps a bucket from its parameters' post-accumulate-grad hooks once all of its
+The room: ``StepInBackward`` (a plan value), its check (a mesh of one rank; the rooms it
+is not yet shown with are the composition table's), its estimate (no gradient is held
+across the backward: the ``grads`` rows go, and the largest single gradient is added to
+the peak) and its runtime part, which builds the optimizer ``meshlab.optimizer`` asks for
+as one optimizer per bucket (a repeated block's parameters, or one parameter outside the
+blocks) and steps a bucket from its parameters' post-accumulate-grad hooks once all of its
 gradients are complete.
 
 Why: an ordinary step holds every gradient at once, between the end of the backward and
@@ -40,9 +40,6 @@ from ...core.errors import ConfigError
 from ...planning.plan import Plan
 from .._protocol import Part, Phase, Transform
 
-SHOWN_WITH = ("fuse", "remat", "compile", "precision")     # rooms parity runs cover
-
-
 @dataclasses.dataclass(frozen=True)
 class StepInBackward(Transform):
     """Update each parameter in the backward, as its gradient completes (module doc)."""
@@ -51,10 +48,6 @@ class StepInBackward(Transform):
     phase: ClassVar[Phase] = Phase.OPTIMIZER
 
     def check(self, plan: Plan) -> None:
-        for t in plan.rooms:
-            if t.kind != self.kind and t.kind not in SHOWN_WITH:
-                raise ConfigError(f"step_in_backward() with {t!r} is not yet shown to train "
-                                  f"like the ordinary step; leave one of them out")
         ranks = math.prod(plan.mesh_shape.values())
         if ranks > 1:
             raise ConfigError(f"step_in_backward() on a mesh of {ranks} ranks "

@@ -20,7 +20,6 @@ from ...planning.roles import implied_room
 from .._protocol import Phase, Transform
 from ._estimates import zero_comm, zero_memory, zero_transients
 from .._gradsync import BUCKET_MB, Reduction
-from ..precision import Precision
 from ._install import HostResidency as HostResidency, fsdp_ignored, install_zero
 
 
@@ -56,6 +55,10 @@ class ZeroShard(Transform):
     def claims(self, plan: Plan):
         return {"dp": self.axis}
 
+    def rows(self, plan: Plan | None) -> tuple[str, ...]:
+        """``data_parallel`` at stage 0, else ``zero_shard(stage)``."""
+        return ("data_parallel",) if self.stage == 0 else (f"zero_shard({self.stage})",)
+
     def check(self, plan: Plan) -> None:
         for a in self.axis:
             if a not in plan.mesh_shape:
@@ -70,15 +73,6 @@ class ZeroShard(Transform):
                 f"map that logical axis to None in Rules")
         if fsdp:
             _check_fsdp_specs(plan, fsdp)
-        prec = plan.get(Precision)
-        if (prec is not None and prec.reduce != "float32" and self.stage < 2
-                and any(plan.mesh_shape[a] > 1 for a in self.axis)):
-            # Only FSDP2 reduces in another dtype; these all-reduces and reduce-scatters
-            # reduce the gradients as they are (fp32), so the request is refused.
-            raise ConfigError(f"{prec!r} with {self!r}: gradients are reduced in "
-                              f"{prec.reduce} only by FSDP2 (zero_shard(2) or zero_shard(3)); "
-                              f"this room reduces them in fp32. Use reduce='fp32', or "
-                              f"zero_shard(2)")
 
     def install(self, ctx):
         return install_zero(self, ctx)
