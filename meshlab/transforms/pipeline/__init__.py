@@ -130,7 +130,12 @@ class Pipeline(Transform):
 
     def decide(self, plan: Plan) -> PipelineStages:
         """The stages, once: the blocks split over the pipeline ranks (``_schedule.split``);
-        every other step reads them from the plan (``stages(plan)``)."""
+        every other step reads them from the plan (``stages(plan)``). A model laid out
+        otherwise than the stages run is refused first, by name (an encoder-decoder, say),
+        not by a split of blocks that are not a decoder's."""
+        from ._stage import check_layout
+
+        check_layout(plan)
         return _schedule.split(plan, self)
 
     def check(self, plan: Plan) -> None:
