@@ -23,6 +23,7 @@ from ..core.placement import check_spec, local_shape, mesh_repr, uneven_dims
 from .roles import AxisRoles, derive_roles, implied_rooms
 from ..core.rules import Rules
 from ..core.spec import P
+from .decisions import decision_from_json, decision_to_json
 from .rows import OPTIMIZER_STATES
 
 
@@ -187,43 +188,6 @@ def option_type(kind: str) -> type:
 
 def _option_from_json(d: Mapping) -> Any:
     return option_type(d.get("kind")).from_json(d)
-
-
-# What the rooms decide at bind time (``Transform.decide``): frozen values with
-# ``to_json()`` and a ``from_json(d)`` classmethod, written into JSON under the name they
-# are registered by, as transform options are.
-_DECISION_TYPES: dict[str, type] = {}
-_DECISION_NAMES: dict[type, str] = {}
-
-
-def register_decision(name: str, cls: type) -> None:
-    """Make ``cls`` (a room's decision type) writable to and readable from plan JSON under
-    ``name``; one name per type."""
-    known = _DECISION_TYPES.get(name)
-    # the same type again (its module reloaded) takes the name over; another type may not
-    if known is not None and known.__qualname__ != cls.__qualname__:
-        raise PlanError(f"register_decision({name!r}, {cls.__qualname__}): the name is taken "
-                        f"by {known.__qualname__}; register the decision under another name")
-    _DECISION_TYPES[name] = cls
-    _DECISION_NAMES[cls] = name
-
-
-def _decision_to_json(d: Any) -> dict:
-    name = _DECISION_NAMES.get(type(d))
-    if name is None:
-        raise PlanError(f"the plan holds a decision of type {type(d).__qualname__} that is not "
-                        f"registered; call register_decision(name, {type(d).__qualname__}) "
-                        f"where the type is defined")
-    return {"kind": name, "value": d.to_json()}
-
-
-def _decision_from_json(d: Mapping) -> Any:
-    cls = _DECISION_TYPES.get(d.get("kind"))
-    if cls is None:
-        raise PlanError(f"the plan records a decision of kind {d.get('kind')!r} that is not "
-                        f"defined here (known: {sorted(_DECISION_TYPES)}); import the module "
-                        f"of the transform that makes it first")
-    return cls.from_json(d["value"])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -490,7 +454,7 @@ class Plan:
             "uneven": self.uneven,
             "roles": None if self.roles is None else self.roles.to_json(),
             "rooms": [t.to_json() for t in self.rooms],
-            "decisions": [_decision_to_json(x) for x in self.decisions],
+            "decisions": [decision_to_json(x) for x in self.decisions],
             "not_runnable": list(self.not_runnable),
         }
         return json.dumps(d, **dump_kw)
@@ -533,7 +497,7 @@ class Plan:
             uneven=d["uneven"],
             roles=None if d.get("roles") is None else AxisRoles.from_json(d["roles"]),
             rooms=tuple(_option_from_json(o) for o in d.get("rooms", ())),
-            decisions=tuple(_decision_from_json(x) for x in d.get("decisions", ())),
+            decisions=tuple(decision_from_json(x) for x in d.get("decisions", ())),
             not_runnable=tuple(d.get("not_runnable", ())),
         )
 

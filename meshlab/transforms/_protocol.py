@@ -11,8 +11,9 @@ under ``meshlab/transforms/``), written against the hooks below, each optional:
                    bound ``plan`` (``plan=None``: those its value alone names); default
                    ``(kind,)``
 ``decide(plan)``   what it decides for the bound layout (a frozen value registered with
-                   ``register_decision``), recorded in ``plan.decisions`` before any check
-                   and read everywhere after with ``plan.decision(cls)``
+                   ``planning.decisions.register_decision``), recorded in
+                   ``plan.decisions`` before any check and read everywhere after with
+                   ``plan.decision(cls)``
 ``check(plan)``    model-free checks on the bound plan (fake or real mesh alike); raise a
                    ``MeshlabError`` naming the thing and the fix
 ``prepare(ctx)``   before the model is initialized (may add ``ctx.on_module`` and

@@ -11,7 +11,7 @@ import pytest
 
 import meshlab as ml
 from meshlab import PlanError
-from meshlab.planning.plan import register_decision
+from meshlab.planning.decisions import register_decision
 from meshlab.transforms.expert import ExpertPlacement
 from meshlab.transforms.offload import Choice
 from meshlab.transforms.pipeline import PipelineStages, stages

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from ...core.errors import PlanError
-from ...planning.plan import Plan, register_decision
+from ...planning.decisions import register_decision
+from ...planning.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import re
 from ...core.units import dtype_bytes
 from ...core.errors import ConfigError
 from ...core.placement import local_shape
-from ...planning.plan import register_decision
+from ...planning.decisions import register_decision
 
 _STEPS = 20           # auto tries fractions in steps of 1/20
 

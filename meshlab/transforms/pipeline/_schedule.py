@@ -22,7 +22,8 @@ import math
 from ...core.errors import ConfigError, PlanError
 from ...core.placement import local_shape
 from ...core.names import owner as plan_owner
-from ...planning.plan import Plan, dtype_bytes, register_decision
+from ...planning.decisions import register_decision
+from ...planning.plan import Plan, dtype_bytes
 
 
 @dataclasses.dataclass(frozen=True)
