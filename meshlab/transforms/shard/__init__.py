@@ -20,7 +20,7 @@ from ...core.spec import P
 from ...core.specs_tree import glob_match, match_specs, normalize_specs
 from .._gradsync import Reduction
 from .._protocol import Part, Phase, Transform
-from ._layout import sequence_parallel, tp_layout
+from ._layout import sequence_parallel as sequence_parallel, tp_layout as tp_layout
 from ._loss import install_generate, install_loss
 from ._styles import TPGroup, VocabHead
 from . import _dtensor

@@ -163,7 +163,7 @@ def fsdp_ignored(plan) -> frozenset:
         fsdp = set(plan.roles.fsdp)
         return frozenset(e.fqn for e in plan.params if not any(
             set(e.mesh_spec.dim_axes(d)) & fsdp for d in range(len(e.mesh_spec))))
-    from ..shard._layout import tp_layout
+    from ..shard import tp_layout
     from torch.distributed.tensor.placement_types import _StridedShard
 
     layout, _ = tp_layout(plan) if plan.roles.tp else (None, [])
