@@ -47,11 +47,22 @@ def chunked_argmax(logits: Tensor, c: int) -> Tensor:
     return (at * c + idx.gather(-1, at)).squeeze(-1)
 
 
-def _repetition(logits: Tensor, seen: list[int], penalty: float) -> Tensor:
-    idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
-    got = logits[idx]
-    logits[idx] = torch.where(got < 0, got * penalty, got / penalty)
-    return logits
+def _seen_mask(histories: list[list[int]], v: int, device) -> Tensor:
+    """(S, V) booleans: the tokens each row's history holds (one transfer to the device)."""
+    width = max((len(h) for h in histories), default=0) or 1
+    idx = torch.full((len(histories), width), v, dtype=torch.long)
+    for i, h in enumerate(histories):
+        idx[i, :len(h)] = torch.tensor(h, dtype=torch.long)
+    mask = torch.zeros(len(histories), v + 1, dtype=torch.bool, device=device)
+    return mask.scatter_(1, idx.to(device), True)[:, :v]
+
+
+def _repetition(logits: Tensor, histories: list[list[int]], penalty: float) -> Tensor:
+    """transformers' repetition penalty on every row at once: a seen token's logit is
+    divided by ``penalty`` (multiplied where negative)."""
+    seen = _seen_mask(histories, logits.shape[-1], logits.device)
+    pen = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, pen, logits)
 
 
 def _banned_ngrams(tokens: list[int], n: int) -> list[int]:
@@ -63,42 +74,53 @@ def _banned_ngrams(tokens: list[int], n: int) -> list[int]:
             if tuple(tokens[i:i + n - 1]) == prefix]
 
 
-def _sample(logits: Tensor, cfg: InferenceConfig, gen: torch.Generator) -> int:
+def _filtered(logits: Tensor, cfg: InferenceConfig) -> Tensor:
+    """Temperature, top-k and top-p over every row at once (rows of (S, V))."""
     if cfg.temperature is not None and cfg.temperature != 1.0:
         logits = logits / cfg.temperature
     if cfg.top_k:
         k = min(cfg.top_k, logits.shape[-1])
-        kth = torch.topk(logits, k).values[-1]
+        kth = torch.topk(logits, k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if cfg.top_p is not None and cfg.top_p < 1.0:
-        srt, order = torch.sort(logits, descending=True)
-        cum = srt.softmax(-1).cumsum(-1)
-        drop = cum - srt.softmax(-1) >= cfg.top_p       # keep the smallest set reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop),
+        srt, order = torch.sort(logits, dim=-1, descending=True)
+        p = srt.softmax(-1)
+        drop = p.cumsum(-1) - p >= cfg.top_p       # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop),
                                     float("-inf"))
-    probs = logits.float().softmax(-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return logits
 
 
 def choose(logits: Tensor, histories: list[list[int]], force: list[int | None],
            cfg: InferenceConfig, gen: torch.Generator, best: Tensor | None = None) -> list[int]:
     """The next token of each sequence: ``logits`` (S, V), ``histories`` each sequence's
     prompt and generated tokens, ``force`` a token to emit regardless (forced EOS);
-    ``best`` the rows' arg-max where the caller has it already (a replayed graph)."""
+    ``best`` the rows' arg-max where the caller has it already (a replayed graph).
+
+    Every row is processed at once on the device and read once: the sampled rows draw
+    from one ``torch.multinomial`` over their probabilities (the generator's draws in row
+    order, as one row at a time would take them; forced rows draw nothing)."""
     plain = cfg.repetition_penalty in (None, 1.0) and not cfg.no_repeat_ngram_size
     if plain and not cfg.do_sample:         # greedy: one arg-max, one read of the device
         best = (greedy(logits) if best is None else best).tolist()
         return [b if f is None else f for b, f in zip(best, force)]
-    out = []
-    for row, seen, forced in zip(logits.float(), histories, force):
-        if forced is not None:
-            out.append(forced)
-            continue
-        if cfg.repetition_penalty not in (None, 1.0):
-            row = _repetition(row.clone(), seen, cfg.repetition_penalty)
-        if cfg.no_repeat_ngram_size:
-            banned = _banned_ngrams(seen, cfg.no_repeat_ngram_size)
-            if banned:
-                row = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))
-        out.append(_sample(row, cfg, gen) if cfg.do_sample else int(row.argmax()))
+    rows = [i for i, f in enumerate(force) if f is None]
+    out = list(force)
+    if not rows:
+        return out
+    x = logits[rows].float()
+    hist = [histories[i] for i in rows]
+    if cfg.repetition_penalty not in (None, 1.0):
+        x = _repetition(x, hist, cfg.repetition_penalty)
+    if cfg.no_repeat_ngram_size:
+        banned = [_banned_ngrams(h, cfg.no_repeat_ngram_size) for h in hist]
+        if any(banned):
+            x = x.masked_fill(_seen_mask(banned, x.shape[-1], x.device), float("-inf"))
+    if cfg.do_sample:
+        probs = _filtered(x, cfg).softmax(-1).cpu()
+        picked = torch.multinomial(probs, 1, generator=gen).squeeze(-1).tolist()
+    else:
+        picked = x.argmax(-1).tolist()
+    for i, tok in zip(rows, picked):
+        out[i] = tok
     return out

@@ -1194,3 +1194,63 @@ def test_meshlab_kernels_under_cuda_graphs_give_the_tokens():
     eng = _engine(_tiny().cuda(), use_cuda_graph=True, use_cuda_kernel=True,
                   max_batch_size=3)
     assert eng.generate(prompts=prompts, max_new_tokens=8) == want
+
+
+def _row_by_row(logits, histories, force, cfg, gen):
+    """The sampling rule one row at a time (transformers' processors in order), as a
+    reference for the batched ``choose``."""
+    out = []
+    for row, seen, forced in zip(logits.float(), histories, force):
+        if forced is not None:
+            out.append(forced)
+            continue
+        row = row.clone()
+        if cfg.repetition_penalty not in (None, 1.0):
+            idx = torch.tensor(sorted(set(seen)))
+            got = row[idx]
+            row[idx] = torch.where(got < 0, got * cfg.repetition_penalty,
+                                   got / cfg.repetition_penalty)
+        if not cfg.do_sample:
+            out.append(int(row.argmax()))
+            continue
+        if cfg.temperature not in (None, 1.0):
+            row = row / cfg.temperature
+        if cfg.top_k:
+            row = row.masked_fill(row < torch.topk(row, cfg.top_k).values[-1], float("-inf"))
+        if cfg.top_p is not None and cfg.top_p < 1.0:
+            srt, order = torch.sort(row, descending=True)
+            p = srt.softmax(-1)
+            drop = p.cumsum(-1) - p >= cfg.top_p
+            row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        out.append(int(torch.multinomial(row.softmax(-1), 1, generator=gen)))
+    return out
+
+
+@pytest.mark.parametrize("kw", [dict(do_sample=True), dict(do_sample=True, temperature=0.7,
+                                                              top_k=20),
+                                dict(do_sample=True, top_p=0.8, repetition_penalty=1.3),
+                                dict(repetition_penalty=1.3)])
+def test_sampling_runs_on_the_whole_batch_and_draws_the_same_tokens(kw):
+    """Every row processed at once, no host read per row, the same tokens as row by row
+    for the same generator seed (forced rows draw nothing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshlab.inference import InferenceConfig
+    from meshlab.inference._sampling import choose
+
+    class Reads(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    cfg = InferenceConfig(**kw)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 500, generator=g)
+    hist = [torch.randint(0, 500, (n,), generator=g).tolist() for n in range(1, 9)]
+    force = [None, 7] + [None] * 6
+    want = _row_by_row(logits, hist, force, cfg, torch.Generator().manual_seed(3))
+    with Reads():
+        got = choose(logits, hist, force, cfg, torch.Generator().manual_seed(3))
+    assert got == want and Reads.n == 0
