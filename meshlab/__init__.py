@@ -14,7 +14,8 @@ from .core.errors import (MeshlabError as MeshlabError, SpecError as SpecError,
                       ConfigError as ConfigError, NotRunnable as NotRunnable,
                       RankMismatchError as RankMismatchError, PeerError as PeerError,
                       BatchError as BatchError, NonFiniteError as NonFiniteError)
-from .core.rules import Rules as Rules, LOGICAL_AXES as LOGICAL_AXES
+from .core.rules import (Rules as Rules, LOGICAL_AXES as LOGICAL_AXES, first as first,
+                         joint as joint)
 from .core.mesh import Mesh as Mesh, AbstractMesh as AbstractMesh
 from .core.context import use_mesh as use_mesh, use_rules as use_rules, current_mesh as current_mesh
 from .core.placement import to_placements as to_placements, from_placements as from_placements
@@ -45,6 +46,7 @@ from .apply.materialize import init_weights as init_weights
 from .train.optimizer import optimizer as optimizer
 from .train.step import no_sync as no_sync
 from .train.step import step as step
+from .train.verify import verify as verify
 from .train.data import dataloader as dataloader
 from . import losses
 from . import checkpoint

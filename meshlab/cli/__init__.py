@@ -11,12 +11,15 @@ _NONE = ("None", "none")
 
 
 def _rules_arg(text: str | None):
-    """``--rules 'batch=dp|fsdp,heads=tp,embed=fsdp|None'`` as ``Rules`` (None: not given).
+    """``--rules 'batch=dp+fsdp|dp,heads=tp,embed=fsdp|None'`` as ``Rules`` (None: not given).
 
-    ``|`` separates fallbacks; ``None`` alone replicates, and as the last fallback means
-    "replicate on meshes without the others" (``Rules``' module doc)."""
+    ``|`` separates fallbacks, tried in order (``first``); ``+`` joins mesh axes that shard
+    the dimension together (``joint``, a tuple inside ``P``); ``None`` alone replicates,
+    and as the last fallback means "replicate on meshes without the others" (``Rules``'
+    module doc). The rules keep the order they are given in, which decides between two
+    dimensions that want one axis."""
     from ..core.errors import RulesError
-    from ..core.rules import Rules
+    from ..core.rules import Rules, first, joint
 
     if not text:
         return None
@@ -25,10 +28,11 @@ def _rules_arg(text: str | None):
         name, eq, value = part.partition("=")
         if not eq:
             raise RulesError(f"--rules {text!r}: expected logical=axis pairs, e.g. "
-                             f"heads=tp,embed=fsdp")
-        alts = tuple(None if v in _NONE else v for v in value.split("|") if v)
-        pairs.append((name, None if value in ("",) + _NONE else
-                      (alts[0] if len(alts) == 1 else alts)))
+                             f"heads=tp,embed=fsdp,batch=dp+fsdp|dp")
+        alts = tuple(None if v in _NONE else joint(*v.split("+")) if "+" in v else v
+                     for v in value.split("|") if v)
+        pairs.append((name, None if not alts or alts == (None,) else
+                      (alts[0] if len(alts) == 1 else first(*alts))))
     return Rules(pairs)
 
 
@@ -379,8 +383,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--mesh", default="dp=8,tp=8",
                    help="axis=size pairs, e.g. pp=8,dp=16,tp=8 (an 'ep' axis adds expert_route)")
     p.add_argument("--rules", default=None,
-                   help=f"logical=axis[|fallback][|None] pairs, e.g. batch=dp,heads=tp|None "
-                        f"(default: {DEFAULT_RULES_HELP})")
+                   help=f"logical=axis[|fallback][|None] pairs in priority order; '+' "
+                        f"joins axes sharding one dimension together, e.g. "
+                        f"batch=dp+fsdp|dp,heads=tp|None (default: {DEFAULT_RULES_HELP})")
     p.add_argument("--dtype", default="bfloat16", help="parameter dtype (default bfloat16)")
     p.add_argument("--uneven", action="store_true", help="allow dims not divisible by their shards")
     p.add_argument("--full", action="store_true", help="one row per parameter (no collapsing)")

@@ -1,25 +1,49 @@
-"""Rules: logical axis names -> mesh axes, with ordered fallbacks (flax / MaxText style).
+"""Rules: logical axis names -> mesh axes, as flax's and MaxText's ``logical_axis_rules``.
 
 Model code and policies speak a small closed vocabulary of logical axes (``batch``,
 ``seq``, ``embed``, ``heads``, ``kv_heads``, ``mlp``, ``vocab``, ``expert``,
-``layers``); one ``Rules`` table says which mesh axes each one uses. A rule's value
-is ``None`` (replicate), a mesh axis name, or a tuple of fallbacks tried in order; a
-fallback may itself be a tuple of axes that shard the dimension together, and the last
-fallback may be ``None`` (replicate).
+``layers``); one ``Rules`` table says which mesh axes each one uses. The table is an
+ordered list of ``(logical, mesh axes)`` rules, flax's and MaxText's format, and a spec
+resolves exactly as ``flax.linen.logical_to_mesh_axes`` resolves it:
 
-The first fallback whose axes are all present in the mesh and not yet used by an
-earlier dimension of the same spec wins; if every present one is taken, the dimension is
-replicated. A name of the vocabulary above with no rule is replicated; any other name
-that is neither a rule nor a mesh axis raises (it is most likely a typo).
+* the rules are tried in order; a rule gives its logical axis's dimension its mesh axes
+  when that dimension has none yet and no dimension holds any of those axes already, so
+  **rule order decides**, not the order of a spec's dimensions;
+* a rule's mesh axes are one axis, several that shard the dimension *together* (a tuple,
+  as inside ``P``), or ``None``: the dimension is replicated and later rules for it are
+  not tried;
+* a logical axis named by several rules has ordered *fallbacks*: the next rule is tried
+  when an earlier one's axes are taken.
 
-A rule that names only axes the mesh lacks raises ``RulesError`` when a spec uses it:
-``Rules(mlp='model')`` on a ``('dp', 'tp')`` mesh is a misspelled or stale axis, and
-replicating instead would silently plan a model that shards nothing. The error names
-the rule, the missing axis, the mesh's axes and the nearest axis name. A rule set meant
-for meshes with and without an axis says so with a final ``None``:
-``mlp=('tp', None)`` uses ``tp`` where the mesh has it and replicates elsewhere, and
-never raises. A tuple with one present fallback (``mlp=('fsdp', 'tp')`` on
-``('dp', 'tp')``) falls back to it silently, as before.
+Two spellings build a table. ``Rules.from_pairs`` takes flax's and MaxText's pairs as they
+are written (a tuple is joint sharding, a repeated name a fallback)::
+
+    Rules.from_pairs([('activation_batch', ('data', 'fsdp')),   # P(('data', 'fsdp'))
+                      ('embed', 'fsdp'), ('embed', None)])       # fsdp, else replicate
+
+The keyword form gives each logical axis its rules at once, in keyword order:
+``None`` (replicate), an axis name, ``joint('dp', 'fsdp')`` (one rule, two axes),
+``first('fsdp', 'tp')`` (fallbacks: a rule each), or a tuple ending in ``None``
+(``('fsdp', 'tp', None)``: fallbacks, then replicate). A bare tuple of several axes is
+refused with a ``RulesError``: flax reads it as joint sharding and older meshlab as
+fallbacks, and no spelling here means two things. Inside ``first(...)`` and a
+``None``-ended tuple a tuple is one joint alternative, as inside ``P``.
+
+meshlab adds three things to flax's resolution, none of which changes a spec flax
+resolves on a mesh that has every axis the rules name:
+
+* a rule naming an axis the mesh lacks is skipped (flax would put it in the spec, and JAX
+  refuse the spec), so one table serves meshes with and without an axis;
+* a logical axis whose every rule names an absent axis raises ``RulesError`` when a spec
+  uses it: ``Rules(mlp='model')`` on a ``('dp', 'tp')`` mesh is a misspelled or stale
+  axis, and replicating instead would silently plan a model that shards nothing. The
+  error names the rule, the missing axis, the mesh's axes and the nearest axis name. A
+  rule set meant for meshes with and without an axis says so with a final ``None``
+  (``mlp=('tp', None)``), which never raises;
+* a spec may name mesh axes directly (they pass through and are claimed first), and a
+  name of the vocabulary above with no rule is replicated; any other name that is
+  neither a rule nor a mesh axis raises ``SpecError`` (most likely a typo; flax
+  replicates it).
 
 Defaults: ``Rules.default()`` (``DEFAULT_RULES``) is what ``shard`` uses when neither
 it nor the plan has rules. Every value ends in ``None``, so it resolves on any mesh:
@@ -32,18 +56,21 @@ it nor the plan has rules. Every value ends in ``None``, so it resolves on any m
 
 Worked example, on a mesh with axes ``('dp', 'tp')``:
 
->>> rules = Rules(batch=('dp',), embed=('fsdp', 'tp'), mlp='tp')
+>>> rules = Rules(batch='dp', mlp='tp', embed=first('fsdp', 'tp'))
 >>> rules.resolve(P('batch', 'embed'), ('dp', 'tp'))   # no 'fsdp': falls back to 'tp'
 P('dp', 'tp')
->>> rules.resolve(P('mlp', 'embed'), ('dp', 'tp'))     # 'tp' taken by dim 0: replicate
+>>> rules.resolve(P('mlp', 'embed'), ('dp', 'tp'))     # mlp's rule came first: tp is taken
 P('tp', None)
 >>> Rules(mlp=('sp', None)).resolve(P('mlp'), ('dp', 'tp'))  # no 'sp': replicate
 P(None)
+>>> Rules.from_pairs([('batch', ('dp', 'tp'))]).resolve(P('batch'), ('dp', 'tp'))
+P(('dp', 'tp'))
 """
 
 from __future__ import annotations
 
 import difflib
+import keyword
 from typing import Iterable, Mapping, Sequence, Union
 
 from .errors import RulesError, RulesTypeError, SpecError
@@ -62,9 +89,56 @@ _AXIS_FAMILIES = (TENSOR_AXES + ("mp",), ("dp", "data", "ddp"), ("fsdp",),
                   ("ep", "expert"))
 
 RuleValue = Union[None, str, tuple]
-# One alternative: the mesh axes that shard the dimension together, major first; the
-# empty alternative is a final ``None`` (replicate).
+# One rule's mesh axes: the axes that shard the dimension together, major first; the
+# empty tuple is ``None`` (replicate).
 Alternative = tuple
+
+
+class Joint(tuple):
+    """Mesh axes that shard one dimension together, major first: ``joint('dp', 'fsdp')``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "joint(" + ", ".join(map(repr, self)) + ")"
+
+
+class First(tuple):
+    """Ordered fallbacks of one logical axis: ``first('fsdp', 'tp', None)``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "first(" + ", ".join(map(repr, self)) + ")"
+
+
+def joint(*axes: str) -> Joint:
+    """One rule whose mesh axes shard the dimension together, major first, as the tuple
+    ``('dp', 'fsdp')`` inside ``P`` does: ``Rules(batch=joint('dp', 'fsdp'))`` resolves
+    ``P('batch')`` to ``P(('dp', 'fsdp'))`` on a mesh with both axes.
+
+    >>> Rules(batch=joint('dp', 'fsdp')).resolve(P('batch'), ('dp', 'fsdp'))
+    P(('dp', 'fsdp'))
+    """
+    if not axes or not all(isinstance(a, str) and a.isidentifier() for a in axes):
+        raise RulesError(f"joint{axes!r}: give one or more mesh axis names, major first, "
+                         f"e.g. joint('dp', 'fsdp')")
+    return Joint(axes)
+
+
+def first(*alternatives) -> First:
+    """Ordered fallbacks of one logical axis, a rule each: the first whose axes the mesh
+    has and no earlier rule took wins. An alternative is an axis name, ``joint(...)`` (or
+    a tuple, as inside ``P``), or a final ``None`` (replicate where none fits, and never
+    raise for absent axes).
+
+    >>> Rules(embed=first('fsdp', 'tp')).resolve(P('embed'), ('dp', 'tp'))
+    P('tp')
+    """
+    if not alternatives:
+        raise RulesError("first(): give the alternatives in order, e.g. first('fsdp', 'tp', "
+                         "None)")
+    return First(alternatives)
 
 
 def nearest_axis(name: str, axes: Sequence[str]) -> str | None:
@@ -79,49 +153,117 @@ def nearest_axis(name: str, axes: Sequence[str]) -> str | None:
     return hits[0] if hits else None
 
 
-def _axis(name: str, value: RuleValue, v: object) -> str:
+def _axis(name: str, value: object, v: object) -> str:
     """One mesh axis name of rule ``name``'s ``value``: an identifier."""
-    if not v.isidentifier():
+    if not isinstance(v, str) or not v.isidentifier():
         raise RulesError(f"rule {name}={value!r}: {v!r} is not a mesh axis name; axis names "
                          f"are identifiers such as 'tp' or 'dp'")
     return v
 
 
+def _logical(name: object) -> str:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise RulesError(f"logical axis names must be identifiers, got {name!r}")
+    return name
+
+
+def _alternative(name: str, value: object, v: object) -> Alternative:
+    """One fallback of rule ``name``: a mesh axis, or a tuple of them sharding together."""
+    if isinstance(v, str):
+        return (_axis(name, value, v),)
+    if isinstance(v, (tuple, list)) and not isinstance(v, First) and v and all(
+            isinstance(x, str) for x in v):
+        return tuple(_axis(name, value, x) for x in v)
+    raise RulesError(
+        f"rule {name}={value!r}: each fallback must be a mesh axis name, joint(...) of names "
+        f"sharding together or a final None, e.g. {name}=first('fsdp', joint('dp', 'tp'), "
+        f"None)")
+
+
+def _fallbacks(name: str, value: object, items) -> tuple[Alternative, ...]:
+    out = []
+    for i, v in enumerate(items):
+        if v is None and i != len(items) - 1:
+            raise RulesError(
+                f"rule {name}={value!r}: None means 'replicate' and ends the fallbacks; "
+                f"put it last, e.g. {name}=('tp', None)")
+        out.append(() if v is None else _alternative(name, value, v))
+    return tuple(out)
+
+
+def _ambiguous(name: str, value: tuple) -> RulesError:
+    """A bare tuple of several mesh axes: joint sharding to flax, fallbacks to older
+    meshlab; refused with both spellings."""
+    items = ", ".join(map(repr, value))
+    plain = all(isinstance(v, str) for v in value)
+    both = (f"joint sharding, the dimension split over all of them as inside P: "
+            f"{name}=joint({items}) (or the nested tuple {name}=({tuple(value)!r},)); "
+            if plain else "")
+    return RulesError(
+        f"rule {name}={value!r}: a tuple of several mesh axes is ambiguous (flax and MaxText "
+        f"read it as joint sharding, a list of fallbacks is the other reading); say which: "
+        f"{both}ordered fallbacks, the first the mesh has and no earlier rule took: "
+        f"{name}=first({items}) (or {name}=({items}, None) to replicate where none fits). "
+        f"A flax or MaxText table of (logical, mesh) pairs reads as written with "
+        f"Rules.from_pairs([...])")
+
+
 def _norm_value(name: str, value: RuleValue) -> tuple[Alternative, ...]:
+    """The rules of keyword ``name=value``, in order; ``()`` is a replicate rule."""
+    if value is None:
+        return ((),)
+    if isinstance(value, str):
+        return ((_axis(name, value, value),),)
+    if isinstance(value, Joint):
+        return (_alternative(name, value, value),)
+    if isinstance(value, First):
+        return _fallbacks(name, value, value)
+    if isinstance(value, (tuple, list)):
+        if not value:                       # (): replicate, as an empty entry of P
+            return ((),)
+        if len(value) == 1 or value[-1] is None:
+            return _fallbacks(name, value, value)
+        _fallbacks(name, value, value)      # a malformed entry is named before ambiguity
+        raise _ambiguous(name, tuple(value))
+    raise RulesError(f"rule {name}={value!r}: expected None, a mesh axis name, joint(...), "
+                     f"first(...) or a tuple ending in None, e.g. {name}=('tp', None)")
+
+
+def _pair_axes(name: str, value: object) -> Alternative:
+    """The mesh axes of one ``(logical, mesh)`` pair as flax reads them."""
     if value is None:
         return ()
     if isinstance(value, str):
-        return ((_axis(name, value, value),),)
-    if isinstance(value, (tuple, list)):
-        alts = []
-        for i, v in enumerate(value):
-            if v is None and i == len(value) - 1:
-                alts.append(())
-            elif v is None:
-                raise RulesError(
-                    f"rule {name}={value!r}: None means 'replicate' and ends the fallbacks; "
-                    f"put it last, e.g. {name}=('tp', None)")
-            elif isinstance(v, str):
-                alts.append((_axis(name, value, v),))
-            elif isinstance(v, (tuple, list)) and v and all(isinstance(x, str) for x in v):
-                alts.append(tuple(_axis(name, value, x) for x in v))
-            else:
-                raise RulesError(
-                    f"rule {name}={value!r}: each fallback must be a mesh axis name, a "
-                    f"tuple of names sharding together or a final None, e.g. "
-                    f"{name}=('fsdp', ('dp', 'tp'), None)"
-                )
-        return () if alts == [()] else tuple(alts)
-    raise RulesError(f"rule {name}={value!r}: expected None, an axis name or a tuple of them")
+        return (_axis(name, value, value),)
+    if isinstance(value, First):
+        raise RulesError(
+            f"Rules.from_pairs([..., ({name!r}, {value!r}), ...]): in a table of pairs a "
+            f"fallback is a rule of its own: repeat the logical axis, one pair per "
+            f"alternative, e.g. [({name!r}, 'fsdp'), ({name!r}, 'tp')]")
+    if isinstance(value, (tuple, list)) and all(isinstance(a, str) for a in value):
+        return tuple(_axis(name, value, a) for a in value)     # []: replicate, as MaxText's
+    raise RulesError(
+        f"Rules.from_pairs([..., ({name!r}, {value!r}), ...]): a pair's mesh axes are None, "
+        f"an axis name or a tuple of names sharding together, e.g. ({name!r}, ('dp', "
+        f"'fsdp'))")
+
+
+def _fmt_axes(a: Alternative) -> str:
+    return "None" if not a else repr(a[0]) if len(a) == 1 else repr(a)
 
 
 def _fmt_value(alts: tuple[Alternative, ...]) -> str:
-    if not alts:
+    """One logical axis's rules as its keyword value (pastes back into ``Rules(...)``)."""
+    if not alts or alts == ((),):
         return "None"
+    if len(alts) == 1:
+        return _fmt_axes(alts[0]) if len(alts[0]) == 1 else repr((alts[0],))
     items = [None if not a else (a[0] if len(a) == 1 else a) for a in alts]
-    if len(items) == 1 and isinstance(items[0], str):
-        return repr(items[0])
-    return repr(tuple(items))
+    if () in alts[:-1]:                     # a from_pairs table: rules after a None
+        return "[" + ", ".join(map(_fmt_axes, alts)) + "]"
+    if alts[-1] == ():
+        return repr(tuple(items))
+    return "first(" + ", ".join(map(repr, items)) + ")"
 
 
 def _absent_error(name: str, alts: tuple[Alternative, ...], mesh_axes: tuple[str, ...],
@@ -143,7 +285,7 @@ def _absent_error(name: str, alts: tuple[Alternative, ...], mesh_axes: tuple[str
         f"None: {name}={_fmt_value(alts + ((),))} (a tuple ending in None never raises)")
 
 
-def _pairs(pairs) -> list:
+def _given_pairs(pairs) -> list:
     """``Rules``' positional argument as ``[(name, value)]``: a mapping or an iterable of
     pairs."""
     if isinstance(pairs, Mapping):
@@ -159,90 +301,158 @@ def _pairs(pairs) -> list:
     return out
 
 
-class Rules:
-    """An ordered, immutable mapping from logical axis names to mesh-axis fallbacks."""
+def _grouped(pairs) -> bool:
+    """Each logical axis's rules are adjacent and only the last may replicate: the table
+    reads back as keywords."""
+    seen, last = set(), None
+    for i, (n, a) in enumerate(pairs):
+        if n != last and n in seen:
+            return False
+        if not a and i + 1 < len(pairs) and pairs[i + 1][0] == n:
+            return False
+        seen.add(n)
+        last = n
+    return not any(keyword.iskeyword(n) for n in seen)
 
-    __slots__ = ("_table",)
+
+class Rules:
+    """An ordered, immutable table of ``(logical axis, mesh axes)`` rules (module doc)."""
+
+    __slots__ = ("_pairs", "_by_name")
 
     def __init__(self, pairs: Iterable[tuple[str, RuleValue]] | Mapping[str, RuleValue] = (),
                  /, **rules: RuleValue) -> None:
-        items = _pairs(pairs) + list(rules.items())
         table: dict[str, tuple[Alternative, ...]] = {}
-        for name, value in items:
-            if not isinstance(name, str) or not name.isidentifier():
-                raise RulesError(f"logical axis names must be identifiers, got {name!r}")
-            alts = _norm_value(name, value)
+        for name, value in _given_pairs(pairs) + list(rules.items()):
+            alts = _norm_value(_logical(name), value)
             if name in table and table[name] != alts:
                 raise RulesError(
                     f"logical axis {name!r} is given twice with different values: "
-                    f"{_fmt_value(table[name])} and {_fmt_value(alts)}; keep one"
-                )
+                    f"{_fmt_value(table[name])} and {_fmt_value(alts)}; keep one (for "
+                    f"fallbacks write {name}=first(...); a flax or MaxText table that "
+                    f"repeats a name as fallbacks reads as written with Rules.from_pairs)")
             table[name] = alts
-        object.__setattr__(self, "_table", table)
+        self._set(tuple((n, a) for n, alts in table.items() for a in alts))
+
+    @classmethod
+    def from_pairs(cls, pairs: Iterable[tuple[str, object]]) -> "Rules":
+        """flax's and MaxText's ``logical_axis_rules``, as written: ``(logical, mesh)``
+        pairs in priority order, where the mesh axes are ``None`` (replicate), an axis
+        name, or a tuple (or list) of names that shard the dimension together, and a
+        logical axis named again is a fallback tried when an earlier rule's axes are
+        taken. Resolves as ``flax.linen.logical_to_mesh_axes`` does (module doc).
+
+        >>> rules = Rules.from_pairs([('activation_batch', ('data', 'fsdp')),
+        ...                           ('embed', 'fsdp'), ('embed', 'tensor'), ('mlp', 'tensor')])
+        >>> rules.resolve(P('activation_batch', 'embed'), ('data', 'fsdp', 'tensor'))
+        P(('data', 'fsdp'), 'tensor')
+        """
+        if isinstance(pairs, (str, bytes, Mapping)) or not hasattr(pairs, "__iter__"):
+            raise RulesError(f"Rules.from_pairs({pairs!r}): give a sequence of (logical, mesh "
+                             f"axes) pairs, e.g. [('batch', ('data', 'fsdp')), ('embed', "
+                             f"'fsdp'), ('embed', None)]")
+        out = []
+        for x in pairs:
+            if not (isinstance(x, (tuple, list)) and len(x) == 2):
+                raise RulesError(f"Rules.from_pairs([..., {x!r}, ...]): each rule is a "
+                                 f"(logical axis, mesh axes) pair, e.g. ('mlp', 'tensor')")
+            out.append((_logical(x[0]), _pair_axes(x[0], x[1])))
+        return cls._of(tuple(out))
+
+    @classmethod
+    def _of(cls, pairs: tuple) -> "Rules":
+        out = cls.__new__(cls)
+        out._set(pairs)
+        return out
+
+    def _set(self, pairs: tuple) -> None:
+        by_name: dict[str, tuple[Alternative, ...]] = {}
+        for n, a in pairs:
+            by_name[n] = by_name.get(n, ()) + (a,)
+        object.__setattr__(self, "_pairs", pairs)
+        object.__setattr__(self, "_by_name", by_name)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Rules are immutable; compose with `|` to extend them")
 
+    @property
+    def pairs(self) -> tuple[tuple[str, Alternative], ...]:
+        """The table as flax writes it: ``(logical, mesh axes)`` in priority order, the
+        mesh axes a tuple (``()`` for ``None``)."""
+        return self._pairs
+
     def __contains__(self, name: object) -> bool:
-        return name in self._table
+        return name in self._by_name
 
     def __iter__(self):
-        return iter(self._table)
+        return iter(self._by_name)
 
     def __len__(self) -> int:
-        return len(self._table)
+        return len(self._by_name)
 
     def get(self, name: str) -> tuple[Alternative, ...] | None:
-        return self._table.get(name)
+        """``name``'s alternatives in order (``()`` when it only replicates), or None."""
+        alts = self._by_name.get(name)
+        return () if alts == ((),) else alts
 
     def items(self):
-        return self._table.items()
+        return [(n, self.get(n)) for n in self._by_name]
 
     def __or__(self, other: "Rules") -> "Rules":
-        """Union of two rule sets; a logical axis mapped differently by each raises."""
+        """Union of two rule sets, the left one's rules first; a logical axis mapped
+        differently by each raises."""
         if not isinstance(other, Rules):
             raise RulesTypeError(f"{self!r} | {other!r}: both sides of | must be Rules; wrap "
                                  f"a mapping first: rules | Rules({other!r})")
-        for name, alts in other._table.items():
-            mine = self._table.get(name)
+        for name, alts in other._by_name.items():
+            mine = self._by_name.get(name)
             if mine is not None and mine != alts:
                 raise RulesError(
                     f"cannot compose rules: {name!r} maps to {_fmt_value(mine)} in the first "
                     f"and {_fmt_value(alts)} in the second; drop it from one side"
                 )
-        merged = dict(self._table)
-        merged.update(other._table)
-        out = Rules.__new__(Rules)
-        object.__setattr__(out, "_table", merged)
-        return out
+        return Rules._of(self._pairs + tuple(
+            (n, a) for n, a in other._pairs if n not in self._by_name))
 
     def __ror__(self, other: object) -> "Rules":
         raise RulesTypeError(f"{other!r} | {self!r}: both sides of | must be Rules; wrap "
                              f"a mapping first: Rules({other!r}) | rules")
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Rules) and list(self._table.items()) == list(other._table.items())
+        return isinstance(other, Rules) and self._pairs == other._pairs
 
     def __hash__(self) -> int:
-        return hash(tuple(self._table.items()))
+        return hash(self._pairs)
 
     def __repr__(self) -> str:
-        return "Rules(" + ", ".join(f"{k}={_fmt_value(v)}" for k, v in self._table.items()) + ")"
+        if _grouped(self._pairs):
+            return "Rules(" + ", ".join(f"{k}={_fmt_value(v)}"
+                                        for k, v in self._by_name.items()) + ")"
+        return "Rules.from_pairs([" + ", ".join(
+            f"({k!r}, {_fmt_axes(a)})" for k, a in self._pairs) + "])"
 
     def to_json(self) -> list:
-        return [[k, [list(a) for a in v]] for k, v in self._table.items()]
+        """``[[logical, [axis, ...]], ...]``: the pairs, ``[]`` for ``None``."""
+        return [[k, list(a)] for k, a in self._pairs]
 
     @classmethod
     def from_json(cls, data: list) -> "Rules":
-        """The ``Rules`` that ``to_json`` wrote: ``[[name, [[axis, ...], ...]], ...]``."""
+        """The ``Rules`` that ``to_json`` wrote (also the older per-name form,
+        ``[[logical, [[axis, ...], ...]], ...]``)."""
+        def names(v):
+            return isinstance(v, list) and all(isinstance(a, str) for a in v)
+
         if not isinstance(data, list) or not all(
-                isinstance(x, list) and len(x) == 2 and isinstance(x[1], list)
-                and all(isinstance(a, list) for a in x[1]) for x in data):
-            raise RulesError(f"Rules.from_json({data!r}): expected [[logical, [[axis, ...], "
-                             f"...]], ...] as Rules.to_json() writes it, e.g. "
+                isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                and (names(x[1]) or isinstance(x[1], list) and all(map(names, x[1])))
+                for x in data):
+            raise RulesError(f"Rules.from_json({data!r}): expected [[logical, [axis, ...]], "
+                             f"...] as Rules.to_json() writes it, e.g. "
                              f"{Rules(mlp='tp').to_json()!r}")
-        return cls([(k, tuple(tuple(a) if a else None for a in v) if v else None)
-                    for k, v in data])
+        pairs = []
+        for k, v in data:
+            pairs += [(k, v)] if names(v) else [(k, a) for a in v]
+        return cls.from_pairs(pairs)
 
     @classmethod
     def default(cls) -> "Rules":
@@ -251,7 +461,8 @@ class Rules:
 
     # -- resolution ----------------------------------------------------------------------
     def resolve(self, spec: P, mesh_axes: Sequence[str], *, what: str = "spec") -> P:
-        """Map every logical name in ``spec`` to mesh axes of a mesh with ``mesh_axes``.
+        """Map every logical name in ``spec`` to mesh axes of a mesh with ``mesh_axes``,
+        as ``flax.linen.logical_to_mesh_axes`` does: rule order decides (module doc).
 
         Names that are already mesh axes pass through. A name that is neither a rule nor
         a mesh axis raises ``SpecError``, listing both vocabularies; a rule whose every
@@ -263,43 +474,43 @@ class Rules:
             raise SpecError(f"{what}: mesh_axes must be a sequence of axis names such as "
                             f"('dp', 'tp'), got {mesh_axes!r}")
         mesh_axes = tuple(mesh_axes)
-        used: set[str] = set()
-        # Mesh axes named directly are claimed first so a logical fallback cannot take them.
-        for n in spec.axes:
-            if n not in self._table and n in mesh_axes:
-                used.add(n)
+        entries = [() if e is None else ((e,) if isinstance(e, str) else e) for e in spec]
+        names = [n for e in entries for n in e] + list(spec.partial)
+        got = self._assign(names, mesh_axes, spec, what)
 
-        def one(name: str) -> tuple[str, ...]:
-            if name not in self._table:
-                if name in mesh_axes:
-                    return (name,)
-                if name in LOGICAL_AXES:
-                    return ()  # a vocabulary axis without a rule is replicated
-                raise SpecError(
-                    f"{what}: {spec!r} names {name!r}, which is neither a mesh axis "
-                    f"{mesh_axes} nor a logical axis of {self!r}; add a rule such as "
-                    f"Rules({name}='tp') or use a mesh axis"
-                )
-            alts = self._table[name]
-            for alt in alts:
-                if all(a in mesh_axes for a in alt) and not any(a in used for a in alt):
-                    used.update(alt)
-                    return alt
-            if alts and not any(all(a in mesh_axes for a in alt) for alt in alts):
-                raise _absent_error(name, alts, mesh_axes, f"{what} {spec!r}")
-            return ()
+        def axes_of(n: str) -> tuple[str, ...]:
+            return got.get(n, ()) if n in self._by_name else (n,) if n in mesh_axes else ()
 
         dims = []
-        for entry in spec:
-            names = () if entry is None else ((entry,) if isinstance(entry, str) else entry)
-            axes: tuple[str, ...] = ()
-            for n in names:
-                axes += one(n)
+        for e in entries:
+            axes = tuple(a for n in e for a in axes_of(n))
             dims.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
-        partial: tuple[str, ...] = ()
-        for n in spec.partial:
-            partial += one(n)
+        partial = tuple(a for n in spec.partial for a in axes_of(n))
         return P(*dims, partial=partial or None)
+
+    def _assign(self, names: list, mesh_axes: tuple, spec: P, what: str) -> dict:
+        """The mesh axes each logical name of a spec gets: flax's loop over the rules."""
+        # Mesh axes named directly are claimed first so a logical rule cannot take them.
+        used = {n for n in names if n not in self._by_name and n in mesh_axes}
+        for n in names:
+            if n in self._by_name:
+                alts = self._by_name[n]
+                if not any(all(a in mesh_axes for a in alt) for alt in alts):
+                    raise _absent_error(n, alts, mesh_axes, f"{what} {spec!r}")
+            elif n not in mesh_axes and n not in LOGICAL_AXES:
+                raise SpecError(
+                    f"{what}: {spec!r} names {n!r}, which is neither a mesh axis "
+                    f"{mesh_axes} nor a logical axis of {self!r}; add a rule such as "
+                    f"Rules({n}='tp') or use a mesh axis")
+        wanted, got = set(names), {}
+        for name, axes in self._pairs:
+            # a dimension takes the first rule whose axes the mesh has and no dimension
+            # holds yet; a None rule (no axes) claims it unsharded
+            if name in wanted and name not in got and all(a in mesh_axes for a in axes) \
+                    and not used.intersection(axes):
+                got[name] = axes
+                used.update(axes)
+        return got
 
 
 def resolve(spec: P, mesh_axes: Sequence[str], rules: Rules | None, *, what: str = "spec") -> P:
@@ -308,10 +519,10 @@ def resolve(spec: P, mesh_axes: Sequence[str], rules: Rules | None, *, what: str
 
 
 DEFAULT_RULES = Rules(
-    batch=(("dp", "fsdp"), "dp", "fsdp", None),
-    heads=TENSOR_AXES + (None,),
-    kv_heads=TENSOR_AXES + (None,),
-    mlp=TENSOR_AXES + (None,),
-    vocab=TENSOR_AXES + (None,),
-    embed=("fsdp", None),
+    batch=first(joint("dp", "fsdp"), "dp", "fsdp", None),
+    heads=first(*TENSOR_AXES, None),
+    kv_heads=first(*TENSOR_AXES, None),
+    mlp=first(*TENSOR_AXES, None),
+    vocab=first(*TENSOR_AXES, None),
+    embed=first("fsdp", None),
 )

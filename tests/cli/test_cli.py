@@ -152,7 +152,10 @@ def test_rules_flag_spells_fallbacks_and_none():
     from meshlab.cli import _rules_arg
 
     assert _rules_arg("batch=dp|fsdp,heads=tp|None,embed=None") == ml.Rules(
-        batch=("dp", "fsdp"), heads=("tp", None), embed=None)
+        batch=ml.first("dp", "fsdp"), heads=("tp", None), embed=None)
+    # '+' joins axes that shard one dimension together, as a tuple inside P
+    assert _rules_arg("batch=dp+fsdp|dp|None,mlp=tp") == ml.Rules(
+        batch=ml.first(ml.joint("dp", "fsdp"), "dp", None), mlp="tp")
     assert _rules_arg(None) is None           # no --rules: shard's defaults apply
 
 

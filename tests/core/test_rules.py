@@ -7,7 +7,7 @@ import json
 import pytest
 
 import meshlab as ml
-from meshlab import LOGICAL_AXES, P, Rules, RulesError, SpecError, presets
+from meshlab import LOGICAL_AXES, P, Rules, RulesError, SpecError, first, presets
 from meshlab.core.context import current_rules
 
 AXES = ("dp", "tp")
@@ -25,7 +25,7 @@ def test_single_rule_maps_to_axis():
 
 
 def test_first_present_fallback_wins():
-    r = Rules(embed=("fsdp", "tp", "dp"))
+    r = Rules(embed=first("fsdp", "tp", "dp"))
     # 'fsdp' is not in the mesh: the next one present wins
     assert r.resolve(P("embed"), AXES) == P("tp")
     assert r.resolve(P("embed"), ("fsdp", "tp")) == P("fsdp")
@@ -38,25 +38,25 @@ def test_first_present_fallback_wins():
 
 
 def test_first_unused_fallback_wins():
-    r = Rules(batch=("dp",), embed=("dp", "tp"), mlp="tp")
-    # dim 0 takes 'dp', so embed falls back to 'tp'
+    r = Rules(batch=("dp",), mlp="tp", embed=first("dp", "tp"))
+    # batch's rule takes 'dp', so embed falls back to 'tp'
     assert r.resolve(P("batch", "embed"), AXES) == P("dp", "tp")
-    # embed first takes 'dp' itself
+    # embed takes 'dp' itself
     assert r.resolve(P("embed", "mlp"), AXES) == P("dp", "tp")
     # mlp takes 'tp'; embed wanted dp or tp: dp
     assert r.resolve(P("mlp", "embed"), AXES) == P("tp", "dp")
-    # both taken: replicate
+    # both taken by earlier rules: replicate
     assert r.resolve(P("batch", "mlp", "embed"), AXES) == P("dp", "tp", None)
 
 
 def test_doc_example():
-    rules = Rules(batch=("dp",), embed=("fsdp", "tp"), mlp="tp")
+    rules = Rules(batch=("dp",), mlp="tp", embed=first("fsdp", "tp"))
     assert rules.resolve(P("batch", "embed"), AXES) == P("dp", "tp")
     assert rules.resolve(P("mlp", "embed"), AXES) == P("tp", None)
 
 
 def test_tuple_alternative_shards_over_two_axes():
-    r = Rules(embed=(("dp", "tp"), "tp"), batch="dp")
+    r = Rules(batch="dp", embed=first(("dp", "tp"), "tp"))
     assert r.resolve(P("embed"), AXES) == P(("dp", "tp"))
     assert r.resolve(P(None, "embed"), AXES) == P(None, ("dp", "tp"))
     # 'dp' taken by batch: the pair cannot be used, the single fallback can
@@ -108,12 +108,12 @@ def test_mesh_axes_pass_through():
 
 def test_mesh_axes_are_claimed_first():
     # 'embed' would take 'dp', but dim 1 names 'dp' directly: embed must fall back
-    r = Rules(embed=("dp", "tp"))
+    r = Rules(embed=first("dp", "tp"))
     assert r.resolve(P("embed", "dp"), AXES) == P("tp", "dp")
     # and if nothing is left, embed replicates rather than steal the named axis
     assert Rules(embed="dp").resolve(P("embed", "dp"), AXES) == P(None, "dp")
     # a named axis in partial is claimed too
-    assert Rules(embed=("tp", "dp")).resolve(P("embed", partial="tp"), AXES) == \
+    assert Rules(embed=first("tp", "dp")).resolve(P("embed", partial="tp"), AXES) == \
         P("dp", partial="tp")
 
 
@@ -168,7 +168,7 @@ def test_union_with_non_rules():
 @pytest.mark.parametrize("left, right, first, second", [
     (Rules(mlp="tp"), Rules(mlp="dp"), "'tp'", "'dp'"),
     (Rules(mlp=None), Rules(mlp="dp"), "None", "'dp'"),
-    (Rules(mlp=("fsdp", "tp")), Rules(mlp="tp"), "('fsdp', 'tp')", "'tp'"),
+    (Rules(mlp=first("fsdp", "tp")), Rules(mlp="tp"), "('fsdp', 'tp')", "'tp'"),
 ])
 def test_conflicting_union_raises_with_both_values(left, right, first, second):
     with pytest.raises(RulesError) as ei:
@@ -197,24 +197,25 @@ def test_rules_are_immutable():
 @pytest.mark.parametrize("rules, text", [
     (Rules(), "Rules()"),
     (Rules(batch="dp"), "Rules(batch='dp')"),
-    (Rules(batch=("dp",), embed=("fsdp", "tp")), "Rules(batch='dp', embed=('fsdp', 'tp'))"),
+    (Rules(batch=("dp",), embed=first("fsdp", "tp")),
+     "Rules(batch='dp', embed=first('fsdp', 'tp'))"),
     (Rules(embed=None), "Rules(embed=None)"),
-    (Rules(embed=(("dp", "tp"), "tp")), "Rules(embed=(('dp', 'tp'), 'tp'))"),
+    (Rules(embed=first(("dp", "tp"), "tp")), "Rules(embed=first(('dp', 'tp'), 'tp'))"),
     (Rules(embed=(("dp", "tp"),)), "Rules(embed=(('dp', 'tp'),))"),
     (Rules(mlp=("tp", None)), "Rules(mlp=('tp', None))"),
     (Rules(embed=(("dp", "tp"), None)), "Rules(embed=(('dp', 'tp'), None))"),
 ])
 def test_repr_pastes_back(rules, text):
     assert repr(rules) == text
-    again = eval(repr(rules), {"Rules": Rules})
+    again = eval(repr(rules), {"Rules": Rules, "first": first})
     assert again == rules
     assert hash(again) == hash(rules)
 
 
 @pytest.mark.parametrize("rules", [
     Rules(),
-    Rules(batch="dp", embed=("fsdp", "tp"), mlp=None),
-    Rules(embed=(("dp", "tp"), "tp"), vocab="tp", custom=("sp",)),
+    Rules(batch="dp", embed=first("fsdp", "tp"), mlp=None),
+    Rules(embed=first(("dp", "tp"), "tp"), vocab="tp", custom=("sp",)),
     Rules(mlp=("tp", None), embed=("fsdp", ("dp", "tp"), None)),
     Rules.default(),
 ])
@@ -226,7 +227,7 @@ def test_json_round_trip(rules):
 
 
 def test_mapping_protocol():
-    r = Rules(batch="dp", embed=("fsdp", "tp"))
+    r = Rules(batch="dp", embed=first("fsdp", "tp"))
     assert "batch" in r and "mlp" not in r
     assert len(r) == 2
     assert r.get("embed") == (("fsdp",), ("tp",))
@@ -265,7 +266,7 @@ def test_ambient_rules_reach_visualize():
     (Rules(mlp="model"), P("mlp"), "'model'", "'tp'"),          # another name of tp
     (Rules(heads="tpp"), P("heads"), "'tpp'", "'tp'"),          # a misspelling
     (Rules(batch="db"), P("batch", None), "'db'", "'dp'"),
-    (Rules(mlp=("fsdp", "model")), P(None, "mlp"), "'model'", "'tp'"),   # no fallback fits
+    (Rules(mlp=first("fsdp", "model")), P(None, "mlp"), "'model'", "'tp'"),   # no fallback fits
 ])
 def test_rule_naming_absent_axes_raises_with_the_nearest_name(rules, spec, missing, nearest):
     with pytest.raises(RulesError) as ei:
@@ -297,7 +298,7 @@ def test_final_none_replicates_without_raising():
 
 
 def test_one_present_fallback_is_enough():
-    assert Rules(mlp=("fsdp", "tp")).resolve(P("mlp"), AXES) == P("tp")
+    assert Rules(mlp=first("fsdp", "tp")).resolve(P("mlp"), AXES) == P("tp")
     # present but taken by an earlier dim replicates, as before: nothing is misspelled
     assert Rules(mlp="tp").resolve(P("tp", "mlp"), AXES) == P("tp", None)
 
