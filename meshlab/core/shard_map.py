@@ -30,7 +30,7 @@ from .mesh import Mesh
 from .placement import from_placements, to_placements
 from .rules import Rules
 from .spec import P
-from .varying import mark, region
+from .varying import mark, pvary, region
 
 
 class _Target:
@@ -171,6 +171,16 @@ def _resolved(tgt: _Target, ins, outs_given, args, name: str):
     return specs, outs
 
 
+def _broadcast_output(tgt: _Target, r, o, s: P | None):
+    """JAX's implicit ``pvary`` on outputs: an output whose spec splits it over an axis it
+    does not vary along (a value the same on every rank of ``'j'``, laid out as
+    ``P('i', 'j')``) is broadcast there, so the blocks tile it and its gradient is summed
+    over that axis instead of each rank keeping its own block's."""
+    if not isinstance(o, torch.Tensor) or s is None:
+        return o
+    return pvary(o, frozenset(s.axes) & frozenset(tgt.tracked), r)
+
+
 def _plain(args, specs) -> list:
     """(label, tensor) of each plain tensor argument that has a spec."""
     from torch.distributed.tensor import DTensor
@@ -245,10 +255,11 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
         with local_region(), region(tgt.dm, tgt.tracked, unmarked_varying=tgt.local_model,
                                     name=name) as r:
             out = fn(*_seed(tgt, r, local, specs))
-        flat = (out,) if single else tuple(out)
-        if len(flat) != len(outs):
-            raise SpecError(f"shard_map({name}): the function returned {len(flat)} values "
-                            f"for {len(outs)} out_specs; give one spec per output")
+            flat = (out,) if single else tuple(out)
+            if len(flat) != len(outs):
+                raise SpecError(f"shard_map({name}): the function returned {len(flat)} "
+                                f"values for {len(outs)} out_specs; give one spec per output")
+            flat = tuple(_broadcast_output(tgt, r, o, s) for o, s in zip(flat, outs))
         if pending[0]:
             check_blocks(tgt, [(f"output {j}", o, s) for j, (o, s) in
                                enumerate(zip(flat, outs)) if isinstance(o, torch.Tensor)

@@ -207,6 +207,30 @@ def test_replicated_values_get_summed_gradients(world4):
     assert out == [(28.0, 16.0)] * 4          # sum(0..7); d(2w)/dw summed over 8 elements
 
 
+def case_output_tiled_over_an_invariant_axis(rank, world):
+    """An output laid out over an axis it does not vary along (``P('i', 'j')`` for a value
+    the same on every rank of 'j') is broadcast there, JAX's implicit pvary on outputs:
+    the blocks tile it, and its gradient is the sum over 'j' of the blocks' cotangents."""
+    import meshlab as ml
+    from meshlab import P
+
+    mesh = ml.Mesh(i=2, j=2)
+    x = torch.arange(4 * 3, dtype=torch.float64).reshape(4, 3).requires_grad_()
+    y = ml.shard_map(lambda b: b * 2, in_specs=P("i", None), out_specs=P("i", "j"),
+                     mesh=mesh)(x)
+    full = y.full_tensor()
+    torch.testing.assert_close(full, torch.cat([2 * x, 2 * x], 1).detach())
+    w = _weights_like(full)
+    g, = torch.autograd.grad((full * w).sum(), x)
+    torch.testing.assert_close(g, 2 * (w[:, :3] + w[:, 3:]))
+    return g.tolist()
+
+
+def test_outputs_tiled_over_an_invariant_axis_sum_their_gradients(world4):
+    out = world4.run(case_output_tiled_over_an_invariant_axis)
+    assert all(o == out[0] for o in out)
+
+
 def case_collective_outside(rank, world):
     import meshlab as ml
 
