@@ -28,8 +28,8 @@ from torch import nn
 from . import _rng
 from . import _state
 from ._commit import base_names, commit, discard, recover, resolve, write_json
-from ._files import (FORMAT, MARKER, checked, entry, is_complete, order_key, rank_file,
-                     shard_prefix)
+from ._files import (FORMAT, MARKER, checked, entry, is_complete, order_key, rank_file, seal,
+                     shard_prefix, unhealthy)
 from ._inflight import IN_FLIGHT, Pending, background_group, wait
 from ._load import LoadReport as LoadReport, load as load
 from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank, world
@@ -60,6 +60,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     (it creates none, so the run goes on exactly as without the save).
     ``weights=False`` leaves the model's tensors out (an optimizer-only checkpoint; the
     model still names the optimizer's parameters); ``load(..., weights=False)`` reads it.
+    The marker records the step's health where the save knows it: ``extra['loss']`` and
+    the optimizer's last gradient norm (``meshlab.optimizer`` with clipping or
+    ``nonfinite``); ``latest`` passes over a checkpoint whose loss or norm is not finite.
     """
     path = os.fspath(path).rstrip("/")
     wait()
@@ -73,6 +76,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
             opt_t, rest = _state.optimizer_state(optimizer, model)
             tensors.update(opt_t)
             meta["optimizer"] = {**rest, "has_state": _state.has_state(optimizer)}
+        meta["health"] = _health(extra, optimizer)
     except BaseException:
         _discard_quietly(tmp)
         raise
@@ -132,6 +136,16 @@ def _meta(model, scheduler, extra, dataloader) -> dict:
     if extra is not None:
         meta["extra"] = extra
     return meta
+
+
+def _health(extra, optimizer) -> dict:
+    """What the save knows of the step it follows: the loss the caller recorded in
+    ``extra['loss']`` and the optimizer's last global gradient norm (None where unknown)."""
+    def number(v):
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    return {"loss": number((extra or {}).get("loss")),
+            "grad_norm": number(getattr(optimizer, "last_grad_norm", None))}
 
 
 def _stage(t):
@@ -213,7 +227,7 @@ def _commit(tmp: str, path: str, meta: dict) -> None:
     for n in sorted(os.listdir(tmp)):
         if n not in files and n != MARKER and not n.endswith(".tmp"):
             files[n] = entry(os.path.join(tmp, n))
-    write_json(os.path.join(tmp, MARKER), {**meta, "files": files})
+    write_json(os.path.join(tmp, MARKER), seal({**meta, "files": files}))
     _fault("before_rename")
     commit(tmp, path)
 
@@ -228,27 +242,34 @@ def _undo(path: str) -> None:
 
 
 # -- discovery ----------------------------------------------------------------------------
-def _committed(directory: str) -> list[tuple[tuple, str]]:
-    """(order key, directory) of every committed checkpoint with a readable marker under
-    ``directory``; damaged ones are skipped with a warning."""
+def _committed(directory: str) -> list[tuple[tuple, str, str | None]]:
+    """(order key, directory, why it is unhealthy or None) of every committed checkpoint
+    with a readable marker under ``directory``, oldest first; damaged ones are skipped
+    with a warning."""
     found = []
     for name in base_names(directory):
         d = resolve(os.path.join(directory, name), is_complete)
         meta = checked(d) if d is not None else None
         if meta is not None:
-            found.append((order_key(meta), d))
-    return sorted(found)
+            found.append((order_key(meta), d, unhealthy(meta)))
+    return sorted(found, key=lambda x: x[:2])
 
 
 def latest(directory: str | os.PathLike) -> str | None:
-    """The newest committed checkpoint directly under ``directory`` (None if none):
-    highest ``extra['step']``, then newest. After a crash mid-overwrite that may be
-    ``<name>.old``; a checkpoint whose marker is damaged is skipped with a warning."""
+    """The newest committed checkpoint directly under ``directory`` that training can
+    resume from (None if none): highest ``extra['step']``, then newest. After a crash
+    mid-overwrite that may be ``<name>.old``. Skipped with a warning that names them: a
+    checkpoint whose marker is damaged, and one whose recorded loss, gradient norm or step
+    is not finite (a diverged step; ``load`` still reads it by name)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         return None
-    found = _committed(directory)
-    return found[-1][1] if found else None
+    for _, d, why in reversed(_committed(directory)):
+        if why is None:
+            return d
+        warnings.warn(f"skipping {d}: {why}, so training cannot resume from it; load it "
+                      f"by name to inspect it", stacklevel=2)
+    return None
 
 
 def _prune(directory: str, keep_last: int | None, keep: str) -> None:
@@ -257,8 +278,12 @@ def _prune(directory: str, keep_last: int | None, keep: str) -> None:
     if keep_last is None:
         return
     try:
-        for _, p in _committed(directory)[:-keep_last]:
-            if os.path.abspath(p) != os.path.abspath(keep):
+        found = _committed(directory)
+        # the newest one training can resume from stays, however many diverged after it
+        resumable = next((d for _, d, why in reversed(found) if why is None), None)
+        kept = {os.path.abspath(keep), os.path.abspath(resumable or keep)}
+        for _, p, _why in found[:-keep_last]:
+            if os.path.abspath(p) not in kept:
                 discard(p)
     except OSError as e:
         warnings.warn(f"keep_last={keep_last}: could not delete old checkpoints in "

@@ -5,7 +5,13 @@ Each rank hashes the shards it wrote; rank 0 adds ``.metadata`` and the per-rank
 before it writes the marker. On load every rank checks that every file is present and
 of its size, and hashes its share of them (plus ``.metadata`` and its own RNG file,
 which it reads itself), so a truncated, missing, swapped or bit-flipped file is named
-before anything is read into the model.
+before anything is read into the model. The marker checksums itself too (``digest``: the
+SHA-256 of its canonical JSON without that field), so an edited or damaged marker — a
+learning rate changed in place — is refused rather than loaded.
+
+A save also records what it knows of the step's health (``health``: the loss the caller
+passed in ``extra['loss']`` and the optimizer's last gradient norm); ``latest`` passes
+over a checkpoint whose recorded loss or norm is not finite.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from typing import Any
 from ._safe import CheckpointError
 
 MARKER = "meshlab.json"
-FORMAT = "meshlab.checkpoint/2"
+FORMAT = "meshlab.checkpoint/3"
+UNSEALED = "meshlab.checkpoint/2"      # written before the marker checksummed itself
 LEGACY = "meshlab.checkpoint/1"        # written before checksums: loaded unverified
+DIGEST = "digest"
 _CHUNK = 1 << 22
 
 
@@ -38,6 +46,32 @@ def sha256(path: str) -> str:
 def entry(path: str) -> dict:
     """What the marker records of one file."""
     return {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+
+
+def canonical_digest(doc: dict) -> str:
+    """The SHA-256 of ``doc``'s canonical JSON (sorted keys, no spaces), ``digest`` left
+    out: what ``seal`` records and ``check_digest`` compares."""
+    body = {k: v for k, v in doc.items() if k != DIGEST}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def seal(doc: dict) -> dict:
+    """``doc`` with its own checksum (``digest``), as markers and manifests are written."""
+    return {**doc, DIGEST: canonical_digest(doc)}
+
+
+def check_digest(doc: dict, where: str) -> None:
+    """A ``CheckpointError`` naming ``where`` unless ``doc`` carries the checksum of its
+    own content."""
+    got = doc.get(DIGEST)
+    if not isinstance(got, str):
+        raise CheckpointError(f"{where} is damaged: it carries no checksum of its own "
+                              f"content ({DIGEST!r}); load an older checkpoint")
+    if got != canonical_digest(doc):
+        raise CheckpointError(f"{where} is damaged: its content differs from the SHA-256 "
+                              f"recorded in it (edited, or flipped bits); load an older "
+                              f"checkpoint")
 
 
 def rank_file(r: int) -> str:
@@ -70,6 +104,11 @@ def read_marker(path: str) -> dict:
         raise CheckpointError(f"{where} is damaged: not a JSON document ({e}); this "
                               f"checkpoint cannot be used, load an older one") from None
     _check_marker(meta, where)
+    if meta["format"] == FORMAT:
+        check_digest(meta, where)
+    elif meta["format"] == UNSEALED:
+        warnings.warn(f"{where} was written before meshlab checksummed its marker: the "
+                      f"marker itself cannot be verified", stacklevel=3)
     return meta
 
 
@@ -78,7 +117,7 @@ def _check_marker(meta: Any, where: str) -> None:
         raise CheckpointError(f"{where} is damaged: it holds a JSON {type(meta).__name__}, "
                               f"not the object meshlab writes; load an older checkpoint")
     fmt = meta.get("format")
-    if fmt not in (FORMAT, LEGACY):
+    if fmt not in (FORMAT, UNSEALED, LEGACY):
         raise CheckpointError(f"{where}: format {fmt!r}, expected {FORMAT!r}; this is not a "
                               f"meshlab checkpoint, or one from a newer meshlab")
     bad = []
@@ -90,10 +129,13 @@ def _check_marker(meta: Any, where: str) -> None:
     ws = meta.get("world_size")
     if ws is not None and (isinstance(ws, bool) or not isinstance(ws, int) or ws < 1):
         bad.append(f"world_size is {ws!r}")
-    for key in ("optimizer", "mesh"):
+    for key in ("optimizer", "mesh", "scheduler", "dataloader", "health"):
         if meta.get(key) is not None and not isinstance(meta[key], dict):
             bad.append(f"{key} is a {type(meta[key]).__name__}, not an object")
-    if fmt == FORMAT:
+    for key, v in (meta.get("health") or {}).items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            bad.append(f"health.{key} is {v!r}, not a number")
+    if fmt != LEGACY:
         bad += _check_files(meta.get("files"))
     if bad:
         raise CheckpointError(f"{where} is damaged: {'; '.join(bad)}; load an older checkpoint")
@@ -112,10 +154,22 @@ def _check_files(files: Any) -> list[str]:
 
 
 def order_key(meta: dict) -> tuple:
-    """Newest first by ``extra['step']`` (when a number), then by save time."""
+    """Newest first by ``extra['step']`` (when a finite number), then by save time."""
     step = (meta.get("extra") or {}).get("step")
-    ok = isinstance(step, (int, float)) and not isinstance(step, bool)
+    ok = isinstance(step, (int, float)) and not isinstance(step, bool) and math.isfinite(step)
     return (step if ok else -1, meta.get("time", 0))
+
+
+def unhealthy(meta: dict) -> str | None:
+    """Why a checkpoint is no place to resume from (a non-finite loss, gradient norm or
+    step was recorded with it), or None."""
+    step = (meta.get("extra") or {}).get("step")
+    if isinstance(step, float) and not math.isfinite(step):
+        return f"its extra['step'] is {step}"
+    for key, v in sorted((meta.get("health") or {}).items()):
+        if isinstance(v, (int, float)) and not math.isfinite(v):
+            return f"its recorded {key.replace('_', ' ')} is {v}"
+    return None
 
 
 def checked(path: str) -> dict | None:

@@ -16,6 +16,7 @@ from torch import nn
 
 import meshlab as ml
 from meshlab.checkpoint import CheckpointError
+from meshlab.checkpoint._files import seal
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,12 +129,13 @@ class _Payload:
 
 def _forge(path, name, data: bytes):
     """Write ``data`` as file ``name`` of checkpoint ``path`` and record its checksum in
-    the marker, as a crafted checkpoint would: only the content checks remain."""
+    the marker (and the marker's own), as a crafted checkpoint would: only the content
+    checks remain."""
     with open(path / name, "wb") as f:
         f.write(data)
     marker = json.loads((path / "meshlab.json").read_text())
     marker["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (path / "meshlab.json").write_text(json.dumps(marker))
+    (path / "meshlab.json").write_text(json.dumps(seal(marker)))
 
 
 def test_pickle_payload_in_metadata_never_runs(tmp_path):
@@ -215,7 +217,7 @@ def _damage(kind, ck, other):
     elif kind == "no-rank-file":
         marker = json.loads((ck / "meshlab.json").read_text())
         del marker["files"]["rank-00000.json"]
-        (ck / "meshlab.json").write_text(json.dumps(marker))
+        (ck / "meshlab.json").write_text(json.dumps(seal(marker)))
         os.remove(ck / "rank-00000.json")
     return shard.name
 

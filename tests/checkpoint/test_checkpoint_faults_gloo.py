@@ -321,16 +321,20 @@ def _swap(ck):
 def _forge(ck, name, data: bytes):
     import hashlib
 
+    from meshlab.checkpoint._files import seal
+
     (ck / name).write_bytes(data)
     marker = json.loads((ck / "meshlab.json").read_text())
     marker["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (ck / "meshlab.json").write_text(json.dumps(marker))
+    (ck / "meshlab.json").write_text(json.dumps(seal(marker)))
 
 
 def _drop(ck, name):
+    from meshlab.checkpoint._files import seal
+
     marker = json.loads((ck / "meshlab.json").read_text())
     del marker["files"][name]
-    (ck / "meshlab.json").write_text(json.dumps(marker))
+    (ck / "meshlab.json").write_text(json.dumps(seal(marker)))
     os.remove(ck / name)
 
 
