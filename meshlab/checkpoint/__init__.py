@@ -6,12 +6,19 @@ Face safetensors export/import.
 >>> extra, report = checkpoint.load(checkpoint.latest('ckpt'), model, opt)  # doctest: +SKIP
 
 Every failure is a ``CheckpointError`` on every rank (``CheckpointPeerError`` on the ranks
-that did not fail themselves), naming the rank, the file and the damage.
+that did not fail themselves), naming the rank, the file and the damage. A load checks
+everything before it writes anything: every file's checksum (the marker's and an export's
+manifest checksum themselves too), the names (met through peft's:
+``CheckpointNamingError`` where none match), shapes, the optimizer's groups and the
+scheduler's and data position's state.
 """
 
 from ._safe import (CheckpointError as CheckpointError,
                     CheckpointPeerError as CheckpointPeerError,
-                    CheckpointMismatchError as CheckpointMismatchError)
+                    CheckpointMismatchError as CheckpointMismatchError,
+                    CheckpointNamingError as CheckpointNamingError,
+                    CheckpointStepError as CheckpointStepError,
+                    AdapterConfigError as AdapterConfigError)
 from ._dcp import (save as save, load as load, latest as latest, wait as wait,
                    is_complete as is_complete, LoadReport as LoadReport)
 from ._hf import save_pretrained as save_pretrained, load_pretrained as load_pretrained

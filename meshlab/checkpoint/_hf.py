@@ -6,6 +6,11 @@ whole model is never in one process; tied names are written once, as Hugging Fac
 Import opens each safetensors file lazily: every rank reads only the block of each
 parameter it owns (parameters with strided layouts — a packed q|k|v split by tensor
 parallelism — are read whole, one at a time). No pickle is involved either way.
+
+An export carries a checksum manifest (``_manifest``) that the import verifies before it
+reads a weight (an export without one, written by transformers, is read as it is). Names
+meet through peft's renaming (``_names``): a base model's export loads into the base
+weights of a model with LoRA adapters.
 """
 
 from __future__ import annotations
@@ -19,9 +24,10 @@ import re
 import torch
 from torch import nn
 
+from . import _manifest, _names
 from ._commit import commit, discard, recover, resolve
 from ._load import LoadReport, held_anywhere
-from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank
+from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank, world
 from ._safe import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -104,8 +110,11 @@ def _plan(items: list, limit: int) -> tuple[list[list[str]], dict[str, int]]:
 
 
 def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
-                    max_shard_size: int | str = "5GB", timeout: float = 300.0) -> str:
-    """Write ``config.json``, safetensors shards and ``model.safetensors.index.json``.
+                    max_shard_size: int | str = "5GB", timeout: float = 300.0,
+                    extra: dict | None = None) -> str:
+    """Write ``config.json``, safetensors shards and ``model.safetensors.index.json``,
+    and the checksum manifest ``meshlab.manifest.json`` (with ``extra``, a dict of JSON
+    values such as ``{'step': 100}``; ``exported_extra`` reads it back).
 
     The export is written into ``<directory>.partial`` and replaces ``directory``
     atomically (the old export is set aside as ``<directory>.old`` until the new one is in
@@ -113,7 +122,10 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
     ``load_pretrained`` finds. A failure on any rank (a full disk) raises a
     ``CheckpointError`` on every rank and removes what was written.
     """
+    from ._state import check_extra
+
     directory = os.fspath(directory).rstrip("/")
+    check_extra(extra)
     enter("save_pretrained", directory, model, timeout)
     group, tmp, err = ctrl_group(model), directory + ".partial", None
     items = _tensors(model)
@@ -131,7 +143,7 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
     if rank() == 0 and err is None:
         try:
             _finish_export(model, tmp, directory, weight_map, sum(sizes.values()),
-                           len(shards))
+                           len(shards), extra)
         except Exception as e:      # the others wait in the agreement below
             err = as_error(e, "save_pretrained", directory)
             try:
@@ -196,8 +208,8 @@ def _write_shards(lookup: dict, shards: list[list[str]], tmp: str, directory: st
 
 
 def _finish_export(model, tmp: str, directory: str, weight_map: dict, total_size: int,
-                   files: int) -> None:
-    """Rank 0: the index and config, then the atomic replacement."""
+                   files: int, extra: dict | None = None) -> None:
+    """Rank 0: the index, config and manifest, then the atomic replacement."""
     from ._commit import fsync_dir
 
     if files > 1:
@@ -209,11 +221,28 @@ def _finish_export(model, tmp: str, directory: str, weight_map: dict, total_size
     cfg = getattr(model, "config", None)
     if cfg is not None:
         cfg.save_pretrained(tmp)
+    _manifest.write(tmp, extra)
     fsync_dir(tmp)
     commit(tmp, directory)
 
 
-def _index(directory: str) -> dict[str, str]:
+def exported_extra(directory: str | os.PathLike) -> dict | None:
+    """The ``extra`` an export was written with (None for an export without one)."""
+    d = os.fspath(directory).rstrip("/")
+    doc = _manifest.read(resolve(d, exported) or d)
+    return doc.get("extra") if doc is not None else None
+
+
+def _index(directory: str, manifest: dict | None = None) -> dict[str, str]:
+    """Tensor name -> the file that holds it (each a file the manifest lists)."""
+    wmap = _weight_map(directory)
+    for name in sorted(set(wmap.values()) | ({INDEX} if os.path.exists(
+            os.path.join(directory, INDEX)) else set())):
+        _manifest.listed(manifest, directory, name)
+    return wmap
+
+
+def _weight_map(directory: str) -> dict[str, str]:
     idx = os.path.join(directory, INDEX)
     if os.path.exists(idx):
         try:
@@ -266,7 +295,13 @@ def load_pretrained(directory: str | os.PathLike, model: nn.Module, *, strict: b
     Every name, shape and file is checked on every rank before any weight is written
     (pipeline stages check the names they hold; a name is unexpected only when no stage
     holds it); a failure on one rank raises a ``CheckpointError`` on every rank. After a
-    crash mid-export, the export that was committed is read (``<directory>.old``)."""
+    crash mid-export, the export that was committed is read (``<directory>.old``).
+
+    Every file is checked against the export's manifest first (the ranks share the
+    hashing). A LoRA model takes a base model's export into its base weights (peft's
+    names, ``_names``; the adapters keep their values), and a file whose names match
+    none of the model's weights raises ``CheckpointNamingError`` even with
+    ``strict=False``."""
     directory = os.fspath(directory).rstrip("/")
     enter("load_pretrained", directory, model, timeout)
     group, err, handles = ctrl_group(model), None, {}
@@ -299,40 +334,50 @@ def load_pretrained(directory: str | os.PathLike, model: nn.Module, *, strict: b
     return report
 
 
+def _share(group) -> tuple[int, int]:
+    """(this rank, ranks) of the group that splits the hashing of an export's files."""
+    import torch.distributed as dist
+
+    if group is not None and distributed():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return rank(), world()
+
+
 def _check_import(d: str, model: nn.Module, items: list, handles: dict, group):
     """The report, and the open slice of every parameter that fits. The exchange of which
     names some rank holds runs on every rank, even one whose files failed to open."""
     all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    first = {n for n, _ in items}
-    held = first | set(all_names)             # tied aliases load through the first name
     wmap, err = {}, None
     try:
-        wmap = _index(d)
+        wmap = _index(d, _manifest.check(d, _share(group)))
     except CheckpointError as e:
         err = e
     keys = sorted(wmap) if err is None else []
     agree(group, "checkpoint.load_pretrained: index",
           {"names": hashlib.sha256("\n".join(keys).encode()).hexdigest()}, err)
-    flags = held_anywhere(keys, dict.fromkeys(held), group)
+    # tied aliases load through the first name; peft's names meet the file's (_names)
+    al = _names.align([n for n, _ in items], keys, aliases=all_names)
+    flags = held_anywhere(keys, al.used, group)
     unexpected = [k for k, h in zip(keys, flags) if not h]
-    missing = [n for n, _ in items if n not in wmap]
+    _names.check(al, unexpected, d)
     mism, slices = [], {}
     for n, t in items:
-        if n not in wmap:
+        key = al.source.get(n)
+        if key is None:
             continue
-        if wmap[n] not in handles:
-            handles[wmap[n]] = _open_safetensors(os.path.join(d, wmap[n])).__enter__()
+        if wmap[key] not in handles:
+            handles[wmap[key]] = _open_safetensors(os.path.join(d, wmap[key])).__enter__()
         try:
-            sl = handles[wmap[n]].get_slice(n)
+            sl = handles[wmap[key]].get_slice(key)
         except Exception as e:
-            raise CheckpointError(f"{os.path.join(d, wmap[n])} does not hold {n}, though the "
-                                  f"index says so ({e}); export the model again") from None
+            raise CheckpointError(f"{os.path.join(d, wmap[key])} does not hold {key}, though "
+                                  f"the index says so ({e}); export the model again") from None
         saved = tuple(sl.get_shape())
         if saved != tuple(t.shape):
             mism.append((n, saved, tuple(t.shape), str(sl.get_dtype()), str(t.dtype)))
             continue
-        slices[n] = (sl, handles[wmap[n]])
-    return LoadReport(missing, unexpected, mism), slices
+        slices[n] = (sl, handles[wmap[key]], key)
+    return LoadReport(al.missing, unexpected, mism), slices
 
 
 def _copy_in(items: list, slices: dict) -> None:
@@ -343,7 +388,7 @@ def _copy_in(items: list, slices: dict) -> None:
         for n, t in items:
             if n not in slices:
                 continue
-            sl, f = slices[n]
+            sl, f, key = slices[n]
             if isinstance(t, DTensor):
                 blk = _block(t)
                 if blk is not None:
@@ -356,4 +401,4 @@ def _copy_in(items: list, slices: dict) -> None:
                                               src_data_rank=None).to_local()
                     t.to_local().copy_(local)
             else:
-                t.copy_(sl[:] if t.dim() else f.get_tensor(n))
+                t.copy_(sl[:] if t.dim() else f.get_tensor(key))

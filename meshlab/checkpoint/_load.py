@@ -6,11 +6,15 @@ In order, each phase ending with every rank agreeing (so a failure on one rank i
 1. find the committed directory (``_commit.resolve``), read and check its marker, check
    every listed file's size and this rank's share of the checksums, read ``.metadata``
    without running code and check where its shards lie, parse this rank's RNG states;
-2. fit: compare the checkpoint's keys, shapes and dtypes with the model (and optimizer).
+2. fit: compare the checkpoint's keys, shapes and dtypes with the model (names met
+   through peft's renaming, ``_names``) and with the optimizer (``_opt``: the state the
+   checkpoint holds, as ``Optimizer.load_state_dict`` takes it); check the optimizer's
+   param groups and the scheduler's and data position's state against what they hold.
    Under pipeline parallelism each stage holds its own blocks: a rank checks the keys it
    owns, and a key of the checkpoint is unexpected only if no rank owns it;
-3. DCP reads into the model's tensors in place; then the optimizer, scheduler, data
-   position and RNG states are set from what phase 1 already checked.
+3. DCP reads into the model's tensors in place (and into tensors made for the
+   optimizer's state); then the optimizer, scheduler, data position and RNG states are
+   set from what phases 1 and 2 already checked.
 
 Only an I/O failure during phase 3 can leave a partial load; it is raised on every rank.
 """
@@ -26,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _names
+from . import _opt
 from . import _rng
 from . import _state
 from ._commit import resolve
@@ -117,18 +123,7 @@ def _read_rng(d: str, files: dict | None) -> dict:
     return _rng.parse(st.get("rng") if isinstance(st, dict) else None, where)
 
 
-def _template(model: nn.Module, optimizer, src: _Source, weights: bool) -> tuple[dict, dict]:
-    """The model's tensors (``weights``) and (when the checkpoint has optimizer state) the
-    optimizer's, keyed as saved. Collective under ZeRO-1 (its state is assembled)."""
-    template = dict(_state.model_state(model)) if weights else {}
-    opt_all: dict = {}
-    if optimizer is not None and (src.meta.get("optimizer") or {}).get("has_state", True):
-        _state.ensure_state(optimizer)
-        opt_all, _ = _state.optimizer_state(optimizer, model)
-    return template, opt_all
-
-
-def held_anywhere(keys: list[str], mine: dict, group) -> list[bool]:
+def held_anywhere(keys: list[str], mine, group) -> list[bool]:
     """For each checkpoint key, whether any rank's model (or optimizer) holds it."""
     flags = torch.tensor([1 if k in mine else 0 for k in keys], dtype=torch.int32)
     if distributed() and keys:
@@ -136,49 +131,94 @@ def held_anywhere(keys: list[str], mine: dict, group) -> list[bool]:
     return [bool(f) for f in flags.tolist()]
 
 
-def _report(src: _Source, full: dict, with_optimizer: bool, group,
-            weights: bool = True) -> LoadReport:
+@dataclasses.dataclass
+class _Fit:
+    """Phase 2's answer: the report and what phase 3 reads and sets."""
+
+    report: LoadReport
+    fill: dict[str, torch.Tensor]      # checkpoint key -> tensor DCP reads into
+    model_sd: dict[str, torch.Tensor]  # the model's names -> their tensors, after the read
+    copies: list[tuple[str, str]]      # (model name, checkpoint key read for another name)
+    opt: _opt.OptimizerFit | None
+    final: dict | None                 # fqn -> the optimizer state it ends up with
+
+
+def _model_fit(src: _Source, model: nn.Module, weights: bool):
+    """The model's side: its tensors, met with the checkpoint's names (``_names``)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = {k: v for k, v in src.md.state_dict_metadata.items()
-             if (with_optimizer or not k.startswith(_state.OPT_PREFIX))
-             and (weights or k.startswith(_state.OPT_PREFIX))}
-    keys = sorted(saved)
-    missing = sorted(k for k in full if k not in saved)
-    unexpected = [k for k, held in zip(keys, held_anywhere(keys, full, group)) if not held]
-    mism = []
-    for k, t in full.items():
-        m = saved.get(k)
-        if isinstance(m, TensorStorageMetadata):
-            if tuple(m.size) != tuple(t.shape) or m.properties.dtype != t.dtype:
-                mism.append((k, tuple(m.size), tuple(t.shape), str(m.properties.dtype),
-                             str(t.dtype)))
-        elif m is not None:
-            mism.append((k, (), tuple(t.shape), type(m).__name__, str(t.dtype)))
-    return LoadReport(missing, unexpected, mism)
+    if not weights:
+        return {}, _names.align((), ()), {}, [], []
+    template = dict(_state.model_state(model))
+    md = src.md.state_dict_metadata
+    saved = [k for k in md if not k.startswith(_state.OPT_PREFIX)]
+    al = _names.align(template, saved)
+    fill, copies, mism = {}, [], []
+    for name, key in al.source.items():
+        m, t = md[key], template[name]
+        if not isinstance(m, TensorStorageMetadata):
+            mism.append((name, (), tuple(t.shape), type(m).__name__, str(t.dtype)))
+        elif tuple(m.size) != tuple(t.shape) or m.properties.dtype != t.dtype:
+            mism.append((name, tuple(m.size), tuple(t.shape), str(m.properties.dtype),
+                         str(t.dtype)))
+        elif key in fill:
+            copies.append((name, key))        # a module to save's two copies, say
+        else:
+            fill[key] = t
+    return template, al, fill, copies, mism
 
 
-def _fit(src: _Source, template: dict, opt_all: dict, optimizer, strict: bool, group,
-         weights: bool = True):
+def _stateful(src: _Source, name: str, obj) -> str | None:
+    """Why the checkpoint's ``name`` state (scheduler, data position) cannot be loaded
+    into ``obj``, or None: it must hold what ``obj`` holds, in the same form."""
+    saved = src.meta.get(name)
+    if obj is None or saved is None:
+        return None
+    differs = _state.same_shape(saved, obj.state_dict(), f"{name} state")
+    return (f"{src.directory}/{MARKER}: its {differs} ({type(obj).__name__}); pass the "
+            f"{name} the saved run used, or load without it ({name}=None)") if differs else None
+
+
+def _fit(src: _Source, model, optimizer, scheduler, dataloader, strict: bool, group,
+         weights: bool = True) -> _Fit:
     """Phase 2: the report, the tensors DCP will fill, and every check of what the rest
     of the load needs; every rank agrees before anything is written."""
-    full = {**template, **opt_all}
-    report, err = _report(src, full, bool(opt_all), group, weights), None
+    template, al, fill, copies, mism = _model_fit(src, model, weights)
+    of = _opt.fit(optimizer, model, src, strict) if optimizer is not None else None
+    md = src.md.state_dict_metadata
+    keys = sorted(k for k in md if not k.startswith(_state.OPT_PREFIX)) if weights else []
+    opt_keys = sorted(k for k in md if k.startswith(_state.OPT_PREFIX)) if of else []
+    held = held_anywhere(keys + opt_keys, al.used | (of.used if of else set()), group)
+    unexpected = [k for k, h in zip(keys + opt_keys, held) if not h]
+    missing = sorted(al.missing) + (of.missing if of else [])
+    missing += [n for n, obj in (("scheduler", scheduler), ("dataloader", dataloader))
+                if obj is not None and n not in src.meta]
+    report = LoadReport(missing, unexpected, mism + (of.mismatched if of else []))
+    final, err = None, None
     try:
         if weights and src.meta.get("weights") is False:
             raise CheckpointError(f"{src.directory} holds optimizer state only (saved with "
                                   f"weights=False); load it with load(..., weights=False)")
+        if weights:
+            mine = set(keys)
+            _names.check(al, [k for k in unexpected if k in mine], src.directory)
         if strict and not report.ok:
             mesh = src.meta.get("mesh")
             raise CheckpointError(f"{src.directory} (saved on mesh {mesh}, "
                                   f"{src.meta.get('world_size')} ranks) does not fit:\n{report}")
-        if optimizer is not None:
+        if of is not None and of.saved:
             _state.check_optimizer(optimizer, src.meta.get("optimizer") or {}, src.directory)
+            final = _opt.final_state(of, strict)
+            _opt.check_buckets(optimizer, model, final, src.directory)
+        for name, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
+            why = _stateful(src, name, obj)
+            if why:
+                raise CheckpointError(why)
     except CheckpointError as e:
         err = e
     agree(group, "checkpoint.load: fit", error=err)
-    bad = set(report.missing) | {m[0] for m in report.mismatched}
-    return report, {k: v for k, v in full.items() if k not in bad}
+    fill.update(of.fill if of else {})
+    return _Fit(report, fill, template, copies, of, final)
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=None, *,
@@ -207,15 +247,14 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     agree(group, "checkpoint.load: check",
           {"checkpoint keys": src.digest if src else None, "strict": strict,
            "optimizer": optimizer is not None}, err)
-    template, opt_all = _template(model, optimizer, src, weights)
-    report, fill = _fit(src, template, opt_all, optimizer, strict, group, weights)
-    _read(src, fill, group, path)
+    fit = _fit(src, model, optimizer, scheduler, dataloader, strict, group, weights)
+    _read(src, fit.fill, group, path)
     try:
-        _apply(model, optimizer, scheduler, dataloader, src, fill, opt_all, strict, weights)
-    except Exception as e:           # a scheduler that refuses its state, say
+        _apply(model, optimizer, scheduler, dataloader, src, fit, strict, weights)
+    except Exception as e:           # checked in phase 2: an I/O or device failure
         err = as_error(e, "load", path)
     agree(group, "checkpoint.load: done", error=err)
-    return src.meta.get("extra"), report
+    return src.meta.get("extra"), fit.report
 
 
 def _read(src: _Source, fill: dict, group, path: str) -> None:
@@ -232,16 +271,20 @@ def _read(src: _Source, fill: dict, group, path: str) -> None:
     agree(group, "checkpoint.load: read", error=err)
 
 
-def _apply(model, optimizer, scheduler, dataloader, src: _Source, fill: dict, opt_all: dict,
+def _apply(model, optimizer, scheduler, dataloader, src: _Source, fit: _Fit,
            strict: bool, weights: bool = True) -> None:
+    """Phase 3, after the read: set what phases 1 and 2 checked."""
     if weights:
-        model_keys = {k: v for k, v in fill.items() if not k.startswith(_state.OPT_PREFIX)}
-        _state.set_model_state(model, model_keys, strict=strict)
+        with torch.no_grad():
+            for name, key in fit.copies:
+                fit.model_sd[name].copy_(fit.fill[key])
+        # every name the model holds: what did not load is the model's own tensor
+        _state.set_model_state(model, fit.model_sd, strict=strict)
     meta = src.meta
-    if optimizer is not None:
-        if not opt_all:                   # saved before the first step: no state yet
-            _state.clear_state(optimizer)
-        _state.load_optimizer_state(optimizer, opt_all, meta.get("optimizer") or {})
+    if fit.opt is not None and fit.opt.saved:
+        values = {n: {k: v if isinstance(v, torch.Tensor) else fit.fill[v]
+                      for k, v in per.items()} for n, per in fit.final.items()}
+        _opt.set_state(optimizer, model, values, meta.get("optimizer") or {})
     if scheduler is not None and "scheduler" in meta:
         scheduler.load_state_dict(meta["scheduler"])
     if dataloader is not None and "dataloader" in meta:

@@ -21,7 +21,7 @@ import os
 import pickle
 from typing import Any
 
-from ..core.errors import MeshlabError, PeerError, RankMismatchError
+from ..core.errors import ConfigError, MeshlabError, PeerError, RankMismatchError
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", n) for n in (
@@ -48,6 +48,21 @@ class CheckpointPeerError(CheckpointError, PeerError):
 
 class CheckpointMismatchError(CheckpointError, RankMismatchError):
     """The ranks entered different checkpoint calls, or passed different arguments."""
+
+
+class CheckpointNamingError(CheckpointError):
+    """A file names its tensors otherwise than the model does (a prefix, peft's renaming),
+    so a load would match none of the model's weights, or would leave out some the file
+    holds under another name."""
+
+
+class CheckpointStepError(CheckpointError):
+    """Parts of one resume (model, optimizer, scheduler) were saved at different steps."""
+
+
+class AdapterConfigError(CheckpointError, ConfigError):
+    """An adapter's saved config (``adapter_config.json``) differs from the model's LoRA
+    config in a way that changes what the adapter computes."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -5,7 +5,8 @@ Optimizer: ``optim.<fqn>.<key>`` tensors shaped and laid out like the parameter 
 runtime part steps tensors of its own (ZeRO-1's flat slices), the part gives them back per
 parameter for the save and cuts them again after the load (``Part.state_to_save``,
 ``Part.load_saved_state``). DCP then reshards between any two
-layouts: ZeRO-3 to ZeRO-1, tp=2 to tp=4, or to a single process.
+layouts: ZeRO-3 to ZeRO-1, tp=2 to tp=4, or to a single process. The load's side of the
+optimizer is ``_opt``.
 """
 
 from __future__ import annotations
@@ -110,42 +111,8 @@ def has_state(opt) -> bool:
     return any(bool(v) for v in getattr(opt, "inner", opt).state.values())
 
 
-def ensure_state(opt) -> None:
-    """Create the optimizer's state (AdamW makes it on its first step) so that a load can
-    write into it in place: one step with zero gradients and learning rate 0, after which
-    every parameter, gradient and learning rate is what it was. A strict load overwrites
-    every counter and moment this creates (``strict=False`` keeps them where the
-    checkpoint has nothing that fits, as it keeps those weights)."""
-    inner = getattr(opt, "inner", opt)
-    if has_state(opt):
-        return
-    targets = [t for part in _parts(opt) for _, t in part.stepped()] or \
-        [p for g in inner.param_groups for p in g["params"]]
-    saved = [g["lr"] for g in inner.param_groups]
-    grads = [p.grad for p in targets]
-    for p in targets:
-        p.grad = torch.zeros_like(p)
-    for g in inner.param_groups:
-        g["lr"] = 0.0
-    try:
-        inner.step()
-    finally:
-        for g, lr in zip(inner.param_groups, saved):
-            g["lr"] = lr
-        for p, grad in zip(targets, grads):
-            p.grad = grad
-
-
-def clear_state(opt) -> None:
-    """Drop the optimizer's state: it starts afresh at its next step, as it did in the run
-    that saved a checkpoint before its first step."""
-    getattr(opt, "inner", opt).state.clear()
-    if hasattr(opt, "refresh_master"):
-        opt.refresh_master()
-
-
 def check_optimizer(opt, rest: dict[str, Any], where: str) -> None:
-    """What ``load_optimizer_state`` will need from the checkpoint, checked before the
+    """What ``_opt.set_state`` will need from the checkpoint, checked before the
     load writes anything."""
     inner = getattr(opt, "inner", opt)
     groups = rest.get("param_groups")
@@ -160,6 +127,53 @@ def check_optimizer(opt, rest: dict[str, Any], where: str) -> None:
     if getattr(opt, "scaler", None) is not None and rest.get("scaler") is not None and \
             not isinstance(rest["scaler"], dict):
         raise CheckpointError(f"{where}: the loss scaler's state is damaged")
+    for saved, own in zip(groups or (), inner.param_groups):
+        differs = same_shape(saved, {k: v for k, v in own.items() if k != "params"},
+                             "param_groups", common_only=True)
+        if differs:
+            raise CheckpointError(f"{where}: the optimizer's {differs}; build the optimizer as "
+                                  f"the saved run did, or load without it (optimizer=None)")
+    for key in ("steps", "skipped_steps"):
+        v = rest.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise CheckpointError(f"{where}: the optimizer's {key} is {v!r}, not a count; "
+                                  f"load an older checkpoint")
+
+
+def same_shape(saved: Any, own: Any, what: str, common_only: bool = False) -> str | None:
+    """Where the JSON state ``saved`` differs in form from ``own`` (the state the object
+    would save now: the same keys, lengths and kinds of value), or None. ``common_only``
+    compares only the keys both hold (an optimizer's groups take the saved ones)."""
+    def kind(v):
+        if v is None or isinstance(v, (bool, str)):
+            return type(v).__name__
+        if isinstance(v, (int, float)):
+            return "number"
+        if isinstance(v, (list, tuple)):
+            return "list"
+        return "object" if isinstance(v, dict) else type(v).__name__
+
+    if common_only and (saved is None or own is None):
+        return None                 # an option left to its default (foreach=None, ...)
+    if kind(saved) != kind(own):
+        return f"{what} is a {kind(saved)} where this one holds a {kind(own)}"
+    if isinstance(own, dict):
+        keys = set(saved) & set(own) if common_only else set(own)
+        if not common_only and set(saved) != set(own):
+            return (f"{what} has the keys {sorted(map(str, saved))}, this one "
+                    f"{sorted(map(str, own))}")
+        for k in sorted(keys, key=str):
+            differs = same_shape(saved[k], own[k], f"{what}[{k!r}]", common_only)
+            if differs:
+                return differs
+    elif isinstance(own, (list, tuple)):
+        if len(saved) != len(own):
+            return f"{what} holds {len(saved)} values, this one {len(own)}"
+        for i, (a, b) in enumerate(zip(saved, own)):
+            differs = same_shape(a, b, f"{what}[{i}]", common_only)
+            if differs:
+                return differs
+    return None
 
 
 def optimizer_state(opt, model: nn.Module | None = None
@@ -183,30 +197,10 @@ def optimizer_state(opt, model: nn.Module | None = None
     rest: dict[str, Any] = {"param_groups": _jsonable(groups, "optimizer param_groups")}
     if getattr(opt, "scaler", None) is not None:
         rest["scaler"] = opt.scaler.state_dict()
+    for key in ("steps", "skipped_steps"):       # meshlab.optimizer's step counts
+        if isinstance(getattr(opt, key, None), int):
+            rest[key] = getattr(opt, key)
     return tensors, rest
-
-
-def load_optimizer_state(opt, tensors: dict[str, torch.Tensor], rest: dict[str, Any]) -> None:
-    """Write loaded canonical tensors (and JSON rest) back into ``opt``.
-
-    ``tensors`` holds every key ``optimizer_state`` made: those the load did not fill
-    (``strict=False``) still hold the current state, so a ZeRO-1 slice that mixes loaded
-    and unloaded parameters keeps the current values of the latter."""
-    inner = getattr(opt, "inner", opt)
-    names = {id(p): n for n, p in getattr(opt, "params", ())}
-
-    def read(p, key: str) -> torch.Tensor:
-        return tensors[f"{OPT_PREFIX}{names[id(p)]}.{key}"]
-
-    # every part loads its own (a list, not any(): none may be skipped)
-    if any([part.load_saved_state(inner.state, read) for part in _parts(opt)]):
-        opt.refresh_master()
-    groups = rest.get("param_groups")
-    if groups is not None:          # check_optimizer made sure they fit
-        for g, saved in zip(inner.param_groups, groups):
-            g.update(saved)
-    if getattr(opt, "scaler", None) is not None and "scaler" in rest:
-        opt.scaler.load_state_dict(rest["scaler"])
 
 
 def check_extra(extra: Any) -> None:

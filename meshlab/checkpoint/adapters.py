@@ -7,8 +7,15 @@ loads it on one process; ``load_adapter`` reads one into a parallelized model (e
 takes its shard). ``save_merged`` writes the base model with the adapters merged in
 (``W + scale * B @ A``; a module to save as its trained copy) as a Hugging Face
 checkpoint for ``AutoModelForCausalLM.from_pretrained``. Writes go to ``<dir>.partial``
-and are committed over ``<dir>`` as checkpoints are (``checkpoint._commit``). Every rank
+and are committed over ``<dir>`` as checkpoints are (``checkpoint._commit``), with a
+checksum manifest (``checkpoint._manifest``) that ``load_adapter`` verifies. Every rank
 calls these.
+
+``load_adapter`` follows peft's: the adapter computes what its ``adapter_config.json``
+says. A parallelized model's adapters were planned from its own ``lora`` config, so a
+saved config that computes otherwise (another ``lora_alpha``, ``use_rslora``, target set,
+...) is refused with both values named (build the model with
+``lora(LoraConfig.from_pretrained(dir))``); so are tensors the model lacks.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ def _export(directory, model, what: str, files) -> str:
     on every rank."""
     from safetensors.torch import save_file
 
+    from . import _manifest
     from ._commit import commit, discard, fsync_dir, recover
     from ._ranks import agree, as_error, ctrl_group
 
@@ -89,6 +97,7 @@ def _export(directory, model, what: str, files) -> str:
                         f.write(data)
                         f.flush()
                         os.fsync(f.fileno())
+            _manifest.write(tmp)
             fsync_dir(tmp)
             commit(tmp, directory)
         except Exception as e:
@@ -157,36 +166,107 @@ def save_merged(directory, model: nn.Module) -> str:
 
 def load_adapter(directory, model: nn.Module) -> None:
     """Read a PEFT adapter into a parallelized model made with the same ``lora`` config
-    (each rank copies its own shard of every adapter tensor)."""
-    from safetensors.torch import load_file
+    (each rank copies its own shard of every adapter tensor). Its files are verified
+    against the manifest ``save_adapter`` wrote (a foreign adapter has none), its config
+    against the model's (``AdapterConfigError``), and its tensors must be the model's
+    adapters, each of its shape."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from ..core.errors import ConfigError
-
     from ._commit import resolve
+    from ._ranks import agree, as_error, ctrl_group
 
     d = os.fspath(directory).rstrip("/")      # after a crash mid-export: the committed one
     d = resolve(d, lambda x: os.path.isfile(os.path.join(x, ADAPTER))) or d
-    files = load_file(os.path.join(d, ADAPTER))
     params = {n: p for n, p in model.named_parameters() if _adapter(n)}
-    by_key = {_peft_key(n): n for n in params}
-    missing = sorted(set(by_key) - set(files))
-    if missing:
-        raise ConfigError(f"load_adapter({os.fspath(directory)!r}): the adapter lacks "
-                          f"{missing[:3]} ({len(missing)} in all); it was made for another "
-                          f"lora config or model")
+    files, err = {}, None
+    try:
+        files = _read_adapter(d, model, {_peft_key(n): n for n in params})
+    except Exception as e:
+        err = as_error(e, "load_adapter", d)
+    agree(ctrl_group(model), "lora.load_adapter", error=err)
     with torch.no_grad():
-        for key, n in by_key.items():
-            p, t = params[n], files[key]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ConfigError(f"load_adapter: {key} is {tuple(t.shape)}, the model's "
-                                  f"{n} {tuple(p.shape)}")
+        for key, t in files.items():
+            p = params[key]
             if isinstance(p, DTensor):
                 t = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements,
                                       src_data_rank=None).to_local()
                 p.to_local().copy_(t)
             else:
                 p.copy_(t.to(p.dtype))
+
+
+# What a LoRA config decides of the function an adapter computes (dropout only trains).
+_COMPUTES = ("peft_type", "r", "lora_alpha", "use_rslora", "target_modules",
+             "modules_to_save", "bias", "fan_in_fan_out", "use_dora", "layers_to_transform",
+             "layers_pattern", "rank_pattern", "alpha_pattern")
+
+
+def _same(a, b) -> bool:
+    """Two config values alike as peft reads them (a list of targets is a set; an empty
+    list or dict is no value)."""
+    def norm(v):
+        if v in ([], {}, ()):
+            return None
+        return sorted(v) if isinstance(v, (list, tuple, set)) else v
+
+    return norm(a) == norm(b)
+
+
+def _check_config(saved: dict, cfg, where: str) -> None:
+    """The saved ``adapter_config.json`` computes what the model's LoRA config does."""
+    from ..transforms.lora._peft import jsonable as _jsonable
+    from ._safe import AdapterConfigError
+
+    own = _jsonable(cfg.to_dict())
+    for key in _COMPUTES:
+        if key in saved and not _same(saved[key], own.get(key)):
+            raise AdapterConfigError(
+                f"load_adapter({where!r}): the adapter was saved with {key}="
+                f"{saved[key]!r}, this model's lora config has {key}={own.get(key)!r}; "
+                f"the adapter would compute otherwise than it was trained. Build the "
+                f"model with lora(LoraConfig.from_pretrained({where!r}))")
+
+
+def _read_adapter(d: str, model: nn.Module, by_key: dict[str, str]) -> dict:
+    """The adapter's tensors, after its files, config and keys were checked."""
+    from safetensors.torch import load_file
+
+    from . import _manifest
+    from ._safe import AdapterConfigError, CheckpointError
+
+    doc = _manifest.check(d)
+    for name in (ADAPTER, CONFIG):
+        _manifest.listed(doc, d, name)
+    try:
+        with open(os.path.join(d, CONFIG), "rb") as f:
+            saved = json.loads(f.read().decode())
+    except FileNotFoundError:
+        raise CheckpointError(f"{d} has no {CONFIG}: an adapter's config says what it "
+                              f"computes; save it with save_adapter (or peft's "
+                              f"save_pretrained)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(d, CONFIG)} is damaged ({e})") from None
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{os.path.join(d, CONFIG)} is damaged: not a JSON object")
+    _check_config(saved, _lora_config(model), d)
+    try:
+        files = load_file(os.path.join(d, ADAPTER))
+    except Exception as e:        # missing, truncated or garbage header
+        raise CheckpointError(f"{os.path.join(d, ADAPTER)} cannot be read ({type(e).__name__}: "
+                              f"{e}); save the adapter again") from None
+    missing = sorted(set(by_key) - set(files))
+    unexpected = sorted(set(files) - set(by_key))
+    if missing or unexpected:
+        raise AdapterConfigError(
+            f"load_adapter({d!r}): the adapter lacks {missing[:3]} ({len(missing)} in all) "
+            f"and holds {unexpected[:3]} that the model does not ({len(unexpected)} in all); "
+            f"it was made for another lora config or model")
+    params = dict(model.named_parameters())
+    for key, n in by_key.items():
+        if tuple(files[key].shape) != tuple(params[n].shape):
+            raise AdapterConfigError(f"load_adapter: {key} is {tuple(files[key].shape)}, the "
+                                     f"model's {n} {tuple(params[n].shape)}")
+    return {n: files[key] for key, n in by_key.items()}
 
 
 def merge(model: nn.Module) -> int:

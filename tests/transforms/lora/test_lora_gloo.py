@@ -301,3 +301,85 @@ def test_without_peft_the_error_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)          # import peft now fails
     with pytest.raises(ml.ConfigError, match=r"pip install 'meshlab\[lora\]'"):
         ml.lora(r=4, target_modules=["q_proj"])
+
+
+# -- load_adapter checks what it reads -------------------------------------------------------
+def _caught(fn):
+    import meshlab as ml
+
+    try:
+        fn()
+    except ml.MeshlabError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def adapter_checks_case(rank, world, directory):
+    """An adapter saved with alpha 64 and rslora is refused by an alpha-8 model (both
+    values named); a flipped bit, a tensor the model lacks and a foreign adapter's
+    config are caught before any weight is written; what fits loads."""
+    import shutil
+
+    import torch.distributed as dist
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+
+    import meshlab as ml
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    big = LoraConfig(r=4, lora_alpha=64, use_rslora=True, lora_dropout=0.0,
+                     target_modules=targets)
+    small = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets)
+
+    def build(cfg, seed):
+        spec, mesh = _spec("zero3", cfg)
+        return ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(**mesh), seed=seed)
+
+    src = build(big, 0)
+    opt = ml.optimizer(src, torch.optim.AdamW, lr=LR)
+    ml.step(src, opt, {"input_ids": M.batches(1, batch=4)[0].chunk(world)[rank]})
+    path = os.path.join(directory, "adapter")
+    ml.save_adapter(path, src)
+    saved = {n: M.full(p).detach().clone() for n, p in src.named_parameters() if ".lora_" in n}
+    out = {}
+    other = build(small, 5)
+    before = {n: M.full(p).detach().clone() for n, p in other.named_parameters()}
+    out["alpha"] = _caught(lambda: ml.load_adapter(path, other))
+    out["untouched"] = all(torch.equal(M.full(p), before[n]) for n, p in other.named_parameters())
+    flipped, foreign = os.path.join(directory, "flipped"), os.path.join(directory, "foreign")
+    if rank == 0:
+        shutil.copytree(path, flipped)
+        data = bytearray(open(os.path.join(flipped, "adapter_model.safetensors"), "rb").read())
+        data[-3] ^= 0x10
+        open(os.path.join(flipped, "adapter_model.safetensors"), "wb").write(bytes(data))
+        shutil.copytree(path, foreign)           # as peft writes one: no manifest
+        if os.path.exists(os.path.join(foreign, "meshlab.manifest.json")):
+            os.remove(os.path.join(foreign, "meshlab.manifest.json"))
+    dist.barrier()
+    same = build(big, 5)
+    out["flip"] = _caught(lambda: ml.load_adapter(flipped, same))
+    out["foreign_alpha"] = _caught(lambda: ml.load_adapter(foreign, other))
+    ml.load_adapter(foreign, same)               # a foreign adapter of this config loads
+    out["loaded"] = all(torch.equal(M.full(p), saved[n]) for n, p in same.named_parameters()
+                        if ".lora_" in n)
+    dist.barrier()
+    if rank == 0:
+        tensors = load_file(os.path.join(foreign, "adapter_model.safetensors"))
+        tensors["base_model.model.lm_head.lora_A.weight"] = torch.zeros(4, 32)
+        save_file(tensors, os.path.join(foreign, "adapter_model.safetensors"))
+    dist.barrier()
+    out["unexpected"] = _caught(lambda: ml.load_adapter(foreign, same))
+    return out
+
+
+def test_load_adapter_checks_config_keys_and_bits(world2, tmp_path):
+    for out in world2.run(adapter_checks_case, directory=str(tmp_path)):
+        assert out["alpha"] is not None, "an alpha-64 rslora adapter loaded into alpha 8"
+        cls, msg = out["alpha"]
+        assert cls in ("AdapterConfigError", "CheckpointPeerError"), (cls, msg)
+        assert "lora_alpha=64" in msg and "lora_alpha=8" in msg, msg
+        assert out["untouched"]
+        assert "adapter_model.safetensors is damaged: its SHA-256" in out["flip"][1], out
+        assert "lora_alpha=64" in out["foreign_alpha"][1], out
+        assert out["loaded"]
+        assert "base_model.model.lm_head.lora_A.weight" in out["unexpected"][1], out
