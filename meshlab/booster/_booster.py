@@ -96,6 +96,9 @@ class Booster:
         self.device = _device(device)
         self._precision = self._mixed(mixed_precision)
         self._owner: dict[int, weakref.ref] = {}      # id(optimizer) -> its model
+        self._optimizers: dict[int, weakref.ref] = {}  # id(model) -> its optimizer
+        # id(model) -> (its optimizer's step count then, {part: (step, path) loaded})
+        self._resume: dict[int, tuple] = {}
         self._criteria: dict[int, Callable] = {}
 
     def _mixed(self, mixed):
@@ -204,6 +207,7 @@ class Booster:
             cls, kwargs = made
             new_opt = mesh_optimizer(model, cls, clip_grad_norm=st.clip_grad_norm, **kwargs)
             self._owner[id(new_opt)] = weakref.ref(model)
+            self._optimizers[id(model)] = weakref.ref(new_opt)
             if lr_scheduler is not None:
                 rebind_scheduler(lr_scheduler, optimizer, new_opt)
         if st.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -312,6 +316,13 @@ class Booster:
             lora_config = LoraConfig.from_pretrained(pretrained_dir)
         model._meshlab_booster_lora = _Lora(lora_config, pretrained_dir)
         return model
+
+    def _optimizer_of(self, model: nn.Module):
+        """The optimizer ``boost`` built for ``model`` (None if it built none)."""
+        ref = self._optimizers.get(id(model))
+        opt = ref() if ref is not None else None
+        owner = self._owner.get(id(opt)) if opt is not None else None
+        return opt if owner is not None and owner() is model else None
 
     def _model_of(self, optimizer, call: str) -> nn.Module:
         ref = self._owner.get(id(optimizer))

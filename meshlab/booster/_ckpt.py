@@ -11,6 +11,15 @@ A model or optimizer checkpoint is a directory, written atomically by every rank
 
 A learning-rate scheduler's state is a JSON file. Saves replace what the path held (as
 Colossal-AI's do), never leaving a half-written checkpoint.
+
+Each save records its step (the optimizer's step count; ``save_model`` reads the
+optimizer ``boost`` built for the model), and a resume checks that what it loads belongs
+together: a model, optimizer or scheduler loaded at another step than a part already
+loaded for the same model (a kill between ``save_model`` and ``save_optimizer``, say)
+raises ``CheckpointStepError`` naming both steps, before it loads anything. The
+optimizer's next step starts a new resume (``load_optimizer`` restores its step count).
+A load of a base model into a model with LoRA adapters meets peft's names (as
+Colossal-AI's ``PeftUnwrapMixin`` does; ``meshlab.checkpoint``'s ``_names``).
 """
 
 from __future__ import annotations
@@ -72,6 +81,74 @@ def _args(name: str, given: dict) -> dict:
     return bind(f"Booster.{name}", METHODS[name], 0, (), given)
 
 
+SCHEDULER_FORMAT = "meshlab.lr_scheduler/1"
+
+
+def _step_of(self, model) -> int | None:
+    """The step count of the optimizer ``boost`` built for ``model`` (None without one)."""
+    opt = self._optimizer_of(model)
+    steps = getattr(opt, "steps", None) if opt is not None else None
+    return steps if isinstance(steps, int) else None
+
+
+def _step_extra(step: int | None) -> dict | None:
+    return {"step": step} if step is not None else None
+
+
+def _saved_step(extra) -> int | None:
+    step = (extra or {}).get("step") if isinstance(extra, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _loaded_parts(self, model) -> dict:
+    """part -> (step, path) of what was loaded for ``model``'s resume since its optimizer
+    last stepped (a step trains on from what was loaded: a later load starts anew)."""
+    mark, parts = self._resume.get(id(model), (None, {}))
+    return parts if mark == _step_of(self, model) else {}
+
+
+def _check_resume(self, model, part: str, step: int | None, path: str) -> dict:
+    """Before ``part`` of ``model``'s resume is loaded from ``path`` (saved at ``step``): a
+    part already loaded for the model at another step is a ``CheckpointStepError``.
+    Returns the parts loaded so far (for ``_record_resume``)."""
+    from ..checkpoint import CheckpointStepError
+
+    parts = _loaded_parts(self, model)
+    for other, (s, p) in sorted(parts.items()):
+        if other != part and None not in (s, step) and s != step:
+            raise CheckpointStepError(
+                f"Booster.load_{part}: {path} was saved at step {step}, but the {other} "
+                f"loaded for this model (from {p}) at step {s}; a resume from them would "
+                f"mix two steps. Load the {part} saved with the {other} (step {s}), or "
+                f"the {other} saved at step {step}")
+    return parts
+
+
+def _record_resume(self, model, parts: dict, part: str, step: int | None, path: str) -> None:
+    """After the load: ``part`` of the resume came from ``path``, saved at ``step``, beside
+    ``parts``; valid until the optimizer's step count moves (a load of the optimizer
+    restores it first)."""
+    self._resume[id(model)] = (_step_of(self, model), {**parts, part: (step, path)})
+
+
+def _marker_step(path: str) -> int | None:
+    """The step a meshlab checkpoint's marker records (None where it records none, or the
+    marker does not read: the load that follows names the damage)."""
+    import warnings
+
+    from ..checkpoint import CheckpointError, is_complete
+    from ..checkpoint._commit import resolve
+    from ..checkpoint._files import read_marker
+
+    d = resolve(path, is_complete)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")         # the load warns once, itself
+            return _saved_step(read_marker(d).get("extra")) if d is not None else None
+    except CheckpointError:
+        return None
+
+
 def _is_dcp(path: str) -> bool:
     from ..checkpoint import is_complete
     from ..checkpoint._commit import resolve
@@ -95,12 +172,14 @@ def save_model(self, model, checkpoint: str, shard: bool = False, gather_dtensor
                                       "exports are written synchronously",
                                       "use_safetensors=False (DCP saves asynchronously)")
         size = f"{v['size_per_shard']}MB" if v["shard"] else 2 ** 62
-        ckpt.save_pretrained(checkpoint, model, max_shard_size=size)
+        ckpt.save_pretrained(checkpoint, model, max_shard_size=size,
+                             extra=_step_extra(_step_of(self, model)))
         return
     if v["size_per_shard"] != 1024:
         raise UnsupportedArgument("Booster.save_model", "size_per_shard", v["size_per_shard"],
                                   _SHARDS, "use_safetensors=True")
-    ckpt.save(checkpoint, model, overwrite=True, async_save=v["use_async"])
+    ckpt.save(checkpoint, model, overwrite=True, async_save=v["use_async"],
+              extra=_step_extra(_step_of(self, model)))
 
 
 def load_model(self, model, checkpoint: str, strict: bool = True, low_cpu_mem_mode: bool = True,
@@ -114,16 +193,22 @@ def load_model(self, model, checkpoint: str, strict: bool = True, low_cpu_mem_mo
                                  num_threads=num_threads))
     path = os.fspath(checkpoint).rstrip("/")
     if _is_dcp(path):
+        step = _marker_step(path)
+        parts = _check_resume(self, model, "model", step, path)
         ckpt.load(path, model, strict=v["strict"], restore_rng=False)
+        _record_resume(self, model, parts, "model", step, path)
         return
-    from ..checkpoint._hf import INDEX, SINGLE, exported
+    from ..checkpoint._hf import INDEX, SINGLE, exported, exported_extra
     from ..checkpoint._commit import resolve
 
     d = resolve(path, exported) or path
     if not (os.path.isfile(os.path.join(d, INDEX)) or os.path.isfile(os.path.join(d, SINGLE))):
         raise CheckpointError(f"Booster.load_model: {path} holds neither a meshlab checkpoint "
                               f"(meshlab.json) nor a safetensors export ({INDEX} or {SINGLE})")
+    step = _saved_step(exported_extra(path))
+    parts = _check_resume(self, model, "model", step, path)
     ckpt.load_pretrained(path, model, strict=v["strict"])
+    _record_resume(self, model, parts, "model", step, path)
 
 
 def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False,
@@ -136,7 +221,7 @@ def save_optimizer(self, optimizer, checkpoint: str, shard: bool = False,
                                      size_per_shard=size_per_shard, use_async=use_async))
     model = self._model_of(optimizer, "save_optimizer")
     ckpt.save(checkpoint, model, optimizer, overwrite=True, async_save=v["use_async"],
-              weights=False)
+              weights=False, extra=_step_extra(_step_of(self, model)))
 
 
 def load_optimizer(self, optimizer, checkpoint: str, prefix: str | None = None,
@@ -147,51 +232,82 @@ def load_optimizer(self, optimizer, checkpoint: str, prefix: str | None = None,
     _args("load_optimizer", dict(prefix=prefix, low_cpu_mem_mode=low_cpu_mem_mode,
                                  num_threads=num_threads))
     model = self._model_of(optimizer, "load_optimizer")
-    ckpt.load(checkpoint, model, optimizer, weights=False, restore_rng=False)
+    path = os.fspath(checkpoint).rstrip("/")
+    step = _marker_step(path)
+    parts = _check_resume(self, model, "optimizer", step, path)
+    ckpt.load(path, model, optimizer, weights=False, restore_rng=False)
+    _record_resume(self, model, parts, "optimizer", step, path)
 
 
-def _sched_group(self, lr_scheduler):
-    from ..checkpoint._ranks import ctrl_group
-
-    opt = getattr(lr_scheduler, "optimizer", None)
-    return ctrl_group(self._model_of(opt, "save_lr_scheduler"))
+def _sched_model(self, lr_scheduler, call: str):
+    return self._model_of(getattr(lr_scheduler, "optimizer", None), call)
 
 
 def save_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-    """Write the scheduler's state as JSON to the file ``checkpoint`` (rank 0, atomic)."""
+    """Write the scheduler's state as JSON to the file ``checkpoint`` (rank 0, atomic),
+    with the step it was saved at and the checksum of its content."""
     from ..checkpoint._commit import write_json
-    from ..checkpoint._ranks import agree, as_error, rank
+    from ..checkpoint._files import seal
+    from ..checkpoint._ranks import agree, as_error, ctrl_group, rank
     from ..checkpoint._state import _jsonable
 
-    group, err = _sched_group(self, lr_scheduler), None
+    model = _sched_model(self, lr_scheduler, "save_lr_scheduler")
+    err = None
     if rank() == 0:
         try:
             d = os.path.dirname(os.path.abspath(checkpoint))
             os.makedirs(d, exist_ok=True)
-            write_json(os.fspath(checkpoint), _jsonable(lr_scheduler.state_dict(),
-                                                        "lr_scheduler.state_dict()"))
+            state = _jsonable(lr_scheduler.state_dict(), "lr_scheduler.state_dict()")
+            write_json(os.fspath(checkpoint), seal({"format": SCHEDULER_FORMAT, "state": state,
+                                                    "step": _step_of(self, model)}))
         except Exception as e:
             err = as_error(e, "save_lr_scheduler", os.fspath(checkpoint))
-    agree(group, "Booster.save_lr_scheduler", error=err)
+    agree(ctrl_group(model), "Booster.save_lr_scheduler", error=err)
+
+
+def _read_scheduler(checkpoint: str, lr_scheduler) -> tuple[dict, int | None]:
+    """(state, step) from the file ``save_lr_scheduler`` wrote, checked: its checksum, and
+    a state of this scheduler's form (a file of an earlier meshlab holds the state alone,
+    without a step)."""
+    from ..checkpoint import CheckpointError
+    from ..checkpoint._files import check_digest
+    from ..checkpoint._state import same_shape
+
+    try:
+        with open(checkpoint, "rb") as f:
+            doc = json.loads(f.read().decode())
+    except UnicodeDecodeError:
+        raise CheckpointError(f"Booster.load_lr_scheduler: {checkpoint} is not JSON (a pickled "
+                              f"torch.save file?); meshlab never unpickles; save it with "
+                              f"Booster.save_lr_scheduler") from None
+    state, step = doc, None
+    if isinstance(doc, dict) and doc.get("format") == SCHEDULER_FORMAT:
+        check_digest(doc, os.fspath(checkpoint))
+        state, step = doc.get("state"), _saved_step(doc)
+    differs = same_shape(state, lr_scheduler.state_dict(), "state")
+    if differs:
+        raise CheckpointError(f"Booster.load_lr_scheduler: {checkpoint}: its {differs} "
+                              f"({type(lr_scheduler).__name__}); load the state this "
+                              f"scheduler saved")
+    return state, step
 
 
 def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:
-    """Read the JSON state ``save_lr_scheduler`` wrote (a pickle is refused)."""
-    from ..checkpoint import CheckpointError
-    from ..checkpoint._ranks import agree, as_error
+    """Read the JSON state ``save_lr_scheduler`` wrote (a pickle is refused); a scheduler
+    saved at another step than the model or optimizer loaded for the same model raises
+    ``CheckpointStepError``."""
+    from ..checkpoint._ranks import agree, as_error, ctrl_group
 
-    group, err, state = _sched_group(self, lr_scheduler), None, None
+    model = _sched_model(self, lr_scheduler, "load_lr_scheduler")
+    err, state, step, parts = None, None, None, {}
     try:
-        with open(checkpoint) as f:
-            state = json.load(f)
-    except UnicodeDecodeError:
-        err = CheckpointError(f"Booster.load_lr_scheduler: {checkpoint} is not JSON (a pickled "
-                              f"torch.save file?); meshlab never unpickles; save it with "
-                              f"Booster.save_lr_scheduler")
-    except (OSError, ValueError) as e:
+        state, step = _read_scheduler(os.fspath(checkpoint), lr_scheduler)
+        parts = _check_resume(self, model, "lr_scheduler", step, os.fspath(checkpoint))
+    except Exception as e:           # a CheckpointError is kept as it is
         err = as_error(e, "load_lr_scheduler", os.fspath(checkpoint))
-    agree(group, "Booster.load_lr_scheduler", error=err)
+    agree(ctrl_group(model), "Booster.load_lr_scheduler", error=err)
     lr_scheduler.load_state_dict(state)
+    _record_resume(self, model, parts, "lr_scheduler", step, os.fspath(checkpoint))
 
 
 def save_lora_as_pretrained(self, model, checkpoint: str, use_safetensors: bool = False) -> None:
