@@ -1,7 +1,12 @@
 """Collection settings for the docstring examples (``pytest --doctest-modules meshlab``)."""
 
 import importlib.util
+import os
 from pathlib import Path
+
+# The side-by-side suites against JAX (tests/core/test_jax_conformance*.py) run JAX on 4
+# host devices in this process; XLA reads the flag once, when jax is first imported.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 # The Triton kernel files import triton at the top; they are loaded only for CUDA tensors,
 # and a CPU-only machine has no triton to import them with.

@@ -85,7 +85,7 @@ def test_readme_links_the_docs_pages():
     """The pages the long material lives in, and the hand-written and generated ones."""
     text = _readme()
     pages = ("api.md", "transforms.md", "results.md", "design.md", "policies.md",
-             "inference.md", "support.md", "booster.md")
+             "inference.md", "support.md", "booster.md", "jax.md")
     unlinked = [p for p in pages if f"(docs/{p})" not in text]
     assert not unlinked, unlinked
 
