@@ -29,8 +29,8 @@ refused with a ``RulesError``: flax reads it as joint sharding and older meshlab
 fallbacks, and no spelling here means two things. Inside ``first(...)`` and a
 ``None``-ended tuple a tuple is one joint alternative, as inside ``P``.
 
-meshlab adds three things to flax's resolution, none of which changes a spec flax
-resolves on a mesh that has every axis the rules name:
+meshlab adds three things to flax's resolution. None of them changes what a spec of the
+table's logical axes resolves to on a mesh that has every axis the table names:
 
 * a rule naming an axis the mesh lacks is skipped (flax would put it in the spec, and JAX
   refuse the spec), so one table serves meshes with and without an axis;
@@ -40,10 +40,10 @@ resolves on a mesh that has every axis the rules name:
   error names the rule, the missing axis, the mesh's axes and the nearest axis name. A
   rule set meant for meshes with and without an axis says so with a final ``None``
   (``mlp=('tp', None)``), which never raises;
-* a spec may name mesh axes directly (they pass through and are claimed first), and a
-  name of the vocabulary above with no rule is replicated; any other name that is
-  neither a rule nor a mesh axis raises ``SpecError`` (most likely a typo; flax
-  replicates it).
+* a spec may name mesh axes directly (they pass through and are claimed first, where
+  flax would replicate a name without a rule), and a name of the vocabulary above with
+  no rule is replicated; any other name that is neither a rule nor a mesh axis raises
+  ``SpecError`` (most likely a typo; flax replicates it).
 
 Defaults: ``Rules.default()`` (``DEFAULT_RULES``) is what ``shard`` uses when neither
 it nor the plan has rules. Every value ends in ``None``, so it resolves on any mesh:
