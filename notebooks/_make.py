@@ -87,12 +87,20 @@ NB01 = [
     "        ml.visualize((8, 4), eval(bad), mesh, show=False)\n"
     "    except ml.SpecError as e:\n        print(type(e).__name__, '->', e)",
     "md:## Logical axes and rules\nModel code speaks logical axes; one `Rules` table maps them to "
-    "mesh axes, with ordered fallbacks: the first axis present in the mesh and unused by the "
-    "spec wins.",
-    "rules = ml.Rules(batch=('dp',), embed=('fsdp', 'tp'), mlp='tp', heads='tp')\n"
+    "mesh axes, as flax's `logical_axis_rules`: the rules are tried in order, and each gives "
+    "its dimension the first of its axes that the mesh has and no dimension holds yet. "
+    "`first(...)` lists fallbacks, `joint(...)` shards one dimension over several axes.",
+    "rules = ml.Rules(batch=('dp',), mlp='tp', heads='tp', embed=ml.first('fsdp', 'tp'))\n"
     "print(rules.resolve(P('batch', 'embed'), mesh.axis_names))   # no fsdp: embed falls back to tp\n"
     "print(rules.resolve(P('mlp', 'embed'), mesh.axis_names))     # tp taken by mlp: embed replicated\n"
     "print(rules.resolve(P('batch', 'embed'), ('dp', 'fsdp', 'tp')))",
+    "md:A flax or MaxText table of `(logical, mesh)` pairs reads as written: a tuple shards one "
+    "dimension jointly, as inside `P`, and a name given again is a fallback. In the keyword form "
+    "a bare tuple of several axes could mean either, so it is refused.",
+    "maxtext = ml.Rules.from_pairs([('activation_batch', ('dp', 'fsdp')),\n"
+    "                               ('embed', 'fsdp'), ('embed', 'tp')])\n"
+    "print(maxtext.resolve(P('activation_batch', 'embed'), ('dp', 'fsdp', 'tp')))\n"
+    "try:\n    ml.Rules(embed=('fsdp', 'tp'))\nexcept ml.RulesError as e:\n    print(e)",
     "try:\n    rules | ml.Rules(mlp='dp')\nexcept ml.RulesError as e:\n    print(e)",
     "md:## Specs for a whole model\nFQN globs, or a pytree mirroring the module tree (the JAX "
     "spelling).",
