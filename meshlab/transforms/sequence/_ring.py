@@ -70,19 +70,21 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     seq = local * n
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q_pos = zigzag_positions(r, n, seq).to(query.device)
+    # scores and the running softmax in float32 at least: float64 inputs stay float64
+    acc = torch.promote_types(query.dtype, torch.float32)
     m_acc = l_acc = o_acc = None
     k, v = key, value
     for step in range(n):
         src = (r - step) % n                      # whose K/V this is
         kv_pos = zigzag_positions(src, n, seq).to(query.device)
         allowed = kv_pos.unsqueeze(0) <= q_pos.unsqueeze(1)            # (Sq, Sk)
-        s = torch.matmul(query, k.transpose(-1, -2)).float() * scale    # (B, H, Sq, Sk)
+        s = torch.matmul(query, k.transpose(-1, -2)).to(acc) * scale    # (B, H, Sq, Sk)
         s = s.masked_fill(~allowed, float("-inf"))
         m_b = s.amax(dim=-1)
         m_b_safe = torch.where(torch.isfinite(m_b), m_b, torch.zeros_like(m_b))
         p = torch.exp(s - m_b_safe.unsqueeze(-1))
         l_b = p.sum(-1)
-        o_b = torch.matmul(p, v.float())
+        o_b = torch.matmul(p, v.to(acc))
         if m_acc is None:
             m_acc, l_acc, o_acc = m_b_safe, l_b, o_b
         else:

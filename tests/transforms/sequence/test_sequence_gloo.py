@@ -144,3 +144,22 @@ def test_sequence_refuses_attention_it_was_not_shown_on(mode):
             ml.plan(F.build(F.family(mod, name)), ml.sequence("sp", mode), mesh)
     for name in ("llama", "gpt2", "opt"):
         ml.plan(F.build(F.family("tests._fam_decoder", name)), ml.sequence("sp", mode), mesh)
+
+
+def ring_float64_case(rank, world):
+    import meshlab as ml
+
+    model = M.build("llama")
+    model.config._attn_implementation = "sdpa"    # eager takes its softmax in float32
+    report = ml.verify(model, ml.sequence("sp", "ring"), ml.Mesh(sp=4),
+                       [{"input_ids": b} for b in M.batches(2, batch=2, seq=16)],
+                       dtype=torch.float64)
+    return report.ok, str(report)
+
+
+def test_ring_attention_keeps_float64(world4):
+    """Ring attention accumulates its scores and softmax in the inputs' dtype when that is
+    wider than float32: in float64 it trains as one process does to rounding (1e-9),
+    where a float32 accumulator was off by 1e-7."""
+    ok, text = world4.run(ring_float64_case)[0]
+    assert ok, text
