@@ -4,8 +4,9 @@ psum_scatter of the result, each plain, overlapped with ppermute and bidirection
 neural networks (data parallelism, FSDP, tensor parallelism, FSDP x TP, SPMD pipeline),
 each written again in our own code, run by ``jax.shard_map`` on 4 host devices in this
 process and by ``meshlab.shard_map`` on 4 gloo ranks; values and gradients compared to
-float64 rounding. Meshes of 8 devices are halved; the pipeline's 2-stage mesh gets a
-second axis of 2 that nothing names, so both sides use all 4 devices.
+float64 rounding. Meshes of 8 devices are halved. The pipeline runs on the page's 2
+devices in JAX; meshlab's mesh spans every rank, so its 2 stages get a second axis of 2
+that nothing names.
 """
 
 from __future__ import annotations
