@@ -126,7 +126,8 @@ class Sequence(Transform):
         """Per block, Ulysses moves q, k, v and the output through one all-to-all each way
         (k and v after GQA expansion: heads x seq/n x head_dim), and the sequence is
         gathered once after the blocks and once (gradients) before them; ring sends K and
-        V n - 1 steps forward and their gradients n - 1 steps back."""
+        V (their own heads) n - 1 steps forward in the forward and again in the backward,
+        and their gradients n steps home."""
         from .._protocol import CommOp
 
         n = plan.mesh_shape.get(self.axis, 1)
@@ -137,14 +138,22 @@ class Sequence(Transform):
         cfg = plan.model.config_get
         h = cfg("hidden_size") or cfg("n_embd")
         heads = cfg("num_attention_heads") or cfg("n_head")
-        d = cfg("head_dim") or h // heads
+        # a model without a config: q, k and v as wide as the hidden states
+        width = heads * (cfg("head_dim") or h // heads) if heads else h
         wb = dtype_bytes(plan.params[0].dtype) if plan.params else 4
         L = len(plan.model.blocks)
-        piece = batch * heads * (seq // n) * d * wb
+        piece = batch * (seq // n) * width * wb
         if self.mode == "ring":
-            k = 4 * L * (n - 1)
-            return [CommOp("send", self.axis, k, k * piece), CommOp("recv", self.axis, k,
-                                                                     k * piece)]
+            # K and V with their own (grouped) heads: n - 1 shifts each in the forward and
+            # again in the backward's recompute, and their gradients (accumulated in at
+            # least float32) n shifts home
+            kv_heads = cfg("num_key_value_heads") or heads
+            kv = piece * kv_heads // heads if heads else piece
+            dkv = kv * max(wb, 4) // wb
+            count = L * (4 * (n - 1) + 2 * n)
+            nbytes = L * (4 * (n - 1) * kv + 2 * n * dkv)
+            return [CommOp("send", self.axis, count, nbytes),
+                    CommOp("recv", self.axis, count, nbytes)]
         return [CommOp("all_to_all", self.axis, 8 * L, 8 * L * piece),
                 CommOp("all_gather", self.axis, 2, 2 * batch * seq * h * wb)]
 

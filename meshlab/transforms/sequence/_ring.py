@@ -1,12 +1,16 @@
 """Ring attention (context parallelism) on unmodified Hugging Face models.
 
 The sequence is cut into 2n chunks and rank r keeps chunks r and 2n-1-r ("zigzag"), so
-under a causal mask every rank does the same amount of work. Attention passes the K/V
-blocks around the ring (n - 1 shifts to the next rank); each step adds that block's
-contribution with the online-softmax rule (running max and sum per query). The ring
-shift is differentiable (its backward shifts the gradients the other way), so autograd
-builds the backward pass from the same steps. Causal language models without padding
-masks; the implementation is registered through transformers' ``AttentionInterface``.
+under a causal mask every rank does the same amount of work. The K/V blocks pass around
+the ring (n - 1 shifts to the next rank, each posted before the step's compute so it
+overlaps it, each carrying the K/V heads only: grouped-query heads are not expanded).
+Each query chunk meets each K/V chunk as one flash-style block (``meshlab::attention``,
+which returns the rows' log-sum-exp; a chunk after the query's is skipped, the same chunk
+is causal), and the blocks are joined by their log-sum-exps. Memory: the backward keeps
+q, k, v, the output and the log-sum-exps, O(S/n x D) per rank, and recomputes each block
+(``meshlab::attention_backward``), the K/V gradients travelling with their blocks back to
+their owner, so no (S/n)^2 score block outlives its step. Causal language models without
+padding masks; registered through transformers' ``AttentionInterface``.
 """
 
 from __future__ import annotations
@@ -16,34 +20,33 @@ import torch.distributed as dist
 from torch import nn
 
 from ...core import collectives as C
-from ...core.errors import SpecError
+from ...core.errors import ConfigError, SpecError
+from ... import ops as _ops  # noqa: F401  (registers meshlab::attention)
 from .._seqsplit import install_split
 from ._ulysses import _route_attention, sp_group
 
 NAME = "meshlab_ring"
 
 
-def _shift(x: torch.Tensor, group, step: int) -> torch.Tensor:
-    """Send ``x`` ``step`` ranks ahead on the ring, receive from ``step`` ranks behind."""
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    ranks = dist.get_process_group_ranks(group)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)   # contiguous, unlike x
-    ops = [dist.P2POp(dist.isend, x.contiguous(), ranks[(r + step) % n], group),
-           dist.P2POp(dist.irecv, out, ranks[(r - step) % n], group)]
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
-    return out
+class _Shift:
+    """Tensors on their way one rank ahead on the ring (what arrives: from one behind).
 
+    Posted before the step's compute and waited for after it, so each shift overlaps the
+    block attention it is not needed by."""
 
-class _RingShift(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _shift(x, group, 1)
+    def __init__(self, tensors, group):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        self.got = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), ranks[(r + 1) % n], group)
+               for t in tensors]
+        ops += [dist.P2POp(dist.irecv, g, ranks[(r - 1) % n], group) for g in self.got]
+        self.reqs = dist.batch_isend_irecv(ops)
 
-    @staticmethod
-    def backward(ctx, g):
-        return _shift(g, ctx.group, -1), None
+    def wait(self) -> list:
+        for req in self.reqs:
+            req.wait()
+        return self.got
 
 
 def zigzag_positions(rank: int, n: int, seq: int) -> torch.Tensor:
@@ -58,44 +61,136 @@ def zigzag_order(n: int, seq: int) -> torch.Tensor:
     return torch.cat([zigzag_positions(r, n, seq) for r in range(n)])
 
 
+# -- one block: a query chunk against one K/V chunk -----------------------------------------
+def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t.repeat_interleave(group, dim=1) if group > 1 else t
+
+
+def _block(q, k, v, causal: bool, scale: float):
+    """(out, lse) of query chunk ``q`` over one K/V chunk (grouped heads as they are):
+    ``meshlab::attention`` (its C++ kernel on the CPU, cuDNN on CUDA); in float64 the same
+    math in float64, since the op's log-sum-exp is float32 and the merge would round."""
+    if q.dtype != torch.float64:
+        return torch.ops.meshlab.attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                           causal, scale)
+    g = q.shape[1] // k.shape[1]
+    s = (q @ _expand(k, g).transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool,
+                                      device=s.device).tril(), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]) @ _expand(v, g), lse
+
+
+def _block_grad(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block given the whole row's ``out`` and ``lse`` (flash
+    attention's backward: the probabilities recomputed from the global log-sum-exp)."""
+    if q.dtype != torch.float64:
+        return torch.ops.meshlab.attention_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+            out.contiguous(), lse.float().contiguous(), causal, scale)
+    g = q.shape[1] // k.shape[1]
+    ke, ve = _expand(k, g), _expand(v, g)
+    s = (q @ ke.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool,
+                                      device=s.device).tril(), float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    dv = p.transpose(-1, -2) @ dout
+    dp = dout @ ve.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * scale
+    dq, dk = ds @ ke, ds.transpose(-1, -2) @ q
+    if g > 1:
+        b, h, s_, d = dk.shape
+        dk = dk.view(b, h // g, g, s_, d).sum(2)
+        dv = dv.view(b, h // g, g, s_, d).sum(2)
+    return dq, dk, dv
+
+
+def _merge(acc, o, lse):
+    """Two partial attentions of the same rows joined by their log-sum-exps."""
+    if acc is None:
+        return o.to(torch.promote_types(o.dtype, torch.float32)), lse
+    o_acc, l_acc = acc
+    new = torch.logaddexp(l_acc, lse)
+    return (o_acc * torch.exp(l_acc - new)[..., None] +
+            o.to(o_acc.dtype) * torch.exp(lse - new)[..., None]), new
+
+
+def _pairs(r: int, src: int, n: int):
+    """The (query half, K/V half, causal) blocks rank ``r`` computes against the K/V of
+    rank ``src``: each holds chunks (i, 2n-1-i); a K/V chunk after the query chunk is
+    skipped, the same chunk is causal, an earlier one is whole."""
+    ids_q, ids_k = (r, 2 * n - 1 - r), (src, 2 * n - 1 - src)
+    return [(a, b, ids_k[b] == ids_q[a]) for a in (0, 1) for b in (0, 1)
+            if ids_k[b] <= ids_q[a]]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's two zigzag chunks over the whole sequence, the K/V
+    of every rank passing once around the ring. Nothing quadratic is kept: the backward
+    saves q, k, v, the output and the row log-sum-exps (O(S/n x D) per rank) and recomputes
+    each block, the K/V gradients travelling with their blocks back to their owner."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        c = q.shape[2] // 2
+        qs = (q[:, :, :c], q[:, :, c:])
+        acc = [None, None]
+        kv = [k, v]
+        for step in range(n):
+            ahead = _Shift(kv, group) if step < n - 1 else None
+            ks, vs = (kv[0][:, :, :c], kv[0][:, :, c:]), (kv[1][:, :, :c], kv[1][:, :, c:])
+            for a, b, causal in _pairs(r, (r - step) % n, n):
+                o, lse = _block(qs[a], ks[b], vs[b], causal, scale)
+                acc[a] = _merge(acc[a], o, lse)
+            if ahead is not None:
+                kv = ahead.wait()
+        out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
+        lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale = ctx.group, ctx.scale
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        c = q.shape[2] // 2
+        wide = torch.promote_types(q.dtype, torch.float32)
+        halves = lambda t: (t[:, :, :c], t[:, :, c:])    # noqa: E731
+        qs, outs, lses, douts = halves(q), halves(out), halves(lse), halves(dout)
+        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+        kv = [k, v]
+        dkv = [torch.zeros(k.shape, dtype=wide, device=k.device),
+               torch.zeros(v.shape, dtype=wide, device=v.device)]
+        for step in range(n):
+            ahead = _Shift(kv, group) if step < n - 1 else None
+            ks, vs = halves(kv[0]), halves(kv[1])
+            for a, b, causal in _pairs(r, (r - step) % n, n):
+                g = _block_grad(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal, scale)
+                dq[:, :, a * c:(a + 1) * c] += g[0]
+                dkv[0][:, :, b * c:(b + 1) * c] += g[1]
+                dkv[1][:, :, b * c:(b + 1) * c] += g[2]
+            back = _Shift(dkv, group)      # the K/V gradients follow their blocks home
+            if ahead is not None:
+                kv = ahead.wait()
+            dkv = back.wait()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """(B, H, S/n, D) per rank, zigzag chunks -> causal attention over the whole sequence."""
+    """(B, H, S/n, D) per rank, zigzag chunks -> causal attention over the whole sequence
+    (returned as (B, S/n, H, D), as transformers' attention functions return it). K/V keep
+    their own (grouped) head count on the ring."""
+    if dropout:
+        raise ConfigError(f"sequence(ring): attention dropout {dropout} is not computed by "
+                          f"ring attention; set the model's attention_dropout to 0")
     group = sp_group(module)
-    n, r = dist.get_world_size(group), dist.get_rank(group)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    local = query.shape[2]
-    seq = local * n
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q_pos = zigzag_positions(r, n, seq).to(query.device)
-    # scores and the running softmax in float32 at least: float64 inputs stay float64
-    acc = torch.promote_types(query.dtype, torch.float32)
-    m_acc = l_acc = o_acc = None
-    k, v = key, value
-    for step in range(n):
-        src = (r - step) % n                      # whose K/V this is
-        kv_pos = zigzag_positions(src, n, seq).to(query.device)
-        allowed = kv_pos.unsqueeze(0) <= q_pos.unsqueeze(1)            # (Sq, Sk)
-        s = torch.matmul(query, k.transpose(-1, -2)).to(acc) * scale    # (B, H, Sq, Sk)
-        s = s.masked_fill(~allowed, float("-inf"))
-        m_b = s.amax(dim=-1)
-        m_b_safe = torch.where(torch.isfinite(m_b), m_b, torch.zeros_like(m_b))
-        p = torch.exp(s - m_b_safe.unsqueeze(-1))
-        l_b = p.sum(-1)
-        o_b = torch.matmul(p, v.to(acc))
-        if m_acc is None:
-            m_acc, l_acc, o_acc = m_b_safe, l_b, o_b
-        else:
-            m_new = torch.maximum(m_acc, m_b_safe)
-            a, b = torch.exp(m_acc - m_new), torch.exp(m_b_safe - m_new)
-            l_acc = l_acc * a + l_b * b
-            o_acc = o_acc * a.unsqueeze(-1) + o_b * b.unsqueeze(-1)
-            m_acc = m_new
-        if step < n - 1:
-            k, v = _RingShift.apply(k, group), _RingShift.apply(v, group)
-    out = (o_acc / l_acc.unsqueeze(-1)).to(query.dtype)                # (B, H, Sq, D)
+    out = _RingAttention.apply(query, key, value, group, float(scale))
     return out.transpose(1, 2).contiguous(), None
 
 

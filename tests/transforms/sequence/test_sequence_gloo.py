@@ -112,12 +112,15 @@ def ring_comm_case(rank, world):
 
 
 def test_ring_point_to_point_volume(world4):
-    """Per block, K and V each take n - 1 ring steps forward, and their gradients n - 1
-    steps back: 4 L (n - 1) sends of B x H x S/n x head_dim fp32 per rank and step."""
+    """Per block, K and V each take n - 1 ring steps in the forward and again in the
+    backward's recompute, with their own K/V heads (grouped-query heads not expanded), and
+    their gradients n steps home: L (4 (n - 1) + 2 n) sends of B x Hkv x S/n x head_dim
+    fp32 per rank and step."""
     out = world4.run(ring_comm_case)
-    B, S, H, D, L, n = 4, 16, 4, 8, 2, 4
-    block = B * H * (S // n) * D * 4
-    assert all(o == (4 * L * (n - 1), 4 * L * (n - 1) * block) for o in out), out
+    B, S, Hkv, D, L, n = 4, 16, 2, 8, 2, 4
+    block = B * Hkv * (S // n) * D * 4
+    sends = L * (4 * (n - 1) + 2 * n)
+    assert all(o == (sends, sends * block) for o in out), out
     import meshlab as ml
 
     plan = ml.plan(M.build("llama"), ml.sequence("sp", "ring"), ml.Mesh(sp=4, fake=True))
