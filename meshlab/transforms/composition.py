@@ -7,7 +7,8 @@ A transform names the rows it takes in a bound plan with ``Transform.rows(plan)`
 unordered pair of rows is one ``Cell``:
 
 * ``composes``, with ``test``: the node id of a test that trains the pair against one
-  process (``None``: composes, no parity test yet);
+  process: an earlier test, or the pair's case of ``tests/transforms/test_table_parity.py``,
+  which runs every composing cell (``parity_test``); every cell of this table names one;
 * ``not yet``, with the reason and how it is refused: ``plan`` raises ``ConfigError``
   (``RAISES``), records ``NotRunnable`` in ``plan.not_runnable`` for ``parallelize`` to
   raise (``RECORDS``), or ``meshlab.optimizer`` refuses it (``AT_OPTIMIZER``); ``scope``
@@ -150,6 +151,13 @@ _LORA_NO = not_yet("not yet shown to match single-process peft",
 _COMPILE = not_yet("not yet shown to train like the eager model",
                    "compile_blocks() with {b} is not yet shown to train like the eager model; "
                    "leave one of them out")
+_SHARD_COMPILE = not_yet(
+    "compile_blocks(fullgraph=True) breaks its graph at shard's switch of the dropout stream "
+    "(torch.Generator.get_state in the pre-hook of each tensor-parallel region); measured "
+    "on tp=2: the first forward raises torch._dynamo.exc.Unsupported",
+    "compile_blocks() with tensor parallelism over {tp!r}: the compiled blocks would break "
+    "their graph where each tensor-parallel region switches the dropout stream; leave one of "
+    "them out")
 _STEP = not_yet("not yet shown to train like the ordinary step",
                 "step_in_backward() with {b} is not yet shown to train like the ordinary "
                 "step; leave one of them out")
@@ -168,6 +176,17 @@ _TWO_SEQ = not_yet("Ulysses over one axis with ring attention over another (2-D 
                    "parallelism) is not yet supported; one sequence() per spec")
 _SEQ_SG = "spelled shard(..., Rules(seq=<tp axis>)) | sequence(axis, mode): two sequence() " \
           "values in one spec are refused, the room holds one"
+_SG_2D = {m: not_yet(
+    f"Megatron sequence parallelism over one axis with sequence('{m}') over another does "
+    f"not train like one process: measured on tp=2, sp=2 (float64, SGD), {diff}",
+    "{a} with {b}: Megatron sequence parallelism with sequence('" + m + "') over another "
+    "axis does not yet train like one process; keep one of them (map 'seq' to None in Rules, "
+    "or drop sequence())", RECORDS, note=_SEQ_SG)
+    for m, diff in (("all_to_all", "the loss is off by 2.6e-2 at the first step and every "
+                                   "gradient differs (lm_head's by 1.2 times its largest "
+                                   "element)"),
+                    ("ring", "the loss is off by 4.5e-3 at the first step and every gradient "
+                             "differs (lm_head's by 1.5 times its largest element)"))}
 _ORDER = "lora(...) | {b}: the sharding reads the model as it was before adapters; write " \
          "{b} | lora(...)"
 
@@ -178,14 +197,39 @@ _PRECS = ("precision('fp32')", "precision('bf16')", "precision('fp16')",
 _FUSES = ("fuse", "fuse('attention')", "fuse('loss')")
 
 
+_PARITY = "tests/transforms/test_table_parity.py::test_cell"
+
+
+def parity_test(a: str, b: str) -> str:
+    """The node id of the case of ``tests/transforms/test_table_parity.py`` (generated from
+    this table: one case per composing cell) that trains ``a x b`` against one process."""
+    if a in ROWS and b in ROWS and list(ROWS).index(a) > list(ROWS).index(b):
+        a, b = b, a
+    return f"{_PARITY}[{a.replace(chr(39), '')}-{b.replace(chr(39), '')}]"
+
+
 def _each(rows: Iterable[str], other: str, c: Cell) -> list:
     """The same cell for ``row x other``, each of ``rows``."""
     return [(r, other, c) for r in rows]
 
 
-def _untested(row: str, others: str) -> list:
-    """Pairs that compose and that no test trains yet (``others`` space-separated)."""
-    return [(row, o, composes()) for o in others.split()]
+_AOT = "its parity case compiles with backend='aot_eager' (dynamo's graphs and their " \
+       "backward, what composes; inductor's code is shown against eager by " \
+       "tests/transforms/compile/test_compile.py)"
+
+
+def _shown(a: str, b: str, note: str = "") -> Cell:
+    """A pair that composes, trained against one process by its case of the table's own
+    parity tests (``parity_test``)."""
+    if "compile_blocks" in (a, b):
+        note = f"{note}; {_AOT}" if note else _AOT
+    return composes(parity_test(a, b), note)
+
+
+def _trained(row: str, others: str) -> list:
+    """Pairs that compose, each trained by its case of the table's own parity tests
+    (``others`` space-separated)."""
+    return [(row, o, _shown(row, o)) for o in others.split()]
 
 
 def _t(test: str, note: str = "") -> Cell:
@@ -208,11 +252,12 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("shard", "precision('bf16')", _t(f"{_TRAIN}::test_bf16[tp]")),
     ("shard", "fuse", _t(f"{_FUSE}::test_fuse_composes_gloo[tp-ops2]")),
     ("shard", "fuse('attention')", _t(f"{_FUSE}::test_fuse_composes_gloo[tp-ops2]")),
-    ("shard", "fuse('loss')", composes(note=_HEAD)),
+    ("shard", "fuse('loss')", _shown("shard", "fuse('loss')", _HEAD)),
     ("step_in_backward", "shard", _STEP),
-    *_untested("shard", "zero_shard(2) sequence('all_to_all') sequence('ring') "
+    ("shard", "compile_blocks", _SHARD_COMPILE),
+    *_trained("shard", "zero_shard(2) sequence('all_to_all') sequence('ring') "
                         "precision('fp32') precision('fp16') precision(reduce='bf16') "
-                        "precision(reduce='fp16') precision(loss_scale) compile_blocks"),
+                        "precision(reduce='fp16') precision(loss_scale)"),
     # data_parallel
     *[("data_parallel", f"zero_shard({s})", _HYBRID) for s in (1, 2, 3)],
     ("offload(grads)", "data_parallel", _OFF_GRADS),
@@ -232,7 +277,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("data_parallel", "precision(loss_scale)", _t(f"{_FP16}[pp_fp16]")),
     ("data_parallel", "compile_blocks", _t(f"{_COMP}[remat]", _VS_EAGER)),
     ("step_in_backward", "data_parallel", _STEP),
-    *_untested("data_parallel", "offload(optimizer) precision('fp32') fuse fuse('attention') "
+    *_trained("data_parallel", "offload(optimizer) precision('fp32') fuse fuse('attention') "
                                 "fuse('loss')"),
     # zero_shard(1)
     ("zero_shard(1)", "zero_shard(2)", _ZERO),
@@ -251,7 +296,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     *[("zero_shard(1)", f, _t(f"{_FUSE}::test_fuse_composes_gloo[zero1-ops1]"))
       for f in _FUSES],
     ("step_in_backward", "zero_shard(1)", _STEP),
-    *_untested("zero_shard(1)", "sequence('split_gather') sequence('all_to_all') "
+    *_trained("zero_shard(1)", "sequence('split_gather') sequence('all_to_all') "
                                 "sequence('ring') remat precision('fp32') precision('bf16') "
                                 "compile_blocks"),
     # zero_shard(2)
@@ -261,7 +306,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("zero_shard(2)", "lora",
      _t(f"{_LORA}::test_lora_matches_single_process_peft[False-zero2]")),
     ("step_in_backward", "zero_shard(2)", _STEP),
-    *_untested("zero_shard(2)", "offload(optimizer) offload(grads) sequence('split_gather') "
+    *_trained("zero_shard(2)", "offload(optimizer) offload(grads) sequence('split_gather') "
                                 "sequence('all_to_all') sequence('ring') expert_route remat "
                                 + " ".join(_PRECS + _FUSES) + " compile_blocks"),
     # zero_shard(3)
@@ -280,7 +325,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
       for f in _FUSES],
     ("zero_shard(3)", "compile_blocks", _t(f"{_COMP}[zero3]", _VS_EAGER)),
     ("step_in_backward", "zero_shard(3)", _STEP),
-    *_untested("zero_shard(3)", "sequence('split_gather') sequence('all_to_all') "
+    *_trained("zero_shard(3)", "sequence('split_gather') sequence('all_to_all') "
                                 "sequence('ring') precision('fp32') precision('fp16') "
                                 "precision(reduce='bf16') precision(reduce='fp16') "
                                 "precision(loss_scale)"),
@@ -294,7 +339,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     *[("lora", o, _LORA_NO) for o in _OFFLOADS],
     *[("compile_blocks", o, _COMPILE) for o in _OFFLOADS],
     *[("step_in_backward", o, _STEP) for o in _OFFLOADS],
-    *[(o, x, composes()) for o in _OFFLOADS for x in ("remat",) + _PRECS + _FUSES],
+    *[(o, x, _shown(o, x)) for o in _OFFLOADS for x in ("remat",) + _PRECS + _FUSES],
     # pipeline
     ("pipeline", "sequence('split_gather')", _PIPE_SP),
     ("sequence('all_to_all')", "pipeline", _SEQ_PIPE["all_to_all"]),
@@ -310,19 +355,20 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("fuse('loss')", "pipeline", _FUSE_LOSS_PIPE),
     ("compile_blocks", "pipeline", _COMPILE),
     ("step_in_backward", "pipeline", _STEP),
-    *_untested("pipeline", "remat precision('fp32') precision(reduce='bf16') "
+    *_trained("pipeline", "remat precision('fp32') precision(reduce='bf16') "
                            "precision(reduce='fp16')"),
     # sequence('split_gather')
-    ("sequence('split_gather')", "sequence('all_to_all')", composes(note=_SEQ_SG)),
-    ("sequence('split_gather')", "sequence('ring')", composes(note=_SEQ_SG)),
+    ("sequence('split_gather')", "sequence('all_to_all')", _SG_2D["all_to_all"]),
+    ("sequence('split_gather')", "sequence('ring')", _SG_2D["ring"]),
     ("expert_route", "sequence('split_gather')", _EXPERT_SP),
     ("lora", "sequence('split_gather')", _LORA_NO),
     ("sequence('split_gather')", "remat",
      _t(f"{_TRAIN}::test_remat_keeps_the_numbers[selective-tp_sp]")),
-    ("sequence('split_gather')", "fuse('loss')", composes(note=_HEAD)),
+    ("sequence('split_gather')", "fuse('loss')", _shown("sequence('split_gather')",
+                                                        "fuse('loss')", _HEAD)),
     ("compile_blocks", "sequence('split_gather')", _COMPILE),
     ("step_in_backward", "sequence('split_gather')", _STEP),
-    *_untested("sequence('split_gather')", " ".join(_PRECS) + " fuse fuse('attention')"),
+    *_trained("sequence('split_gather')", " ".join(_PRECS) + " fuse fuse('attention')"),
     # sequence('all_to_all') and sequence('ring')
     ("sequence('all_to_all')", "sequence('ring')", _TWO_SEQ),
     *[("expert_route", s, _EXPERT) for s in _SEQS[1:]],
@@ -330,48 +376,48 @@ _LISTED: list[tuple[str, str, Cell]] = [
     *[("fuse('attention')", s, _FUSE_ATTN_SEQ) for s in _SEQS[1:]],
     *[("compile_blocks", s, _COMPILE) for s in _SEQS[1:]],
     *[("step_in_backward", s, _STEP) for s in _SEQS[1:]],
-    *[(s, x, composes()) for s in _SEQS[1:] for x in ("remat",) + _PRECS
+    *[(s, x, _shown(s, x)) for s in _SEQS[1:] for x in ("remat",) + _PRECS
       + ("fuse", "fuse('loss')")],
     # expert_route
     ("lora", "expert_route", _LORA_NO),
     ("expert_route", "remat", _t(f"{_EXP}::test_ep2_with_remat_matches_one_process[mixtral]")),
     ("expert_route", "precision('bf16')",
      _t(f"{_EXP}::test_ep2_under_bf16_matches_one_process_under_autocast")),
-    ("expert_route", "fuse", composes(note="fuse('mlp') finds no gated MLP to route in a "
-                                           "model whose MLPs are mixtures of experts")),
+    ("expert_route", "fuse", _shown("expert_route", "fuse", "fuse('mlp') finds no gated MLP to "
+                                    "route in a model whose MLPs are mixtures of experts")),
     ("compile_blocks", "expert_route", _COMPILE),
     ("step_in_backward", "expert_route", _STEP),
-    *_untested("expert_route", "precision('fp32') precision('fp16') precision(reduce='bf16') "
+    *_trained("expert_route", "precision('fp32') precision('fp16') precision(reduce='bf16') "
                                "precision(reduce='fp16') precision(loss_scale) "
                                "fuse('attention') fuse('loss')"),
     # lora
     ("lora", "precision('bf16')", _t(f"{_LORA}::test_lora_under_bf16")),
     ("compile_blocks", "lora", _COMPILE),
     ("step_in_backward", "lora", _STEP),
-    *_untested("lora", "remat precision('fp32') precision('fp16') precision(reduce='bf16') "
+    *_trained("lora", "remat precision('fp32') precision('fp16') precision(reduce='bf16') "
                        "precision(reduce='fp16') precision(loss_scale) fuse "
                        "fuse('attention') fuse('loss')"),
     # remat
     ("remat", "compile_blocks", _t(f"{_COMP}[remat]", _VS_EAGER)),
     ("remat", "step_in_backward", _t(f"{_SIB}[AdamW-fuse_remat]", _VS_STEP)),
-    *_untested("remat", " ".join(_PRECS + _FUSES)),
+    *_trained("remat", " ".join(_PRECS + _FUSES)),
     # precision: one value holds a compute dtype, a reduction dtype and a loss scale
     ("precision('fp32')", "precision('bf16')", _DTYPE),
     ("precision('fp32')", "precision('fp16')", _DTYPE),
     ("precision('bf16')", "precision('fp16')", _DTYPE),
     ("precision(reduce='bf16')", "precision(reduce='fp16')", _REDUCE_ONE),
     ("precision('fp16')", "precision(loss_scale)", _t(f"{_FP16}[zero_fp16]")),
-    *[(p, r, composes()) for p in _PRECS[:3] for r in _PRECS[3:]
+    *[(p, r, _shown(p, r)) for p in _PRECS[:3] for r in _PRECS[3:]
       if (p, r) != ("precision('fp16')", "precision(loss_scale)")],
-    *[(r, "precision(loss_scale)", composes()) for r in _PRECS[3:5]],
+    *[(r, "precision(loss_scale)", _shown(r, "precision(loss_scale)")) for r in _PRECS[3:5]],
     ("precision('bf16')", "fuse", _t(_GUIDE)),
     ("precision('bf16')", "fuse('attention')", _t(_GUIDE)),
-    *[(p, x, composes()) for p in _PRECS for x in _FUSES + ("compile_blocks",)
+    *[(p, x, _shown(p, x)) for p in _PRECS for x in _FUSES + ("compile_blocks",)
       if (p, x) not in (("precision('bf16')", "fuse"), ("precision('bf16')",
                                                         "fuse('attention')"))],
     ("precision('bf16')", "step_in_backward", _t(f"{_SIB}[AdamW-bf16]", _VS_STEP)),
     ("precision(loss_scale)", "step_in_backward", _STEP_SCALE),
-    *[(p, "step_in_backward", composes()) for p in _PRECS[:1] + _PRECS[2:5]],
+    *[(p, "step_in_backward", _shown(p, "step_in_backward")) for p in _PRECS[:1] + _PRECS[2:5]],
     # fuse: one value routes any of its ops
     ("fuse", "fuse('attention')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),
     ("fuse", "fuse('loss')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),

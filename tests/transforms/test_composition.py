@@ -1,8 +1,8 @@
 """The composition table (``meshlab.transforms.composition``) against what ``plan`` does.
 
 * ``docs/composition.md`` is the table's page, regenerated and compared;
-* every pair of rows has exactly one cell, and the test a composing cell names exists
-  (its file, its function, its parametrize id);
+* every pair of rows has exactly one cell, every composing cell names a test, and that
+  test exists (its file, its function, its parametrize id);
 * every pair of rows, planned on a fake mesh as ``tests/transforms/_pairs.py`` spells it
   (with ``data_parallel`` added, and alone), does what the table says: a ``composes``
   cell plans runnable, a ``not yet`` cell is refused as its cell says (raised, or recorded
@@ -49,6 +49,21 @@ def test_every_pair_of_rows_has_exactly_one_cell():
     with pytest.raises(ml.PlanError, match="given twice"):
         composition._index([("shard", "remat", composition.composes()),
                             ("remat", "shard", composition.composes())])
+
+
+def test_every_composing_cell_names_its_test():
+    """A pair marked composes names the test that trains it against one process: an earlier
+    one, or its case of tests/transforms/test_table_parity.py (which runs every such
+    cell); a composes cell without one fails here."""
+    bare = [f"{a} x {b}" for (a, b), c in composition.table(declared=False).items()
+            if c.status == composition.COMPOSES and not c.test]
+    assert not bare, f"composes, but names no parity test: {bare}"
+    named = [c.test for c in composition.table(declared=False).values()
+             if c.test and c.test.startswith("tests/transforms/test_table_parity.py::")]
+    for (a, b), c in composition.table(declared=False).items():
+        if c.test and c.test.startswith("tests/transforms/test_table_parity.py::"):
+            assert c.test == composition.parity_test(a, b), (a, b, c.test)
+    assert len(named) == len(set(named)) > 150
 
 
 def _ids(fn) -> set[str]:
