@@ -181,6 +181,16 @@ def _broadcast_output(tgt: _Target, r, o, s: P | None):
     return pvary(o, frozenset(s.axes) & frozenset(tgt.tracked), r)
 
 
+def _outputs(tgt: _Target, r, out, single: bool, outs, name: str) -> tuple:
+    """``fn``'s result as one tensor per out_spec, each broadcast over the axes its spec
+    lays it out over (``_broadcast_output``); called inside the call's region."""
+    flat = (out,) if single else tuple(out)
+    if len(flat) != len(outs):
+        raise SpecError(f"shard_map({name}): the function returned {len(flat)} values for "
+                        f"{len(outs)} out_specs; give one spec per output")
+    return tuple(_broadcast_output(tgt, r, o, s) for o, s in zip(flat, outs))
+
+
 def _plain(args, specs) -> list:
     """(label, tensor) of each plain tensor argument that has a spec."""
     from torch.distributed.tensor import DTensor
@@ -254,12 +264,7 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
             check_blocks(tgt, blocks, name)
         with local_region(), region(tgt.dm, tgt.tracked, unmarked_varying=tgt.local_model,
                                     name=name) as r:
-            out = fn(*_seed(tgt, r, local, specs))
-            flat = (out,) if single else tuple(out)
-            if len(flat) != len(outs):
-                raise SpecError(f"shard_map({name}): the function returned {len(flat)} "
-                                f"values for {len(outs)} out_specs; give one spec per output")
-            flat = tuple(_broadcast_output(tgt, r, o, s) for o, s in zip(flat, outs))
+            flat = _outputs(tgt, r, fn(*_seed(tgt, r, local, specs)), single, outs, name)
         if pending[0]:
             check_blocks(tgt, [(f"output {j}", o, s) for j, (o, s) in
                                enumerate(zip(flat, outs)) if isinstance(o, torch.Tensor)
