@@ -124,11 +124,19 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
     """
     from ._state import check_extra
 
-    directory = os.fspath(directory).rstrip("/")
     check_extra(extra)
-    enter("save_pretrained", directory, model, timeout)
+    return export_tensors(directory, model, _tensors(model), max_shard_size=max_shard_size,
+                          timeout=timeout, extra=extra)
+
+
+def export_tensors(directory, model: nn.Module, items: list, *, max_shard_size="5GB",
+                   timeout: float = 300.0, extra: dict | None = None, transform=None,
+                   what: str = "save_pretrained") -> str:
+    """``save_pretrained``'s export of ``items`` (``[(name in the file, tensor)]``, every
+    rank its own; ``transform(name, whole tensor)`` on rank 0 before it is written)."""
+    directory = os.fspath(directory).rstrip("/")
+    enter(what, directory, model, timeout)
     group, tmp, err = ctrl_group(model), directory + ".partial", None
-    items = _tensors(model)
     owners, metas = _owners(items, group)
     shards, sizes = _plan(metas, _parse_size(max_shard_size))
     if rank() == 0:
@@ -136,21 +144,21 @@ def save_pretrained(directory: str | os.PathLike, model: nn.Module, *,
             recover(directory, exported)
             os.makedirs(tmp)
         except OSError as e:
-            err = as_error(e, "save_pretrained", directory)
-    _agree_or_discard(group, "checkpoint.save_pretrained: start", tmp, err)
+            err = as_error(e, what, directory)
+    _agree_or_discard(group, f"checkpoint.{what}: start", tmp, err)
     weight_map, err = _write_shards(dict(items), shards, tmp, directory, owners,
-                                    dict(metas), group)
+                                    dict(metas), group, transform)
     if rank() == 0 and err is None:
         try:
             _finish_export(model, tmp, directory, weight_map, sum(sizes.values()),
                            len(shards), extra)
         except Exception as e:      # the others wait in the agreement below
-            err = as_error(e, "save_pretrained", directory)
+            err = as_error(e, what, directory)
             try:
                 recover(directory, exported)
             except OSError:
-                pass                    # the next save_pretrained tidies it
-    _agree_or_discard(group, "checkpoint.save_pretrained: commit", tmp, err)
+                pass                    # the next export tidies it
+    _agree_or_discard(group, f"checkpoint.{what}: commit", tmp, err)
     return directory
 
 
@@ -164,47 +172,70 @@ def _agree_or_discard(group, what: str, tmp: str, err) -> None:
 
 
 def _write_shards(lookup: dict, shards: list[list[str]], tmp: str, directory: str,
-                  owners: dict, metas: dict, group):
+                  owners: dict, metas: dict, group, transform=None):
     """The ranks holding each tensor gather it in turn (a pipeline stage's tensors only
-    on that stage's ranks) and the lowest of them sends it to rank 0, which writes the
-    files. A write that fails stops the writing but not the gathering, so no rank is left
-    waiting."""
+    on that stage's ranks) and the lowest of them sends it to rank 0, which writes it into
+    its file at once (``_stream``: the file's header is written first), so rank 0 holds
+    one tensor at a time. ``transform(name, full)`` turns a gathered tensor into the one
+    written (on rank 0; ``save_merged`` merges adapters there). A write that fails stops
+    the writing but not the gathering, so no rank is left waiting."""
     import torch.distributed as dist
-    from safetensors.torch import save_file
+
+    from ._stream import StreamWriter
 
     total = len(shards)
     weight_map, err = {}, None
     me = rank()
     for i, names in enumerate(shards):
         name = SINGLE if total == 1 else f"model-{i + 1:05d}-of-{total:05d}.safetensors"
-        buf = {}
+        writer = None
+        if me == 0 and err is None:
+            try:
+                writer = StreamWriter(os.path.join(tmp, name),
+                                      [(n, metas[n].shape, metas[n].dtype) for n in names],
+                                      {"format": "pt"})
+            except Exception as e:
+                err = _write_error(e, directory, tmp, name)
         for n in names:
             weight_map[n] = name
-            t = lookup.get(n)
-            owner, full = owners[n], None
-            if t is not None:            # every holder joins the gather; two ranks keep it
-                full = t.full_tensor() if hasattr(t, "full_tensor") else t
-                if me in (0, owner):
-                    full = full.detach().to("cpu").contiguous()
-            if owner != 0 and me == owner:
-                dist.send(full, dst=0, group=group)
-            elif owner != 0 and me == 0:
-                m = metas[n]
-                full = torch.empty(m.shape, dtype=m.dtype)
-                dist.recv(full, src=owner, group=group)
-            if me == 0 and err is None:
-                buf[n] = full.clone()
-        if rank() == 0 and err is None:
+            full = _gather_to_zero(n, lookup.get(n), owners[n], metas[n], group, me)
+            if writer is not None and err is None:
+                try:
+                    writer.write(n, transform(n, full) if transform is not None else full)
+                except Exception as e:
+                    err = _write_error(e, directory, tmp, name)
+            del full
+        if writer is not None and err is None:
             try:
-                save_file(buf, os.path.join(tmp, name), metadata={"format": "pt"})
-            except Exception as e:   # OSError, or safetensors' own error for the same
-                if not isinstance(e, OSError):   # safetensors reports the OS error code
-                    code = re.search(r"code: (\d+)", str(e))
-                    e = OSError(int(code.group(1)) if code else None, str(e),
-                                os.path.join(tmp, name))
-                err = as_error(e, "save_pretrained", directory)
-        del buf
+                writer.close()
+            except Exception as e:
+                err = _write_error(e, directory, tmp, name)
     return weight_map, err
+
+
+def _gather_to_zero(n: str, t, owner: int, meta, group, me: int):
+    """Tensor ``n`` whole on rank 0 (every holder joins the gather; the lowest holder
+    sends it to rank 0 when rank 0 holds none of it); None elsewhere."""
+    import torch.distributed as dist
+
+    full = None
+    if t is not None:
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        if me in (0, owner):
+            full = full.detach().to("cpu").contiguous()
+    if owner != 0 and me == owner:
+        dist.send(full, dst=0, group=group)
+    elif owner != 0 and me == 0:
+        full = torch.empty(meta.shape, dtype=meta.dtype)
+        dist.recv(full, src=owner, group=group)
+    return full if me == 0 else None
+
+
+def _write_error(e: Exception, directory: str, tmp: str, name: str):
+    if not isinstance(e, OSError):   # safetensors reports the OS error code in its text
+        code = re.search(r"code: (\d+)", str(e))
+        e = OSError(int(code.group(1)) if code else None, str(e), os.path.join(tmp, name))
+    return as_error(e, "save_pretrained", directory)
 
 
 def _finish_export(model, tmp: str, directory: str, weight_map: dict, total_size: int,

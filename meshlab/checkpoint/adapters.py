@@ -131,37 +131,70 @@ def save_adapter(directory, model: nn.Module, *, base_model_name_or_path: str | 
     return _export(directory, model, "save_adapter", files)
 
 
-def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The base model's state with every adapter merged in, keyed as the model was before
-    peft (on rank 0; empty elsewhere)."""
-    cfg = _lora_config(model)
-    full = _gathered(model, lambda n: True)
-    if not _rank0():
-        return {}
-    scale = cfg.lora_alpha / (cfg.r ** 0.5 if cfg.use_rslora else cfg.r)
-    out: dict[str, torch.Tensor] = {}
-    for n, t in full.items():
+def _merged_names(model: nn.Module) -> list[tuple[str, str]]:
+    """``(name in the merged export, the model's tensor name)`` for every tensor of the
+    base model: a LoRA layer's base weight under the name it had before peft, a module to
+    save as its trained copy; the adapters themselves and the frozen originals left out."""
+    from ._hf import _tensors
+
+    out = []
+    for n, _ in _tensors(model):
         if ".lora_A." in n or ".lora_B." in n or ".original_module." in n:
             continue
-        if ".base_layer." in n:
-            mod, name = n.split(".base_layer.")
-            key = f"{mod}.{name}"
-            a = full.get(f"{mod}.lora_A.default.weight")
-            if name == "weight" and a is not None:
-                b = full[f"{mod}.lora_B.default.weight"]
-                t = (t.float() + scale * (b.float() @ a.float())).to(t.dtype)
-            out[key] = t
-            continue
-        out[n.replace(".modules_to_save.default.", ".")] = t
+        out.append((n.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."), n))
     return out
 
 
-def save_merged(directory, model: nn.Module) -> str:
-    """The merged model as a Hugging Face checkpoint (``config.json`` and
-    ``model.safetensors``)."""
-    sd = merged_state(model)
-    return _export(directory, model, "save_merged", lambda: {
-        "model.safetensors": sd, "config.json": model.config.to_json_string()})
+def _merger(model: nn.Module, cfg):
+    """``(transform, adapters)``: the adapters of every LoRA layer gathered whole on rank 0
+    (each small: r x features), and the function that merges them into a base weight as it
+    passes rank 0 (``W + scale * B @ A``, transposed for ``fan_in_fan_out`` layers, as
+    peft's ``merge`` computes it)."""
+    scale = cfg.lora_alpha / (cfg.r ** 0.5 if cfg.use_rslora else cfg.r)
+    adapters = _gathered(model, lambda n: ".lora_A." in n or ".lora_B." in n)
+    by_export = {e: n for e, n in _merged_names(model)}
+
+    def transform(name: str, w: torch.Tensor) -> torch.Tensor:
+        src = by_export.get(name, name)
+        if ".base_layer." not in src or not src.endswith(".weight"):
+            return w
+        mod = src.split(".base_layer.")[0]
+        a = adapters.get(f"{mod}.lora_A.default.weight")
+        if a is None:
+            return w
+        delta = adapters[f"{mod}.lora_B.default.weight"].float() @ a.float()
+        if cfg.fan_in_fan_out:
+            delta = delta.T
+        return (w.float() + scale * delta).to(w.dtype)
+
+    return transform, adapters
+
+
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's state with every adapter merged in, keyed as the model was before
+    peft, on rank 0 (empty elsewhere): the whole model in one process, for small models;
+    ``save_merged`` streams it to files instead."""
+    cfg = _lora_config(model)
+    transform, _ = _merger(model, cfg)
+    full = _gathered(model, lambda n: True)
+    if not _rank0():
+        return {}
+    return {e: transform(e, full[n]) for e, n in _merged_names(model)}
+
+
+def save_merged(directory, model: nn.Module, *, max_shard_size: int | str = "5GB") -> str:
+    """The merged model as a Hugging Face checkpoint (``config.json``, safetensors and
+    their index, the checksum manifest), streamed as ``save_pretrained`` streams: one
+    parameter at a time is gathered, merged on rank 0 and written, so no rank ever holds
+    the whole model."""
+    from ._hf import _tensors, export_tensors
+
+    cfg = _lora_config(model)
+    transform, _ = _merger(model, cfg)
+    tensors = dict(_tensors(model))
+    items = [(e, tensors[n]) for e, n in _merged_names(model)]
+    return export_tensors(directory, model, items, max_shard_size=max_shard_size,
+                          transform=transform, what="save_merged")
 
 
 def load_adapter(directory, model: nn.Module) -> None:
