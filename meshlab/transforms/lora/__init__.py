@@ -28,8 +28,9 @@ from ...core.spec import P
 from .._protocol import Phase, Transform
 from ._peft import jsonable as _jsonable, peft_module as _peft
 
-__all__ = ["Lora", "lora", "save_adapter", "load_adapter", "merged_state", "save_merged",
-           "merge", "unmerge"]
+# Saving, loading and merging adapters are checkpoint work: meshlab.checkpoint.adapters
+# (meshlab.save_adapter, load_adapter, save_merged, merge_adapters, unmerge_adapters).
+__all__ = ["Lora", "lora"]
 
 
 def _targets(config, plan: Plan) -> list[ModuleInfo]:
