@@ -21,7 +21,10 @@ collective         what it computes                        varies along after  g
 An input that is the same on every rank of a named axis (invariant, see
 ``meshlab.core.varying``) is treated as JAX treats it: broadcast first, so ``psum`` of an
 invariant ``x`` over an axis of size n is ``n * x`` and its gradient is summed back.
-Outside a ``shard_map`` function each raises ``ConfigError`` naming the fix.
+Outside a ``shard_map`` function each raises ``ConfigError`` naming the fix. In a
+``shard_map`` function that found no mesh anywhere (one process, no parallelized model:
+one device holds every block) each named axis has one rank, and each collective returns
+what it returns over an axis of size 1, so a model written with them runs unchanged there.
 
 >>> import meshlab as ml
 >>> ml.axis_size  # doctest: +ELLIPSIS
@@ -37,7 +40,7 @@ import torch.distributed as dist
 
 from .collectives import all_gather_into, reduce_scatter_into
 from .errors import ConfigError, SpecError
-from .varying import Region, current_region, mark, pvary, suspended, vma
+from .varying import Region, current_region, mark, on_one_device, pvary, suspended, vma
 
 
 def _region(fn: str, axis_name) -> tuple[Region, tuple[str, ...]]:
@@ -60,6 +63,19 @@ def _region(fn: str, axis_name) -> tuple[Region, tuple[str, ...]]:
     if len(set(axes)) != len(axes):
         raise ConfigError(f"{fn}(..., {axis_name!r}): each axis once")
     return r, axes
+
+
+def _alone(fn: str, axis_name) -> bool:
+    """Whether ``fn`` runs in a ``shard_map`` function on one device (the module doc):
+    every axis ``axis_name`` names has one rank there."""
+    if current_region() is not None or on_one_device() is None:
+        return False
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name) \
+        if isinstance(axis_name, (tuple, list)) else None
+    if not axes or not all(isinstance(a, str) for a in axes) or len(set(axes)) != len(axes):
+        raise ConfigError(f"{fn}(..., {axis_name!r}): give a mesh axis name or a tuple of "
+                          f"them, each once, e.g. {fn}(x, 'dp') or {fn}(x, ('dp', 'tp'))")
+    return True
 
 
 def _groups(r: Region, axes) -> tuple:
@@ -115,6 +131,8 @@ def _prepared(fn: str, x, axis_name):
 
 def psum(x: torch.Tensor, axis_name) -> torch.Tensor:
     """The sum of ``x`` over the ranks of ``axis_name`` (JAX's ``lax.psum``)."""
+    if _alone("psum", axis_name):
+        return _tensor("psum", x)
     r, axes, x, before = _prepared("psum", x, axis_name)
     with suspended():
         out = _PSum.apply(x, _groups(r, axes))
@@ -123,6 +141,8 @@ def psum(x: torch.Tensor, axis_name) -> torch.Tensor:
 
 def pmean(x: torch.Tensor, axis_name) -> torch.Tensor:
     """The mean of ``x`` over the ranks of ``axis_name`` (``lax.pmean``)."""
+    if _alone("pmean", axis_name):
+        return _tensor("pmean", x)
     r, axes = _region("pmean", axis_name)
     n = math.prod(r.size(a) for a in axes)
     out = psum(x, axes)
@@ -132,6 +152,8 @@ def pmean(x: torch.Tensor, axis_name) -> torch.Tensor:
 
 
 def _pextreme(fn: str, op, x, axis_name) -> torch.Tensor:
+    if _alone(fn, axis_name):
+        return _tensor(fn, x)
     r, axes, x, before = _prepared(fn, x, axis_name)
     with suspended():
         out = _NoGrad.apply(x, _groups(r, axes), op, fn)
@@ -204,6 +226,9 @@ def _dim(fn: str, x: torch.Tensor, d: int, extra: int = 0) -> int:
 def all_gather(x: torch.Tensor, axis_name, *, axis: int = 0, tiled: bool = False):
     """Every rank's block of ``axis_name``, stacked on a new dimension ``axis`` (or, with
     ``tiled``, concatenated along ``axis``), as ``lax.all_gather``."""
+    if _alone("all_gather", axis_name):
+        x = _tensor("all_gather", x)
+        return x if tiled else x.unsqueeze(_dim("all_gather", x, axis, 1))
     r, axes, x, before = _prepared("all_gather", x, axis_name)
     n = math.prod(r.size(a) for a in axes)
     d = _dim("all_gather", x, axis, 0 if tiled else 1)
@@ -219,8 +244,12 @@ def psum_scatter(x: torch.Tensor, axis_name, *, scatter_dimension: int = 0,
     """This rank's block of the sum over ``axis_name``: split along
     ``scatter_dimension`` (whose size must be the axis size, and is dropped, or with
     ``tiled`` divisible by it), as ``lax.psum_scatter``."""
-    r, axes, x, before = _prepared("psum_scatter", x, axis_name)
-    n = math.prod(r.size(a) for a in axes)
+    alone = _alone("psum_scatter", axis_name)
+    if alone:
+        x, n = _tensor("psum_scatter", x), 1
+    else:
+        r, axes, x, before = _prepared("psum_scatter", x, axis_name)
+        n = math.prod(r.size(a) for a in axes)
     d = _dim("psum_scatter", x, scatter_dimension)
     size = x.shape[d]
     if (tiled and size % n) or (not tiled and size != n):
@@ -229,6 +258,8 @@ def psum_scatter(x: torch.Tensor, axis_name, *, scatter_dimension: int = 0,
             f"tiled={tiled}): dim {d} has size {size}; it must "
             + (f"divide over the {n} ranks" if tiled else f"equal the {n} ranks (or use "
                f"tiled=True to split it)"))
+    if alone:
+        return x if tiled else x.squeeze(d)
     with suspended():
         out = _Scatter.apply(x.movedim(d, 0), _groups(r, axes)).movedim(0, d)
         if not tiled:
@@ -263,11 +294,16 @@ def _permute(x: torch.Tensor, group, perm) -> torch.Tensor:
 def ppermute(x: torch.Tensor, axis_name: str, perm) -> torch.Tensor:
     """Send this rank's block along ``axis_name`` as ``perm`` says (``(source, dest)``
     positions on the axis); a rank no pair sends to gets zeros (``lax.ppermute``)."""
-    r, axes, x, before = _prepared("ppermute", x, axis_name)
+    alone = _alone("ppermute", axis_name)
+    if alone:
+        x, axes, n = _tensor("ppermute", x), (axis_name,) if isinstance(axis_name, str) \
+            else tuple(axis_name), 1
+    else:
+        r, axes, x, before = _prepared("ppermute", x, axis_name)
+        n = r.size(axes[0]) if len(axes) == 1 else 0
     if len(axes) != 1:
         raise ConfigError(f"ppermute(..., {axis_name!r}): one axis at a time here (JAX also "
                           f"takes several); permute over one axis, then the next")
-    n = r.size(axes[0])
     try:
         perm = tuple((int(s), int(d)) for s, d in perm)
     except (TypeError, ValueError):
@@ -279,6 +315,8 @@ def ppermute(x: torch.Tensor, axis_name: str, perm) -> torch.Tensor:
             0 <= i < n for i in srcs + dsts):
         raise ConfigError(f"ppermute(perm={perm!r}): each position of {axes[0]!r} (0 to "
                           f"{n - 1}) sends at most once and receives at most once")
+    if alone:                     # the one rank keeps its block if it sends to itself
+        return x if perm else torch.zeros_like(x)
     with suspended():
         out = _Permute.apply(x, r.group(axes[0]), perm)
     return mark(out, before, r)
@@ -310,15 +348,22 @@ def all_to_all(x: torch.Tensor, axis_name: str, split_axis: int, concat_axis: in
     i and concatenate what arrives along ``concat_axis`` (``lax.all_to_all``; without
     ``tiled``, ``split_axis`` has the axis size and is dropped, and a dimension of that
     size is inserted at ``concat_axis``)."""
-    r, axes, x, before = _prepared("all_to_all", x, axis_name)
+    alone = _alone("all_to_all", axis_name)
+    if alone:
+        x, axes, n = _tensor("all_to_all", x), (axis_name,) if isinstance(axis_name, str) \
+            else tuple(axis_name), 1
+    else:
+        r, axes, x, before = _prepared("all_to_all", x, axis_name)
+        n = r.size(axes[0]) if len(axes) == 1 else 0
     if len(axes) != 1:
         raise ConfigError(f"all_to_all(..., {axis_name!r}): one axis at a time here")
-    n = r.size(axes[0])
     s = _dim("all_to_all", x, split_axis)
     if (tiled and x.shape[s] % n) or (not tiled and x.shape[s] != n):
         raise SpecError(f"all_to_all(..., split_axis={split_axis}, tiled={tiled}): dim {s} "
                         f"has size {x.shape[s]}; it must "
                         + (f"divide over the {n} ranks" if tiled else f"equal the {n} ranks"))
+    if alone:                     # one block, to this rank: split_axis moves to concat_axis
+        return x if tiled else x.movedim(s, _dim("all_to_all", x, concat_axis))
     with suspended():
         if tiled:
             c = _dim("all_to_all", x, concat_axis)
@@ -334,6 +379,8 @@ def all_to_all(x: torch.Tensor, axis_name: str, split_axis: int, concat_axis: in
 def axis_index(axis_name) -> torch.Tensor:
     """This rank's position on ``axis_name`` (on several axes: the flattened position,
     the first axis major), an int32 scalar varying along them (``lax.axis_index``)."""
+    if _alone("axis_index", axis_name):
+        return torch.tensor(0, dtype=torch.int32)
     r, axes = _region("axis_index", axis_name)
     i = 0
     for a in axes:
@@ -347,5 +394,7 @@ def axis_index(axis_name) -> torch.Tensor:
 
 def axis_size(axis_name) -> int:
     """The number of ranks on ``axis_name`` (on several axes, their product)."""
+    if _alone("axis_size", axis_name):
+        return 1
     r, axes = _region("axis_size", axis_name)
     return math.prod(r.size(a) for a in axes)

@@ -30,7 +30,7 @@ from .mesh import Mesh
 from .placement import from_placements, to_placements
 from .rules import Rules
 from .spec import P
-from .varying import mark, pvary, region
+from .varying import mark, one_device, pvary, region
 
 
 class _Target:
@@ -216,7 +216,9 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
     already true on dim 0 (``P('batch', 'tp')``). With no mesh anywhere (none given or
     active, no DTensor argument, no parallelized forward running), ``fn`` runs on the
     arguments as they are: one device holds every block, so the same code runs in one
-    process, as ``constrain`` does.
+    process, as ``constrain`` does; a collective by axis name there acts over an axis of
+    one rank (``psum`` and ``all_gather(tiled=True)`` return their input, ``axis_index``
+    0, ``axis_size`` 1).
 
     Inside ``fn``, collectives by axis name (``meshlab.psum``, ``pmean``, ``all_gather``,
     ``psum_scatter``, ``ppermute``, ``all_to_all``, ``axis_index``, ...) communicate, and
@@ -255,7 +257,8 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
                             f"positional arguments; give one spec (or None) per argument")
         tgt = _target(mesh, rules, args, name)
         if tgt is None:
-            return fn(*args)
+            with one_device(name):        # every named axis has one rank: same code, one process
+                return fn(*args)
         specs, outs = _resolved(tgt, ins, outs_given, args, name)
         if pending[0] and tgt.plain_global:       # before any redistribution
             check_global(tgt, _plain(args, specs), name)

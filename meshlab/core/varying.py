@@ -191,6 +191,27 @@ class VaryingMode(TorchFunctionMode):
         return out
 
 
+_ONE_DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "meshlab_one_device", default=None)
+
+
+@contextlib.contextmanager
+def one_device(name: str):
+    """Run a ``shard_map`` function that found no mesh anywhere: one device holds every
+    block, and each axis a collective names has one rank there."""
+    token = _ONE_DEVICE.set(name)
+    try:
+        yield
+    finally:
+        _ONE_DEVICE.reset(token)
+
+
+def on_one_device() -> str | None:
+    """The name of the ``shard_map`` function running on one device (``one_device``),
+    or None (inside a region, or outside any function)."""
+    return _ONE_DEVICE.get() if _REGION.get() is None else None
+
+
 @contextlib.contextmanager
 def region(dm, tracked, *, unmarked_varying: bool, name: str):
     """Run a ``shard_map`` function: the region is current and the mode is on."""
