@@ -1,5 +1,6 @@
-"""Colossal-AI's Booster surface over meshlab: a script written for ``colossalai.booster``
-runs with its imports changed.
+"""Colossal-AI's Booster surface over meshlab: a script written for ``colossalai`` runs with
+its imports changed (``from meshlab import booster as colossalai``; ``colossalai.X`` and
+``colossalai.booster.X`` are both ``meshlab.booster.X``).
 
 >>> from meshlab.booster import Booster, LowLevelZeroPlugin
 >>> LowLevelZeroPlugin(stage=2, precision='bf16', max_norm=1.0).spec
@@ -19,5 +20,8 @@ from .plugin import (Plugin as Plugin, TorchDDPPlugin as TorchDDPPlugin,
                      MoeHybridParallelPlugin as MoeHybridParallelPlugin, PLUGINS as PLUGINS)
 from ._optim import HybridAdam as HybridAdam, CPUAdam as CPUAdam, FusedAdam as FusedAdam
 from ._booster import Booster as Booster, launch_from_torch as launch_from_torch
+from ._launch import (launch as launch, launch_from_openmpi as launch_from_openmpi,
+                      launch_from_slurm as launch_from_slurm)
 from ._table import mapping_table as mapping_table
-from . import optimizer
+from . import (accelerator, checkpoint_io, cluster, interface, lazy, logging,  # noqa: F401
+               mixed_precision, nn, optimizer, shardformer, utils)

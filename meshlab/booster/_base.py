@@ -116,6 +116,43 @@ class Plugin:
                           shuffle=shuffle, seed=seed, drop_last=drop_last,
                           pin_memory=pin_memory, num_workers=num_workers, **kwargs)
 
+    # -- the mesh as Colossal-AI scripts read it (``_stages``) -------------------------
+    @property
+    def stage_manager(self):
+        """This rank's pipeline stage (None without a ``pp`` axis)."""
+        from ._stages import stage_manager
+
+        return stage_manager(self)
+
+    @property
+    def pg_mesh(self):
+        """The mesh over the launched ranks (Colossal-AI's ``ProcessGroupMesh``)."""
+        return self.mesh
+
+    @property
+    def dp_group(self):
+        from ._stages import data_group
+
+        return data_group(self)
+
+    @property
+    def tp_group(self):
+        from ._stages import axis_group
+
+        return axis_group(self, "tp")
+
+    @property
+    def pp_group(self):
+        from ._stages import axis_group
+
+        return axis_group(self, "pp")
+
+    @property
+    def sp_group(self):
+        from ._stages import axis_group
+
+        return axis_group(self, "sp")
+
     def support_no_sync(self) -> bool:
         return True
 

@@ -104,6 +104,10 @@ class Booster:
     def _mixed(self, mixed):
         from ..transforms import Precision, precision
 
+        from ._amp import PrecisionValue
+
+        if isinstance(mixed, PrecisionValue):      # FP16TorchMixedPrecision(), ...
+            mixed = mixed.precision
         if mixed is None:
             mine = None
         elif isinstance(mixed, Precision):
@@ -132,6 +136,14 @@ class Booster:
             raise ConfigError(f"Booster(mixed_precision={mixed!r}) and {self.plugin!r} "
                               f"(mixed_precision={own!r}) disagree; give one")
         return mine if mine is not None else own
+
+    @property
+    def checkpoint_io(self):
+        """The checkpoint methods as Colossal-AI's ``CheckpointIO`` (``_sync_io`` waits
+        for a background save)."""
+        from .checkpoint_io import BoosterIO
+
+        return BoosterIO(self)
 
     # -- the plan ---------------------------------------------------------------------
     def stack(self, model: nn.Module | None = None, dataloader=None) -> Stack:
@@ -179,9 +191,9 @@ class Booster:
         criterion, dataloader, lr_scheduler]``. The optimizer is rebuilt over the sharded
         parameters (same class and hyper-parameters, ``meshlab.optimizer`` around it, with
         the plugin's clipping); a scheduler built on it is pointed at the new one."""
-        from ..train.optimizer import optimizer as mesh_optimizer
         from ..apply.parallelize import parallelize
-        from ._optim import rebind_scheduler, recipe
+        from ._optim import groups, rebind_scheduler, recipe
+        from .interface import OptimizerWrapper, wrap_model
 
         if not isinstance(model, nn.Module):
             raise ConfigTypeError(f"boost(model=...): an nn.Module, got {type(model).__name__}")
@@ -191,11 +203,14 @@ class Booster:
         if lr_scheduler is not None and optimizer is None:
             raise ConfigError("boost(lr_scheduler=...) needs the optimizer it was built on")
         st = self.stack(model, dataloader)
-        made = recipe(optimizer, model) if optimizer is not None else None
+        made = None
+        if optimizer is not None:       # read before parallelize renews the parameters
+            cls, kwargs = recipe(optimizer, model)
+            made = cls, kwargs, groups(optimizer, model, kwargs)
         if st.sync_module_states:
             _broadcast_state(model)
         lo = getattr(model, "_meshlab_booster_lora", None)
-        model = parallelize(model, st.spec, self.plugin.mesh)
+        model = wrap_model(parallelize(model, st.spec, self.plugin.mesh))
         if lo is not None and lo.pretrained_dir is not None:
             from ..checkpoint.adapters import load_adapter
 
@@ -204,8 +219,9 @@ class Booster:
             _buffer_broadcast(model)
         new_opt = None
         if made is not None:
-            cls, kwargs = made
-            new_opt = mesh_optimizer(model, cls, clip_grad_norm=st.clip_grad_norm, **kwargs)
+            cls, kwargs, by_name = made
+            new_opt = OptimizerWrapper(model, cls, clip_grad_norm=st.clip_grad_norm,
+                                       param_groups=by_name, **kwargs)
             self._owner[id(new_opt)] = weakref.ref(model)
             self._optimizers[id(model)] = weakref.ref(new_opt)
             if lr_scheduler is not None:

@@ -88,18 +88,12 @@ _GROUP_KEYS = ("params", "initial_lr", "param_names")
 
 def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, dict]:
     """(class, keyword arguments) that rebuild ``opt`` over ``model``'s parameters: the
-    class and the hyper-parameters of its one group (its current values: a scheduler
-    built on it may have set the learning rate)."""
+    class and the hyper-parameters of its first group (their current values: a scheduler
+    built on it may have set the learning rate). ``groups`` gives the rest."""
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigTypeError(f"boost(optimizer=...): a torch.optim.Optimizer, got "
                               f"{type(opt).__name__}")
-    if len(opt.param_groups) != 1:
-        raise UnsupportedArgument("boost", "optimizer", f"{len(opt.param_groups)} parameter "
-                                  f"groups", "meshlab.optimizer covers every trainable "
-                                  "parameter with one group",
-                                  "one group; change a group's options after boost with "
-                                  "optimizer.param_groups[0][...]")
-    mine = {id(p) for p in opt.param_groups[0]["params"]}
+    mine = {id(p) for g in opt.param_groups for p in g["params"]}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in mine]
     if missing and len(missing) != len(trainable):
@@ -108,9 +102,10 @@ def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, di
                           f"build it over model.parameters(), or freeze those "
                           f"(requires_grad=False)")
     cls = getattr(opt, "meshlab_class", type(opt))
+    first = opt.param_groups[0]
     if getattr(opt, "meshlab_kwargs", None) is not None:
         kwargs = dict(opt.meshlab_kwargs)
-        kwargs["lr"] = opt.param_groups[0]["lr"]
+        kwargs["lr"] = first["lr"]
         if getattr(opt, "meshlab_fused", False) and torch.cuda.is_available():
             kwargs["fused"] = True
     else:
@@ -119,12 +114,27 @@ def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, di
         import inspect
 
         takes = inspect.signature(cls.__init__).parameters
-        kwargs = {k: v for k, v in opt.param_groups[0].items()
-                  if k not in _GROUP_KEYS and k in takes}
+        kwargs = {k: v for k, v in first.items() if k not in _GROUP_KEYS and k in takes}
         for k in ("foreach", "fused", "capturable", "differentiable"):
             if kwargs.get(k) in (None, False):
                 kwargs.pop(k, None)
     return cls, kwargs
+
+
+def groups(opt: torch.optim.Optimizer, model: torch.nn.Module, kwargs: dict) -> list | None:
+    """Each group of ``opt`` as ``{'params': [FQN, ...], **options differing from
+    kwargs}`` (None for one group: ``kwargs`` says it all)."""
+    if len(opt.param_groups) == 1 or not any(p.requires_grad for p in model.parameters()):
+        return None
+    name = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for g in opt.param_groups:
+        fqns = [name[id(p)] for p in g["params"] if id(p) in name and p.requires_grad]
+        diff = {k: (tuple(v) if k == "betas" else v) for k, v in g.items()
+                if k in kwargs and v != kwargs[k]}
+        if fqns:
+            out.append({"params": fqns, **diff})
+    return out if len(out) > 1 else None
 
 
 def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:

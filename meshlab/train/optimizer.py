@@ -27,6 +27,7 @@ from ..core.tensors import local as _local, shard_groups
 from ..transforms._gradsync import mark_mesh_optimizer
 from ..transforms._install import runtime_of
 from ..transforms.precision import PrecisionPart
+from ._groups import group_layout, torch_groups
 
 
 _NONFINITE = (None, "skip", "raise")
@@ -99,7 +100,7 @@ class MeshOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, cls: type, *, clip_grad_norm: float | None = None,
-                 nonfinite: str | None = None, **kwargs: Any) -> None:
+                 nonfinite: str | None = None, param_groups=None, **kwargs: Any) -> None:
         if nonfinite not in _NONFINITE:
             raise ConfigError(f"optimizer(nonfinite={nonfinite!r}): use one of "
                               f"{sorted(k for k in _NONFINITE if k)} (or leave it out)")
@@ -118,12 +119,22 @@ class MeshOptimizer(torch.optim.Optimizer):
                 self.params.append((n, p))
         prec = self.rt.part(PrecisionPart)
         self.scaler = prec.scaler() if prec is not None else None
+        self._group_of, options = group_layout(self.params, param_groups)
         tensors = self._inner_params(cls, kwargs)
         self.inner = None
         for part in self.rt.parts:          # offload splits it between host and device
-            self.inner = part.make_optimizer(self, cls, kwargs, tensors) or self.inner
+            made = part.make_optimizer(self, cls, kwargs, tensors)
+            if made is not None and len(options) > 1:
+                raise ConfigError(f"optimizer(param_groups=...): {type(part).__name__} builds "
+                                  f"its own optimizer over one group; give one group (set a "
+                                  f"group's options after with opt.param_groups[i][...]) or "
+                                  f"leave that transform out")
+            self.inner = made or self.inner
         if self.inner is None:
-            self.inner = cls(tensors, **kwargs)
+            self.inner = cls(tensors if len(options) == 1 else
+                             torch_groups(tensors, self._group_of, options,
+                                          [bt for part in self.rt.parts
+                                           for bt in part.stepped()]), **kwargs)
         mark_mesh_optimizer(self.inner)
         self.defaults = self.inner.defaults
         self.last_grad_norm: float | None = None
@@ -133,8 +144,11 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     def _inner_params(self, cls: type, kwargs: dict) -> list:
         inner, owner = None, None
+        several = len(set(self._group_of.values())) > 1
         for part in self.rt.parts:
-            got = part.optimizer_params(self.params)
+            # Several groups: a part that steps slices of its own keeps them apart.
+            got = (part.optimizer_params(self.params, group_of=self._group_of) if several
+                   else part.optimizer_params(self.params))
             if got is not None:
                 inner, owner = got, part
         if inner is not None:
@@ -321,11 +335,16 @@ class MeshOptimizer(torch.optim.Optimizer):
 
 def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
               clip_grad_norm: float | None = None, nonfinite: str | None = None,
-              **kwargs: Any) -> MeshOptimizer:
+              param_groups=None, **kwargs: Any) -> MeshOptimizer:
     """An optimizer over a parallelized model's parameters (``cls(**kwargs)`` inside).
 
     ``clip_grad_norm`` clips by the global norm over all mesh axes. ZeRO-1 keeps the
     optimizer state for this rank's slice only.
+
+    ``param_groups`` takes torch's groups, ``[{'params': [...], **options}]``, each
+    parameter of the parallelized model named by itself or its FQN; a group's options
+    override ``kwargs`` for its parameters (fine-tuning's no-weight-decay group of biases
+    and norms). Every trainable parameter is in exactly one group.
 
     ``nonfinite`` says what a step whose global gradient norm is NaN or infinite does (a
     NaN on one rank reaches every rank through the gradient reduction, and one update
@@ -347,4 +366,4 @@ def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
     if clip_grad_norm is not None:
         check_number(clip_grad_norm, "optimizer", "clip_grad_norm", example=1.0)
     return MeshOptimizer(model, cls, clip_grad_norm=clip_grad_norm, nonfinite=nonfinite,
-                         **kwargs)
+                         param_groups=param_groups, **kwargs)

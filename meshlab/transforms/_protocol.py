@@ -132,8 +132,10 @@ class Part:
         """Reduce the gradients of ``params`` (``[(fqn, parameter)]``) in place, in
         ``meshlab.optimizer``'s step (only what a plain optimizer cannot do)."""
 
-    def optimizer_params(self, params: list) -> list | None:
-        """The tensors the inner optimizer updates instead of ``params`` (or None)."""
+    def optimizer_params(self, params: list, group_of: Mapping | None = None) -> list | None:
+        """The tensors the inner optimizer updates instead of ``params`` (or None). With
+        several parameter groups, ``group_of`` maps ``id(parameter)`` to its group: a
+        tensor standing for several parameters stands for those of one group only."""
         return None
 
     def stepped(self) -> list:

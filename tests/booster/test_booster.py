@@ -222,7 +222,7 @@ def test_plan_a_booster_layout_without_processes():
 
 
 def test_optimizers_rebuild_from_their_arguments():
-    from meshlab.booster._optim import recipe
+    from meshlab.booster._optim import groups, recipe
 
     m = torch.nn.Linear(4, 4)
     cls, kw = recipe(HybridAdam(m.parameters(), lr=3e-4, weight_decay=0.1), m)
@@ -239,8 +239,10 @@ def test_optimizers_rebuild_from_their_arguments():
         assert {k: again.param_groups[0][k] for k in kw} == kw
     with pytest.raises(UnsupportedArgument, match="bias_correction"):
         FusedAdam(m.parameters(), bias_correction=False)
-    with pytest.raises(UnsupportedArgument, match="parameter groups"):
-        recipe(torch.optim.AdamW([{"params": [m.weight]}, {"params": [m.bias], "lr": 0.0}]), m)
+    # several groups: each as its parameters' names and the options where it differs
+    two = torch.optim.AdamW([{"params": [m.weight]}, {"params": [m.bias], "lr": 0.0}])
+    cls, kw = recipe(two, m)
+    assert groups(two, m, kw) == [{"params": ["weight"]}, {"params": ["bias"], "lr": 0.0}]
     # an Adam step of HybridAdam before boost is torch's (the same optimizer)
     ref = torch.nn.Linear(4, 4)
     ref.load_state_dict(m.state_dict())

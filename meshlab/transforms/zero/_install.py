@@ -47,11 +47,12 @@ class Zero1Part(Part):
     buffers: Zero1Buffers | None = None
     apart: frozenset = frozenset()      # FQNs bucketed on their own (offload's host ones)
 
-    def optimizer_params(self, params: list) -> list | None:
+    def optimizer_params(self, params: list, group_of=None) -> list | None:
         if self.size == 1:
             return None
         self.buffers = Zero1Buffers([p for _, p in params], self.group, self.size,
-                                    frozenset(id(p) for n, p in params if n in self.apart))
+                                    frozenset(id(p) for n, p in params if n in self.apart),
+                                    group_of or {})
         return self.buffers.shards
 
     def sync_grads(self, params: list) -> None:

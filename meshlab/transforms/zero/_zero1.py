@@ -31,17 +31,21 @@ class Bucket(NamedTuple):
 class Zero1Buffers:
     """The buckets and this rank's master slices (``shards``, fp32 parameters)."""
 
-    def __init__(self, params: list, group, size: int, apart: frozenset = frozenset()):
+    def __init__(self, params: list, group, size: int, apart: frozenset = frozenset(),
+                 group_of: dict | None = None):
         # ``apart``: ids of parameters bucketed on their own (offload moves their slices to
         # the host; a slice may then live on another device than the parameters).
+        # ``group_of``: id -> the optimizer's parameter group; a bucket holds one group's.
+        group_of = group_of or {}
         self.group, self.size, self.rank = group, size, dist.get_rank(group)
         self.device = _local(params[0]).device if params else None
         by_key: dict = {}
         for p in params:
-            by_key.setdefault((p.dtype, shard_groups(p), id(p) in apart), []).append(p)
+            key = (p.dtype, shard_groups(p), id(p) in apart, group_of.get(id(p), 0))
+            by_key.setdefault(key, []).append(p)
         self.buckets: list[Bucket] = []
         self.shards: list[nn.Parameter] = []
-        for (dtype, groups, _), ps in by_key.items():
+        for (dtype, groups, _, _), ps in by_key.items():
             numels = [_local(p).numel() for p in ps]
             per = -(-sum(numels) // size)
             # The master slice is fp32 (fp64 for fp64 parameters).

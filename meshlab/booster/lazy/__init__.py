@@ -1,0 +1,3 @@
+"""``LazyInitContext``, where Colossal-AI scripts import it from (``...lazy``)."""
+
+from .lazy_init import LazyInitContext as LazyInitContext
