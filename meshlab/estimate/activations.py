@@ -61,11 +61,12 @@ def _row(s: Saved, block: str, copies: float = 1.0) -> ActRow:
                   copies=copies, in_block=inside, grad=s.grad, users=s.users, role=s.role)
 
 
-def estimate_activations(plan, batch: int, seq: int,
-                         grad_bytes: dict[str, int]) -> ActivationEstimate:
+def estimate_activations(plan, batch: int, seq: int, grad_bytes: dict[str, int],
+                         inputs=None, loss=None) -> ActivationEstimate:
     """The per-rank activation rows of ``plan`` for ``batch`` sequences of ``seq`` tokens
     per data-parallel rank (the module docstring); ``grad_bytes``: FQN -> the bytes of the
-    gradient the rank keeps (``plan.memory()``'s rows)."""
+    gradient the rank keeps (``plan.memory()``'s rows); ``inputs`` and ``loss`` the
+    example step (``meshlab.estimate.example``)."""
     from ..core.errors import PlanError
 
     model = plan.source
@@ -73,7 +74,7 @@ def estimate_activations(plan, batch: int, seq: int,
         raise PlanError("plan.memory(batch=, seq=): this plan has no model to profile (it was "
                         "read from JSON); plan the model itself with meshlab.plan(model, spec, "
                         "mesh) to count activations")
-    pr = profile(model, plan, batch, seq)
+    pr = profile(model, plan, batch, seq, inputs, loss)
     n_blocks = len(plan.model.blocks)
     saved = [_row(s, pr.block, _copies(s, pr.block, n_blocks)) for s in pr.saved]
     others = [_row(s, pr.block, _copies(s, pr.block, n_blocks) - 1) for s in pr.saved

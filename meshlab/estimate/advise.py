@@ -8,6 +8,12 @@ batch of ``batch`` sequences of ``seq`` tokens. Each layout is planned on a fake
 (``plan.memory``) compared with the card's, its step time predicted (``plan.time``). The
 model is traced once and its tensor-parallel layout applied once per search; the
 one-block profiles are shared by every layout with the same remat policy.
+
+A Hugging Face model is laid out by its policy (``policies.auto``); a model of your own by
+the specs you would give ``shard`` (``specs=`` and ``rules=``: a dict of FQN globs, a spec
+tree or a ``Policy``), and profiled on the example step ``inputs=`` / ``loss=``
+(``meshlab.estimate.example``). The search's meshes name only the axes of size > 1, so
+rules for them end in a fallback where an axis may be missing (``batch=('dp', None)``).
 """
 
 from __future__ import annotations
@@ -124,16 +130,17 @@ def _pow2_divisors(n: int, cap: int) -> list[int]:
     return out
 
 
-def meshes(gpus: int, *, heads: int, blocks: int, tp_max: int = 8, pp_max: int = 64,
+def meshes(gpus: int, *, heads: int | None, blocks: int, tp_max: int = 8, pp_max: int = 64,
            sp_max: int = 1):
     """``(pp, dp, sp, tp)`` with ``pp * dp * sp * tp == gpus``, ``tp * sp`` dividing the
-    heads (Ulysses splits them over sp inside attention), no sp with a pipeline."""
+    heads (Ulysses splits them over sp inside attention; ``heads=None``: a count not
+    known, left to each plan's checks), no sp with a pipeline."""
     out = []
     for tp in _pow2_divisors(gpus, tp_max):
-        if heads % tp:
+        if heads is not None and heads % tp:
             continue
         for sp in _pow2_divisors(gpus // tp, sp_max):
-            if heads % (tp * sp):
+            if heads is not None and heads % (tp * sp):
                 continue
             for pp in _pow2_divisors(gpus // (tp * sp), 1 if sp > 1 else min(pp_max, blocks)):
                 out.append((pp, gpus // (tp * sp * pp), sp, tp))
@@ -142,16 +149,21 @@ def meshes(gpus: int, *, heads: int, blocks: int, tp_max: int = 8, pp_max: int =
 
 def advise(model, *, gpus: int, gpu="h200", batch: int | None = None, seq: int = 4096,
            memory: int | None = None, top: int = 5, tp_max: int = 8,
-           remats=("none", "selective", "full"), progress: bool = False) -> Advice:
+           remats=("none", "selective", "full"), progress: bool = False, specs=None,
+           rules=None, inputs=None, loss=None) -> Advice:
     """Search the layouts of ``model`` (a module, on the meta device for large ones) over
     ``gpus`` cards of kind ``gpu`` (module docstring). ``batch`` is the global batch in
     sequences (default: one per data-parallel rank of the widest layout, ``gpus``);
-    ``memory`` overrides the card's bytes."""
-    from .. import policies
+    ``memory`` overrides the card's bytes. ``specs`` and ``rules`` are what ``shard``
+    takes (default: the model's policy, ``policies.auto``); ``inputs`` and ``loss`` the
+    example step of a model not called with token ids (``plan.memory``'s).
+
+    >>> advise(model, gpus=8, seq=1024, specs={'blocks.*.attn.q.weight': P('heads', None)},
+    ...        rules=Rules(heads='tp', batch=('dp', None)),
+    ...        inputs=lambda b, s: torch.randint(0, 96, (b, s)))   # doctest: +SKIP
+    """
     from .machine import machine
-    from ..core.mesh import Mesh
     from ..planning.trace import trace
-    from ..transforms import pipeline, remat, sequence, shard, zero_shard
 
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"advise(gpus={gpus!r}): the number of cards, an integer >= 1")
@@ -159,14 +171,60 @@ def advise(model, *, gpus: int, gpu="h200", batch: int | None = None, seq: int =
     cap = memory if memory is not None else card.memory
     batch = batch or gpus
     t0 = time.perf_counter()
-    traced = shard(policies.auto)(trace(model))
+    traced = _laid_out(trace(model), specs, rules, gpus)
     info = traced.model
-    heads = info.config_get("num_attention_heads") or info.config_get("n_head") or 1
+    heads = _heads(info)
     L = len(info.blocks)
-    tried, refused = [], 0
-    cands = []
+    example = {"inputs": inputs, "loss": loss}
     sp_max = 8 if seq >= 16384 else 1          # long sequences: Ulysses is searched too
-    for pp, dp, sp, tp in meshes(gpus, heads=heads, blocks=L, tp_max=tp_max, sp_max=sp_max):
+    tried, refused, why = _search(traced, cands_of(gpus, heads, L, tp_max, sp_max, batch),
+                                  remats, cap, card, seq, example, progress)
+    fits = sorted((t for t in tried if t.fits), key=lambda t: -t.tokens_per_s)
+    if not tried and why:
+        raise ConfigError(f"advise: every layout of {info.model_type or info.cls} over {gpus} "
+                          f"cards was refused by its plan's checks; the first said: {why}")
+    name = info.model_type or info.cls
+    return Advice(name, gpus, card.name, batch, seq, tuple(fits[:top]), tuple(tried), refused,
+                  time.perf_counter() - t0)
+
+
+def _laid_out(plan, specs, rules, gpus: int):
+    """The traced ``plan`` laid out by ``shard(specs, rules)`` (the model's policy where
+    no specs are given); a model with no policy is told to pass its specs."""
+    from .. import policies
+    from ..core.errors import PolicyError
+    from ..transforms import shard
+
+    if specs is not None:
+        return shard(specs, rules)(plan)
+    try:
+        return shard(policies.auto, rules)(plan)
+    except PolicyError as e:
+        raise PolicyError(
+            f"advise: {plan.model.cls or 'this model'} has no policy (policies.auto needs a "
+            f"Hugging Face config with model_type), so advise needs the specs you would give "
+            f"shard(...): advise(model, gpus={gpus}, specs={{'blocks.*.attn.q.weight': "
+            f"P('heads', None), ...}}, rules=Rules(heads='tp', batch=('dp', None), ...)), or "
+            f"specs=<a Policy>") from e
+
+
+def _heads(info) -> int | None:
+    """The attention heads tensor parallelism must divide: the config's, else an integer
+    attribute the model's modules name them by (``n_heads``), else None (not known)."""
+    got = info.config_get("num_attention_heads") or info.config_get("n_head")
+    if got:
+        return got
+    if info.model_type is not None:
+        return 1
+    names = ("num_attention_heads", "num_heads", "n_heads", "n_head")
+    return next((m.get(k) for m in info.modules for k in names if m.get(k)), None)
+
+
+def cands_of(gpus: int, heads, blocks: int, tp_max: int, sp_max: int, batch: int) -> list:
+    """The candidate layouts: ``(pp, dp, sp, tp, zero, microbatches, per_dp)``."""
+    cands = []
+    for pp, dp, sp, tp in meshes(gpus, heads=heads, blocks=blocks, tp_max=tp_max,
+                                 sp_max=sp_max):
         if batch % dp:
             continue
         per_dp = batch // dp
@@ -175,6 +233,16 @@ def advise(model, *, gpus: int, gpu="h200", batch: int | None = None, seq: int =
         for zero in ((1,) if pp > 1 else (1, 3)):
             for mb in mbs:
                 cands.append((pp, dp, sp, tp, zero, mb, per_dp))
+    return cands
+
+
+def _search(traced, cands, remats, cap, card, seq, example, progress):
+    """Plan every candidate on a fake mesh, each remat policy on it: the layouts planned,
+    the count refused by their checks, and the first refusal's message."""
+    from ..core.mesh import Mesh
+    from ..transforms import pipeline, remat, sequence, zero_shard
+
+    tried, refused, why = [], 0, ""
     bar = _progress(progress, len(cands) * len(remats))
     for pp, dp, sp, tp, zero, mb, per_dp in cands:
         axes = {k: v for k, v in (("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp))
@@ -187,24 +255,23 @@ def advise(model, *, gpus: int, gpu="h200", batch: int | None = None, seq: int =
             for t in parts:
                 base = t(base)
             base = base.bind(Mesh(**axes, fake=True))
-        except MeshlabError:
+        except MeshlabError as e:
             refused += len(remats)
+            why = why or f"{e} (on {axes})"
             continue
         if base.not_runnable:
             refused += len(remats)
+            why = why or f"{base.not_runnable[0]} (on {axes})"
             continue
         for pol in remats:
             bar()
             p = base if pol == "none" else _with(base, remat(pol))
-            mem = p.memory(batch=per_dp, seq=seq)
-            st = p.time(batch=per_dp, seq=seq, gpu=card)
+            mem = p.memory(batch=per_dp, seq=seq, **example)
+            st = p.time(batch=per_dp, seq=seq, gpu=card, **example)
             spec = " | ".join(repr(t) for t in p.options if t.kind != "shard") or "-"
             tried.append(Layout(tuple(axes.items()), zero, pol, mb, mem.peak, mem.peak <= cap,
                                 st, spec))
-    fits = sorted((t for t in tried if t.fits), key=lambda t: -t.tokens_per_s)
-    name = info.model_type or info.cls
-    return Advice(name, gpus, card.name, batch, seq, tuple(fits[:top]), tuple(tried), refused,
-                  time.perf_counter() - t0)
+    return tried, refused, why
 
 
 def _with(plan, t):

@@ -19,6 +19,14 @@ Tensor parallel (per step, T local tokens, h hidden, 4-byte activations, L block
   * with SP: per block 2 all-gathers and 2 reduce-scatters of T·h each way; the
     sequence is gathered once after the blocks (forward) and once before them (backward).
 Plus one all-reduce of the step's loss (8 bytes) over the data-parallel axes.
+
+The hidden size h is the config's; a model of your own (no Hugging Face config) that
+moves activations between ranks (tensor, sequence or expert parallelism) has it measured:
+the width of the hidden states entering its first block, in the one-block profile of the
+example step (``inputs=`` / ``loss=``, ``meshlab.estimate.example``). Where such a model runs
+on DTensors (specs without policy regions), DTensor's sharding propagation chooses its
+collectives: the count here is Megatron's for the same layout, the least it needs (a real
+step may run more of them, in its backward).
 """
 
 from __future__ import annotations
@@ -81,12 +89,19 @@ class CommEstimate:
 
 
 def estimate_comm(plan, *, batch: int | None = None, seq: int | None = None,
-                  coord: dict[str, int] | None = None) -> CommEstimate:
+                  coord: dict[str, int] | None = None, inputs=None,
+                  loss=None) -> CommEstimate:
     """The backward's gradient reductions (``GradSync``'s buckets) plus every room's
     ``comm`` (see the module docstring). ``batch`` is the
     per-data-parallel-rank batch; without ``batch``/``seq`` only parameter traffic is
     counted. ``coord`` picks the rank (mesh coordinate) whose uneven shards are counted;
-    the default is the largest."""
+    the default is the largest. ``inputs`` / ``loss``: the example step that measures
+    the hidden size of a model without a config."""
+    from .example import check_example
+
+    check_example("plan.comm", inputs, loss, batch)
+    if batch is not None and seq is not None:
+        plan = _with_hidden_size(plan, batch, seq, inputs, loss)
     ops: dict = defaultdict(lambda: [0, 0])
     grads = grad_sync_ops(plan, coord)     # the backward's bucketed reductions
     for op in grads + [op for t in plan.rooms
@@ -94,6 +109,36 @@ def estimate_comm(plan, *, batch: int | None = None, seq: int | None = None,
         ops[(op.kind, op.axis)][0] += op.count
         ops[(op.kind, op.axis)][1] += op.bytes
     return CommEstimate({k: tuple(v) for k, v in ops.items()})
+
+
+def _with_hidden_size(plan, batch: int, seq: int, inputs, loss):
+    """``plan`` as the rooms count its activation traffic on: where the config gives no
+    hidden size and activations cross ranks (tensor, sequence or expert parallelism), the
+    width the profile measures joins the config the rooms read (this plan only, never
+    the one the caller holds)."""
+    import dataclasses
+
+    from ..core.errors import PlanError
+
+    cfg = plan.model.config_get
+    crossing = plan.roles.tp or plan.roles.sp or plan.roles.axes("ep")
+    if not crossing or cfg("hidden_size") or cfg("n_embd") or cfg("d_model"):
+        return plan
+    if plan.source is None:
+        raise PlanError("plan.comm(batch=, seq=): this plan has no model to measure the "
+                        "hidden size of (it was read from JSON, and its model has no "
+                        "config); plan the model itself with meshlab.plan(model, spec, mesh)")
+    from .profile import profile
+
+    width = profile(plan.source, plan, batch, seq, inputs, loss).width
+    if width is None:
+        raise PlanError(f"plan.comm(batch=, seq=): the first block of {plan.model.cls} "
+                        f"({plan.model.blocks[0]}) takes no tensor, so the width of its "
+                        f"hidden states cannot be measured; give its hidden states as the "
+                        f"block's first argument")
+    model = dataclasses.replace(plan.model, config=plan.model.config + (("hidden_size",
+                                                                         width),))
+    return plan.replace(model=model)
 
 
 def grad_sync_ops(plan, coord) -> list[CommOp]:
@@ -121,8 +166,9 @@ class CommCounter:
 
     Bytes are those of the full tensor: an all-gather's output, a reduce-scatter's
     input, an all-reduce's tensor (the convention of ``estimate_comm``). The ranks'
-    agreement exchanges (``meshlab.core.agree``, on the gloo control group) count as kind
-    ``'control'``.
+    agreement exchanges (``meshlab.core.agree``, on the gloo control group) run with
+    dispatch modes off, beside the model's communication, and are not counted (one a
+    counter sees anyway is filed as kind ``'control'``).
 
     >>> with CommCounter() as cc:      # doctest: +SKIP
     ...     step(model, opt, batch)

@@ -143,7 +143,12 @@ class MemoryEstimate:
 
 
 def estimate_memory(plan, *, optimizer: str = "adamw", batch: int | None = None,
-                    seq: int | None = None) -> MemoryEstimate:
+                    seq: int | None = None, inputs=None, loss=None) -> MemoryEstimate:
+    """The rows of every room (module docstring); with ``batch`` and ``seq`` the
+    activations of the example step ``inputs`` / ``loss`` (``meshlab.estimate.example``)."""
+    from .example import check_example
+
+    check_example("plan.memory", inputs, loss, batch)
     n_states = OPTIMIZER_STATES.get(optimizer)
     if n_states is None:
         raise ValueError(f"optimizer {optimizer!r} unknown; one of {sorted(OPTIMIZER_STATES)}")
@@ -162,7 +167,7 @@ def estimate_memory(plan, *, optimizer: str = "adamw", batch: int | None = None,
         for r in rows:
             if r.category == "grads" and r.where == "device":
                 grads.setdefault(r.fqn, r.bytes)
-        acts = estimate_activations(plan, batch, seq, grads)
+        acts = estimate_activations(plan, batch, seq, grads, inputs, loss)
         extra = tuple(r for t in plan.rooms for r in t.transients(plan, batch=batch, seq=seq))
     return MemoryEstimate({k: dict(v) for k, v in cats.items()}, plan.mesh,
                           {k: dict(v) for k, v in host.items()}, acts, extra)

@@ -14,20 +14,20 @@ from .time import part_seconds
 
 
 def bubble(plan: Plan, *, batch: int | None = None, seq: int | None = None,
-           gpu="h200") -> float:
+           gpu="h200", inputs=None, loss=None) -> float:
     """Expected idle fraction of the pipeline schedule, the mean over its ranks: the
     formula (``meshlab.transforms.pipeline.bubble``), or with ``batch`` and ``seq`` (per
     data-parallel rank) the schedule replayed at each stage's profiled costs on ``gpu``,
     where the first stage also runs the embeddings and the last the final norm, head and
-    loss."""
+    loss (``inputs`` / ``loss``: the example step, ``meshlab.estimate.example``)."""
     if plan.get(Pipeline) is None:
         return 0.0
     if batch is None and seq is None:
         return _formula(plan)
-    return costed(plan, batch=batch, seq=seq, gpu=gpu)["mean"]
+    return costed(plan, batch=batch, seq=seq, gpu=gpu, inputs=inputs, loss=loss)["mean"]
 
 
-def costed(plan: Plan, *, batch: int, seq: int, gpu="h200") -> dict:
+def costed(plan: Plan, *, batch: int, seq: int, gpu="h200", inputs=None, loss=None) -> dict:
     """The schedule replayed at each stage's profiled costs (``bubble``): ``{'mean',
     'busiest', 'per_rank', 'step', 'costs'}``, costs per stage and microbatch (forward,
     backward) in seconds on ``gpu``."""
@@ -39,6 +39,6 @@ def costed(plan: Plan, *, batch: int, seq: int, gpu="h200") -> dict:
     if plan.source is None:
         raise PlanError("pipeline.costed: this plan has no model to profile (read from "
                         "JSON); plan the model with meshlab.plan(model, spec, mesh)")
-    seconds = part_seconds(profile(plan.source, plan, batch, seq), machine(gpu))
+    seconds = part_seconds(profile(plan.source, plan, batch, seq, inputs, loss), machine(gpu))
     costs = _schedule.stage_costs(plan, t, seconds)
     return {**_schedule.idle(plan, t, costs), "costs": costs}

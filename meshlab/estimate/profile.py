@@ -98,6 +98,13 @@ class Profile:
     peak: tuple[Saved, ...]
     work: dict          # (part, direction) -> Work; part 'block'|'rest' ('embed': of 'rest',
     #                     the input embeddings' share), direction 'fwd'|'bwd'
+    hidden: tuple[int, ...] = ()    # the shape of the block's input (the hidden states)
+
+    @property
+    def width(self) -> int | None:
+        """The hidden states' last dim, the width of the residual stream (None where the
+        block's input is no tensor)."""
+        return int(self.hidden[-1]) if self.hidden else None
 
     def saved_bytes(self, part: str | None = None) -> int:
         return sum(s.bytes for s in self._part(self.saved, part))
@@ -313,7 +320,8 @@ def _attention_flops(name: str, args, kwargs) -> int:
 
 
 def _watch_ends(block: nn.Module) -> dict:
-    """Storage ids of the block's hidden-state input and output, filled as it runs."""
+    """Storage ids of the block's hidden-state input and output, and the input's shape,
+    filled as it runs."""
     ends: dict = {}
 
     def first(x):
@@ -321,7 +329,12 @@ def _watch_ends(block: nn.Module) -> dict:
         return x.untyped_storage()._cdata if isinstance(x, torch.Tensor) else None
 
     def pre(_m, args, kwargs):
-        ends["block_input"] = first(args) if args else first(kwargs.get("hidden_states"))
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not args and isinstance(x, (tuple, list)) and x:
+            x = x[0]
+        ends["block_input"] = x.untyped_storage()._cdata if isinstance(x, torch.Tensor) \
+            else None
+        ends["shape"] = tuple(x.shape) if isinstance(x, torch.Tensor) else ()
 
     def post(_m, _args, out):
         ends["block_output"] = first(out)
@@ -348,7 +361,9 @@ def _patched_tracing():
     return mock.patch.object(iu, "is_fake_tensor", lambda *a, **k: False)
 
 
-def _run(model: nn.Module, block: str, batch: int, seq: int, loss_fn, contexts) -> Profile:
+def _run(model: nn.Module, block: str, batch: int, seq: int, step, contexts) -> Profile:
+    """One forward, loss and backward of ``model`` on fake tensors, the example step's
+    arguments built before anything is counted (``meshlab.estimate.example``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.module_tracker import ModuleTracker
 
@@ -356,7 +371,7 @@ def _run(model: nn.Module, block: str, batch: int, seq: int, loss_fn, contexts) 
         _to_fake(model)
         params = dict(model.named_parameters(remove_duplicate=False))
         skip = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
-        ids = torch.zeros(batch, seq, dtype=torch.long)
+        args = step.build(batch, seq)
         tracker = ModuleTracker()
         rec = _Recorder(tracker, skip)
         rec._block = block
@@ -365,7 +380,7 @@ def _run(model: nn.Module, block: str, batch: int, seq: int, loss_fn, contexts) 
         with tracker, rec, contextlib.ExitStack() as stack:
             for c in contexts:
                 stack.enter_context(c)
-            loss = loss_fn(lambda **kw: model(**kw), {"input_ids": ids, "labels": ids})
+            loss = step.run(args)
             saved = [k for k, v in rec.made.items() if not v[0].expired()
                      and k != loss.untyped_storage()._cdata]
             rec.phase = "bwd"
@@ -377,8 +392,9 @@ def _run(model: nn.Module, block: str, batch: int, seq: int, loss_fn, contexts) 
                    default=(0, ()))
         for h in ends.pop("hooks"):
             h.remove()
+        hidden = ends.pop("shape", ())
         role = {v: k for k, v in ends.items()}
-        return Profile(batch=batch, seq=seq, block=block,
+        return Profile(batch=batch, seq=seq, block=block, hidden=hidden,
                        saved=tuple(dataclasses.replace(_row(rec.made[k]), role=role.get(k, ""))
                                    for k in saved),
                        peak=tuple(_row(rec.made[k], grads.get(k, "")) for k in best[1]),
@@ -407,15 +423,6 @@ def _to_fake(model: nn.Module) -> None:
                     f = torch.empty(t.shape, dtype=t.dtype)
                     made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if param else f
                 table[name] = made[id(t)]
-
-
-def default_loss(forward, batch):
-    """The step's default loss (``meshlab.transforms.losses.causal_lm_loss``) of a causal LM."""
-    from ..transforms.losses import cross_entropy
-
-    out = forward(input_ids=batch["input_ids"], use_cache=False)
-    logits = out.logits if hasattr(out, "logits") else out
-    return cross_entropy(logits[:, :-1], batch["labels"][:, 1:], check=False)
 
 
 class SavedCounter:
@@ -464,23 +471,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 _CACHE: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
 
-def profile(model: nn.Module, plan, batch: int, seq: int) -> Profile:
+def profile(model: nn.Module, plan, batch: int, seq: int, inputs=None, loss=None) -> Profile:
     """The profile of one step of ``plan`` on ``model`` (module docstring), cached per
-    model, spec, batch and sequence length."""
-    key = (tuple(repr(t) for t in plan.rooms if _profiles(t)), int(batch), int(seq))
+    model, spec, batch, sequence length and example step: ``inputs(batch, seq)`` builds
+    the forward's arguments and ``loss(output, args)`` the loss, for a model not called
+    with ``input_ids`` alone (``meshlab.estimate.example``)."""
+    from .example import example_step
+
+    key = (tuple(repr(t) for t in plan.rooms if _profiles(t)), int(batch), int(seq), inputs,
+           loss)
     per = _CACHE.setdefault(model, {})
     if key not in per:
         clone = _meta_copy(model, share=tuple(plan.model.blocks[1:]))
         block = _one_block(clone, plan.model.blocks)
-        loss_fn, contexts, hooked = default_loss, [], []
+        room_loss, contexts, hooked = None, [], []
         for t in plan.rooms:
             if _profiles(t):
                 got = t.profile(plan, clone)
                 if got is not None:
-                    loss_fn = got.get("loss", loss_fn)
+                    room_loss = got.get("loss", room_loss)
                     contexts += got.get("contexts", [])
                     hooked.extend(got.get("hooked", []))
-        pr = _run(clone, block, int(batch), int(seq), loss_fn, contexts)
+        step = example_step(clone, inputs, loss, room_loss)
+        pr = _run(clone, block, int(batch), int(seq), step, contexts)
         if hooked:          # ops the rooms' own dispatch modes saw, counted in the block
             k = ("block", "fwd")
             seen = [c() for c in hooked]          # (all, of which fused)

@@ -113,16 +113,21 @@ def axis_bandwidth(plan, axis: str, m: Machine) -> float:
     return m.intra if span <= m.gpus_per_node else m.inter
 
 
-def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
+def estimate_time(plan, *, batch: int, seq: int, gpu="h200", inputs=None,
+                  loss=None) -> StepTime:
     """The step time of ``plan`` (module docstring) for ``batch`` sequences of ``seq``
-    tokens per data-parallel rank, on ``gpu`` (a preset, a JSON profile or a Machine)."""
+    tokens per data-parallel rank, on ``gpu`` (a preset, a JSON profile or a Machine), of
+    the example step ``inputs`` / ``loss`` (``meshlab.estimate.example``)."""
     from ..core.errors import PlanError
 
+    from .example import check_example
+
+    check_example("plan.time", inputs, loss, batch)
     m = _machine(gpu)
     if plan.source is None:
         raise PlanError("plan.time(): this plan has no model to profile (read from JSON); "
                         "plan the model with meshlab.plan(model, spec, mesh)")
-    pr = profile(plan.source, plan, batch, seq)
+    pr = profile(plan.source, plan, batch, seq, inputs, loss)
     n_blocks = len(plan.model.blocks)
     block = pr.work.get(("block", "fwd"), Work()) + pr.work.get(("block", "bwd"), Work())
     rest = pr.work.get(("rest", "fwd"), Work()) + pr.work.get(("rest", "bwd"), Work())
@@ -133,7 +138,7 @@ def estimate_time(plan, *, batch: int, seq: int, gpu="h200") -> StepTime:
     by_part = {k: work_kinds(w, m, streaming=k == "optimizer") for k, w in parts.items()}
     compute = sum(_longer(k) for k in by_part.values())
     comm, hidable, fixed = 0.0, 0.0, 0.0
-    est = plan.comm(batch=batch, seq=seq)
+    est = plan.comm(batch=batch, seq=seq, inputs=inputs, loss=loss)
     owner = _owners(plan)
     for (kind, axis), (count, nbytes) in est.ops.items():
         if axis is None or kind == "control":

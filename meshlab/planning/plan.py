@@ -338,31 +338,43 @@ class Plan:
 
     # -- memory --------------------------------------------------------------------------
     def memory(self, *, optimizer: str = "adamw", batch: int | None = None,
-               seq: int | None = None):
+               seq: int | None = None, inputs: Callable | None = None,
+               loss: Callable | None = None):
         """Per-rank bytes of parameters, gradients and optimizer state (a bound plan); with
         the per-data-parallel-rank ``batch`` and ``seq``, also the activations saved for
-        backward and the step's peak (``meshlab.estimate.activations``)."""
+        backward and the step's peak (``meshlab.estimate.activations``), counted on one
+        step of the model: called with token ids, or for a model of your own with what
+        ``inputs(batch, seq)`` returns (a tensor, a tuple of arguments or a dict of keyword
+        arguments), its loss ``loss(output, args)`` (``meshlab.estimate.example``)."""
         check_choice(optimizer, "plan.memory", "optimizer", sorted(OPTIMIZER_STATES))
         self._need_bound("memory")
         if (batch is None) != (seq is None):
             raise ConfigError("plan.memory(batch=, seq=): give both (the per-data-parallel-"
                               "rank batch and the sequence length) or neither")
-        return _estimator("memory")(self, optimizer=optimizer, batch=batch, seq=seq)
+        return _estimator("memory")(self, optimizer=optimizer, batch=batch, seq=seq,
+                                    inputs=inputs, loss=loss)
 
-    def time(self, *, batch: int, seq: int, gpu="h200"):
+    def time(self, *, batch: int, seq: int, gpu="h200", inputs: Callable | None = None,
+             loss: Callable | None = None):
         """Predicted seconds of one training step per rank on ``gpu`` (a preset name such
         as ``'h200'``, a ``meshlab calibrate`` JSON file or a ``Machine``), for ``batch``
-        sequences of ``seq`` tokens per data-parallel rank (``meshlab.estimate.time``)."""
+        sequences of ``seq`` tokens per data-parallel rank (``meshlab.estimate.time``);
+        ``inputs`` and ``loss`` as ``memory``'s."""
         self._need_bound("time")
-        return _estimator("time")(self, batch=batch, seq=seq, gpu=gpu)
+        return _estimator("time")(self, batch=batch, seq=seq, gpu=gpu, inputs=inputs,
+                                  loss=loss)
 
     def comm(self, *, batch: int | None = None, seq: int | None = None,
-             coord: dict[str, int] | None = None):
+             coord: dict[str, int] | None = None, inputs: Callable | None = None,
+             loss: Callable | None = None):
         """Per-step collectives per rank (a bound plan); give the per-data-parallel-rank
-        ``batch`` and ``seq`` to include activation traffic (see ``meshlab.estimate.comm``)."""
+        ``batch`` and ``seq`` to include activation traffic (see ``meshlab.estimate.comm``;
+        ``inputs`` and ``loss`` as ``memory``'s, for a model whose config gives no hidden
+        size)."""
         self._need_bound("comm")
         batch, seq, coord = self._comm_args(batch, seq, coord)
-        return _estimator("comm")(self, batch=batch, seq=seq, coord=coord)
+        return _estimator("comm")(self, batch=batch, seq=seq, coord=coord, inputs=inputs,
+                                  loss=loss)
 
     def local_blocks(self, coord: Mapping[str, int] | None = None) -> tuple[str, ...]:
         """The repeated blocks (``model.blocks``, in order) the rank at mesh ``coord`` runs:

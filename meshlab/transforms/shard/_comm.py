@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from ...core.errors import PlanError
 from ...planning.plan import Plan
 from .._protocol import CommOp
 from ._layout import sequence_parallel
@@ -42,6 +43,10 @@ def tp_comm(plan: Plan, batch, seq, coord) -> list[CommOp]:
     last = int(not blocks or blocks[-1] in mine)
     m = microbatches(plan)
     h = plan.model.config_get("hidden_size") or plan.model.config_get("n_embd")
+    if h is None:
+        raise PlanError(f"shard's traffic on {plan.model.cls}: the hidden size is neither in "
+                        f"the model's config nor measured; count it with plan.comm(batch=, "
+                        f"seq=, inputs=...), which measures it from an example input")
     L, act = len(mine), math.ceil(batch * seq / m) * h * 4
     if sequence_parallel(plan, axis):
         per = [("all_gather", 4 * L + first + last), ("reduce_scatter", 4 * L),
