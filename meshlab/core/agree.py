@@ -12,6 +12,15 @@ runs the same test on the same table and either all continue or all raise:
 * ``RankMismatchError`` when ranks are in different sections (one saving while the others
   step) or a field differs, naming the field and which ranks hold which value.
 
+Some values must be equal only among certain ranks: the batch among the tensor-parallel,
+sequence and pipeline peers that read it together (not along the data axes), a
+parameter's shard among its replicas. ``peers`` carries them: each name with a key and a
+value (and, optionally, what to do when they differ), compared among the ranks that give
+the same key; a rank without the name is not compared.
+
+An error raised here is marked (``agreed``): every rank that took part raised at the same
+exchange, so a caller that catches it need not tell the others again.
+
 The exchange is JSON bytes in tensors (two all-gathers; nothing is unpickled), bounded by
 the group's timeout.
 """
@@ -39,9 +48,12 @@ def digest(value: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _entry(what: str, fields: Mapping[str, Any], error: BaseException | None) -> bytes:
+def _entry(what: str, fields: Mapping[str, Any], error: BaseException | None,
+           peers: Mapping[str, tuple[Any, Any]]) -> bytes:
     out = {"what": what,
            "fields": {k: [digest(v), _short(v)] for k, v in fields.items()},
+           "peers": {k: [digest(p[0]), _short(p[0]), digest(p[1]), _short(p[1])]
+                     for k, p in peers.items()},
            "error": None if error is None else f"{type(error).__name__}: {error}"[:600]}
     return json.dumps(out).encode()
 
@@ -51,18 +63,24 @@ def _short(v: Any) -> str:
     return s if len(s) <= _SHORT else s[:_SHORT - 3] + "..."
 
 
-_ACTIVE = [0]         # > 0 while an exchange runs (``CommCounter`` files it as "control")
+_ACTIVE = [0]         # > 0 while an exchange runs
 
 
 def active() -> bool:
-    """Whether the collective now running is an agreement exchange (control traffic)."""
+    """Whether the collective now running is an agreement exchange (control traffic, run
+    with dispatch modes off: only a counter installed below them sees it)."""
     return _ACTIVE[0] > 0
 
 
 def _exchange(payload: bytes, group, timeout: float | None) -> list[dict]:
+    from torch.utils._python_dispatch import _disable_current_modes
+
     _ACTIVE[0] += 1
     try:
-        return _gather_json(payload, group, timeout)
+        # Control traffic on the host beside the model's: a dispatch mode counting what
+        # a forward communicates or reads back (CommDebugMode) does not see it.
+        with _disable_current_modes():
+            return _gather_json(payload, group, timeout)
     finally:
         _ACTIVE[0] -= 1
 
@@ -86,30 +104,51 @@ def _gather_json(payload: bytes, group, timeout: float | None) -> list[dict]:
     return [json.loads(bytes(b[:int(s)].tolist()).decode()) for b, s in zip(bufs, sizes)]
 
 
+def agreed(error: BaseException) -> bool:
+    """Whether ``error`` was raised by an agreement (on every rank that took part)."""
+    return getattr(error, "_meshlab_agreed", False)
+
+
+def _mark(error: BaseException) -> BaseException:
+    error._meshlab_agreed = True
+    return error
+
+
+def alone(group) -> bool:
+    """Whether an agreement over ``group`` exchanges nothing (no group, one rank, or
+    torch's fake backend, which dry-runs large meshes without processes)."""
+    return group is None or not dist.is_initialized() or dist.get_world_size(group) == 1 \
+        or dist.get_backend(group) == "fake"
+
+
 def agree(group, what: str, fields: Mapping[str, Any] | None = None,
-          error: BaseException | None = None, *, timeout: float | None = None) -> None:
+          error: BaseException | None = None, *, timeout: float | None = None,
+          peers: Mapping[str, tuple] | None = None) -> None:
     """Every rank of ``group`` enters section ``what`` with equal ``fields``, and none
-    failed (``error``): or every rank raises (see the module doc). ``timeout`` bounds the
+    failed (``error``): or every rank raises (see the module doc). ``peers``: name ->
+    (key, value) or (key, value, fix), equal among the ranks that give the same key (the
+    message names the first that differs and ends with ``fix``). ``timeout`` bounds the
     wait for the other ranks (default: the group's own timeout)."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
-        if error is not None:
-            raise error
-        return
-    if dist.get_backend(group) == "fake":
+    if alone(group):
         if error is not None:
             raise error
         return
     try:
-        table = _exchange(_entry(what, fields or {}, error), group, timeout)
+        table = _exchange(_entry(what, fields or {}, error, peers or {}), group, timeout)
     except RuntimeError as e:        # gloo's timeout or a peer that exited
         within = f"within {timeout:g} s" if timeout is not None else \
             "within the control group's timeout"
-        raise PeerError(f"{what} is collective: every rank must call it, but not every rank "
-                        f"entered it {within} (a rank stopped, or is elsewhere): {e}") from None
+        raise _mark(PeerError(
+            f"{what} is collective: every rank must call it, but not every rank entered it "
+            f"{within} (a rank stopped, or is elsewhere): {e}")) from None
     ranks = dist.get_process_group_ranks(group)
-    _raise_failed(table, ranks, what, error)
-    _raise_sections(table, ranks)
-    _raise_fields(table, ranks, what)
+    try:
+        _raise_failed(table, ranks, what, error)
+        _raise_sections(table, ranks)
+        _raise_fields(table, ranks, what)
+        _raise_peers(table, ranks, what, peers or {})
+    except BaseException as e:       # marked, then raised as it is
+        raise _mark(e)
 
 
 def _raise_failed(table, ranks, what, error) -> None:
@@ -120,8 +159,8 @@ def _raise_failed(table, ranks, what, error) -> None:
         raise error
     r, msg = bad[0]
     others = f" (and ranks {[b for b, _ in bad[1:]]})" if len(bad) > 1 else ""
-    raise PeerError(f"{what}: rank {r}{others} failed before the collective part, so every "
-                    f"rank stops here instead of waiting for it: {msg}")
+    raise PeerError(f"{what}: rank {r}{others} failed, so every rank stops here instead of "
+                    f"waiting for it in a collective: {msg}")
 
 
 def _raise_sections(table, ranks) -> None:
@@ -147,3 +186,24 @@ def _raise_fields(table, ranks, what) -> None:
             raise RankMismatchError(
                 f"{what}: the ranks disagree on {name} ({parts}); every rank must run the "
                 f"same program on the same kind of input")
+
+
+def _raise_peers(table, ranks, what, mine: Mapping[str, tuple]) -> None:
+    names = list(dict.fromkeys(n for e in table for n in e.get("peers", {})))
+    for name in names:
+        scopes: dict = {}          # key digest -> (key, {value digest: (short, ranks)})
+        for r, e in zip(ranks, table):
+            got = e.get("peers", {}).get(name)
+            if got is None:
+                continue
+            kd, key, vd, short = got
+            scopes.setdefault(kd, (key, {}))[1].setdefault(vd, (short, []))[1].append(r)
+        # every rank runs the same code: the fix is this rank's own (not sent)
+        own = mine.get(name, ())
+        fix = own[2] if len(own) > 2 else ""
+        for key, held in scopes.values():
+            if len(held) > 1:
+                parts = "; ".join(f"ranks {rs}: {short}" for short, rs in held.values())
+                raise RankMismatchError(
+                    f"{what}: {name} differs among ranks that must hold the same ({key}: "
+                    f"{parts}); {fix or 'every rank must run the same program on the same data'}")
