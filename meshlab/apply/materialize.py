@@ -16,7 +16,9 @@ from typing import Iterator, Mapping
 import torch
 from torch import nn
 
+from ..core.digest import batch_entry, data_coords
 from ..core.errors import ConfigError, PlanError
+from ..core.sections import section
 from ..core.mesh import Mesh
 from ..planning.plan import Plan
 from ..core.tensors import local as _local
@@ -252,14 +254,30 @@ def _check_vocabulary(model: nn.Module, rt: Runtime) -> None:
 
 def _forward_in_context(model: nn.Module, rt: Runtime) -> None:
     """The model's forward runs in the runtime's context (``precision``'s autocast)
-    however it is called: ``model(x)`` in a plain loop computes as ``step`` does."""
-    if isinstance(rt.autocast(), contextlib.nullcontext):
+    however it is called: ``model(x)`` in a plain loop computes as ``step`` does.
+
+    Over several ranks a training forward (grad enabled: its backward reduces gradients)
+    is also a collective section (``core.sections``): an exception on one rank reaches
+    every rank at its end as ``PeerError`` instead of leaving them in the backward's
+    reductions, and the ranks that read one batch agree on its contents there (``step``
+    agrees on both itself; the forward inside it does not again). An evaluation under
+    ``torch.no_grad()`` may run on one rank alone, and is left as it is."""
+    from ..core.agree import alone
+
+    plain = isinstance(rt.autocast(), contextlib.nullcontext)
+    if plain and alone(rt.ctrl_group):
         return
     inner = model.forward
+    what = f"{type(model).__name__}.forward"
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        with rt.autocast():
+        # inputs on a device are compared where ``step`` reads them once per step; the
+        # forward would wait for the device here
+        peers = lambda: batch_entry({"args": list(args), **kwargs}, data_coords(rt),
+                                    "the forward's inputs", device_reads=False)
+        with section(rt.ctrl_group, what, active=torch.is_grad_enabled(), peers=peers), \
+                rt.autocast():
             return inner(*args, **kwargs)
 
     model.forward = forward

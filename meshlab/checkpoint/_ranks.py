@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..core.agree import agree as _agree
 from ..core.errors import PeerError, RankMismatchError
+from ..train._content import replica_peers
 from ..transforms._install import runtime_or_none
 from ._safe import CheckpointError, CheckpointMismatchError, CheckpointPeerError
 
@@ -46,10 +47,11 @@ def _agree_group(group):
 
 
 def agree(group, what: str, fields: dict | None = None,
-          error: BaseException | None = None, timeout: float | None = None) -> None:
+          error: BaseException | None = None, timeout: float | None = None,
+          peers: dict | None = None) -> None:
     """``meshlab.core.agree.agree`` over ``group``, every failure a ``CheckpointError``."""
     try:
-        _agree(_agree_group(group), what, fields, error, timeout=timeout)
+        _agree(_agree_group(group), what, fields, error, timeout=timeout, peers=peers)
     except CheckpointError:
         raise
     except PeerError as e:
@@ -67,11 +69,16 @@ def enter(what: str, path: str, model, timeout: float) -> None:
     """Every rank must call ``what`` with the same path: the first exchange is the ranks'
     agreement, so a rank still stepping while another saves makes both raise (their
     sections differ) instead of pairing unrelated collectives; a rank that never comes
-    fails the others after ``timeout`` seconds."""
+    fails the others after ``timeout`` seconds. Saving a parallelized model, the ranks
+    also compare their replicas' parameters (``meshlab.train._content``): a checkpoint of
+    replicas that drifted apart would keep one of them and hide the divergence."""
     if not distributed():
         return
+    peers = None
+    if what.startswith("save") and runtime_or_none(model) is not None:
+        peers = replica_peers(model)
     agree(ctrl_group(model), f"checkpoint.{what}", {"path": os.path.abspath(path)},
-          timeout=timeout)
+          timeout=timeout, peers=peers)
 
 
 def as_error(e: BaseException, what: str, path: str, where: str | None = None

@@ -9,10 +9,15 @@ scaling), gradient-norm clipping over every mesh axis, and the skip of a step wh
 global gradient norm is NaN or infinite (``nonfinite``). It is a
 ``torch.optim.Optimizer``: learning-rate schedulers, ``param_groups``,
 ``state_dict()``/``load_state_dict()`` and step hooks work as with the optimizer inside.
+
+Across ranks, ``step()`` first agrees on every group's hyper-parameters (a rank at another
+learning rate would move its replica away from the others, silently), and every
+``check_replicas`` steps compares the replicas' parameters (``_content``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import warnings
@@ -22,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.errors import ConfigError, NonFiniteError
+from ..core.errors import ConfigError, NonFiniteError, check_int
 from ..core.tensors import local as _local, shard_groups
 from ..transforms._gradsync import mark_mesh_optimizer
 from ..transforms._install import runtime_of
 from ..transforms.precision import PrecisionPart
 from ._groups import group_layout, torch_groups
+from ._content import CHECK_EVERY, agree_hyperparameters, check_replicas as _check_replicas
 
 
 _NONFINITE = (None, "skip", "raise")
@@ -100,7 +106,8 @@ class MeshOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, cls: type, *, clip_grad_norm: float | None = None,
-                 nonfinite: str | None = None, param_groups=None, **kwargs: Any) -> None:
+                 nonfinite: str | None = None, check_replicas: int = CHECK_EVERY,
+                 param_groups=None, **kwargs: Any) -> None:
         if nonfinite not in _NONFINITE:
             raise ConfigError(f"optimizer(nonfinite={nonfinite!r}): use one of "
                               f"{sorted(k for k in _NONFINITE if k)} (or leave it out)")
@@ -111,6 +118,9 @@ class MeshOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = {}
         self.model, self.rt = model, runtime_of(model)
         self.clip, self.nonfinite = clip_grad_norm, nonfinite
+        self.check_replicas = check_int(check_replicas, "optimizer", "check_replicas", low=0,
+                                        example=CHECK_EVERY)
+        self._agreed = False            # ``step`` agreed on this step's hyper-parameters
         seen: set[int] = set()
         self.params: list[tuple[str, nn.Parameter]] = []
         for n, p in model.named_parameters():
@@ -214,6 +224,16 @@ class MeshOptimizer(torch.optim.Optimizer):
         return p
 
     # -- the step -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def agreed_by_caller(self):
+        """Inside, ``step()`` skips its agreement on the hyper-parameters: the caller
+        (``meshlab.step``) made them part of its own."""
+        self._agreed = True
+        try:
+            yield self
+        finally:
+            self._agreed = False
+
     def _sync_grads(self) -> None:
         """What the backward could not do (ZeRO-1's reduce-scatter; once per step)."""
         if self._synced:
@@ -258,6 +278,8 @@ class MeshOptimizer(torch.optim.Optimizer):
                               "re-evaluate the loss, such as LBFGS, are not supported)")
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
+        if not self._agreed:        # before the step's first collective (ZeRO-1's)
+            agree_hyperparameters(self.rt.ctrl_group, "meshlab.optimizer step", self.inner)
         self.steps += 1
         self._sync_grads()
         # Read only when needed: offloaded gradients are then waited for on the host.
@@ -278,6 +300,9 @@ class MeshOptimizer(torch.optim.Optimizer):
         for part in self.rt.parts:
             part.after_step()
         self._synced = False
+        if self.check_replicas and self.steps % self.check_replicas == 0:
+            _check_replicas(self.model, self.rt.ctrl_group,
+                            f"meshlab.optimizer step {self.steps}: the replicas' check")
         for hook in list(self._optimizer_step_post_hooks.values()):
             hook(self, (), {})
         return True
@@ -335,7 +360,8 @@ class MeshOptimizer(torch.optim.Optimizer):
 
 def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
               clip_grad_norm: float | None = None, nonfinite: str | None = None,
-              param_groups=None, **kwargs: Any) -> MeshOptimizer:
+              check_replicas: int = CHECK_EVERY, param_groups=None,
+              **kwargs: Any) -> MeshOptimizer:
     """An optimizer over a parallelized model's parameters (``cls(**kwargs)`` inside).
 
     ``clip_grad_norm`` clips by the global norm over all mesh axes. ZeRO-1 keeps the
@@ -356,6 +382,12 @@ def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
     gradients split alike (none for replicated ones), so it runs only when ``nonfinite`` is
     given. Under ``precision('fp16')`` the loss scaler skips overflowing steps first.
 
+    Every step agrees on the hyper-parameters of every group across the ranks (one small
+    exchange, folded into ``meshlab.step``'s own), and every ``check_replicas`` steps
+    (default 50; 0: never) each parameter's shard is compared with the other ranks that
+    hold it: replicas that drifted apart raise ``RankMismatchError`` on every rank, naming
+    the first parameter that differs and the ranks.
+
     >>> opt = optimizer(model, torch.optim.AdamW, lr=3e-4, clip_grad_norm=1.0)  # doctest: +SKIP
     """
     from ..core.errors import check_number
@@ -366,4 +398,4 @@ def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
     if clip_grad_norm is not None:
         check_number(clip_grad_norm, "optimizer", "clip_grad_norm", example=1.0)
     return MeshOptimizer(model, cls, clip_grad_norm=clip_grad_norm, nonfinite=nonfinite,
-                         param_groups=param_groups, **kwargs)
+                         check_replicas=check_replicas, param_groups=param_groups, **kwargs)

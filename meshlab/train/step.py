@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.agree import agree
+from ..core.agree import agree, alone
 from ..core.errors import ConfigError, MeshlabError, check_int
+from ..core.sections import section
+from ._content import batch_peers, hyperparameters
 from .optimizer import MeshOptimizer
 from ..transforms._install import runtime_of
 from ..transforms._protocol import Part
@@ -177,10 +179,18 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
                               f"garbage collection for the step) or False")
     except MeshlabError as e:
         error = e
-    # The ranks agree on the step's shape before its first collective (one small exchange).
+    # The ranks agree on the step before its first collective (one small exchange): its
+    # shape, and what must be equal beyond shapes (the batch among the ranks that read it
+    # together, the optimizer's hyper-parameters), which would otherwise train silently
+    # wrong.
+    peers = None
+    if error is None and not alone(rt.ctrl_group):
+        peers = {**batch_peers(rt, batch), **hyperparameters(opt)}
     agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches,
-                                  "reduction": reduction}, error)
-    with _gc_paused(pause_gc):
+                                  "reduction": reduction}, error, peers=peers)
+    agreed = opt.agreed_by_caller() if isinstance(opt, MeshOptimizer) else \
+        contextlib.nullcontext()
+    with _gc_paused(pause_gc), agreed:
         loss = _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused,
                     _Reduce(reduction, num_tokens, rt, mbs))
     # Read after the collection on the way out of the pause: it then runs while the device
@@ -200,25 +210,22 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
     # The loss stays on the device until the optimizer's work is queued: reading it after
     # each backward would stop the host there, and the GPU would then wait for the host to
     # launch the optimizer and the next step's first kernels.
-    total = None
-    for i, mb in enumerate(mbs):
-        rt.set_gradient_sync(model, i == len(mbs) - 1)
-        with rt.autocast():
-            if fused:
-                from ..transforms.fuse import causal_lm_loss as fused_causal_lm_loss
-
-                raw = red.default(fused_causal_lm_loss(model, mb), mb)
-            elif loss_fn is None:
-                raw = red.default(_loss(None, _call(model, mb, inputs), mb), mb)
-            else:
-                raw = _loss(loss_fn, _call(model, mb, inputs), mb)
-            loss = raw * red.factor
-        # the data-parallel reduction averages gradients: ``backward_scale`` undoes it
-        # where the global loss is a sum over the ranks
-        scale = red.backward_scale * (scaler.scale if scaler is not None else 1.0)
-        (loss * scale if scale != 1.0 else loss).backward()
-        part = _whole(loss.detach()).to(torch.float64)
-        total = part if total is None else total + part
+    total, done = None, False
+    try:
+        for i, mb in enumerate(mbs):
+            rt.set_gradient_sync(model, i == len(mbs) - 1)
+            loss = _forward(model, rt, mb, loss_fn, inputs, fused, red)
+            # the data-parallel reduction averages gradients: ``backward_scale`` undoes it
+            # where the global loss is a sum over the ranks
+            scale = red.backward_scale * (scaler.scale if scaler is not None else 1.0)
+            (loss * scale if scale != 1.0 else loss).backward()
+            part = _whole(loss.detach()).to(torch.float64)
+            total = part if total is None else total + part
+        done = True
+    finally:
+        if not done:     # the earlier microbatches' gradients must not reach the next step
+            rt.set_gradient_sync(model, True)
+            opt.zero_grad()
     opt.step()
     opt.zero_grad()
     if rt.dp_group is not None and rt.dp_size > 1:
@@ -226,6 +233,22 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
         dist.all_reduce(t, group=rt.dp_group)
         return t[0] * red.backward_scale / rt.dp_size
     return total
+
+
+def _forward(model, rt, mb, loss_fn, inputs, fused, red):
+    """One microbatch's forward and loss, as one collective section: an exception on one
+    rank (a bad batch its loop skips) reaches every rank before any of them enters the
+    backward's reductions, and every rank raises together (``core.sections``)."""
+    with section(rt.ctrl_group, "step: forward and loss"), rt.autocast():
+        if fused:
+            from ..transforms.fuse import causal_lm_loss as fused_causal_lm_loss
+
+            raw = red.default(fused_causal_lm_loss(model, mb), mb)
+        elif loss_fn is None:
+            raw = red.default(_loss(None, _call(model, mb, inputs), mb), mb)
+        else:
+            raw = _loss(loss_fn, _call(model, mb, inputs), mb)
+        return raw * red.factor
 
 
 _REDUCTIONS = ("mean", "sum", "tokens")
