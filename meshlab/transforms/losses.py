@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ..core import collectives as C
 from ..core.agree import agree
 from ..core.errors import BatchError
+from ..core.sections import inside
 from ..core.placement import dim_block
 from ..core.tensors import local as _local
 
@@ -77,11 +78,16 @@ def _check_labels(logits, labels: torch.Tensor, ignore_index: int) -> None:
     from torch.distributed.tensor import DTensor
 
     guard, vocab = guard_of(logits), logits.shape[-1]
-    if guard is not None and guard.covers(labels, vocab, ignore_index):
-        return
     item = ("labels", labels, vocab, "the logits given to cross_entropy", ignore_index)
     if guard is not None:
-        guard.check("loss", [item])
+        # Whether the ranks exchange their outcome must not depend on this rank's tensors:
+        # labels that are the checked ids (``labels=x``) skip the check, a copy of them
+        # does not, and one rank agreeing while another goes on would hang both. Inside a
+        # collective section (``step``, a parallelized training forward) an error raised
+        # here reaches every rank at the section's end; outside one, every rank agrees
+        # (those whose labels were checked already with nothing to report).
+        covered = guard.covers(labels, vocab, ignore_index)
+        guard.check("loss", [] if covered else [item], local=inside())
     elif isinstance(logits, DTensor):
         rng = value_range(labels, ignore_index)
         err = None if rng is None else vocab_error(*item[:1], rng, *item[2:])

@@ -275,3 +275,40 @@ def test_replicas_that_differ_fail_on_every_rank(world4, what, words):
         for w in words:
             assert w in msg, (w, msg)
 
+
+
+# -- the label check takes the same path on every rank ----------------------------------------
+def labels_identity_case(rank, world, how, bad):
+    """Rank 0 passes the input ids themselves as labels, the others a copy of them: the
+    check of the copy must not make those ranks exchange what rank 0 skips."""
+    import meshlab as ml
+
+    model = ml.parallelize(M.build("llama"), ml.data_parallel("dp"), ml.Mesh(dp=world), seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-3)
+    x = _local(model, M.batches(1)[0])
+    y = x if rank == 0 else x.clone()
+    if bad and rank == 2:
+        y[0, 4] = 97
+    if how == "step":
+        out = _outcome(lambda: ml.step(model, opt, {"input_ids": x, "labels": y}))
+    elif how == "hf":
+        out = _outcome(lambda: model(input_ids=x, labels=y).loss.backward())
+    else:                   # a loss computed outside the model's forward
+        out = _outcome(lambda: ml.losses.causal_lm_loss(
+            model(input_ids=x), {"input_ids": x, "labels": y}).backward())
+    model.zero_grad()
+    return out, ml.step(model, opt, {"input_ids": x})
+
+
+@pytest.mark.parametrize("how", ["step", "hf", "outside"])
+@pytest.mark.parametrize("bad", [False, True])
+def test_labels_that_are_the_ids_or_a_copy_take_one_path(world4, how, bad):
+    out = world4.run(labels_identity_case, how=how, bad=bad, timeout=120)
+    for rank, ((kind, msg), after) in enumerate(out):
+        if not bad:
+            assert kind is None, (kind, msg)
+        elif rank == 2:
+            assert kind == "BatchError" and " 97," in msg, (kind, msg)
+        else:
+            assert kind == "PeerError" and "BatchError" in msg and "rank 2" in msg, (kind, msg)
+        assert after > 0
