@@ -111,6 +111,19 @@ class InferenceConfig:
         _check_streaming(self)
 
 
+def check_vocab(cfg: InferenceConfig, vocab: int) -> None:
+    """The configuration's token ids inside the model's vocabulary of ``vocab``: a forced
+    EOS is emitted as it is, so an id outside it would come back as a token the model has
+    no row for."""
+    t = cfg.forced_eos_token_id
+    if t is None:
+        return
+    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+        raise ConfigError(f"InferenceConfig(forced_eos_token_id={t!r}): a token id of this "
+                          f"model's vocabulary, 0..{vocab - 1} (config.vocab_size={vocab}); "
+                          f"give the tokenizer's eos_token_id, or None")
+
+
 def _check_streaming(cfg: InferenceConfig) -> None:
     """StreamingLLM: the first block (the attention sinks) and whole blocks of at least the
     last ``generated_token_size`` tokens; beam search and speculation refuse it."""

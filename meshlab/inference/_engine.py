@@ -36,7 +36,8 @@ from ..core.errors import ConfigError, ConfigTypeError
 from ..core.placement import mesh_repr
 from ..ops.paged_attention import layout
 from ..transforms._install import runtime_of, runtime_or_none
-from ._config import InferenceConfig, window_blocks
+from ._agree import StepAgreement, agreed_step
+from ._config import InferenceConfig, check_vocab, window_blocks
 from ._merge import merged_of
 from ._paged import Blocks, PagedBatch, PagedCache, place, register, running
 from ._sampling import choose
@@ -84,6 +85,8 @@ class InferenceEngine:
             tokenizer = found if tokenizer is None else tokenizer
         self.config, self.tokenizer, self.verbose = cfg, tokenizer, verbose
         self.model = _prepare(model, cfg, model_policy)
+        check_vocab(cfg, self.model.config.vocab_size)
+        self.agreement = StepAgreement(self.model)
         self.pipe = _pipeline_decoder(self.model)
         if cfg.micro_batch_size > 1 and self.pipe is None:
             raise ConfigError(f"InferenceConfig(micro_batch_size={cfg.micro_batch_size}) on a "
@@ -201,6 +204,7 @@ class InferenceEngine:
         r = Request(self._next, tokens, n)
         self._next += 1
         self.waiting.append(r)
+        self.agreement.added(r)
         return r.rid
 
     def _tokens(self, prompt) -> list[int]:
@@ -267,9 +271,10 @@ class InferenceEngine:
                            starts, layout(tables, lens, starts, bs))
         return ids, pos, batch
 
+    @agreed_step
     def step(self) -> list[Request]:
         """Admit, run the model once on every running request, choose their next tokens;
-        returns the requests that finished in this step."""
+        returns the requests that finished in this step (the ranks agree first, ``_agree``)."""
         self._admit()
         if self._ahead():
             return self._launch_and_read()

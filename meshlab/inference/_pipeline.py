@@ -42,6 +42,7 @@ class PipelineDecoder:
         self.me = dist.get_rank(self.group)
         self.mine = {st.stage_index: st.submod for st in part.stages}
         self.last_rank = dist.get_global_rank(self.group, self.all[-1].rank)
+        self.failed: BaseException | None = None      # a stage of this rank raised
 
     def _peer(self, stage) -> int:
         return dist.get_global_rank(self.group, stage.rank)
@@ -66,11 +67,10 @@ class PipelineDecoder:
                 continue
             mod = self.mine[s.index]
             for j, (ids, pos, last, batch) in enumerate(micro):
-                h = self._input(i, mod, ids, hs[j], dtype)
-                with running(batch):
-                    h = self._blocks(mod, h, pos)
+                h = self._stage(s, mod, self._input(i, ids, hs[j], dtype), ids, pos, last,
+                                batch, dtype)
                 if s.last:
-                    out.append(mod.head(mod.norm(h[:, last]))[0])
+                    out.append(h)
                 elif self.all[i + 1].rank != self.me:
                     h = h.contiguous()
                     if buffer is not None and len(sends) >= buffer:
@@ -81,12 +81,36 @@ class PipelineDecoder:
             w.wait()
         return torch.cat(out) if out else None
 
-    def _input(self, i: int, mod, ids, h, dtype):
-        """Stage ``i``'s input: the embedded tokens, the hidden states this rank's previous
-        stage left (``h``), or those received from the previous stage's rank."""
+    def _stage(self, s, mod, h, ids, pos, last, batch, dtype):
+        """Stage ``s`` on one micro-batch: its blocks on ``h`` (the tokens, on the first
+        stage), and on the last the logits (S, V) of each request's last position. An
+        exception is kept (``take_failed``) and zeros of the shape the next stage waits
+        for go on, so no rank is left in a receive or a broadcast for good; the step then
+        fails on this rank after its collectives (``_agree``)."""
+        try:
+            if s.first:
+                h = mod.embed(ids)
+            with running(batch):
+                h = self._blocks(mod, h, pos)
+            return mod.head(mod.norm(h[:, last]))[0] if s.last else h
+        except Exception as e:      # raised after the step's collectives, see above
+            self.failed = self.failed or e
+            cfg = self.model.config
+            shape = (len(last), cfg.vocab_size) if s.last else (1, ids.shape[1],
+                                                                 cfg.hidden_size)
+            return torch.zeros(shape, dtype=dtype, device=ids.device)
+
+    def take_failed(self) -> BaseException | None:
+        """The first exception a stage of this rank raised since the last call."""
+        error, self.failed = self.failed, None
+        return error
+
+    def _input(self, i: int, ids, h, dtype):
+        """Stage ``i``'s input: the tokens, the hidden states this rank's previous stage
+        left (``h``), or those received from the previous stage's rank."""
         s = self.all[i]
         if s.first:
-            return mod.embed(ids)
+            return ids
         if self.all[i - 1].rank == self.me:
             return h
         h = torch.empty(1, ids.shape[1], self.model.config.hidden_size, dtype=dtype,

@@ -408,3 +408,74 @@ def test_micro_batch_size_refusals():
                                              r"pipelined"):
         InferenceEngine(M.build("llama"), inference_config=InferenceConfig(
             dtype=torch.float32, micro_batch_size=2))
+
+
+# -- the ranks serve the same requests, or every rank raises ----------------------------------
+def divergent_case(rank, world, what, layout):
+    """Under tp=2 (or pp=2), rank 1's requests or sampling differ from rank 0's in one way."""
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    spec, mesh = _spec(layout)
+    model = ml.parallelize(M.build("llama"), spec, ml.Mesh(**mesh), seed=0).eval()
+    odd = rank == 1
+    cfg = dict(dtype=torch.float32, max_batch_size=3, max_input_len=32, max_output_len=NEW,
+               block_size=4, ignore_eos=True)
+    if what == "sampling seed":
+        cfg.update(do_sample=True, seed=1 if odd else 0)
+    if what == "temperature":
+        cfg.update(do_sample=True, temperature=0.5 if odd else 1.0)
+    engine = InferenceEngine(model, inference_config=InferenceConfig(**cfg))
+    prompts, budgets = [[5, 9, 11, 2], [7, 3]], [NEW, NEW]
+    if odd and what == "tokens":
+        prompts[0] = [5, 9, 12, 2]              # the same length, one other token
+    if odd and what == "prompt length":
+        prompts[0] = [5, 9, 11, 2, 4]
+    if odd and what == "request count":
+        prompts, budgets = prompts[:1], budgets[:1]
+    if odd and what == "max_new_tokens":
+        budgets[1] = NEW - 3
+    try:
+        for p, n in zip(prompts, budgets):
+            engine.add_request(p, n)
+        while engine.has_work():
+            engine.step()
+    except ml.MeshlabError as e:
+        return type(e).__name__, str(e), engine.steps
+    return None, "", engine.steps
+
+
+@pytest.mark.parametrize("what,words", [
+    ("tokens", "requests added"), ("prompt length", "requests added"),
+    ("request count", "requests added"), ("max_new_tokens", "requests added"),
+    ("sampling seed", "InferenceConfig.seed"), ("temperature", "InferenceConfig.temperature"),
+])
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_ranks_serving_different_requests_fail_before_the_first_collective(world2, what,
+                                                                          words, layout):
+    out = world2.run(divergent_case, what=what, layout=layout, timeout=120)
+    for kind, msg, steps in out:
+        assert kind == "RankMismatchError", (kind, msg)
+        assert words in msg and "ranks [1]" in msg and "ranks [0]" in msg, msg
+        assert "same requests" in msg, msg
+        assert steps == 0                      # nothing ran
+
+
+def forced_eos_case(rank, world, token):
+    import meshlab as ml
+    from meshlab.inference import InferenceConfig, InferenceEngine
+
+    model = ml.parallelize(M.build("llama"), _spec("tp")[0], ml.Mesh(tp=2), seed=0).eval()
+    try:
+        InferenceEngine(model, inference_config=InferenceConfig(
+            dtype=torch.float32, max_batch_size=2, max_input_len=16, max_output_len=4,
+            block_size=4, ignore_eos=True, forced_eos_token_id=token))
+    except ml.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_forced_eos_outside_the_vocabulary_is_refused(world2):
+    for msg in world2.run(forced_eos_case, token=10 ** 6):
+        assert msg is not None and "forced_eos_token_id=1000000" in msg and "0..96" in msg, msg
+    assert world2.run(forced_eos_case, token=96) == [None, None]
