@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...core.sections import boundary
+
 IMPL = "meshlab_ep"
 _EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias",
                   "up_proj_bias", "down_proj_bias")
@@ -156,6 +158,12 @@ def _run_local(module, st: EPState, x, local_ids, n_local: int):
 
 def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     st: EPState = self._meshlab_ep
+    # The expert ranks read different tokens, so one of them may have raised since the
+    # last exchange (its loop then skips the batch): in a training forward every rank
+    # agrees it got here before the all-to-all waits for it (``core.sections``). Once
+    # per call: between its exchanges only this module's code and the local experts run,
+    # and another agreement there would double the cost for a failure that rare.
+    boundary("expert dispatch")
     if st.capacity_factor is not None:
         return _capacity_forward(self, st, hidden_states, top_k_index, top_k_weights)
     n, E = st.size, self.num_experts

@@ -9,8 +9,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...core.agree import agree, alone
+from ...core.digest import batch_entry, data_coords
 from ...core.errors import ConfigError
 from .._protocol import Part
+from ._guard import StageFailures, guarded_loss
 from ._schedule import stages, torch_actions
 from ._stage import DecoderStage, prune
 
@@ -44,12 +47,14 @@ class PipelineSetup:
 
         mesh = ctx.device_mesh(self.t.axis)
         group = mesh.get_group()
+        failures = StageFailures()
         built = [PipelineStage(DecoderStage(ctx.model, [int(b.rsplit(".", 1)[1]) for b in s.blocks],
-                                            s.first, s.last),
+                                            s.first, s.last, failures),
                                s.index, len(self.all), ctx.device, group=group)
                  for s in self.mine]
         _refuse_generate(ctx.model)
-        return PipelinePart(self.t, group, built, self.kept, self.first, self.last)
+        return PipelinePart(self.t, group, built, self.kept, self.first, self.last,
+                            failures=failures)
 
 
 def _refuse_generate(model: nn.Module) -> None:
@@ -110,6 +115,7 @@ class PipelinePart(Part):
     kept: set
     first: bool
     last: bool
+    failures: StageFailures = dataclasses.field(default_factory=StageFailures)
     _schedules: dict = dataclasses.field(default_factory=dict)
     _scale: float = 1.0
 
@@ -134,7 +140,8 @@ class PipelinePart(Part):
                 loss = loss_fn(out, {"input_ids": target, "labels": target})
                 return loss * (self._scale / m)
 
-            sched = _PipelineScheduleRuntime(self.stages, m, loss_fn=stage_loss,
+            sched = _PipelineScheduleRuntime(self.stages, m,
+                                             loss_fn=guarded_loss(stage_loss, self.failures),
                                              scale_grads=False)
             sched._prepare_schedule_with_comms(torch_actions(
                 self.t.schedule, self.group.size(), self.t.microbatches, self.t.v))
@@ -164,6 +171,7 @@ class PipelinePart(Part):
         sync = rt.grad_sync
         if sync is not None:         # the microbatches accumulate; one reduction after
             sync.enabled = False
+        out = None
         try:
             with rt.autocast():
                 if self.first:
@@ -174,9 +182,12 @@ class PipelinePart(Part):
                                      return_outputs=return_outputs)
                 else:
                     out = sched.step(return_outputs=return_outputs)
+        except Exception as e:     # after the stages' communication: agreed below
+            self.failures.record(e)
         finally:
             if sync is not None:
                 sync.enabled = True
+        self._settle(rt, {"input_ids": x, "labels": target})
         if sync is not None:
             sync.flush()
         # Summed on the device and read once, by the caller: no host round trip per
@@ -189,3 +200,20 @@ class PipelinePart(Part):
             dist.all_reduce(t, group=rt.dp_group)
             t /= rt.dp_size
         return float(t), (out if self.last and return_outputs else None)
+
+    def _settle(self, rt, batch) -> None:
+        """Every rank agrees the schedule went through, on the batch the stages read
+        together: or every rank drops the step's gradients and raises (the rank whose
+        stage failed its own error, the others ``PeerError``; ``_guard``)."""
+        error = self.failures.take()
+        # a batch on the device was compared by ``step``: not read again here
+        peers = None if alone(rt.ctrl_group) else batch_entry(batch, data_coords(rt),
+                                                              device_reads=False)
+        agreed = False
+        try:
+            agree(rt.ctrl_group, "pipeline schedule", error=error, peers=peers)
+            agreed = True
+        finally:
+            if not agreed:
+                for st in self.stages:
+                    st.submod.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ...core.errors import ConfigError
+from ._guard import stand_in
 
 
 def _no_cache_kwargs() -> dict:
@@ -34,7 +35,8 @@ class DecoderStage(nn.Module):
     """Runs blocks ``layer_ids`` of ``model`` (plus the embeddings on the first stage and
     the final norm and head on the last)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool):
+    def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool,
+                 failures=None):
         super().__init__()
         base = getattr(model, model.base_model_prefix)
         for need in ("embed_tokens", "layers", "norm", "rotary_emb"):
@@ -51,8 +53,24 @@ class DecoderStage(nn.Module):
         self.norm = base.norm if last else None
         self.head = model.lm_head if last else None
         self.layer_ids, self.first, self.last = list(layer_ids), first, last
+        self.failures = failures        # ``_guard.StageFailures``: where an exception goes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The stage's blocks on ``x``; under a schedule, an exception is recorded and a
+        stand-in handed on, so the other stages do not wait for this one (``_guard``)."""
+        if self.failures is None:
+            return self._blocks(x)
+        try:
+            return self._blocks(x)
+        except Exception as e:     # raised on every rank once the schedule is done
+            self.failures.record(e)
+            config = getattr(self._model[0], "config", None)
+            dtype = self.embed.weight.dtype if self.first else x.dtype
+            out = stand_in(x, getattr(config, "hidden_size", 0), dtype)
+            self.failures.stand_ins.add(id(out))
+            return out
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         model = self._model[0]
