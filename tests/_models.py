@@ -290,3 +290,89 @@ HAND_MIXED = {
     "blocks.*.mlp.up.bias": ("mlp",),
 }
 
+
+
+# -- a decoder written to the pipeline contract (docs/transforms.md, pipeline) ----------
+STAGED = dict(vocab=96, dim=32, n_heads=4, hidden=64, n_layers=4, max_len=32)
+
+
+class StagedBlock(torch.nn.Module):
+    """A pre-norm block whose attention is causal and skips padded keys."""
+
+    def __init__(self, dim: int, n_heads: int, hidden: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.attn_norm, self.qkv = RMSNorm(dim), torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.o = torch.nn.Linear(dim, dim, bias=False)
+        self.mlp_norm, self.mlp = torch.nn.LayerNorm(dim), HandMLP(dim, hidden)
+
+    def forward(self, h, attention_mask=None):
+        B, S, D = h.shape
+        q, k, v = (t.view(B, S, self.n_heads, -1).transpose(1, 2)      # (B, nh, S, hd)
+                   for t in self.qkv(self.attn_norm(h)).chunk(3, dim=-1))
+        causal = torch.ones(S, S, dtype=torch.bool, device=h.device).tril()
+        allowed = causal
+        if attention_mask is not None:     # (B, 1, S, S); a padded query sees itself
+            keys = attention_mask.bool()[:, None, None, :]
+            allowed = causal & (keys | torch.eye(S, dtype=torch.bool, device=h.device))
+        att = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        y = att.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+        h = h + self.o(y.transpose(1, 2).reshape(B, S, D))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class StagedLM(torch.nn.Module):
+    """A decoder that follows the pipeline contract: its blocks in a ModuleDict, and a
+    forward that skips what a stage does not hold (``None``), so
+    ``pipeline('pp', blocks='layers')`` runs it on every stage as written."""
+
+    def __init__(self, vocab, dim, n_heads, hidden, n_layers, max_len):
+        super().__init__()
+        self.embed, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(max_len, dim)
+        self.layers = torch.nn.ModuleDict({str(i): StagedBlock(dim, n_heads, hidden)
+                                           for i in range(n_layers)})
+        self.norm, self.head = RMSNorm(dim), torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids, attention_mask=None, position_ids=None):
+        if self.embed is not None:                     # the first stage: ids (B, S)
+            if position_ids is None:
+                position_ids = torch.arange(ids.shape[1], device=ids.device)
+            h = self.embed(ids) + self.pos(position_ids)
+        else:                                          # a later stage: hidden states
+            h = ids
+        for block in self.layers.values():
+            h = block(h, attention_mask)
+        return self.head(self.norm(h)) if self.head is not None else h   # (B, S, V)
+
+
+def build_staged(**kw):
+    with torch.device("meta"):
+        return StagedLM(**{**STAGED, **kw})
+
+
+def padded_batch(batch: int = 8, seq: int = 12, vocab: int = 96, seed: int = 3,
+                 positions: bool = True, left: bool = False) -> dict:
+    """Right-padded token rows (``left``: left-padded): ``attention_mask`` 0 and labels
+    -100 on each row's padding; with ``positions``, each row's positions start at its own
+    offset."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    lengths = torch.randint(seq // 2, seq + 1, (batch,), generator=g)
+    mask = (torch.arange(seq)[None, :] < lengths[:, None]).long()
+    if left:           # real tokens then attend to padded keys unless the mask hides them
+        mask = mask.flip(1)
+    labels = ids.masked_fill(mask == 0, -100)
+    out = {"ids": ids, "attention_mask": mask, "labels": labels}
+    if positions:
+        out["position_ids"] = torch.randint(0, 32 - seq, (batch, 1), generator=g) + \
+            torch.arange(seq)[None, :]
+    return out
+
+
+def staged_loss(logits, batch):
+    """Next-token cross-entropy over the positions ``attention_mask`` keeps and the labels
+    mark (the loss reads both from the microbatch)."""
+    keep = batch["attention_mask"][:, 1:].bool() & (batch["labels"][:, 1:] != -100)
+    targets = batch["labels"][:, 1:].masked_fill(~keep, -100)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(),
+                                             ignore_index=-100)

@@ -3,7 +3,10 @@
 The room: ``Pipeline`` (claims the ``pp`` role), its checks (stages fill the ranks, no
 tied weights across stages; the rooms it runs with are the composition table's), its
 install (other ranks' blocks dropped after initialization, ``torch.distributed.pipelining``
-stages, and torch's schedule runtime over the schedule's action lists; ``_runtime``), its
+stages, and torch's schedule runtime over the schedule's action lists; ``_runtime``): a
+Hugging Face decoder on stages of its parts (``_stage``), any model with declared blocks
+on its own forward (``blocks=``, ``_blocks``), the batch matched to the stages by its
+keys and the caller's loss on the last stage (``_feed``), its
 part (the schedule runs the step; the gradient norm is summed over stages) and the
 schedule's picture and idle fraction (``_schedule``), from the same action lists the
 runtime runs:
@@ -45,6 +48,7 @@ class Pipeline(Transform):
     microbatches: int = 4
     virtual_stages: int | None = None
     layers_per_stage: tuple[int, ...] | None = None
+    blocks: str | tuple[str, ...] | None = None
 
     def __post_init__(self):
         check_name(self.axis, "pipeline", "axis", example="pp")
@@ -63,6 +67,8 @@ class Pipeline(Transform):
         object.__setattr__(self, "virtual_stages", v)
         if self.layers_per_stage is not None:
             object.__setattr__(self, "layers_per_stage", _layers(self.layers_per_stage))
+        if self.blocks is not None:
+            object.__setattr__(self, "blocks", _block_names(self.blocks))
 
     @property
     def v(self) -> int:
@@ -120,9 +126,17 @@ class Pipeline(Transform):
         return rank_activations(plan, self, rows, _head_modules(plan))
 
     def apply(self, plan: Plan) -> Plan:
+        """The declared blocks (``blocks=``) become the plan's blocks, which every room
+        reads from here on; without them, the blocks the trace found are split."""
+        if self.blocks is not None:
+            from ._blocks import declared_blocks
+
+            blocks = declared_blocks(plan, self.blocks)
+            plan = plan.replace(model=dataclasses.replace(plan.model, blocks=blocks))
         if not plan.model.blocks:
             raise PlanError(f"pipeline: {plan.model.cls or 'the model'} has no repeated blocks "
-                            f"to split into stages")
+                            f"to split into stages; declare them: pipeline(..., "
+                            f"blocks='layers') names a ModuleList or ModuleDict attribute")
         return plan
 
     def claims(self, plan: Plan):
@@ -130,18 +144,21 @@ class Pipeline(Transform):
 
     def decide(self, plan: Plan) -> PipelineStages:
         """The stages, once: the blocks split over the pipeline ranks (``_schedule.split``);
-        every other step reads them from the plan (``stages(plan)``). A model laid out
-        otherwise than the stages run is refused first, by name (an encoder-decoder, say),
-        not by a split of blocks that are not a decoder's."""
+        every other step reads them from the plan (``stages(plan)``), with the modules the
+        first and the last stage alone hold. Without declared blocks, a model laid out
+        otherwise than meshlab's decoder stages run is refused first, by name (an
+        encoder-decoder, say), not by a split of blocks that are not a decoder's."""
         from ._stage import check_layout
 
-        check_layout(plan)
+        if self.blocks is None:
+            check_layout(plan)
         return _schedule.split(plan, self)
 
     def check(self, plan: Plan) -> None:
         from ._stage import check_layout, check_untied
 
-        check_layout(plan)
+        if self.blocks is None:
+            check_layout(plan)
         check_untied(plan, _schedule.stages(plan, self))
 
     def prepare(self, ctx) -> None:
@@ -157,8 +174,21 @@ class Pipeline(Transform):
     def __repr__(self) -> str:
         layers = ("" if self.layers_per_stage is None
                   else f", layers_per_stage={self.layers_per_stage!r}")
+        blocks = "" if self.blocks is None else f", blocks={self.blocks!r}"
         return (f"pipeline({self.axis!r}, schedule={self.schedule!r}, "
-                f"microbatches={self.microbatches}, virtual_stages={self.v}{layers})")
+                f"microbatches={self.microbatches}, virtual_stages={self.v}{layers}{blocks})")
+
+
+def _block_names(value) -> str | tuple[str, ...]:
+    """``blocks``: a module name, or a non-empty list of distinct module names."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, (tuple, list)) and value and len(set(value)) == len(value) and \
+            all(isinstance(v, str) and v for v in value):
+        return tuple(value)
+    raise ConfigError(f"pipeline(blocks={value!r}): name the ModuleList or ModuleDict "
+                      f"attribute holding the blocks, e.g. blocks='layers', or list the "
+                      f"block modules, e.g. blocks=['h.0', 'h.1'] (distinct, non-empty names)")
 
 
 def _layers(value) -> tuple[int, ...]:
@@ -172,13 +202,22 @@ def _layers(value) -> tuple[int, ...]:
 
 def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
              virtual_stages: int | None = None,
-             layers_per_stage: tuple[int, ...] | list[int] | None = None) -> Pipeline:
+             layers_per_stage: tuple[int, ...] | list[int] | None = None,
+             blocks: str | tuple[str, ...] | list[str] | None = None) -> Pipeline:
     """Split the model's blocks into pipeline stages over mesh axis ``axis``.
+
+    ``blocks`` declares them for any model: the name of a ``ModuleList``/``ModuleDict``
+    attribute, or a list of module names. The model's own forward then runs on every
+    stage and skips what a stage does not hold (``None``; the contract is in
+    ``_blocks`` and docs/transforms.md). Without it, a Hugging Face decoder laid out as
+    ``embed_tokens -> layers -> norm`` runs on meshlab's stages of its parts.
 
     >>> pipeline('pp', schedule='interleaved', microbatches=8)
     pipeline('pp', schedule='interleaved', microbatches=8, virtual_stages=2)
+    >>> pipeline('pp', blocks='layers')
+    pipeline('pp', schedule='1f1b', microbatches=4, virtual_stages=1, blocks='layers')
     """
-    return Pipeline(axis, schedule, microbatches, virtual_stages, layers_per_stage)
+    return Pipeline(axis, schedule, microbatches, virtual_stages, layers_per_stage, blocks)
 
 
 def stages(plan: Plan) -> list[Stage]:

@@ -51,16 +51,27 @@ class Stage:
 
 @dataclasses.dataclass(frozen=True)
 class PipelineStages:
-    """What ``pipeline`` decided in ``bind``: its stages in order (``split``)."""
+    """What ``pipeline`` decided in ``bind``: its stages in order (``split``), and the
+    modules outside the blocks that the first stage alone holds (``before``: registered
+    before the first block, the embeddings) and the last alone (``after``: the final
+    norm and the head), from the module order (``_blocks.ends``)."""
 
     stages: tuple[Stage, ...]
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"stages": [s.to_json() for s in self.stages]}
+        return {"stages": [s.to_json() for s in self.stages], "before": list(self.before),
+                "after": list(self.after)}
 
     @classmethod
     def from_json(cls, d: dict) -> "PipelineStages":
-        return cls(tuple(Stage.from_json(s) for s in d["stages"]))
+        return cls(tuple(Stage.from_json(s) for s in d["stages"]), tuple(d["before"]),
+                   tuple(d["after"]))
+
+    def first_holds(self, fqn: str) -> bool:
+        """Whether parameter ``fqn`` (outside the blocks) is the first stage's."""
+        return plan_owner(fqn, set(self.before)) is not None
 
 
 register_decision("pipeline.stages", PipelineStages)
@@ -95,6 +106,9 @@ def split(plan: Plan, opt) -> PipelineStages:
     if len(blocks) < n:
         raise ConfigError(f"pipeline: {len(blocks)} blocks cannot fill {n} stages "
                           f"({p} ranks x {v}); use fewer stages")
+    from ._blocks import ends
+
+    sides = PipelineStages((), *ends(plan))
     size = {b: 0 for b in blocks}
     outside = [0, 0]
     for e in plan.params:
@@ -105,7 +119,7 @@ def split(plan: Plan, opt) -> PipelineStages:
         if owner is not None:
             size[owner] += nb
         else:
-            outside["embed" not in e.fqn and "wte" not in e.fqn] += nb
+            outside[not sides.first_holds(e.fqn)] += nb
     if opt.layers_per_stage is not None:
         counts = list(opt.layers_per_stage)
         if len(counts) != n or sum(counts) != len(blocks) or min(counts) < 1:
@@ -120,8 +134,8 @@ def split(plan: Plan, opt) -> PipelineStages:
         nb = sum(size[b] for b in bl) + (outside[0] if i == 0 else 0) + \
             (outside[1] if i == n - 1 else 0)
         s = Stage(i, _rank_of(i, p, v, opt.schedule), bl, i == 0, i == n - 1, nb)
-        out.append(dataclasses.replace(s, rank_bytes=stage_rank_bytes(plan, s)))
-    return PipelineStages(tuple(out))
+        out.append(dataclasses.replace(s, rank_bytes=stage_rank_bytes(plan, s, sides)))
+    return dataclasses.replace(sides, stages=tuple(out))
 
 
 def rank_rows(plan: Plan, opt, rows: list) -> list:
@@ -129,6 +143,7 @@ def rank_rows(plan: Plan, opt, rows: list) -> list:
     the embedding on the first stage's rank, the rest outside the blocks on the last's
     (as ``stages`` places them). Rows of no parameter (a room's own) stay."""
     st = stages(plan, opt)
+    sides = plan.decision(PipelineStages)
     blocks = {b: s.rank for s in st for b in s.blocks}
     first = next(s.rank for s in st if s.first)
     last = next(s.rank for s in st if s.last)
@@ -140,7 +155,7 @@ def rank_rows(plan: Plan, opt, rows: list) -> list:
         owner = plan_owner(fqn, blocks)
         if owner is not None:
             return blocks[owner]
-        return first if ("embed" in fqn or "wte" in fqn) else last
+        return first if sides.first_holds(fqn) else last
 
     by_rank: dict = {}
     for r in rows:
@@ -160,10 +175,11 @@ def boundaries(st: list, rank: int) -> int:
     return sum(1 for a, b in zip(st, st[1:]) if a.rank != b.rank and rank in (a.rank, b.rank))
 
 
-def stage_rank_bytes(plan: Plan, s: Stage) -> int:
+def stage_rank_bytes(plan: Plan, s: Stage, sides: PipelineStages | None = None) -> int:
     """The parameter bytes one rank of stage ``s`` holds: the local shards of its blocks'
-    parameters, of the embeddings on the first stage and of the rest outside the blocks on
-    the last (tied parameters once)."""
+    parameters, of the modules before the blocks on the first stage and of those after on
+    the last (tied parameters once), as ``sides`` (default: the plan's decision) says."""
+    sides = sides if sides is not None else plan.decision(PipelineStages)
     sizes = plan.mesh_shape
     blocks = tuple(b + "." for b in plan.model.blocks)
     mine = tuple(b + "." for b in s.blocks)
@@ -174,7 +190,7 @@ def stage_rank_bytes(plan: Plan, s: Stage) -> int:
         if e.fqn.startswith(blocks):
             if not e.fqn.startswith(mine):
                 continue
-        elif not (s.first if ("embed" in e.fqn or "wte" in e.fqn) else s.last):
+        elif not (s.first if sides.first_holds(e.fqn) else s.last):
             continue
         total += math.prod(local_shape(e.shape, e.mesh_spec, sizes)) * dtype_bytes(e.dtype)
     return total
