@@ -22,6 +22,7 @@ from ...core import collectives as C
 from ...core.errors import ConfigError
 from ...core.placement import dim_block
 from .._seqsplit import gather_after, hidden_arg, split_before, with_hidden
+from . import _rng
 from ._styles import TPGroup
 
 
@@ -94,7 +95,8 @@ def shard_module(m: nn.Module, spec: TPModule, tp: TPGroup, swapped: dict) -> No
 
 
 def install_hooks(model: nn.Module, layout: TPLayout, tp: TPGroup) -> None:
-    """Install the forward hooks of every TP module, region entry and SP split."""
+    """Install the forward hooks of every TP module, region entry and SP split, and the
+    switches between the shared and this rank's random streams (``_rng``)."""
     mods = dict(model.named_modules())
     for spec in layout.modules:
         pre, post = spec.style.hooks(mods[spec.fqn], tp)
@@ -124,6 +126,9 @@ def install_hooks(model: nn.Module, layout: TPLayout, tp: TPGroup) -> None:
 
     for fqn, attr, value in layout.attrs:
         setattr(mods[fqn], attr, value)
+
+    # dropout in a sharded region draws from this rank's own stream (``_rng``)
+    _rng.install(model, layout, tp)
 
 
 def _all_inputs_entry(tp: TPGroup):
