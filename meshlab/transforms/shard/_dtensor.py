@@ -139,7 +139,9 @@ class _Replicated(TorchFunctionMode):
         from torch.distributed.tensor import DTensor, Replicate
 
         kwargs = kwargs or {}
-        if in_local_region():
+        # Under torch.compile (compile_blocks) no shard_map body is traced (shard_map reads
+        # the layout context, which dynamo cannot trace), and neither can this read be.
+        if not torch.compiler.is_compiling() and in_local_region():
             return func(*args, **kwargs)
         flat, spec = pytree.tree_flatten((args, kwargs))
         plain = [isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim() > 0
@@ -298,7 +300,10 @@ def _within(forward, layout: ModelLayout):
     root forward (``remat`` wraps this, so its recomputation calls it)."""
     @functools.wraps(forward)
     def run(*args, **kwargs):
-        if current_layout() is layout:
+        # A compiled block is traced inside the root forward, the layout entered and the
+        # mode on the stack (dynamo guards on the mode stack), where dynamo could not read
+        # the layout's context variable.
+        if torch.compiler.is_compiling() or current_layout() is layout:
             return forward(*args, **kwargs)
         token = enter_layout(layout)
         try:

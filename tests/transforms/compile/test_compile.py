@@ -2,7 +2,8 @@
 
 Two gloo processes: a fused tiny Llama with its blocks compiled (with
 remat, and under ZeRO-3) trains to the eager model's losses and weights, with no graph
-break (counted by dynamo) and one compiled graph per block; the compositions not yet
+break (counted by dynamo) and one compiled graph per block; the blocks of a hand-written
+decoder sharded by specs alone (DTensor mode) compile whole too; the compositions not yet
 shown are refused by name."""
 
 from __future__ import annotations
@@ -56,6 +57,68 @@ def compiled_case(rank, world, extra):
 def test_compiled_blocks_gloo(world2, extra):
     out = world2.run(compiled_case, extra=extra)
     assert all(o["breaks"] == 0 for o in out)
+
+
+def dtensor_case(rank, world, sp, backend):
+    """The hand-written decoder of tests/_models.py sharded by specs alone (DTensor mode:
+    its own forward on DTensors), trained 3 AdamW steps eagerly and with each block
+    compiled after parallelize (fullgraph): the same losses and weights, no graph break.
+    compile_blocks() itself is refused with shard by the composition table, in plan and
+    in parallelize alike."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import meshlab as ml
+    from meshlab import P
+    from meshlab.transforms.shard._layout import tp_layout
+
+    spec = ml.shard({k: P(*v) for k, v in M.HAND_SPECS.items()}, ml.Rules(**M.HAND_RULES))
+    mesh = ml.Mesh(dp=1, tp=world)
+    for refuse in (lambda: ml.plan(M.build_hand(sp=sp), spec | ml.compile_blocks(),
+                                   ml.Mesh(dp=1, tp=world, fake=True)),
+                   lambda: ml.parallelize(M.build_hand(sp=sp), spec | ml.compile_blocks(), mesh)):
+        with pytest.raises(ml.ConfigError, match="composition table: shard x compile_blocks"):
+            refuse()
+    data = M.batches(3, batch=4, seq=8, vocab=M.HAND["vocab"])
+    torch._dynamo.reset()
+    counters.clear()
+    runs = {}
+    for compiled in (False, True):
+        model = ml.parallelize(M.build_hand(sp=sp), spec, mesh, seed=0)
+        if compiled:
+            for b in model.blocks:
+                b.compile(fullgraph=True, backend=backend)
+        opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-2)
+        losses = []
+        for b in data:
+            loss = M.hand_loss(model(b), b)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[compiled] = (model, losses)
+    (eager, e_losses), (compiled, c_losses) = runs[False], runs[True]
+    assert tp_layout(compiled._meshlab.plan, 0)[0].dtensor
+    torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(e_losses), atol=2e-5,
+                               rtol=1e-5)
+    ref = dict(eager.named_parameters())
+    for n, w in compiled.named_parameters():
+        torch.testing.assert_close(M.full(w).detach(), M.full(ref[n]).detach(), atol=2e-5,
+                                   rtol=1e-4, msg=lambda m, n=n: f"weight {n}: {m}")
+    return {"breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"], "losses": c_losses}
+
+
+@pytest.mark.parametrize("sp,backend", [(False, "inductor"), (True, "aot_eager")],
+                         ids=["tp", "tp_sp"])
+def test_blocks_compile_in_dtensor_mode_gloo(world2, sp, backend):
+    """Specs without policy regions run the model's own forward on DTensors; its blocks
+    trace whole (the block wrapper and the mode that reads plain tensors as replicated
+    run under dynamo) and train like the eager run, with sequence parallelism written in
+    the model (constrain between blocks) too."""
+    out = world2.run(dtensor_case, sp=sp, backend=backend)
+    assert all(o["breaks"] == 0 and o["graphs"] >= 1 for o in out), out
+    assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
 def test_refused_compositions():
