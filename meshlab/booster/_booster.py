@@ -247,12 +247,16 @@ class Booster:
                          return_loss: bool = True, return_outputs: bool = False) -> dict:
         """Forward and backward of the next batch of ``data_iter`` through the pipeline
         schedule, in the plugin's microbatches; then call ``optimizer.step()`` yourself.
+        Without ``optimizer``, the schedule's forward only (evaluation: no backward, no
+        gradient touched).
 
-        ``criterion(outputs, inputs)`` runs on the last stage for each microbatch:
-        ``outputs`` is the Hugging Face output (``.logits``, and ``.loss`` — the model's
-        own loss of the labels), ``inputs`` holds the microbatch's ``labels``. Returns
+        ``criterion(outputs, inputs)`` runs on the last stage for each microbatch, with
+        ``inputs`` the microbatch: every key of the batch (``labels``, masks, ...). For a
+        Hugging Face model ``outputs`` is its output (``.logits``, and ``.loss`` — the
+        model's own loss of the labels); for a model with declared blocks
+        (``pipeline(blocks=...)``) it is what the model's forward returns. Returns
         ``{'loss': the loss averaged over microbatches and data ranks (on every rank),
-        'outputs': the last stage's logits (there; None elsewhere)}``."""
+        'outputs': the last stage's outputs (there; None elsewhere)}``."""
         from ..transforms.pipeline._runtime import PipelinePart
 
         rt = runtime_or_none(model)
@@ -260,37 +264,44 @@ class Booster:
         if part is None:
             raise ConfigError(f"execute_pipeline: this model runs no pipeline ({self.plugin!r});"
                               f" call model(**batch), booster.backward(loss, optimizer)")
-        if optimizer is None:
-            raise UnsupportedArgument("execute_pipeline", "optimizer", None, "a forward-only "
-                                      "pipeline pass is not implemented", "pass the optimizer "
-                                      "(the step is still yours to call)")
-        self._model_of(optimizer, "execute_pipeline")
+        if optimizer is not None:
+            self._model_of(optimizer, "execute_pipeline")
         batch = next(data_iter)
-        scaler = getattr(optimizer, "scaler", None)
-        loss, out = part.forward_backward(rt, batch, self._criterion(model, criterion),
-                                          return_outputs=return_outputs,
-                                          scale=scaler.scale if scaler is not None else 1.0)
+        loss_fn = self._criterion(model, criterion)
+        if optimizer is None:
+            loss, out = part.forward_only(rt, batch, loss_fn, return_outputs=return_outputs)
+        else:
+            scaler = getattr(optimizer, "scaler", None)
+            loss, out = part.forward_backward(rt, batch, loss_fn, return_outputs=return_outputs,
+                                              scale=scaler.scale if scaler is not None else 1.0)
         return {"loss": torch.tensor(loss) if return_loss else None,
                 "outputs": out if return_outputs else None}
 
     def _criterion(self, model: nn.Module, criterion: Callable) -> Callable:
-        """``criterion(outputs, inputs)`` as the schedule's ``loss_fn(logits, batch)``
-        (one adapter per criterion: the schedule is built once per loss function)."""
+        """``criterion(outputs, inputs)`` as the schedule's ``loss_fn(output, microbatch)``
+        (one adapter per criterion: the schedule is built once per loss function). A
+        Hugging Face model's logits are wrapped in its output with its own loss of the
+        labels (the ids where the batch has none); any other model's output is passed as
+        its forward returned it."""
         key = id(criterion)
         if key not in self._criteria:
+            config = getattr(model, "config", None)
+            if config is None or not callable(getattr(model, "loss_function", None)):
+                self._criteria[key] = criterion
+                return criterion
             from transformers.modeling_outputs import CausalLMOutputWithPast
 
-            vocab = model.config.vocab_size
+            vocab = config.vocab_size
 
             def loss_fn(logits, batch):
                 from torch.distributed.tensor import DTensor
 
-                labels = batch["labels"]
+                labels = batch.get("labels", batch.get("input_ids"))
                 if isinstance(logits, DTensor):
                     logits = logits.full_tensor()
                 own = model.loss_function(logits=logits, labels=labels, vocab_size=vocab)
                 return criterion(CausalLMOutputWithPast(loss=own, logits=logits),
-                                 {"labels": labels})
+                                 {**batch, "labels": labels})
 
             self._criteria[key] = loss_fn
         return self._criteria[key]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.agree import agree, alone
-from ..core.errors import ConfigError, MeshlabError, check_int
+from ..core.errors import ConfigError, MeshlabError, check_bool, check_int
 from ..core.sections import section
 from ._content import batch_peers, hyperparameters
 from .optimizer import MeshOptimizer
@@ -95,6 +95,19 @@ def _loss(loss_fn, out, mb):
     return causal_lm_loss(out, mb)
 
 
+def _check_mode(train, opt, inputs, rt) -> None:
+    """``train`` is a bool, the optimizer one ``step`` can step (evaluation needs none),
+    and ``inputs`` is not given to a pipeline, whose stages read the batch by its keys."""
+    check_bool(train, "step", "train")
+    if train:
+        _check_optimizer(opt, rt)
+    if inputs is not None and rt.roles.pp is not None:
+        raise ConfigError("step(inputs=...) with a pipeline: the stages read the batch by its "
+                          "keys (the key named as the forward's first parameter goes to the "
+                          "first stage, the others to every stage by name); name the batch's "
+                          "keys after the forward's parameters and drop inputs=")
+
+
 def _check_optimizer(opt, rt) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigError(f"step(model, opt, batch): opt must be a torch optimizer or "
@@ -127,7 +140,8 @@ def _gc_paused(pause: bool):
 
 def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable | None = None,
          *, microbatches: int = 1, inputs=None, pause_gc: bool = True,
-         reduction: str = "mean", num_tokens: Callable | None = None) -> float:
+         reduction: str = "mean", num_tokens: Callable | None = None,
+         train: bool = True) -> float:
     """One training step: forward/backward over ``microbatches`` slices of this rank's
     ``batch``, then ``opt.step()`` and ``opt.zero_grad()``. Returns the loss of the global
     batch as ``reduction`` defines it, and the gradients are that loss's, as one process
@@ -162,12 +176,17 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     one rank, stalling the others at the next collective), and the reference cycles a
     step makes (selective checkpointing's) are freed every step. ``False`` leaves the
     collector alone, as does a collector the caller has turned off.
+
+    ``train=False`` evaluates: the forward and loss of every microbatch under
+    ``torch.no_grad()``, no backward and no optimizer step (``opt`` may be None), and the
+    same loss of the global batch; a pipelined model runs its schedule's forward only.
+    Dropout and the like follow ``model.train()`` / ``model.eval()`` as the caller set them.
     """
     rt = runtime_of(model)
     fused = fused_loss_of(model)
     mbs, error = None, None
     try:
-        _check_optimizer(opt, rt)
+        _check_mode(train, opt, inputs, rt)
         if fused and loss_fn is not None:
             raise ConfigError("this model's loss is fused (fuse('loss')): its head returns "
                               "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
@@ -185,14 +204,15 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     # wrong.
     peers = None
     if error is None and not alone(rt.ctrl_group):
-        peers = {**batch_peers(rt, batch), **hyperparameters(opt)}
+        peers = {**batch_peers(rt, batch), **(hyperparameters(opt) if train else {})}
     agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches,
                                   "reduction": reduction}, error, peers=peers)
     agreed = opt.agreed_by_caller() if isinstance(opt, MeshOptimizer) else \
         contextlib.nullcontext()
+    run = _run if train else _evaluate
     with _gc_paused(pause_gc), agreed:
-        loss = _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused,
-                    _Reduce(reduction, num_tokens, rt, mbs))
+        loss = run(model, rt, opt, mbs, batch, loss_fn, inputs, fused,
+                   _Reduce(reduction, num_tokens, rt, mbs))
     # Read after the collection on the way out of the pause: it then runs while the device
     # still works through the optimizer, not while it waits for the next step.
     return float(loss)
@@ -228,6 +248,26 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
             opt.zero_grad()
     opt.step()
     opt.zero_grad()
+    if rt.dp_group is not None and rt.dp_size > 1:
+        t = total.reshape(1).to(rt.device)
+        dist.all_reduce(t, group=rt.dp_group)
+        return t[0] * red.backward_scale / rt.dp_size
+    return total
+
+
+def _evaluate(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
+    """``step(..., train=False)``: a room's own forward-only pass (the pipeline's
+    schedule), or the forward and loss of every microbatch under ``no_grad``; the loss of
+    the global batch as ``_run`` returns it."""
+    for part in rt.parts:
+        done = part.evaluate(rt, batch, loss_fn or _default_loss)
+        if done is not None:
+            return done
+    total = None
+    with torch.no_grad():
+        for mb in mbs:
+            part = _whole(_forward(model, rt, mb, loss_fn, inputs, fused, red)).to(torch.float64)
+            total = part if total is None else total + part
     if rt.dp_group is not None and rt.dp_size > 1:
         t = total.reshape(1).to(rt.device)
         dist.all_reduce(t, group=rt.dp_group)

@@ -198,6 +198,11 @@ class Part:
         """Run forward, backward and ``opt.step()`` for ``batch``; None leaves it to ``step``."""
         return None
 
+    def evaluate(self, rt, batch, loss_fn) -> float | None:
+        """Run the forward and loss of ``batch`` only (``step(..., train=False)``); None
+        leaves it to ``step``."""
+        return None
+
 
 class Transform:
     """Base of every transform: a frozen dataclass implementing some of the hooks above."""

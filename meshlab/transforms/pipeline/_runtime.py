@@ -1,4 +1,6 @@
-"""This rank's pipeline stages and the schedule that runs them."""
+"""This rank's pipeline stages and the schedule that runs them: meshlab's stages of a
+Hugging Face decoder (``_stage``), or the model's own forward on declared blocks
+(``_blocks``); the batch reaches them as ``_feed`` says."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from ...core.agree import agree, alone
 from ...core.digest import batch_entry, data_coords
 from ...core.errors import ConfigError
 from .._protocol import Part
+from ._feed import Feed, decoder_feed, microbatch, own_feed, signature_of
 from ._guard import StageFailures, guarded_loss
-from ._schedule import stages, torch_actions
+from ._schedule import PipelineStages, stages, torch_actions
 from ._stage import DecoderStage, prune
 
 
@@ -30,10 +33,17 @@ class PipelineSetup:
         self.kept = {b for s in self.mine for b in s.blocks}
         self.first = any(s.first for s in self.mine)
         self.last = any(s.last for s in self.mine)
+        self.sides = ctx.plan.decision(PipelineStages)
         ctx.dropped |= set(ctx.plan.model.blocks) - self.kept
         ctx.after_init.append(self.prune)
 
     def prune(self, model: nn.Module) -> None:
+        if self.t.blocks is not None:
+            from ._blocks import prune as prune_declared
+
+            prune_declared(model, _all_blocks(self), self.kept, self.sides.before,
+                           self.sides.after, self.first, self.last)
+            return
         prune(model, self.kept)
         base = getattr(model, model.base_model_prefix)
         if not self.first:
@@ -48,13 +58,31 @@ class PipelineSetup:
         mesh = ctx.device_mesh(self.t.axis)
         group = mesh.get_group()
         failures = StageFailures()
-        built = [PipelineStage(DecoderStage(ctx.model, [int(b.rsplit(".", 1)[1]) for b in s.blocks],
-                                            s.first, s.last, failures),
-                               s.index, len(self.all), ctx.device, group=group)
+        built = [PipelineStage(self._module(ctx, s, failures), s.index, len(self.all),
+                               ctx.device, group=group)
                  for s in self.mine]
         _refuse_generate(ctx.model)
+        sig = None if self.t.blocks is None else signature_of(ctx.model)
         return PipelinePart(self.t, group, built, self.kept, self.first, self.last,
-                            failures=failures)
+                            failures=failures, signature=sig)
+
+    def _module(self, ctx, s, failures) -> nn.Module:
+        """What stage ``s`` runs: the model's own forward on its view of the model
+        (declared blocks), or meshlab's stage of a Hugging Face decoder's parts."""
+        if self.t.blocks is None:
+            return DecoderStage(ctx.model, [int(b.rsplit(".", 1)[1]) for b in s.blocks],
+                                s.first, s.last, failures)
+        from ._blocks import OwnStage, stage_view
+        from ._p2p import hidden_size
+
+        view, pairs = stage_view(ctx.model, _all_blocks(self), s.blocks, self.sides.before,
+                                 self.sides.after, s.first, s.last)
+        return OwnStage(ctx.model, view, pairs, hidden_size(ctx.plan) or 0, failures)
+
+
+def _all_blocks(setup: PipelineSetup) -> tuple[str, ...]:
+    """Every block of the pipeline, in order (the plan's, as the stages split them)."""
+    return tuple(b for s in setup.all for b in s.blocks)
 
 
 def _refuse_generate(model: nn.Module) -> None:
@@ -88,7 +116,8 @@ def _pipeline_batch(batch, microbatches: int):
                     k == "attention_mask" and isinstance(v, torch.Tensor) and bool((v == 1).all())):
                 continue     # an all-ones mask changes nothing; anything else would be lost
             raise ConfigError(f"step: a pipelined model reads batch['input_ids'] and "
-                              f"batch['labels'] only; batch[{k!r}] would be dropped (for "
+                              f"batch['labels'] only; batch[{k!r}] would be dropped (meshlab's "
+                              f"stages of a Hugging Face decoder take the ids alone; for "
                               f"padding, mark the padded labels -100 and drop the mask)")
     else:
         x = target = batch
@@ -116,8 +145,11 @@ class PipelinePart(Part):
     first: bool
     last: bool
     failures: StageFailures = dataclasses.field(default_factory=StageFailures)
+    # the forward the stages run, for declared blocks (``_feed``); None: a decoder's stages
+    signature: Any = None
     _schedules: dict = dataclasses.field(default_factory=dict)
     _scale: float = 1.0
+    _feed: Feed | None = None
 
     def norm_groups(self) -> tuple:
         return (self.group,)
@@ -132,12 +164,13 @@ class PipelinePart(Part):
         if key not in self._schedules:
             m = self.t.microbatches
 
-            # Each microbatch's loss is divided by their number here, so the backward
-            # accumulates the mean's gradient; torch's own ``scale_grads`` divides every
-            # gradient after the schedule instead, including gradients accumulated before
-            # this call (a second call without zero_grad would hold g2 + g1 / m).
-            def stage_loss(out, target):
-                loss = loss_fn(out, {"input_ids": target, "labels": target})
+            # The loss is the caller's, of the microbatch the schedule's target names
+            # (``_feed``). Each microbatch's loss is divided by their number here, so the
+            # backward accumulates the mean's gradient; torch's own ``scale_grads`` divides
+            # every gradient after the schedule instead, including gradients accumulated
+            # before this call (a second call without zero_grad would hold g2 + g1 / m).
+            def stage_loss(out, index):
+                loss = loss_fn(out, microbatch(self._feed, index))
                 return loss * (self._scale / m)
 
             sched = _PipelineScheduleRuntime(self.stages, m,
@@ -157,6 +190,10 @@ class PipelinePart(Part):
         opt.zero_grad()
         return loss
 
+    def evaluate(self, rt, batch, loss_fn) -> float:
+        """The schedule's forward only; the loss comes from the last stage."""
+        return self.forward_only(rt, batch, loss_fn)[0]
+
     def forward_backward(self, rt, batch, loss_fn, *, return_outputs: bool = False,
                          scale: float = 1.0):
         """Forward and backward of every microbatch through the schedule, the gradients
@@ -164,30 +201,44 @@ class PipelinePart(Part):
         loss scale). Returns (the unscaled loss averaged over microbatches and data ranks,
         on every rank; the last stage's merged outputs when ``return_outputs``, else
         None)."""
-        x, target = _pipeline_batch(batch, self.t.microbatches)
+        return self._run(rt, batch, loss_fn, True, return_outputs, scale)
+
+    def forward_only(self, rt, batch, loss_fn, *, return_outputs: bool = False):
+        """The forward of every microbatch through the schedule, under ``no_grad``: no
+        backward, no gradient touched. Returns what ``forward_backward`` returns."""
+        with torch.no_grad():
+            return self._run(rt, batch, loss_fn, False, return_outputs, 1.0)
+
+    def feed(self, batch) -> Feed:
+        """The schedule's inputs for ``batch`` (``_feed``), checked before any send."""
+        m = self.t.microbatches
+        if self.signature is not None:
+            return own_feed(batch, m, self.signature)
+        return decoder_feed(batch, m, _pipeline_batch(batch, m)[0])
+
+    def _run(self, rt, batch, loss_fn, train: bool, return_outputs: bool, scale: float):
+        feed = self.feed(batch)
         losses: list = []
         sched = self.schedule(loss_fn)
-        self._scale = scale
-        sync = rt.grad_sync
+        self._scale, self._feed = scale, feed
+        sync = rt.grad_sync if train else None
         if sync is not None:         # the microbatches accumulate; one reduction after
             sync.enabled = False
         out = None
+        call = sched.step if train else sched.eval
         try:
             with rt.autocast():
-                if self.first:
-                    out = sched.step(x, target=target if self.last else None, losses=losses,
-                                     return_outputs=return_outputs)
-                elif self.last:
-                    out = sched.step(target=target, losses=losses,
-                                     return_outputs=return_outputs)
-                else:
-                    out = sched.step(return_outputs=return_outputs)
+                args = feed.args if self.first else ()
+                target = {"target": feed.index} if self.last else {}
+                out = call(*args, **target, losses=losses, return_outputs=return_outputs,
+                           **feed.kwargs)
         except Exception as e:     # after the stages' communication: agreed below
             self.failures.record(e)
         finally:
+            self._feed = None
             if sync is not None:
                 sync.enabled = True
-        self._settle(rt, {"input_ids": x, "labels": target})
+        self._settle(rt, feed.batch)
         if sync is not None:
             sync.flush()
         # Summed on the device and read once, by the caller: no host round trip per

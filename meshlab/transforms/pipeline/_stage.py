@@ -120,9 +120,13 @@ def check_layout(plan) -> None:
                           f"decoder-only models (embed_tokens -> layers -> norm) and does not "
                           f"yet split an encoder and a decoder into stages; use zero_shard, "
                           f"shard or remat for it")
+    lists = [m.fqn for m in plan.model.modules if m.cls in ("ModuleList", "ModuleDict")]
     raise ConfigError(f"pipeline: {cls} lacks {missing} under {prefix or 'the model'!r}; meshlab "
                       f"pipelines decoders laid out as embed_tokens -> layers -> norm (the "
-                      f"base_model_pp_plan of Llama-like families)")
+                      f"base_model_pp_plan of Llama-like families) on its own stages; for "
+                      f"any other model, declare its blocks and let its forward skip what a "
+                      f"stage does not hold: pipeline(..., blocks={(lists or ['layers'])[0]!r}) "
+                      f"(docs/transforms.md, pipeline)")
 
 
 def check_untied(plan, stages) -> None:

@@ -97,6 +97,8 @@ def test_a_parameter_no_one_stage_holds_is_refused():
 def test_a_model_of_ones_own_without_declared_blocks_is_told_to_declare_them():
     with pytest.raises(ml.PlanError, match=r"declare them: pipeline\(\.\.\., blocks='layers'\)"):
         ml.plan(M.build_staged(), ml.pipeline("pp"), ml.Mesh(pp=2, fake=True))
+    with pytest.raises(ml.ConfigError, match=r"pipeline\(\.\.\., blocks='blocks'\)"):
+        ml.plan(M.build_hand(), ml.pipeline("pp"), ml.Mesh(pp=2, fake=True))
 
 
 class _ListLM(nn.Module):
