@@ -23,5 +23,5 @@ from ._booster import Booster as Booster, launch_from_torch as launch_from_torch
 from ._launch import (launch as launch, launch_from_openmpi as launch_from_openmpi,
                       launch_from_slurm as launch_from_slurm)
 from ._table import mapping_table as mapping_table
-from . import (accelerator, checkpoint_io, cluster, interface, lazy, logging,  # noqa: F401
-               mixed_precision, nn, optimizer, shardformer, utils)
+from . import (accelerator, checkpoint_io, cluster, fx, interface, lazy,  # noqa: F401
+               logging, mixed_precision, nn, optimizer, shardformer, utils)

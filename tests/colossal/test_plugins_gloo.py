@@ -1,0 +1,183 @@
+"""Colossal-AI's plugin tests, rewritten in meshlab's code, on 2 gloo processes.
+
+* ``tests/test_booster/test_plugin/test_torch_ddp_plugin.py``: boost returns an
+  ``OptimizerWrapper``; ``booster.backward``, ``clip_grad_by_norm(1.0)`` and ``step``
+  train as one process does (tighter: weights equal one process in float32, where the
+  original only runs); ``no_sync`` leaves each rank its own gradient and the next
+  backward makes them equal.
+* ``tests/test_booster/test_plugin/test_dp_plugin_base.py``: a ``DPPluginBase`` subclass's
+  ``prepare_dataloader`` gives the ranks different samples.
+* ``tests/test_booster/test_plugin/test_low_level_zero_plugin.py``: ZeRO-2 with
+  ``max_norm=1.0``: ``get_grad_norm()`` is a float after the step (and equals one
+  process's norm).
+* ``tests/test_booster/test_mixed_precision/test_fp16_torch.py``:
+  ``FP16TorchMixedPrecision().configure(model, optimizer, criterion)`` then
+  ``optimizer.backward``, ``clip_grad_by_norm``, ``step``.
+* ``colossalai.launch(rank=, world_size=, host=, port=)`` on an existing group, and the
+  plugin's groups (``dp_group``, ``tp_group``, ``stage_manager``).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def case_ddp(rank, world):
+    import torch.distributed as dist
+
+    from meshlab.booster import Booster
+    from meshlab.booster.interface import ModelWrapper, OptimizerWrapper
+    from meshlab.booster.plugin import TorchDDPPlugin
+
+    booster = Booster(plugin=TorchDDPPlugin())
+    model, ref = _net(), _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    criterion = lambda x: x.mean()  # noqa: E731
+    model, optimizer, criterion, _, _ = booster.boost(model, optimizer, criterion)
+    assert isinstance(optimizer, OptimizerWrapper) and isinstance(model, ModelWrapper)
+    assert isinstance(model, nn.Sequential) and model.unwrap() is model
+    torch.manual_seed(1)
+    data = torch.randn(world * 2, 8)
+    loss = criterion(model(data[rank * 2:(rank + 1) * 2]))
+    booster.backward(loss, optimizer)
+    norm = optimizer.clip_grad_by_norm(1.0)
+    optimizer.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ref(data).mean().backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+    ref_opt.step()
+    assert abs(norm - float(ref_norm)) < 1e-6, (norm, float(ref_norm))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-6)
+    dist.barrier()
+
+
+class _Dummy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.weight * x
+
+
+def case_no_sync(rank, world):
+    import torch.distributed as dist
+
+    from meshlab.booster import Booster
+    from meshlab.booster.plugin import TorchDDPPlugin
+
+    plugin = TorchDDPPlugin()
+    booster = Booster(plugin=plugin)
+    model = _Dummy()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    dl = plugin.prepare_dataloader(torch.arange(0, 10).float(), batch_size=2)
+    model, optimizer, _, dl, _ = booster.boost(model, optimizer, dataloader=dl)
+    for i, batch in enumerate(dl):
+        if i > 1:
+            break
+        with booster.no_sync(model) if i == 0 else nullcontext():
+            booster.backward(model(batch).mean(), optimizer)
+        g = model.weight.grad
+        grads = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(grads, g)
+        assert len({x.item() for x in grads}) == (world if i == 0 else 1)
+
+
+def case_dp_plugin_base(rank, world):
+    import torch.distributed as dist
+    from torch.utils.data import TensorDataset
+
+    from meshlab.booster.plugin.dp_plugin_base import DPPluginBase
+
+    class Wrapper(DPPluginBase):
+        pass
+
+    dl = Wrapper().prepare_dataloader(TensorDataset(torch.arange(0, 10)), batch_size=2)
+    batch = next(iter(dl))[0]
+    other = batch.clone()
+    dist.broadcast(other, src=1)
+    if rank == 0:
+        assert not torch.equal(batch, other)
+
+
+def case_zero2_grad_norm(rank, world):
+    from meshlab.booster import Booster
+    from meshlab.booster.plugin import LowLevelZeroPlugin
+
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp32", max_norm=1.0))
+    model, ref = _net(), _net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    torch.manual_seed(2)
+    data = torch.randn(world * 3, 8)
+    booster.backward(model(data[rank * 3:(rank + 1) * 3]).mean(), optimizer)
+    optimizer.step()
+    norm = optimizer.get_grad_norm()
+    assert isinstance(norm, float)
+    ref(data).mean().backward()
+    want = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    assert abs(norm - want) < 1e-6 * max(1.0, want), (norm, want)
+
+
+def case_fp16_configure(rank, world):
+    from meshlab.booster.mixed_precision import FP16TorchMixedPrecision
+
+    model = _net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    model, optimizer, criterion = FP16TorchMixedPrecision().configure(
+        model, optimizer, lambda x: x.mean())
+    # The dynamic loss scale starts at 2**16, where this model's fp16 backward overflows:
+    # those steps are skipped (and the scale halved) until one fits, as torch's
+    # GradScaler does.
+    stepped = False
+    for _ in range(20):
+        loss = criterion(model(torch.randn(2, 8)))
+        optimizer.backward(loss)
+        optimizer.clip_grad_by_norm(1.0)
+        stepped = optimizer.step()
+        optimizer.zero_grad()
+        if stepped:
+            break
+    assert stepped and optimizer.scaler.scale < 2.0 ** 16
+    after = list(model.parameters())
+    assert all(not torch.equal(a.detach(), b) for a, b in zip(after, before))
+
+
+def case_launch_and_groups(rank, world, port):
+    import torch.distributed as dist
+
+    import meshlab.booster as colossalai
+    from meshlab.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
+
+    colossalai.launch(rank=rank, world_size=world, host="localhost", port=port, verbose=False)
+    assert dist.get_world_size() == world         # the existing group is used
+    plugin = TorchDDPPlugin()
+    assert plugin.stage_manager is None and plugin.tp_group is None
+    assert dist.get_world_size(plugin.dp_group) == world
+    hybrid = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=2)
+    sm = hybrid.stage_manager
+    assert (sm.stage, sm.num_stages) == (rank, 2)
+    assert sm.is_first_stage() == (rank == 0) and sm.is_last_stage() == (rank == 1)
+
+
+@pytest.mark.parametrize("case", [case_ddp, case_no_sync, case_dp_plugin_base,
+                                  case_zero2_grad_norm, case_fp16_configure])
+def test_colossal_plugin_cases(world2, case):
+    world2.run(case)
+
+
+def test_launch_uses_the_launched_group(world2):
+    world2.run(case_launch_and_groups, port=29500)
