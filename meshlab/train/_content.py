@@ -25,9 +25,9 @@ from ..core.digest import batch_entry, data_coords, replica_digests
 
 # Steps of ``meshlab.optimizer`` between two checks of the replicas' parameters. Measured
 # (``benchmarks/agreement_cost.py``, CPU gloo, world 2, a Llama of 5M parameters): a check
-# costs 0.03 to 0.04 of a step, so every 5 steps would stay under 1%. 50 keeps it under
-# 1% where a step is cheap beside one read of every parameter (a GPU step of a small
-# model: the check's int64 sums read each weight once, a step reads it several times).
+# costs 0.05 to 0.06 of a step, so every 6 steps would stay under 1% (every 50: 0.1%). 50
+# keeps it under 1% where a step is cheap beside one read of every parameter (a GPU step
+# of a small model: the check's sums read each weight once, a step reads it many times).
 CHECK_EVERY = 50
 
 
