@@ -2,7 +2,7 @@
 the committed files show their outputs on a code host (CI executes them again with
 ``pytest --nbmake``).
 
-    .venv/bin/python notebooks/_make.py               # write and execute both (minutes)
+    .venv/bin/python notebooks/_make.py               # write and execute them all (minutes)
     .venv/bin/python notebooks/_make.py --no-execute  # write the cells only
 
 Executing is what ``jupyter nbconvert --to notebook --execute --inplace`` does, with the
@@ -128,9 +128,16 @@ NB01 = [
     "print(f'planned {n / 1e9:.1f}B parameters on {big.size:,} ranks in under a minute')\n"
     "plan70",
     "plan70.memory()",
-    "md:Change the topology and compare: a plan diff says what moved.",
+    "md:Change the topology and compare: a plan diff says what moved, in the specs "
+    "(`d.changed`) and in what each rank holds (`d.local`: per-rank shapes and bytes).",
     "plan_tp4 = ml.plan(model, ml.shard(ml.policies.auto, tp_rules), ml.Mesh(fsdp=256, tp=4, fake=True))\n"
-    "d = plan70.diff(plan_tp4)\nprint(len(d.changed), 'parameters change layout')\n"
+    "d = plan70.diff(plan_tp4)\n"
+    "# the same rules map every parameter to the same axes, so no spec changes; each rank\n"
+    "# holds a quarter of a tensor-parallel dim instead of an eighth, and half of an fsdp one\n"
+    "print(len(d.changed), 'parameters change their spec;', len(d.local), 'change their shape per rank')\n"
+    "assert not d.changed and d.local\n"
+    "for fqn, before, after, _, _ in d.local[:3]:\n"
+    "    print(f'  {fqn}: {before} -> {after}')\n"
     "print(f'per-rank bytes: {plan70.memory().total / 2**20:.1f} MiB -> '\n"
     "      f'{plan_tp4.memory().total / 2**20:.1f} MiB')",
     "md:Plans round-trip through JSON, so they can be saved, reviewed and golden-tested.",
@@ -294,11 +301,189 @@ NB03 = [
     "    print(f'{name}: memory {gib(m.memory)}, step {st.step:.2f} s, {st.tokens_per_s:,.0f} tokens/s')",
 ]
 
+# The model of notebook 04, built by a function: the processes notebook_launcher starts
+# build it again from this source (a class defined in a notebook cannot travel to them).
+_TINY_LM = """def tiny_lm(vocab=64, dim=64, n_heads=4, n_layers=2, max_len=32):
+    \"\"\"A small decoder in plain PyTorch: learned positions, pre-norm blocks, a head.\"\"\"
+    import torch
+    import torch.nn.functional as F
+    import meshlab as ml
+    from meshlab import P
+
+    HEADS = P('batch', 'heads', None, None)               # (B, H, S, hd), split over heads
+
+    def attend(q, k, v, w_out):
+        # on this rank's heads; w_out: the columns of the output projection they feed
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, h, S, hd)
+        y = y.transpose(1, 2).flatten(2) @ w_out.T                    # (B, S, dim): a part
+        return ml.psum(y, 'tp')                           # every head's part, summed over tp
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n_heads, self.hd = n_heads, dim // n_heads
+            self.q, self.k, self.v, self.out = (torch.nn.Linear(dim, dim, bias=False)
+                                                for _ in range(4))
+            self.core = ml.shard_map(attend, in_specs=(HEADS, HEADS, HEADS, P(None, 'heads')),
+                                     out_specs=P('batch', None, None))
+
+        def forward(self, x):                                         # (B, S, dim)
+            B, S, _ = x.shape
+            q, k, v = (p(x).view(B, S, self.n_heads, self.hd).transpose(1, 2)
+                       for p in (self.q, self.k, self.v))             # (B, H, S, hd)
+            return self.core(q, k, v, self.out.weight)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm1, self.attn = torch.nn.LayerNorm(dim), Attention()
+            self.norm2 = torch.nn.LayerNorm(dim)
+            self.up, self.down = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+        def forward(self, h):
+            h = h + self.attn(self.norm1(h))
+            return h + self.down(F.gelu(self.up(self.norm2(h))))
+
+    class TinyLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(max_len, dim)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(n_layers))
+            self.norm = torch.nn.LayerNorm(dim)
+            self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, ids):                                       # (B, S) token ids
+            h = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+            for block in self.blocks:
+                # the residual stream split over tp along the sequence between blocks
+                # (sequence parallelism)
+                h = block(ml.constrain(h, P('batch', 'tp', None)))
+            h = ml.constrain(h, P('batch', None, None))
+            return self.head(self.norm(h))                            # (B, S, vocab)
+
+    return TinyLM()"""
+
+_TRAIN = """def train(model_source, mesh_text, steps):
+    \"\"\"Train the model ``model_source`` builds for ``steps`` AdamW steps on a fixed
+    stream of batches: on this process as written (``mesh_text=None``), or parallelized on
+    the mesh ``mesh_text`` names; returns the loss of every step (of the global batch).\"\"\"
+    import torch
+    import meshlab as ml
+    from meshlab import P
+
+    torch.set_num_threads(1)
+    ns = {}
+    exec(model_source, ns)                      # defines tiny_lm here
+    with torch.device('meta'):
+        model = ns['tiny_lm']()
+    # sequences that count up by a random stride, modulo the vocabulary: learnable
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, 64, (steps, 8, 1), generator=g)
+    stride = torch.randint(1, 4, (steps, 8, 1), generator=g)
+    batches = (start + stride * torch.arange(32)) % 64                # (steps, 8, 32)
+
+    def loss_fn(logits, ids):                   # next-token cross-entropy
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                                 ids[:, 1:].flatten())
+
+    if mesh_text is None:
+        model = ml.init_weights(model, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for ids in batches:
+            loss = loss_fn(model(ids), ids)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    specs = {'embed.weight': P('vocab', 'embed'),
+             'blocks.*.attn.[qkv].weight': P('heads', 'embed'),
+             'blocks.*.attn.out.weight': P('embed', 'heads'),
+             'blocks.*.up.weight': P('mlp', 'embed'), 'blocks.*.up.bias': P('mlp'),
+             'blocks.*.down.weight': P('embed', 'mlp'), 'head.weight': P('vocab', 'embed')}
+    rules = ml.Rules(batch='dp', heads='tp', mlp='tp', vocab='tp', embed=None)
+    mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
+    model = ml.parallelize(model, ml.shard(specs, rules), mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=3e-3)
+    mine = mesh.coordinate(mesh.rank)['dp']     # this rank's share of every batch
+    return [ml.step(model, opt, ids.chunk(mesh.shape['dp'])[mine], loss_fn) for ids in batches]"""
+
+NB04 = [
+    "md:# 04 · Your own model\n\nmeshlab works on a model you write yourself: an `nn.Module` "
+    "with its own forward, no Hugging Face config, no policy. You say how its parameters "
+    "split (specs in logical names and a `Rules` table), where its activations split "
+    "(`ml.constrain`), and write per-shard code where you want it (`ml.shard_map`, with "
+    "collectives by axis name). The plan, its estimates and training then work as for a "
+    "Hugging Face model.",
+    "import inspect\nimport torch\nimport meshlab as ml\nfrom meshlab import P",
+    "md:## A decoder in plain PyTorch\nAttention runs per head group in `ml.shard_map`: each "
+    "rank computes its own heads and their share of the output projection, and "
+    "`ml.psum(y, 'tp')` sums the shares over the tensor-parallel axis (Megatron's "
+    "row-parallel layer, written by hand). Between blocks `ml.constrain` splits the "
+    "residual stream over `tp` along the sequence (sequence parallelism). On one process "
+    "both cost nothing: `constrain` is a no-op, `shard_map` runs its function on the whole "
+    "tensors and `psum` over an axis of one rank returns its input.\n\n"
+    "The model is built by a function so that the processes launched below can build it "
+    "again from its source.",
+    _TINY_LM,
+    "with torch.device('meta'):\n    model = tiny_lm()\n"
+    "model = ml.init_weights(model, seed=0)          # one process, as written\n"
+    "ids = torch.randint(0, 64, (2, 32))\nprint(model(ids).shape)",
+    "md:## Its specs, and the plan\nFQN globs to logical specs, as `shard` takes them; the "
+    "rules map the logical names to mesh axes. No policy marks tensor-parallel regions, so "
+    "the model runs its own forward on DTensors (DTensor mode) and sharding propagates "
+    "through it as in JAX.",
+    "SPECS = {'embed.weight': P('vocab', 'embed'),\n"
+    "         'blocks.*.attn.[qkv].weight': P('heads', 'embed'),\n"
+    "         'blocks.*.attn.out.weight': P('embed', 'heads'),\n"
+    "         'blocks.*.up.weight': P('mlp', 'embed'), 'blocks.*.up.bias': P('mlp'),\n"
+    "         'blocks.*.down.weight': P('embed', 'mlp'), 'head.weight': P('vocab', 'embed')}\n"
+    "rules = ml.Rules(batch='dp', heads='tp', mlp='tp', vocab='tp', embed=None)\n"
+    "with torch.device('meta'):\n    meta = tiny_lm()\n"
+    "plan = ml.plan(meta, ml.shard(SPECS, rules), ml.Mesh(dp=2, tp=2, fake=True))\nplan",
+    "md:## Estimates from an example input\nThe estimates run one training step of the "
+    "model on fake tensors (shapes only). A Hugging Face model is called with `input_ids`; "
+    "yours says how it is called: `inputs=` builds its arguments for a batch and a "
+    "sequence length (a tensor, a tuple of arguments or a dict of keyword arguments). The "
+    "loss is the causal-LM loss where the output is logits over token ids among the "
+    "inputs, else the sum of the output; `loss=` gives your own. Without `inputs=` the "
+    "estimate says so:",
+    "try:\n    plan.memory(batch=4, seq=32)\nexcept ml.ConfigError as e:\n    print(e)",
+    "tokens = lambda batch, seq: torch.randint(0, 64, (batch, seq))\n"
+    "plan.memory(batch=4, seq=32, inputs=tokens)",
+    "print(plan.time(batch=4, seq=32, inputs=tokens))\n"
+    "plan.comm(batch=4, seq=32, inputs=tokens)",
+    "md:`ml.advise` searches layouts for it too, given the specs `shard` would take (rules "
+    "with a fallback, `('tp', None)`, where a layout has no such axis). Here the same code "
+    "at 6.7B parameters on 16 H100:",
+    "with torch.device('meta'):\n"
+    "    big = tiny_lm(vocab=32000, dim=4096, n_heads=32, n_layers=32, max_len=4096)\n"
+    "loose = ml.Rules(batch=('dp', None), heads=('tp', None), mlp=('tp', None),\n"
+    "                 vocab=('tp', None), embed=None)\n"
+    "ml.advise(big, gpus=16, gpu='h100', batch=32, seq=4096, specs=SPECS, rules=loose,\n"
+    "          inputs=lambda batch, seq: torch.randint(0, 32000, (batch, seq)))",
+    "md:## Training on four processes beside one\nThe same function trains the model on "
+    "this process as written, and on four processes (`dp=2, tp=2`) parallelized by the "
+    "specs: each data-parallel rank gets half of every batch, each tensor-parallel rank "
+    "half of the heads, the MLP and the vocabulary.",
+    _TRAIN,
+    "STEPS = 20\nsource = inspect.getsource(tiny_lm)\n"
+    "one = train(source, None, STEPS)\n"
+    "four = ml.notebook_launcher(train, args=(source, 'dp=2,tp=2', STEPS), nprocs=4)\n"
+    "assert all(r == four[0] for r in four), 'every rank sees the same loss'\n"
+    "for i, (a, b) in enumerate(zip(one, four[0])):\n"
+    "    print(f'{i:3d}  one process {a:.5f}  four {b:.5f}')\n"
+    "worst = max(abs(a - b) for a, b in zip(one, four[0]))\n"
+    "print(f'largest difference: {worst:.1e}')\n"
+    "assert worst < 1e-4 and one[-1] < one[0] - 1, 'the same losses, and they fell'",
+]
+
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--no-execute"]
     here = args[0] if args else os.path.dirname(os.path.abspath(__file__))
     for name, cells in (("01_specs_and_meshes.ipynb", NB01), ("02_compose_and_train.ipynb", NB02),
-                        ("03_will_it_fit.ipynb", NB03)):
+                        ("03_will_it_fit.ipynb", NB03), ("04_your_own_model.ipynb", NB04)):
         write(os.path.join(here, name), cells)
         if "--no-execute" not in sys.argv:
             execute(os.path.join(here, name))
