@@ -18,7 +18,6 @@ from ..core.sections import section
 from ._content import batch_peers, hyperparameters
 from .optimizer import MeshOptimizer
 from ..transforms._install import runtime_of
-from ..transforms._protocol import Part
 from ..transforms.fuse import fused_loss_of
 
 
@@ -302,7 +301,7 @@ def _check_reduction(reduction, num_tokens, rt) -> None:
     if num_tokens is not None and (reduction != "tokens" or not callable(num_tokens)):
         raise ConfigError("step(num_tokens=...): a function of a microbatch, with "
                           "reduction='tokens' only")
-    if reduction != "mean" and any(type(p).run_step is not Part.run_step for p in rt.parts):
+    if reduction != "mean" and any(p.runs_step for p in rt.parts):
         raise ConfigError(f"step(reduction={reduction!r}) with a room that runs the step "
                           f"itself (the pipeline's schedule): not yet; use reduction='mean'")
 

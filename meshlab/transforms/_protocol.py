@@ -127,6 +127,7 @@ class Part:
 
     order: ClassVar[int] = 0
     casts_params: ClassVar[bool] = False   # runs the forward in the compute dtype itself
+    runs_step: ClassVar[bool] = False      # run_step runs the whole step (a pipeline schedule)
 
     def sync_grads(self, params: list) -> None:
         """Reduce the gradients of ``params`` (``[(fqn, parameter)]``) in place, in

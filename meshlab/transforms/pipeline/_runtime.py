@@ -5,7 +5,7 @@ Hugging Face decoder (``_stage``), or the model's own forward on declared blocks
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import torch
 import torch.distributed as dist
@@ -137,6 +137,8 @@ def _pipeline_batch(batch, microbatches: int):
 @dataclasses.dataclass
 class PipelinePart(Part):
     """Runs the step through the schedule; the gradient norm is summed over the stages."""
+
+    runs_step: ClassVar[bool] = True
 
     t: Any
     group: Any
