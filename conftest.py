@@ -33,8 +33,8 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for t in _BUILDS:
-        t.join()
+    for t in _BUILDS:       # a build runs the reference after BUILD_WAIT_S; never wait forever
+        t.join(timeout=60)
     if session.config.getoption("--record-durations", default=False):
         _write_durations()
 

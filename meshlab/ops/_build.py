@@ -10,6 +10,9 @@ Environment:
 
 * ``MESHLAB_OPS_NATIVE=0`` turns every native kernel off (the references run).
 * ``TORCH_EXTENSIONS_DIR`` moves the build folder; default ``~/.cache/meshlab/extensions``.
+* ``MESHLAB_BUILD_WAIT_S`` (default 900): how long a process waits for another one that is
+  building the same extension before running the reference. A build that was killed never
+  blocks a later one (its leftover lock file is cleared).
 
 >>> from meshlab.ops import _build
 >>> with _build.force_reference():
@@ -168,6 +171,47 @@ def _cflags() -> list[str]:
     return flags
 
 
+# How long a process waits for another one building the same extension before it runs the
+# op's reference instead (a cold build of the largest file takes under a minute on 2 cores).
+BUILD_WAIT_S = float(os.environ.get("MESHLAB_BUILD_WAIT_S", "900"))
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path, name: str):
+    """Hold ``folder`` for one building process at a time, by an OS lock the kernel drops
+    when its holder dies, and clear a build lock left behind.
+
+    ``cpp_extension.load`` marks a build in progress with a ``lock`` file and makes every
+    other process wait, with no limit, until that file goes; a build that was killed
+    (Ctrl-C, a job's time limit) leaves the file, and every later process waited forever.
+    Under the OS lock no other process of ours is building, so a ``lock`` file found there
+    is such a leftover and is removed. Waiting longer than ``BUILD_WAIT_S`` for another
+    process's build raises ``TimeoutError`` (the op runs its reference)."""
+    try:
+        import fcntl
+    except ImportError:         # no POSIX locks: torch's own lock file alone
+        yield
+        return
+    with open(folder / "meshlab-build.lock", "a+") as f:
+        deadline = time.monotonic() + BUILD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name}: another process has held its build folder "
+                                       f"{folder} for over {BUILD_WAIT_S:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                stale.unlink()
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def cpu_extension(name: str, sources: tuple[str, ...]):
     """Build (once) and return the C++ extension ``name`` from ``csrc/<sources>``, or ``None``.
 
@@ -192,13 +236,15 @@ def cpu_extension(name: str, sources: tuple[str, ...]):
         import torch.utils.cpp_extension as ce
 
         t0 = time.perf_counter()
+        folder = build_dir(name)
         try:
-            mod = ce.load(name=name, sources=[str(_CSRC / s) for s in sources],
-                          extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
-                          build_directory=str(build_dir(name)), verbose=False)
+            with _folder_lock(folder, name):
+                mod = ce.load(name=name, sources=[str(_CSRC / s) for s in sources],
+                              extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+                              build_directory=str(folder), verbose=False)
         # A failed build surfaces as RuntimeError (compiler errors), OSError (loader) or
         # subprocess.CalledProcessError; the reference keeps the op usable in every case.
-        except (RuntimeError, OSError, ImportError) as e:
+        except (RuntimeError, OSError, ImportError, TimeoutError) as e:
             first = str(e).strip().splitlines()
             _FAILED[name] = f"build failed: {first[-1] if first else type(e).__name__}"
             return None
