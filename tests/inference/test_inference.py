@@ -460,9 +460,13 @@ def test_repetition_penalty_is_transformers():
     from meshlab.inference._sampling import _repetition
 
     g = torch.Generator().manual_seed(0)
-    logits, seen = torch.randn(50, generator=g), [3, 7, 7, 20]
-    want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seen]), logits[None].clone())[0]
-    torch.testing.assert_close(_repetition(logits.clone(), seen, 1.3), want)
+    # every row at once, each with its own history (of any length, empty included)
+    logits, seen = torch.randn(3, 50, generator=g), [[3, 7, 7, 20], [49, 0], []]
+    got = _repetition(logits.clone(), seen, 1.3)
+    for row, hist in enumerate(seen):
+        want = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([hist], dtype=torch.long),
+                                                     logits[row][None].clone())[0]
+        torch.testing.assert_close(got[row], want)
 
 
 def _word_tokenizer():
