@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import torch
@@ -11,6 +12,7 @@ from .plan import plan as make_plan
 from ..core.context import current_mesh
 from ..core.agree import agree
 from ..core.errors import ConfigError, MeshError, MeshlabError
+from ..core.log import get_logger
 from .materialize import control_group, materialize
 from ..core.mesh import AbstractMesh, Mesh
 from ..transforms._protocol import Transform
@@ -58,7 +60,11 @@ def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, 
     # Every rank runs the same program, or every rank raises here (no collective ran yet).
     agree(ctrl, "parallelize", _fingerprint(model, spec, mesh, seed, state_dict, uneven),
           error)
-    return materialize(model, bound, mesh, seed=seed, state_dict=state_dict, ctrl_group=ctrl)
+    out = materialize(model, bound, mesh, seed=seed, state_dict=state_dict, ctrl_group=ctrl)
+    log = get_logger("meshlab.apply")
+    if log.isEnabledFor(logging.INFO):
+        log.info("parallelized %s on %r: %s", type(model).__name__, mesh, bound)
+    return out
 
 
 def _fingerprint(model: nn.Module, spec, mesh: Mesh, seed: int, state_dict, uneven) -> dict:

@@ -58,8 +58,11 @@ def launch_from_torch(backend: str | None = None, seed: int = 1024, verbose: boo
     except ImportError:
         pass
     torch.manual_seed(seed)
-    if verbose and dist.get_rank() == 0:
-        print(f"meshlab: {dist.get_world_size()} processes ({dist.get_backend()}), seed {seed}")
+    if verbose:         # rank 0's, at MESHLAB_LOG_LEVEL=INFO
+        from ..core.log import get_logger
+
+        get_logger("meshlab.booster").info("%d processes (%s), seed %d",
+                                           dist.get_world_size(), dist.get_backend(), seed)
 
 
 @dataclasses.dataclass

@@ -34,6 +34,7 @@ from ._inflight import IN_FLIGHT, Pending, background_group, wait
 from ._load import LoadReport as LoadReport, load as load
 from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank, world
 from ._safe import CheckpointError
+from ..core.log import get_logger
 from ..transforms._install import runtime_or_none
 
 
@@ -82,7 +83,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
         raise
     rng = _rng.capture()
     if not async_save:
+        t0 = time.perf_counter()
         _finish(tensors, meta, rng, path, tmp, keep_last, group, None, None)
+        get_logger("meshlab.checkpoint").info("saved %s (%d tensors) in %.1f s", path,
+                                              len(tensors), time.perf_counter() - t0)
         return path
     # Stage: copy every local shard now, so later updates cannot reach the file.
     staged = {k: _stage(v) for k, v in tensors.items()}

@@ -1,5 +1,6 @@
-"""The ``meshlab`` command: ``plan`` (``--advise``), ``calibrate``, ``run``, ``demo``, ``env``,
-``check``."""
+"""The ``meshlab`` command: plan a layout before anything runs, launch and train, serve, and
+check what this machine builds. ``meshlab --help`` lists every command with an example;
+``meshlab COMMAND --help`` says the rest."""
 
 from __future__ import annotations
 
@@ -8,6 +9,33 @@ import sys
 
 
 _NONE = ("None", "none")
+
+# One example per command, in the order `meshlab --help` lists them.
+EXAMPLES = (
+    ("plan", "meshlab plan --model llama3-8b --mesh dp=8,tp=8 --zero 3 --batch 4"),
+    ("calibrate", "meshlab calibrate --out h200.json   (then: meshlab plan --gpu h200.json)"),
+    ("env", "meshlab env"),
+    ("check", "meshlab check --ops rms_norm,attention"),
+    ("build", "meshlab build"),
+    ("run", "meshlab run --nproc-per-node 4 train.py --lr 3e-4"),
+    ("demo", "meshlab demo"),
+    ("generate", "meshlab generate ./my-llama --prompt 'Hello' --max-new-tokens 32"),
+)
+
+_TOP = """commands, one example each:
+""" + "\n".join(f"  {cmd:<10} {ex}" for cmd, ex in EXAMPLES)
+
+_PLAN = """Build the model on the meta device (no weights), lay it out on a mesh that need not
+exist (any number of cards), and print the parameter table, memory per rank and, with
+--batch, activations, communication and the step time on --gpu. Nothing is allocated
+and no process is started; the same plan object is what parallelize() runs."""
+
+_PLAN_EXAMPLES = """examples:
+  meshlab plan --model llama3-8b --mesh dp=8,tp=8
+  meshlab plan --model llama3-70b --mesh pp=4,dp=4,tp=8 --zero 1 --batch 8 --seq 4096
+  meshlab plan --model ./config.json --mesh fsdp=16 --zero 3 --zero-axis fsdp --remat full --json plan.json
+  meshlab plan --model mixtral-8x7b --mesh dp=2,ep=8 --batch 2
+  meshlab plan --model llama3-8b --advise --gpus 16 --batch 64 --gpu h100"""
 
 
 def _rules_arg(text: str | None):
@@ -122,8 +150,9 @@ def _read_specs(path: str) -> dict:
         try:
             import yaml
         except ImportError:
-            raise ConfigError(f"--specs {path!r}: a YAML file needs pyyaml (pip install "
-                              f"pyyaml); or write the same specs as JSON") from None
+            raise ConfigError(f"--specs {path!r}: a YAML file needs pyyaml, which meshlab "
+                              f"installs as an extra (pip install 'meshlab[yaml]'); or write "
+                              f"the same specs as JSON") from None
         unreadable += (yaml.YAMLError,)
     try:
         with open(path) as f:
@@ -372,7 +401,9 @@ def cmd_build(args) -> int:
 
 def _plan_parser(sub) -> None:
     """``meshlab plan``'s arguments."""
-    p = sub.add_parser("plan", help="plan a model on a fake mesh and print its layout and memory")
+    p = sub.add_parser("plan", help="plan a model on a fake mesh and print its layout and memory",
+                       description=_PLAN, epilog=_PLAN_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama3-8b",
                    help="a preset name (see meshlab.policies.presets) or a Hugging Face config.json "
                         "(or its directory) of any family, built on the meta device without "
@@ -430,7 +461,9 @@ def _plan_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="meshlab", description=__doc__)
+    ap = argparse.ArgumentParser(prog="meshlab", description=__doc__.split("``meshlab --help``")[0]
+                                 .replace("``", "").strip(), epilog=_TOP,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     _plan_parser(sub)

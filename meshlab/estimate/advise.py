@@ -102,8 +102,9 @@ class Advice:
     def plot(self, ax=None):
         """Predicted tokens/s against peak memory per rank for every layout tried; those
         that fit in colour, the card's memory as a line."""
-        import matplotlib.pyplot as plt
+        from ..core.log import require
 
+        plt = require("matplotlib.pyplot", "plot", "Advice.plot")
         from .machine import machine
 
         ax = ax or plt.subplots(figsize=(7, 4))[1]

@@ -18,6 +18,7 @@ import threading
 import types
 
 import torch
+from einops import rearrange
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
@@ -75,8 +76,8 @@ def _fused_apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
         c, sn = c.reshape(b * s, -1), sn.reshape(b * s, -1)
 
         def rot(x):
-            y = rotary(x.transpose(1, 2).reshape(1, b * s, x.shape[1], d), c, sn)
-            return y.reshape(b, s, x.shape[1], d).transpose(1, 2)
+            y = rotary(rearrange(x, "b h s d -> 1 (b s) h d"), c, sn)
+            return rearrange(y, "1 (b s) h d -> b h s d", b=b)
     return rot(q), rot(k)
 
 
