@@ -18,6 +18,8 @@ rules for them end in a fallback where an axis may be missing (``batch=('dp', No
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import time
 from typing import Any
@@ -240,11 +242,17 @@ def cands_of(gpus: int, heads, blocks: int, tp_max: int, sp_max: int, batch: int
 def _search(traced, cands, remats, cap, card, seq, example, progress):
     """Plan every candidate on a fake mesh, each remat policy on it: the layouts planned,
     the count refused by their checks, and the first refusal's message."""
+    with _progress(progress, len(cands) * len(remats)) as bar:
+        return _each(traced, cands, remats, cap, card, seq, example, bar)
+
+
+def _each(traced, cands, remats, cap, card, seq, example, bar):
+    """``_search``'s loop; ``bar(n)`` advances the progress by ``n`` layouts, planned or
+    refused, so it reaches its total."""
     from ..core.mesh import Mesh
     from ..transforms import pipeline, remat, sequence, zero_shard
 
     tried, refused, why = [], 0, ""
-    bar = _progress(progress, len(cands) * len(remats))
     for pp, dp, sp, tp, zero, mb, per_dp in cands:
         axes = {k: v for k, v in (("pp", pp), ("dp", dp), ("sp", sp), ("tp", tp))
                 if v > 1} or {"dp": 1}
@@ -257,15 +265,17 @@ def _search(traced, cands, remats, cap, card, seq, example, progress):
                 base = t(base)
             base = base.bind(Mesh(**axes, fake=True))
         except MeshlabError as e:
+            bar(len(remats))
             refused += len(remats)
             why = why or f"{e} (on {axes})"
             continue
         if base.not_runnable:
+            bar(len(remats))
             refused += len(remats)
             why = why or f"{base.not_runnable[0]} (on {axes})"
             continue
         for pol in remats:
-            bar()
+            bar(1)
             p = base if pol == "none" else _with(base, remat(pol))
             mem = p.memory(batch=per_dp, seq=seq, **example)
             st = p.time(batch=per_dp, seq=seq, gpu=card, **example)
@@ -286,11 +296,18 @@ def _with(plan, t):
     return out
 
 
+@contextlib.contextmanager
 def _progress(on: bool, total: int):
+    """A progress bar over ``total`` layouts (``bar(n)`` advances it), closed on the way out
+    whatever happens; nothing when ``on`` is false."""
     if not on:
-        return lambda: None
-    from tqdm import tqdm
+        yield lambda n: None
+        return
+    from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="advise: layouts", unit="layout", leave=False)
-    return lambda: bar.update(1)
+    try:
+        yield bar.update
+    finally:
+        bar.close()
 
