@@ -190,8 +190,23 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
                           f"ring attention; set the model's attention_dropout to 0")
     group = sp_group(module)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _RingAttention.apply(query, key, value, group, float(scale))
+    query, key, value = _one_dtype(query, key, value)
+    with torch.autocast(query.device.type, enabled=False):
+        out = _RingAttention.apply(query, key, value, group, float(scale))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _one_dtype(q, k, v):
+    """q, k and v in the dtype attention computes in, as SDPA would take them: under
+    autocast its dtype (a float32 rotary table turns q and k into float32 while v stays
+    bf16; SDPA is on autocast's low-precision list, a custom Function is not), else the
+    three promoted to one."""
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+    else:
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
 class _Permute(torch.autograd.Function):
