@@ -65,7 +65,7 @@ def test_a_missing_optional_dependency_names_its_extra():
     assert mlog.require("json", "none", "x").__name__ == "json"
 
 
-def test_parallelize_says_what_it_ran(kept):
+def test_parallelize_says_what_it_ran(kept, one_process):
     import torch
     from torch import nn
 
