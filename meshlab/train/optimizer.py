@@ -21,11 +21,13 @@ import contextlib
 import inspect
 import math
 import warnings
+from collections import OrderedDict
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from ..core.errors import ConfigError, NonFiniteError, check_int
 from ..core.tensors import local as _local, shard_groups
@@ -97,6 +99,32 @@ def _params_of(cls) -> set[str]:
         return set()
 
 
+class _Holder:
+    """A gradient where ``clip_grads_with_norm_`` looks for one (``.grad``): the tensors
+    clipped are the local gradients the parts hand over (ZeRO-1's slices, offload's host
+    copies), not parameters' ``.grad``."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+def _norm32(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` as one float32 scalar: ``get_total_norm`` over fp32 (and
+    wider) ones, and fp16/bf16 ones through per-tensor norms accumulated and returned in
+    float32 (``get_total_norm`` would round each to its dtype)."""
+    wide = [g for g in grads if g.dtype.itemsize >= 4]
+    parts = [get_total_norm(wide).float()] if wide else []
+    narrow: dict = {}
+    for g in grads:
+        if g.dtype.itemsize < 4:
+            narrow.setdefault(g.device, []).append(g)
+    for gs in narrow.values():
+        parts += torch._foreach_norm(gs, 2.0, dtype=torch.float32)
+    return parts[0] if len(parts) == 1 else get_total_norm(parts)
+
+
 class MeshOptimizer(torch.optim.Optimizer):
     """A torch optimizer driven the way a parallelized model needs (see module doc).
 
@@ -112,10 +140,13 @@ class MeshOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"optimizer(nonfinite={nonfinite!r}): use one of "
                               f"{sorted(k for k in _NONFINITE if k)} (or leave it out)")
         # Optimizer.__init__ would build param_groups of its own: this one shares inner's.
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
-        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
-        self._optimizer_load_state_dict_pre_hooks = {}
-        self._optimizer_load_state_dict_post_hooks = {}
+        # OrderedDicts, as torch's: a hook's RemovableHandle holds its dict by weak reference.
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self.model, self.rt = model, runtime_of(model)
         self.clip, self.nonfinite = clip_grad_norm, nonfinite
         self.check_replicas = check_int(check_replicas, "optimizer", "check_replicas", low=0,
@@ -252,21 +283,26 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     def grad_norm(self) -> float:
         """The global L2 norm of all gradients, over every mesh axis."""
-        sums: dict[tuple, list] = {}
-        for g, groups in self._grad_items():
-            key = tuple(id(x) for x in groups)
-            acc = sums.setdefault(key, [torch.zeros((), dtype=torch.float64, device=g.device),
-                                        groups])
-            acc[0] += g.detach().double().pow(2).sum()
-        total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
-        for s, groups in sums.values():
+        return float(self._global_norm(self._grad_items()))
+
+    def _global_norm(self, items: list) -> torch.Tensor:
+        """The global L2 norm of ``items``' gradients as a float32 scalar tensor, read by
+        no one here: ``get_total_norm`` per group of gradients split alike (fp32 results,
+        no copies), each group's square summed over the groups it is split over, then
+        over each part's ``norm_groups`` (pipeline stages hold other parameters)."""
+        alike: dict[tuple, tuple] = {}
+        for g, groups in items:
+            alike.setdefault(tuple(id(x) for x in groups), (groups, []))[1].append(g.detach())
+        total = torch.zeros((), dtype=torch.float32, device=self.rt.device)
+        for groups, grads in alike.values():
+            s = _norm32(grads).square()
             for grp in groups:
                 dist.all_reduce(s, group=grp)
             total += s.to(total.device)
-        for part in self.rt.parts:          # e.g. each pipeline stage holds other parameters
+        for part in self.rt.parts:
             for grp in part.norm_groups():
                 dist.all_reduce(total, group=grp)
-        return float(total.sqrt())
+        return total.sqrt()
 
     @torch.no_grad()
     def step(self, closure=None) -> bool:
@@ -288,14 +324,13 @@ class MeshOptimizer(torch.optim.Optimizer):
         if self.scaler is not None and not self._unscale(items):
             return False
         if self.clip is not None or self.nonfinite is not None:
-            norm = self.grad_norm()
+            norm_t = self._global_norm(items)
+            norm = float(norm_t)        # the step's one read of the norm (two under fp16)
             self.last_grad_norm = norm
             if not math.isfinite(norm):
                 return self._nonfinite(norm)
-            coef = self.clip / (norm + 1e-6) if self.clip is not None else 1.0
-            if coef < 1.0:
-                for g, _ in items:
-                    g.mul_(coef)
+            if self.clip is not None:
+                self._clip(items, norm_t)
         self.inner.step()
         for part in self.rt.parts:
             part.after_step()
@@ -325,11 +360,15 @@ class MeshOptimizer(torch.optim.Optimizer):
                       f"nonfinite='raise' to stop instead", RuntimeWarning, stacklevel=3)
         return False
 
+    def _clip(self, items: list, norm: torch.Tensor) -> None:
+        """Multiply the gradients by ``min(clip / (norm + 1e-6), 1)``, computed where the
+        norm lies and read by no one (no host sync)."""
+        clip_grads_with_norm_([_Holder(g) for g, _ in items], self.clip, norm)
+
     def _unscale(self, items: list) -> bool:
-        inv = 1.0 / self.scaler.scale
-        for g, _ in items:
-            g.mul_(inv)
-        overflow = self.scaler.found_inf([g for g, _ in items], self.rt.device)
+        """Divide the gradients by the loss scale and agree on an overflow (the scaler's
+        fused kernel, one all-reduce, one read); an overflowing step drops them."""
+        overflow = self.scaler.unscale_([g for g, _ in items], self.rt.device)
         self.scaler.update(overflow)
         if overflow:
             self.zero_grad()

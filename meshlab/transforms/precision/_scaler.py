@@ -27,13 +27,29 @@ class LossScaler:
     overflows: int = 0          # since the scale last changed (counted against hysteresis)
 
     def found_inf(self, grads: list[torch.Tensor], device=None) -> bool:
+        """Whether any rank's ``grads`` hold an inf or NaN (one fused check per device
+        and dtype, one all-reduce, one read of the flag)."""
+        return self.unscale_(grads, device, inv_scale=1.0)
+
+    def unscale_(self, grads: list[torch.Tensor], device=None, *,
+                 inv_scale: float | None = None) -> bool:
+        """Multiply ``grads`` by ``inv_scale`` (default ``1 / scale``) in place and say
+        whether any rank's held an inf or NaN: torch's fused multi-tensor kernel
+        (``_amp_foreach_non_finite_check_and_unscale_``, GradScaler's) per device and
+        dtype, the flags summed on ``device``, one all-reduce with MAX over the world, and
+        one read of the result: no host sync per gradient."""
         import torch.distributed as dist
 
+        inv = 1.0 / self.scale if inv_scale is None else inv_scale
         flag = torch.zeros(1, device=device)
+        groups: dict = {}
         for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
+            groups.setdefault((g.device, g.dtype), []).append(g)
+        for (dev, _), gs in groups.items():
+            found = torch.zeros(1, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                gs, found, torch.full((1,), inv, device=dev))
+            flag += found.to(flag.device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
