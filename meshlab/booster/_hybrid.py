@@ -37,10 +37,13 @@ def _hybrid_args(overlap_default: bool) -> tuple[Arg, ...]:
              With("all_to_all", (("enable_sequence_parallelism", True), ("sp_size", 2)))),
         hint("parallel_output", True, "the vocabulary-parallel head's logits are whole on "
              "every rank and the loss is the single process's", False),
-        maps("num_microbatches", None, "pipeline(microbatches=...)", 8),
+        maps("num_microbatches", None, "pipeline(microbatches=...) (with pp_size > 1; "
+             "without a pipeline it has nothing to split and warns, as scripts pass it "
+             "unconditionally)", With(8, (("pp_size", 2),))),
         maps("microbatch_size", None, "pipeline(microbatches=per-rank batch // "
-             "microbatch_size) (the batch size comes from the dataloader given to boost)",
-             With(1, (("num_microbatches", None),))),
+             "microbatch_size) (the batch size comes from the dataloader given to boost; "
+             "with pp_size 1 it warns and does nothing)",
+             With(1, (("num_microbatches", None), ("pp_size", 2)))),
     ) + scaler_args(2 ** 16) + (
         maps("max_norm", 0, "meshlab.optimizer(clip_grad_norm=max_norm): clipping by the "
              "global norm over every mesh axis (0: off)", 1.0),
@@ -50,13 +53,15 @@ def _hybrid_args(overlap_default: bool) -> tuple[Arg, ...]:
         maps("cpu_offload", False, "offload(optimizer=1.0) (with zero_stage 1 or 2)",
              With(True, (("zero_stage", 1),))),
         maps("communication_dtype", None, "precision(reduce=...): the dtype gradients are "
-             "reduced in (None: fp32)",
-             With(lambda: __import__("torch").bfloat16)),
+             "reduced in (None: fp32); with zero_stage 2 (FSDP2 reduces in it), refused by "
+             "plan with zero_stage 0 or 1 (their reductions are fp32)",
+             With(lambda: __import__("torch").bfloat16, (("zero_stage", 2),))),
         hint("overlap_communication", overlap_default, "the backward's all-reduces (stage 0) "
              "and reduce-scatters (stage 2) always overlap it; stage 1 reduce-scatters at the "
              "step", not overlap_default),
         maps("custom_policy", None, "shard(custom_policy): a meshlab Policy or a mapping of "
-             "parameter globs to specs", With(lambda: {"lm_head.weight": _P()("tp", None)})),
+             "parameter globs to specs (with tp_size > 1)",
+             With(lambda: __import__("meshlab").policies.DECODER, (("tp_size", 2),))),
         maps("pp_style", "1f1b", "pipeline(schedule=...): '1f1b', 'interleaved' "
              "(pipeline(schedule='interleaved', virtual_stages=num_model_chunks)), 'zbv'",
              With("interleaved", (("num_model_chunks", 2),))),
@@ -147,9 +152,16 @@ class HybridParallelPlugin(Plugin):
         if pp > 1:
             spec, mbs = _pipeline(owner, v, spec, pp)
         elif v["num_microbatches"] is not None or v["microbatch_size"] is not None:
-            raise ConfigError(f"{owner}(num_microbatches/microbatch_size): microbatches are "
-                              f"the pipeline's; set pp_size > 1, or accumulate with "
-                              f"booster.no_sync")
+            # Colossal-AI scripts pass these whatever pp_size is; without a pipeline there
+            # is nothing to split, which is said, not silently ignored.
+            import warnings
+
+            from ._args import NoEffectWarning
+
+            warnings.warn(f"{owner}(num_microbatches={v['num_microbatches']!r}, microbatch_size="
+                          f"{v['microbatch_size']!r}) has no effect with pp_size=1: microbatches "
+                          f"are the pipeline's (accumulate with booster.no_sync)",
+                          NoEffectWarning, stacklevel=4)
         remat = _remat(owner, v["gradient_checkpoint_config"])
         if remat is not None:
             spec = spec | remat
@@ -195,9 +207,16 @@ def _sequence(owner: str, v: dict, tp: int, sp: int):
     mode = v["sequence_parallelism_mode"]
     on = v["enable_sequence_parallelism"]
     if not on:
-        if mode is not None or sp > 1:
-            raise ConfigError(f"{owner}(sequence_parallelism_mode={mode!r}, sp_size={sp}): "
-                              f"set enable_sequence_parallelism=True to split the sequence")
+        if sp > 1:
+            raise ConfigError(f"{owner}(sp_size={sp}): set enable_sequence_parallelism=True "
+                              f"to split the sequence over it")
+        if mode is not None:
+            import warnings
+
+            from ._args import NoEffectWarning
+
+            warnings.warn(f"{owner}(sequence_parallelism_mode={mode!r}) has no effect without "
+                          f"enable_sequence_parallelism=True", NoEffectWarning, stacklevel=5)
         return Identity()
     mode = mode or "split_gather"
     if mode in ("split_gather", "ring"):
@@ -250,26 +269,50 @@ def _remat(owner: str, cfg):
                               "remat('selective')")
 
 
+def _moe_args() -> tuple[Arg, ...]:
+    """The hybrid arguments with the rows expert parallelism does not (yet) compose with
+    refused, each saying why (see ``docs/composition.md``)."""
+    seq = ("expert_route does not yet compose with sequence parallelism (composition table: "
+           "expert_route x sequence, not yet)")
+    fused = ("fuse('mlp') routes dense gated MLPs, and a MoE model's experts are "
+             "expert_route's")
+    refused = {
+        "sp_size": only("sp_size", None, seq, "HybridParallelPlugin for sequence parallelism"),
+        "enable_sequence_parallelism": only("enable_sequence_parallelism", False, seq,
+                                            "HybridParallelPlugin for sequence parallelism"),
+        "sequence_parallelism_mode": only("sequence_parallelism_mode", None, seq,
+                                          "HybridParallelPlugin for sequence parallelism"),
+        "cpu_offload": only("cpu_offload", False, "expert_route does not yet compose with "
+                            "offload (composition table: expert_route x offload(optimizer), "
+                            "not yet)", "zero_stage=1 without offload"),
+        "enable_all_optimization": only("enable_all_optimization", False, fused,
+                                        "enable_fused_normalization=True, "
+                                        "enable_flash_attention=True"),
+        "enable_jit_fused": only("enable_jit_fused", False, fused,
+                                 "enable_fused_normalization=True"),
+    }
+    return tuple(refused.get(a.name, a) for a in _hybrid_args(False))
+
+
 class MoeHybridParallelPlugin(HybridParallelPlugin):
     """``HybridParallelPlugin`` with expert parallelism: an ``ep`` mesh axis of
     ``ep_size`` and ``expert_route('ep')``; the dense parameters' data axes are
     ``dp x ep`` (Colossal-AI's dp size includes ep)."""
 
     POSITIONAL = 3
-    ARGS = _hybrid_args(False)[:2] + (
+    ARGS = _moe_args()[:2] + (
         maps("ep_size", REQUIRED, "an 'ep' mesh axis of this size and expert_route('ep')", 4),
-    ) + _hybrid_args(False)[2:] + (
-        maps("moe_dp_outside", True, "the mesh's axis order: dp, ep, pp, tp (True) or ep, dp, "
-             "pp, tp (False)", False),
+    ) + _moe_args()[2:] + (
+        only("moe_dp_outside", True, "the dense parameters' data axes dp x ep are flattened "
+             "as one, which a mesh ordered ep, dp cannot do (DeviceMesh flattens axes in mesh "
+             "order)", "the default order dp, ep, pp, tp"),
     ) + _hybrid_tail()
 
     def _order(self, fixed: dict) -> dict:
-        out = {"dp": None, **fixed}
-        if "ep" in fixed:
-            rest = {k: s for k, s in fixed.items() if k != "ep"}
-            out = ({"dp": None, "ep": fixed["ep"], **rest} if self.arguments["moe_dp_outside"]
-                   else {"ep": fixed["ep"], "dp": None, **rest})
-        return out
+        if "ep" not in fixed:
+            return {"dp": None, **fixed}
+        rest = {k: s for k, s in fixed.items() if k != "ep"}
+        return {"dp": None, "ep": fixed["ep"], **rest}     # moe_dp_outside=True, the only one
 
     def _build(self, v: dict) -> Stack:
         positive_int(type(self).__name__, "ep_size", v["ep_size"])

@@ -143,8 +143,9 @@ class LowLevelZeroPlugin(Plugin):
         hint("reduce_bucket_size_in_m", 12, "stage 1 reduce-scatters one flat bucket per "
              "dtype and tensor-parallel layout; stage 2 one per FSDP unit", 25),
         maps("communication_dtype", None, "precision(reduce=...): the dtype gradients are "
-             "reduced in (None: fp32)",
-             With(lambda: __import__("torch").bfloat16)),
+             "reduced in (None: fp32); with stage 2 (FSDP2 reduces in it), refused by plan "
+             "with stage 1 (ZeRO-1 reduce-scatters in fp32)",
+             With(lambda: __import__("torch").bfloat16, (("stage", 2),))),
         hint("overlap_communication", True, "stage 2's reduce-scatters overlap the backward "
              "(FSDP2); stage 1 reduce-scatters at the step", False),
         hint("overlap_allgather", False, "stage 1 all-gathers the updated slices right after "
@@ -192,7 +193,8 @@ class GeminiPlugin(Plugin):
         maps("placement_policy", "static", "'static': offload(params=offload_param_frac, "
              "grads=offload_param_frac, optimizer=max(offload_optim_frac, offload_param_frac));"
              " 'auto': offload(policy='auto') (the smallest fractions whose device rows fit the "
-             "card)", "auto"),
+             "card; it reads the GPU's free memory, so on a machine without a GPU plan refuses "
+             "it)", "auto"),
         hint("enable_gradient_accumulation", False, "gradients always accumulate over "
              "backwards until the optimizer steps (no_sync skips their reduction)", True),
         hint("max_prefetch", 0, "FSDP2 prefetches the next block's all-gather", 2),

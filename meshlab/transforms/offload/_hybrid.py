@@ -20,6 +20,10 @@ _HYPER = ("lr", "betas", "eps", "weight_decay")
 _DEVICE_ONLY = ("foreach", "fused", "capturable", "differentiable")
 
 
+_NEUTRAL = {"amsgrad": False, "maximize": False, "capturable": False, "differentiable": False,
+            "foreach": None, "fused": None}
+
+
 def adamw_family(cls: type, kwargs: dict) -> dict:
     """``kwargs`` split for the device optimizer, refused unless ``cls`` computes what the
     CPU AdamW does (decoupled weight decay, no AMSGrad)."""
@@ -34,7 +38,10 @@ def adamw_family(cls: type, kwargs: dict) -> dict:
             f"the device part must compute the same AdamW; got {cls.__name__}"
             f"{' with weight_decay != 0 (coupled decay)' if cls is torch.optim.Adam else ''}. "
             f"Use meshlab.optimizer(model, torch.optim.AdamW, ...), or offload(optimizer=0)")
-    bad = sorted(set(kwargs) - set(_HYPER) - set(_DEVICE_ONLY))
+    # torch's own defaults (amsgrad=False, maximize=False, ...) are what the CPU AdamW
+    # computes: a plain AdamW(model.parameters(), lr=...) passes them all.
+    bad = sorted(k for k in set(kwargs) - set(_HYPER) - set(_DEVICE_ONLY)
+                 if not (k in _NEUTRAL and kwargs[k] == _NEUTRAL[k]))
     if bad or kwargs.get("amsgrad") or kwargs.get("maximize"):
         raise ConfigError(f"offload(optimizer>0): {cls.__name__}({', '.join(bad)}=...) is not "
                           f"computed by the CPU AdamW; pass only {', '.join(_HYPER)}")

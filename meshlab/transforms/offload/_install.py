@@ -89,7 +89,9 @@ class OffloadPart(Part):
 
     def make_optimizer(self, opt, cls: type, kwargs: dict, tensors: list):
         device_kwargs = adamw_family(cls, kwargs)
-        hyper = {k: v for k, v in kwargs.items() if k not in device_kwargs}
+        # The update's hyper-parameters (torch's neutral defaults the check let through,
+        # amsgrad=False and the like, are the CPU AdamW's own behaviour).
+        hyper = {k: v for k, v in kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")}
         self._check_host_memory(opt)
         if self.zero1 and opt.shards:
             tensors = self._zero1_entries(opt, tensors)
