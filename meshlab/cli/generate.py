@@ -45,7 +45,8 @@ def cmd_generate(args) -> int:
     from ..inference._config import _dtype
 
     dtype = _dtype(args.dtype, "dtype")
-    prompts = list(args.prompt) + [[int(t) for t in p.split(",")] for p in args.prompt_ids]
+    _check_flags(args)
+    prompts = list(args.prompt) + [_ids(p) for p in args.prompt_ids]
     if not prompts:
         raise ConfigError("meshlab generate: give --prompt TEXT or --prompt-ids 1,2,3")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -65,10 +66,44 @@ def cmd_generate(args) -> int:
             _shutdown()
 
 
+def _ids(text: str) -> list[int]:
+    """``--prompt-ids 1,2,3`` as token ids."""
+    from ..core.errors import ConfigError
+
+    parts = [t.strip() for t in text.split(",")]
+    if not all(t.isascii() and t.isdigit() for t in parts):
+        raise ConfigError(f"--prompt-ids {text!r}: comma-separated token ids (integers >= 0), "
+                          f"e.g. --prompt-ids 1,2,3")
+    return [int(t) for t in parts]
+
+
+def _check_flags(args) -> None:
+    """The sampling and size flags, refused by name before the model is loaded (what
+    InferenceConfig would refuse after it)."""
+    import math
+
+    from ..core.errors import ConfigError
+
+    def fail(flag, value, rule, example):
+        raise ConfigError(f"{flag} {value!r}: {rule}; pass e.g. {flag} {example}")
+
+    for flag, value in (("--max-new-tokens", args.max_new_tokens),
+                        ("--max-batch-size", args.max_batch_size)):
+        if value < 1:
+            fail(flag, value, "must be an integer >= 1", 8)
+    if args.top_k < 0:
+        fail("--top-k", args.top_k, "must be an integer >= 0 (0: off)", 50)
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        fail("--temperature", args.temperature, "must be a finite number > 0 (greedy "
+             "decoding: leave out --do-sample)", 0.7)
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        fail("--top-p", args.top_p, "is a probability in (0, 1] (1.0: off)", 0.9)
+
+
 def _generate(args, prompts, world: int, dtype) -> int:
     from ..core.errors import ConfigError
     from ..inference import InferenceConfig, InferenceEngine
-    from ..inference._engine import load_pretrained
+    from ..inference._load import load_pretrained
 
     model, tok = load_pretrained(args.path, dtype)
     if args.prompt and tok is None:

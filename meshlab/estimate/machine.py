@@ -48,10 +48,26 @@ class Machine:
 
     @classmethod
     def from_json(cls, d: dict) -> "Machine":
+        import math
+
+        if not isinstance(d, dict):
+            raise ConfigError(f"machine profile: a JSON object of fields (as `meshlab "
+                              f"calibrate` writes), got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(d) - known)
         if bad:
             raise ConfigError(f"machine profile: unknown fields {bad}; known {sorted(known)}")
+        missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in d and
+                         f.default is dataclasses.MISSING)
+        if missing:
+            raise ConfigError(f"machine profile: missing fields {missing}; write it with "
+                              f"`meshlab calibrate`")
+        for k, v in d.items():          # every rate and size a finite number >= 0
+            if k != "name" and (isinstance(v, bool) or not isinstance(v, (int, float)) or
+                                not math.isfinite(v) or v < 0):
+                raise ConfigError(f"machine profile: {k}={v!r} must be a finite number >= 0")
+        if not isinstance(d["name"], str):
+            raise ConfigError(f"machine profile: name={d['name']!r} must be a string")
         return cls(**d)
 
     def replace(self, **kw) -> "Machine":
@@ -94,8 +110,16 @@ def machine(spec) -> Machine:
         if spec.lower() in PRESETS:
             return PRESETS[spec.lower()]
         path = Path(spec)
-        if path.suffix == ".json" and path.exists():
-            return Machine.from_json(json.loads(path.read_text()))
+        if path.suffix == ".json" and path.is_file():
+            try:
+                d = json.loads(path.read_text())
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"machine {spec!r}: not a readable JSON profile ({e}); "
+                                  f"write it with `meshlab calibrate --out {spec}`") from None
+            try:
+                return Machine.from_json(d)
+            except ConfigError as e:
+                raise ConfigError(f"machine {spec!r}: {e}") from None
     raise ConfigError(f"machine {spec!r}: name one of {sorted(PRESETS)} or a JSON file written "
                       f"by `meshlab calibrate`")
 
@@ -343,6 +367,12 @@ def calibrate(device: str | None = None, *, name: str | None = None, quick: bool
     import torch
 
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not isinstance(dev, str) or dev.split(":")[0] not in ("cpu", "cuda"):
+        raise ConfigError(f"calibrate(device={device!r}): 'cpu' or 'cuda' (or 'cuda:N'); "
+                          f"it measures the card or host it runs on")
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"calibrate(device={device!r}): no CUDA device here; pass "
+                          f"device='cpu'")
     cuda = dev.startswith("cuda")
     timed = _timer(cuda, 3 if quick else 10)
     rates = _compute_rates(dev, cuda, timed, progress)

@@ -86,29 +86,64 @@ class InferenceConfig:
     def __post_init__(self):
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name, why in _NOT_BUILT.items():
-            if getattr(self, name) != defaults[name]:
+            if not _is_default(getattr(self, name), defaults[name]):
                 raise ConfigError(f"InferenceConfig({name}={getattr(self, name)!r}): {why}; "
                                   f"leave {name} at its default {defaults[name]!r}")
         self.dtype = _dtype(self.dtype, "dtype")
         if self.kv_cache_dtype is not None:
             self.kv_cache_dtype = _dtype(self.kv_cache_dtype, "kv_cache_dtype")
-        for name in ("max_batch_size", "max_input_len", "max_output_len", "block_size",
-                     "tp_size", "max_n_spec_tokens", "micro_batch_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"InferenceConfig({name}={v!r}): a positive integer")
-        if self.temperature is not None and self.temperature <= 0:
-            raise ConfigError(f"InferenceConfig(temperature={self.temperature}): must be > 0; "
-                              f"for greedy decoding set do_sample=False")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ConfigError(f"InferenceConfig(top_p={self.top_p}): a probability in (0, 1]")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise ConfigError(f"InferenceConfig(repetition_penalty={self.repetition_penalty}): "
-                              f"must be > 0 (1.0: no penalty)")
+        _check_fields(self)
         _check_beams(self)
         _check_micro(self)
         _check_template(self.prompt_template)
         _check_streaming(self)
+
+
+_FLAGS = ("do_sample", "ignore_eos", "use_spec_dec", "use_cuda_kernel", "use_cuda_graph",
+          "enable_streamingllm")
+_COUNTS = ("max_batch_size", "max_input_len", "max_output_len", "block_size", "tp_size",
+           "max_n_spec_tokens", "micro_batch_size", "max_context_len_to_capture",
+           "start_token_size", "generated_token_size")
+
+
+def _is_default(value, default) -> bool:
+    """``value`` is the field's default (of its type: ``True`` is not ``1``)."""
+    if isinstance(value, bool) != isinstance(default, bool):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError, RuntimeError):     # an array's elementwise ==
+        return False
+
+
+def _check_fields(cfg: "InferenceConfig") -> None:
+    """Each field's type and range, where it is given: a NaN temperature or a negative
+    top_k would otherwise be accepted here and fail (or sample wrongly) at the first step."""
+    from ..core.errors import check_bool, check_int, check_number
+
+    call = "InferenceConfig"
+    for name in _FLAGS:
+        check_bool(getattr(cfg, name), call, name)
+    for name in _COUNTS:
+        check_int(getattr(cfg, name), call, name)
+    check_int(cfg.seed, call, "seed", low=0, example=0)
+    for name, example in (("top_k", 50), ("no_repeat_ngram_size", 0)):
+        if getattr(cfg, name) is not None:       # 0 or None: off
+            check_int(getattr(cfg, name), call, name, low=0, example=example)
+    if cfg.forced_eos_token_id is not None:
+        check_int(cfg.forced_eos_token_id, call, "forced_eos_token_id", low=0, example=2)
+    if cfg.temperature is not None:
+        if cfg.temperature == 0 and not isinstance(cfg.temperature, bool):
+            raise ConfigError("InferenceConfig(temperature=0): must be > 0; for greedy "
+                              "decoding set do_sample=False")
+        check_number(cfg.temperature, call, "temperature", example=0.7)
+    if cfg.repetition_penalty is not None:
+        check_number(cfg.repetition_penalty, call, "repetition_penalty", example=1.0)
+    if cfg.top_p is not None:
+        p = check_number(cfg.top_p, call, "top_p", example=0.9)
+        if p > 1:
+            raise ConfigError(f"InferenceConfig(top_p={cfg.top_p!r}): top_p is a "
+                              f"probability in (0, 1] (1.0: off); pass e.g. top_p=0.9")
 
 
 def check_vocab(cfg: InferenceConfig, vocab: int) -> None:

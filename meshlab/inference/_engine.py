@@ -36,6 +36,7 @@ from ..core.errors import ConfigError, ConfigTypeError
 from ..core.placement import mesh_repr
 from ..ops.paged_attention import layout
 from ..transforms._install import runtime_of, runtime_or_none
+from ._load import load_pretrained
 from ._agree import StepAgreement, agreed_step
 from ._config import InferenceConfig, check_vocab, window_blocks
 from ._merge import merged_of
@@ -443,26 +444,6 @@ def _templated(tokenizer, template: str | None, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                         add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def load_pretrained(path: str, dtype):
-    """A local Hugging Face directory's causal LM (safetensors weights, in ``dtype``; on
-    this rank's GPU where there is one) and its tokenizer (None where it has none)."""
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"{path}: no config.json there; give a Hugging Face model directory "
-                          f"(a meshlab checkpoint is exported to one with "
-                          f"meshlab.checkpoint.save_pretrained)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                 use_safetensors=True)
-    try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError):
-        tok = None
-    if torch.cuda.is_available():
-        model.to(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
-    return model, tok
 
 
 def _progress(total: int, verbose: bool):
