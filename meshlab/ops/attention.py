@@ -276,7 +276,50 @@ def _flash_attn():
         raise ImportError(f"flash_attn is installed but cannot be imported ({e}), most likely "
                           f"built for another torch or CUDA; reinstall it, or uninstall "
                           f"flash-attn (attention then runs on cuDNN)") from e
-    return flash_attn
+    # flash-attn-4 alone installs flash_attn/cute and no FlashAttention-2 entry point.
+    return flash_attn if hasattr(flash_attn, "flash_attn_func") else None
+
+
+@functools.cache
+def _flash_attn_4():
+    """``(flash_attn.cute.flash_attn_func, version)`` where flash-attn-4 is installed and
+    this is a Hopper card, else ``None``. An installed one that fails to import raises."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None or \
+            importlib.util.find_spec("flash_attn.cute") is None:
+        return None
+    if torch.cuda.get_device_capability() != (9, 0):
+        return None
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError as e:
+        raise ImportError(f"flash-attn-4 is installed but cannot be imported ({e}); install "
+                          f"its CuTe DSL libraries (nvidia-cutlass-dsl), or uninstall "
+                          f"flash-attn-4 (attention then runs on cuDNN)") from e
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("flash-attn-4")
+    except PackageNotFoundError:
+        ver = "?"
+    return flash_attn_func, ver
+
+
+# flash-attn-4 takes the training pass (forward and backward) at these head dims: measured
+# on the H200 against cuDNN (benchmarks/results/attention_fa4_h200*.json, two runs), causal
+# GQA in bf16, forward+backward 1.07x at head dim 64 and 8 x 2048 tokens, 1.18x at 2 x 8192,
+# even at head dim 128 and 8 x 2048, 1.06x at 2 x 8192. Its forward alone is slower at head
+# dim 64 (0.50 against 0.39-0.44 ms) and at 128 and 8 x 2048 (0.71 against 0.57 ms), so a
+# pass that records no graph (inference, prefill) stays on cuDNN.
+_FA4_HEAD_DIMS = (64, 128)
+
+
+def _fa4_for(q: Tensor, k: Tensor, v: Tensor):
+    if q.shape[-1] not in _FA4_HEAD_DIMS or not torch.is_grad_enabled() or \
+            not any(t.requires_grad for t in (q, k, v)):
+        return None
+    return _flash_attn_4()
 
 
 def _is_plain(t: Tensor) -> bool:
@@ -304,6 +347,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
             and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
             and _build.native_disabled_reason() is None
             and all(_is_plain(t) for t in (q, k, v))):
+        fa4 = _fa4_for(q, k, v)
+        if fa4 is not None:
+            fn, ver = fa4
+            _build.record("attention", "cuda", True, f"flash-attn-4 {ver} (training pass)")
+            # (B, S, H, D) in and out; kv heads grouped as they are; causal top-left as S == Skv
+            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                     softmax_scale=scale, causal=causal)
+            out = out[0] if isinstance(out, tuple) else out
+            return out.transpose(1, 2)
         fa = _flash_attn()
         if fa is not None:
             _build.record("attention", "cuda", True, f"flash-attn {fa.__version__}")

@@ -91,11 +91,32 @@ def test_public_attention_path(causal):
     q, k, v = _inputs(2, 8, 2, 257, 64, torch.bfloat16)
     _compare(attention, q, k, v, causal, scale=0.1)
     path = _build.LAST_PATH[("attention", "cuda")]
-    fa = _mod()._flash_attn()
-    if fa is not None:
+    fa, fa4 = _mod()._flash_attn(), _mod()._flash_attn_4()
+    if fa4 is not None:                 # a training pass at head dim 64
+        assert path.reason == f"flash-attn-4 {fa4[1]} (training pass)", path
+    elif fa is not None:
         assert path.reason == f"flash-attn {fa.__version__}", path
     else:
         assert path.reason.startswith("cuDNN SDPA"), path
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_4_takes_the_training_pass(d, causal):
+    """Where flash-attn-4 is installed on a Hopper card, a pass that records a graph runs
+    on it (forward and backward within bf16 rounding of the float32 reference, grouped
+    heads as they are); a forward without a graph stays on cuDNN, its faster forward."""
+    from meshlab.ops import _build, attention
+
+    if _mod()._flash_attn_4() is None:
+        pytest.skip("flash-attn-4 is not installed, or this is not a Hopper card")
+    q, k, v = _inputs(2, 8, 2, 256, d, torch.bfloat16)
+    _compare(attention, q, k, v, causal)
+    assert _build.LAST_PATH[("attention", "cuda")].reason.startswith("flash-attn-4"), \
+        _build.LAST_PATH[("attention", "cuda")]
+    with torch.no_grad():
+        attention(q, k, v, causal=causal)
+    assert not _build.LAST_PATH[("attention", "cuda")].reason.startswith("flash-attn-4")
 
 
 def test_lse_matches_reference():
