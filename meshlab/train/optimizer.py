@@ -92,6 +92,25 @@ def _refuse_on_slices(cls: type, owner) -> None:
         f"meshlab.train.optimizer.register_elementwise({cls.__name__})")
 
 
+# Optimizers whose update DTensor cannot compute on DTensor parameters (tensor parallelism,
+# ZeRO-3): refused by name before any step, where torch would stop inside the update.
+_NOT_ON_DTENSORS = {
+    torch.optim.Adafactor: "its factored second moment squares a row norm in place "
+                           "(aten.pow_ on a pending reduction), which DTensor refuses",
+}
+
+
+def _refuse_on_dtensors(cls: type, tensors) -> None:
+    from torch.distributed.tensor import DTensor
+
+    why = next((w for c, w in _NOT_ON_DTENSORS.items() if issubclass(cls, c)), None)
+    if why is not None and any(isinstance(t, DTensor) for t in tensors):
+        raise ConfigError(f"optimizer {cls.__name__} on DTensor parameters (tensor parallelism "
+                          f"or zero_shard(3)): {why}. Use an elementwise optimizer (AdamW, "
+                          f"...) or torch.optim.Muon, shown to train these layouts as one "
+                          f"process, or lay the model out with data parallelism alone")
+
+
 def _params_of(cls) -> set[str]:
     try:
         return set(inspect.signature(cls.__init__).parameters)
@@ -162,6 +181,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         self.scaler = prec.scaler() if prec is not None else None
         self._group_of, options = group_layout(self.params, param_groups)
         tensors = self._inner_params(cls, kwargs)
+        _refuse_on_dtensors(cls, [p for _, p in self.params])
         self.inner = None
         for part in self.rt.parts:          # offload splits it between host and device
             made = part.make_optimizer(self, cls, kwargs, tensors)
