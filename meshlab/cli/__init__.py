@@ -32,7 +32,7 @@ and no process is started; the same plan object is what parallelize() runs."""
 
 _PLAN_EXAMPLES = """examples:
   meshlab plan --model llama3-8b --mesh dp=8,tp=8
-  meshlab plan --model llama3-70b --mesh pp=4,dp=4,tp=8 --zero 1 --batch 8 --seq 4096
+  meshlab plan --model llama3-70b --mesh pp=4,dp=4,tp=8 --zero 1 --batch 8 --seq 4096 --pictures pics
   meshlab plan --model ./config.json --mesh fsdp=16 --zero 3 --zero-axis fsdp --remat full --json plan.json
   meshlab plan --model mixtral-8x7b --mesh dp=2,ep=8 --batch 2
   meshlab plan --model llama3-8b --advise --gpus 16 --batch 64 --gpu h100"""
@@ -297,6 +297,9 @@ def cmd_plan(args) -> int:
         with open(args.json, "w") as f:
             f.write(p.to_json(indent=1))
         console.print(f"plan written to {args.json}")
+    if args.pictures:
+        for path in _pictures(p, args):
+            console.print(f"picture written to {path}")
     console.print(f"planned {len(p)} parameters ({sum(e.numel for e in p if not e.tied_to):,} "
                   f"elements) on {mesh.size:,} ranks in {time.perf_counter() - t0:.2f} s")
     return 0
@@ -399,6 +402,34 @@ def cmd_build(args) -> int:
     return 0 if all(built.values()) else 1
 
 
+def _pictures(p, args) -> list[str]:
+    """``--pictures DIR``: the memory per rank (with --batch, its activations and peak) and,
+    with a pipeline, the schedule, as PNG files in DIR."""
+    import os
+
+    from ..core.log import require
+
+    plt = require("matplotlib", "plot", "meshlab plan --pictures")
+    plt.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    from ..transforms.pipeline import Pipeline, plot_schedule
+
+    os.makedirs(args.pictures, exist_ok=True)
+    kw = {} if args.batch is None else dict(batch=args.batch, seq=args.seq)
+    out = []
+    ax = p.memory(**kw).plot(gpu=args.gpu if args.batch is not None else None)
+    out.append(os.path.join(args.pictures, "memory.png"))
+    ax.figure.savefig(out[-1], dpi=120, bbox_inches="tight")
+    pyplot.close(ax.figure)
+    if p.get(Pipeline) is not None:
+        ax = plot_schedule(p)
+        out.append(os.path.join(args.pictures, "schedule.png"))
+        ax.figure.savefig(out[-1], dpi=120, bbox_inches="tight")
+        pyplot.close(ax.figure)
+    return out
+
+
 def _plan_parser(sub) -> None:
     """``meshlab plan``'s arguments."""
     p = sub.add_parser("plan", help="plan a model on a fake mesh and print its layout and memory",
@@ -421,6 +452,9 @@ def _plan_parser(sub) -> None:
     p.add_argument("--uneven", action="store_true", help="allow dims not divisible by their shards")
     p.add_argument("--full", action="store_true", help="one row per parameter (no collapsing)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
+    p.add_argument("--pictures", default=None, metavar="DIR",
+                   help="also draw the memory per rank (memory.png) and, with a pipeline, its "
+                        "schedule (schedule.png) into DIR (needs meshlab[plot])")
     p.add_argument("--zero", type=int, default=None, choices=(0, 1, 2, 3),
                    help="add zero_shard(stage) over --zero-axis")
     p.add_argument("--zero-axis", default="dp", help="the ZeRO axis (default dp)")

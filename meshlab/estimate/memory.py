@@ -136,6 +136,50 @@ class MemoryEstimate:
         return html_table(("category", "dtype", "bytes"), self.rows(), title=self.title,
                           bold_last=True)
 
+    def bars(self) -> list[tuple[str, int]]:
+        """What :meth:`plot` stacks on the device bar, bottom up: ``(label, bytes)`` for
+        the parameters, gradients and optimizer state (their sum is ``total``), and with
+        activations what the step's peak adds to them (saved activations, one block's
+        backward, the loss, the rooms' transients): the bar's top is ``peak``."""
+        out = [(cat, int(sum(per.values()))) for cat, per in self.by_category.items()]
+        if self.activations is not None:
+            out.append(("activations at the peak", self.peak - self.total))
+        return out
+
+    def plot(self, ax=None, gpu=None):
+        """A stacked bar of the device bytes per rank (:meth:`bars`, each labelled with
+        its size) and, where ``offload`` keeps some, one of the host's; ``gpu`` (a preset
+        name or bytes) draws the card's memory as a line. Returns the axes."""
+        from ..core.log import require
+        from ..core.units import fmt_bytes
+
+        plt = require("matplotlib.pyplot", "plot", "MemoryEstimate.plot")
+        ax = ax or plt.subplots(figsize=(5, 4))[1]
+        gib = 2 ** 30
+        columns = [("device", self.bars())]
+        if self.host_by_category:
+            columns.append(("host", [(f"host {c}", int(sum(per.values())))
+                                     for c, per in self.host_by_category.items()]))
+        for x, (_, parts) in enumerate(columns):
+            bottom = 0.0
+            for label, b in parts:
+                if b <= 0:
+                    continue
+                bar = ax.bar(x, b / gib, bottom=bottom / gib, label=label, width=0.6)
+                bar[0].meshlab_bytes = b            # what the bar stands for, exactly
+                ax.text(x, (bottom + b / 2) / gib, f"{label}: {fmt_bytes(b)}",
+                        ha="center", va="center", fontsize=7)
+                bottom += b
+        if gpu is not None:
+            from .machine import machine
+
+            cap = gpu if isinstance(gpu, (int, float)) else machine(gpu).memory
+            ax.axhline(cap / gib, color="tab:red", lw=1, label=f"{gpu} memory")
+        ax.set_xticks(range(len(columns)), [name for name, _ in columns])
+        ax.set_ylabel("GiB per rank")
+        ax.set_title(self.title, fontsize=9)
+        return ax
+
     def __str__(self) -> str:
         from ..planning.view import render_text
 

@@ -244,6 +244,38 @@ def draw_schedule(plan: Plan) -> str:
     return _schedule.draw_schedule(plan, _need(plan))
 
 
+def plot_schedule(plan: Plan, ax=None, forward: float = 1.0, backward: float = 2.0):
+    """The schedule as a picture: one row per pipeline rank, a box per forward (blue),
+    backward (orange) or weight-gradient step (green) at its replayed time, labelled with
+    its microbatch; the gaps are the bubble, its share in the title. Returns the axes."""
+    from ...core.log import require
+
+    plt = require("matplotlib.pyplot", "plot", "pipeline.plot_schedule")
+    events = simulate(plan, forward, backward)
+    opt = _need(plan)
+    p = plan.mesh_shape[opt.axis]
+    end = max(e[2] for e in events)
+    ax = ax or plt.subplots(figsize=(max(6.0, end / 4), 0.5 * p + 1.2))[1]
+    colour = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
+    for r in range(p):
+        mine = [e for e in events if e[0] == r]
+        for tag in sorted({e[3] for e in mine}):
+            spans = [(t0, t1 - t0) for _, t0, t1, t, _, _ in mine if t == tag]
+            bars = ax.broken_barh(spans, (r - 0.4, 0.8), facecolors=colour.get(tag, "gray"),
+                                  edgecolor="white")
+            bars.meshlab_events = [e for e in mine if e[3] == tag]
+        for _, t0, t1, _, mb, _ in mine:
+            ax.text((t0 + t1) / 2, r, str(mb), ha="center", va="center", fontsize=6)
+    busy = sum(e[2] - e[1] for e in events) / (p * end)
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, end)
+    ax.set_xlabel(f"time (forward = {forward:g}, backward = {backward:g})")
+    ax.set_title(f"{opt.schedule}, {p} stages x {opt.microbatches} microbatches: "
+                 f"idle {1 - busy:.1%}", fontsize=9)
+    return ax
+
+
 def stage_table(plan: Plan):
     """A rich table: each stage's rank, blocks and parameter bytes, and the bubble."""
     return _schedule.stage_table(plan, _need(plan))
