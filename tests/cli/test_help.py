@@ -38,10 +38,10 @@ def test_plan_help_has_a_description_and_examples():
 def test_plan_examples_run(line, capsys, tmp_path, monkeypatch):
     argv = shlex.split(line)
     assert argv[:2] == ["meshlab", "plan"]
+    monkeypatch.chdir(tmp_path)            # what an example writes (--json, --pictures)
     if "./config.json" in argv:            # the user's own config: a small Llama's here
         from transformers import LlamaConfig
 
-        monkeypatch.chdir(tmp_path)
         LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=8, num_key_value_heads=4).to_json_file("config.json")
     assert cli.main(argv[1:]) == 0
