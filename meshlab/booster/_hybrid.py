@@ -272,8 +272,9 @@ def _remat(owner: str, cfg):
 def _moe_args() -> tuple[Arg, ...]:
     """The hybrid arguments with the rows expert parallelism does not (yet) compose with
     refused, each saying why (see ``docs/composition.md``)."""
-    seq = ("expert_route does not yet compose with sequence parallelism (composition table: "
-           "expert_route x sequence, not yet)")
+    seq = ("the plugin's sequence parallelism is Megatron's split_gather over tp or Ulysses "
+           "beside it, not yet shown with expert_route (composition table: expert_route x "
+           "sequence('split_gather'), not yet)")
     fused = ("fuse('mlp') routes dense gated MLPs, and a MoE model's experts are "
              "expert_route's")
     refused = {
@@ -282,9 +283,10 @@ def _moe_args() -> tuple[Arg, ...]:
                                             "HybridParallelPlugin for sequence parallelism"),
         "sequence_parallelism_mode": only("sequence_parallelism_mode", None, seq,
                                           "HybridParallelPlugin for sequence parallelism"),
-        "cpu_offload": only("cpu_offload", False, "expert_route does not yet compose with "
-                            "offload (composition table: expert_route x offload(optimizer), "
-                            "not yet)", "zero_stage=1 without offload"),
+        "cpu_offload": only("cpu_offload", False, "expert_route with ZeRO and offload "
+                            "together is not yet shown to train like one process (the "
+                            "table shows each pair, not the three)", "zero_stage=1 without "
+                            "offload"),
         "enable_all_optimization": only("enable_all_optimization", False, fused,
                                         "enable_fused_normalization=True, "
                                         "enable_flash_attention=True"),

@@ -116,6 +116,18 @@ _OFF_SEQ = not_yet("offload is not yet shown to match the single process under "
                    "sequence-parallel attention", "{a} with {b}: offload is not yet shown to "
                    "match the single process under sequence-parallel attention; drop one of "
                    "them", RECORDS)
+_OFF_GRADS_SEQ = not_yet(
+    "offloaded gradients miss the sum over the sequence axis: measured on sp=2 (SGD, float32), "
+    "updates off by 2x their size at the first step",
+    "{a} with {b}: gradients offloaded as the backward makes them miss the sum over the "
+    "sequence axis (measured: updates off by 2x); use offload(optimizer=...) alone",
+    RECORDS, note="offload(params) takes the offload(grads) row too")
+_OFF_GRADS_EXPERT = not_yet(
+    "offloaded gradients do not train like one process beside expert parallelism (measured "
+    "on 2 ranks, SGD, float32)",
+    "{a} with {b}: gradient offload beside expert parallelism does not yet train like one "
+    "process; use offload(optimizer=...)", RECORDS,
+    note="offload(params) takes the offload(grads) row too")
 _OFF_TP = not_yet("offload is not yet shown to match the single process with sharded "
                   "parameters", "{a} with tensor parallelism over {tp!r}: offload is not yet "
                   "shown to match the single process with sharded parameters; offload under "
@@ -334,10 +346,14 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("offload(optimizer)", "offload(params)", _t(_OFF, _VS_ZERO)),
     ("offload(grads)", "offload(params)", _t(_OFF, _VS_ZERO)),
     *_each(_OFFLOADS, "pipeline", _OFF_PIPE),
-    *[(o, s, _OFF_SEQ) for o in _OFFLOADS for s in _SEQS],
-    *[("expert_route", o, _EXPERT) for o in _OFFLOADS],
-    *[("lora", o, _LORA_NO) for o in _OFFLOADS],
-    *[("compile_blocks", o, _COMPILE) for o in _OFFLOADS],
+    *[(o, "sequence('split_gather')", _OFF_SEQ) for o in _OFFLOADS[1:]],
+    *[(o, s, _OFF_GRADS_SEQ) for o in _OFFLOADS[1:] for s in _SEQS[1:]],
+    ("offload(optimizer)", "sequence('split_gather')", _OFF_SEQ),   # needs offload x shard
+    *[("offload(optimizer)", s, _shown("offload(optimizer)", s)) for s in _SEQS[1:]],
+    *[("expert_route", o, _OFF_GRADS_EXPERT) for o in _OFFLOADS[1:]],
+    ("expert_route", "offload(optimizer)", _shown("expert_route", "offload(optimizer)")),
+    *[("lora", o, _shown("lora", o)) for o in _OFFLOADS],
+    *[("compile_blocks", o, _shown("compile_blocks", o)) for o in _OFFLOADS],
     *[("step_in_backward", o, _STEP) for o in _OFFLOADS],
     *[(o, x, _shown(o, x)) for o in _OFFLOADS for x in ("remat",) + _PRECS + _FUSES],
     # pipeline
@@ -361,7 +377,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("sequence('split_gather')", "sequence('all_to_all')", _SG_2D["all_to_all"]),
     ("sequence('split_gather')", "sequence('ring')", _SG_2D["ring"]),
     ("expert_route", "sequence('split_gather')", _EXPERT_SP),
-    ("lora", "sequence('split_gather')", _LORA_NO),
+    ("lora", "sequence('split_gather')", _shown("lora", "sequence('split_gather')")),
     ("sequence('split_gather')", "remat",
      _t(f"{_TRAIN}::test_remat_keeps_the_numbers[selective-tp_sp]")),
     ("sequence('split_gather')", "fuse('loss')", _shown("sequence('split_gather')",
@@ -371,15 +387,16 @@ _LISTED: list[tuple[str, str, Cell]] = [
     *_trained("sequence('split_gather')", " ".join(_PRECS) + " fuse fuse('attention')"),
     # sequence('all_to_all') and sequence('ring')
     ("sequence('all_to_all')", "sequence('ring')", _TWO_SEQ),
-    *[("expert_route", s, _EXPERT) for s in _SEQS[1:]],
-    *[("lora", s, _LORA_NO) for s in _SEQS[1:]],
+    *[("expert_route", s, _shown("expert_route", s)) for s in _SEQS[1:]],
+    *[("lora", s, _shown("lora", s)) for s in _SEQS[1:]],
     *[("fuse('attention')", s, _FUSE_ATTN_SEQ) for s in _SEQS[1:]],
-    *[("compile_blocks", s, _COMPILE) for s in _SEQS[1:]],
+    ("compile_blocks", "sequence('all_to_all')", _shown("compile_blocks", "sequence('all_to_all')")),
+    ("compile_blocks", "sequence('ring')", _COMPILE),
     *[("step_in_backward", s, _STEP) for s in _SEQS[1:]],
     *[(s, x, _shown(s, x)) for s in _SEQS[1:] for x in ("remat",) + _PRECS
       + ("fuse", "fuse('loss')")],
     # expert_route
-    ("lora", "expert_route", _LORA_NO),
+    ("lora", "expert_route", _shown("lora", "expert_route")),
     ("expert_route", "remat", _t(f"{_EXP}::test_ep2_with_remat_matches_one_process[mixtral]")),
     ("expert_route", "precision('bf16')",
      _t(f"{_EXP}::test_ep2_under_bf16_matches_one_process_under_autocast")),
