@@ -140,10 +140,38 @@ def bind(owner: str, args: tuple[Arg, ...], positional: int, given_args: tuple,
             continue
         if a.kind == "default":
             raise UnsupportedArgument(owner, a.name, v, a.refusal, a.meshlab)
+        _check_kind(owner, a, v)
         if a.kind == "no_effect":
             warnings.warn(f"{owner}({a.name}={v!r}) has no effect in meshlab: {a.meshlab}",
                           NoEffectWarning, stacklevel=4)
     return values
+
+
+def _model_value(a: Arg):
+    """A value of the kind ``a`` takes: its default, else its probe's."""
+    if a.default is not None and a.default is not REQUIRED:
+        return a.default
+    p = a.probe.value if isinstance(a.probe, With) else a.probe
+    return None if callable(p) else p
+
+
+def _check_kind(owner: str, a: Arg, v) -> None:
+    """A flag is a bool and a number is a finite real number (None where the default is
+    None): 'dp' or NaN for a fraction, 1 for a flag, are refused by name here instead of
+    failing (or being read as something else) where the argument is used."""
+    import math
+    import numbers
+
+    model = _model_value(a)
+    if v is None and a.default is None:
+        return
+    if isinstance(model, bool):
+        if not isinstance(v, bool):
+            raise ConfigTypeError(f"{owner}({a.name}={v!r}): a flag, True or False")
+    elif isinstance(model, numbers.Real):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            raise ConfigTypeError(f"{owner}({a.name}={v!r}): a finite number, e.g. "
+                                  f"{a.name}={model!r}")
 
 
 def table_rows(args: tuple[Arg, ...]) -> list[tuple[str, str, str, str]]:

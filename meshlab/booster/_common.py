@@ -139,7 +139,7 @@ def communication(owner: str, v: dict):
     if d is None:
         return None
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-    if d not in names:
+    if not isinstance(d, torch.dtype) or d not in names:
         raise ConfigError(f"{owner}(communication_dtype={d!r}): use torch.float32, "
                           f"torch.bfloat16 or torch.float16")
     return names[d]

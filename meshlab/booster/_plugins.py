@@ -264,6 +264,10 @@ class GeminiPlugin(Plugin):
         spec = spec | zero_shard(3, "dp")
         policy = v["placement_policy"]
         po, oo = float(v["offload_param_frac"]), float(v["offload_optim_frac"])
+        for k, f in (("offload_param_frac", po), ("offload_optim_frac", oo)):
+            if not 0.0 <= f <= 1.0:     # max(-1, 0) below would turn -1 into 0
+                raise ConfigError(f"{owner}({k}={f!r}): a fraction from 0 to 1 of the "
+                                  f"trainable bytes; pass e.g. {k}=0.5")
         if policy == "auto":
             for k, f in (("offload_param_frac", po), ("offload_optim_frac", oo)):
                 if f:
