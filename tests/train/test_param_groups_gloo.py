@@ -16,16 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 STEPS, BATCH = 3, 8          # BATCH: the global batch
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.norm = nn.LayerNorm(16)
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.out(torch.tanh(self.norm(self.inp(x))))
-
+from tests.colossal.test_param_groups_gloo import Net  # noqa: E402  (the same small model)
 
 DECAY = ["inp.weight", "out.weight"]
 REST = ["inp.bias", "norm.weight", "norm.bias", "out.bias"]
