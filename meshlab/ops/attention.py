@@ -408,6 +408,18 @@ def _describe(mask) -> str:
     return type(mask).__name__
 
 
+def as_autocast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """What autocast does to SDPA's inputs, for attention that autocast does not see (a
+    custom op, an autograd Function): under autocast q, k and v in its dtype (q and k
+    leave a float32 rotary table in float32 while v leaves its projection in bf16);
+    outside it, as they are."""
+    dev = q.device.type
+    if not torch.is_autocast_enabled(dev):
+        return q, k, v
+    dt = torch.get_autocast_dtype(dev)
+    return q.to(dt), k.to(dt), v.to(dt)
+
+
 def hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                  attention_mask: Tensor | None, scaling: float | None = None,
                  dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
@@ -445,12 +457,7 @@ def hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
         # Prefill into an empty static cache: the slots past S are empty (the mask function
         # returned None only because of that), so drop them, as the SDPA integration does.
         key, value = key[:, :, :s], value[:, :, :s]
-    dev = query.device.type
-    if torch.is_autocast_enabled(dev):
-        # What autocast does to SDPA: q, k and v in the autocast dtype (under autocast
-        # q and k leave the rotary embedding in fp32, v its projection in bf16).
-        dt = torch.get_autocast_dtype(dev)
-        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+    query, key, value = as_autocast(query, key, value)
     out = attention(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 

@@ -22,6 +22,7 @@ from torch import nn
 from ...core import collectives as C
 from ...core.errors import ConfigError, SpecError
 from ... import ops as _ops  # noqa: F401  (registers meshlab::attention)
+from ...ops.attention import as_autocast
 from .._seqsplit import install_split
 from ._ulysses import _route_attention, sp_group
 
@@ -197,15 +198,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
 
 
 def _one_dtype(q, k, v):
-    """q, k and v in the dtype attention computes in, as SDPA would take them: under
-    autocast its dtype (a float32 rotary table turns q and k into float32 while v stays
-    bf16; SDPA is on autocast's low-precision list, a custom Function is not), else the
-    three promoted to one."""
-    dev = q.device.type
-    if torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-    else:
-        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    """q, k and v in one dtype, as SDPA takes them: autocast's (``as_autocast``; the ring
+    is an autograd Function autocast does not see), else the three promoted to one."""
+    q, k, v = as_autocast(q, k, v)
+    dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
