@@ -60,3 +60,24 @@ def write_cpu(prefix: str, tag: str, out: dict) -> Path:
     path = RESULTS / f"{prefix}_{tag}.json"
     path.write_text(json.dumps(out, indent=1))
     return path
+
+
+def two_ranks(worker, *args, timeout: float = 1800):
+    """Run ``worker(rank, port, *args, queue)`` in two spawned processes (a gloo job on
+    this host, at a free port) and return what rank 0 puts on the queue."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, port, *args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = queue.get(timeout=timeout)
+    for p in procs:
+        p.join(60)
+    return out

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import time
@@ -138,23 +137,12 @@ def _worker(rank: int, port: int, steps: int, queue) -> None:
 
 def main() -> None:
     import _results
-    import torch.multiprocessing as mp
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--tag", default="vm")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args.steps, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = queue.get()
-    for p in procs:
-        p.join()
+    res = _results.two_ranks(_worker, args.steps)
     from meshlab.train._content import CHECK_EVERY
 
     for layout, r in res.items():

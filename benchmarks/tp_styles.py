@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -120,8 +119,6 @@ def _worker(rank: int, port: int, steps: int, rounds: int, queue) -> None:
 
 
 def main() -> None:
-    import torch.multiprocessing as mp
-
     import _results
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -129,18 +126,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tag", default="cpu_gloo")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args.steps, args.rounds, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    got = queue.get(timeout=1800)
-    for p in procs:
-        p.join(60)
+    got = _results.two_ranks(_worker, args.steps, args.rounds)
     med = {k: statistics.median(v) for k, v in got["times_ms"].items()}
     rounds = {k: [statistics.median(v[i * args.steps:(i + 1) * args.steps])
                   for i in range(args.rounds)] for k, v in got["times_ms"].items()}
