@@ -50,7 +50,9 @@ def _region(fn: str, axis_name) -> tuple[Region, tuple[str, ...]]:
         raise ConfigError(
             f"{fn}(..., {axis_name!r}): collectives by axis name run inside the function "
             f"shard_map calls (ml.shard_map(f, in_specs, out_specs, mesh=mesh)), where axis "
-            f"names mean mesh axes; call {fn} there")
+            f"names mean mesh axes; call {fn} there. A part of that function the backward "
+            f"recomputes (activation checkpointing) runs it again outside: wrap that part "
+            f"with ml.remat(f) instead of torch.utils.checkpoint")
     axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name) \
         if isinstance(axis_name, (tuple, list)) else None
     if not axes or not all(isinstance(a, str) for a in axes):

@@ -16,12 +16,14 @@ over an axis the function's values vary along gets its gradient summed over that
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from .context import ModelLayout, current_layout, current_mesh, local_region
+from .context import ModelLayout, current_layout, current_mesh, in_local_region, local_region
 from .distribute import (_check_shard_map, _dtensor_layout, _model_spec, _resolve_checked,
                          _rules_in)
 from .errors import MeshError, SpecError
@@ -30,7 +32,7 @@ from .mesh import Mesh
 from .placement import from_placements, to_placements
 from .rules import Rules
 from .spec import P
-from .varying import mark, one_device, pvary, region
+from .varying import current_region, mark, on_one_device, one_device, pvary, reenter, region
 
 
 class _Target:
@@ -275,5 +277,39 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
             pending[0] = False
         res = _wrap(tgt, flat, outs, name)
         return res[0] if single else tuple(res)
+
+    return wrapped
+
+
+def remat(fn: Callable) -> Callable:
+    """``jax.remat`` (``jax.checkpoint``): ``fn`` keeps none of its intermediate values
+    for the backward, which runs it again (``torch.utils.checkpoint``, non-reentrant).
+
+    Inside a ``shard_map`` function the recomputation runs in the backward, after the
+    function returned; it runs under the function's region again, so its collectives by
+    axis name and its gradient rules are the first run's. JAX's FSDP example gathers the
+    weights in a rematerialized function, so the backward gathers them again instead of
+    keeping them (the whole function is recomputed: JAX's ``policy=`` is not taken)."""
+    if not callable(fn):
+        raise SpecError(f"remat({fn!r}): give the function to recompute in the backward, "
+                        f"e.g. ml.remat(lambda w: ml.all_gather(w, 'dp', tiled=True))")
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any):
+        r, one, local = current_region(), on_one_device(), in_local_region()
+
+        @contextlib.contextmanager
+        def again():
+            with contextlib.ExitStack() as stack:
+                if local:
+                    stack.enter_context(local_region())
+                if one is not None:
+                    stack.enter_context(one_device(one))
+                if r is not None:
+                    stack.enter_context(reenter(r))
+                yield
+
+        return checkpoint(fn, *args, use_reentrant=False,
+                          context_fn=lambda: (contextlib.nullcontext(), again()), **kwargs)
 
     return wrapped

@@ -213,6 +213,19 @@ def on_one_device() -> str | None:
 
 
 @contextlib.contextmanager
+def reenter(r: Region):
+    """Run code of region ``r``'s function again after it returned (a part of it the
+    backward recomputes): ``r`` is current and its mode on, so the recomputed values get
+    the marks (and the pvary calls) of the first run."""
+    token = _REGION.set(r)
+    try:
+        with VaryingMode(r):
+            yield r
+    finally:
+        _REGION.reset(token)
+
+
+@contextlib.contextmanager
 def region(dm, tracked, *, unmarked_varying: bool, name: str):
     """Run a ``shard_map`` function: the region is current and the mode is on."""
     tracked = frozenset(tracked)

@@ -11,6 +11,8 @@ that nothing names.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -185,10 +187,13 @@ def networks(lax, np_, relu):
         inputs, targets = batch
         return lax.pmean(np_.mean(sq_err(predict(params, inputs), targets)), "batch")
 
+    def gather(p):
+        return lax.all_gather(p, "batch", tiled=True)
+
     def predict_fsdp(params_frag, inputs):
         for w_frag, b_frag in params_frag:
-            w = lax.all_gather(w_frag, "batch", tiled=True)
-            b = lax.all_gather(b_frag, "batch", tiled=True)
+            w = gather(w_frag)
+            b = gather(b_frag)
             outputs = inputs @ w + b
             inputs = relu(outputs)
         return outputs
@@ -196,6 +201,23 @@ def networks(lax, np_, relu):
     def loss_fsdp(params, batch):
         inputs, targets = batch
         return lax.pmean(np_.mean(sq_err(predict_fsdp(params, inputs), targets)), "batch")
+
+    # The page's gather_params: jax.remat with a policy that saves all but the
+    # all_gather's result, so the backward gathers the weights again. torch keeps what a
+    # consumer outside the recomputed function saves: its port recomputes each layer,
+    # gathers included (lax.remat_layer); JAX's side rematerializes the gather
+    # (lax.remat_gather), as the page writes it.
+    gather_params = lax.remat_gather(gather)
+
+    def layer(w_frag, b_frag, inputs):
+        return inputs @ gather_params(w_frag) + gather_params(b_frag)
+
+    def loss_fsdp_remat(params, batch):
+        inputs, targets = batch
+        for w_frag, b_frag in params:
+            outputs = lax.remat_layer(layer)(w_frag, b_frag, inputs)
+            inputs = relu(outputs)
+        return lax.pmean(np_.mean(sq_err(outputs, targets)), "batch")
 
     def loss_tp(params, batch):                   # no shard_map: gemm_tp is one
         inputs, targets = batch
@@ -217,6 +239,7 @@ def networks(lax, np_, relu):
 
     return {"dp": ({"batch": 4}, loss_dp, (), ("batch",)),
             "fsdp": ({"batch": 4}, loss_fsdp, ("batch",), ("batch",)),
+            "fsdp_remat": ({"batch": 4}, loss_fsdp_remat, ("batch",), ("batch",)),
             "tp": ({"feats": 4}, loss_tp, ("feats",), (None, "feats")),
             "fsdp_tp": ({"batch": 2, "feats": 2}, loss_fsdp_tp, (("feats", "batch"),),
                         ("batch", "feats"))}
@@ -285,6 +308,9 @@ def test_neural_networks(world4, jx):
     got = same_on_every_rank(world4.run(case_networks, params=params, batch=batch))
     ref_value, ref_grads = jx.jit(jx.value_and_grad(_reference(jx)))(params, batch)
     lax = type("lax", (), dict(vars(jx.lax)))
+    lax.remat_gather = staticmethod(functools.partial(
+        jx.remat, policy=lambda prim, *_, **__: str(prim) != "all_gather"))
+    lax.remat_layer = staticmethod(lambda f: f)
     for name, (axes, loss, pspec, bspec) in networks(lax, jnp, jx.nn.relu).items():
         mesh = jax_mesh(jx, tuple(axes.values()), tuple(axes))
         if name == "tp":

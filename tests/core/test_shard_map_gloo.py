@@ -244,3 +244,66 @@ def case_collective_outside(rank, world):
 def test_collectives_outside_shard_map_name_the_fix(world2):
     out = world2.run(case_collective_outside)
     assert "inside the function shard_map calls" in out[0]
+
+
+def case_remat_inside(rank, world):
+    """``ml.remat`` inside the function (JAX's FSDP example, whose ``gather_params`` is
+    rematerialized): each layer, its weights' all-gathers included, keeps nothing for the
+    backward, which runs it again under the function's region, so the gathers and the
+    pvary of a replicated scale recompute as in the first run; the values and gradients
+    equal one process's and the plain run's. (torch keeps what a consumer outside the
+    recomputed function saves, so the layer is what is recomputed, not the gather alone.)
+    ``torch.utils.checkpoint`` there instead recomputes outside the region, and the
+    collective refuses it with the fix."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import meshlab as ml
+    from meshlab import P
+
+    mesh = ml.Mesh(batch=world)
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_()
+              for s in ((4, 8), (8,), (8, 4), (4,))]        # each splits over 4 ranks
+    scale = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+
+    def layer(w, b, xb):
+        return xb @ ml.all_gather(w, "batch", tiled=True) + \
+            ml.all_gather(b, "batch", tiled=True) * scale
+
+    def body(wrap):
+        def f(w1, b1, w2, b2, xb):
+            y = wrap(layer)(w2, b2, torch.relu(wrap(layer)(w1, b1, xb)))
+            return ml.pmean(y.pow(2).mean(), "batch")
+        return ml.shard_map(f, in_specs=(P("batch"),) * 5, out_specs=P(), mesh=mesh)
+
+    def torch_checkpoint(fn):
+        return lambda *a: torch.utils.checkpoint.checkpoint(fn, *a, use_reentrant=False)
+
+    runs = {}
+    for name, wrap in (("plain", lambda fn: fn), ("remat", ml.remat)):
+        loss = body(wrap)(*params, x).to_local()
+        with CommDebugMode() as cd:
+            grads = torch.autograd.grad(loss, params + [scale])
+        runs[name] = (float(loss.detach()), grads, cd.get_total_counts())
+    w1, b1, w2, b2 = params
+    ref_loss = ((torch.relu(x @ w1 + b1 * scale) @ w2 + b2 * scale) ** 2).mean()
+    ref = torch.autograd.grad(ref_loss, params + [scale])
+    for name, (loss, grads, _) in runs.items():
+        assert abs(loss - float(ref_loss)) < 1e-12, name
+        for g, r in zip(grads, ref):
+            torch.testing.assert_close(g, r, atol=1e-12, rtol=1e-12)
+    try:
+        body(torch_checkpoint)(*params, x).to_local().backward()
+    except ml.ConfigError as e:
+        refusal = str(e)
+    else:
+        raise AssertionError("torch.utils.checkpoint inside shard_map was accepted")
+    return {"comms": {k: v[2] for k, v in runs.items()}, "refusal": refusal}
+
+
+def test_remat_inside_shard_map_recomputes_under_the_region(world4):
+    out = world4.run(case_remat_inside)
+    # the backward runs both layers' two all-gathers again
+    assert all(o["comms"]["remat"] == o["comms"]["plain"] + 4 for o in out), out
+    assert all("ml.remat(f)" in o["refusal"] for o in out)

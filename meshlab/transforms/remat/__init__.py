@@ -130,10 +130,11 @@ class Remat(Transform):
         return f"remat({self.policy!r}{every}{count})"
 
 
-def remat(policy: str = "full", every: int = 1, count: int | None = None) -> Remat:
+def remat(policy="full", every: int = 1, count: int | None = None):
     """Activation checkpointing of the repeated blocks (``'none'|'full'|'selective'``);
     ``every=n`` checkpoints one block in ``n``, ``count=k`` checkpoints ``k`` blocks spread
-    evenly (``full`` only).
+    evenly (``full`` only). Given a function instead, ``jax.remat``'s: the function
+    recomputed in the backward, inside ``shard_map`` too (``meshlab.core.shard_map.remat``).
 
     >>> remat('selective')
     remat('selective')
@@ -142,4 +143,11 @@ def remat(policy: str = "full", every: int = 1, count: int | None = None) -> Rem
     >>> remat('full', count=3).checkpointed(['l0', 'l1', 'l2', 'l3', 'l4', 'l5', 'l6', 'l7'])
     ['l0', 'l2', 'l5']
     """
+    if callable(policy):
+        if (every, count) != (1, None):
+            raise ConfigError("remat(fn) recomputes one function; every= and count= choose "
+                              "blocks of a model: give remat('full', ...) for those")
+        from ...core.shard_map import remat as remat_fn
+
+        return remat_fn(policy)
     return Remat(policy, every, count)
