@@ -8,6 +8,8 @@ import dataclasses
 COMPOSES, NOT_YET, MEANINGLESS = "composes", "not yet", "meaningless"
 RAISES, RECORDS, AT_OPTIMIZER = "ConfigError", "NotRunnable", "meshlab.optimizer"
 ALWAYS, SEVERAL_DATA_RANKS = "always", "over more than one data rank"
+TP_REGIONS = "where shard runs a policy's tensor-parallel regions"
+SCOPES = (ALWAYS, SEVERAL_DATA_RANKS, TP_REGIONS)
 PAGE = "docs/composition.md"
 
 
@@ -37,10 +39,10 @@ class Cell:
             raise ConfigError(f"Cell(status={self.status!r}): one of {COMPOSES!r}, "
                               f"{NOT_YET!r}, {MEANINGLESS!r}")
         if self.refusal not in (RAISES, RECORDS, AT_OPTIMIZER) or \
-                self.scope not in (ALWAYS, SEVERAL_DATA_RANKS):
+                self.scope not in SCOPES:
             raise ConfigError(f"Cell(refusal={self.refusal!r}, scope={self.scope!r}): refusal "
-                              f"is one of {RAISES!r}, {RECORDS!r}, {AT_OPTIMIZER!r}; scope "
-                              f"{ALWAYS!r} or {SEVERAL_DATA_RANKS!r}")
+                              f"is one of {RAISES!r}, {RECORDS!r}, {AT_OPTIMIZER!r}; scope one "
+                              f"of {SCOPES!r}")
         if self.status != COMPOSES and not self.reason:
             raise ConfigError(f"Cell({self.status!r}): say why (reason=...)")
 
@@ -55,7 +57,7 @@ class Cell:
             return "-"
         if self.status == NOT_YET:
             return {RAISES: "E", RECORDS: "N", AT_OPTIMIZER: "O"}[self.refusal] + \
-                ("*" if self.scope != ALWAYS else "")
+                {ALWAYS: "", SEVERAL_DATA_RANKS: "*", TP_REGIONS: "^"}[self.scope]
         return "✓" if self.test else "○"
 
     def describe(self) -> str:

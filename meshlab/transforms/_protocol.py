@@ -252,11 +252,13 @@ class Transform:
         known = composition.rows()
         names = [r for r in known if r in holder] + [r for r in holder if r not in known]
         ranks = math.prod(plan.mesh_shape[a] for a in plan.roles.dp)
+        regions = any("tp_region" in a.tags for a in plan.activations)
         recorded: dict[frozenset, str] = {}
         for i, a in enumerate(names):
             for b in names[i + 1:]:
                 c = composition.cell(a, b)
-                if not composition.applies(c, ranks) or c.refusal == composition.AT_OPTIMIZER:
+                if not composition.applies(c, ranks, regions) or \
+                        c.refusal == composition.AT_OPTIMIZER:
                     continue      # composes here (or meshlab.optimizer refuses it)
                 text = composition.refusal(a, b, holder[a], holder[b], tp=plan.roles.tp,
                                            ranks=ranks)

@@ -4,7 +4,7 @@ argued where it is written."""
 
 from __future__ import annotations
 
-from ._cell import AT_OPTIMIZER, RECORDS, SEVERAL_DATA_RANKS, meaningless, not_yet
+from ._cell import AT_OPTIMIZER, RECORDS, SEVERAL_DATA_RANKS, TP_REGIONS, meaningless, not_yet
 
 
 _HYBRID = not_yet("hybrid sharding (replicated over one data axis, ZeRO over another) is not "
@@ -81,7 +81,11 @@ _SHARD_COMPILE = not_yet(
     "on tp=2: the first forward raises torch._dynamo.exc.Unsupported",
     "compile_blocks() with tensor parallelism over {tp!r}: the compiled blocks would break "
     "their graph where each tensor-parallel region switches the dropout stream; leave one of "
-    "them out")
+    "them out", scope=TP_REGIONS,
+    note="specs alone (no policy regions: the model's own forward on DTensors) compose, "
+         "trained against one process by tests/transforms/test_handwritten_gloo.py::"
+         "test_composes_with_zero_remat_and_compile[compile] and against the eager run by "
+         "tests/transforms/compile/test_compile.py::test_blocks_compile_in_dtensor_mode_gloo")
 _STEP = not_yet("not yet shown to train like the ordinary step",
                 "step_in_backward() with {b} is not yet shown to train like the ordinary "
                 "step; leave one of them out")

@@ -34,7 +34,8 @@ from typing import Iterable, Mapping
 from ._cell import (ALWAYS as ALWAYS, AT_OPTIMIZER as AT_OPTIMIZER, COMPOSES as COMPOSES,
                     MEANINGLESS as MEANINGLESS, NOT_YET as NOT_YET, PAGE as PAGE,
                     RAISES as RAISES, RECORDS as RECORDS,
-                    SEVERAL_DATA_RANKS as SEVERAL_DATA_RANKS, Cell as Cell,
+                    SEVERAL_DATA_RANKS as SEVERAL_DATA_RANKS, TP_REGIONS as TP_REGIONS,
+                    Cell as Cell,
                     composes as composes, meaningless as meaningless, not_yet as not_yet)
 
 # -- the rows, in the page's order ---------------------------------------------------------
@@ -72,7 +73,7 @@ ROWS: dict[str, str] = {
 
 # -- the tests that train a pair against one process ---------------------------------------
 _PAR = "tests/transforms/test_parallel_gloo.py::test_parity_world4"
-_HAND = "tests/transforms/test_handwritten_gloo.py::test_composes_with_zero_and_remat"
+_HAND = "tests/transforms/test_handwritten_gloo.py::test_composes_with_zero_remat_and_compile"
 _TRAIN = "tests/train/test_train_gloo.py"
 _PIPE = "tests/transforms/pipeline/test_pipeline_gloo.py"
 _EXP = "tests/transforms/expert/test_expert_gloo.py"
@@ -435,9 +436,12 @@ def refusal(a: str, b: str, ta, tb, *, tp=None, ranks: int = 1) -> str:
     return f"{text} {label(a, b, c)}"
 
 
-def applies(c: Cell, data_ranks: int) -> bool:
-    """Whether ``c`` refuses its pair on a mesh of ``data_ranks`` data ranks."""
-    return c.refused and (c.scope == ALWAYS or data_ranks > 1)
+def applies(c: Cell, data_ranks: int, regions: bool = True) -> bool:
+    """Whether ``c`` refuses its pair on a mesh of ``data_ranks`` data ranks, where shard
+    runs a policy's tensor-parallel regions (``regions``) or the model's own forward on
+    DTensors (specs alone)."""
+    return c.refused and (c.scope == ALWAYS or (c.scope == SEVERAL_DATA_RANKS and data_ranks > 1)
+                          or (c.scope == TP_REGIONS and regions))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,15 +463,17 @@ class Expected:
                    for a, b in self.pairs for x, y in ((a, b), (b, a)))
 
 
-def expect(names: Iterable[str], data_ranks: int = 1) -> Expected:
-    """What the table says ``plan`` does with a spec that takes the rows ``names``."""
+def expect(names: Iterable[str], data_ranks: int = 1, regions: bool = True) -> Expected:
+    """What the table says ``plan`` does with a spec that takes the rows ``names``
+    (``regions``: shard runs a policy's tensor-parallel regions, as on a Hugging Face
+    model)."""
     names = set(names)
     ordered = [n for n in rows() if n in names] + sorted(names - set(rows()))
     raised, recorded = [], []
     for i, a in enumerate(ordered):
         for b in ordered[i + 1:]:
             c = cell(a, b)
-            if applies(c, data_ranks) and c.refusal != AT_OPTIMIZER:
+            if applies(c, data_ranks, regions) and c.refusal != AT_OPTIMIZER:
                 (recorded if c.refusal == RECORDS and c.status == NOT_YET
                  else raised).append((a, b))
     if raised:
@@ -491,7 +497,8 @@ def page() -> str:
            "Marks: ✓ composes (a test trains the pair against one process), ○ composes (no "
            "parity test yet), E not yet (`plan` raises `ConfigError`), N not yet (`plan` "
            "records `NotRunnable`, `parallelize` raises it), O not yet (`meshlab.optimizer` "
-           "raises), * only over more than one data rank, - meaningless (two variants of "
+           "raises), * only over more than one data rank, ^ only where shard runs a policy's "
+           "tensor-parallel regions (specs alone compose), - meaningless (two variants of "
            "one kind on one axis).", "", "## Rows", ""]
     out += [f"{num[n]}. `{n}`: {ROWS[n]}" for n in names]
     out += ["", "## Matrix", "", "| | " + " | ".join(str(num[n]) for n in names) + " |",

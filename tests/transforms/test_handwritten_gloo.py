@@ -67,8 +67,12 @@ def _reference(build, data, loss_fn, lr):
     return ref, losses, grads
 
 
-def _parity(build, spec, mesh, data, loss_fn, lr=1e-3, tols=TOLS) -> dict:
-    """Train ``build()`` on one process and parallelized by ``spec``; compare."""
+def _parity(build, spec, mesh, data, loss_fn, lr=1e-3, tols=TOLS, count=True) -> dict:
+    """Train ``build()`` on one process and parallelized by ``spec``; compare (``count``:
+    the collectives of the first forward, by CommDebugMode, which dynamo does not trace
+    through)."""
+    import contextlib
+
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -84,9 +88,9 @@ def _parity(build, spec, mesh, data, loss_fn, lr=1e-3, tols=TOLS) -> dict:
     losses, comms = [], None
     for i, b in enumerate(data):
         local = b.chunk(rt.dp_size)[dp_rank]
-        with CommDebugMode() as cd:
+        with CommDebugMode() if count else contextlib.nullcontext() as cd:
             logits = model(local)
-        comms = comms or _collectives(cd)
+        comms = comms or (_collectives(cd) if count else {})
         assert type(logits) is torch.Tensor and logits.shape[:2] == local.shape
         loss = loss_fn(logits, local)
         loss.backward()
@@ -119,9 +123,11 @@ def hand_case(rank, world, specs="tp", sp=False, core="plain", tp=2, lr=1e-3,
         spec = _hand_spec(specs)
         if extra is not None:
             spec = spec | {"zero1": ml.zero_shard(1, "dp"), "zero3": ml.zero_shard(3, "dp"),
-                           "remat": ml.remat("full")}[extra]
+                           "remat": ml.remat("full"),
+                           "compile": ml.compile_blocks(backend="aot_eager")}[extra]
         return _parity(lambda: M.build_hand(sp=sp, core=core), spec,
-                       ml.Mesh(dp=world // tp, tp=tp), data, M.hand_loss, lr, tols)
+                       ml.Mesh(dp=world // tp, tp=tp), data, M.hand_loss, lr, tols,
+                       count=extra != "compile")
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -172,11 +178,21 @@ def test_float64_is_exact(world4):
     assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
-@pytest.mark.parametrize("extra", ["zero1", "zero3", "remat"])
-def test_composes_with_zero_and_remat(world4, extra):
-    """ZeRO-1 / FSDP2 over dp on the DTensor parameters, and blocks recomputed in the
-    backward (they re-enter the model's layout), with SP written in the model."""
+@pytest.mark.parametrize("extra", ["zero1", "zero3", "remat", "compile"])
+def test_composes_with_zero_remat_and_compile(world4, extra):
+    """ZeRO-1 / FSDP2 over dp on the DTensor parameters, blocks recomputed in the
+    backward (they re-enter the model's layout), and compile_blocks() (dynamo's graphs
+    and their backward: aot_eager), with SP written in the model."""
     world4.run(hand_case, sp=True, extra=extra)
+
+
+def test_remat_of_blocks_around_a_shard_mapped_core(world4):
+    """remat('full') recomputes each block in the backward, its shard_map attention core
+    and the core's learnable temperature (P(), gradient summed over tp) included: the
+    recomputed core re-enters its region, so float64 training equals one process."""
+    out = world4.run(hand_case, core="shard_map_temperature", extra="remat",
+                     dtype="float64", tols=(1e-10, 1e-10) * 3)
+    assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
 def test_tp_only_world(world2):

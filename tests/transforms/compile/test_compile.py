@@ -61,10 +61,9 @@ def test_compiled_blocks_gloo(world2, extra):
 
 def dtensor_case(rank, world, sp, backend):
     """The hand-written decoder of tests/_models.py sharded by specs alone (DTensor mode:
-    its own forward on DTensors), trained 3 AdamW steps eagerly and with each block
-    compiled after parallelize (fullgraph): the same losses and weights, no graph break.
-    compile_blocks() itself is refused with shard by the composition table, in plan and
-    in parallelize alike."""
+    its own forward on DTensors), trained 3 AdamW steps eagerly and with compile_blocks()
+    in the spec (fullgraph): the same losses and weights, no graph break. A model whose
+    policy runs tensor-parallel regions stays refused with compile_blocks()."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -74,20 +73,19 @@ def dtensor_case(rank, world, sp, backend):
 
     spec = ml.shard({k: P(*v) for k, v in M.HAND_SPECS.items()}, ml.Rules(**M.HAND_RULES))
     mesh = ml.Mesh(dp=1, tp=world)
-    for refuse in (lambda: ml.plan(M.build_hand(sp=sp), spec | ml.compile_blocks(),
-                                   ml.Mesh(dp=1, tp=world, fake=True)),
-                   lambda: ml.parallelize(M.build_hand(sp=sp), spec | ml.compile_blocks(), mesh)):
-        with pytest.raises(ml.ConfigError, match="composition table: shard x compile_blocks"):
-            refuse()
+    with torch.device("meta"):
+        llama = M.build("llama")
+    with pytest.raises(ml.ConfigError, match="composition table: shard x compile_blocks"):
+        ml.plan(llama, ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.compile_blocks(),
+                ml.Mesh(dp=1, tp=world, fake=True))
     data = M.batches(3, batch=4, seq=8, vocab=M.HAND["vocab"])
     torch._dynamo.reset()
     counters.clear()
     runs = {}
     for compiled in (False, True):
-        model = ml.parallelize(M.build_hand(sp=sp), spec, mesh, seed=0)
-        if compiled:
-            for b in model.blocks:
-                b.compile(fullgraph=True, backend=backend)
+        extra = ml.compile_blocks(backend=backend) if compiled else None
+        model = ml.parallelize(M.build_hand(sp=sp), spec | extra if extra else spec, mesh,
+                               seed=0)
         opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-2)
         losses = []
         for b in data:
@@ -99,6 +97,8 @@ def dtensor_case(rank, world, sp, backend):
         runs[compiled] = (model, losses)
     (eager, e_losses), (compiled, c_losses) = runs[False], runs[True]
     assert tp_layout(compiled._meshlab.plan, 0)[0].dtensor
+    assert all(hasattr(b, "_compiled_call_impl") and b._compiled_call_impl is not None
+               for b in compiled.blocks)
     torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(e_losses), atol=2e-5,
                                rtol=1e-5)
     ref = dict(eager.named_parameters())
@@ -112,10 +112,10 @@ def dtensor_case(rank, world, sp, backend):
 @pytest.mark.parametrize("sp,backend", [(False, "inductor"), (True, "aot_eager")],
                          ids=["tp", "tp_sp"])
 def test_blocks_compile_in_dtensor_mode_gloo(world2, sp, backend):
-    """Specs without policy regions run the model's own forward on DTensors; its blocks
-    trace whole (the block wrapper and the mode that reads plain tensors as replicated
-    run under dynamo) and train like the eager run, with sequence parallelism written in
-    the model (constrain between blocks) too."""
+    """Specs without policy regions run the model's own forward on DTensors; with
+    compile_blocks() its blocks trace whole (the block wrapper and the mode that reads
+    plain tensors as replicated run under dynamo) and train like the eager run, with
+    sequence parallelism written in the model (constrain between blocks) too."""
     out = world2.run(dtensor_case, sp=sp, backend=backend)
     assert all(o["breaks"] == 0 and o["graphs"] >= 1 for o in out), out
     assert all(o["losses"] == out[0]["losses"] for o in out)
