@@ -32,6 +32,7 @@ from ._files import (FORMAT, MARKER, checked, entry, is_complete, order_key, ran
                      shard_prefix, unhealthy)
 from ._inflight import IN_FLIGHT, Pending, background_group, wait
 from ._load import LoadReport as LoadReport, load as load
+from ._progress import bar, save_planner, shown
 from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank, world
 from ._safe import CheckpointError
 from ..core.log import get_logger
@@ -64,8 +65,11 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     The marker records the step's health where the save knows it: ``extra['loss']`` and
     the optimizer's last gradient norm (``meshlab.optimizer`` with clipping or
     ``nonfinite``); ``latest`` passes over a checkpoint whose loss or norm is not finite.
+    A synchronous save shows the tensors rank 0 writes as a progress bar
+    (``MESHLAB_PROGRESS``, ``core.progress``); an asynchronous one writes without a bar.
     """
     path = os.fspath(path).rstrip("/")
+    show = not async_save and shown()     # MESHLAB_PROGRESS checked alike on every rank
     wait()
     enter("save", path, model, timeout)
     group, tmp = ctrl_group(model), path + ".partial"
@@ -84,7 +88,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     rng = _rng.capture()
     if not async_save:
         t0 = time.perf_counter()
-        _finish(tensors, meta, rng, path, tmp, keep_last, group, None, None)
+        _finish(tensors, meta, rng, path, tmp, keep_last, group, None, None, show)
         get_logger("meshlab.checkpoint").info("saved %s (%d tensors) in %.1f s", path,
                                               len(tensors), time.perf_counter() - t0)
         return path
@@ -180,17 +184,19 @@ def _agree_or_discard(group, what: str, tmp: str, err) -> None:
         raise
 
 
-def _finish(tensors, meta, rng, path, tmp, keep_last, group, dcp_group, errors) -> None:
+def _finish(tensors, meta, rng, path, tmp, keep_last, group, dcp_group, errors,
+            show: bool = False) -> None:
     """Write (every rank), agree, commit (rank 0), agree. ``errors`` collects the failure
-    of an asynchronous save for ``wait()``."""
+    of an asynchronous save for ``wait()``; ``show``: a bar counts the tensors written."""
     from torch.distributed.checkpoint.api import CheckpointException
     import torch.distributed.checkpoint as dcp
 
     try:
         err = None
         try:
-            dcp.save(tensors, checkpoint_id=tmp, process_group=dcp_group,
-                     no_dist=not distributed())
+            with bar(None, "save", unit="tensor", on=show) as b:
+                dcp.save(tensors, checkpoint_id=tmp, process_group=dcp_group,
+                         no_dist=not distributed(), planner=save_planner(b))
             _fault("after_write")
             _write_rank_file(tmp, rng)
         except (Exception, CheckpointException) as e:   # torch's is a BaseException

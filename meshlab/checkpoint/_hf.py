@@ -27,6 +27,7 @@ from torch import nn
 from . import _manifest, _names
 from ._commit import commit, discard, recover, resolve
 from ._load import LoadReport, held_anywhere
+from ._progress import bar, byte_bar, shown
 from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank, world
 from ._safe import CheckpointError
 
@@ -133,8 +134,10 @@ def export_tensors(directory, model: nn.Module, items: list, *, max_shard_size="
                    timeout: float = 300.0, extra: dict | None = None, transform=None,
                    what: str = "save_pretrained") -> str:
     """``save_pretrained``'s export of ``items`` (``[(name in the file, tensor)]``, every
-    rank its own; ``transform(name, whole tensor)`` on rank 0 before it is written)."""
+    rank its own; ``transform(name, whole tensor)`` on rank 0 before it is written). Rank 0
+    shows the bytes written as a progress bar (``MESHLAB_PROGRESS``, ``core.progress``)."""
     directory = os.fspath(directory).rstrip("/")
+    show = shown()                       # MESHLAB_PROGRESS checked alike on every rank
     enter(what, directory, model, timeout)
     group, tmp, err = ctrl_group(model), directory + ".partial", None
     owners, metas = _owners(items, group)
@@ -146,8 +149,11 @@ def export_tensors(directory, model: nn.Module, items: list, *, max_shard_size="
         except OSError as e:
             err = as_error(e, what, directory)
     _agree_or_discard(group, f"checkpoint.{what}: start", tmp, err)
-    weight_map, err = _write_shards(dict(items), shards, tmp, directory, owners,
-                                    dict(metas), group, transform)
+    desc = "export merged" if what == "save_merged" else "export"
+    with byte_bar(sum(sizes.values()), desc, on=show) as b:
+        weight_map, err = _write_shards(dict(items), shards, tmp, directory, owners,
+                                        dict(metas), group, transform,
+                                        done=lambda n: b.update(sizes[n]))
     if rank() == 0 and err is None:
         try:
             _finish_export(model, tmp, directory, weight_map, sum(sizes.values()),
@@ -172,13 +178,14 @@ def _agree_or_discard(group, what: str, tmp: str, err) -> None:
 
 
 def _write_shards(lookup: dict, shards: list[list[str]], tmp: str, directory: str,
-                  owners: dict, metas: dict, group, transform=None):
+                  owners: dict, metas: dict, group, transform=None, done=None):
     """The ranks holding each tensor gather it in turn (a pipeline stage's tensors only
     on that stage's ranks) and the lowest of them sends it to rank 0, which writes it into
     its file at once (``_stream``: the file's header is written first), so rank 0 holds
     one tensor at a time. ``transform(name, full)`` turns a gathered tensor into the one
     written (on rank 0; ``save_merged`` merges adapters there). A write that fails stops
-    the writing but not the gathering, so no rank is left waiting."""
+    the writing but not the gathering, so no rank is left waiting. ``done(name)`` follows
+    each tensor, written or not (the progress bar's count)."""
     import torch.distributed as dist
 
     from ._stream import StreamWriter
@@ -205,6 +212,8 @@ def _write_shards(lookup: dict, shards: list[list[str]], tmp: str, directory: st
                 except Exception as e:
                     err = _write_error(e, directory, tmp, name)
             del full
+            if done is not None:
+                done(n)
         if writer is not None and err is None:
             try:
                 writer.close()
@@ -332,8 +341,10 @@ def load_pretrained(directory: str | os.PathLike, model: nn.Module, *, strict: b
     hashing). A LoRA model takes a base model's export into its base weights (peft's
     names, ``_names``; the adapters keep their values), and a file whose names match
     none of the model's weights raises ``CheckpointNamingError`` even with
-    ``strict=False``."""
+    ``strict=False``. Rank 0 shows the tensors it copies in as a progress bar
+    (``MESHLAB_PROGRESS``, ``core.progress``)."""
     directory = os.fspath(directory).rstrip("/")
+    show = shown()                       # MESHLAB_PROGRESS checked alike on every rank
     enter("load_pretrained", directory, model, timeout)
     group, err, handles = ctrl_group(model), None, {}
     d = resolve(directory, exported) or directory
@@ -354,7 +365,8 @@ def load_pretrained(directory: str | os.PathLike, model: nn.Module, *, strict: b
             # bf16 device tensor) is read into the master; then every master copy (ZeRO-1's
             # slices, offload's host masters) is made to agree with the loaded weights.
             masters = _state._masters(model)
-            _copy_in([(n, masters.get(n, t)) for n, t in items], slices)
+            with bar(len(slices), "load", unit="tensor", on=show) as b:
+                _copy_in([(n, masters.get(n, t)) for n, t in items], slices, b.update)
             _state.refresh_masters(model)
         except Exception as e:
             err = as_error(e, "load_pretrained", d)
@@ -411,8 +423,9 @@ def _check_import(d: str, model: nn.Module, items: list, handles: dict, group):
     return LoadReport(al.missing, unexpected, mism), slices
 
 
-def _copy_in(items: list, slices: dict) -> None:
-    """Each rank copies its block of every parameter that fits (no communication)."""
+def _copy_in(items: list, slices: dict, advance=None) -> None:
+    """Each rank copies its block of every parameter that fits (no communication);
+    ``advance(1)`` after each."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     with torch.no_grad():
@@ -433,3 +446,5 @@ def _copy_in(items: list, slices: dict) -> None:
                     t.to_local().copy_(local)
             else:
                 t.copy_(sl[:] if t.dim() else f.get_tensor(key))
+            if advance is not None:
+                advance(1)

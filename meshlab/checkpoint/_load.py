@@ -37,6 +37,7 @@ from . import _state
 from ._commit import resolve
 from ._files import LEGACY, MARKER, is_complete, rank_file, read_marker, verify
 from ._inflight import wait
+from ._progress import bar, load_planner, shown
 from ._ranks import agree, as_error, ctrl_group, distributed, enter, rank, world
 from ._safe import CheckpointError, safe_reader
 
@@ -233,9 +234,11 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     are refused unless ``trust_pickles``. RNG states are restored when the checkpoint was
     saved by as many ranks (``restore_rng``). ``weights=False`` leaves the model's
     tensors as they are and loads the rest (a checkpoint saved with ``weights=False``
-    holds nothing else).
+    holds nothing else). Rank 0 shows the tensors it reads as a progress bar
+    (``MESHLAB_PROGRESS``, ``core.progress``).
     """
     path = os.fspath(path).rstrip("/")
+    show = shown()                       # MESHLAB_PROGRESS checked alike on every rank
     wait()
     enter("load", path, model, timeout)
     group = ctrl_group(model)
@@ -248,7 +251,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
           {"checkpoint keys": src.digest if src else None, "strict": strict,
            "optimizer": optimizer is not None}, err)
     fit = _fit(src, model, optimizer, scheduler, dataloader, strict, group, weights)
-    _read(src, fit.fill, group, path)
+    _read(src, fit.fill, group, path, show)
     try:
         _apply(model, optimizer, scheduler, dataloader, src, fit, strict, weights)
     except Exception as e:           # checked in phase 2: an I/O or device failure
@@ -257,15 +260,16 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     return src.meta.get("extra"), fit.report
 
 
-def _read(src: _Source, fill: dict, group, path: str) -> None:
-    """Phase 3: DCP reads every tensor of ``fill`` in place."""
+def _read(src: _Source, fill: dict, group, path: str, show: bool = False) -> None:
+    """Phase 3: DCP reads every tensor of ``fill`` in place (``show``: a bar counts them)."""
     from torch.distributed.checkpoint.api import CheckpointException
     import torch.distributed.checkpoint as dcp
 
     err = None
     try:
-        dcp.load(fill, storage_reader=src.reader, process_group=group,
-                 no_dist=not distributed())
+        with bar(None, "load", unit="tensor", on=show) as b:
+            dcp.load(fill, storage_reader=src.reader, process_group=group,
+                     no_dist=not distributed(), planner=load_planner(b))
     except (Exception, CheckpointException) as e:    # torch's is a BaseException
         err = as_error(e, "load", path)
     agree(group, "checkpoint.load: read", error=err)

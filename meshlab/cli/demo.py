@@ -50,6 +50,8 @@ def _train(model, opt, loader, args, say, rank0: bool) -> bool:
     import meshlab as ml
     from tqdm import tqdm
 
+    from ..core.progress import shown
+
     def batches():
         epoch = 0
         while True:
@@ -59,7 +61,8 @@ def _train(model, opt, loader, args, say, rank0: bool) -> bool:
 
     # 5. Train.
     losses = []
-    bar = tqdm(total=args.steps, disable=not (rank0 and sys.stderr.isatty()), desc="train")
+    # rank 0's, where stderr is a terminal or MESHLAB_PROGRESS=1 asks for it
+    bar = tqdm(total=args.steps, disable=not (rank0 and shown()), desc="train")
     t_train = time.perf_counter()
     for i, batch in zip(range(args.steps), batches()):
         loss = ml.step(model, opt, batch)

@@ -8,6 +8,11 @@ each prefixed with its rank. The level comes from ``MESHLAB_LOG_LEVEL`` (a name 
 only where the application configured none (``logging.basicConfig`` or a handler of its
 own on the root logger take over, as the ``logging`` module intends).
 
+Progress bars are not log records. They show on rank 0 only: a checkpoint's save, load
+and exports where stderr is a terminal, ``advise``'s where ``progress=True`` asks;
+``MESHLAB_PROGRESS=1`` shows the checkpoint's wherever stderr goes (a log file),
+``MESHLAB_PROGRESS=0`` hides every bar (``meshlab.core.progress``).
+
 >>> import logging
 >>> from meshlab.core.log import get_logger
 >>> get_logger("meshlab.apply").name

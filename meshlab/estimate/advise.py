@@ -18,8 +18,6 @@ rules for them end in a fallback where an axis may be missing (``batch=('dp', No
 
 from __future__ import annotations
 
-import contextlib
-
 import dataclasses
 import time
 from typing import Any
@@ -242,8 +240,12 @@ def cands_of(gpus: int, heads, blocks: int, tp_max: int, sp_max: int, batch: int
 def _search(traced, cands, remats, cap, card, seq, example, progress):
     """Plan every candidate on a fake mesh, each remat policy on it: the layouts planned,
     the count refused by their checks, and the first refusal's message."""
-    with _progress(progress, len(cands) * len(remats)) as bar:
-        return _each(traced, cands, remats, cap, card, seq, example, bar)
+    from ..core.progress import bar
+
+    # rank 0's only; MESHLAB_PROGRESS=0 hides it (core.progress)
+    with bar(len(cands) * len(remats), "advise: layouts", unit="layout", on=bool(progress),
+             leave=False) as b:
+        return _each(traced, cands, remats, cap, card, seq, example, b.update)
 
 
 def _each(traced, cands, remats, cap, card, seq, example, bar):
@@ -294,20 +296,4 @@ def _with(plan, t):
                        rooms=rooms)
     t.check(out)
     return out
-
-
-@contextlib.contextmanager
-def _progress(on: bool, total: int):
-    """A progress bar over ``total`` layouts (``bar(n)`` advances it), closed on the way out
-    whatever happens; nothing when ``on`` is false."""
-    if not on:
-        yield lambda n: None
-        return
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, desc="advise: layouts", unit="layout", leave=False)
-    try:
-        yield bar.update
-    finally:
-        bar.close()
 
