@@ -29,6 +29,7 @@ from ..core.digest import batch_entry
 from ..core.errors import ConfigError, MeshlabError, check_int
 from ..transforms._install import runtime_of
 from ..transforms.precision import Precision
+from ..transforms.precision._float8 import Float8Layers, convert as convert_float8
 from . import _watch
 from ._verify_report import Diff, StepDiff, VerifyReport
 from .optimizer import optimizer as mesh_optimizer
@@ -175,6 +176,9 @@ def _reference(reference, model, dtype, seed, rt, optimizer, lr, options, lay):
         _check_fits(model, rt, optimizer, options, dtype)
         ref = init_weights(_copy(model, dtype), seed, device=str(rt.device)) \
             if _on_meta(model) else _copy(model, dtype).to(rt.device)
+        prec = rt.plan.get(Precision)
+        if prec is not None and prec.float8 is not None:    # the same layers in float8
+            convert_float8(ref, rt.plan.decision(Float8Layers))
     elif isinstance(reference, nn.Module):
         ref = reference
     elif isinstance(reference, tuple) and len(reference) == 2:
@@ -408,9 +412,14 @@ def _prec_notes(rt) -> list[str]:
     if prec is None or prec.compute == "float32":
         return []
     casts = any(p.casts_params for p in rt.parts)
-    return [f"the reference computes under torch.autocast({prec.compute}); the layout "
-            + ("casts the parameters (FSDP2's mixed precision)" if casts else
-               "under the same autocast")]
+    notes = [f"the reference computes under torch.autocast({prec.compute}); the layout "
+             + ("casts the parameters (FSDP2's mixed precision)" if casts else
+                "under the same autocast")]
+    if prec.float8 is not None:
+        n = len(rt.plan.decision(Float8Layers).layers)
+        notes.append(f"both run the same {n} linear layers in float8 (torchao, recipe "
+                     f"{prec.float8!r}); a dynamic scale is taken over each rank's own batch")
+    return notes
 
 
 def _reports_gradients(optimizer, options) -> bool:

@@ -12,6 +12,12 @@ _HYBRID = not_yet("hybrid sharding (replicated over one data axis, ZeRO over ano
 _ZERO = meaningless("one ZeRO stage for the data axes; keep one zero_shard")
 _DTYPE = meaningless("one compute dtype per spec; keep one precision()")
 _REDUCE_ONE = meaningless("one reduction dtype per spec; keep one precision()")
+_FP8_NO = not_yet("torchao's float8 layers are not yet shown to train like one process with it",
+                  "{a} with {b}: float8 layers are not yet shown to train like one process "
+                  "beside it; use precision('bf16') there")
+_FP8_SCALE = not_yet("float8 training scales each tensor itself and runs beside bf16, which "
+                     "needs no loss scale", "{a} with {b}: float8 training takes no loss "
+                     "scale; leave loss_scale out")
 _PIPE_ZERO = not_yet("FSDP2 under the pipeline schedule is not supported",
                      "pipeline with zero_shard(stage >= 2) is not supported; use "
                      "zero_shard(1, ...) on the data-parallel axis")

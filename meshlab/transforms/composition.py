@@ -63,6 +63,7 @@ ROWS: dict[str, str] = {
     "precision(reduce='bf16')": "gradients reduced in bf16",
     "precision(reduce='fp16')": "gradients reduced in fp16",
     "precision(loss_scale)": "a loss scale (fp16's default 'dynamic', or fixed)",
+    "precision('fp8')": "float8 products of the linear layers (torchao), bf16 elsewhere",
     "fuse": "fused RMSNorm, rotary embedding and gated MLP (fuse('rms_norm', 'rotary', "
             "'mlp'))",
     "fuse('attention')": "meshlab's fused attention",
@@ -101,13 +102,18 @@ from ._reasons import (_COMPILE, _DTYPE, _EXPERT, _EXPERT_SP, _FUSE_ATTN_SEQ,
                        _OFF_GRADS_EXPERT, _OFF_GRADS_SEQ, _OFF_PARAMS, _OFF_PIPE,
                        _OFF_SEQ, _OFF_TP, _ORDER, _PIPE_SP, _PIPE_ZERO, _REDUCE,
                        _REDUCE_ONE, _SEQ_PIPE, _SEQ_SG, _SG_2D, _SHARD_COMPILE, _STEP,
-                       _STEP_SCALE, _TWO_SEQ, _ZERO)
+                       _STEP_SCALE, _TWO_SEQ, _ZERO, _FP8_NO, _FP8_SCALE)
 
 _OFFLOADS = ("offload(optimizer)", "offload(grads)", "offload(params)")
 _SEQS = ("sequence('split_gather')", "sequence('all_to_all')", "sequence('ring')")
 _PRECS = ("precision('fp32')", "precision('bf16')", "precision('fp16')",
           "precision(reduce='bf16')", "precision(reduce='fp16')", "precision(loss_scale)")
 _FUSES = ("fuse", "fuse('attention')", "fuse('loss')")
+_FP8 = "precision('fp8')"
+_FP8_EXACT = ("tests/transforms/precision/test_float8_gloo.py trains it exactly against one "
+              "process that runs each data rank's batch as a microbatch (a dynamic scale is "
+              "taken over the batch a rank holds); the generated case compares with the "
+              "single process on the whole batch at float8's tolerance")
 
 
 _PARITY = "tests/transforms/test_table_parity.py::test_cell"
@@ -336,6 +342,17 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("precision('bf16')", "step_in_backward", _t(f"{_SIB}[AdamW-bf16]", _VS_STEP)),
     ("precision(loss_scale)", "step_in_backward", _STEP_SCALE),
     *[(p, "step_in_backward", _shown(p, "step_in_backward")) for p in _PRECS[:1] + _PRECS[2:5]],
+    # precision('fp8')
+    # (pairs in the rows' order: the generated case's name is the pair's)
+    *[(r, _FP8, _shown(r, _FP8, _FP8_EXACT)) for r in (
+        "data_parallel", "zero_shard(1)", "zero_shard(2)", "zero_shard(3)")],
+    *[(r, _FP8, _shown(r, _FP8)) for r in ("remat", "precision(reduce='bf16')")],
+    *[(_FP8, r, _shown(_FP8, r)) for r in _FUSES + ("compile_blocks",)],
+    *[(p, _FP8, _DTYPE) for p in _PRECS[:3]],
+    ("precision(loss_scale)", _FP8, _FP8_SCALE),
+    *[(r, _FP8, _FP8_NO) for r in ("shard",) + _OFFLOADS + ("pipeline",) + _SEQS + (
+        "expert_route", "lora", "precision(reduce='fp16')")],
+    (_FP8, "step_in_backward", _FP8_NO),
     # fuse: one value routes any of its ops
     ("fuse", "fuse('attention')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),
     ("fuse", "fuse('loss')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),

@@ -97,6 +97,7 @@ ROWS: dict[str, Row] = {
         also=("precision('fp16')",), order=40),
     "precision(loss_scale)": Row(_const(lambda: _ml().precision("fp16")),
                                  also=("precision('fp16')",), order=40),
+    "precision('fp8')": Row(_const(lambda: _ml().precision("fp8")), order=40),
     "fuse": Row(_fuse, order=40),
     "fuse('attention')": Row(_const(lambda: _ml().fuse("attention")), order=40),
     "fuse('loss')": Row(_const(lambda: _ml().fuse("loss")), order=40),
@@ -126,6 +127,8 @@ _ONE_VALUE: dict[frozenset, tuple[Callable, tuple[str, ...]]] = {
        for c in ("fp32", "bf16", "fp16") for r in ("bf16", "fp16")},
     **{frozenset({f"precision('{c}')", "precision(loss_scale)"}):
        (_const(_P(c, loss_scale=1024.0)), ()) for c in ("fp32", "bf16", "fp16")},
+    **{frozenset({"precision('fp8')", f"precision(reduce='{r}')"}):
+       (_const(_P("fp8", reduce=r)), ()) for r in ("bf16", "fp16")},
     **{frozenset({f"precision(reduce='{r}')", "precision(loss_scale)"}):
        (_const(_P(r, reduce=r, loss_scale="dynamic")), (f"precision('{r}')",))
        for r in ("bf16", "fp16")},

@@ -1,8 +1,9 @@
-"""precision: the compute and reduction dtypes, and loss scaling.
+"""precision: the compute and reduction dtypes, loss scaling, and float8 products.
 
-The room: ``Precision`` (a plan value), its install (a part that gives ``step`` its
-autocast context and the optimizer its loss scaler). FSDP2 reads the dtypes itself
-(``zero_shard`` looks them up with ``plan.get(Precision)``).
+The room: ``Precision`` (a plan value), its decision (with ``fp8``: which linear layers
+compute in float8, ``_float8``), its install (those layers swapped for torchao's, and a
+part that gives ``step`` its autocast context and the optimizer its loss scaler). FSDP2
+reads the dtypes itself (``zero_shard`` looks them up with ``plan.get(Precision)``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from ...core.errors import ConfigError, check_int, check_number
 from ...planning.plan import Plan
 from .._protocol import Part, Phase, Transform
+from ._float8 import RECIPES, Float8Layers, choose, config, convert
 
 _SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _ALIASES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -62,6 +64,7 @@ class Precision(Transform):
     hysteresis: int = 1
     min_scale: float | None = None
     max_scale: float | None = None
+    float8: str | None = None           # torchao's recipe: the linear layers' products
 
     def __post_init__(self):
         object.__setattr__(self, "compute", _dtype(self.compute, "compute"))
@@ -86,6 +89,15 @@ class Precision(Transform):
             raise ConfigError(f"precision(growth_factor={self.growth_factor}, backoff_factor="
                               f"{self.backoff_factor}): the scale grows by a factor >= 1 and "
                               f"backs off by one <= 1, e.g. 2.0 and 0.5")
+        if self.float8 is not None:
+            if self.float8 not in RECIPES:
+                raise ConfigError(f"precision('fp8', recipe={self.float8!r}): torchao's recipes "
+                                  f"are {RECIPES}")
+            if self.compute != "bfloat16" or self.loss_scale is not None:
+                raise ConfigError(f"precision('fp8'): float8 products run beside bf16 "
+                                  f"compute without a loss scale (got compute="
+                                  f"{self.compute!r}, loss_scale={self.loss_scale!r}); write "
+                                  f"precision('fp8') or precision('fp8', recipe='rowwise')")
         if (self.min_scale is not None and self.max_scale is not None
                 and self.min_scale > self.max_scale):
             raise ConfigError(f"precision(min_scale={self.min_scale}, max_scale="
@@ -95,12 +107,28 @@ class Precision(Transform):
         """Its compute dtype (``precision('bf16')``), its reduction dtype where that is not
         fp32 (``precision(reduce='bf16')``), and ``precision(loss_scale)`` where it scales
         the loss."""
-        return ((f"precision('{_SHORT[self.compute]}')",)
+        compute = "fp8" if self.float8 is not None else _SHORT[self.compute]
+        return ((f"precision('{compute}')",)
                 + ((f"precision(reduce='{_SHORT[self.reduce]}')",)
                    if self.reduce != "float32" else ())
                 + (("precision(loss_scale)",) if self.loss_scale is not None else ()))
 
+    def decide(self, plan: Plan) -> Float8Layers | None:
+        """With ``fp8``: the linear layers that compute in float8 (``_float8.choose``)."""
+        return choose(plan, self.float8) if self.float8 is not None else None
+
+    def check(self, plan: Plan) -> None:
+        if self.float8 is None:
+            return
+        config(self.float8)                 # torchao installed, or the extra named
+        if not plan.decision(Float8Layers).layers:
+            raise ConfigError("precision('fp8'): no linear layer of this model has sizes that "
+                              "are multiples of 16 (float8 products need them), so nothing "
+                              "would compute in float8; use precision('bf16')")
+
     def install(self, ctx) -> Part:
+        if self.float8 is not None:
+            convert(ctx.model, ctx.plan.decision(Float8Layers))
         cast = None if self.compute == "float32" else getattr(torch, self.compute)
         return PrecisionPart(self, cast, "cuda" if ctx.mesh.device_type == "cuda" else "cpu")
 
@@ -114,7 +142,10 @@ class Precision(Transform):
     def __repr__(self) -> str:
         extra = "".join(f", {f.name}={getattr(self, f.name)!r}"
                         for f in dataclasses.fields(self)[3:]
-                        if getattr(self, f.name) != f.default)
+                        if getattr(self, f.name) != f.default and f.name != "float8")
+        if self.float8 is not None:
+            return (f"precision('fp8', recipe={self.float8!r}, reduce={self.reduce!r}"
+                    f"{extra})")
         return (f"precision(compute={self.compute!r}, reduce={self.reduce!r}, "
                 f"loss_scale={self.loss_scale!r}{extra})")
 
@@ -122,8 +153,12 @@ class Precision(Transform):
 def precision(compute: str = "bf16", reduce: str = "fp32", loss_scale: str | float | None = ...,
               *, init_scale: float = 2.0 ** 16, growth_interval: int = 2000,
               growth_factor: float = 2.0, backoff_factor: float = 0.5, hysteresis: int = 1,
-              min_scale: float | None = None, max_scale: float | None = None) -> Precision:
-    """bf16 / fp16 / fp32 training. fp16 defaults to dynamic loss scaling.
+              min_scale: float | None = None, max_scale: float | None = None,
+              recipe: str | None = None) -> Precision:
+    """bf16 / fp16 / fp32 training. fp16 defaults to dynamic loss scaling. ``'fp8'``: the
+    linear layers' products in float8 through torchao (``recipe`` ``'tensorwise'``, the
+    default, or ``'rowwise'``), the output head, the layers float8 cannot take and every
+    other op in bf16 (``_float8``'s doc).
 
     The dynamic scale starts at ``init_scale``; an overflowing step is skipped, and after
     ``hysteresis`` overflows the scale is multiplied by ``backoff_factor`` (never below
@@ -134,11 +169,21 @@ def precision(compute: str = "bf16", reduce: str = "fp32", loss_scale: str | flo
     precision(compute='bfloat16', reduce='float32', loss_scale=None)
     >>> precision('fp16', init_scale=2.0 ** 32, hysteresis=2)
     precision(compute='float16', reduce='float32', loss_scale='dynamic', init_scale=4294967296.0, hysteresis=2)
+    >>> precision('fp8')
+    precision('fp8', recipe='tensorwise', reduce='float32')
     """
+    float8 = None
+    if isinstance(compute, str) and compute in ("fp8", "float8"):
+        compute, float8 = "bf16", recipe or "tensorwise"
+        if loss_scale is ...:
+            loss_scale = None
+    elif recipe is not None:
+        raise ConfigError(f"precision({compute!r}, recipe={recipe!r}): a recipe is float8's; "
+                          f"write precision('fp8', recipe={recipe!r})")
     if loss_scale is ...:       # Precision validates and normalizes the rest
         loss_scale = "dynamic" if _dtype(compute, "compute") == "float16" else None
     return Precision(compute, reduce, loss_scale, init_scale, growth_interval, growth_factor,
-                     backoff_factor, hysteresis, min_scale, max_scale)
+                     backoff_factor, hysteresis, min_scale, max_scale, float8)
 
 
 @dataclasses.dataclass
