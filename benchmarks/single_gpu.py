@@ -95,13 +95,17 @@ def _flops_per_token(cfg, seq: int) -> float:
 def _meshlab_spec(name: str):
     """The spec of a row run through ``ml.parallelize`` and ``ml.step`` (None for the
     others). ``meshlab_count<k>``: ``remat('full', count=k)``; a ``_sib`` suffix adds
-    ``step_in_backward()``."""
+    ``step_in_backward()``, ``_fp8`` adds ``precision('fp8')`` (torchao's float8 linear
+    layers; compiled blocks fuse its scaling and casts)."""
     import meshlab as ml
 
+    if name.endswith("_fp8"):       # float8 linear layers (torchao), under compiled blocks
+        base = _meshlab_spec(name[:-len("_fp8")])
+        return None if base is None else base | ml.precision("fp8")
     if name.endswith("_sib"):
         base = _meshlab_spec(name[:-len("_sib")])
         return None if base is None else base | ml.step_in_backward()
-    if name.startswith("meshlab_count"):
+    if name.startswith("meshlab_count") and name[len("meshlab_count"):].isdigit():
         return ml.fuse() | ml.remat("full", count=int(name[len("meshlab_count"):]))
     return {"meshlab_step": ml.fuse(), "meshlab_noremat": ml.fuse(),
             "meshlab_blocks": ml.fuse() | ml.compile_blocks(),
@@ -110,7 +114,9 @@ def _meshlab_spec(name: str):
             "meshlab_graphs_inductor": ml.fuse("attention", "loss")
             | ml.compile_blocks(mode="reduce-overhead"),
             "meshlab_graphs": ml.fuse() | ml.compile_blocks(mode="reduce-overhead"),
-            "meshlab_remat2": ml.fuse() | ml.remat("full", every=2)}.get(name)
+            "meshlab_remat2": ml.fuse() | ml.remat("full", every=2),
+            "meshlab_count19_blocks": ml.fuse() | ml.remat("full", count=19)
+            | ml.compile_blocks()}.get(name)
 
 
 def _layer_sums_apart(self, hidden_states, **kwargs):

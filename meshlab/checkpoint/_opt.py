@@ -177,11 +177,13 @@ def set_state(opt, model, values: dict[str, dict[str, torch.Tensor]], rest: dict
             opt.refresh_master()
     else:
         key_of = getattr(opt, "tensor_of", lambda p: p)      # offload's host masters
+        numbers = rest.get("state_numbers") or {}
         for n, p in params:
             t = key_of(p)
             inner.state.pop(t, None)
-            if values.get(n):
-                inner.state[t] = {k: _cast(t, k, v, groups) for k, v in values[n].items()}
+            if values.get(n) or numbers.get(n):
+                inner.state[t] = {**{k: _cast(t, k, v, groups) for k, v in
+                                     values.get(n, {}).items()}, **numbers.get(n, {})}
     if rest.get("param_groups") is not None:     # check_optimizer made sure they fit
         for g, saved in zip(groups, rest["param_groups"]):
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v

@@ -133,6 +133,12 @@ def check_optimizer(opt, rest: dict[str, Any], where: str) -> None:
         if differs:
             raise CheckpointError(f"{where}: the optimizer's {differs}; build the optimizer as "
                                   f"the saved run did, or load without it (optimizer=None)")
+    numbers = rest.get("state_numbers")
+    if numbers is not None and not (isinstance(numbers, dict) and all(
+            isinstance(per, dict) and all(type(x) in (int, float, bool) for x in per.values())
+            for per in numbers.values())):
+        raise CheckpointError(f"{where}: the optimizer's numeric state is damaged; load an "
+                              f"older checkpoint")
     for key in ("steps", "skipped_steps"):
         v = rest.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
@@ -178,9 +184,11 @@ def same_shape(saved: Any, own: Any, what: str, common_only: bool = False) -> st
 
 def optimizer_state(opt, model: nn.Module | None = None
                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors for DCP, JSON-able rest: param groups and the loss scaler)."""
+    """(tensors for DCP, JSON-able rest: param groups, state kept as numbers (an
+    optimizer's integer step), the loss scaler)."""
     inner = getattr(opt, "inner", opt)
     tensors: dict[str, torch.Tensor] = {}
+    numbers: dict[str, dict[str, Any]] = {}     # state kept as Python numbers, by parameter
     owned = [got for got in (part.state_to_save(inner.state) for part in _parts(opt))
              if got is not None]
     if owned:                            # parts step tensors of their own (ZeRO-1)
@@ -193,8 +201,18 @@ def optimizer_state(opt, model: nn.Module | None = None
             for key, v in inner.state.get(key_of(p), {}).items():
                 if isinstance(v, torch.Tensor):
                     tensors[f"{OPT_PREFIX}{name}.{key}"] = v if v.dim() == 0 else _like(p, v)
+                elif type(v) in (int, float, bool):     # a step count kept as a number
+                    numbers.setdefault(name, {})[key] = v
+                else:
+                    raise CheckpointError(
+                        f"the optimizer's state {key!r} of {name} is a {type(v).__name__}; a "
+                        f"checkpoint keeps an optimizer's tensors and numbers (int, float, "
+                        f"bool). Keep it as a tensor in the optimizer, or save without the "
+                        f"optimizer (optimizer=None) and rebuild it")
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     rest: dict[str, Any] = {"param_groups": _jsonable(groups, "optimizer param_groups")}
+    if numbers:
+        rest["state_numbers"] = numbers
     if getattr(opt, "scaler", None) is not None:
         rest["scaler"] = opt.scaler.state_dict()
     for key in ("steps", "skipped_steps"):       # meshlab.optimizer's step counts

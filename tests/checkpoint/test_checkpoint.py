@@ -335,3 +335,52 @@ def test_a_save_before_the_first_step_changes_nothing(tmp_path):
     resumed_losses, resumed_w, _ = _run(resume=tmp_path / "step-0")
     assert resumed_losses == plain_losses
     assert all(torch.equal(plain_w[k], v) for k, v in resumed_w.items())
+
+
+class _CountingSGD(torch.optim.Optimizer):
+    """An optimizer that keeps its step as a Python int in the state (as LAMB and
+    Colossal-AI's optimizers do) and decays its update by it."""
+
+    def __init__(self, params, lr=0.1, extra=None):
+        super().__init__(params, {"lr": lr})
+        self.extra = extra
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                st["step"] = st.get("step", 0) + 1
+                if self.extra is not None:
+                    st["extra"] = self.extra
+                p.add_(p.grad, alpha=-g["lr"] / st["step"])
+
+
+def _count_steps(m, opt, xs):
+    for x in xs:
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_numbers_in_optimizer_state_survive_a_resume(tmp_path):
+    """A step kept as an int is saved and loaded (it was dropped, and the resumed run
+    restarted its decay at step 1); state of any other kind is refused by name."""
+    xs = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    whole = _model()
+    _count_steps(whole, _CountingSGD(whole.parameters()), xs)
+    m = _model()
+    opt = _CountingSGD(m.parameters())
+    _count_steps(m, opt, xs[:2])
+    ml.checkpoint.save(tmp_path / "s", m, opt)
+    m2 = _model(seed=1)
+    opt2 = _CountingSGD(m2.parameters())
+    ml.checkpoint.load(tmp_path / "s", m2, opt2)
+    assert all(type(st["step"]) is int and st["step"] == 2 for st in opt2.state.values())
+    _count_steps(m2, opt2, xs[2:])
+    assert _same(m2, whole)
+    m3 = _model()
+    bad = _CountingSGD(m3.parameters(), extra=[1, 2])
+    _count_steps(m3, bad, xs[:1])
+    with pytest.raises(CheckpointError, match="'extra' of 0.weight is a list"):
+        ml.checkpoint.save(tmp_path / "t", m3, bad)
