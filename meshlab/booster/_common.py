@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from ..core.errors import ConfigError
-from ._args import Arg, UnsupportedArgument, hint, maps, only
+from ._args import Arg, UnsupportedArgument, With, hint, maps, only
 
 FP8 = "FP8 compute and communication are not implemented"
 
@@ -100,25 +100,27 @@ def fuse_ops(v: dict) -> tuple[str, ...]:
 def precision_of(plugin, v: dict, allowed: tuple[str, ...], communication=None):
     """The precision transform of a plugin's ``precision=`` and loss-scale arguments; the
     loss-scale arguments under bf16 or fp32 (Colossal-AI scripts often pass
-    ``initial_scale=1`` there) have nothing to scale, and warn when not the defaults."""
-    import warnings
-
+    ``initial_scale=1`` there) have nothing to scale, and warn when not the defaults;
+    ``use_fp8=True`` with bf16 is ``precision('fp8')``."""
     from ..transforms import precision
-    from ._args import NoEffectWarning, is_default
 
     owner = type(plugin).__name__
     name = v["precision"]
     if name not in allowed:
         if name in ("fp8",):
-            raise UnsupportedArgument(owner, "precision", name, FP8, "precision('bf16')")
+            raise UnsupportedArgument(owner, "precision", name, FP8, "precision='bf16', "
+                                      "use_fp8=True (meshlab's precision('fp8'))")
         raise ConfigError(f"{owner}(precision={name!r}): use one of {', '.join(allowed)}")
     reduce = "fp32" if communication is None else communication
+    if v.get("use_fp8"):
+        if name != "bf16":
+            raise UnsupportedArgument(owner, "use_fp8", True, "float8 layers run beside bf16 "
+                                      "compute only", "precision='bf16' with use_fp8=True "
+                                      "(meshlab's precision('fp8'))")
+        _no_scale(plugin, v, owner, "bf16")
+        return precision("fp8", reduce)
     if name != "fp16":
-        for a in plugin.ARGS:
-            if a.name in SCALER and not is_default(a, v[a.name]):
-                warnings.warn(f"{owner}({a.name}={v[a.name]!r}) has no effect: the loss "
-                              f"scale exists under precision='fp16' only, this is {name!r}",
-                              NoEffectWarning, stacklevel=5)
+        _no_scale(plugin, v, owner, name)
         return None if name == "fp32" and reduce == "fp32" else precision(
             "fp32" if name == "fp32" else name, reduce)
     return precision("fp16", reduce, "dynamic", init_scale=float(v["initial_scale"]),
@@ -126,6 +128,27 @@ def precision_of(plugin, v: dict, allowed: tuple[str, ...], communication=None):
                      growth_factor=float(v["growth_factor"]),
                      backoff_factor=float(v["backoff_factor"]), hysteresis=v["hysteresis"],
                      min_scale=float(v["min_scale"]), max_scale=float(v["max_scale"]))
+
+
+def _no_scale(plugin, v: dict, owner: str, name: str) -> None:
+    """Loss-scale arguments away from their defaults have nothing to scale under ``name``:
+    a warning each."""
+    import warnings
+
+    from ._args import NoEffectWarning, is_default
+
+    for a in plugin.ARGS:
+        if a.name in SCALER and not is_default(a, v[a.name]):
+            warnings.warn(f"{owner}({a.name}={v[a.name]!r}) has no effect: the loss "
+                          f"scale exists under precision='fp16' only, this is {name!r}",
+                          NoEffectWarning, stacklevel=6)
+
+
+def use_fp8() -> "Arg":
+    """Colossal-AI's ``use_fp8``: its float8 linear layers, meshlab's ``precision('fp8')``
+    (torchao's); with ``precision='bf16'``."""
+    return maps("use_fp8", False, "precision('fp8'): the linear layers in float8 through "
+                "torchao (with precision='bf16')", With(True, (("precision", "bf16"),)))
 
 
 SCALER = tuple(a.name for a in scaler_args(0))

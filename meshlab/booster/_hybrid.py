@@ -13,7 +13,7 @@ from ..core.errors import ConfigError
 from ._args import REQUIRED, Arg, UnsupportedArgument, With, hint, maps, only
 from ._base import Plugin
 from ._common import (FP8, Stack, clip, communication, ddp_args, fuse_ops, positive_int,
-                      precision_of, scaler_args, shardformer_args)
+                      precision_of, scaler_args, shardformer_args, use_fp8)
 
 
 def _hybrid_args(overlap_default: bool) -> tuple[Arg, ...]:
@@ -89,7 +89,7 @@ def _hybrid_tail() -> tuple[Arg, ...]:
         hint("overlap_allgather", False, "stage 1 all-gathers the updated slices right after "
              "the step", True),
         only("fp8_communication", False, FP8, "precision('bf16', reduce='bf16')"),
-        only("use_fp8", False, FP8, "precision('bf16')"),
+        use_fp8(),
     )
 
 

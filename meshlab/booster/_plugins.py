@@ -13,7 +13,7 @@ from ..core.errors import ConfigError, ConfigTypeError
 from ._args import UnsupportedArgument, With, hint, maps, only
 from ._base import Plugin
 from ._common import (FP8, Stack, clip, clip_args, communication, ddp_args, fuse_ops,
-                      positive_int, precision_of, scaler_args, shardformer_args)
+                      positive_int, precision_of, scaler_args, shardformer_args, use_fp8)
 
 
 class TorchDDPPlugin(Plugin):
@@ -158,7 +158,7 @@ class LowLevelZeroPlugin(Plugin):
              True),
         only("cast_inputs", True, "autocast casts every op's inputs", "precision(...)"),
         only("fp8_communication", False, FP8, "precision('bf16', reduce='bf16')"),
-        only("use_fp8", False, FP8, "precision('bf16')"),
+        use_fp8(),
         only("extra_dp_size", 1, "one data-parallel axis", "HybridParallelPlugin or a "
              "meshlab mesh with the axes you need"),
     )
@@ -238,7 +238,7 @@ class GeminiPlugin(Plugin):
     ) + shardformer_args()[3:] + (
         hint("enable_async_reduce", True, "FSDP2's reduce-scatters run asynchronously on "
              "their own stream", False),
-        only("use_fp8", False, FP8, "precision('bf16')"),
+        use_fp8(),
         maps("verbose", False, "True: boost prints the plan's table and memory on rank 0",
              True),
         only("fp8_communication", False, FP8, "precision('bf16', reduce='bf16')"),

@@ -298,3 +298,29 @@ def test_readme_booster_example_is_true():
     runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
     assert runner.failures == 0 and runner.tries >= 2
+
+
+def test_use_fp8_is_precision_fp8():
+    """Colossal-AI's use_fp8 (its float8 linear layers, with bf16) is precision('fp8'); with
+    fp16 it is refused by name. Tensor parallelism beside it is refused by the composition
+    table when the layout is planned."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import meshlab as ml
+
+    for plugin in (LowLevelZeroPlugin(stage=2, precision="bf16", use_fp8=True),
+                   GeminiPlugin(precision="bf16", use_fp8=True),
+                   HybridParallelPlugin(tp_size=1, pp_size=1, precision="bf16", use_fp8=True)):
+        prec = next(t for t in plugin.spec.parts if isinstance(t, ml.transforms.Precision))
+        assert prec.float8 == "tensorwise" and prec.compute == "bfloat16", plugin
+    with pytest.raises(UnsupportedArgument, match="use_fp8=True.*bf16 compute only"):
+        LowLevelZeroPlugin(stage=1, precision="fp16", use_fp8=True).spec
+    with pytest.raises(UnsupportedArgument, match="use_fp8=True"):
+        HybridParallelPlugin(tp_size=1, pp_size=1, precision="fp8")
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="bf16", use_fp8=True)
+    with pytest.raises(ml.ConfigError, match=r"composition table: shard x precision\('fp8'\)"):
+        ml.plan(model, tp.spec, ml.Mesh(dp=2, tp=2, fake=True))
