@@ -143,8 +143,10 @@ def _local_weights(module: nn.Module, n: int) -> dict:
     return out
 
 
-def _run_local(module, st: EPState, x, local_ids, n_local: int):
-    """The family's own experts implementation over the local experts."""
+def _run_local(module, st: EPState, x, local_ids, n_local: int, weights=None):
+    """The family's own experts implementation over the local experts: each row of ``x``
+    to the expert ``local_ids`` names with weight 1, or (``weights`` given) the routing of
+    ``local_ids`` (top-k indices) with its weights."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     eager = type(module).forward.__wrapped__
@@ -152,6 +154,8 @@ def _run_local(module, st: EPState, x, local_ids, n_local: int):
         ALL_EXPERTS_FUNCTIONS.get_interface(st.impl, eager)
     proxy = _Local(module, num_experts=n_local, _is_expert_parallel=False,
                    **_local_weights(module, st.size))
+    if weights is not None:
+        return fn(proxy, x, local_ids, weights)
     ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
     return fn(proxy, x, local_ids.unsqueeze(-1), ones)
 
@@ -167,6 +171,9 @@ def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if st.capacity_factor is not None:
         return _capacity_forward(self, st, hidden_states, top_k_index, top_k_weights)
     n, E = st.size, self.num_experts
+    if n == 1:      # every expert here: nothing to exchange, the family's own path runs
+        st.stats.routed += top_k_index.numel()
+        return _run_local(self, st, hidden_states, top_k_index, E, top_k_weights)
     L = E // n
     T, k = top_k_index.shape
     dev = hidden_states.device
@@ -206,6 +213,9 @@ def _capacity_forward(self, st: EPState, hidden_states, top_k_index, top_k_weigh
     nothing waits on the device. Pairs past an expert's capacity, in token order, are
     dropped: their contribution is zero, and ``stats.dropped`` counts them."""
     n, E = st.size, self.num_experts
+    if n == 1:      # every expert here: nothing to exchange, the family's own path runs
+        st.stats.routed += top_k_index.numel()
+        return _run_local(self, st, hidden_states, top_k_index, E, top_k_weights)
     L = E // n
     T, k = top_k_index.shape
     H = hidden_states.shape[-1]

@@ -278,9 +278,27 @@ def test_every_layer_keeps_the_familys_implementation():
         model.config._experts_implementation = "grouped_mm"
         model = ml.parallelize(model, ml.expert_route("ep"), ml.Mesh(ep=1), seed=0)
         impls = [m._meshlab_ep.impl for m in model.modules() if hasattr(m, "_meshlab_ep")]
+        # one rank holds every expert: the family's own path runs, bit for bit, with no
+        # exchange
+        ref = ml.init_weights(M.build("mixtral"), seed=0)
+        ref.config._experts_implementation = "grouped_mm"
+        ids = M.batches(1, batch=2)[0]
+        states = [m._meshlab_ep for m in model.modules() if hasattr(m, "_meshlab_ep")]
+        for s in states:
+            s.stats.reset()
+        out, want = model(input_ids=ids).logits, ref(input_ids=ids).logits
+        out.sum().backward()
+        want.sum().backward()
     finally:
         dist.destroy_process_group()
     assert impls == ["grouped_mm"] * 2
+    assert torch.equal(out, want)
+    grads = dict(ref.named_parameters())
+    bad = [n for n, p in model.named_parameters() if not torch.equal(p.grad, grads[n].grad)]
+    assert not bad, bad
+    # the layers keep one record: 2 layers x top-2 pairs of every token
+    assert all(s.stats.all_to_all == 0 and s.stats.routed == ids.numel() * 2 * 2
+               for s in states), [s.stats for s in states]
 
 
 def capacity_parity_case(rank, world, family, factor):
