@@ -213,9 +213,6 @@ def _capacity_forward(self, st: EPState, hidden_states, top_k_index, top_k_weigh
     nothing waits on the device. Pairs past an expert's capacity, in token order, are
     dropped: their contribution is zero, and ``stats.dropped`` counts them."""
     n, E = st.size, self.num_experts
-    if n == 1:      # every expert here: nothing to exchange, the family's own path runs
-        st.stats.routed += top_k_index.numel()
-        return _run_local(self, st, hidden_states, top_k_index, E, top_k_weights)
     L = E // n
     T, k = top_k_index.shape
     H = hidden_states.shape[-1]
