@@ -12,6 +12,9 @@ Data parallel and ZeRO, with Ψ the bytes of this rank's (TP-local) gradients:
   * stage 2: an all-gather of Ψ in forward, a reduce-scatter of Ψ in backward (2Ψ);
   * stage 3: the same plus an all-gather of every unit again in backward (3Ψ).
   FSDP2 (stages 2/3) pads every parameter's first dim to a multiple of the axis size.
+  Hybrid sharding (replicated over ``rep``, ZeRO over ``dp``): the same over ``dp``, plus
+  over ``rep`` an all-reduce of each unit's gradient shard (stages 2/3, Ψ/dp in all) or of
+  Ψ from the backward (stage 1).
 Tensor parallel (per step, T local tokens, h hidden, 4-byte activations, L blocks):
   * without SP: 2L + 1 all-reduces of T·h in forward (row-parallel outputs, embedding),
     2L + 1 in backward (region entries, LM head input); the vocab-parallel loss adds 3

@@ -39,12 +39,14 @@ plan, ...)``
 
 ``t1 | t2`` composes; two transforms of one kind (``kind``) refuse to compose unless the
 kind is ``repeatable`` (where they take two rows of the composition table, with that
-cell's reason). What composes with what is one table, ``composition``: every transform
-inherits ``composition_check(plan)``, which ``Plan.bind`` runs once for all the rows of
-all the rooms of a plan (a pair the table has as ``not yet`` raises ``ConfigError`` or is
-recorded in ``plan.not_runnable``, as its cell says), and ``|`` refuses a pair written in
-the order the table forbids. No room names another room's kind: their own checks hold
-only conditions that are not pairs.
+cell's reason) or the earlier one's ``combine(later)`` makes one value of the two (hybrid
+sharding: ``data_parallel`` over one axis, ``zero_shard`` over another), which the plan
+then holds in place of the earlier one. What composes with what is one table,
+``composition``: every transform inherits ``composition_check(plan)``, which ``Plan.bind``
+runs once for all the rows of all the rooms of a plan (a pair the table has as ``not yet``
+raises ``ConfigError`` or is recorded in ``plan.not_runnable``, as its cell says), and
+``|`` refuses a pair written in the order the table forbids. No room names another room's
+kind: their own checks hold only conditions that are not pairs.
 
 A transform written outside meshlab subclasses ``Transform`` as a frozen dataclass and
 composes like a built-in one. It takes the row ``kind`` and declares that row's cells in a
@@ -229,6 +231,13 @@ class Transform:
     def claims(self, plan: Plan) -> Mapping[str, tuple[str, ...]]:
         return {}
 
+    def combine(self, other: "Transform") -> "Transform | None":
+        """The one value this transform and ``other``, a later one of its kind, make
+        together (the plan holds it in place of this one), or None where a room holds only
+        one of them; may raise ``ConfigError`` naming the fix for a pair that means
+        nothing."""
+        return None
+
     def rows(self, plan: Plan | None) -> tuple[str, ...]:
         """The rows of the composition table this transform takes in the bound ``plan``
         (with ``plan=None``, those its value alone names: what ``|`` reads); a transform
@@ -343,6 +352,13 @@ class Transform:
         _refuse_second(self, plan.options)
         _refuse_order(self, plan.options)
         out = self.apply(plan)
+        prev = None if self.repeatable else next(
+            (o for o in out.options if getattr(o, "kind", None) == self.kind), None)
+        if prev is not None:            # combines with it (``_refuse_second`` let it pass)
+            one = prev.combine(self)
+            return dataclasses.replace(out, options=tuple(one if o is prev else o
+                                                          for o in out.options),
+                                       transforms=out.transforms + (repr(self),))
         return dataclasses.replace(out, options=out.options + (self,),
                                    transforms=out.transforms + (repr(self),))
 
@@ -391,12 +407,12 @@ def _flat(t: Transform) -> tuple[Transform, ...]:
 def _refuse_second(t: Transform, earlier: Iterable[Transform]) -> None:
     """Refuse ``t`` after a transform of its kind (unless the kind is ``repeatable``): a
     room holds one. Where the two take different rows of the composition table whose
-    cell refuses them (hybrid sharding's ``data_parallel x zero_shard(3)`` is ``not yet``,
-    two ZeRO stages are ``meaningless``), the refusal gives that cell's reason."""
+    cell refuses them (two ZeRO stages are ``meaningless``), the refusal gives that
+    cell's reason. Two that ``combine`` into one value pass."""
     if t.repeatable:
         return
     for prev in earlier:
-        if getattr(prev, "kind", None) != t.kind:
+        if getattr(prev, "kind", None) != t.kind or prev.combine(t) is not None:
             continue
         text = (f"{prev!r} and {t!r}: two {t.kind} transforms in one spec; the second would "
                 f"silently replace the first. Keep one")

@@ -7,8 +7,6 @@ from __future__ import annotations
 from ._cell import AT_OPTIMIZER, RECORDS, SEVERAL_DATA_RANKS, TP_REGIONS, meaningless, not_yet
 
 
-_HYBRID = not_yet("hybrid sharding (replicated over one data axis, ZeRO over another) is not "
-                  "yet supported; keep one zero_shard over every data axis")
 _ZERO = meaningless("one ZeRO stage for the data axes; keep one zero_shard")
 _DTYPE = meaningless("one compute dtype per spec; keep one precision()")
 _REDUCE_ONE = meaningless("one reduction dtype per spec; keep one precision()")

@@ -93,12 +93,19 @@ _VS_ZERO = "bitwise against the same zero_shard without offload (itself shown ag
            "process)"
 _VS_EAGER = "against the same spec run eagerly (itself shown against one process)"
 _VS_STEP = "against the ordinary step of the same spec on one process"
+_HYBRID = "hybrid sharding over two data axes: data_parallel('rep') | zero_shard({s}, 'dp') " \
+          "is one value, zero_shard({s}, 'dp', replicate='rep'), the batch split over " \
+          "both; {how}; the same axis given to both is refused by name"
+_HOW = {1: "gradients all-reduced over rep from the backward, then ZeRO-1's reduce-scatter "
+           "over dp",
+        2: "FSDP2 on the 2-D mesh (rep, dp) (HSDP; rep first in the mesh)",
+        3: "FSDP2 on the 2-D mesh (rep, dp) (HSDP; rep first in the mesh)"}
 _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse refuses a " \
         "vocabulary-sharded head (the fused loss needs the whole vocabulary)"
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
 from ._reasons import (_COMPILE, _DTYPE, _EXPERT, _EXPERT_SP, _FUSE_ATTN_SEQ,
-                       _FUSE_LOSS_PIPE, _HYBRID, _LORA_NO, _OFF_GRADS,
+                       _FUSE_LOSS_PIPE, _LORA_NO, _OFF_GRADS,
                        _OFF_GRADS_EXPERT, _OFF_GRADS_SEQ, _OFF_PARAMS, _OFF_PIPE,
                        _OFF_SEQ, _OFF_TP, _ORDER, _PIPE_SP, _PIPE_ZERO, _REDUCE,
                        _REDUCE_ONE, _SEQ_PIPE, _SEQ_SG, _SG_2D, _SHARD_COMPILE, _STEP,
@@ -178,7 +185,9 @@ _LISTED: list[tuple[str, str, Cell]] = [
                         "precision('fp32') precision('fp16') precision(reduce='bf16') "
                         "precision(reduce='fp16') precision(loss_scale)"),
     # data_parallel
-    *[("data_parallel", f"zero_shard({s})", _HYBRID) for s in (1, 2, 3)],
+    *[("data_parallel", f"zero_shard({s})",
+       _shown("data_parallel", f"zero_shard({s})", _HYBRID.format(s=s, how=_HOW[s])))
+      for s in (1, 2, 3)],
     ("offload(grads)", "data_parallel", _OFF_GRADS),
     ("offload(params)", "data_parallel", _OFF_PARAMS),
     ("data_parallel", "pipeline", _t(f"{_FP16}[pp_fp16]")),

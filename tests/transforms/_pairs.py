@@ -6,7 +6,9 @@ it). A pair is planned on a small Llama (a small Qwen3-MoE where ``expert_route`
 it), each parallel axis of size 2, with ``data_parallel('dp')`` added over ``dp=2``
 (``zero_shard(3, 'dp')`` where ``offload(params)`` needs it), and alone. ``step_in_backward``
 is shown on one process only: its pairs add ``data_parallel`` over one rank, and run alone
-on one rank unless the other row needs an axis.
+on one rank unless the other row needs an axis. ``data_parallel x zero_shard(s)`` is hybrid
+sharding over two data axes: ``data_parallel('rep') | zero_shard(s, 'dp')`` on
+``rep=2, dp=2``.
 
 Two conditions that are not pairs are kept out of the way here, each refused by its room
 for a reason the table's note names: ``fuse('loss')`` beside a vocabulary-sharded head (the
@@ -134,6 +136,16 @@ _ONE_VALUE: dict[frozenset, tuple[Callable, tuple[str, ...]]] = {
        for r in ("bf16", "fp16")},
 }
 
+
+def _hybrid(stage: int) -> Callable[[str, frozenset], list]:
+    return lambda family, others: [_ml().data_parallel("rep"), _ml().zero_shard(stage, "dp")]
+
+
+# Pairs spelled over a mesh axis of their own besides their rows' (placed first in the
+# mesh): hybrid sharding replicates over one data axis and shards over another.
+_HYBRID = {frozenset({"data_parallel", f"zero_shard({s})"}): (_hybrid(s), ("rep",))
+           for s in (1, 2, 3)}
+
 # A pair whose plan a room's own check refuses before the table is read, and how: the
 # experts, replicated over tp, would see part of the activations under Megatron SP (the
 # tensor-parallel layout raises; the cell's note says so).
@@ -156,7 +168,7 @@ class Context:
     def data_ranks(self) -> int:
         """The ranks of the data axis the spec's data-parallel row runs over."""
         data = any(r == "data_parallel" or r.startswith("zero_shard") for r in self.rows)
-        return self.mesh.get("dp", 1) if data else 1
+        return self.mesh.get("rep", 1) * self.mesh.get("dp", 1) if data else 1
 
     def plan(self):
         ml = _ml()
@@ -192,13 +204,16 @@ def contexts(a: str, b: str) -> list[Context]:
     family = "qwen3_moe" if "expert_route" in (a, b) else "llama"
     one = _ONE_VALUE.get(frozenset({a, b}))
     rows = {a, b} | (set(one[1]) if one else set(ra.also) | set(rb.also))
-    axes = {x: 2 for x in ra.axes + rb.axes}
-    dp = 1 if "step_in_backward" in (a, b) else 2
     pair = frozenset({a, b})
+    hybrid = _HYBRID.get(pair)
+    axes = {x: 2 for x in (hybrid[1] if hybrid else ()) + ra.axes + rb.axes}
+    dp = 1 if "step_in_backward" in (a, b) else 2
 
     def spec_of(extra: Callable[[], list]):
         def spec():
-            if one:
+            if hybrid:
+                parts = [(0, t) for t in hybrid[0](family, pair)]
+            elif one:
                 parts = [(0, t) for t in one[0](family, pair)]
             else:
                 parts = [(r.order, t) for r in (ra, rb) for t in r.build(family, pair)]

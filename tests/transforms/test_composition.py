@@ -158,12 +158,13 @@ def test_a_refusal_over_several_data_ranks_is_none_on_one():
 
 
 def test_two_transforms_of_one_kind_read_their_cell():
-    with pytest.raises(ml.ConfigError) as e:
-        ml.data_parallel("dp") | ml.zero_shard(3, "fsdp")
-    assert str(e.value).startswith("zero_shard(stage=0, axis='dp') and zero_shard(stage=3, "
-                                   "axis='fsdp'): two zero transforms in one spec; the second "
-                                   "would silently replace the first. Keep one; hybrid ")
-    assert "(composition table: data_parallel x zero_shard(3): not yet;" in str(e.value)
+    # two that combine into one value (hybrid sharding) take both rows, whose cell composes
+    p = ml.plan(M.build("llama"), ml.data_parallel("dp") | ml.zero_shard(3, "fsdp"),
+                ml.Mesh(dp=2, fsdp=2, fake=True))
+    assert p.options == (ml.zero_shard(3, "fsdp", replicate="dp"),) and p.runnable
+    assert composition.cell("data_parallel", "zero_shard(3)").status == composition.COMPOSES
+    with pytest.raises(ml.ConfigError, match="would both replicate and shard"):
+        ml.data_parallel("dp") | ml.zero_shard(3, "dp")
     with pytest.raises(ml.ConfigError, match=r"zero_shard\(1\) x zero_shard\(3\): meaningless"):
         ml.zero_shard(1) | ml.zero_shard(3)
     with pytest.raises(ml.ConfigError) as e:            # one row twice

@@ -7,6 +7,14 @@ memory rows and its traffic. Plain data parallelism implied by the rules (the ba
 maps to an axis no transform claims) is this room at stage 0; parameter specs that shard
 over such an axis (``P('fsdp', 'tp')``) make it stage 3 with FSDP2 sharding each
 parameter on the dimension its spec names.
+
+Hybrid sharding (PyTorch's HSDP, torchtitan's ``dp_replicate`` x ``dp_shard``):
+``data_parallel('rep') | zero_shard(s, 'dp')`` combine into one value,
+``zero_shard(s, 'dp', replicate='rep')``: the batch is split over both axes, the state is
+replicated over ``rep`` and sharded over ``dp``. Stages 2 and 3 run FSDP2 on the 2-D mesh
+``(rep, dp)`` (it reduce-scatters over ``dp``, then all-reduces the shards over ``rep``);
+stage 1 all-reduces the gradients over ``rep`` from the backward, then reduce-scatters them
+into its slices over ``dp``. Either way each gradient is the mean over the global batch.
 """
 
 from __future__ import annotations
@@ -45,25 +53,57 @@ class ZeroShard(Transform):
     stage: int
     axis: tuple[str, ...] = ("dp",)
     bucket_mb: float = BUCKET_MB       # the gradient all-reduce buckets (stage 0, leftovers)
+    replicate: tuple[str, ...] = ()    # hybrid sharding: data axes the state is replicated on
 
     def __post_init__(self):
         object.__setattr__(self, "stage", _stage(self.stage))
         object.__setattr__(self, "axis", _axes(self.axis))
         object.__setattr__(self, "bucket_mb", check_number(
             self.bucket_mb, "zero_shard", "bucket_mb", example=25.0))
+        rep = () if self.replicate in ((), [], None) else _axes(self.replicate, "zero_shard")
+        object.__setattr__(self, "replicate", rep)
+        if rep and self.stage == 0:
+            raise ConfigError(f"zero_shard(0, {_name(self.axis)!r}, replicate={_name(rep)!r}): "
+                              f"plain data parallelism replicates over every data axis; use "
+                              f"data_parallel({rep + self.axis!r})")
+        if set(rep) & set(self.axis):
+            raise ConfigError(_same_axis(rep, self))
 
     def claims(self, plan: Plan):
-        return {"dp": self.axis}
+        """The data axes: the replicate ones and the sharded ones, in mesh order."""
+        mine = set(self.replicate + self.axis)
+        return {"dp": tuple(a for a in plan.mesh_shape if a in mine)
+                if self.replicate and plan.mesh is not None else self.replicate + self.axis}
 
     def rows(self, plan: Plan | None) -> tuple[str, ...]:
-        """``data_parallel`` at stage 0, else ``zero_shard(stage)``."""
-        return ("data_parallel",) if self.stage == 0 else (f"zero_shard({self.stage})",)
+        """``data_parallel`` at stage 0, else ``zero_shard(stage)``; both under hybrid
+        sharding (``replicate``)."""
+        if self.stage == 0:
+            return ("data_parallel",)
+        return (("data_parallel",) if self.replicate else ()) + (f"zero_shard({self.stage})",)
+
+    def combine(self, other):
+        """``data_parallel(rep) | zero_shard(s, axis)`` (either order): hybrid sharding,
+        ``zero_shard(s, axis, replicate=rep)``. The same axis in both is refused."""
+        if not isinstance(other, ZeroShard) or self.replicate or other.replicate or \
+                (self.stage == 0) == (other.stage == 0):
+            return None
+        dp, zero = (self, other) if self.stage == 0 else (other, self)
+        if set(dp.axis) & set(zero.axis):
+            raise ConfigError(_same_axis(dp.axis, zero))
+        mb = {b for b in (dp.bucket_mb, zero.bucket_mb) if b != BUCKET_MB}
+        if len(mb) > 1:
+            raise ConfigError(f"{self!r} and {other!r}: two gradient bucket sizes for one "
+                              f"data-parallel room; give bucket_mb to one of them")
+        return ZeroShard(zero.stage, zero.axis, mb.pop() if mb else BUCKET_MB, dp.axis)
 
     def check(self, plan: Plan) -> None:
-        for a in self.axis:
+        for a in self.axis + self.replicate:
             if a not in plan.mesh_shape:
                 raise ConfigError(f"zero_shard/data-parallel axis {a!r} is not a mesh axis "
                                   f"{tuple(plan.mesh_shape)}; use one of those")
+        if self.replicate:
+            _check_hybrid(self, plan)
         fsdp = plan.roles.fsdp
         if fsdp and self.stage != 3:
             e = next(e for e in plan.params if set(e.mesh_spec.axes) & set(fsdp))
@@ -80,13 +120,15 @@ class ZeroShard(Transform):
     def reductions(self, plan: Plan) -> list:
         """Stage 0 averages every gradient over the data axes from the backward; stages
         2/3 only those FSDP2 leaves replicated (it reduce-scatters the rest itself);
-        stage 1 reduce-scatters in ``meshlab.optimizer``."""
-        if self.stage == 1:
-            return []
+        stage 1 reduce-scatters in ``meshlab.optimizer`` (under hybrid sharding after the
+        backward's average over the replicate axes)."""
+        if self.stage == 1:     # hybrid: the mean over the replicas first, then ZeRO-1's
+            return [Reduction(self.replicate, average=True, order=10)] if self.replicate \
+                else []
         names = None if self.stage == 0 else fsdp_ignored(plan)
         if names is not None and not names:
             return []
-        return [Reduction(self.axis, average=True, names=names, order=10)]
+        return [Reduction(self.replicate + self.axis, average=True, names=names, order=10)]
 
     def memory(self, plan: Plan, rows: list) -> list:
         return zero_memory(self, plan, rows)
@@ -104,9 +146,51 @@ class ZeroShard(Transform):
         return 0.0 if self.stage == 1 else 0.9
 
     def __repr__(self) -> str:
-        a = self.axis[0] if len(self.axis) == 1 else self.axis
+        a = _name(self.axis)
         b = "" if self.bucket_mb == BUCKET_MB else f", bucket_mb={self.bucket_mb!r}"
-        return f"zero_shard(stage={self.stage}, axis={a!r}{b})"
+        r = f", replicate={_name(self.replicate)!r}" if self.replicate else ""
+        return f"zero_shard(stage={self.stage}, axis={a!r}{b}{r})"
+
+
+def _name(axes: tuple[str, ...]):
+    """Axes as they are written: one name, or a tuple of several."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _same_axis(rep: tuple[str, ...], zero: ZeroShard) -> str:
+    both = [a for a in rep if a in zero.axis]
+    return (f"data_parallel({_name(rep)!r}) and {zero!r}: axis "
+            f"{both[0]!r} would both replicate and shard the same state; keep "
+            f"zero_shard({zero.stage}, {both[0]!r}) alone, or give the replicas an axis of "
+            f"their own for hybrid sharding, e.g. Mesh(rep=2, {both[0]}=2) with "
+            f"data_parallel('rep') | zero_shard({zero.stage}, {both[0]!r})")
+
+
+def _check_hybrid(t: ZeroShard, plan: Plan) -> None:
+    """FSDP2 takes hybrid sharding's 2-D mesh as a slice ``(replicate, shard)`` of the
+    mesh, so (stages 2, 3) the replicate axes come first; parameter specs shard over no
+    data axis (FSDP by spec beside replicas is not yet shown against one process)."""
+    order = list(plan.mesh_shape)
+    if t.stage >= 2 and max(order.index(a) for a in t.replicate) > \
+            min(order.index(a) for a in t.axis):
+        want = [a for a in order if a in t.replicate] + [a for a in order if a in t.axis] + \
+            [a for a in order if a not in t.replicate + t.axis]
+        mesh = ", ".join(f"{a}={plan.mesh_shape[a]}" for a in want)
+        raise ConfigError(f"{t!r}: FSDP2's hybrid sharding runs on the 2-D mesh (replicate, "
+                          f"shard), so the replicate axes {t.replicate} come before the shard "
+                          f"axes {t.axis} in the mesh, which is {tuple(order)}; build it as "
+                          f"Mesh({mesh})")
+    for e in plan.params:
+        if set(e.mesh_spec.axes) & set(t.replicate):
+            raise ConfigError(f"{e.fqn}: {e.spec!r} -> {e.mesh_spec!r} shards a parameter over "
+                              f"{t.replicate}, the axes {t!r} replicates it on; map that "
+                              f"logical axis to None in Rules")
+    if plan.roles.fsdp:
+        e = next(e for e in plan.params if set(e.mesh_spec.axes) & set(plan.roles.fsdp))
+        raise ConfigError(f"{e.fqn}: {e.spec!r} -> {e.mesh_spec!r} shards a parameter over the "
+                          f"data axis {plan.roles.fsdp[0]!r} beside the replicate axes of "
+                          f"{t!r}, which is not yet supported; map that logical axis to None "
+                          f"in Rules and let {t!r} shard the parameters")
 
 
 def _check_fsdp_specs(plan: Plan, fsdp: tuple[str, ...]) -> None:
@@ -125,13 +209,19 @@ def _check_fsdp_specs(plan: Plan, fsdp: tuple[str, ...]) -> None:
 
 
 def zero_shard(stage: int = 3, axis: str | tuple[str, ...] = "dp", *,
-               bucket_mb: float = BUCKET_MB) -> ZeroShard:
-    """Shard optimizer state (1), + gradients (2), + parameters (3) over ``axis``.
+               bucket_mb: float = BUCKET_MB,
+               replicate: str | tuple[str, ...] = ()) -> ZeroShard:
+    """Shard optimizer state (1), + gradients (2), + parameters (3) over ``axis``;
+    with ``replicate``, hybrid sharding: the batch split over those axes too, the state
+    replicated on them (what ``data_parallel(replicate) | zero_shard(stage, axis)`` makes).
 
     >>> zero_shard(3, 'dp')
     zero_shard(stage=3, axis='dp')
+    >>> data_parallel('rep') | zero_shard(3, 'dp')
+    zero_shard(stage=0, axis='rep') | zero_shard(stage=3, axis='dp')
     """
-    return ZeroShard(stage=_stage(stage), axis=_axes(axis), bucket_mb=bucket_mb)
+    return ZeroShard(stage=_stage(stage), axis=_axes(axis), bucket_mb=bucket_mb,
+                     replicate=replicate)
 
 
 def data_parallel(axis: str | tuple[str, ...] = "dp", *,

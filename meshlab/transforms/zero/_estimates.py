@@ -9,7 +9,13 @@ whose specs already shard over the data axis (FSDP by spec) are counted by the s
 Traffic, with Ψ the bytes of this rank's (TP-local) gradients: stage 0 the backward's
 bucketed all-reduces of Ψ (counted by ``_gradsync.estimate``); stage 1 a reduce-scatter and an all-gather of Ψ; stage 2 an all-gather in forward and
 a reduce-scatter in backward per FSDP unit; stage 3 also the backward all-gather. Plus
-one all-reduce of the step's loss (8 bytes).
+one all-reduce of the step's loss (8 bytes) over every data axis.
+
+Hybrid sharding (``replicate``): the state is split over the shard axes only, so memory
+is the same as ``zero_shard`` over those alone; traffic adds, over the replicate axes,
+FSDP2's all-reduce of each unit's reduce-scattered gradient shard (stages 2, 3) or the
+backward's bucketed all-reduces of Ψ (stage 1, ``ZeroShard.reductions``, counted by
+``meshlab.estimate.comm.grad_sync_ops``).
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ def zero_memory(t, plan: Plan, rows: list) -> list:
 def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
     sizes = plan.mesh_shape
     dp = math.prod(sizes[a] for a in t.axis)
-    if dp == 1:
+    rep = math.prod(sizes[a] for a in t.replicate)
+    if dp == 1 and rep == 1:
         return []
     name = "_".join(t.axis)
     prec = plan.get(Precision)
@@ -73,8 +80,13 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
             math.prod(ls)
         unit = next((b for b in blocks if e.fqn.startswith(b + ".")), "")
         units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
-    ops = _stage_ops(t.stage, name, dp, buckets, units, prec)
-    return ops + [CommOp("all_reduce", name, 1, 8)]      # the step's loss
+    ops = _stage_ops(t.stage, name, dp, buckets, units, prec) if dp > 1 else []
+    if rep > 1 and t.stage >= 2:      # HSDP: each unit's gradient shard over the replicas
+        gbytes = dtype_bytes(prec.reduce if prec else "float32")
+        ops += [CommOp("all_reduce", "_".join(t.replicate), 1, n // dp * gbytes)
+                for n in units.values()]
+    data = "_".join(t.claims(plan)["dp"])
+    return ops + [CommOp("all_reduce", data, 1, 8)]      # the step's loss
 
 
 def _stage_ops(stage, name, dp, buckets, units, prec) -> list[CommOp]:

@@ -137,7 +137,7 @@ def _fully_shard(t, ctx) -> None:
     names = fsdp_ignored(ctx.plan)
     ignored = {p for n, p in model.named_parameters() if n in names}
     placement = _by_spec(ctx) if ctx.roles.fsdp else None
-    kw = dict(mesh=ctx.device_mesh(*t.axis), reshard_after_forward=t.stage == 3,
+    kw = dict(mesh=_fsdp_mesh(t, ctx), reshard_after_forward=t.stage == 3,
               mp_policy=mp, ignored_params=ignored or None)
     if placement is not None:
         kw["shard_placement_fn"] = placement
@@ -153,6 +153,20 @@ def _fully_shard(t, ctx) -> None:
     for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
         fully_shard(mods[b], **kw, **policy(b))
     fully_shard(model, **kw, **policy(""))
+
+
+def _fsdp_mesh(t, ctx):
+    """FSDP2's mesh: the shard axes (flattened into one), or under hybrid sharding the
+    2-D mesh ``(replicate, shard)`` (HSDP: FSDP2 reduce-scatters over the second dimension
+    and all-reduces the shards over the first)."""
+    if not t.replicate:
+        return ctx.device_mesh(*t.axis)
+    rep, shard = ctx.device_mesh(*t.replicate), ctx.device_mesh(*t.axis)
+    if len(t.replicate) == 1 and len(t.axis) == 1:
+        return ctx.mesh.device_mesh[t.replicate + t.axis]
+    # flattened dimensions are sliced from the root mesh by the names ``_flatten`` gave them
+    names = tuple(m.mesh_dim_names[0] for m in (rep, shard))
+    return ctx.mesh.device_mesh[names]
 
 
 def fsdp_ignored(plan) -> frozenset:
