@@ -19,6 +19,7 @@ from ._content import batch_peers, hyperparameters
 from .optimizer import MeshOptimizer
 from ..transforms._install import runtime_of
 from ..transforms.fuse import fused_loss_of
+from ..transforms._packing import as_packed, layout_of
 
 
 def _split(batch, k: int) -> list:
@@ -164,7 +165,8 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     ``output.logits``. A tensor ``batch`` is passed positionally. For any other model,
     say how to call it: ``inputs=['idx']`` calls ``model(batch['idx'])``; ``inputs=fn``
     calls ``model(*fn(batch))``. A key the forward does not take, or a batch the default
-    loss cannot read, raises ``ConfigError`` naming the keys.
+    loss cannot read, raises ``ConfigError`` naming the keys. Padded and packed batches:
+    ``_prepared``.
 
     ``opt`` may be any torch optimizer (gradients are synchronized by the backward);
     ``meshlab.optimizer`` is needed for fp16 loss scaling, ZeRO-1 and clipping.
@@ -190,7 +192,7 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
             raise ConfigError("this model's loss is fused (fuse('loss')): its head returns "
                               "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
                               "'loss' out of fuse() to pass one")
-        mbs = _split(batch, microbatches)
+        mbs = _prepared(model, rt, batch, _split(batch, microbatches), inputs)
         _check_reduction(reduction, num_tokens, rt)
         if not isinstance(pause_gc, bool):
             raise ConfigError(f"step(pause_gc={pause_gc!r}): pass True (pause Python's "
@@ -288,6 +290,31 @@ def _forward(model, rt, mb, loss_fn, inputs, fused, red):
         else:
             raw = _loss(loss_fn, _call(model, mb, inputs), mb)
         return raw * red.factor
+
+
+def _prepared(model, rt, batch, mbs: list, inputs) -> list:
+    """The microbatches as the forward gets them, checked before the step's first
+    collective (an error here reaches every rank through the step's agreement).
+
+    Padded and packed batches: each room that cannot train one as one process would
+    refuses it (``check_batch(plan, batch, layout)``: ``fuse('attention')``, Ulysses and
+    ring attention, the pipeline's decoder stages, whose attention reads no mask). For a
+    forward that takes ``position_ids`` and ``use_cache`` (a Hugging Face model's), a
+    batch with ``position_ids`` runs with ``use_cache=False``, and where its rows pack
+    several samples (positions that start again inside a row) a 2-D ``attention_mask`` is
+    folded into the position ids and dropped (``transforms._packing.as_packed``):
+    transformers masks packed samples only so, and each sample then attends to itself
+    alone, as run one by one."""
+    checks = [c for c in (getattr(t, "check_batch", None) for t in rt.plan.rooms or
+                          rt.plan.options) if c is not None]
+    if checks:
+        layout = layout_of(batch)
+        for check in checks:
+            check(rt.plan, batch, layout)
+    if inputs is not None:               # the caller says how the model is called
+        return mbs
+    names, _ = _forward_params(model)
+    return [as_packed(mb, names) for mb in mbs]
 
 
 _REDUCTIONS = ("mean", "sum", "tokens")

@@ -76,6 +76,21 @@ class Fuse(Transform):
                               f"composition table's fuse('loss') x shard composes with the head "
                               f"whole on each rank: see docs/composition.md)")
 
+    def check_batch(self, plan: Plan, batch, layout) -> None:
+        """meshlab's fused attention is causal over the whole row, with no mask: a padded
+        or packed batch (whose mask transformers would hand it, and it would refuse in the
+        forward) is refused before the step's first collective."""
+        if "attention" not in self.ops or not layout:
+            return
+        rest = tuple(op for op in self.ops if op != "attention")
+        fix = (f"fuse{rest!r}".replace(",)", ")") if rest else "no fuse()")
+        raise ConfigError(
+            f"fuse('attention'): this batch {layout.describe()}, and meshlab's fused "
+            f"attention is causal over the whole row with no mask. Leave 'attention' out "
+            f"for such batches ({fix}: transformers' attention then masks them exactly), or "
+            f"give rows of one sample each, padded on the right with the padding labelled "
+            f"-100 and no attention_mask (causal attention never reads what follows a token)")
+
     def install(self, ctx) -> None:
         fuse_model(ctx.model, self.ops)
 

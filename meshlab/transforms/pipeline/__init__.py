@@ -166,6 +166,16 @@ class Pipeline(Transform):
 
         ctx.keep(PipelineSetup(self, ctx))
 
+    def check_batch(self, plan: Plan, batch, layout) -> None:
+        """meshlab's stages of a Hugging Face decoder read ``input_ids`` and ``labels``
+        only: a batch with other keys (a padding ``attention_mask``, ``position_ids``) is
+        refused before the step's first collective. A model with declared ``blocks``
+        gets every key its forward takes, and masks as it does."""
+        if self.blocks is None:
+            from ._runtime import check_keys
+
+            check_keys(batch)
+
     def install(self, ctx):
         from ._runtime import PipelineSetup
 

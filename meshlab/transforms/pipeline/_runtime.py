@@ -98,6 +98,33 @@ def _refuse_generate(model: nn.Module) -> None:
     model.generate = refused
 
 
+def check_keys(batch) -> None:
+    """The keys meshlab's stages of a Hugging Face decoder read: ``input_ids`` and
+    ``labels`` (and an ``attention_mask`` of ones, which changes nothing); any other key
+    would be dropped, and the model would train on other math than one process: padding
+    the stages' causal attention reads, samples packed by ``position_ids`` attending to
+    each other. ``step`` runs this before its first collective (``Pipeline.check_batch``),
+    where a refusal on one rank reaches every rank."""
+    from ...core.errors import ConfigError
+
+    if not isinstance(batch, Mapping):
+        return
+    for k, v in batch.items():
+        if k in ("input_ids", "labels") or (
+                k == "attention_mask" and isinstance(v, torch.Tensor) and bool((v == 1).all())):
+            continue     # an all-ones mask changes nothing; anything else would be lost
+        what = {"attention_mask": " (padding: the stages' causal attention would read the "
+                                  "masked tokens)",
+                "position_ids": " (packed samples would attend to each other)"}.get(k, "")
+        raise ConfigError(f"step: a pipelined model reads batch['input_ids'] and "
+                          f"batch['labels'] only; batch[{k!r}] would be dropped{what}. "
+                          f"meshlab's stages of a Hugging Face decoder take the ids alone "
+                          f"and attend causally over the whole row: give rows of one sample "
+                          f"each, padded on the right with the padding labelled -100 and no "
+                          f"attention_mask (causal attention never reads what follows a "
+                          f"token), or train padded and packed batches without a pipeline")
+
+
 def _pipeline_batch(batch, microbatches: int):
     """The schedule's input ids and targets, checked before its first send: the schedule
     cuts dim 0 into ``microbatches`` equal parts, and a batch that does not divide would
@@ -110,15 +137,8 @@ def _pipeline_batch(batch, microbatches: int):
             raise ConfigError(f"step: a pipelined model reads batch['input_ids'] (and "
                               f"batch['labels'], default the ids); this batch has "
                               f"{sorted(map(str, batch))}")
+        check_keys(batch)
         x, target = batch["input_ids"], batch.get("labels", batch["input_ids"])
-        for k, v in batch.items():
-            if k in ("input_ids", "labels") or (
-                    k == "attention_mask" and isinstance(v, torch.Tensor) and bool((v == 1).all())):
-                continue     # an all-ones mask changes nothing; anything else would be lost
-            raise ConfigError(f"step: a pipelined model reads batch['input_ids'] and "
-                              f"batch['labels'] only; batch[{k!r}] would be dropped (meshlab's "
-                              f"stages of a Hugging Face decoder take the ids alone; for "
-                              f"padding, mark the padded labels -100 and drop the mask)")
     else:
         x = target = batch
     for name, t in (("input_ids", x), ("labels", target)):

@@ -12,7 +12,8 @@
 
 For ``all_to_all`` and ``ring`` the sequence is split before the first block and gathered
 after the last, so the embeddings, final norm and head see the whole sequence. Causal
-attention without padding masks.
+attention without padding masks: a batch with padding (``attention_mask``) or packed samples
+(``position_ids``) is refused by ``step``.
 
 Odd lengths are never padded silently: a sequence not divisible by the axis raises.
 
@@ -100,6 +101,22 @@ class Sequence(Transform):
         if self.mode == "all_to_all" and heads % n:
             raise ConfigError(f"sequence(all_to_all): {heads} attention heads do not divide over "
                               f"{n} ranks; use a sequence axis size that divides {heads}")
+
+    def check_batch(self, plan: Plan, batch, layout) -> None:
+        """Ulysses and ring attention are causal over the whole row and read no mask: a
+        padded or packed batch is refused before the step's first collective (it would
+        attend to the padding and across samples). Megatron SP runs the model's own
+        attention, which masks."""
+        if self.mode == "split_gather" or not layout:
+            return
+        raise ConfigError(
+            f"{self!r}: this batch {layout.describe()}, and meshlab's sequence-parallel "
+            f"attention ({self.mode}) is causal over the whole row and reads no mask: it "
+            f"would attend to the padding and across samples, training differently from one "
+            f"process. Give it rows of one sample each, padded on the right with the padding "
+            f"labelled -100 and no attention_mask (causal attention never reads what follows "
+            f"a token), or train padded and packed batches with shard() (Megatron SP: "
+            f"sequence(axis, 'split_gather')) or data parallelism, whose attention masks")
 
     def install(self, ctx) -> Part | None:
         if self.mode == "split_gather":

@@ -1,0 +1,299 @@
+"""A supervised fine-tuning batch, padded and packed, against its samples run one by one.
+
+The batch holds three samples of different lengths from the tiny Llama: row 0 is sample A
+left-padded (``attention_mask`` 0 on the padding), row 1 is samples B and C packed with
+``position_ids`` that restart at 0, then padding. Labels are -100 on each sample's prompt
+and on the padding. The reference is Hugging Face's own forward on one process, each
+sample alone and unpadded; the batch's loss is the token-weighted mean over every label
+that is not -100 (``step(reduction='tokens')``) and the gradient is that loss's.
+
+Trained as the reference (the loss and every gradient; float64 to 1e-10, float32 to
+1e-5): data parallelism (one row a rank), tensor parallelism (with Megatron SP, and
+one row a microbatch), LoRA, the fused norms, rotary, MLP and loss, and the same batch
+with the padding marked by position ids alone. Refused with a ``ConfigError`` on every
+rank, before any collective of the model: ``fuse('attention')``, ``sequence('sp',
+'all_to_all')``, ``sequence('sp', 'ring')``, the pipeline, and tokens masked inside a
+packed sample.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import _models as M
+
+pytestmark = pytest.mark.timeout(300)
+
+S = 12                                   # the batch's sequence length
+PAD = 0
+LENGTHS, PROMPTS = (9, 5, 6), (3, 2, 2)  # samples A, B, C
+
+
+def samples():
+    """(input_ids, labels) of samples A, B and C: labels -100 on each prompt."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for n, p in zip(LENGTHS, PROMPTS):
+        ids = torch.randint(1, 97, (n,), generator=g)
+        labels = ids.clone()
+        labels[:p] = -100
+        out.append((ids, labels))
+    return out
+
+
+def packed_batch(mask: bool = True) -> dict:
+    """Row 0: A left-padded; row 1: B and C packed (positions restart at 0), then padding.
+    ``mask=False`` leaves ``attention_mask`` out (the padding is then marked by its labels
+    and by position ids that start each pad token afresh)."""
+    (a, la), (b, lb), (c, lc) = samples()
+    ids = torch.full((2, S), PAD)
+    labels = torch.full((2, S), -100)
+    attn = torch.zeros(2, S, dtype=torch.long)
+    pos = torch.zeros(2, S, dtype=torch.long)
+    k = S - len(a)
+    ids[0, k:], labels[0, k:], attn[0, k:], pos[0, k:] = a, la, 1, torch.arange(len(a))
+    n = len(b) + len(c)
+    ids[1, :n], labels[1, :n], attn[1, :n] = torch.cat([b, c]), torch.cat([lb, lc]), 1
+    pos[1, :n] = torch.cat([torch.arange(len(b)), torch.arange(len(c))])
+    batch = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "labels": labels}
+    if not mask:
+        del batch["attention_mask"]
+    return batch
+
+
+def reference(model):
+    """The loss and gradients of the samples one by one: Hugging Face's forward on each
+    sample alone, the token-weighted mean of their next-token losses (from the logits,
+    in the model's dtype: transformers' own loss upcasts to float32 only)."""
+    import torch.nn.functional as F
+
+    model.zero_grad()
+    total, count = 0.0, 0
+    for ids, labels in samples():
+        logits = model(input_ids=ids[None]).logits[0]
+        total = total + F.cross_entropy(logits[:-1], labels[1:], reduction="sum")
+        count += int((labels[1:] != -100).sum())
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    model.zero_grad()
+    return float(loss), grads
+
+
+class Grads(torch.optim.Optimizer):
+    """An optimizer that only records the gradients of its step (whole tensors)."""
+
+    def __init__(self, named):
+        self.names = {id(p): n for n, p in named}
+        super().__init__([p for _, p in named], {})
+        self.seen = {}
+
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.seen[self.names[id(p)]] = M.full(p.grad).detach().clone()
+
+
+def _check(loss, grads, ref_loss, ref_grads, tol):
+    assert abs(loss - ref_loss) <= tol * max(1.0, abs(ref_loss)), (loss, ref_loss)
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    worst = 0.0
+    for n, g in ref_grads.items():
+        torch.testing.assert_close(grads[n], g, atol=tol, rtol=tol,
+                                   msg=lambda m, n=n: f"grad of {n}: {m}")
+        worst = max(worst, (grads[n] - g).abs().max().item())
+    return worst
+
+
+def _rows(batch, rank, size):
+    return {k: v.chunk(size)[rank] for k, v in batch.items()}
+
+
+def build(attention: str = "sdpa"):
+    """The tiny Llama (on the meta device) with ``attention``. transformers' eager
+    attention turns a float64 padding mask into NaN (its softmax runs in float32, where
+    float64's lowest value is -inf, and a row of padding masks every key), so the float64
+    cases run SDPA."""
+    model = M.build("llama")
+    model.set_attn_implementation(attention)
+    return model
+
+
+def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1):
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        tol = 1e-10 if dtype == "float64" else 1e-5
+        rules = ml.Rules(**M.TP_RULES)
+        spec, mesh = {
+            "dp": (ml.data_parallel("dp"), ml.Mesh(dp=2)),
+            "fuse_no_attention": (ml.fuse("rms_norm", "rotary", "mlp", "loss")
+                                  | ml.data_parallel("dp"), ml.Mesh(dp=2)),
+            "tp": (ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
+            "tp_sp": (ml.shard(ml.policies.auto, rules | ml.Rules(seq="tp")), ml.Mesh(tp=2)),
+        }[layout]
+        attention = "sdpa" if dtype == "float64" else "eager"
+        model = ml.parallelize(build(attention), spec, mesh, seed=0)
+        ref = ml.init_weights(build(attention), seed=0)
+        ref_loss, ref_grads = reference(ref)
+        rt = model._meshlab
+        r = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
+        batch = _rows(packed_batch(mask), r, rt.dp_size)
+        opt = Grads(list(model.named_parameters()))
+        loss = ml.step(model, opt, batch, reduction="tokens", microbatches=microbatches)
+        return _check(loss, opt.seen, ref_loss, ref_grads, tol)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def hole_case(rank, world):
+    """A token masked inside a packed sample cannot be written as position ids (transformers
+    reads packing from them only where there is no mask): refused on the rank that holds
+    it, and every other rank stops with it, before any collective of the model."""
+    import meshlab as ml
+
+    model = ml.parallelize(M.build("llama"), ml.data_parallel("dp"), ml.Mesh(dp=2), seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = packed_batch()
+    batch["attention_mask"][1, 7] = 0           # inside sample C, whose positions go on
+    try:
+        ml.step(model, opt, _rows(batch, rank, 2))
+    except ml.MeshlabError as e:
+        return type(e).__name__, str(e)
+    raise AssertionError("a token masked inside a packed sample was trained")
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def lora_case(rank, world):
+    """LoRA through peft on 2 data-parallel ranks against single-process peft on the
+    same weights (the adapters' B drawn, so every adapter has a gradient)."""
+    import torch.distributed as dist
+    from peft import get_peft_model
+
+    import meshlab as ml
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = ml.parallelize(build(), ml.lora(_lora_config()) |
+                               ml.data_parallel("dp"), ml.Mesh(dp=2), seed=0)
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for n, p in sorted(model.named_parameters()):
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        ref = get_peft_model(ml.init_weights(build(), seed=0), _lora_config())
+        own = dict(ref.base_model.model.named_parameters())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                own[n].copy_(M.full(p))
+        ref_loss, ref_grads = reference(ref.base_model.model)
+        rt = model._meshlab
+        batch = _rows(packed_batch(), dist.get_rank(rt.dp_group), rt.dp_size)
+        opt = Grads(list(model.named_parameters()))
+        loss = ml.step(model, opt, batch, reduction="tokens")
+        assert len(opt.seen) == 2 * 3 * 2         # A and B of 3 targets in 2 layers
+        return _check(loss, opt.seen, ref_loss, ref_grads, 1e-10)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def refusal_case(rank, world, layout):
+    """``step`` refuses the batch on every rank with a ``ConfigError`` naming the room
+    and the fix, before any collective of the model (agreement exchanges aside); the
+    next step, on rows of one sample each without padding, trains."""
+    import meshlab as ml
+    from meshlab.estimate.comm import CommCounter
+
+    spec, mesh = {
+        "fuse": (ml.fuse() | ml.data_parallel("dp"), ml.Mesh(dp=2)),
+        "all_to_all": (ml.sequence("sp", "all_to_all"), ml.Mesh(sp=2)),
+        "ring": (ml.sequence("sp", "ring"), ml.Mesh(sp=2)),
+        "pipeline": (ml.pipeline("pp", schedule="1f1b", microbatches=2), ml.Mesh(pp=2)),
+    }[layout]
+    model = ml.parallelize(M.build("llama"), spec, mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    rt = model._meshlab
+    share = (lambda b: _rows(b, rank, 2)) if rt.dp_size == 2 else (lambda b: b)
+    before = {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+    messages = []
+    for batch in (packed_batch(), packed_batch(mask=False)):
+        with CommCounter(per_module=False) as cc:
+            try:
+                ml.step(model, opt, share(batch))
+            except ml.ConfigError as e:
+                messages.append(str(e))
+            else:
+                raise AssertionError(f"{layout}: a padded and packed batch was trained")
+        assert [c for c in cc.calls if c[0] != "control"] == [], cc.calls
+    for n, p in model.named_parameters():
+        assert torch.equal(M.full(p).detach(), before[n]), n
+    ids = torch.randint(1, 97, (2, S), generator=torch.Generator().manual_seed(1))
+    loss = ml.step(model, opt, share({"input_ids": ids, "labels": ids}))
+    assert loss == loss and loss > 0
+    return messages
+
+
+def test_data_parallel_trains_as_the_samples_one_by_one(world2):
+    world2.run(parity_case, layout="dp")
+
+
+def test_tensor_parallel_trains_as_the_samples_one_by_one(world2):
+    world2.run(parity_case, layout="tp")
+
+
+def test_fused_kernels_without_attention_train_as_the_samples_one_by_one(world2):
+    world2.run(parity_case, layout="fuse_no_attention", dtype="float32")
+
+
+def test_packed_without_a_mask_trains_as_the_samples_one_by_one(world2):
+    # the padding marked by position ids alone (each pad token at 0), as
+    # transformers' DataCollatorWithFlattening lays samples out
+    world2.run(parity_case, layout="dp", mask=False)
+
+
+def test_token_weighting_across_microbatches(world2):
+    # one row a microbatch: the step divides by the token count of the whole batch
+    world2.run(parity_case, layout="tp", microbatches=2)
+
+
+def test_megatron_sequence_parallel_trains_as_the_samples_one_by_one(world2):
+    world2.run(parity_case, layout="tp_sp")
+
+
+def test_tensor_parallel_in_float32(world2):
+    world2.run(parity_case, layout="tp", dtype="float32")
+
+
+def test_a_token_masked_inside_a_packed_sample_is_refused(world2):
+    (peer, theirs), (kind, mine) = world2.run(hole_case)      # rank 1 holds row 1
+    assert kind == "ConfigError" and "column 8" in mine and "position_ids" in mine, mine
+    assert peer == "PeerError" and mine[:300] in theirs, theirs
+
+
+def test_lora_trains_as_the_samples_one_by_one(world2):
+    pytest.importorskip("peft")
+    world2.run(lora_case)
+
+
+@pytest.mark.parametrize("layout,says", [
+    ("fuse", ["fuse('attention')", "fuse('rms_norm', 'rotary', 'mlp', 'loss')"]),
+    ("all_to_all", ["sequence('sp', mode='all_to_all')", "shard()"]),
+    ("ring", ["sequence('sp', mode='ring')", "shard()"]),
+    ("pipeline", ["pipelined model", "without a pipeline"]),
+])
+def test_refused_before_any_collective(world2, layout, says):
+    for messages in world2.run(refusal_case, layout=layout):
+        for m in messages:
+            assert all(s in m for s in says), m
