@@ -116,7 +116,12 @@ def _meshlab_spec(name: str):
             "meshlab_graphs": ml.fuse() | ml.compile_blocks(mode="reduce-overhead"),
             "meshlab_remat2": ml.fuse() | ml.remat("full", every=2),
             "meshlab_count19_blocks": ml.fuse() | ml.remat("full", count=19)
-            | ml.compile_blocks()}.get(name)
+            | ml.compile_blocks(),
+            # the fused attention and loss only: compiled checkpointed blocks take no
+            # rotary routing (its depth counter is a side effect torch.utils.checkpoint's
+            # higher-order op refuses under dynamo)
+            "meshlab_al_count19_blocks": ml.fuse("attention", "loss")
+            | ml.remat("full", count=19) | ml.compile_blocks()}.get(name)
 
 
 def _layer_sums_apart(self, hidden_states, **kwargs):
