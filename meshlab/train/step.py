@@ -20,6 +20,7 @@ from .optimizer import MeshOptimizer
 from ..transforms._install import runtime_of
 from ..transforms.fuse import fused_loss_of
 from ..transforms._packing import as_packed, layout_of
+from ..transforms._protocol import Transform
 
 
 def _split(batch, k: int) -> list:
@@ -305,8 +306,8 @@ def _prepared(model, rt, batch, mbs: list, inputs) -> list:
     folded into the position ids and dropped (``transforms._packing.as_packed``):
     transformers masks packed samples only so, and each sample then attends to itself
     alone, as run one by one."""
-    checks = [c for c in (getattr(t, "check_batch", None) for t in rt.plan.rooms or
-                          rt.plan.options) if c is not None]
+    checks = [t.check_batch for t in rt.plan.rooms or rt.plan.options
+              if isinstance(t, Transform) and type(t).check_batch is not Transform.check_batch]
     if checks:
         layout = layout_of(batch)
         for check in checks:

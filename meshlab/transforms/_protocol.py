@@ -293,6 +293,13 @@ class Transform:
     def install(self, ctx) -> Part | None:
         return None
 
+    def check_batch(self, plan: Plan, batch, layout) -> None:
+        """Refuse, with ``ConfigError``, a batch this room cannot train as one process
+        would (padding or packing its attention cannot read: ``layout`` is
+        ``transforms._packing.layout_of(batch)``). ``meshlab.step`` calls it before the
+        step's first collective, for the rooms that define it."""
+        return None
+
     def reductions(self, plan: Plan) -> list:
         """The gradient ``Reduction``s (``_gradsync``) the backward runs for this room,
         from the plan alone: ``materialize`` installs them and ``plan.comm`` counts them."""
