@@ -71,13 +71,37 @@ class Sequence(Transform):
             return parts
         return {k: w.scale(1 / n, ops=1.0) for k, w in parts.items()}
 
+    def profile(self, plan: Plan, model) -> dict | None:
+        """The profiled copy attends as this room's attention does (``profile_attention``
+        of ``_ring`` / ``_ulysses``: what it keeps, on one process at the whole sequence),
+        not as the model's own eager or SDPA attention; split_gather runs the model's."""
+        if self.mode == "split_gather":
+            return None
+        try:
+            from transformers import AttentionInterface
+        except ImportError:          # no Hugging Face model to route (check() refuses it)
+            return None
+        from . import _ring, _ulysses
+
+        impl = _ring if self.mode == "ring" else _ulysses
+        AttentionInterface.register(impl.PROFILE_NAME, impl.profile_attention)
+        _ulysses.set_attention(model, impl.PROFILE_NAME)
+        return None
+
     def activation_memory(self, plan: Plan, rows: list, *, batch: int, seq: int) -> list:
-        """Every rank holds its share of the sequence (Ulysses: of the heads inside
-        attention, the same bytes); split_gather is shard()'s sequence parallelism."""
+        """Inside the blocks every rank holds its share of the sequence (Ulysses: of the
+        heads inside attention, the same bytes); outside them, and where the hidden states
+        are cut and joined, the whole sequence (``_memory``). split_gather is shard()'s
+        sequence parallelism."""
         n = plan.mesh_shape.get(self.axis, 1)
         if self.mode == "split_gather" or n == 1:
             return rows
-        return [r if r.grad or not r.shape else r.split(n, f"/{n} sp") for r in rows]
+        from ._memory import rank_rows
+
+        cfg = plan.model.config_get
+        return rank_rows(rows, n=n, mode=self.mode, block=plan.model.blocks[0],
+                         n_blocks=len(plan.model.blocks),
+                         width=cfg("hidden_size") or cfg("n_embd"))
 
     def check(self, plan: Plan) -> None:
         sizes = plan.mesh_shape

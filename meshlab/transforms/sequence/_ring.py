@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ...core import collectives as C
@@ -195,6 +196,37 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     with torch.autocast(query.device.type, enabled=False):
         out = _RingAttention.apply(query, key, value, group, float(scale))
     return out.transpose(1, 2).contiguous(), None
+
+
+PROFILE_NAME = "meshlab_ring_profile"
+
+
+def profile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs):
+    """What :func:`attention` keeps, on one process and at the whole sequence, for the
+    activation profile (``Sequence.profile``; the room divides it by the axis). The ring's
+    autograd Function saves q, k and v as it got them (K/V with their own heads), its
+    output (B, H, S, D) in q's dtype and the float32 row log-sum-exps, as SDPA's fused
+    kernel (grouped heads unexpanded) saves them here; that output is contiguous, so its
+    transpose for o_proj is a second copy, which o_proj keeps (SDPA's output is laid out
+    so that its transpose is not: the copy is made explicitly). No (S x S) block is kept:
+    the model's own eager attention, which the profile would otherwise run, is not what
+    the ring runs.
+
+    Not reproduced: what the ring allocates only while it runs. In the forward, the K/V
+    block arriving from the previous rank, the contiguous halves each block reads and the
+    float32 output and log-sum-exp accumulators of the two query chunks; in the backward,
+    which recomputes every block from the saved log-sum-exps, float32 accumulators for dq,
+    dk and dv, the K/V blocks and their float32 gradients in flight, and each block's
+    halves and gradients: all O(S/n x D), about seven times the attention's output in
+    float32 at the backward's height, alive only inside the attention, when the block's
+    MLP activations and the whole-sequence final norm and head of the backward are freed
+    already. The step's peak is not there (with hidden 128, 2 ranks and S = 4096 the
+    backward's ring peaked at 17.6 MiB alive, the final norm's backward at 31.7)."""
+    query, key, value = _one_dtype(query, key, value)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).clone(memory_format=torch.contiguous_format), None
 
 
 def _one_dtype(q, k, v):

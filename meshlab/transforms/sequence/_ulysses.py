@@ -62,6 +62,28 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return out.transpose(1, 2).contiguous(), None
 
 
+PROFILE_NAME = "meshlab_ulysses_profile"
+
+
+def profile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      **kwargs):
+    """What :func:`attention` keeps, on one process and at the whole sequence, for the
+    activation profile (``Sequence.profile``; the room divides it by the axis): SDPA
+    saves q and the K/V expanded to every query head (a rank's are the all-to-all's
+    outputs, H/n heads of the whole sequence, as many bytes as S/n of every head), its
+    output and log-sum-exps; the output's all-to-all back makes a new (B, H, S/n, D)
+    tensor, and its transpose is copied for o_proj, which keeps the copy. The
+    all-to-alls' send and receive buffers live only while they run."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                         dropout_p=dropout if module.training else 0.0)
+    out = out.clone(memory_format=torch.contiguous_format)   # the all-to-all's output
+    return out.transpose(1, 2).contiguous(), None
+
+
 def install(model: nn.Module, blocks: tuple[str, ...], group) -> None:
     from transformers import AttentionInterface
 
@@ -78,9 +100,8 @@ def install(model: nn.Module, blocks: tuple[str, ...], group) -> None:
     install_split(model, blocks, split, lambda h: C.gather_seq_replicated(h, group, 1))
 
 
-def _route_attention(model: nn.Module, blocks: tuple[str, ...], group, name: str) -> None:
-    """Every config of the model names ``name`` as its attention; the blocks' modules
-    carry the sequence group the attention function reads."""
+def set_attention(model: nn.Module, name: str) -> None:
+    """Every config of the model names ``name`` as its attention."""
     for sub in model.modules():
         cfg = getattr(sub, "config", None)
         if cfg is not None:
@@ -88,6 +109,12 @@ def _route_attention(model: nn.Module, blocks: tuple[str, ...], group, name: str
                 cfg._attn_implementation = name
             except AttributeError:
                 pass
+
+
+def _route_attention(model: nn.Module, blocks: tuple[str, ...], group, name: str) -> None:
+    """Every config of the model names ``name`` as its attention; the blocks' modules
+    carry the sequence group the attention function reads."""
+    set_attention(model, name)
     mods = dict(model.named_modules())
     for b in blocks:
         for m in mods[b].modules():
