@@ -1,10 +1,12 @@
 """Fuse's ``rotary`` routing: a Hugging Face modeling file's ``apply_rotary_pos_emb`` on
 ``meshlab::rotary``.
 
-The modeling file's function is wrapped once by a dispatcher that calls
-``meshlab::rotary`` while a routed model's attention module is running (a forward
-pre-hook and hook count them) and the original function otherwise, so other models in
-the process are untouched. Each function is probed against the original before it is
+A routed attention module runs its class's forward over a copy of its modeling file's
+globals in which ``apply_rotary_pos_emb`` calls ``meshlab::rotary`` (its instance
+forward), so other models in the process are untouched and nothing changes at run time.
+An attention module whose forward is not its modeling file's (or is set on the instance)
+keeps the older way: the file's function wrapped once by a dispatcher that calls
+``meshlab::rotary`` while a routed attention module runs (a pre-hook and hook count them). Each function is probed against the original before it is
 wrapped. Queries and keys that are adjacent parts of one tensor (a merged query/key/value
 product's row, outside autograd) are rotated in one launch.
 """
@@ -81,10 +83,10 @@ def _fused_apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
     return rot(q), rot(k)
 
 
-def _dispatcher(original):
+def _dispatcher(original, always: bool = False):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if not _active():
+        if not (always or _active()):
             return original(q, k, cos, sin, *args, **kwargs)
         if args or set(kwargs) - {"unsqueeze_dim"} or kwargs.get("unsqueeze_dim", 1) != 1 \
                 or q.shape[-1] != cos.shape[-1]:
@@ -124,15 +126,84 @@ def _find_rotary(model: nn.Module) -> list[tuple[str, nn.Module, types.ModuleTyp
     return found
 
 
+_REBOUND: dict = {}      # (class forward, original function) -> the forward reading ours
+
+
+def _rebound_forward(forward, original, scope_of):
+    """The attention class's ``forward`` whose global ``apply_rotary_pos_emb`` is the
+    fused one: the same code over a copy of its modeling module's globals (``scope_of``),
+    each decorator around it rebuilt over the new function (its cell that held the old
+    one replaced). A routed module takes it as its instance forward, so nothing is counted
+    at run time (a counter is a side effect dynamo refuses inside a checkpointed, compiled
+    block) and other models of the modeling file keep the original. None where the
+    function or a decorator cannot be rebuilt so."""
+    key = (forward, original)
+    if key not in _REBOUND:
+        _REBOUND[key] = _rebuild(forward, _dispatcher(original, always=True), scope_of)
+    return _REBOUND[key]
+
+
+def _copy(fn, scope: dict, closure):
+    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    new.__dict__.update(fn.__dict__)
+    new.__qualname__, new.__doc__, new.__module__ = fn.__qualname__, fn.__doc__, fn.__module__
+    return new
+
+
+def _scope(module_globals: dict, fused) -> dict:
+    """A copy of a modeling module's globals whose ``apply_rotary_pos_emb`` is ``fused``,
+    as the namespace of a module of its own in ``sys.modules`` (dynamo finds a function's
+    globals by their ``__name__`` and guards on that module's attributes)."""
+    name = f"{module_globals['__name__']}._meshlab_rotary"
+    mod = sys.modules.get(name)
+    if mod is None:
+        mod = types.ModuleType(name)
+        sys.modules[name] = mod
+    mod.__dict__.update({k: v for k, v in module_globals.items() if k != "__name__"})
+    mod.__dict__["apply_rotary_pos_emb"] = fused
+    return mod.__dict__
+
+
+def _rebuild(fn, fused, scope_of):
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:                                  # the function that reads the global
+        if not isinstance(fn, types.FunctionType) or fn.__globals__ is not scope_of:
+            return None
+        return _copy(fn, _scope(fn.__globals__, fused), fn.__closure__)
+    new_inner = _rebuild(inner, fused, scope_of)
+    if new_inner is None or not isinstance(fn, types.FunctionType):
+        return None
+    cells, hit = [], False
+    for c in fn.__closure__ or ():
+        try:
+            holds = c.cell_contents is inner
+        except ValueError:                             # an empty cell
+            holds = False
+        hit |= holds
+        cells.append(types.CellType(new_inner) if holds else c)
+    if not hit:
+        return None
+    new = _copy(fn, fn.__globals__, tuple(cells))
+    new.__wrapped__ = new_inner
+    return new
+
+
 def _route_rotary(model: nn.Module, found) -> list[str]:
     for _, m, mod in found:
         if getattr(m, "_meshlab_rotary", False):                # routed before
             continue
         fn = mod.apply_rotary_pos_emb
-        if not hasattr(fn, "_meshlab_original"):
-            setattr(mod, "apply_rotary_pos_emb", _dispatcher(fn))
-        m.register_forward_pre_hook(_enter)
-        m.register_forward_hook(_leave, always_call=True)
+        original = getattr(fn, "_meshlab_original", fn)
+        rebound = None if "forward" in vars(m) else \
+            _rebound_forward(type(m).forward, original, vars(mod))
+        if rebound is not None:
+            m.forward = types.MethodType(rebound, m)
+        else:       # a forward of another module, or one set on the instance: count calls
+            if not hasattr(fn, "_meshlab_original"):
+                setattr(mod, "apply_rotary_pos_emb", _dispatcher(fn))
+            m.register_forward_pre_hook(_enter)
+            m.register_forward_hook(_leave, always_call=True)
         m._meshlab_rotary = True
     return [name for name, _, _ in found]
 

@@ -191,3 +191,23 @@ def test_compiled_blocks_on_cuda_without_graph_breaks(one_process):
     recorded = next(manager.graph_counter) if manager is not None else 0
     assert recorded >= 2 * cfg.num_hidden_layers, recorded      # forward and backward each
     torch.testing.assert_close(torch.tensor(graphs), torch.tensor(eager), atol=5e-3, rtol=0)
+
+
+def test_fused_checkpointed_blocks_compile_first_in_a_process(one_process):
+    """fuse() | remat | compile_blocks() compiled before anything ran eagerly in the process
+    (a fresh process): the rotary routing reads no run-time state, so dynamo traces the
+    checkpointed blocks whole (a depth counter the routing kept was a side effect
+    torch.utils.checkpoint's higher-order op refused), and they train as the eager run."""
+    import threading
+
+    import torch._dynamo
+
+    import meshlab as ml
+    from meshlab.transforms.fuse import _rotary
+
+    torch._dynamo.reset()
+    _rotary._ROUTED = threading.local()           # as in a process that ran nothing yet
+    spec = ml.fuse() | ml.remat("full")
+    _, compiled = _train(spec | ml.compile_blocks(backend="aot_eager"), ml.Mesh(dp=1))
+    _, eager = _train(spec, ml.Mesh(dp=1))
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=2e-5, rtol=1e-5)
