@@ -214,8 +214,8 @@ def on_one_device() -> str | None:
 
 @contextlib.contextmanager
 def reenter(r: Region):
-    """Run code of region ``r``'s function again after it returned (a part of it the
-    backward recomputes): ``r`` is current and its mode on, so the recomputed values get
+    """Run code of region ``r``'s function: ``r`` is current and its mode on. Also for a
+    part of it the backward recomputes after the function returned, whose values then get
     the marks (and the pvary calls) of the first run."""
     token = _REGION.set(r)
     try:
@@ -229,10 +229,5 @@ def reenter(r: Region):
 def region(dm, tracked, *, unmarked_varying: bool, name: str):
     """Run a ``shard_map`` function: the region is current and the mode is on."""
     tracked = frozenset(tracked)
-    r = Region(dm, tracked, tracked if unmarked_varying else frozenset(), name)
-    token = _REGION.set(r)
-    try:
-        with VaryingMode(r):
-            yield r
-    finally:
-        _REGION.reset(token)
+    with reenter(Region(dm, tracked, tracked if unmarked_varying else frozenset(), name)) as r:
+        yield r
