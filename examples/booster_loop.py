@@ -37,6 +37,10 @@ def make_plugin(name: str):
         return TorchDDPPlugin(bucket_cap_mb=1)
     if name == "fsdp":
         return TorchFSDPPlugin()
+    if name == "fsdp_hybrid":     # sharded within a node (LOCAL_WORLD_SIZE), replicated across
+        from torch.distributed.fsdp import ShardingStrategy
+
+        return TorchFSDPPlugin(sharding_strategy=ShardingStrategy.HYBRID_SHARD)
     if name == "zero2":
         return LowLevelZeroPlugin(stage=2, precision="fp32", max_norm=1.0)
     if name == "zero1":
@@ -51,8 +55,8 @@ def make_plugin(name: str):
     if name == "moe":
         return MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1,
                                        precision="fp32")
-    raise SystemExit(f"--plugin {name!r}: one of ddp, fsdp, zero1, zero2, gemini, hybrid, "
-                     f"hybrid_tp, moe")
+    raise SystemExit(f"--plugin {name!r}: one of ddp, fsdp, fsdp_hybrid, zero1, zero2, gemini, "
+                     f"hybrid, hybrid_tp, moe")
 
 
 def make_model(name: str):

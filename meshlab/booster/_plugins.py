@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from ..core.errors import ConfigError, ConfigTypeError
+from ..core.errors import ConfigError, ConfigTypeError, MeshError
 from ._args import UnsupportedArgument, With, hint, maps, only
 from ._base import Plugin
 from ._common import (FP8, Stack, clip, clip_args, communication, ddp_args, fuse_ops,
@@ -51,8 +51,10 @@ class TorchFSDPPlugin(Plugin):
         only("process_group", None, "meshlab builds its groups from the mesh over every "
              "launched rank", "meshlab.parallelize(model, spec, ml.Mesh(...))"),
         maps("sharding_strategy", None, "None or FULL_SHARD: zero_shard(3); SHARD_GRAD_OP: "
-             "zero_shard(2); NO_SHARD: data_parallel(); HYBRID_SHARD is refused (not yet "
-             "shown)", With(lambda: _fsdp("ShardingStrategy").SHARD_GRAD_OP)),
+             "zero_shard(2); NO_SHARD: data_parallel(); HYBRID_SHARD (_HYBRID_SHARD_ZERO2): "
+             "data_parallel('rep') | zero_shard(3 (2), 'dp'), sharded over the ranks of a "
+             "node (LOCAL_WORLD_SIZE) and replicated across nodes",
+             With(lambda: _fsdp("ShardingStrategy").SHARD_GRAD_OP)),
         maps("cpu_offload", None, "CPUOffload(offload_params=True): offload(params=1.0, "
              "grads=1.0, optimizer=1.0) (FSDP2's CPUOffloadPolicy, CPU Adam on the host)",
              With(lambda: _fsdp("CPUOffload")(offload_params=True))),
@@ -81,11 +83,9 @@ class TorchFSDPPlugin(Plugin):
         owner = type(self).__name__
         strategy = _enum_name(v["sharding_strategy"]) or "FULL_SHARD"
         specs = {"FULL_SHARD": zero_shard(3, "dp"), "SHARD_GRAD_OP": zero_shard(2, "dp"),
-                 "NO_SHARD": data_parallel("dp")}
-        if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
-            raise UnsupportedArgument(owner, "sharding_strategy", strategy,
-                                      "hybrid sharding (replicate x shard) is not yet shown "
-                                      "against one process", "zero_shard(3, 'dp')")
+                 "NO_SHARD": data_parallel("dp"),
+                 "HYBRID_SHARD": data_parallel("rep") | zero_shard(3, "dp"),
+                 "_HYBRID_SHARD_ZERO2": data_parallel("rep") | zero_shard(2, "dp")}
         if strategy not in specs:
             raise ConfigError(f"{owner}(sharding_strategy={v['sharding_strategy']!r}): use "
                               f"ShardingStrategy.FULL_SHARD, SHARD_GRAD_OP or NO_SHARD")
@@ -103,8 +103,23 @@ class TorchFSDPPlugin(Plugin):
         mp = v["mixed_precision"]
         if mp is not None:
             prec = _fsdp_precision(owner, mp)
-        return Stack({}, spec, ("dp",), sync_module_states=v["sync_module_states"],
-                     precision=prec)
+        hybrid = strategy.lstrip("_").startswith("HYBRID_SHARD")
+        return Stack({}, spec, ("rep", "dp") if hybrid else ("dp",),
+                     sync_module_states=v["sync_module_states"], precision=prec)
+
+    def mesh_shape(self, world: int) -> dict:
+        """Hybrid sharding: ``rep`` across nodes, ``dp`` over the ranks of a node
+        (``LOCAL_WORLD_SIZE``, as torch's FSDP shards within a node); else ``dp``."""
+        if "rep" not in self.stack.data_axes:
+            return super().mesh_shape(world)
+        import os
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local < 1 or world % local:
+            raise MeshError(f"{type(self).__name__}(sharding_strategy=HYBRID_SHARD): {world} "
+                            f"ranks do not divide into nodes of LOCAL_WORLD_SIZE={local}; "
+                            f"launch the same number of processes on every node")
+        return {"rep": world // local, "dp": local}
 
 
 def _fsdp_precision(owner: str, mp):

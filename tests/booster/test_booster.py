@@ -136,10 +136,25 @@ def test_unknown_and_missing_arguments_are_typed_errors():
         LowLevelZeroPlugin(stage=3)
     with pytest.raises(ConfigError, match="set enable_sequence_parallelism=True"):
         HybridParallelPlugin(tp_size=2, pp_size=1, sp_size=2)
-    with pytest.raises(UnsupportedArgument, match="HYBRID_SHARD"):
-        from torch.distributed.fsdp import ShardingStrategy
 
-        TorchFSDPPlugin(sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+
+def test_hybrid_shard_is_hybrid_sharding(monkeypatch):
+    """torch FSDP's HYBRID_SHARD shards within a node and replicates across nodes:
+    data_parallel('rep') | zero_shard(3, 'dp') on (nodes, LOCAL_WORLD_SIZE)."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from meshlab import MeshError
+
+    p = TorchFSDPPlugin(sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    assert repr(p.spec) == "zero_shard(stage=0, axis='rep') | zero_shard(stage=3, axis='dp')"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert p.mesh_shape(4) == {"rep": 2, "dp": 2}
+    z2 = TorchFSDPPlugin(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2)
+    assert "stage=2" in repr(z2.spec) and z2.mesh_shape(8) == {"rep": 4, "dp": 2}
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(MeshError, match="LOCAL_WORLD_SIZE=3"):
+        p.mesh_shape(4)
+    assert TorchFSDPPlugin().mesh_shape(4) == {"dp": 4}
 
 
 def test_meshes_follow_colossal_ais_axis_order():

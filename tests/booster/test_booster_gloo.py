@@ -127,13 +127,22 @@ def loop_case(rank, world, plugin_name):
     from examples import booster_loop as L
 
     steps, bs = 3, 2
-    model, losses = L.train(plugin_name, steps=steps, batch_size=bs)
+    if plugin_name == "fsdp_hybrid":        # two "nodes" of two ranks: rep=2 x dp=2
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        model, losses = L.train(plugin_name, steps=steps, batch_size=bs)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     data = _global_batches(model, plugin_name, steps, bs)
     ref, want = _reference(plugin_name, data, clip=CLIP.get(plugin_name))
     got = _mean_loss(model, losses)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-5)
     held = _assert_weights(model, ref, atol=2e-5, rtol=1e-4)
-    return {"losses": got, "params": held, "spec": repr(model._meshlab.plan.transforms)}
+    mesh = model._meshlab.mesh
+    w = next((p for p in model.parameters() if hasattr(p, "placements")), None)
+    return {"losses": got, "params": held, "spec": repr(model._meshlab.plan.transforms),
+            "mesh": {a: mesh.axis_size(a) for a in mesh.axis_names},
+            "placements": None if w is None else str(w.placements)}
 
 
 @pytest.fixture(scope="module")
@@ -145,10 +154,14 @@ def world():
     w.close()
 
 
-@pytest.mark.parametrize("plugin_name", ["ddp", "fsdp", "zero2", "gemini", "hybrid", "moe"])
+@pytest.mark.parametrize("plugin_name", ["ddp", "fsdp", "fsdp_hybrid", "zero2", "gemini",
+                                         "hybrid", "moe"])
 def test_loop_matches_one_process(world, plugin_name):
     out = world.run(loop_case, plugin_name=plugin_name)
     assert all(o["losses"] == out[0]["losses"] for o in out)
+    if plugin_name == "fsdp_hybrid":        # FSDP2 on (rep, dp): replicated, then sharded
+        assert out[0]["mesh"] == {"rep": 2, "dp": 2}, out[0]["mesh"]
+        assert out[0]["placements"] == "(Replicate(), Shard(dim=0))", out[0]["placements"]
 
 
 # -- the guide's scaffold ------------------------------------------------------------------
