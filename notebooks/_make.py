@@ -20,7 +20,13 @@ import nbformat as nbf
 _MACHINE_PATH = re.compile(r"/(work|home|root|tmp|Users)/")
 # What the executing machine's setup prints, not the notebook: tqdm's notice that
 # ipywidgets is missing (it names the machine's site-packages).
-_SETUP_NOISE = re.compile(r"^.*TqdmWarning: IProgress not found.*\n(  from .*tqdm.*\n)?", re.M)
+# What the environment prints while packages import (tqdm without ipywidgets; transformers
+# importing an installed torchao, whose optional CUDA kernels do not load on a CPU machine,
+# and its enums registered with torch's pytree): not the notebook's outputs.
+_SETUP_NOISE = re.compile(r"^.*TqdmWarning: IProgress not found.*\n(  from .*tqdm.*\n)?"
+                          r"|^Failed to load \S*torchao\S*: .*\n"
+                          r"|^W\d{4} [^\n]*_pytree\.py:\d+\] <enum '\w+'> is an Enum subclass.*\n",
+                          re.M)
 
 
 def write(path, cells):
@@ -275,6 +281,15 @@ NB03 = [
     "print(f'saved activations {gib(plain.activations.saved)} -> {gib(mem.activations.saved)}; "
     "peak {gib(plain.peak)} -> {gib(mem.peak)}; fits: {mem.fits(\"h200\")}')\n"
     "assert not plain.fits('h200') and mem.fits('h200')",
+    "md:The same estimate as a picture: what one rank holds at the step's peak, stacked by "
+    "category, against the card's memory.",
+    "mem.plot(gpu='h200');",
+    "md:A pipeline instead of ZeRO-3 over the nodes: its schedule drawn from the plan, one row "
+    "per stage, each box a microbatch's forward or backward; the gaps are the bubble.",
+    "from meshlab.transforms.pipeline import plot_schedule\n"
+    "pp = ml.plan(llama70, ml.shard(ml.policies.auto) | ml.pipeline('pp', microbatches=8),\n"
+    "             ml.Mesh(pp=4, tp=8, fake=True))\n"
+    "plot_schedule(pp);",
     "md:## How fast?\n`plan.time()` prices the profile's work (matmul and attention FLOPs, "
     "the bytes the other ops move, the kernels launched) at the card's measured rates, and "
     "every collective of `plan.comm()` at the link it crosses (NVLink inside a node, the "
