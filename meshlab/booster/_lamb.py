@@ -44,9 +44,8 @@ class Lamb(_lib.Lamb):
       ``exp_avg_sq``); the library's last ``weight_norm``, ``adam_norm`` and
       ``trust_ratio`` are dropped after each step (on DTensor parameters ``adam_norm``
       would be a pending reduction kept in the state);
-    * ``step`` is kept as a 0-dim float32 tensor between steps, as torch's Adam keeps it,
-      not as an int (Colossal-AI's and the library's): a checkpoint stores the optimizer's
-      tensors, and a resumed run's bias correction needs the count.
+    * ``step`` stays an int, as Colossal-AI and the library keep it (meshlab's checkpoints
+      keep numbers in an optimizer's state beside its tensors).
 
     A negative ``weight_decay`` is refused (by the library); Colossal-AI accepts it.
 
@@ -82,10 +81,6 @@ class Lamb(_lib.Lamb):
 
     @torch.no_grad()
     def _step_group(self, group: dict) -> None:
-        states = [s for s in map(self.state.get, group["params"]) if s]
-        for s in states:            # the library counts in an int (its rate is a float)
-            if isinstance(s.get("step"), torch.Tensor):
-                s["step"] = int(s["step"].item())
         groups = self.param_groups
         self.debias = bool(group["bias_correction"])
         self.param_groups = [group]
@@ -96,8 +91,6 @@ class Lamb(_lib.Lamb):
             for s in map(self.state.get, group["params"]):
                 for k in _LIBRARY_ONLY_STATE if s else ():
                     s.pop(k, None)
-                if s and isinstance(s.get("step"), int):
-                    s["step"] = torch.tensor(float(s["step"]), dtype=torch.float32)
 
     def step(self, closure=None):
         loss = None
