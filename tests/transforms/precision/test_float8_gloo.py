@@ -35,7 +35,7 @@ _FUSED = ("rms_norm", "rotary", "attention", "mlp")
 def _spec(extra: str, recipe: str):
     import meshlab as ml
 
-    base = ml.precision("fp8", recipe=recipe) if recipe != "bf16" else ml.precision("bf16")
+    base = ml.precision("fp8", recipe=recipe)
     return {"dp": base | ml.data_parallel("dp"),
             "zero1": base | ml.zero_shard(1, "dp"),
             "zero3": base | ml.zero_shard(3, "dp"),
@@ -58,7 +58,7 @@ def float8_case(rank, world, extra, recipe):
     rt = model._meshlab
     chosen = rt.plan.decision(Float8Layers)
     swapped = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
-    assert chosen is None or swapped == sorted(chosen.layers) and len(swapped) == 14, swapped
+    assert swapped == sorted(chosen.layers) and len(swapped) == 14, swapped
     opt = ml.optimizer(model, torch.optim.SGD, lr=LR)
     losses = []
     for b in data:
@@ -69,8 +69,7 @@ def float8_case(rank, world, extra, recipe):
         losses.append(float(loss) / world)
 
     ref = ml.init_weights(M.build("llama"), seed=0)
-    if chosen is not None:
-        convert(ref, chosen)
+    convert(ref, chosen)
     if extra == "fuse":                 # the same fused ops, routed after the swap
         fuse_model(ref, _FUSED)
     ref_losses = (_fsdp2_microbatches if extra == "zero3" else _microbatches)(ref, data, world)
