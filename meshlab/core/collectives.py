@@ -12,6 +12,12 @@ import torch.distributed as dist
 
 from .errors import SpecError
 
+# Custom ops that communicate inside their implementation (ring attention's point-to-point
+# shifts): the op's qualified name -> its implementation, which a counter of collectives
+# runs under its own dispatch mode to see those exchanges
+# (``meshlab.estimate.comm.CommCounter``; a dispatch mode sees a custom op as one call).
+COMMUNICATING_OPS: dict = {}
+
 
 def all_gather_into(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     """``out`` (n * len, ...) <- every rank's ``inp``, concatenated on dim 0."""

@@ -164,6 +164,15 @@ def grad_sync_ops(plan, coord) -> list[CommOp]:
             for r in route]
 
 
+def _inside(func):
+    """The implementation of a custom op that communicates inside (``COMMUNICATING_OPS``),
+    or None."""
+    from ..core.collectives import COMMUNICATING_OPS
+
+    packet = getattr(func, "_overloadpacket", None)
+    return COMMUNICATING_OPS.get(getattr(packet, "_qualified_op_name", None))
+
+
 class CommCounter:
     """``CommDebugMode`` that also sums the bytes of every collective, per axis size.
 
@@ -184,17 +193,25 @@ class CommCounter:
 
         outer = self
 
-        class _Mode(CommDebugMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = super().__torch_dispatch__(func, types, args, kwargs)
-                outer._record(func, args)
-                return out
-
         class _Plain(TorchDispatchMode):
             # CommDebugMode's per-module tracker does not follow a pipeline schedule,
             # which runs stage modules outside their parents; count without it there.
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                inside = _inside(func)
+                if inside is not None:
+                    with _Plain():
+                        return inside(*args, **(kwargs or {}))
                 out = func(*args, **(kwargs or {}))
+                outer._record(func, args)
+                return out
+
+        class _Mode(CommDebugMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                inside = _inside(func)
+                if inside is not None:     # a custom op that communicates: look inside
+                    with _Plain():
+                        return inside(*args, **(kwargs or {}))
+                out = super().__torch_dispatch__(func, types, args, kwargs)
                 outer._record(func, args)
                 return out
 

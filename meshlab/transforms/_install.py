@@ -80,6 +80,17 @@ class _Groups:
         return self.size(*self.roles.axes("tp"))
 
 
+@dataclasses.dataclass(frozen=True)
+class EagerModules:
+    """Modules a room runs outside every compiled graph, and why (the expert dispatch: its
+    all-to-all's split sizes are read on the host from the routing). ``compile_blocks``
+    compiles the rest of each block around them, as torchtitan compiles a mixture-of-experts
+    block's other modules."""
+
+    fqns: frozenset
+    why: str
+
+
 @dataclasses.dataclass
 class Install(_Groups):
     """The state of one ``materialize``: rooms read and extend it in phase order."""

@@ -80,12 +80,15 @@ _COMPILE = not_yet("not yet shown to train like the eager model",
                    "compile_blocks() with {b} is not yet shown to train like the eager model; "
                    "leave one of them out")
 _SHARD_COMPILE = not_yet(
-    "compile_blocks(fullgraph=True) breaks its graph at shard's switch of the dropout stream "
-    "(torch.Generator.get_state in the pre-hook of each tensor-parallel region); measured "
-    "on tp=2: the first forward raises torch._dynamo.exc.Unsupported",
-    "compile_blocks() with tensor parallelism over {tp!r}: the compiled blocks would break "
-    "their graph where each tensor-parallel region switches the dropout stream; leave one of "
-    "them out", scope=TP_REGIONS,
+    "a policy's tensor-parallel modules show their forward the local shards through the "
+    "module's __dict__ (set in a pre-hook), which dynamo does not read: it traces the "
+    "DTensor parameters, and the first forward of a compiled block raises TorchRuntimeError "
+    "(aten.mm got mixed torch.Tensor and DTensor; measured on tp=2, Llama, aot_eager); the "
+    "switches of the dropout stream around each region (torch.Generator.get_state, in a "
+    "model that drops) would break the graph too",
+    "compile_blocks() with tensor parallelism over {tp!r}: the compiled blocks would trace "
+    "the DTensor parameters where each tensor-parallel module computes on its local shard; "
+    "leave one of them out, or shard by specs alone (no policy regions), which composes", scope=TP_REGIONS,
     note="specs alone (no policy regions: the model's own forward on DTensors) compose, "
          "trained against one process by tests/transforms/test_handwritten_gloo.py::"
          "test_composes_with_zero_remat_and_compile[compile] and against the eager run by "

@@ -285,7 +285,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("pipeline", "fuse", _t(f"{_PIPE}::test_pp2_fused_ops")),
     ("pipeline", "fuse('attention')", _t(f"{_PIPE}::test_pp2_fused_ops")),
     ("fuse('loss')", "pipeline", _FUSE_LOSS_PIPE),
-    ("compile_blocks", "pipeline", _COMPILE),
+    ("compile_blocks", "pipeline", _shown("compile_blocks", "pipeline")),
     ("step_in_backward", "pipeline", _STEP),
     *_trained("pipeline", "remat precision('fp32') precision(reduce='bf16') "
                            "precision(reduce='fp16')"),
@@ -307,7 +307,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     *[("lora", s, _shown("lora", s)) for s in _SEQS[1:]],
     *[("fuse('attention')", s, _FUSE_ATTN_SEQ) for s in _SEQS[1:]],
     ("compile_blocks", "sequence('all_to_all')", _shown("compile_blocks", "sequence('all_to_all')")),
-    ("compile_blocks", "sequence('ring')", _COMPILE),
+    ("compile_blocks", "sequence('ring')", _shown("compile_blocks", "sequence('ring')")),
     *[("step_in_backward", s, _STEP) for s in _SEQS[1:]],
     *[(s, x, _shown(s, x)) for s in _SEQS[1:] for x in ("remat",) + _PRECS
       + ("fuse", "fuse('loss')")],
@@ -318,14 +318,14 @@ _LISTED: list[tuple[str, str, Cell]] = [
      _t(f"{_EXP}::test_ep2_under_bf16_matches_one_process_under_autocast")),
     ("expert_route", "fuse", _shown("expert_route", "fuse", "fuse('mlp') finds no gated MLP to "
                                     "route in a model whose MLPs are mixtures of experts")),
-    ("compile_blocks", "expert_route", _COMPILE),
+    ("compile_blocks", "expert_route", _shown("compile_blocks", "expert_route")),
     ("step_in_backward", "expert_route", _STEP),
     *_trained("expert_route", "precision('fp32') precision('fp16') precision(reduce='bf16') "
                                "precision(reduce='fp16') precision(loss_scale) "
                                "fuse('attention') fuse('loss')"),
     # lora
     ("lora", "precision('bf16')", _t(f"{_LORA}::test_lora_under_bf16")),
-    ("compile_blocks", "lora", _COMPILE),
+    ("compile_blocks", "lora", _shown("compile_blocks", "lora")),
     ("step_in_backward", "lora", _STEP),
     *_trained("lora", "remat precision('fp32') precision('fp16') precision(reduce='bf16') "
                        "precision(reduce='fp16') precision(loss_scale) fuse "

@@ -8,7 +8,10 @@ wrapped and before FSDP2 shards it (``Phase.COMPILE``), as torchtitan orders the
 forward instead of a silent fall back to eager for part of it. Every meshlab op is a custom op with a fake kernel, so
 the fused ops compile inside the blocks. Dynamo keeps one cache entry per block (they
 share ``Module._call_impl``), so the install raises its recompile limit to the number of
-blocks plus its default margin.
+blocks plus its default margin. A block holding modules another room runs eagerly
+(``EagerModules``: the expert dispatch, whose all-to-all sizes are read on the host) is
+compiled around them, each of its other children on its own, as torchtitan compiles a
+mixture-of-experts block.
 
 ``mode='reduce-overhead'`` also records each compiled block's forward and backward as CUDA
 graphs (torch's CUDA graph trees): a step then costs the host a replay per block instead
@@ -32,6 +35,7 @@ import torch
 
 from ...core.errors import ConfigError, check_bool, check_choice
 from ...planning.plan import Plan
+from .._install import EagerModules
 from .._protocol import Part, Phase, Transform
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -91,19 +95,22 @@ class Compile(Transform):
         if self.mode is not None:
             kw["mode"] = self.mode
         blocks = [b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped]
+        eager = ctx.kept(EagerModules)
+        units = [u for b in blocks for u in compiled_units(
+            b, mods, eager.fqns if eager is not None else frozenset())]
         # Every block shares one code object (Module._call_impl), so dynamo keeps one
         # cache entry per block: its recompile limit (8) must cover the model's depth, or
         # fullgraph turns the ninth block into an error. The entries of blocks compiled
         # earlier in the process stay (a notebook cell run again builds a new model), so
         # the limit covers every block compiled so far.
         global _COMPILED
-        _COMPILED += len(blocks)
+        _COMPILED += len(units)
         cfg = torch._dynamo.config
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), _COMPILED + 8))
-        for b in blocks:
-            mods[b].compile(**kw)
+        for u in units:
+            mods[u].compile(**kw)
         return GraphSteps() if self.mode in GRAPH_MODES else None
 
     def work_share(self, plan: Plan, parts: dict) -> dict:
@@ -121,6 +128,21 @@ class Compile(Transform):
         extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:]
                         if getattr(self, f.name) != f.default)
         return f"compile_blocks(fullgraph={self.fullgraph!r}{extra})"
+
+
+def compiled_units(block: str, mods: dict, eager: frozenset) -> list[str]:
+    """The modules compiled for ``block``: the block itself, or, where it holds modules
+    another room runs eagerly (``EagerModules``), each of its children that holds none,
+    descending into those that do (the eager modules themselves left out)."""
+    inside = [f for f in eager if f == block or f.startswith(block + ".")]
+    if not inside:
+        return [block]
+    if block in inside:
+        return []
+    out = []
+    for name, _ in mods[block].named_children():
+        out += compiled_units(f"{block}.{name}", mods, frozenset(inside))
+    return out
 
 
 def compile_blocks(fullgraph: bool = True, mode: str | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...core.errors import ConfigError
+from .._install import EagerModules
 from .._protocol import Part
 from ._aux import patch_family, scope_forward
 from ._layout import placement
@@ -69,6 +70,9 @@ def install_experts(t, ctx):
         aux = patch_family(type(m)) or aux
     if aux and ctx.dp_group is not None and ctx.dp_size > 1:
         scope_forward(ctx.model, ctx.dp_group)
+    ctx.keep(EagerModules(frozenset(x.fqn for x in layouts),
+                          "the expert dispatch reads its all-to-all's split sizes from the "
+                          "routing on the host"))
     return ExpertPart(stats)
 
 

@@ -10,7 +10,9 @@ is causal), and the blocks are joined by their log-sum-exps. Memory: the backwar
 q, k, v, the output and the log-sum-exps, O(S/n x D) per rank, and recomputes each block
 (``meshlab::attention_backward``), the K/V gradients travelling with their blocks back to
 their owner, so no (S/n)^2 score block outlives its step. Causal language models without
-padding masks; registered through transformers' ``AttentionInterface``.
+padding masks; registered through transformers' ``AttentionInterface``. The ring is a
+pair of custom ops (``meshlab::ring_attention`` and its backward), so a block attending
+through it compiles whole.
 """
 
 from __future__ import annotations
@@ -128,59 +130,109 @@ def _pairs(r: int, src: int, n: int):
             if ids_k[b] <= ids_q[a]]
 
 
-class _RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's two zigzag chunks over the whole sequence, the K/V
-    of every rank passing once around the ring. Nothing quadratic is kept: the backward
-    saves q, k, v, the output and the row log-sum-exps (O(S/n x D) per rank) and recomputes
-    each block, the K/V gradients travelling with their blocks back to their owner."""
+def _ring_forward(q, k, v, group, scale: float):
+    """(out, row log-sum-exps) of causal attention of this rank's two zigzag chunks over
+    the whole sequence, the K/V of every rank passing once around the ring."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    c = q.shape[2] // 2
+    qs = (q[:, :, :c], q[:, :, c:])
+    acc = [None, None]
+    kv = [k, v]
+    for step in range(n):
+        ahead = _Shift(kv, group) if step < n - 1 else None
+        ks, vs = (kv[0][:, :, :c], kv[0][:, :, c:]), (kv[1][:, :, :c], kv[1][:, :, c:])
+        for a, b, causal in _pairs(r, (r - step) % n, n):
+            o, lse = _block(qs[a], ks[b], vs[b], causal, scale)
+            acc[a] = _merge(acc[a], o, lse)
+        if ahead is not None:
+            kv = ahead.wait()
+    out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
+    lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, group, scale):
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        c = q.shape[2] // 2
-        qs = (q[:, :, :c], q[:, :, c:])
-        acc = [None, None]
-        kv = [k, v]
-        for step in range(n):
-            ahead = _Shift(kv, group) if step < n - 1 else None
-            ks, vs = (kv[0][:, :, :c], kv[0][:, :, c:]), (kv[1][:, :, :c], kv[1][:, :, c:])
-            for a, b, causal in _pairs(r, (r - step) % n, n):
-                o, lse = _block(qs[a], ks[b], vs[b], causal, scale)
-                acc[a] = _merge(acc[a], o, lse)
-            if ahead is not None:
-                kv = ahead.wait()
-        out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
-        lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
-        n, r = dist.get_world_size(group), dist.get_rank(group)
-        c = q.shape[2] // 2
-        wide = torch.promote_types(q.dtype, torch.float32)
-        halves = lambda t: (t[:, :, :c], t[:, :, c:])    # noqa: E731
-        qs, outs, lses, douts = halves(q), halves(out), halves(lse), halves(dout)
-        dq = torch.zeros(q.shape, dtype=wide, device=q.device)
-        kv = [k, v]
-        dkv = [torch.zeros(k.shape, dtype=wide, device=k.device),
-               torch.zeros(v.shape, dtype=wide, device=v.device)]
-        for step in range(n):
-            ahead = _Shift(kv, group) if step < n - 1 else None
-            ks, vs = halves(kv[0]), halves(kv[1])
-            for a, b, causal in _pairs(r, (r - step) % n, n):
-                g = _block_grad(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal, scale)
-                dq[:, :, a * c:(a + 1) * c] += g[0]
-                dkv[0][:, :, b * c:(b + 1) * c] += g[1]
-                dkv[1][:, :, b * c:(b + 1) * c] += g[2]
-            back = _Shift(dkv, group)      # the K/V gradients follow their blocks home
-            if ahead is not None:
-                kv = ahead.wait()
-            dkv = back.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+def _ring_backward(dout, q, k, v, out, lse, group, scale: float):
+    """(dq, dk, dv): each block recomputed from the saved log-sum-exps, the K/V gradients
+    travelling with their blocks back to their owner."""
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    c = q.shape[2] // 2
+    wide = torch.promote_types(q.dtype, torch.float32)
+    halves = lambda t: (t[:, :, :c], t[:, :, c:])    # noqa: E731
+    qs, outs, lses, douts = halves(q), halves(out), halves(lse), halves(dout)
+    dq = torch.zeros(q.shape, dtype=wide, device=q.device)
+    kv = [k, v]
+    dkv = [torch.zeros(k.shape, dtype=wide, device=k.device),
+           torch.zeros(v.shape, dtype=wide, device=v.device)]
+    for step in range(n):
+        ahead = _Shift(kv, group) if step < n - 1 else None
+        ks, vs = halves(kv[0]), halves(kv[1])
+        for a, b, causal in _pairs(r, (r - step) % n, n):
+            g = _block_grad(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal, scale)
+            dq[:, :, a * c:(a + 1) * c] += g[0]
+            dkv[0][:, :, b * c:(b + 1) * c] += g[1]
+            dkv[1][:, :, b * c:(b + 1) * c] += g[2]
+        back = _Shift(dkv, group)      # the K/V gradients follow their blocks home
+        if ahead is not None:
+            kv = ahead.wait()
+        dkv = back.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+# The ring as two custom ops (its forward and its backward, joined by register_autograd):
+# opaque to dynamo, so blocks that attend through the ring compile whole
+# (``compile_blocks``), the point-to-point shifts running inside the op. The process group
+# travels by name, as torch's functional collectives pass it.
+def _group(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("meshlab::ring_attention", mutates_args=())
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal ring attention of this rank's zigzag chunks: (out, row log-sum-exps)."""
+    return _ring_forward(q, k, v, _group(group_name), scale)
+
+
+@ring_attention.register_fake
+def _(q, k, v, group_name, scale):
+    return (q.new_empty(q.shape),
+            q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32)))
+
+
+@torch.library.custom_op("meshlab::ring_attention_backward", mutates_args=())
+def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            group_name: str, scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(dout, q, k, v, out, lse, _group(group_name), scale)
+
+
+@ring_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, group_name, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, group_name, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.group_name, ctx.scale = group_name, scale
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.meshlab.ring_attention_backward(
+        dout.contiguous(), q, k, v, out, lse, ctx.group_name, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+ring_attention.register_autograd(_backward, setup_context=_setup)
+C.COMMUNICATING_OPS.update({
+    "meshlab::ring_attention": lambda q, k, v, name, scale: _ring_forward(
+        q, k, v, _group(name), scale),
+    "meshlab::ring_attention_backward": lambda dout, q, k, v, out, lse, name, scale:
+        _ring_backward(dout, q, k, v, out, lse, _group(name), scale)})
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -194,7 +246,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = _one_dtype(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
-        out = _RingAttention.apply(query, key, value, group, float(scale))
+        out, _ = torch.ops.meshlab.ring_attention(query.contiguous(), key.contiguous(),
+                                                  value.contiguous(), group.group_name,
+                                                  float(scale))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -204,8 +258,8 @@ PROFILE_NAME = "meshlab_ring_profile"
 def profile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                       **kwargs):
     """What :func:`attention` keeps, on one process and at the whole sequence, for the
-    activation profile (``Sequence.profile``; the room divides it by the axis). The ring's
-    autograd Function saves q, k and v as it got them (K/V with their own heads), its
+    activation profile (``Sequence.profile``; the room divides it by the axis). The ring op
+    saves q, k and v as it got them (K/V with their own heads), its
     output (B, H, S, D) in q's dtype and the float32 row log-sum-exps, as SDPA's fused
     kernel (grouped heads unexpanded) saves them here; that output is contiguous, so its
     transpose for o_proj is a second copy, which o_proj keeps (SDPA's output is laid out
@@ -231,7 +285,7 @@ def profile_attention(module, query, key, value, attention_mask, scaling=None, d
 
 def _one_dtype(q, k, v):
     """q, k and v in one dtype, as SDPA takes them: autocast's (``as_autocast``; the ring
-    is an autograd Function autocast does not see), else the three promoted to one."""
+    is a custom op autocast does not see), else the three promoted to one."""
     q, k, v = as_autocast(q, k, v)
     dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
     return q.to(dtype), k.to(dtype), v.to(dtype)

@@ -124,11 +124,13 @@ def test_blocks_compile_in_dtensor_mode_gloo(world2, sp, backend):
 def test_refused_compositions():
     import meshlab as ml
 
-    mesh = ml.Mesh(pp=2, fake=True)
     with torch.device("meta"):
         model = M.build("llama")
-    with pytest.raises(ml.ConfigError, match="not yet shown"):
-        ml.plan(model, ml.pipeline("pp", microbatches=2) | ml.compile_blocks(), mesh)
+    assert ml.plan(model, ml.pipeline("pp", microbatches=2) | ml.compile_blocks(),
+                   ml.Mesh(pp=2, fake=True)).runnable
+    with pytest.raises(ml.ConfigError, match="composition table: shard x compile_blocks"):
+        ml.plan(model, ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) |
+                ml.sequence("tp", "split_gather") | ml.compile_blocks(), ml.Mesh(tp=2, fake=True))
     with pytest.raises(ml.ConfigError, match="mode"):
         ml.compile_blocks(mode="fastest")
     with pytest.raises(ml.ConfigError, match="modes are inductor's"):
@@ -211,3 +213,20 @@ def test_fused_checkpointed_blocks_compile_first_in_a_process(one_process):
     _, compiled = _train(spec | ml.compile_blocks(backend="aot_eager"), ml.Mesh(dp=1))
     _, eager = _train(spec, ml.Mesh(dp=1))
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=2e-5, rtol=1e-5)
+
+
+def test_a_block_with_eager_modules_is_compiled_around_them():
+    """compile_blocks compiles a block whole, or, where another room runs some of its
+    modules eagerly (the expert dispatch), each child that holds none of them."""
+    from meshlab.transforms.compile import compiled_units
+
+    with torch.device("meta"):
+        model = M.build("qwen3_moe")
+    mods = dict(model.named_modules())
+    block = "model.layers.0"
+    experts = next(n for n in mods if n.startswith(f"{block}.") and n.endswith(".experts"))
+    units = compiled_units(block, mods, frozenset({experts}))
+    assert experts not in units and block not in units
+    assert f"{block}.self_attn" in units and experts.rsplit(".", 1)[0] + ".gate" in units
+    assert not any(u.startswith(experts) for u in units)
+    assert compiled_units("model.layers.1", mods, frozenset({experts})) == ["model.layers.1"]
