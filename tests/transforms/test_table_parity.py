@@ -31,10 +31,11 @@ References and tolerances, by the rows of the cell (``_setting``):
 The optimizer is SGD (lr 0.1): an update is the gradient times the learning rate, so the
 report reads each gradient from it, ZeRO-1's slices and offloaded gradients included.
 ``offload(optimizer)`` runs meshlab's CPU AdamW only, so its cells take AdamW with
-``eps=1e-3`` (``_ADAM``): Adam's update ``m / (sqrt(v) + eps)`` turns a rounding ``d`` in a
-gradient of size near ``eps`` into ``lr * d / eps`` of weight; with ``eps`` of 1e-3 that
-stays below ``lr * 1e3 * d``, inside the float32 tolerance, where the default 1e-8 would
-turn float32 rounding into steps of ``lr``.
+``eps=1`` (``_ADAM``): Adam's update ``m / (sqrt(v) + eps)`` is then about ``lr * g`` for
+the gradients of these models (well below 1), as SGD's, so a gradient off by a factor
+moves the weights by that factor, where a small ``eps`` would divide the factor out (Adam
+is blind to a gradient's scale) and turn float32 rounding in a near-zero gradient into a
+step of ``lr``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ _FP16 = (2e-4, 8 * 2 ** -11)
 # a term missing or doubled, not rounding. Exactness against one process that runs each
 # rank's batch as a microbatch is tests/transforms/precision/test_float8_gloo.py's.
 _FP8 = (2e-2, 0.15)
-_ADAM = dict(optimizer="AdamW", lr=1e-3, options=dict(eps=1e-3))
+_ADAM = dict(optimizer="AdamW", lr=0.1, options=dict(eps=1.0))
 _SGD = dict(optimizer="SGD", lr=0.1, options={})
 
 

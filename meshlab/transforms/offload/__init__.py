@@ -136,22 +136,24 @@ class Offload(Transform):
         device bytes, after the rooms before this one, fit the budget; 'auto' refuses a
         budget nothing fits (``OffloadBudgetError``)."""
         stage = self._stage(plan)
+        late = _summed_late(plan)
         if self.policy == "static":
-            return choose(plan, (self.params, self.grads, self.optimizer), zero_stage=stage)
+            return choose(plan, (self.params, self.grads, self.optimizer), zero_stage=stage,
+                          late=late)
         from ...planning.rows import room_rows
 
         budget = self.budget if self.budget is not None else _default_budget()
         before = room_rows(plan, until=self)
 
         def device_bytes(fr) -> int:
-            c = choose(plan, fr, zero_stage=stage)
+            c = choose(plan, fr, zero_stage=stage, late=late)
             rows = offload_memory(c, self.cast(plan, c), self._compute(plan), stage == 1,
                                   before, self.chunk_elements)
             return sum(r.bytes for r in rows if r.where == "device")
 
         fr, why = auto_fractions(plan, budget, device_bytes, can_grads=self._grads_ok(plan),
                                  can_params=self._params_ok(plan))
-        return dataclasses.replace(choose(plan, fr, zero_stage=stage), auto=why)
+        return dataclasses.replace(choose(plan, fr, zero_stage=stage, late=late), auto=why)
 
     def _grads_ok(self, plan: Plan) -> bool:
         return self._dp(plan) == 1 or self._stage(plan) >= 2
@@ -230,6 +232,16 @@ class Offload(Transform):
             return f"offload(policy='auto'{b})"
         return (f"offload(params={self.params}, grads={self.grads}, "
                 f"optimizer={self.optimizer}, pin_memory={self.pin_memory})")
+
+
+def _summed_late(plan: Plan) -> frozenset:
+    """The parameters whose gradients ``GradSync`` sums after the backward (over a
+    sequence, tensor-parallel or expert axis of more than one rank): a gradient copied out
+    as the backward makes it would miss that sum, so these leave at the step."""
+    from .._gradsync import plan_reductions, routes
+
+    names = [e.fqn for e in plan.params if e.requires_grad]
+    return frozenset(routes(plan_reductions(plan), plan.mesh_shape, names))
 
 
 def _default_budget() -> int:

@@ -112,8 +112,13 @@ def _take(ranked: list[tuple[str, int]], start: set[str], frac: float, total: in
     return have
 
 
-def choose(plan, fractions: tuple[float, float, float], *, zero_stage: int | None) -> Choice:
-    """The static selection for ``(params, grads, optimizer)`` fractions."""
+def choose(plan, fractions: tuple[float, float, float], *, zero_stage: int | None,
+           late: frozenset = frozenset()) -> Choice:
+    """The static selection for ``(params, grads, optimizer)`` fractions. ``late`` names
+    the parameters whose gradients are summed after the backward (over a sequence or
+    tensor-parallel axis: ``GradSync``'s reductions): those stay on the device until the
+    step, which copies them out once summed, so the gradients taken in the backward are
+    the others'."""
     fp, fg, fo = fractions
     tensors = _tensors(plan)
     nbytes = dict(tensors)
@@ -130,7 +135,8 @@ def choose(plan, fractions: tuple[float, float, float], *, zero_stage: int | Non
             chosen_units.append(u)
             params.update(names)
             got += sum(nbytes[n] for n in names)
-    grads = _take(by_size, params, fg, total) if fg > 0 or params else set(params)
+    early = [t for t in by_size if t[0] not in late]
+    grads = _take(early, params, fg, total) if fg > 0 or params else set(params)
     opt = _take(by_size, grads, fo, total) if fo > 0 or grads else set(grads)
 
     def frac(names):
