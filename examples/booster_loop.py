@@ -50,13 +50,19 @@ def make_plugin(name: str):
     if name == "hybrid":
         return HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1, precision="fp32",
                                     num_microbatches=2)
+    if name == "hybrid_offload":    # ZeRO-1's optimizer state in host memory, beside tp and pp
+        return HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1, precision="fp32",
+                                    num_microbatches=2, cpu_offload=True)
+    if name == "gemini_tp":         # ZeRO-3 with tensor parallelism, shards partly on the host
+        return GeminiPlugin(precision="fp32", tp_size=2, offload_param_frac=0.5,
+                            offload_optim_frac=1.0, pin_memory=False)
     if name == "hybrid_tp":
         return HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=0, precision="fp32")
     if name == "moe":
         return MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1,
                                        precision="fp32")
     raise SystemExit(f"--plugin {name!r}: one of ddp, fsdp, fsdp_hybrid, zero1, zero2, gemini, "
-                     f"hybrid, hybrid_tp, moe")
+                     f"gemini_tp, hybrid, hybrid_offload, hybrid_tp, moe")
 
 
 def make_model(name: str):

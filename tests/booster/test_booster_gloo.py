@@ -155,10 +155,13 @@ def world():
 
 
 @pytest.mark.parametrize("plugin_name", ["ddp", "fsdp", "fsdp_hybrid", "zero2", "gemini",
-                                         "hybrid", "moe"])
+                                         "gemini_tp", "hybrid", "hybrid_offload", "moe"])
 def test_loop_matches_one_process(world, plugin_name):
     out = world.run(loop_case, plugin_name=plugin_name)
     assert all(o["losses"] == out[0]["losses"] for o in out)
+    if plugin_name in ("gemini_tp", "hybrid_offload"):     # offload beside tp (and pp)
+        assert "offload(" in out[0]["spec"] and "shard(" in out[0]["spec"], out[0]["spec"]
+        assert out[0]["mesh"]["tp"] == 2, out[0]["mesh"]
     if plugin_name == "fsdp_hybrid":        # FSDP2 on (rep, dp): replicated, then sharded
         assert out[0]["mesh"] == {"rep": 2, "dp": 2}, out[0]["mesh"]
         assert out[0]["placements"] == "(Replicate(), Shard(dim=0))", out[0]["placements"]
