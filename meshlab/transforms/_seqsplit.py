@@ -74,12 +74,20 @@ def gather_after(gather: Callable[[torch.Tensor], torch.Tensor], name: str):
     return hook
 
 
-def install_split(model, blocks: tuple[str, ...], split, gather) -> None:
-    """Split before ``blocks[0]`` (tables before every block), gather after the last."""
+def install_split(model, blocks: tuple[str, ...], split, gather,
+                  held: frozenset | None = None) -> None:
+    """Split before ``blocks[0]`` (tables before every block), gather after the last; of
+    the blocks this rank runs (``held``: a pipeline stage's; default all). A stage after
+    the first receives the sequence already split, one before the last hands it on
+    split."""
+    held = frozenset(blocks) if held is None else held
     mods = dict(model.named_modules())
-    mods[blocks[0]].register_forward_pre_hook(split_before(split, tables=True),
-                                              with_kwargs=True)
+    if blocks[0] in held:
+        mods[blocks[0]].register_forward_pre_hook(split_before(split, tables=True),
+                                                  with_kwargs=True)
     for b in blocks[1:]:
-        mods[b].register_forward_pre_hook(split_tables_only(split), with_kwargs=True)
-    mods[blocks[-1]].register_forward_hook(gather_after(gather, blocks[-1]))
+        if b in held:
+            mods[b].register_forward_pre_hook(split_tables_only(split), with_kwargs=True)
+    if blocks[-1] in held:
+        mods[blocks[-1]].register_forward_hook(gather_after(gather, blocks[-1]))
 

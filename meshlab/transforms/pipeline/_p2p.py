@@ -87,7 +87,11 @@ def p2p_comm(plan: Plan, opt, batch, seq, coord) -> list[CommOp]:
     n = boundaries(st, rank_at(plan, opt, coord)) * opt.microbatches
     if n == 0:
         return ops
-    tokens = math.ceil(batch * seq / opt.microbatches)         # one microbatch's tokens
+    from ._stage import seq_split
+
+    # one microbatch's tokens, of which a rank holds 1/seq_split between the blocks under
+    # sequence parallelism (the first block cuts the sequence, the last joins it)
+    tokens = math.ceil(batch * seq / opt.microbatches / seq_split(plan))
     one = tokens * h * dtype_bytes(stream_dtype(plan, plan.model.blocks))
     return ops + [CommOp("send", opt.axis, n, n * one), CommOp("recv", opt.axis, n, n * one)]
 

@@ -36,7 +36,7 @@ class DecoderStage(nn.Module):
     the final norm and head on the last)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool,
-                 failures=None):
+                 failures=None, seq_split: int = 1):
         super().__init__()
         base = getattr(model, model.base_model_prefix)
         for need in ("embed_tokens", "layers", "norm", "rotary_emb"):
@@ -54,6 +54,9 @@ class DecoderStage(nn.Module):
         self.head = model.lm_head if last else None
         self.layer_ids, self.first, self.last = list(layer_ids), first, last
         self.failures = failures        # ``_guard.StageFailures``: where an exception goes
+        # how many parts the sequence is cut into between the blocks (sequence parallelism:
+        # the first block cuts it, the last joins it): a later stage receives one part
+        self.seq_split = seq_split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The stage's blocks on ``x``; under a schedule, an exception is recorded and a
@@ -76,11 +79,16 @@ class DecoderStage(nn.Module):
         model = self._model[0]
         base = getattr(model, model.base_model_prefix)
         h = self.embed(x) if self.first else x                   # (B, S, H)
-        pos = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        # A later stage under sequence parallelism holds 1/seq_split of the sequence; the
+        # positions, rotary tables and mask are the whole sequence's, as the model's own
+        # forward makes them before its first block (whose hooks cut them as they cut h).
+        whole = h if self.first or self.seq_split == 1 else \
+            h.new_empty(()).expand(h.shape[0], h.shape[1] * self.seq_split, h.shape[2])
+        pos = torch.arange(whole.shape[1], device=h.device).unsqueeze(0)
         # No position ids to the mask: they are 0..S-1 here, never packed sequences, and
         # given, transformers reads them back to look for packing (a host round trip per
         # stage and microbatch).
-        mask = create_causal_mask(config=base.config, inputs_embeds=h, attention_mask=None,
+        mask = create_causal_mask(config=base.config, inputs_embeds=whole, attention_mask=None,
                                   position_ids=None, **_NO_CACHE)
         pe = base.rotary_emb(h, pos)
         for i in self.layer_ids:
@@ -90,6 +98,25 @@ class DecoderStage(nn.Module):
         if self.last:
             h = self.head(self.norm(h))                         # (B, S, V)
         return h
+
+
+def seq_split(plan) -> int:
+    """How many parts the sequence is cut into between the blocks: the mesh axes on the
+    sequence dimension of the first block's output (Megatron sequence parallelism inside
+    ``shard``), times the axis of ``sequence('all_to_all')`` or ``sequence('ring')``."""
+    from ..sequence import Sequence
+
+    sizes, n = plan.mesh_shape, 1
+    first = plan.model.blocks[0] if plan.model.blocks else None
+    for a in plan.activations:
+        if a.module == first and a.output is not None and len(a.output) > 1:
+            for ax in a.output.dim_axes(1):
+                n *= sizes[ax]
+            break
+    s = plan.get(Sequence)
+    if s is not None and s.mode != "split_gather":
+        n *= sizes.get(s.axis, 1)
+    return n
 
 
 def prune(model: nn.Module, blocks_kept: set[str]) -> None:

@@ -149,8 +149,9 @@ class Sequence(Transform):
         from . import _ulysses
 
         group = ctx.group(self.axis)
-        blocks = tuple(b for b in ctx.plan.model.blocks if b not in ctx.dropped)
-        (_ring if self.mode == "ring" else _ulysses).install(ctx.model, blocks, group)
+        blocks = ctx.plan.model.blocks
+        held = frozenset(b for b in blocks if b not in ctx.dropped)   # a pipeline stage's
+        (_ring if self.mode == "ring" else _ulysses).install(ctx.model, blocks, group, held)
         return None
 
     def reductions(self, plan: Plan) -> list:

@@ -314,11 +314,14 @@ def _zigzag_split(x: torch.Tensor, group) -> torch.Tensor:
     return C.split_seq(_Permute.apply(x, order, 1), group, 1)
 
 
-def install(model: nn.Module, blocks: tuple[str, ...], group) -> None:
+def install(model: nn.Module, blocks: tuple[str, ...], group, held: frozenset) -> None:
+    """Attention over ``group`` in the ``held`` blocks (this rank's, of the model's
+    ``blocks``), the sequence split before the model's first block and joined after its
+    last (``install_split``)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, attention)
-    _route_attention(model, blocks, group, NAME)
+    _route_attention(model, tuple(b for b in blocks if b in held), group, NAME)
     n = dist.get_world_size(group)
 
     def gather(h):
@@ -328,4 +331,4 @@ def install(model: nn.Module, blocks: tuple[str, ...], group) -> None:
         inv[order] = torch.arange(len(order), device=order.device)
         return _Permute.apply(full, inv, 1)
 
-    install_split(model, blocks, lambda h: _zigzag_split(h, group), gather)
+    install_split(model, blocks, lambda h: _zigzag_split(h, group), gather, held)

@@ -84,11 +84,14 @@ def profile_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
-def install(model: nn.Module, blocks: tuple[str, ...], group) -> None:
+def install(model: nn.Module, blocks: tuple[str, ...], group, held: frozenset) -> None:
+    """Attention over ``group`` in the ``held`` blocks (this rank's, of the model's
+    ``blocks``), the sequence split before the model's first block and joined after its
+    last (``install_split``)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, attention)
-    _route_attention(model, blocks, group, NAME)
+    _route_attention(model, tuple(b for b in blocks if b in held), group, NAME)
     n = dist.get_world_size(group)
 
     def split(h):
@@ -97,7 +100,7 @@ def install(model: nn.Module, blocks: tuple[str, ...], group) -> None:
                             f"over {n} ranks; pad the batch to a multiple of {n}")
         return C.split_seq(h, group, 1)
 
-    install_split(model, blocks, split, lambda h: C.gather_seq_replicated(h, group, 1))
+    install_split(model, blocks, split, lambda h: C.gather_seq_replicated(h, group, 1), held)
 
 
 def set_attention(model: nn.Module, name: str) -> None:

@@ -166,3 +166,36 @@ def test_ring_attention_keeps_float64(world4):
     where a float32 accumulator was off by 1e-7."""
     ok, text = world4.run(ring_float64_case)[0]
     assert ok, text
+
+
+def pipeline_comm_case(rank, world):
+    """Ulysses between pipeline stages: what a rank sends to the next stage is its part
+    of the sequence, as the plan counts it."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.estimate.comm import CommCounter
+
+    B, S = 4, 8
+    spec = ml.pipeline("pp", microbatches=2) | ml.sequence("sp", "all_to_all")
+    mesh = ml.Mesh(pp=2, sp=2)
+    model = ml.parallelize(M.build("llama"), spec, mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    batch = {"input_ids": torch.randint(0, 97, (B, S))}
+    ml.step(model, opt, batch)
+    with CommCounter(per_module=False) as cc:
+        ml.step(model, opt, batch)
+    sends = [c for c in cc.calls if c[0] == "send"]
+    coord = mesh.coordinate(dist.get_rank())
+    est = ml.plan(M.build("llama"), spec, ml.Mesh(pp=2, sp=2, fake=True)).comm(
+        batch=B, seq=S, coord=coord)
+    return (len(sends), sum(c[2] for c in sends)), (est.count("send"), est.bytes("send"))
+
+
+def test_pipeline_sends_a_part_of_the_sequence(world4):
+    """Two microbatches of 2 x 8 tokens, hidden 32 in float32, the sequence cut over sp=2:
+    each rank sends 2 tensors of 2 x 4 x 32 x 4 bytes per step (the first stage its
+    activations, the last their gradients), as ``plan.comm()`` says."""
+    out = world4.run(pipeline_comm_case, timeout=90)
+    for got, est in out:
+        assert got == (2, 2 * 2 * 4 * 32 * 4) and est == got, out
