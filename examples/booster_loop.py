@@ -56,19 +56,32 @@ def make_plugin(name: str):
     if name == "gemini_tp":         # ZeRO-3 with tensor parallelism, shards partly on the host
         return GeminiPlugin(precision="fp32", tp_size=2, offload_param_frac=0.5,
                             offload_optim_frac=1.0, pin_memory=False)
+    if name == "hybrid_sp":         # a pipeline of two stages, Ulysses inside each
+        return HybridParallelPlugin(tp_size=1, pp_size=2, sp_size=2, zero_stage=1,
+                                    enable_sequence_parallelism=True,
+                                    sequence_parallelism_mode="all_to_all", precision="fp32",
+                                    num_microbatches=2)
     if name == "hybrid_tp":
         return HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=0, precision="fp32")
     if name == "moe":
         return MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1,
                                        precision="fp32")
+    if name == "moe_sp":            # experts over ep, ring attention over sp
+        return MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, sp_size=2,
+                                       zero_stage=1, enable_sequence_parallelism=True,
+                                       sequence_parallelism_mode="ring_attn", precision="fp32")
+    if name == "moe_offload":       # experts over ep, ZeRO-1's optimizer state on the host
+        return MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1,
+                                       cpu_offload=True, precision="fp32")
     raise SystemExit(f"--plugin {name!r}: one of ddp, fsdp, fsdp_hybrid, zero1, zero2, gemini, "
-                     f"gemini_tp, hybrid, hybrid_offload, hybrid_tp, moe")
+                     f"gemini_tp, hybrid, hybrid_offload, hybrid_sp, hybrid_tp, moe, moe_sp, "
+                     f"moe_offload")
 
 
 def make_model(name: str):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    if name == "moe":
+    if name.startswith("moe"):
         return MixtralForCausalLM(MixtralConfig(**common, num_local_experts=4,
                                                 num_experts_per_tok=2))
     return LlamaForCausalLM(LlamaConfig(**common))

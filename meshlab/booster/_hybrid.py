@@ -271,23 +271,14 @@ def _remat(owner: str, cfg):
 
 
 def _moe_args() -> tuple[Arg, ...]:
-    """The hybrid arguments with the rows expert parallelism does not (yet) compose with
-    refused, each saying why (see ``docs/composition.md``)."""
-    seq = ("the plugin's sequence parallelism is Megatron's split_gather over tp or Ulysses "
-           "beside it, not yet shown with expert_route (composition table: expert_route x "
-           "sequence('split_gather'), not yet)")
+    """The hybrid arguments with those a mixture-of-experts model has no use for refused,
+    each saying why: its experts are expert_route's, not the fused MLP's. Sequence
+    parallelism and cpu_offload compose as the composition table says
+    (``docs/composition.md``): Ulysses and ring attention beside the experts, Megatron's
+    split_gather refused by the table with its reason."""
     fused = ("fuse('mlp') routes dense gated MLPs, and a MoE model's experts are "
              "expert_route's")
     refused = {
-        "sp_size": only("sp_size", None, seq, "HybridParallelPlugin for sequence parallelism"),
-        "enable_sequence_parallelism": only("enable_sequence_parallelism", False, seq,
-                                            "HybridParallelPlugin for sequence parallelism"),
-        "sequence_parallelism_mode": only("sequence_parallelism_mode", None, seq,
-                                          "HybridParallelPlugin for sequence parallelism"),
-        "cpu_offload": only("cpu_offload", False, "expert_route with ZeRO and offload "
-                            "together is not yet shown to train like one process (the "
-                            "table shows each pair, not the three)", "zero_stage=1 without "
-                            "offload"),
         "enable_all_optimization": only("enable_all_optimization", False, fused,
                                         "enable_fused_normalization=True, "
                                         "enable_flash_attention=True"),

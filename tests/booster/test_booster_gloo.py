@@ -155,13 +155,20 @@ def world():
 
 
 @pytest.mark.parametrize("plugin_name", ["ddp", "fsdp", "fsdp_hybrid", "zero2", "gemini",
-                                         "gemini_tp", "hybrid", "hybrid_offload", "moe"])
+                                         "gemini_tp", "hybrid", "hybrid_offload", "hybrid_sp",
+                                         "moe", "moe_sp", "moe_offload"])
 def test_loop_matches_one_process(world, plugin_name):
     out = world.run(loop_case, plugin_name=plugin_name)
     assert all(o["losses"] == out[0]["losses"] for o in out)
     if plugin_name in ("gemini_tp", "hybrid_offload"):     # offload beside tp (and pp)
         assert "offload(" in out[0]["spec"] and "shard(" in out[0]["spec"], out[0]["spec"]
         assert out[0]["mesh"]["tp"] == 2, out[0]["mesh"]
+    if plugin_name in ("hybrid_sp", "moe_sp"):             # a sequence mode beside pp / ep
+        mode = "all_to_all" if plugin_name == "hybrid_sp" else "ring"
+        assert f"sequence('sp', mode='{mode}')" in out[0]["spec"], out[0]["spec"]
+        assert out[0]["mesh"]["sp"] == 2, out[0]["mesh"]
+    if plugin_name == "moe_offload":
+        assert "offload(" in out[0]["spec"] and "expert_route(" in out[0]["spec"]
     if plugin_name == "fsdp_hybrid":        # FSDP2 on (rep, dp): replicated, then sharded
         assert out[0]["mesh"] == {"rep": 2, "dp": 2}, out[0]["mesh"]
         assert out[0]["placements"] == "(Replicate(), Shard(dim=0))", out[0]["placements"]
