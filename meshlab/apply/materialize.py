@@ -22,7 +22,7 @@ from ..core.sections import section
 from ..core.mesh import Mesh
 from ..planning.plan import Plan
 from ..core.tensors import local as _local
-from ..transforms._gradsync import GradSync, bucket_mb, plan_reductions
+from ..transforms._gradsync import GradSync, bucket_mb, plan_reductions, reduce_dtype
 from ..transforms._install import Install, Runtime, attach_runtime, mesh_device
 from ..transforms._protocol import Phase
 
@@ -289,7 +289,8 @@ def _grad_sync(ctx: Install):
     if not reductions:
         return None
     params = [(n, p) for n, p in ctx.model.named_parameters() if p.requires_grad]
-    return GradSync(params, reductions, ctx, bucket_mb=bucket_mb(ctx.plan))
+    return GradSync(params, reductions, ctx, bucket_mb=bucket_mb(ctx.plan),
+                    reduce_dtype=reduce_dtype(ctx.plan))
 
 
 def _initialize(ctx: Install, seed: int, state_dict) -> None:

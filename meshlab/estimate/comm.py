@@ -150,7 +150,7 @@ def grad_sync_ops(plan, coord) -> list[CommOp]:
     buckets come from the same ``_gradsync.layout`` the backward hooks use)."""
     from ..core.placement import local_shape
     from ..core.units import dtype_bytes
-    from ..transforms._gradsync import bucket_mb, layout, plan_reductions, routes
+    from ..transforms._gradsync import bucket_mb, layout, plan_reductions, reduce_dtype, routes
 
     sizes = plan.mesh_shape
     from ..planning.rows import rank_params
@@ -159,7 +159,14 @@ def grad_sync_ops(plan, coord) -> list[CommOp]:
               dtype_bytes(e.dtype)) for e in rank_params(plan, coord)
              if e.tied_to is None and e.requires_grad]
     route_of = routes(plan_reductions(plan), sizes, [i[0] for i in items])
-    return [CommOp("all_reduce", "_".join(r.axes), 1, (numel + len(names)) * dtype_bytes(dt))
+    narrow = reduce_dtype(plan)       # precision(reduce=...): the data axes' buckets
+
+    def nbytes(route, dt) -> int:
+        data = any(a in plan.roles.data for r in route for a in r.axes)
+        return dtype_bytes(str(narrow).replace("torch.", "")) if narrow is not None and data \
+            else dtype_bytes(dt)
+
+    return [CommOp("all_reduce", "_".join(r.axes), 1, (numel + len(names)) * nbytes(route, dt))
             for route, names, numel, dt in layout(items, route_of, bucket_mb(plan) * 2 ** 20)
             for r in route]
 

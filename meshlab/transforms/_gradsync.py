@@ -94,11 +94,23 @@ def bucket_mb(plan) -> float:
     return BUCKET_MB
 
 
+def reduce_dtype(plan) -> torch.dtype | None:
+    """The dtype ``precision(reduce=...)`` reduces gradients over the data axes in, or None
+    (float32: the gradients' own)."""
+    from .precision import Precision
+
+    prec = plan.get(Precision)
+    if prec is None or prec.reduce == "float32":
+        return None
+    return getattr(torch, prec.reduce)
+
+
 class _Bucket:
-    def __init__(self, params: list, groups: list, divide: int):
+    def __init__(self, params: list, groups: list, divide: int, dtype=None):
         self.params = params                    # [(fqn, parameter)]
         self.groups = groups                    # one process group per reduction
         self.divide = divide
+        self.dtype = dtype                      # the dtype reduced in (None: the gradients')
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.work = None
@@ -115,6 +127,13 @@ class _Bucket:
             flags.append(1.0 if g is not None else 0.0)
         parts.append(torch.tensor(flags, dtype=p0.dtype, device=parts[0].device))
         self.flat = torch.cat(parts)
+        if self.dtype is not None and self.dtype != self.flat.dtype:
+            # reduced in a narrower dtype (``precision(reduce=...)``): the average's division
+            # comes first, so a float16 sum of many ranks stays in range (torch's
+            # fp16_compress_hook divides first too); the flags count exactly
+            n = len(self.params)
+            self.flat[:-n].div_(self.divide)
+            self.flat = self.flat.to(self.dtype)
         self.work = dist.all_reduce(self.flat, group=self.groups[0], async_op=True)
 
     def finish(self) -> None:
@@ -123,8 +142,10 @@ class _Bucket:
         for g in self.groups[1:]:
             dist.all_reduce(self.flat, group=g)
         n = len(self.params)
-        vals, flags = self.flat[:-n], self.flat[-n:].tolist()
-        if self.divide != 1:
+        narrow = self.dtype is not None and self.dtype != self.params[0][1].dtype
+        flat = self.flat.to(self.params[0][1].dtype) if narrow else self.flat
+        vals, flags = flat[:-n], flat[-n:].tolist()
+        if self.divide != 1 and not narrow:
             vals.div_(self.divide)
         off = 0
         for (_, p), used in zip(self.params, flags):
@@ -143,16 +164,20 @@ class GradSync:
     """The backward hooks that run every ``Reduction`` (see the module doc)."""
 
     def __init__(self, params: list, reductions: list[Reduction], ctx,
-                 bucket_mb: float = BUCKET_MB):
-        """``params``: ``[(fqn, parameter)]`` of this rank; ``ctx`` finds groups by axis."""
+                 bucket_mb: float = BUCKET_MB, reduce_dtype=None):
+        """``params``: ``[(fqn, parameter)]`` of this rank; ``ctx`` finds groups by axis;
+        ``reduce_dtype``: the dtype the buckets that reduce over a data axis are summed in
+        (``precision(reduce=...)``; None: the gradients' own)."""
         by_name = dict(params)
         route_of = routes(reductions, ctx.plan.mesh_shape, by_name)
         items = [(n, _local(p).numel(), p.dtype, p.element_size()) for n, p in params]
         self.buckets: list[_Bucket] = []
         for route, names, _, _ in layout(items, route_of, bucket_mb * 2 ** 20):
             divide = math.prod(ctx.size(*r.axes) for r in route if r.average)
+            data = any(a in ctx.roles.data for r in route for a in r.axes)
             self.buckets.append(_Bucket([(n, by_name[n]) for n in names],
-                                        [ctx.group(*r.axes) for r in route], divide))
+                                        [ctx.group(*r.axes) for r in route], divide,
+                                        reduce_dtype if data else None))
         self.enabled = True
         self.launched = {"in_backward": 0, "at_end": 0}   # buckets, since construction
         self._queued = False

@@ -32,12 +32,13 @@ class Zero1Buffers:
     """The buckets and this rank's master slices (``shards``, fp32 parameters)."""
 
     def __init__(self, params: list, group, size: int, apart: frozenset = frozenset(),
-                 group_of: dict | None = None):
+                 group_of: dict | None = None, reduce: torch.dtype | None = None):
         # ``apart``: ids of parameters bucketed on their own (offload moves their slices to
         # the host; a slice may then live on another device than the parameters).
         # ``group_of``: id -> the optimizer's parameter group; a bucket holds one group's.
         group_of = group_of or {}
         self.group, self.size, self.rank = group, size, dist.get_rank(group)
+        self.reduce = reduce        # the dtype gradients are reduce-scattered in (None: fp32)
         self.device = _local(params[0]).device if params else None
         by_key: dict = {}
         for p in params:
@@ -75,6 +76,14 @@ class Zero1Buffers:
         """Reduce-scatter (and average) every bucket's gradients into the slices."""
         for b, shard in zip(self.buckets, self.shards):
             flat = self._flat(b.params, b.numels, b.per, shard.dtype, lambda p: p.grad)
+            if self.reduce is not None and self.reduce != flat.dtype:
+                # ``precision(reduce=...)``: divided first (a float16 sum stays in range),
+                # summed in the narrow dtype, widened into the master slice's gradient
+                flat = flat.div_(self.size).to(self.reduce)
+                out = torch.empty(b.per, dtype=self.reduce, device=self.device)
+                reduce_scatter_into(out, flat, self.group)
+                shard.grad = out.to(shard.dtype).to(shard.device)
+                continue
             out = torch.empty(b.per, dtype=shard.dtype, device=self.device)
             reduce_scatter_into(out, flat, self.group)
             shard.grad = out.div_(self.size).to(shard.device)
