@@ -92,6 +92,24 @@ class EagerModules:
 
 
 @dataclasses.dataclass
+class StageRoots:
+    """The model's forward runs in stage modules a room builds at its install
+    (``pipeline``), never through the model's own forward. A room that wraps the root of
+    the forward (FSDP2's root unit under ``zero_shard(2)`` / ``zero_shard(3)``) adds a
+    ``wrap`` here instead, and the stage room calls every wrap on each stage module it
+    builds, before the stage runs (torchtitan's PP x FSDP2 layout: each stage is an FSDP2
+    root over its own blocks' units)."""
+
+    wraps: list[Callable[[nn.Module], None]] = dataclasses.field(default_factory=list)
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """``module`` (a stage) after every wrap a room added, in the order added."""
+        for w in self.wraps:
+            w(module)
+        return module
+
+
+@dataclasses.dataclass
 class Install(_Groups):
     """The state of one ``materialize``: rooms read and extend it in phase order."""
 

@@ -139,8 +139,9 @@ REFUSED = [
     ("zero 1 on an axis specs shard", lambda: ml.shard(ml.policies.auto, ml.Rules(
         **{**_TP, "embed": "dp"})) | ml.zero_shard(1, "dp"),
      dict(dp=2, tp=2), ml.ConfigError, "keeps parameters whole"),
-    ("pipeline with zero 3", lambda: ml.zero_shard(3, "dp") | ml.pipeline("pp"),
-     dict(pp=2, dp=2), ml.ConfigError, "pipeline with zero_shard(stage >= 2)"),
+    ("zero bubble with zero 3", lambda: ml.zero_shard(3, "dp") | ml.pipeline(
+        "pp", schedule="zero_bubble", virtual_stages=1), dict(pp=2, dp=2), ml.ConfigError,
+     "use schedule='1f1b', 'interleaved' or 'gpipe'"),
     ("pipeline with megatron sp", lambda: ml.shard(ml.policies.auto, ml.Rules(
         **_TP, seq="tp")) | ml.pipeline("pp"),
      dict(pp=2, tp=2), ml.ConfigError, "pipeline with sequence parallelism"),

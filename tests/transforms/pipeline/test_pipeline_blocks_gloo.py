@@ -46,13 +46,13 @@ def _reference(data, dp: int, lr: float):
     return ref, losses
 
 
-def _parallel(mesh_text: str, schedule: str):
+def _parallel(mesh_text: str, schedule: str, zero: int = 0):
     import meshlab as ml
 
     mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
     spec = ml.pipeline("pp", schedule=schedule, microbatches=MICRO, blocks="layers")
     if "dp" in mesh.shape:
-        spec = spec | ml.data_parallel("dp")
+        spec = spec | ml.zero_shard(zero, "dp")
     return ml.parallelize(M.build_staged(), spec, mesh, seed=0)
 
 
@@ -64,12 +64,16 @@ def _shard(model, batch: dict) -> dict:
     return _cut(batch, rt.dp_size)[i]
 
 
-def train_case(rank, world, schedule, mesh_text, steps=3, lr=0.5, left=False):
+def train_case(rank, world, schedule, mesh_text, steps=3, lr=0.5, left=False, zero=0):
     import meshlab as ml
 
     torch.set_default_dtype(torch.float64)
     try:
-        model = _parallel(mesh_text, schedule)
+        model = _parallel(mesh_text, schedule, zero)
+        if zero == 3:                         # every parameter sharded over dp by FSDP2
+            from torch.distributed.tensor import DTensor
+
+            assert all(isinstance(p, DTensor) for p in model.parameters())
         dp = model._meshlab.dp_size
         data = [M.padded_batch(batch=8 * dp, seed=s, left=left) for s in range(steps)]
         opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -174,7 +178,10 @@ def test_own_model_batch_keys_are_matched_to_its_forward(world2):
         assert "first parameter, 'ids'" in msgs[1]
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_own_model_pp2_dp2_trains_like_one_process(world4, schedule):
-    out = world4.run(train_case, schedule=schedule, mesh_text="pp=2,dp=2")
+@pytest.mark.parametrize("schedule,zero", [("1f1b", 0), ("interleaved", 0),
+                                           ("interleaved", 3)])
+def test_own_model_pp2_dp2_trains_like_one_process(world4, schedule, zero):
+    """Over data ranks too: plain data parallelism, and ZeRO-3 (each stage's view of the
+    model an FSDP2 root over its blocks' units)."""
+    out = world4.run(train_case, schedule=schedule, mesh_text="pp=2,dp=2", zero=zero)
     _check_split(out)

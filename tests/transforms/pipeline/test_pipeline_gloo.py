@@ -22,8 +22,8 @@ def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=
     ref, ref_losses, _ = M.reference(family, data, lr, **LAYERS)
     mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
     spec = ml.pipeline("pp", schedule=schedule, microbatches=microbatches)
-    if extra == "zero1":
-        spec = spec | ml.zero_shard(1, "dp")
+    if extra in ("zero1", "zero3"):
+        spec = spec | ml.zero_shard(int(extra[-1]), "dp")
     elif extra == "tp":
         spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | spec
     elif extra == "fuse":
@@ -107,9 +107,115 @@ def _check_disjoint(out):
     assert len(names) == out[0][2]                          # every parameter is somewhere
 
 
-@pytest.mark.parametrize("extra,mesh_text", [("zero1", "pp=2,dp=2"), ("tp", "pp=2,tp=2")])
+@pytest.mark.parametrize("extra,mesh_text", [("zero1", "pp=2,dp=2"), ("zero3", "pp=2,dp=2"),
+                                             ("tp", "pp=2,tp=2")])
 def test_pp2_composed(world4, extra, mesh_text):
     world4.run(pp_case, schedule="1f1b", mesh_text=mesh_text, extra=extra)
+
+
+def pp_zero_case(rank, world, stage, schedule, steps=3, lr=0.1):
+    """pipeline x zero_shard(stage) on pp=2, dp=2 against one process in float64, with SGD
+    (an update is the gradient times ``lr``): each stage module is an FSDP2 root whose
+    parameters are split over dp; every step's loss and the weights after each step match;
+    then forward/backward calls without zero_grad hold the sum of their batches' gradients:
+    two in a row, then a third after an evaluation and with a loss function of another
+    identity (torch's schedule sets its stages up again for each, and drops the FSDP2
+    stages' gradients when it does)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    import meshlab as ml
+    from meshlab.transforms._install import runtime_of
+    from meshlab.transforms.pipeline._runtime import PipelinePart
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        data = M.batches(steps + 3, batch=8)
+        loss_fn = M.loss_fn("llama")
+        ref = ml.init_weights(M.build("llama", **LAYERS), seed=0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+        model = ml.parallelize(M.build("llama", **LAYERS),
+                               ml.pipeline("pp", schedule=schedule, microbatches=4)
+                               | ml.zero_shard(stage, "dp"),
+                               ml.Mesh(pp=2, dp=2), seed=0)
+        rt = runtime_of(model)
+        part = rt.part(PipelinePart)
+        assert all(isinstance(st.submod, FSDPModule) for st in part.stages)
+        for n, p in model.named_parameters():       # a quarter of the model on each rank
+            assert isinstance(p, DTensor) and p.placements == (Shard(0),), n
+            assert p.device_mesh.size() == 2, n
+        dp_rank = dist.get_rank(rt.dp_group)
+        opt = ml.optimizer(model, torch.optim.SGD, lr=lr)
+        for b in data[:steps]:
+            want = loss_fn(ref(input_ids=b), {"input_ids": b, "labels": b})
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            got = ml.step(model, opt, {"input_ids": b.chunk(2)[dp_rank]})
+            torch.testing.assert_close(got, want.item(), rtol=1e-10, atol=1e-12)
+            M.assert_weights_match(model, ref, atol=1e-10, rtol=1e-9)
+        rest = [{"input_ids": b.chunk(2)[dp_rank]} for b in data[steps:]]
+        for b in data[steps:]:
+            loss_fn(ref(input_ids=b), {"input_ids": b, "labels": b}).backward()
+            if b is data[steps + 1]:
+                after_two = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        part.forward_backward(rt, rest[0], loss_fn)
+        part.forward_backward(rt, rest[1], loss_fn)
+        _grads_match(model, after_two)
+        part.forward_only(rt, rest[2], loss_fn)
+        part.forward_backward(rt, rest[2], lambda out, batch: loss_fn(out, batch))
+        _grads_match(model, {n: p.grad for n, p in ref.named_parameters()})
+        held = sum(p.to_local().numel() for p in model.parameters())
+        return held, sum(p.numel() for p in ref.parameters())
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _grads_match(model, want: dict) -> None:
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(M.full(p.grad), want[n], rtol=1e-9, atol=1e-12,
+                                   msg=lambda m, n=n: f"grad of {n}: {m}")
+
+
+@pytest.mark.parametrize("stage,schedule", [(3, "1f1b"), (3, "interleaved"), (2, "gpipe")])
+def test_pp2_zero_matches_one_process(world4, stage, schedule):
+    """torchtitan's PP x FSDP2 layout on pp=2, dp=2 (``pp_zero_case``): each rank holds
+    about a quarter of the parameters."""
+    out = world4.run(pp_zero_case, stage=stage, schedule=schedule)
+    total = out[0][1]
+    assert sum(o[0] for o in out) == pytest.approx(total, rel=0.02), out  # once, in halves
+    assert all(o[0] <= total / 4 * 1.1 for o in out), out
+
+
+@pytest.mark.parametrize("schedule", ["zero_bubble", "zbv"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_split_backward_under_fsdp_is_refused(schedule, stage):
+    """The split backward of zero_bubble and zbv under FSDP2 stages is refused at plan
+    time, naming the schedules that run; zero_shard(1) keeps them."""
+    import meshlab as ml
+
+    mesh = ml.Mesh(pp=2, dp=2, fake=True)
+    pp = ml.pipeline("pp", schedule=schedule)
+    with pytest.raises(ml.ConfigError, match=rf"zero_shard\({stage}\).*schedule='1f1b'"):
+        ml.plan(M.build("llama", **LAYERS), pp | ml.zero_shard(stage, "dp"), mesh)
+    ml.plan(M.build("llama", **LAYERS), pp | ml.zero_shard(1, "dp"), mesh)
+
+
+def test_plan_memory_counts_zero_shards_per_stage():
+    """pipeline x zero_shard(3) on pp=2, dp=2: a rank holds the shards of its stage's
+    parameters, about a quarter of the model's (FSDP2 pads dim 0 to the data ranks)."""
+    import meshlab as ml
+
+    model = M.build("llama", **LAYERS)
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())
+    for stage in (2, 3):
+        mem = ml.plan(model, ml.pipeline("pp") | ml.zero_shard(stage, "dp"),
+                      ml.Mesh(pp=2, dp=2, fake=True)).memory()
+        assert whole / 4 <= mem.params <= whole / 4 * 1.05, (stage, mem.params, whole)
+        assert mem.grads == mem.params
+    alone = ml.plan(model, ml.pipeline("pp"), ml.Mesh(pp=2, fake=True)).memory()
+    assert mem.params == pytest.approx(alone.params / 2, rel=0.05)
 
 
 def test_plan_reports_stages_and_bubble():
