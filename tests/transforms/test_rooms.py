@@ -142,11 +142,6 @@ REFUSED = [
     ("zero bubble with zero 3", lambda: ml.zero_shard(3, "dp") | ml.pipeline(
         "pp", schedule="zero_bubble", virtual_stages=1), dict(pp=2, dp=2), ml.ConfigError,
      "use schedule='1f1b', 'interleaved' or 'gpipe'"),
-    ("pipeline with megatron sp", lambda: ml.shard(ml.policies.auto, ml.Rules(
-        **_TP, seq="tp")) | ml.pipeline("pp"),
-     dict(pp=2, tp=2), ml.ConfigError, "pipeline with sequence parallelism"),
-    ("pipeline with ulysses", lambda: ml.pipeline("pp") | ml.sequence("sp"),
-     dict(pp=2, sp=2), ml.ConfigError, "with pipeline is not supported"),
     ("fuse loss with pipeline", lambda: ml.pipeline("pp") | ml.fuse("loss"),
      dict(pp=2), ml.ConfigError, "fuse('loss') with pipeline"),
     ("fuse loss with a vocab-parallel head", lambda: ml.shard(ml.policies.auto, ml.Rules(**_TP))

@@ -14,11 +14,12 @@ from torch import nn
 from ...core.agree import agree, alone
 from ...core.digest import batch_entry, data_coords
 from ...core.errors import ConfigError
+from .._install import StageRoots
 from .._protocol import Part
 from ._feed import Feed, decoder_feed, microbatch, own_feed, signature_of
 from ._guard import StageFailures, guarded_loss
 from ._schedule import PipelineStages, stages, torch_actions
-from ._stage import DecoderStage, prune
+from ._stage import DecoderStage, prune, seq_split
 
 
 class PipelineSetup:
@@ -36,6 +37,9 @@ class PipelineSetup:
         self.sides = ctx.plan.decision(PipelineStages)
         ctx.dropped |= set(ctx.plan.model.blocks) - self.kept
         ctx.after_init.append(self.prune)
+        # the stage modules run the forward: a room wrapping its root wraps each of them
+        self.roots = StageRoots()
+        ctx.keep(self.roots)
 
     def prune(self, model: nn.Module) -> None:
         if self.t.blocks is not None:
@@ -58,8 +62,8 @@ class PipelineSetup:
         mesh = ctx.device_mesh(self.t.axis)
         group = mesh.get_group()
         failures = StageFailures()
-        built = [PipelineStage(self._module(ctx, s, failures), s.index, len(self.all),
-                               ctx.device, group=group)
+        built = [PipelineStage(self.roots.wrap(self._module(ctx, s, failures)), s.index,
+                               len(self.all), ctx.device, group=group)
                  for s in self.mine]
         _refuse_generate(ctx.model)
         sig = None if self.t.blocks is None else signature_of(ctx.model)
@@ -71,7 +75,7 @@ class PipelineSetup:
         (declared blocks), or meshlab's stage of a Hugging Face decoder's parts."""
         if self.t.blocks is None:
             return DecoderStage(ctx.model, [int(b.rsplit(".", 1)[1]) for b in s.blocks],
-                                s.first, s.last, failures)
+                                s.first, s.last, failures, seq_split(ctx.plan))
         from ._blocks import OwnStage, stage_view
         from ._p2p import hidden_size
 
@@ -248,6 +252,7 @@ class PipelinePart(Part):
             sync.enabled = False
         out = None
         call = sched.step if train else sched.eval
+        held = self._hold_grads(sched, train)
         try:
             with rt.autocast():
                 args = feed.args if self.first else ()
@@ -263,6 +268,8 @@ class PipelinePart(Part):
         self._settle(rt, feed.batch)
         if sync is not None:
             sync.flush()
+        for p, g in held:              # reduced before this call: added to this call's sums
+            p.grad = g if p.grad is None else p.grad.add_(g)
         # Summed on the device and read once, by the caller: no host round trip per
         # microbatch.
         t = (torch.stack([l.detach().to(torch.float64) for l in losses]).sum().reshape(1) /
@@ -273,6 +280,30 @@ class PipelinePart(Part):
             dist.all_reduce(t, group=rt.dp_group)
             t /= rt.dp_size
         return float(t), (out if self.last and return_outputs else None)
+
+    def _hold_grads(self, sched, train: bool) -> list:
+        """The gradients held before this call, taken off the stages' parameters where
+        torch's schedule sets its stages up on this call (its first, a loss function of
+        another identity, a switch between training and evaluation): that setup runs a
+        forward and backward for the tensors' metadata and then drops the gradients of
+        every FSDP2 module in a stage. ``_run`` adds them back to the call's own sums once
+        the call went through (a failed one drops both, as ``_settle`` says); without an
+        FSDP2 stage, or without a setup on this call, nothing is taken."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not any(isinstance(st.submod, FSDPModule) for st in self.stages):
+            return []
+        fwd = getattr(sched, "_stages_forward_initialized", None)
+        bwd = getattr(sched, "_stages_backward_initialized", None)
+        if fwd is True and bwd is not None and bwd == train:
+            return []                  # set up for this kind of call already: no setup
+        held = []
+        for st in self.stages:
+            for p in st.submod.parameters():
+                if p.grad is not None:
+                    held.append((p, p.grad))
+                    p.grad = None
+        return held
 
     def _settle(self, rt, batch) -> None:
         """Every rank agrees the schedule went through, on the batch the stages read

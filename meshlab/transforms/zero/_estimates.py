@@ -93,10 +93,13 @@ def _stage_ops(stage, name, dp, buckets, units, prec) -> list[CommOp]:
     if stage == 0:
         return []          # the backward's all-reduces: ``_gradsync.estimate``
     if stage == 1:
+        # gradients reduce-scattered in precision(reduce=...)'s dtype (float32 without it),
+        # the fp32 master slices gathered
+        rs = dtype_bytes(prec.reduce) if prec is not None else 4
         ops = []
         for n in buckets.values():
             padded = -(-n // dp) * dp
-            ops += [CommOp("reduce_scatter", name, 1, padded * 4),
+            ops += [CommOp("reduce_scatter", name, 1, padded * rs),
                     CommOp("all_gather", name, 1, padded * 4)]
         return ops
     pbytes = dtype_bytes(prec.compute if prec else "float32")
@@ -114,15 +117,18 @@ def zero_transients(t, plan: Plan) -> list:
     """What FSDP2 gathers at the peak, in buffers beside the shards counted in memory
     (at any world size): ZeRO-3 one unit in use and the next prefetched (the largest two),
     ZeRO-2 every unit (kept gathered from forward to backward); a unit's whole gradient
-    before its reduce-scatter. Layouts sharded by spec (FSDP by spec) and stage < 2 add nothing."""
-    from ...planning.rows import ActRow
+    before its reduce-scatter. Under a pipeline, the units of the busiest rank's stages
+    (``rank_params``), the parameters outside the blocks counted as one unit (two stage
+    roots where a rank runs both the first and the last stage). Layouts sharded by spec
+    (FSDP by spec) and stage < 2 add nothing."""
+    from ...planning.rows import ActRow, rank_params
 
     if t.stage < 2 or plan.roles.fsdp:
         return []
     prec = plan.get(Precision)
     sizes = plan.mesh_shape
     units: dict = defaultdict(int)
-    for e in plan.params:
+    for e in rank_params(plan):
         if e.tied_to is not None:
             continue
         ls = local_shape(e.shape, e.mesh_spec, sizes)

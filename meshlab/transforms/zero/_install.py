@@ -7,7 +7,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._gradsync import require_mesh_optimizer
+from .._gradsync import reduce_dtype, require_mesh_optimizer
+from .._install import StageRoots
 from .._protocol import Part
 from ..precision import Precision
 from ._zero1 import Zero1Buffers
@@ -28,12 +29,16 @@ class HostResidency:
 @dataclasses.dataclass
 class FSDPPart(Part):
     """Stages 2/3: FSDP2 reduce-scatters (and averages) the gradients in backward;
-    parameters it leaves replicated are all-reduced by ``GradSync``."""
+    parameters it leaves replicated are all-reduced by ``GradSync``. ``roots``: the FSDP2
+    roots, the model or, under a pipeline, each stage module (``StageRoots``), filled as
+    the stages are built."""
 
     casts_params: ClassVar[bool] = True
+    roots: list = dataclasses.field(default_factory=list)
 
     def set_gradient_sync(self, model, enabled: bool) -> None:
-        model.set_requires_gradient_sync(enabled)
+        for root in self.roots:
+            root.set_requires_gradient_sync(enabled)
 
 
 @dataclasses.dataclass
@@ -46,13 +51,14 @@ class Zero1Part(Part):
     size: int
     buffers: Zero1Buffers | None = None
     apart: frozenset = frozenset()      # FQNs bucketed on their own (offload's host ones)
+    reduce: Any = None                  # the dtype gradients are reduce-scattered in
 
     def optimizer_params(self, params: list, group_of=None) -> list | None:
         if self.size == 1:
             return None
         self.buffers = Zero1Buffers([p for _, p in params], self.group, self.size,
                                     frozenset(id(p) for n, p in params if n in self.apart),
-                                    group_of or {})
+                                    group_of or {}, reduce=self.reduce)
         return self.buffers.shards
 
     def sync_grads(self, params: list) -> None:
@@ -117,15 +123,19 @@ def install_zero(t, ctx) -> Part:
             require_mesh_optimizer(ctx.model.parameters(), f"zero_shard(1) keeps its "
                                    f"optimizer state sharded over {'x'.join(t.axis)}")
         host = ctx.kept(HostResidency) or HostResidency()     # none kept: nothing on the host
-        return Zero1Part(group, size, apart=host.optimizer_host)
+        return Zero1Part(group, size, apart=host.optimizer_host,
+                         reduce=reduce_dtype(ctx.plan))
     if t.stage == 0:
         return None                # GradSync averages every gradient (ZeroShard.reductions)
-    _fully_shard(t, ctx)
-    return FSDPPart()
+    part = FSDPPart()
+    _fully_shard(t, ctx, part.roots)
+    return part
 
 
-def _fully_shard(t, ctx) -> None:
-    """FSDP2 over the blocks, then the root."""
+def _fully_shard(t, ctx, roots: list) -> None:
+    """FSDP2 over the blocks, then the root: the model, or where stage modules run the
+    forward (``StageRoots``, a pipeline) each stage module, as the stage room builds it.
+    Each root is added to ``roots``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     prec = ctx.plan.get(Precision)
@@ -152,7 +162,16 @@ def _fully_shard(t, ctx) -> None:
 
     for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
         fully_shard(mods[b], **kw, **policy(b))
-    fully_shard(model, **kw, **policy(""))
+
+    def root(module) -> None:
+        fully_shard(module, **kw, **policy(""))
+        roots.append(module)
+
+    stages = ctx.kept(StageRoots)
+    if stages is not None:      # the stage's parameters outside its blocks: its root unit
+        stages.wraps.append(root)
+    else:
+        root(model)
 
 
 def _fsdp_mesh(t, ctx):
