@@ -6,6 +6,8 @@
   peft with the same adapters;
 * Colossal-AI's hybrid ``cpu_offload``: tensor parallelism x ZeRO-1 x ``offload(optimizer)``
   (the moments and fp32 masters of each rank's tensor-parallel shards on the host);
+* torchtitan's dense layout: pipeline x ZeRO-3 (FSDP2 per stage) x tensor parallelism x
+  ring attention, float64 on 16 ranks;
 * the MoE layout: pipeline x expert x tensor parallelism x ZeRO-1 on a Mixtral (experts
   split over ``ep``, which is a data axis of the dense parameters, as Colossal-AI's
   ``MoeHybridParallelPlugin`` carves the expert axis out of the data axis).
@@ -74,6 +76,18 @@ def moe_pp_ep_tp_zero1_case(rank, world):
     return report.ok, str(report), None
 
 
+def dense_4d_case(rank, world):
+    import meshlab as ml
+
+    spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.sequence("sp", "ring") | \
+        ml.zero_shard(3, "dp") | ml.pipeline("pp", microbatches=2)
+    model = M.build("llama")
+    model.config._attn_implementation = "sdpa"      # the reference attends as the ring does
+    report = _verify(model, spec, ml.Mesh(pp=2, dp=2, sp=2, tp=2), dtype=torch.float64,
+                     batch=8)
+    return report.ok, str(report), None
+
+
 @pytest.fixture(scope="module")
 def world2():
     w = World(2)
@@ -108,5 +122,13 @@ def test_moe_pipeline_expert_tensor_zero1_matches_one_process():
     w = World(16)
     try:
         _check(w.run(moe_pp_ep_tp_zero1_case, timeout=600))
+    finally:
+        w.close()
+
+
+def test_dense_pipeline_zero3_tensor_ring_matches_one_process():
+    w = World(16)
+    try:
+        _check(w.run(dense_4d_case, timeout=600))
     finally:
         w.close()
