@@ -104,7 +104,7 @@ def verify(model: nn.Module, spec, mesh=None, batch=None, steps: int | None = No
         start, steps_out = run.train(batches)
     return VerifyReport(layout=f"{spec!r} on {rt.mesh!r}", reference=ref_text, atol=a, rtol=r,
                         gradient="gradient" if run.gradients else "update", start=start,
-                        steps=steps_out, notes=tuple(run.notes + _prec_notes(rt)))
+                        steps=steps_out, notes=tuple(run.notes + _prec_notes(rt, ref.model)))
 
 
 # -- the two sides ---------------------------------------------------------------------
@@ -407,7 +407,7 @@ def _autocast(rt):
     return torch.autocast(device_type=rt.device.type, dtype=getattr(torch, prec.compute))
 
 
-def _prec_notes(rt) -> list[str]:
+def _prec_notes(rt, reference: nn.Module) -> list[str]:
     prec = rt.plan.get(Precision)
     if prec is None or prec.compute == "float32":
         return []
@@ -417,8 +417,11 @@ def _prec_notes(rt) -> list[str]:
                 "under the same autocast")]
     if prec.float8 is not None:
         n = len(rt.plan.decision(Float8Layers).layers)
-        notes.append(f"both run the same {n} linear layers in float8 (torchao, recipe "
-                     f"{prec.float8!r}); a dynamic scale is taken over each rank's own batch")
+        ref = sum(type(m).__name__ == "Float8Linear" for m in reference.modules())
+        both = (f"both run the same {n} linear layers in float8" if ref == n else
+                f"the layout runs {n} linear layers in float8, the reference {ref}")
+        notes.append(f"{both} (torchao, recipe {prec.float8!r}); a dynamic scale is taken "
+                     f"over each rank's own batch")
     return notes
 
 

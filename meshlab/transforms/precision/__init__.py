@@ -128,7 +128,21 @@ class Precision(Transform):
 
     def install(self, ctx) -> Part:
         if self.float8 is not None:
-            convert(ctx.model, ctx.plan.decision(Float8Layers))
+            chosen = ctx.plan.decision(Float8Layers)
+            convert(ctx.model, chosen)
+            # every chosen layer this rank runs (a pipeline stage runs its own blocks') is
+            # float8 now, or the layout would compute it in bf16 where the plan says float8
+            mine = [n for n in chosen.layers
+                    if not any(n.startswith(d + ".") for d in ctx.dropped)]
+            kinds = {n: type(m).__name__ for n, m in ctx.model.named_modules()}
+            missing = [n for n in mine if kinds.get(n) != "Float8Linear"]
+            if missing:
+                raise ConfigError(f"precision('fp8'): {len(missing)} of the {len(mine)} "
+                                  f"linear layers chosen for float8 on this rank were not "
+                                  f"swapped for torchao's Float8Linear "
+                                  f"({', '.join(missing[:4])}): a room installed before "
+                                  f"precision replaced those nn.Linear modules; use "
+                                  f"precision('bf16') with this spec")
         cast = None if self.compute == "float32" else getattr(torch, self.compute)
         return PrecisionPart(self, cast, "cuda" if ctx.mesh.device_type == "cuda" else "cpu")
 
