@@ -300,9 +300,7 @@ class MoeHybridParallelPlugin(HybridParallelPlugin):
         only("moe_dp_outside", True, "the dense parameters' data axes dp x ep are flattened "
              "as one, which a mesh ordered ep, dp cannot do (DeviceMesh flattens axes in mesh "
              "order)", "the default order dp, ep, pp, tp"),
-    ) + _hybrid_tail(only("use_fp8", False, "float8 layers beside expert_route are not yet "
-                          "shown to train like one process (the composition table's "
-                          "expert_route x precision('fp8'))", "precision='bf16'"))
+    ) + _hybrid_tail()
 
     def _order(self, fixed: dict) -> dict:
         if "ep" not in fixed:

@@ -317,17 +317,24 @@ def test_readme_booster_example_is_true():
 
 def test_use_fp8_is_precision_fp8():
     """Colossal-AI's use_fp8 (its float8 linear layers, with bf16) is precision('fp8'); with
-    fp16 it is refused by name. Tensor parallelism beside it is refused by the composition
-    table when the layout is planned."""
+    fp16 it is refused by name. Expert parallelism beside it plans (the composition table's
+    expert_route x precision('fp8') composes); tensor parallelism beside it is refused by
+    the composition table when the layout is planned."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import meshlab as ml
 
+    moe = MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, precision="bf16",
+                                  use_fp8=True)
     for plugin in (LowLevelZeroPlugin(stage=2, precision="bf16", use_fp8=True),
                    GeminiPlugin(precision="bf16", use_fp8=True),
-                   HybridParallelPlugin(tp_size=1, pp_size=1, precision="bf16", use_fp8=True)):
+                   HybridParallelPlugin(tp_size=1, pp_size=1, precision="bf16", use_fp8=True),
+                   moe):
         prec = next(t for t in plugin.spec.parts if isinstance(t, ml.transforms.Precision))
         assert prec.float8 == "tensorwise" and prec.compute == "bfloat16", plugin
+    from tests import _models as M
+
+    assert ml.plan(M.build("qwen3_moe"), moe.spec, ml.Mesh(dp=2, ep=2, fake=True)).runnable
     with pytest.raises(UnsupportedArgument, match="use_fp8=True.*bf16 compute only"):
         LowLevelZeroPlugin(stage=1, precision="fp16", use_fp8=True).spec
     with pytest.raises(UnsupportedArgument, match="use_fp8=True"):
