@@ -16,38 +16,23 @@ _FP8_NO = not_yet("torchao's float8 layers are not yet shown to train like one p
 _FP8_SCALE = not_yet("float8 training scales each tensor itself and runs beside bf16, which "
                      "needs no loss scale", "{a} with {b}: float8 training takes no loss "
                      "scale; leave loss_scale out")
-_PIPE_ZERO = not_yet("FSDP2 under the pipeline schedule is not supported",
-                     "pipeline with zero_shard(stage >= 2) is not supported; use "
-                     "zero_shard(1, ...) on the data-parallel axis")
-_PIPE_SP = not_yet("Megatron SP between pipeline stages is not supported",
-                   "pipeline with sequence parallelism is not supported; map 'seq' to None "
-                   "in Rules")
-_SEQ_PIPE = {m: not_yet(f"sequence({m}) between pipeline stages is not supported",
-                        f"sequence({m}) with pipeline is not supported")
-             for m in ("all_to_all", "ring")}
-_OFF_PIPE = not_yet("offload is not yet shown to match the single process under pipeline "
-                    "stages", "{a} with {b}: offload is not yet shown to match the single "
-                    "process under pipeline stages; drop one of them", RECORDS)
-_OFF_SEQ = not_yet("offload is not yet shown to match the single process under "
-                   "sequence-parallel attention", "{a} with {b}: offload is not yet shown to "
-                   "match the single process under sequence-parallel attention; drop one of "
-                   "them", RECORDS)
-_OFF_GRADS_SEQ = not_yet(
-    "offloaded gradients miss the sum over the sequence axis: measured on sp=2 (SGD, float32), "
-    "updates off by 2x their size at the first step",
-    "{a} with {b}: gradients offloaded as the backward makes them miss the sum over the "
-    "sequence axis (measured: updates off by 2x); use offload(optimizer=...) alone",
-    RECORDS, note="offload(params) takes the offload(grads) row too")
-_OFF_GRADS_EXPERT = not_yet(
-    "offloaded gradients do not train like one process beside expert parallelism (measured "
-    "on 2 ranks, SGD, float32)",
-    "{a} with {b}: gradient offload beside expert parallelism does not yet train like one "
-    "process; use offload(optimizer=...)", RECORDS,
-    note="offload(params) takes the offload(grads) row too")
-_OFF_TP = not_yet("offload is not yet shown to match the single process with sharded "
-                  "parameters", "{a} with tensor parallelism over {tp!r}: offload is not yet "
-                  "shown to match the single process with sharded parameters; offload under "
-                  "zero_shard only", RECORDS)
+_FP8_TP = not_yet(
+    "a policy's tensor-parallel regions compute on local shards, where a tensorwise float8 "
+    "scale would be taken over a shard (a weight, a row-parallel input, a column-parallel "
+    "output's gradient), not over the whole tensor as one process takes it; precision's swap "
+    "replaces the modules that hold the regions' hooks, and the first forward raises "
+    "RuntimeError (aten.mm got mixed torch.Tensor and DTensor; measured on dp=2, tp=2, "
+    "Llama). Specs alone (DTensor mode) run, torchao taking each scale over the whole "
+    "DTensor (q, k and v match one process), but a row-parallel product's partial sums are "
+    "rounded to bf16 before the reduction and float8 turns that into rounding steps: "
+    "measured on tp=2 (a hand-written decoder, SGD, against one process with the same "
+    "float8 layers), the loss 2.1e-3 apart at the first step and the head's gradient off by "
+    "5e-2 of its largest element (bf16 alone: 4.2e-4 and 6.6e-3); with Megatron sequence "
+    "parallelism the first forward raises NotImplementedError (aten.index_select on a "
+    "float8 tensor)",
+    "{a} with {b}: float8 layers do not yet train like one process under tensor "
+    "parallelism (scales over local shards; bf16-rounded partial sums that float8 "
+    "magnifies); use precision('bf16') with shard, or precision('fp8') without it")
 _OFF_GRADS = not_yet(
     "gradients reduced after the backward cannot leave the device as the backward makes "
     "them", "{a} under {b} over {ranks} data ranks: the gradients are reduced after the "
@@ -58,14 +43,6 @@ _OFF_PARAMS = not_yet(
     "parameters leave the device per FSDP2 unit, which needs zero_shard(3)",
     "{a}: parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one "
     "rank too: zero_shard(3) over a size-1 axis); add it or use params=0")
-_REDUCE = {d: not_yet(f"only FSDP2 reduces gradients in {d}",
-                      "{a} with {b}: gradients are reduced in " + d + " only by FSDP2 "
-                      "(zero_shard(2) or zero_shard(3)); this room reduces them in fp32. Use "
-                      "reduce='fp32', or zero_shard(2)", scope=SEVERAL_DATA_RANKS)
-           for d in ("bfloat16", "float16")}
-_EXPERT = not_yet("expert parallelism is not yet shown to match the single process with it",
-                  "{a} with {b}: not yet shown to match the single process; drop one of them",
-                  RECORDS)
 _EXPERT_SP = not_yet(
     "each tensor-parallel rank would route another part of every sequence",
     "{a} with sequence parallelism over {tp!r} (seq -> {tp!r} in the rules): each "
@@ -73,9 +50,6 @@ _EXPERT_SP = not_yet(
     "match the single process", RECORDS,
     note="shard's tensor-parallel layout raises ConfigError first: the experts, "
          "replicated over the tensor-parallel axis, would see part of the activations")
-_LORA_NO = not_yet("not yet shown to match single-process peft",
-                   "{a} with {b}: not yet shown to match single-process peft; drop one of "
-                   "them", RECORDS)
 _COMPILE = not_yet("not yet shown to train like the eager model",
                    "compile_blocks() with {b} is not yet shown to train like the eager model; "
                    "leave one of them out")
@@ -111,16 +85,5 @@ _TWO_SEQ = not_yet("Ulysses over one axis with ring attention over another (2-D 
                    "parallelism) is not yet supported; one sequence() per spec")
 _SEQ_SG = "spelled shard(..., Rules(seq=<tp axis>)) | sequence(axis, mode): two sequence() " \
           "values in one spec are refused, the room holds one"
-_SG_2D = {m: not_yet(
-    f"Megatron sequence parallelism over one axis with sequence('{m}') over another does "
-    f"not train like one process: measured on tp=2, sp=2 (float64, SGD), {diff}",
-    "{a} with {b}: Megatron sequence parallelism with sequence('" + m + "') over another "
-    "axis does not yet train like one process; keep one of them (map 'seq' to None in Rules, "
-    "or drop sequence())", RECORDS, note=_SEQ_SG)
-    for m, diff in (("all_to_all", "the loss is off by 2.6e-2 at the first step and every "
-                                   "gradient differs (lm_head's by 1.2 times its largest "
-                                   "element)"),
-                    ("ring", "the loss is off by 4.5e-3 at the first step and every gradient "
-                             "differs (lm_head's by 1.5 times its largest element)"))}
 _ORDER = "lora(...) | {b}: the sharding reads the model as it was before adapters; write " \
          "{b} | lora(...)"

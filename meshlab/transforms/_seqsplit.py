@@ -83,8 +83,13 @@ def install_split(model, blocks: tuple[str, ...], split, gather,
     held = frozenset(blocks) if held is None else held
     mods = dict(model.named_modules())
     if blocks[0] in held:
+        # first of the block's pre-hooks: beside Megatron sequence parallelism (shard's own
+        # split over tp, registered earlier) this axis cuts the sequence first and tp cuts
+        # each part, so gathering over tp (a region's entry) gives back this axis's part,
+        # whose positions the tables split here hold; the gathers after the last block run
+        # in the other order (tp's, registered first, then this one)
         mods[blocks[0]].register_forward_pre_hook(split_before(split, tables=True),
-                                                  with_kwargs=True)
+                                                  with_kwargs=True, prepend=True)
     for b in blocks[1:]:
         if b in held:
             mods[b].register_forward_pre_hook(split_tables_only(split), with_kwargs=True)
