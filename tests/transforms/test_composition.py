@@ -203,3 +203,13 @@ def test_the_rows_each_room_takes():
         "offload(optimizer)", "offload(grads)", "offload(params)")
     assert ml.fuse().rows(None) == ("fuse", "fuse('attention')", "fuse('loss')")
     assert ml.data_parallel("dp").rows(None) == ("data_parallel",)
+
+
+def test_the_readme_counts_the_cells_that_compose():
+    import re
+
+    cells = composition.table(declared=False)
+    n = sum(c.status == composition.COMPOSES for c in cells.values())
+    text = (REPO / "README.md").read_text()
+    got = re.search(r"marks as composing \((\d+) of the table's (\d+)\)", " ".join(text.split()))
+    assert got is not None and (int(got[1]), int(got[2])) == (n, len(cells)), (got, n)
