@@ -18,20 +18,39 @@ from torch import nn
 from ...core.errors import ConfigError
 
 
+def _this_device(device) -> bool:
+    """``device`` is this process's device (where ``boost`` and ``materialize`` place the
+    model): the CPU without CUDA, the current GPU with it (``'cuda'`` alone included)."""
+    from ..utils import get_current_device
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    here = get_current_device()
+    return d.type == here.type and (d.index is None or d.index == (here.index or 0))
+
+
 class LazyInitContext:
     """``with LazyInitContext(): model = build()`` builds ``model`` on the meta device.
     ``boost`` initializes it (each module's own initializer, seeded alike on every rank),
     so the values are those of a model built from ``parallelize``'s seed, not of the
     global generator at build time. ``LazyInitContext.materialize(model)`` initializes it
-    whole, without parallelizing."""
+    whole, without parallelizing. ``default_device`` may be left out or be this process's
+    device (``get_current_device()``): boost places the model there either way; another
+    device is refused."""
 
     def __init__(self, tensor_cls=None, default_device=None) -> None:
         if tensor_cls is not None:
             raise ConfigError("LazyInitContext(tensor_cls=...): meshlab builds on the meta "
                               "device; leave tensor_cls out")
-        if default_device not in (None, "meta"):
+        if default_device not in (None, "meta") and not _this_device(default_device):
+            from ..utils import get_current_device
+
             raise ConfigError(f"LazyInitContext(default_device={default_device!r}): the model "
-                              f"is built on the meta device and placed by boost; leave it out")
+                              f"is built on the meta device and placed by boost on this "
+                              f"process's device ({get_current_device()}); leave it out or "
+                              f"pass that device")
         self._device = torch.device("meta")
 
     def __enter__(self) -> "LazyInitContext":

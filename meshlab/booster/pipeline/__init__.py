@@ -1,0 +1,1 @@
+"""Colossal-AI's ``colossalai.pipeline`` names a script imports (``schedule.v_schedule``)."""

@@ -1,0 +1,1 @@
+"""Colossal-AI's ``colossalai.tensor.d_tensor`` names a test imports."""
