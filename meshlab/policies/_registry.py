@@ -64,8 +64,14 @@ def _moe(model_type: str, tp_plan: dict[str, str]) -> Policy:
             regions.append(parent)              # a shared expert
         elif parent == "layers.*.mlp" and parent not in dense:
             dense.append(parent)                # the dense layers' MLP (not the MoE blocks)
+    # Under Megatron sequence parallelism the MoE block runs on this rank's share of the
+    # sequence: the router and the experts (replicated over tp) see part of the tokens, so
+    # their gradients are summed over tp, as the norms' are
+    moe = tuple(f"layers.*.{b}.{m}" for b in ("mlp", "block_sparse_moe")
+                for m in ("gate", "router", "experts"))
     base = dataclasses.replace(DECODER, regions=tuple(regions), dense_regions=tuple(dense),
-                               optional=DECODER.optional + tuple(regions))
+                               optional=DECODER.optional + tuple(regions),
+                               sequence_parallel=DECODER.sequence_parallel + moe)
     return base + Policy(name=model_type, modules=tuple(rules), optional=tuple(
         r.glob for r in rules if r.glob.startswith("layers.*.mlp.")))
 

@@ -43,13 +43,6 @@ _OFF_PARAMS = not_yet(
     "parameters leave the device per FSDP2 unit, which needs zero_shard(3)",
     "{a}: parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one "
     "rank too: zero_shard(3) over a size-1 axis); add it or use params=0")
-_EXPERT_SP = not_yet(
-    "each tensor-parallel rank would route another part of every sequence",
-    "{a} with sequence parallelism over {tp!r} (seq -> {tp!r} in the rules): each "
-    "tensor-parallel rank would route another part of every sequence; not yet shown to "
-    "match the single process", RECORDS,
-    note="shard's tensor-parallel layout raises ConfigError first: the experts, "
-         "replicated over the tensor-parallel axis, would see part of the activations")
 _COMPILE = not_yet("not yet shown to train like the eager model",
                    "compile_blocks() with {b} is not yet shown to train like the eager model; "
                    "leave one of them out")

@@ -113,7 +113,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
         "vocabulary-sharded head (the fused loss needs the whole vocabulary)"
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
-from ._reasons import (_COMPILE, _DTYPE, _EXPERT_SP, _FP8_NO, _FP8_SCALE, _FP8_TP,
+from ._reasons import (_COMPILE, _DTYPE, _FP8_NO, _FP8_SCALE, _FP8_TP,
                        _FUSE_ATTN_SEQ, _FUSE_LOSS_PIPE, _OFF_GRADS, _OFF_PARAMS, _ORDER,
                        _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE, _TWO_SEQ,
                        _ZERO)
@@ -316,7 +316,8 @@ _LISTED: list[tuple[str, str, Cell]] = [
     # sequence('split_gather')
     *[("sequence('split_gather')", s, _shown("sequence('split_gather')", s, _SEQ_SG))
       for s in _SEQS[1:]],
-    ("expert_route", "sequence('split_gather')", _EXPERT_SP),
+    ("expert_route", "sequence('split_gather')", _shown("expert_route",
+                                                         "sequence('split_gather')")),
     ("lora", "sequence('split_gather')", _shown("lora", "sequence('split_gather')")),
     ("sequence('split_gather')", "remat",
      _t(f"{_TRAIN}::test_remat_keeps_the_numbers[selective-tp_sp]")),

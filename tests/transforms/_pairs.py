@@ -146,12 +146,6 @@ def _hybrid(stage: int) -> Callable[[str, frozenset], list]:
 _HYBRID = {frozenset({"data_parallel", f"zero_shard({s})"}): (_hybrid(s), ("rep",))
            for s in (1, 2, 3)}
 
-# A pair whose plan a room's own check refuses before the table is read, and how: the
-# experts, replicated over tp, would see part of the activations under Megatron SP (the
-# tensor-parallel layout raises; the cell's note says so).
-RAISED_FIRST = {frozenset({"sequence('split_gather')", "expert_route"})}
-
-
 @dataclasses.dataclass(frozen=True)
 class Context:
     """One way to plan a pair: the spec, the mesh, the family, and every row the spec
@@ -178,16 +172,7 @@ class Context:
         """What the composition table says ``plan`` does (``composition.Expected``)."""
         from meshlab.transforms import composition
 
-        exp = composition.expect(self.rows, self.data_ranks)
-        if exp.outcome != "raises" and any(frozenset(p) in RAISED_FIRST for p in
-                                           _pairs_of(self.rows)):
-            return composition.Expected("raises", exp.pairs)
-        return exp
-
-
-def _pairs_of(names) -> list[tuple[str, str]]:
-    names = sorted(names)
-    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:]]
+        return composition.expect(self.rows, self.data_ranks)
 
 
 def _compose(parts: list):

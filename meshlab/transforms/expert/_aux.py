@@ -23,7 +23,7 @@ _GROUP: contextvars.ContextVar = contextvars.ContextVar("meshlab_aux_group", def
 
 
 def global_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None,
-                               *, group):
+                               *, group, grad_scale: float = 1.0):
     from torch.distributed.nn.functional import all_reduce
 
     if gate_logits is None or not isinstance(gate_logits, tuple):
@@ -41,6 +41,10 @@ def global_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention
         counts = counts.scatter_add(0, sel.reshape(-1), m.repeat_interleave(top_k))
         probs = probs + (w.float() * m.unsqueeze(-1)).sum(0)
         rows = rows + m.sum()
+    if grad_scale != 1.0:
+        # the same value; the gradient scaled (the all-reduce's backward sums it over every
+        # rank of the group, and only the data ranks average it afterwards)
+        probs = probs * grad_scale + probs.detach() * (1.0 - grad_scale)
     stats = torch.cat([counts, rows.reshape(1)]).detach()
     torch.distributed.all_reduce(stats, group=group)
     probs = all_reduce(probs, group=group)
@@ -60,22 +64,26 @@ def patch_family(module_cls: type) -> bool:
 
     @functools.wraps(fn)
     def dispatch(*args, **kwargs):
-        group = _GROUP.get()
-        if group is None:
+        scope = _GROUP.get()
+        if scope is None:
             return fn(*args, **kwargs)
-        return global_load_balancing_loss(*args, **kwargs, group=group)
+        group, scale = scope
+        return global_load_balancing_loss(*args, **kwargs, group=group, grad_scale=scale)
 
     dispatch._meshlab_global = True
     mod.load_balancing_loss_func = dispatch
     return True
 
 
-def scope_forward(model, group) -> None:
-    """The model's forward computes the global loss (its data group set for the call)."""
+def scope_forward(model, group, grad_scale: float = 1.0) -> None:
+    """The model's forward computes the loss over every token of ``group`` (set for the
+    call). ``grad_scale``: the data ranks' share of the group (1 / the tensor-parallel size
+    under Megatron sequence parallelism, whose ranks hold other tokens but do not average
+    their gradients)."""
     tokens = []
 
     def pre(_m, _args):
-        tokens.append(_GROUP.set(group))
+        tokens.append(_GROUP.set((group, grad_scale)))
 
     def post(_m, _args, _out):
         if tokens:

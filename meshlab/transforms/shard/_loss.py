@@ -7,7 +7,8 @@ loss of its own, whether through ``loss_function`` or a ``CrossEntropyLoss`` in 
 ``forward``), and the loss of the model's kind (``loss_type``: causal or masked LM) is
 computed from the sharded logits by ``meshlab.transforms.losses.hf_loss`` and set on the output
 (for an encoder-decoder model: the labels unshifted, the decoder inputs built from them
-where the call gives none).
+where the call gives none), with the router's load-balancing loss added as a mixture of
+experts' forward adds it (``router_aux_loss_coef * aux_loss``).
 The labels are checked against the vocabulary once per forward: by the parallelized
 model's first pre-hook (``meshlab.transforms.losses.guard_model``) where it ran, else by the loss.
 """
@@ -57,13 +58,34 @@ def install_loss(model: nn.Module) -> None:
         mark(logits, guard)       # a check the loss makes is agreed as the forward's
         kw["check"] = guard is None or "shift_labels" in kw or not guard.covers(
             labels, logits.shape[-1], kw.get("ignore_index", -100))
+        coef = getattr(mod, "router_aux_loss_coef", None)
         if isinstance(out, tuple):
+            if coef and _router_logits(mod, kwargs):
+                raise ConfigError(
+                    f"{type(mod).__name__}(labels=..., return_dict=False, "
+                    f"output_router_logits=True): the loss of a vocabulary-parallel head is "
+                    f"meshlab's, and it adds the router's load-balancing loss to it from the "
+                    f"output's aux_loss, which a tuple does not name; call it with "
+                    f"return_dict=True")
             return (fn(logits, labels, **kw),) + out
-        out["loss"] = fn(logits, labels, **kw)
+        loss = fn(logits, labels, **kw)
+        aux = out.get("aux_loss") if hasattr(out, "get") else None
+        if aux is not None and coef:
+            # what the family's forward adds to its own loss (a mixture of experts' router
+            # load-balancing term), which taking the labels out of the call left out
+            loss = loss + coef * aux.to(loss.device)
+        out["loss"] = loss
         return out
 
     model.register_forward_pre_hook(pre, with_kwargs=True)
     model.register_forward_hook(post, with_kwargs=True)
+
+
+def _router_logits(mod: nn.Module, kwargs: dict) -> bool:
+    """Whether this call returns the router's logits (and so its load-balancing loss)."""
+    v = kwargs.get("output_router_logits")
+    return bool(v if v is not None else
+                getattr(getattr(mod, "config", None), "output_router_logits", False))
 
 
 def _decoder_inputs(mod: nn.Module, labels, args, kwargs: dict) -> None:

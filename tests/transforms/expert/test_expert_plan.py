@@ -45,13 +45,13 @@ def test_refusals_name_the_fix():
                 ml.Mesh(ep=4, fake=True))
     with pytest.raises(ml.ConfigError, match="capacity_factor"):
         ml.expert_route("ep", capacity_factor=0)
-    # sequence parallelism would hand each tp rank another part of every sequence: the
-    # router and experts (replicated over tp) would see partial data, which the
-    # tensor-parallel scan refuses
-    with pytest.raises(ml.ConfigError, match="sequence parallelism"):
-        _plan(dict(ep=2, tp=2), ml.shard(ml.policies.auto, ml.Rules(**{**M.TP_RULES,
-                                                                      "seq": "tp"}))
-              | ml.expert_route("ep"))
+    # under Megatron sequence parallelism each tp rank routes its own part of every
+    # sequence: a module the plan replicates over tp that is not one the MoE policy sums
+    # over tp (Qwen2-MoE's shared expert) is refused by the tensor-parallel scan
+    with pytest.raises(ml.ConfigError, match="shared_expert.*sequence parallelism"):
+        ml.plan(M.build("qwen2_moe"), ml.shard(ml.policies.auto, ml.Rules(
+            **{**M.TP_RULES, "seq": "tp"})) | ml.expert_route("ep"),
+                ml.Mesh(ep=2, tp=2, fake=True))
 
 
 def test_families_not_yet_shown_are_refused_by_name():
