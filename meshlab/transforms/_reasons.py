@@ -43,9 +43,6 @@ _OFF_PARAMS = not_yet(
     "parameters leave the device per FSDP2 unit, which needs zero_shard(3)",
     "{a}: parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one "
     "rank too: zero_shard(3) over a size-1 axis); add it or use params=0")
-_COMPILE = not_yet("not yet shown to train like the eager model",
-                   "compile_blocks() with {b} is not yet shown to train like the eager model; "
-                   "leave one of them out")
 _SHARD_COMPILE = not_yet(
     "a policy's tensor-parallel modules show their forward the local shards through the "
     "module's __dict__ (set in a pre-hook), which dynamo does not read: it traces the "

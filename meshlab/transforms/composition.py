@@ -113,7 +113,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
         "vocabulary-sharded head (the fused loss needs the whole vocabulary)"
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
-from ._reasons import (_COMPILE, _DTYPE, _FP8_NO, _FP8_SCALE, _FP8_TP,
+from ._reasons import (_DTYPE, _FP8_NO, _FP8_SCALE, _FP8_TP,
                        _FUSE_ATTN_SEQ, _FUSE_LOSS_PIPE, _OFF_GRADS, _OFF_PARAMS, _ORDER,
                        _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE, _TWO_SEQ,
                        _ZERO)
@@ -323,7 +323,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
      _t(f"{_TRAIN}::test_remat_keeps_the_numbers[selective-tp_sp]")),
     ("sequence('split_gather')", "fuse('loss')", _shown("sequence('split_gather')",
                                                         "fuse('loss')", _HEAD)),
-    ("compile_blocks", "sequence('split_gather')", _COMPILE),
+    ("compile_blocks", "sequence('split_gather')", _SHARD_COMPILE),
     ("step_in_backward", "sequence('split_gather')", _STEP),
     *_trained("sequence('split_gather')", " ".join(_PRECS) + " fuse fuse('attention')"),
     # sequence('all_to_all') and sequence('ring')
