@@ -9,7 +9,10 @@ throughput against a dense model of the same active parameters.
   through ``grouped_mm``);
 * model: Mixtral-shaped (hidden 1024, 8 layers, 8 experts of 2816, top-2) against a
   Llama of the same shape whose MLP is 5632 wide (the same active parameters per token),
-  bf16 parameters, AdamW(foreach=False) for all, 4 x 2048 tokens per step.
+  bf16 parameters, AdamW(foreach=False) for all, 4 x 2048 tokens per step; transformers'
+  grouped_mm path eager and with each decoder layer compiled (``torch.compile``, graph
+  breaks allowed), meshlab's ``expert_route`` alone and with ``fuse`` (norms, rotary,
+  attention) and ``compile_blocks`` (each block compiled around the expert dispatch).
 
 Times: CUDA events, median of 20 (block) / 10 (model) after 3 warm-up runs. Writes
 ``benchmarks/results/moe_<card>.json``.
@@ -111,6 +114,13 @@ def model(kind: str) -> dict:
         m.config._experts_implementation = "grouped_mm"
     if kind == "moe_meshlab":
         m = ml.parallelize(m, ml.expert_route("ep"), ml.Mesh(ep=1), seed=0)
+    if kind == "moe_meshlab_fused":      # the norms, rotary and attention fused, blocks
+        spec = ml.expert_route("ep") | ml.fuse("rms_norm", "rotary", "attention") | \
+            ml.compile_blocks()          # compiled around the expert dispatch
+        m = ml.parallelize(m, spec, ml.Mesh(ep=1), seed=0)
+    if kind == "moe_hf_compile":         # the peer's best: each decoder layer compiled
+        for layer in m.model.layers:
+            layer.compile()
     # One optimizer for all three (torch's fused and foreach kernels refuse a list mixing
     # DTensor expert weights and plain dense ones).
     opt = torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=False)
@@ -150,7 +160,8 @@ def main() -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "method": "CUDA events, median of 20 (block) / 10 (model) after 3 warm-ups; bf16",
            "block": {f"E{E}": block(E) for E in (8, 64)},
-           "model": {k: model(k) for k in ("dense", "moe_hf", "moe_meshlab")}}
+           "model": {k: model(k) for k in ("dense", "moe_hf", "moe_hf_compile", "moe_meshlab",
+                                           "moe_meshlab_fused")}}
     copy = sys.argv[sys.argv.index("--copy-to") + 1] if "--copy-to" in sys.argv else None
     print(_results.write("moe", out["card"], out, copy))
 
