@@ -12,9 +12,9 @@ import torch.distributed as dist
 
 from .errors import SpecError
 
-# Custom ops that communicate inside their implementation (ring attention's point-to-point
-# shifts): the op's qualified name -> its implementation, which a counter of collectives
-# runs under its own dispatch mode to see those exchanges
+# Custom ops that communicate inside their implementation (``meshlab_comm::``: ring
+# attention's point-to-point shifts): the op's qualified name -> its implementation, which
+# a counter of collectives runs under its own dispatch mode to see those exchanges
 # (``meshlab.estimate.comm.CommCounter``; a dispatch mode sees a custom op as one call).
 COMMUNICATING_OPS: dict = {}
 

@@ -89,15 +89,8 @@ def dense_4d_case(rank, world):
 
 
 @pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
+def world16():
+    w = World(16)
     yield w
     w.close()
 
@@ -118,17 +111,9 @@ def test_tensor_parallel_zero1_offload_matches_one_process(world4):
     _check(world4.run(tp_zero1_offload_case))
 
 
-def test_moe_pipeline_expert_tensor_zero1_matches_one_process():
-    w = World(16)
-    try:
-        _check(w.run(moe_pp_ep_tp_zero1_case, timeout=600))
-    finally:
-        w.close()
+def test_moe_pipeline_expert_tensor_zero1_matches_one_process(world16):
+    _check(world16.run(moe_pp_ep_tp_zero1_case, timeout=600))
 
 
-def test_dense_pipeline_zero3_tensor_ring_matches_one_process():
-    w = World(16)
-    try:
-        _check(w.run(dense_4d_case, timeout=600))
-    finally:
-        w.close()
+def test_dense_pipeline_zero3_tensor_ring_matches_one_process(world16):
+    _check(world16.run(dense_4d_case, timeout=600))

@@ -11,7 +11,7 @@ q, k, v, the output and the log-sum-exps, O(S/n x D) per rank, and recomputes ea
 (``meshlab::attention_backward``), the K/V gradients travelling with their blocks back to
 their owner, so no (S/n)^2 score block outlives its step. Causal language models without
 padding masks; registered through transformers' ``AttentionInterface``. The ring is a
-pair of custom ops (``meshlab::ring_attention`` and its backward), so a block attending
+pair of custom ops (``meshlab_comm::ring_attention`` and its backward), so a block attending
 through it compiles whole.
 """
 
@@ -181,14 +181,17 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale: float):
 # The ring as two custom ops (its forward and its backward, joined by register_autograd):
 # opaque to dynamo, so blocks that attend through the ring compile whole
 # (``compile_blocks``), the point-to-point shifts running inside the op. The process group
-# travels by name, as torch's functional collectives pass it.
+# travels by name, as torch's functional collectives pass it. Their namespace is
+# ``meshlab_comm`` (ops that communicate), apart from ``meshlab``'s kernels, which
+# tests/ops holds on every input layout in one process; these are trained on gloo
+# (tests/transforms/sequence, and the table's ring cases).
 def _group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
 
 
-@torch.library.custom_op("meshlab::ring_attention", mutates_args=())
+@torch.library.custom_op("meshlab_comm::ring_attention", mutates_args=())
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal ring attention of this rank's zigzag chunks: (out, row log-sum-exps)."""
@@ -201,7 +204,7 @@ def _(q, k, v, group_name, scale):
             q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32)))
 
 
-@torch.library.custom_op("meshlab::ring_attention_backward", mutates_args=())
+@torch.library.custom_op("meshlab_comm::ring_attention_backward", mutates_args=())
 def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                             group_name: str, scale: float
@@ -222,16 +225,16 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = torch.ops.meshlab.ring_attention_backward(
+    dq, dk, dv = torch.ops.meshlab_comm.ring_attention_backward(
         dout.contiguous(), q, k, v, out, lse, ctx.group_name, ctx.scale)
     return dq, dk, dv, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup)
 C.COMMUNICATING_OPS.update({
-    "meshlab::ring_attention": lambda q, k, v, name, scale: _ring_forward(
+    "meshlab_comm::ring_attention": lambda q, k, v, name, scale: _ring_forward(
         q, k, v, _group(name), scale),
-    "meshlab::ring_attention_backward": lambda dout, q, k, v, out, lse, name, scale:
+    "meshlab_comm::ring_attention_backward": lambda dout, q, k, v, out, lse, name, scale:
         _ring_backward(dout, q, k, v, out, lse, _group(name), scale)})
 
 
@@ -246,7 +249,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = _one_dtype(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
-        out, _ = torch.ops.meshlab.ring_attention(query.contiguous(), key.contiguous(),
+        out, _ = torch.ops.meshlab_comm.ring_attention(query.contiguous(), key.contiguous(),
                                                   value.contiguous(), group.group_name,
                                                   float(scale))
     return out.transpose(1, 2).contiguous(), None
