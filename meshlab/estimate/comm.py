@@ -163,8 +163,7 @@ def grad_sync_ops(plan, coord) -> list[CommOp]:
 
     def nbytes(route, dt) -> int:
         data = any(a in plan.roles.data for r in route for a in r.axes)
-        return dtype_bytes(str(narrow).replace("torch.", "")) if narrow is not None and data \
-            else dtype_bytes(dt)
+        return narrow.itemsize if narrow is not None and data else dtype_bytes(dt)
 
     return [CommOp("all_reduce", "_".join(r.axes), 1, (numel + len(names)) * nbytes(route, dt))
             for route, names, numel, dt in layout(items, route_of, bucket_mb(plan) * 2 ** 20)

@@ -81,6 +81,17 @@ class AxisRoles:
 _IMPLIED: list[Callable[["Plan", AxisRoles], object | None]] = []
 
 
+def block_sequence_axes(plan: "Plan") -> tuple[str, ...]:
+    """The mesh axes the repeated blocks' outputs are split over on the sequence dimension
+    (Megatron sequence parallelism: the activation specs ``shard`` lays out), read from the
+    first block's output; the ranks along them hold other tokens of the same rows."""
+    first = plan.model.blocks[0] if plan.model.blocks else None
+    for a in plan.activations:
+        if a.module == first and a.output is not None and len(a.output) > 1:
+            return tuple(a.output.dim_axes(1))
+    return ()
+
+
 def implied_room(fn: Callable[["Plan", AxisRoles], object | None]):
     """Register ``fn(bound_plan, roles) -> transform | None``, asked in every ``bind``."""
     _IMPLIED.append(fn)

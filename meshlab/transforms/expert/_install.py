@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from ...core.errors import ConfigError
+from ...planning.roles import block_sequence_axes
 from .._install import EagerModules
 from .._protocol import Part
 from ._aux import patch_family, scope_forward
@@ -71,7 +72,7 @@ def install_experts(t, ctx):
     # the router's load-balancing loss is taken over every token of the step: those of the
     # data ranks, and under Megatron sequence parallelism those of the tensor-parallel ranks,
     # each of which routes its own part of the sequence
-    seq = _sequence_axes(ctx.plan)
+    seq = tuple(a for a in block_sequence_axes(ctx.plan) if a not in ctx.roles.data)
     axes = tuple(a for a in ctx.plan.mesh_shape if a in ctx.roles.data + seq)   # mesh order
     if aux and axes and ctx.size(*axes) > 1:
         scope_forward(ctx.model, ctx.group(*axes), 1.0 / ctx.size(*seq) if seq else 1.0)
@@ -79,16 +80,6 @@ def install_experts(t, ctx):
                           "the expert dispatch reads its all-to-all's split sizes from the "
                           "routing on the host"))
     return ExpertPart(stats)
-
-
-def _sequence_axes(plan) -> tuple[str, ...]:
-    """The mesh axes the blocks' outputs are split over on the sequence (Megatron sequence
-    parallelism inside ``shard``): their ranks hold other tokens of the same rows."""
-    first = plan.model.blocks[0] if plan.model.blocks else None
-    for a in plan.activations:
-        if a.module == first and a.output is not None and len(a.output) > 1:
-            return tuple(x for x in a.output.dim_axes(1) if x not in plan.roles.data)
-    return ()
 
 
 class ExpertPart(Part):

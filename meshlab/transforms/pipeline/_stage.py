@@ -102,17 +102,15 @@ class DecoderStage(nn.Module):
 
 def seq_split(plan) -> int:
     """How many parts the sequence is cut into between the blocks: the mesh axes on the
-    sequence dimension of the first block's output (Megatron sequence parallelism inside
+    sequence dimension of the blocks' outputs (Megatron sequence parallelism inside
     ``shard``), times the axis of ``sequence('all_to_all')`` or ``sequence('ring')``."""
+    import math
+
+    from ...planning.roles import block_sequence_axes
     from ..sequence import Sequence
 
-    sizes, n = plan.mesh_shape, 1
-    first = plan.model.blocks[0] if plan.model.blocks else None
-    for a in plan.activations:
-        if a.module == first and a.output is not None and len(a.output) > 1:
-            for ax in a.output.dim_axes(1):
-                n *= sizes[ax]
-            break
+    sizes = plan.mesh_shape
+    n = math.prod(sizes[a] for a in block_sequence_axes(plan))
     s = plan.get(Sequence)
     if s is not None and s.mode != "split_gather":
         n *= sizes.get(s.axis, 1)

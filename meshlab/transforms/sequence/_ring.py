@@ -191,11 +191,20 @@ def _group(name: str):
     return _resolve_process_group(name)
 
 
-@torch.library.custom_op("meshlab_comm::ring_attention", mutates_args=())
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+def _forward_named(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal ring attention of this rank's zigzag chunks: (out, row log-sum-exps)."""
     return _ring_forward(q, k, v, _group(group_name), scale)
+
+
+def _backward_named(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, group_name: str, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ring_backward(dout, q, k, v, out, lse, _group(group_name), scale)
+
+
+ring_attention = torch.library.custom_op("meshlab_comm::ring_attention",
+                                         mutates_args=())(_forward_named)
 
 
 @ring_attention.register_fake
@@ -204,12 +213,8 @@ def _(q, k, v, group_name, scale):
             q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32)))
 
 
-@torch.library.custom_op("meshlab_comm::ring_attention_backward", mutates_args=())
-def ring_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                            group_name: str, scale: float
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ring_backward(dout, q, k, v, out, lse, _group(group_name), scale)
+ring_attention_backward = torch.library.custom_op("meshlab_comm::ring_attention_backward",
+                                                  mutates_args=())(_backward_named)
 
 
 @ring_attention_backward.register_fake
@@ -231,11 +236,8 @@ def _backward(ctx, dout, dlse):
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup)
-C.COMMUNICATING_OPS.update({
-    "meshlab_comm::ring_attention": lambda q, k, v, name, scale: _ring_forward(
-        q, k, v, _group(name), scale),
-    "meshlab_comm::ring_attention_backward": lambda dout, q, k, v, out, lse, name, scale:
-        _ring_backward(dout, q, k, v, out, lse, _group(name), scale)})
+C.COMMUNICATING_OPS.update({"meshlab_comm::ring_attention": _forward_named,
+                            "meshlab_comm::ring_attention_backward": _backward_named})
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

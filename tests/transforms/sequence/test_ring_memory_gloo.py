@@ -40,19 +40,25 @@ def _kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def memory_case(rank, world, mode, seqs):
-    import gc
-
+def _model(max_seq: int):
+    """The measured model: one Llama block of hidden 128 attending through SDPA, on the
+    meta device."""
     import transformers
-
-    import meshlab as ml
 
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                                    num_attention_heads=8, num_key_value_heads=4,
-                                   vocab_size=128, max_position_embeddings=max(seqs))
+                                   vocab_size=128, max_position_embeddings=max_seq)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
+        return transformers.LlamaForCausalLM(cfg)
+
+
+def memory_case(rank, world, mode, seqs):
+    import gc
+
+    import meshlab as ml
+
+    model = _model(max(seqs))
     model = ml.parallelize(model, ml.sequence("sp", mode), ml.Mesh(sp=world), seed=0)
     _LIBC.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)   # resident = alive (module docstring)
     out = {}
@@ -76,16 +82,9 @@ def memory_case(rank, world, mode, seqs):
 def planned(mode: str, seqs, world: int = 2) -> list[float]:
     """``plan.memory(batch=1, seq=S).activations.peak`` in MiB for the measured model
     and spec, planned on a fake mesh of ``world`` ranks."""
-    import transformers
-
     import meshlab as ml
 
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                   num_attention_heads=8, num_key_value_heads=4,
-                                   vocab_size=128, max_position_embeddings=max(seqs))
-    cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(cfg)
+    model = _model(max(seqs))
     plan = ml.plan(model, ml.sequence("sp", mode), ml.Mesh(sp=world, fake=True))
     return [plan.memory(batch=1, seq=s).activations.peak / 2 ** 20 for s in seqs]
 
