@@ -12,7 +12,11 @@ throughput against a dense model of the same active parameters.
   bf16 parameters, AdamW(foreach=False) for all, 4 x 2048 tokens per step; transformers'
   grouped_mm path eager and with each decoder layer compiled (``torch.compile``, graph
   breaks allowed), meshlab's ``expert_route`` alone and with ``fuse`` (norms, rotary,
-  attention) and ``compile_blocks`` (each block compiled around the expert dispatch).
+  attention) and ``compile_blocks`` (each block compiled around the expert dispatch);
+* best of each (``moe_hf_best``, ``moe_meshlab_best``): the two compiled paths above, each
+  with its fastest optimizer, torch's ``AdamW(fused=True)`` for transformers, meshlab's
+  ``FusedAdamW`` through ``ml.optimizer`` and ``ml.step`` for meshlab (at ep=1 no parameter
+  is a DTensor, so both fused kernels take every parameter).
 
 Times: CUDA events, median of 20 (block) / 10 (model) after 3 warm-up runs. Writes
 ``benchmarks/results/moe_<card>.json``.
@@ -25,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -114,23 +119,35 @@ def model(kind: str) -> dict:
         m.config._experts_implementation = "grouped_mm"
     if kind == "moe_meshlab":
         m = ml.parallelize(m, ml.expert_route("ep"), ml.Mesh(ep=1), seed=0)
-    if kind == "moe_meshlab_fused":      # the norms, rotary and attention fused, blocks
+    if kind in ("moe_meshlab_fused", "moe_meshlab_best"):  # norms, rotary, attention fused
         spec = ml.expert_route("ep") | ml.fuse("rms_norm", "rotary", "attention") | \
             ml.compile_blocks()          # compiled around the expert dispatch
         m = ml.parallelize(m, spec, ml.Mesh(ep=1), seed=0)
-    if kind == "moe_hf_compile":         # the peer's best: each decoder layer compiled
+    if kind in ("moe_hf_compile", "moe_hf_best"):  # the peer's best: each layer compiled
         for layer in m.model.layers:
             layer.compile()
     # One optimizer for all three (torch's fused and foreach kernels refuse a list mixing
     # DTensor expert weights and plain dense ones).
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=False)
     ids = torch.randint(0, 32000, (4, 2048), device="cuda")
+    batch = {"input_ids": ids, "labels": ids}
+    if kind == "moe_meshlab_best":
+        from meshlab.ops import FusedAdamW
 
-    def step():
-        loss = ml.losses.causal_lm_loss(m(input_ids=ids), {"input_ids": ids, "labels": ids})
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt = ml.optimizer(m, FusedAdamW, lr=1e-5)
+        optimizer = "meshlab FusedAdamW through ml.step"
+
+        def step():
+            ml.step(m, opt, batch)
+    else:
+        fused = kind == "moe_hf_best"
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=False, fused=fused)
+        optimizer = f"torch AdamW({'fused=True' if fused else 'foreach=False'})"
+
+        def step():
+            loss = ml.losses.causal_lm_loss(m(input_ids=ids), batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     def fwd_bwd():
         loss = ml.losses.causal_lm_loss(m(input_ids=ids), {"input_ids": ids, "labels": ids})
@@ -138,7 +155,8 @@ def model(kind: str) -> dict:
         opt.zero_grad(set_to_none=True)
 
     ms = _time(step, 10)
-    res = {"params": n_params, "ms_per_step": ms, "tokens_per_s": ids.numel() / (ms / 1e3),
+    res = {"params": n_params, "optimizer": optimizer, "ms_per_step": ms,
+           "tokens_per_s": ids.numel() / (ms / 1e3),
            "fwd_bwd_ms": _time(fwd_bwd, 10),
            "peak_GiB": torch.cuda.max_memory_allocated() / 2**30}
     print(kind, json.dumps(res), flush=True)
@@ -146,6 +164,16 @@ def model(kind: str) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return res
+
+
+def _row(kind: str) -> dict:
+    """``model(kind)``, or the error it raised (the other rows still run)."""
+    try:
+        return model(kind)
+    except Exception as e:
+        print(kind, "failed:", traceback.format_exc()[-2000:], flush=True)
+        torch.cuda.empty_cache()
+        return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
 def main() -> None:
@@ -160,8 +188,13 @@ def main() -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "method": "CUDA events, median of 20 (block) / 10 (model) after 3 warm-ups; bf16",
            "block": {f"E{E}": block(E) for E in (8, 64)},
-           "model": {k: model(k) for k in ("dense", "moe_hf", "moe_hf_compile", "moe_meshlab",
-                                           "moe_meshlab_fused")}}
+           "model": {k: _row(k) for k in ("dense", "moe_hf", "moe_hf_compile", "moe_meshlab",
+                                          "moe_meshlab_fused", "moe_hf_best",
+                                          "moe_meshlab_best")}}
+    best = out["model"]
+    if all("tokens_per_s" in best[k] for k in ("moe_hf_best", "moe_meshlab_best")):
+        out["meshlab_best_vs_hf_best"] = (best["moe_meshlab_best"]["tokens_per_s"]
+                                          / best["moe_hf_best"]["tokens_per_s"])
     copy = sys.argv[sys.argv.index("--copy-to") + 1] if "--copy-to" in sys.argv else None
     print(_results.write("moe", out["card"], out, copy))
 
