@@ -25,7 +25,31 @@ Rows (each from the same bf16 weights, on the same batch):
 * ``meshlab_remat2``    -- (8B) ``ml.parallelize(model, ml.fuse() | ml.remat('full', every=2),
   ...)`` and ``ml.step``: every other block checkpointed, in place of transformers'
   checkpointing of all of them;
-* ``meshlab_noremat``   -- (8B) ``ml.fuse()`` and ``ml.step`` with no checkpointing at all.
+* ``meshlab_noremat``   -- (8B) ``ml.fuse()`` and ``ml.step`` with no checkpointing at all;
+* ``titan_eager``       -- torchtitan's llama3 training step (``benchmarks/_titan.py``), as its
+  ``Trainer`` runs it on one GPU with its defaults: a ``Llama3Model`` of the same sizes
+  built by torchtitan (fresh, seeded; not the transformers weights) with fused QKV and
+  FlexAttention (block-causal mask from per-row positions), FSDP2 at world 1 for its mixed
+  precision, ``ChunkedLossWrapper`` cross-entropy, fused AdamW (``default_adamw``),
+  gradient clipping at 1.0, forward and backward captured as one CUDA graph from the third
+  step on; activation checkpointing where the shape has it (8B: ``SelectiveAC``, as
+  ``llama3_8b`` sets it; tinyllama: none, as in the other rows); each block run eagerly;
+* ``titan_compile``     -- the same with ``CompileConfig(enable=True)``: each block compiled
+  with ``fullgraph=True`` and the loss compiled (torchtitan's best one-GPU setting);
+* ``titan_compile_fp8`` -- that with ``Float8LinearConverter`` as ``llama3_debugmodel_float8``
+  applies it (torchao's float8 linear layers with torchtitan's default recipe, rowwise
+  scales; the lm_head too);
+* ``titan_<...>_sdpa``, ``titan_<...>_nocg`` -- a titan row with torchtitan's causal SDPA in
+  place of FlexAttention, or without the CUDA graph (``training.disable_cuda_graphs``).
+
+torchtitan keeps fp32 master weights: its parameters, gradients and AdamW moments are fp32
+(16 bytes a parameter, about 120 GiB at llama3-8b, more than an H100 holds) and only the
+forward and backward run in bf16 copies, where every other row holds bf16 parameters and
+gradients. Its peak memory is therefore not comparable one for one with theirs, nor is the
+time of its optimizer step. The titan rows run after the others (torchtitan sets
+process-wide compiler options), with the transformers model moved off the GPU while they
+run (the other rows' peaks include it); they are not in the default rows: name them with
+``--rows``. torchtitan and its dependencies come from ``PYTHONPATH``.
 
 The other rows step ``torch.optim.AdamW(fused=True)``. Time: CUDA events around each step,
 the median of ``--steps`` steps after ``--warmup``; peak memory is
@@ -37,6 +61,8 @@ the median of ``--steps`` steps after ``--warmup``; peak memory is
     python benchmarks/single_gpu.py --shape tinyllama --batch 1 --tag _b1 \
         --rows hf_eager,hf_liger,meshlab_fuse,meshlab_step,meshlab_graphs   # host-bound
     python benchmarks/single_gpu.py --pair meshlab_fuse,meshlab_step --steps 30
+    PYTHONPATH=<torchtitan's wheels unpacked> python benchmarks/single_gpu.py \
+        --shape tinyllama --tag _titan --rows meshlab_blocks,titan_compile,titan_compile_fp8
 
 ``--pair A,B`` times two rows interleaved, A, B, A, B, ..., both models and optimizers on
 the card after both are warmed up, and reports the median of the per-pair ratios B/A:
@@ -124,6 +150,30 @@ def _meshlab_spec(name: str):
             | ml.remat("full", count=19) | ml.compile_blocks()}.get(name)
 
 
+def _titan_options(name: str) -> dict | None:
+    """``_titan.titan_step``'s options of a ``titan_*`` row (module docstring), else None."""
+    parts = name.split("_")
+    if parts[0] != "titan" or len(parts) < 2 or parts[1] not in ("eager", "compile"):
+        return None
+    extras = set(parts[2:])
+    if extras - {"fp8", "sdpa", "nocg"}:
+        return None
+    return {"compile": parts[1] == "compile", "float8": "fp8" in extras,
+            "attn_backend": "sdpa" if "sdpa" in extras else "flex",
+            "cuda_graphs": "nocg" not in extras}
+
+
+def _titan_step(name: str, shape: dict, batch):
+    """(step callable, torchtitan's model) of a ``titan_*`` row, on the batch's ids;
+    ``SelectiveAC`` where the shape checkpoints (``llama3_8b``'s choice)."""
+    import _titan
+
+    ids = batch["input_ids"]
+    return _titan.titan_step(shape["cfg"], ids.shape[0], ids.shape[1], ids=ids,
+                             ac="selective" if shape["checkpointing"] else None,
+                             device=ids.device.type, seed=0, **_titan_options(name))
+
+
 def _layer_sums_apart(self, hidden_states, **kwargs):
     """A routed decoder layer as ``fuse()`` ran it before its residual stream's gradient
     joined the first norm's backward and its query/key/value input gradient was summed
@@ -137,8 +187,11 @@ def _layer_sums_apart(self, hidden_states, **kwargs):
     return hidden + self.mlp(normed)
 
 
-def _step_fn(name: str, model, batch):
-    """(step callable, the model as run) for one row."""
+def _step_fn(name: str, model, batch, shape: dict | None = None):
+    """The step callable of one row (a ``titan_*`` row builds its own model from
+    ``shape`` and ignores ``model``)."""
+    if _titan_options(name) is not None:
+        return _titan_step(name, shape, batch)[0]
     import meshlab as ml
     from meshlab.ops import FusedAdamW
     from meshlab.transforms.fuse import causal_lm_loss, fuse_model
@@ -200,32 +253,67 @@ def build(shape: dict):
     return base, {"input_ids": ids}
 
 
-def run_row(name: str, base, batch, steps: int, warmup: int, checkpointing: bool) -> dict:
+def _row(name: str, base, batch, shape: dict) -> tuple:
+    """(step callable, what the row's JSON records of its setup) of one row: a copy of
+    ``base`` for the transformers and meshlab rows, torchtitan's own model for the titan
+    rows (``base`` is left where it is: the caller moves it off the GPU for those)."""
+    titan = _titan_options(name)
+    if titan is not None:
+        step, model = _titan_step(name, shape, batch)
+        return step, {"hf_gradient_checkpointing": False, "titan": titan,
+                      "titan_activation_checkpointing":
+                          "selective" if shape["checkpointing"] else None,
+                      "params": sum(p.numel() for p in model.parameters()),
+                      "param_dtype": str(next(model.parameters()).dtype)}
     model = copy.deepcopy(base)
-    hf_ckpt = checkpointing and not name.startswith(NO_HF_CHECKPOINTING)
+    hf_ckpt = shape["checkpointing"] and not name.startswith(NO_HF_CHECKPOINTING)
     if hf_ckpt:
         model.gradient_checkpointing_enable()
-    step = _step_fn(name, model, batch)
-    first = [float(step().detach()) for _ in range(min(3, warmup))]
-    for _ in range(warmup - len(first)):
-        step()
-    times = cuda_times(step, steps)
+    return _step_fn(name, model, batch), {"hf_gradient_checkpointing": hf_ckpt}
+
+
+def _base_off_gpu(base, names) -> bool:
+    """Move ``base`` to the CPU when every row of ``names`` is a titan row (its weights
+    are not theirs); True if it moved."""
+    if not all(_titan_options(n) is not None for n in names):
+        return False
+    base.to("cpu")
+    torch.cuda.empty_cache()
+    return True
+
+
+def _titan_release() -> None:
+    """Drop torchtitan's CUDA graphs (their memory pool outlives the step callables)."""
+    if "_titan" in sys.modules:
+        sys.modules["_titan"].release()
+
+
+def run_row(name: str, base, batch, steps: int, warmup: int, shape: dict) -> dict:
+    moved = _base_off_gpu(base, [name])
+    try:
+        step, info = _row(name, base, batch, shape)
+        first = [float(step().detach()) for _ in range(min(3, warmup))]
+        for _ in range(warmup - len(first)):
+            step()
+        times = cuda_times(step, steps)
+        peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    finally:
+        step = None
+        _titan_release()
+        if moved:
+            base.to("cuda")
     ms = statistics.median(times)
     tokens = batch["input_ids"].numel()
-    return {"hf_gradient_checkpointing": hf_ckpt,
+    return {**info, "base_model_on_gpu": not moved,
             "first_losses": first, "ms_per_step": ms, "tokens_per_s": tokens / (ms * 1e-3),
-            "peak_GiB": torch.cuda.max_memory_allocated() / 2 ** 30, "step_ms": times}
+            "peak_GiB": peak, "step_ms": times}
 
 
-def run_pair(a: str, b: str, base, batch, steps: int, warmup: int,
-             checkpointing: bool) -> dict:
+def run_pair(a: str, b: str, base, batch, steps: int, warmup: int, shape: dict) -> dict:
     """Rows ``a`` and ``b`` interleaved step by step (module docstring)."""
     fns = {}
     for name in (a, b):
-        model = copy.deepcopy(base)
-        if checkpointing and not name.startswith(NO_HF_CHECKPOINTING):
-            model.gradient_checkpointing_enable()
-        fns[name] = _step_fn(name, model, batch)
+        fns[name] = _row(name, base, batch, shape)[0]
         for _ in range(warmup):
             fns[name]()
     times = {a: [], b: []}
@@ -238,6 +326,19 @@ def run_pair(a: str, b: str, base, batch, steps: int, warmup: int,
             "tokens_per_s": {k: tokens / (statistics.median(v) * 1e-3) for k, v in times.items()},
             "time_ratio_b_over_a": {"median": statistics.median(ratios), "min": min(ratios),
                                     "max": max(ratios)}}
+
+
+def _versions(*pkgs) -> dict:
+    """{package with '-' as '_': its installed version, or None}."""
+    import importlib.metadata as md
+
+    out = {}
+    for pkg in pkgs:
+        try:
+            out[pkg.replace("-", "_")] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg.replace("-", "_")] = None
+    return out
 
 
 def main() -> None:
@@ -261,14 +362,14 @@ def main() -> None:
     fpt = _flops_per_token(cfg, shape["seq"])
     if args.pair:
         a, b = args.pair.split(",")
-        r = run_pair(a, b, base, batch, args.steps, args.warmup, shape["checkpointing"])
+        r = run_pair(a, b, base, batch, args.steps, args.warmup, shape)
         print(f"{b} / {a} step time: median {r['time_ratio_b_over_a']['median']:.4f} "
               f"(min {r['time_ratio_b_over_a']['min']:.4f}, max "
               f"{r['time_ratio_b_over_a']['max']:.4f}); tokens/s {r['tokens_per_s']}",
               flush=True)
         dev = torch.cuda.get_device_properties(0)
         out = {"card": dev.name, "torch": torch.__version__,
-               "transformers": transformers.__version__,
+               "transformers": transformers.__version__, **_versions("torchtitan", "torchao"),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "shape": args.shape, "batch": shape["batch"], "seq": shape["seq"],
                "method": f"{args.steps} steps of each row interleaved (CUDA events) after "
@@ -278,11 +379,12 @@ def main() -> None:
         return
     results = {}
     rows = (args.rows or ",".join(ROWS_8B if args.shape == "llama3-8b" else ROWS)).split(",")
-    # Liger patches transformers' modeling module for the whole process: its row runs last
-    rows = sorted(rows, key=lambda r: r == "hf_liger")
+    # Liger patches transformers' modeling module for the whole process: its row runs after
+    # the others but the titan rows, which set process-wide compiler options
+    rows = sorted(rows, key=lambda r: (_titan_options(r) is not None, r == "hf_liger"))
     for name in rows:
         try:
-            r = run_row(name, base, batch, args.steps, args.warmup, shape["checkpointing"])
+            r = run_row(name, base, batch, args.steps, args.warmup, shape)
             r["mfu"] = r["tokens_per_s"] * fpt / (PEAK_TFLOPS * 1e12)
             print(f"{name:>16}: {r['tokens_per_s']:>9,.0f} tokens/s  {100 * r['mfu']:.1f}% MFU  "
                   f"peak {r['peak_GiB']:.1f} GiB  first losses "
@@ -295,18 +397,10 @@ def main() -> None:
         torch._dynamo.reset()        # each row compiles afresh, not against the last's cache
         gc.collect()
         torch.cuda.empty_cache()
-    import importlib.metadata as md
-
-    def version(pkg):
-        try:
-            return md.version(pkg)
-        except md.PackageNotFoundError:
-            return None
-
     dev = torch.cuda.get_device_properties(0)
     ok = {k: v for k, v in results.items() if "tokens_per_s" in v}
     out = {"card": dev.name, "torch": torch.__version__, "transformers": transformers.__version__,
-           "liger_kernel": version("liger-kernel"), "triton": version("triton"),
+           **_versions("liger-kernel", "triton", "torchtitan", "torchao"),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "shape": args.shape, "model": shape["cfg"], "batch": shape["batch"],
            "seq": shape["seq"], "gradient_checkpointing": shape["checkpointing"],
