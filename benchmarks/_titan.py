@@ -31,7 +31,8 @@ config objects and builders, with the defaults of its ``Trainer.Config`` and of
   ``clip_grad_norm_`` at ``training.max_norm`` (1.0), the optimizer and scheduler steps.
 
 Every torchtitan import is inside the functions: the benchmark imports this module
-without torchtitan installed.
+without torchtitan installed. On a torch older than torchtitan's (2.11), ``_torch_compat``
+stands in for the one name its modules import and a world of one never uses.
 """
 
 from __future__ import annotations
@@ -43,6 +44,26 @@ import types
 import torch
 
 FLAVOR = "meshlab_bench"        # the flavor name the benchmark's shape is registered as
+
+
+def _torch_compat() -> None:
+    """torchtitan 0.3.0 follows torch's nightlies: its FSDP modules import
+    ``torch.distributed.fsdp.DataParallelMeshDims`` (torch 2.12 on) at module scope and use
+    it only to describe data-parallel mesh axes of more than one rank to ``fully_shard``
+    (``resolve_fsdp_mesh`` gives None at world 1). On an older torch a stand-in that
+    refuses to be built lets those modules import; a run that would need it fails."""
+    import torch.distributed.fsdp as fsdp
+
+    if hasattr(fsdp, "DataParallelMeshDims"):
+        return
+
+    class DataParallelMeshDims:
+        def __init__(self, *args, **kwargs):
+            raise NotImplementedError(
+                f"torch {torch.__version__} has no DataParallelMeshDims (torch 2.12 on); "
+                "the benchmark's torchtitan step runs at data-parallel degree 1 only")
+
+    fsdp.DataParallelMeshDims = DataParallelMeshDims
 
 
 def _process_group(device_type: str) -> None:
@@ -67,6 +88,8 @@ def model_config(shape_cfg: dict):
     from functools import partial
 
     import torch.nn as nn
+
+    _torch_compat()
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
@@ -124,6 +147,7 @@ def titan_step(shape_cfg: dict, batch: int, seq: int, *, compile: bool, float8: 
     seeded, if None); the model reads them all and predicts each next one (the last
     position's label is ignored). ``cuda_graphs``: the Trainer's
     ``not training.disable_cuda_graphs`` (graphs only on CUDA)."""
+    _torch_compat()
     import spmd_types as spmd
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
