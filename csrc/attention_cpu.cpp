@@ -4,7 +4,10 @@
 // Layout as torch SDPA: q, out, dout, dq (B, Hq, S, D); k, v, dk, dv (B, Hkv, Skv, D);
 // lse, delta (B, Hq, S) float32. Query head h reads kv head h / (Hq / Hkv) (grouped-query
 // attention). Causal masking is aligned top-left like SDPA's is_causal: query i sees keys
-// j <= i (the Python side requires S == Skv then).
+// j <= i (the Python side requires S == Skv then). Segment masking (packed and padded
+// batches): with int64 segment ids qseg (B, S) and kseg (B, Skv), query i of row b sees key
+// j only where qseg[b][i] == kseg[b][j] (and the causal mask allows it). A row that sees
+// no key gets out 0 and lse -inf; its probabilities in the backward are 0.
 //
 // Conventions, as in ops_cpu.cpp: inputs arrive contiguous and outputs are allocated
 // contiguous; activations are float32 or bfloat16 (all of one dtype); every product and sum
@@ -17,7 +20,8 @@
 //
 // forward   per (b, h, query block): stream over key blocks with an online softmax (running
 //           max m and sum l per row, the accumulator rescaled by exp(m_old - m_new));
-//           key blocks entirely above the causal diagonal are skipped.
+//           key blocks entirely above the causal diagonal are skipped, and so are key
+//           blocks whose segment ids cannot meet the query block's (disjoint id ranges).
 //           out = acc / l, lse = m + log(l).
 // backward  P = exp(S - lse) recomputed from the saved lse; delta_i = rowsum(dout * out);
 //           dS = P * (dP - delta), dP = dout v^T. Two passes, so no two threads write the
@@ -33,6 +37,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #ifdef _OPENMP
@@ -160,6 +165,36 @@ inline void gemm(const float* a, int64_t ars, int64_t acs, int64_t m, int64_t kk
     gemm_cols<16>(a, ars, acs, m, kk, b + c0, ldb, c + c0, ldc, accumulate);
 }
 
+// Whether a block of query segment ids qs[0, qn) and one of key segment ids ks[0, kn)
+// cannot share a segment (their [min, max] ranges are disjoint): the block pair is skipped.
+// Without segments (nullptr) every pair may meet.
+inline bool segments_apart(const int64_t* qs, int64_t qn, const int64_t* ks, int64_t kn) {
+  if (qs == nullptr) return false;
+  const auto [qlo, qhi] = std::minmax_element(qs, qs + qn);
+  const auto [klo, khi] = std::minmax_element(ks, ks + kn);
+  return *qhi < *klo || *khi < *qlo;
+}
+
+// Segment ids of row b as int64 pointers (nullptr without segments).
+inline const int64_t* seg_row(const std::optional<at::Tensor>& seg, int64_t b, int64_t n) {
+  return seg.has_value() ? seg->data_ptr<int64_t>() + b * n : nullptr;
+}
+
+void check_segments(const std::optional<at::Tensor>& qseg, const std::optional<at::Tensor>& kseg,
+                    const Dims& d) {
+  TORCH_CHECK(qseg.has_value() == kseg.has_value(),
+              "query and key segment ids come together or not at all");
+  if (!qseg.has_value()) return;
+  for (const auto* t : {&*qseg, &*kseg}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->scalar_type() == at::kLong &&
+                    t->dim() == 2 && t->size(0) == d.B,
+                "segment ids must be contiguous int64 CPU tensors (B, S)");
+  }
+  TORCH_CHECK(qseg->size(1) == d.S && kseg->size(1) == d.Skv, "segment ids must be (B, S) = (",
+              d.B, ", ", d.S, ") for the queries and (B, Skv) = (", d.B, ", ", d.Skv,
+              ") for the keys, got ", qseg->sizes(), " and ", kseg->sizes());
+}
+
 // Number of keys of the block starting at k0 (kn of them) that query row qi may see.
 inline int64_t visible(bool causal, int64_t qi, int64_t k0, int64_t kn) {
   return causal ? std::clamp<int64_t>(qi + 1 - k0, 0, kn) : kn;
@@ -184,8 +219,11 @@ struct Tiles {
 // ---------------------------------------------------------------------------- forward
 
 std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
-                                      const at::Tensor& v, bool causal, double scale) {
+                                      const at::Tensor& v, bool causal, double scale,
+                                      const std::optional<at::Tensor>& qseg,
+                                      const std::optional<at::Tensor>& kseg) {
   const Dims d = dims_of(q, k, v);
+  check_segments(qseg, kseg, d);
   TORCH_CHECK(!causal || d.S == d.Skv, "causal attention needs S == Skv, got ", d.S, " and ",
               d.Skv);
   auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
@@ -212,6 +250,9 @@ std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
         const int64_t q0 = qb * kBQ, qn = std::min(kBQ, d.S - q0);
         const T* kbase = kp + (b * d.Hkv + hk) * d.Skv * D;
         const T* vbase = vp + (b * d.Hkv + hk) * d.Skv * D;
+        const int64_t* qs = seg_row(qseg, b, d.S);
+        const int64_t* ks = seg_row(kseg, b, d.Skv);
+        if (qs != nullptr) qs += q0;
         // q pre-multiplied by scale: the scores come out scaled.
         load_rows(qp + (bh * d.S + q0) * D, qn, D, fscale, t.q.data(), Dp);
         std::fill(t.acc.begin(), t.acc.begin() + qn * Dp, 0.f);
@@ -220,6 +261,8 @@ std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
         const int64_t kend = key_end(causal, q0, qn, d.Skv);
         for (int64_t k0 = 0; k0 < kend; k0 += kBK) {
           const int64_t kn = std::min(kBK, kend - k0);
+          const int64_t* kb = ks == nullptr ? nullptr : ks + k0;
+          if (segments_apart(qs, qn, kb, kn)) continue;  // no query here sees these keys
           load_transposed(kbase + k0 * D, kn, D, t.kt.data());
           load_rows(vbase + k0 * D, kn, D, 1.f, t.v.data(), Dp);
           // S = (q * scale) k^T
@@ -227,19 +270,24 @@ std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
           for (int64_t i = 0; i < qn; ++i) {
             float* sr = t.s.data() + i * kBK;
             const int64_t jn = visible(causal, q0 + i, k0, kn);
-            if (jn == 0) {  // the row sees none of these keys: it keeps its state
-              std::fill(sr, sr + kBK, 0.f);
-              continue;
+            if (qs != nullptr) {  // keys of another segment: -inf, as past the diagonal
+              const int64_t own = qs[i];
+              for (int64_t j = 0; j < jn; ++j)
+                if (kb[j] != own) sr[j] = kNegInf;
             }
             float mx = kNegInf;
 #pragma omp simd reduction(max : mx)
             for (int64_t j = 0; j < kBK; ++j) mx = std::fmax(mx, j < jn ? sr[j] : kNegInf);
+            if (jn == 0 || mx == kNegInf) {  // the row sees none of these keys: it keeps its state
+              std::fill(sr, sr + kBK, 0.f);
+              continue;
+            }
             const float m_new = std::fmax(t.m[i], mx);
             const float alpha = t.m[i] == kNegInf ? 0.f : exp_f(t.m[i] - m_new);
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < kBK; ++j) {
-              const float p = j < jn ? exp_f(sr[j] - m_new) : 0.f;
+              const float p = j < jn && sr[j] != kNegInf ? exp_f(sr[j] - m_new) : 0.f;
               sr[j] = p;
               sum += p;
             }
@@ -258,7 +306,7 @@ std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
         float* lrow = lp + bh * d.S + q0;
         for (int64_t i = 0; i < qn; ++i) {
           const float l = t.l[i];
-          // No visible key (only when Skv == 0): the empty softmax gives 0 and lse -inf.
+          // No visible key (Skv == 0, or no key of its segment): 0 and lse -inf.
           const float inv = l > 0.f ? 1.f / l : 0.f;
           const float* a = t.acc.data() + i * Dp;
           T* o = obase + i * D;
@@ -277,7 +325,8 @@ std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
 // For one (query block, key block) pair: P = exp(S - lse) into t.s and dS into t.dp, from
 // t.q (q * scale), t.o (dout), t.kt, t.vt.
 inline void probs_and_dscores(Tiles& t, int64_t qn, int64_t kn, int64_t D, const float* lse,
-                              const float* delta, bool causal, int64_t q0, int64_t k0) {
+                              const float* delta, bool causal, int64_t q0, int64_t k0,
+                              const int64_t* qs, const int64_t* ks) {
   const int64_t Dp = t.Dp;
   gemm(t.q.data(), Dp, 1, qn, D, t.kt.data(), kBK, t.s.data(), kBK, kBK, false);   // S
   gemm(t.o.data(), Dp, 1, qn, D, t.vt.data(), kBK, t.dp.data(), kBK, kBK, false);  // dP
@@ -286,9 +335,18 @@ inline void probs_and_dscores(Tiles& t, int64_t qn, int64_t kn, int64_t D, const
     float* dr = t.dp.data() + i * kBK;
     const int64_t jn = visible(causal, q0 + i, k0, kn);
     const float l = lse[i], dl = delta[i];
+    if (qs == nullptr) {
 #pragma omp simd
-    for (int64_t j = 0; j < kBK; ++j) {
-      const float p = j < jn ? exp_f(sr[j] - l) : 0.f;
+      for (int64_t j = 0; j < kBK; ++j) {
+        const float p = j < jn ? exp_f(sr[j] - l) : 0.f;
+        sr[j] = p;
+        dr[j] = p * (dr[j] - dl);
+      }
+      continue;
+    }
+    const int64_t own = qs[i];
+    for (int64_t j = 0; j < kBK; ++j) {  // keys of another segment: probability 0
+      const float p = j < jn && ks[j] == own ? exp_f(sr[j] - l) : 0.f;
       sr[j] = p;
       dr[j] = p * (dr[j] - dl);
     }
@@ -298,8 +356,10 @@ inline void probs_and_dscores(Tiles& t, int64_t qn, int64_t kn, int64_t D, const
 std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& q,
                                       const at::Tensor& k, const at::Tensor& v,
                                       const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                      double scale) {
+                                      double scale, const std::optional<at::Tensor>& qseg,
+                                      const std::optional<at::Tensor>& kseg) {
   const Dims d = dims_of(q, k, v);
+  check_segments(qseg, kseg, d);
   check_4d(dout, "dout");
   check_4d(out, "out");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() &&
@@ -352,6 +412,9 @@ std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& 
         const int64_t kb = task % nkb, bhk = task / nkb;
         const int64_t b = bhk / d.Hkv, hk = bhk % d.Hkv;
         const int64_t k0 = kb * kBK, kn = std::min(kBK, d.Skv - k0);
+        const int64_t* qrow = seg_row(qseg, b, d.S);
+        const int64_t* ks = seg_row(kseg, b, d.Skv);
+        if (ks != nullptr) ks += k0;
         load_transposed(kp + (bhk * d.Skv + k0) * D, kn, D, t.kt.data());
         load_transposed(vp + (bhk * d.Skv + k0) * D, kn, D, t.vt.data());
         float* dK = t.acc.data();
@@ -364,10 +427,12 @@ std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& 
           const int64_t bh = b * d.Hq + h;
           for (int64_t q0 = qstart; q0 < d.S; q0 += kBQ) {
             const int64_t qn = std::min(kBQ, d.S - q0);
+            const int64_t* qs = qrow == nullptr ? nullptr : qrow + q0;
+            if (segments_apart(qs, qn, ks, kn)) continue;
             load_rows(qp + (bh * d.S + q0) * D, qn, D, fscale, t.q.data(), Dp);
             load_rows(gp + (bh * d.S + q0) * D, qn, D, 1.f, t.o.data(), Dp);
             probs_and_dscores(t, qn, kn, D, lp + bh * d.S + q0, dl + bh * d.S + q0, causal, q0,
-                              k0);
+                              k0, qs, ks);
             // dv += P^T dout, dk += dS^T (q * scale): A read transposed (rows 1, columns kBK).
             gemm(t.s.data(), 1, kBK, kn, qn, t.o.data(), Dp, dV, Dp, Dp, true);
             gemm(t.dp.data(), 1, kBK, kn, qn, t.q.data(), Dp, dK, Dp, Dp, true);
@@ -402,14 +467,19 @@ std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& 
         std::fill(dQ, dQ + qn * Dp, 0.f);
         const T* kbase = kp + (b * d.Hkv + hk) * d.Skv * D;
         const T* vbase = vp + (b * d.Hkv + hk) * d.Skv * D;
+        const int64_t* qs = seg_row(qseg, b, d.S);
+        const int64_t* krow = seg_row(kseg, b, d.Skv);
+        if (qs != nullptr) qs += q0;
         const int64_t kend = key_end(causal, q0, qn, d.Skv);
         for (int64_t k0 = 0; k0 < kend; k0 += kBK) {
           const int64_t kn = std::min(kBK, kend - k0);
+          const int64_t* ks = krow == nullptr ? nullptr : krow + k0;
+          if (segments_apart(qs, qn, ks, kn)) continue;
           load_transposed(kbase + k0 * D, kn, D, t.kt.data());
           load_transposed(vbase + k0 * D, kn, D, t.vt.data());
           load_rows(kbase + k0 * D, kn, D, fscale, t.k.data(), Dp);
           probs_and_dscores(t, qn, kn, D, lp + bh * d.S + q0, dl + bh * d.S + q0, causal, q0,
-                            k0);
+                            k0, qs, ks);
           // dq += dS (k * scale)
           gemm(t.dp.data(), kBK, 1, qn, kn, t.k.data(), Dp, dQ, Dp, Dp, true);
         }
@@ -537,8 +607,12 @@ at::Tensor paged_attention_fwd(const at::Tensor& q, const at::Tensor& kc, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "meshlab::attention and meshlab::paged_attention CPU kernels (float32 and "
             "bfloat16, float32 accumulation)";
-  m.def("attention_fwd", &attention_fwd);
-  m.def("attention_bwd", &attention_bwd);
+  m.def("attention_fwd", &attention_fwd, py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("causal"), py::arg("scale"), py::arg("qseg") = py::none(),
+        py::arg("kseg") = py::none());
+  m.def("attention_bwd", &attention_bwd, py::arg("dout"), py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("causal"), py::arg("scale"),
+        py::arg("qseg") = py::none(), py::arg("kseg") = py::none());
   m.def("paged_attention_fwd", &paged_attention_fwd);
   m.def("num_threads", &num_threads);
 }

@@ -7,6 +7,11 @@ they are and writes its output and gradients in its inputs' layout. Where cuDNN 
 (float32, a GPU before sm80, or cuDNN refusing the shape, remembered per shape) PyTorch's
 memory-efficient kernel runs instead, on kv heads repeated to ``Hq`` whose gradients are
 summed back. Each call records the path it took in ``_build.LAST_PATH``.
+
+Segment-masked calls (packed and padded batches: query ``i`` sees key ``j`` only where
+their segment ids are equal) run the memory-efficient kernel with the segment mask (and
+the causal one) as an explicit additive bias, 0 where a key is seen and -inf where not,
+laid out as SDPA lays a mask out for it (rows 16-aligned); cuDNN is not given masks.
 """
 
 from __future__ import annotations
@@ -160,7 +165,50 @@ def _cuda_call(op: str, q: Tensor, causal: bool, cudnn, efficient):
     return res
 
 
-def cuda_forward(q, k, v, causal, scale):
+def segment_bias(q: Tensor, k: Tensor, causal: bool, qseg: Tensor, kseg: Tensor) -> Tensor:
+    """(B, Hq, S, Skv) additive bias in q's dtype, 0 where a key is seen, -inf elsewhere: the
+    segment mask (and the causal one), its rows padded to 16 elements as the
+    memory-efficient kernel reads them (a view of the first Skv columns, heads expanded)."""
+    b, h, s, _ = q.shape
+    skv = k.shape[2]
+    seen = qseg[:, None, :, None] == kseg[:, None, None, :]
+    if causal:
+        seen = seen & torch.ones(s, skv, dtype=torch.bool, device=q.device).tril()
+    wide = -(-skv // 16) * 16
+    bias = torch.zeros(b, 1, s, wide, dtype=q.dtype, device=q.device)
+    bias[..., :skv].masked_fill_(~seen, float("-inf"))
+    return bias[..., :skv].expand(b, h, s, skv)
+
+
+def _segmented_forward(q, k, v, causal, scale, qseg, kseg):
+    group = q.shape[1] // k.shape[1]
+    ke, ve = _expand(k, group).contiguous(), _expand(v, group).contiguous()
+    bias = segment_bias(q, k, causal, qseg, kseg)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.contiguous(), ke, ve, bias, True, 0.0, False, scale=scale)
+    _build.record("attention", "cuda", True, "memory-efficient SDPA with the segment mask")
+    return out, lse[..., :q.shape[2]].contiguous()
+
+
+def _segmented_backward(dout, q, k, v, out, lse, causal, scale, qseg, kseg):
+    group = q.shape[1] // k.shape[1]
+    s = q.shape[2]
+    ke, ve = _expand(k, group).contiguous(), _expand(v, group).contiguous()
+    bias = segment_bias(q, k, causal, qseg, kseg)
+    pad = _efficient_lse_len(s) - s
+    lse_native = torch.nn.functional.pad(lse, (0, pad)) if pad else lse
+    zero = _zero(q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout.to(q.dtype).contiguous(), q.contiguous(), ke, ve, bias, _bshd(out), lse_native,
+        zero, zero, 0.0, [True, True, True, False], False, scale=scale)
+    _build.record("attention_backward", "cuda", True,
+                  "memory-efficient SDPA with the segment mask")
+    return dq, _reduce(dk, group), _reduce(dv, group)
+
+
+def cuda_forward(q, k, v, causal, scale, qseg=None, kseg=None):
+    if qseg is not None:
+        return _segmented_forward(q, k, v, causal, scale, qseg, kseg)
     # cuDNN takes grouped kv heads and strided (B, H, S, D) views as they are (Hugging Face
     # hands over transposes of (B, S, H, D) projections), so nothing is copied for it; the
     # memory-efficient kernel gets kv heads repeated and contiguous inputs.
@@ -174,7 +222,10 @@ def cuda_forward(q, k, v, causal, scale):
                       efficient)
 
 
-def cuda_backward(dout, q, k, v, out, lse, causal, scale):
+def cuda_backward(dout, q, k, v, out, lse, causal, scale, qseg=None, kseg=None):
+    if qseg is not None:
+        return _segmented_backward(dout, q, k, v, out, lse.float().contiguous(), causal, scale,
+                                   qseg, kseg)
     group = q.shape[1] // k.shape[1]
     dout, lse = dout.to(q.dtype), lse.float().contiguous()
 

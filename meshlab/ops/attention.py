@@ -5,8 +5,12 @@ and ``v`` are (B, Hkv, Skv, D), the output (B, Hq, S, D) in ``q.dtype``. ``Hq`` 
 multiple of ``Hkv`` (grouped-query attention): query head ``h`` attends with kv head
 ``h // (Hq // Hkv)``. ``causal=True`` masks as SDPA's ``is_causal`` does, aligned top-left
 (query ``i`` sees keys ``j <= i``), and needs ``S == Skv``. ``scale`` defaults to
-``1 / sqrt(D)``. There is no dropout and no arbitrary mask (padding, sliding window,
-bias): such calls need SDPA or flex attention.
+``1 / sqrt(D)``. Packed and padded batches: ``segments`` (B, S) and ``kv_segments``
+(B, Skv), integer ids (``kv_segments`` defaults to ``segments`` when ``S == Skv``), let
+query ``i`` of row ``b`` see key ``j`` only where ``segments[b, i] == kv_segments[b, j]``
+(and, causal, ``j <= i``): each packed sample a segment, each padding token one of its
+own. A row that sees no key gets 0 and ``lse`` -inf. There is no dropout and no other
+mask (sliding window, bias): such calls need SDPA or flex attention.
 
 Registered as ``meshlab::attention``, which returns the output and the float32
 log-sum-exp of each row of scaled scores, ``lse`` (B, Hq, S), and
@@ -15,9 +19,14 @@ S x Skv matrix is never stored); ``dk``/``dv`` are summed over the query heads s
 head. Paths, each recorded in ``_build.LAST_PATH[("attention", device)]``:
 
 * CPU, float32 or bfloat16: the C++ kernel in ``csrc/attention_cpu.cpp`` (tiles of 64
-  queries x 64 keys, online softmax, float32 accumulation, OpenMP).
+  queries x 64 keys, online softmax, float32 accumulation, OpenMP; with segments, tile
+  pairs whose segment ids cannot meet are skipped).
 * CUDA, :func:`attention` on plain tensors in float16/bfloat16 with ``D <= 256`` and the
-  ``flash_attn`` package importable: ``flash_attn.flash_attn_func`` (its own autograd).
+  ``flash_attn`` package importable: ``flash_attn.flash_attn_func`` (its own autograd);
+  with segments, flash-attn-4's or FlashAttention-2's ``flash_attn_varlen_func`` where
+  every row's segments are contiguous runs (:func:`_varlen`), else the op below.
+* CUDA with segments (``_attention_cuda``): PyTorch's memory-efficient kernel with the
+  segment mask as an explicit boolean mask (cuDNN is not given masks).
 * CUDA otherwise (``_attention_cuda``): cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``
   and its backward), called directly so that it hands back ``lse``; where cuDNN cannot run
   (float32, a GPU before sm80, or cuDNN refusing the shape) PyTorch's memory-efficient
@@ -26,12 +35,15 @@ head. Paths, each recorded in ``_build.LAST_PATH[("attention", device)]``:
 * Anything else (float16 on CPU, ``MESHLAB_OPS_NATIVE=0``, no compiler): the float32 math
   of :func:`attention_reference`, recorded as a fallback with the reason.
 
-DTensor: ``q``, ``k``, ``v`` replicated, or all sharded on batch (dim 0), or all on heads
-(dim 1; each shard then needs whole groups, i.e. ``Hkv`` divisible by the mesh size).
+DTensor: ``q``, ``k``, ``v`` replicated, or all sharded on batch (dim 0, the segment ids
+too), or all on heads (dim 1, the segment ids replicated; each shard then needs whole
+groups, i.e. ``Hkv`` divisible by the mesh size).
 Never on sequence: every query needs every key (ring or Ulysses attention do that).
 
 :func:`hf_attention` is the same op behind transformers' ``AttentionInterface`` and
-:func:`register_hf` registers it as ``attn_implementation="meshlab"``.
+:func:`register_hf` registers it as ``attn_implementation="meshlab"``; it reads the
+segments of a padded or packed batch from the 4-D mask transformers hands it
+(:func:`causal_segments`).
 
 >>> import torch
 >>> from meshlab.ops import attention
@@ -90,6 +102,47 @@ def _check(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> None:
                          f"{q.device}, {k.device}, {v.device}")
 
 
+def _segments(q: Tensor, k: Tensor, segments: Tensor | None,
+              kv_segments: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """The query and key segment ids, checked against q and k: (None, None) without them,
+    else two (B, S) / (B, Skv) integer tensors (``kv_segments`` defaults to ``segments``)."""
+    if segments is None:
+        if kv_segments is not None:
+            raise ValueError("meshlab attention: kv_segments without segments; pass the "
+                             "query segment ids too")
+        return None, None
+    if kv_segments is None:
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(f"meshlab attention: segments alone need S == Skv, got "
+                             f"S={q.shape[2]}, Skv={k.shape[2]}; pass kv_segments (B, Skv)")
+        kv_segments = segments
+    for name, t, n in (("segments", segments, q.shape[2]), ("kv_segments", kv_segments,
+                                                            k.shape[2])):
+        if not isinstance(t, Tensor) or t.dim() != 2 or tuple(t.shape) != (q.shape[0], n) \
+                or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            got = f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}" \
+                if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"meshlab attention: {name} must be an integer tensor "
+                             f"(B, {'S' if name == 'segments' else 'Skv'}) = "
+                             f"({q.shape[0]}, {n}), got {got}")
+        if t.device != q.device:
+            raise ValueError(f"meshlab attention: {name} must be on q's device {q.device}, "
+                             f"got {t.device}")
+    return segments, kv_segments
+
+
+def _visible(s: Tensor, causal: bool, qseg: Tensor | None, kseg: Tensor | None) -> Tensor | None:
+    """Which keys each query sees, broadcastable to the scores ``s`` (B, Hq, S, Skv); None
+    where every key is seen."""
+    seen = None
+    if causal:
+        seen = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if qseg is not None:
+        same = (qseg[:, None, :, None] == kseg[:, None, None, :])
+        seen = same if seen is None else same & seen
+    return seen
+
+
 def _default_scale(q: Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
@@ -97,46 +150,67 @@ def _default_scale(q: Tensor, scale: float | None) -> float:
 # ---------------------------------------------------------------------------- reference
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
-                        scale: float | None = None) -> Tensor:
+                        scale: float | None = None, segments: Tensor | None = None,
+                        kv_segments: Tensor | None = None) -> Tensor:
     """Pure-PyTorch attention, float32 math. q: (B, Hq, S, D), k, v: (B, Hkv, Skv, D) ->
-    (B, Hq, S, D) in q.dtype. kv heads are repeated (``repeat_interleave``) to Hq."""
+    (B, Hq, S, D) in q.dtype. kv heads are repeated (``repeat_interleave``) to Hq. With
+    ``segments``, a query sees the keys of its own segment only (a row that sees none
+    gives 0)."""
     _check(q, k, v, causal)
+    qseg, kseg = _segments(q, k, segments, kv_segments)
     scale = _default_scale(q, scale)
     group = q.shape[1] // k.shape[1]
     qf, kf, vf = _build.upcast(q), _build.upcast(k), _build.upcast(v)
     if group > 1:
         kf, vf = kf.repeat_interleave(group, dim=1), vf.repeat_interleave(group, dim=1)
     s = (qf @ kf.transpose(-1, -2)) * scale
-    if causal:
-        seen = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~seen, float("-inf"))
-    return (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
+    seen = _visible(s, causal, qseg, kseg)
+    if seen is None:
+        return (torch.softmax(s, dim=-1) @ vf).to(q.dtype)
+    s = s.masked_fill(~seen, float("-inf"))
+    # a row that sees no key: 0, not the NaN of an empty softmax
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0) if qseg is not None else torch.softmax(s, -1)
+    return (p @ vf).to(q.dtype)
 
 
-def _scores(q: Tensor, k: Tensor, causal: bool, scale: float) -> Tensor:
+def _scores(q: Tensor, k: Tensor, causal: bool, scale: float, qseg: Tensor | None = None,
+            kseg: Tensor | None = None) -> Tensor:
     """Scaled, masked scores (B, Hq, S, Skv) in float32 (float64 for float64 inputs)."""
+    return _masked_scores(q, k, causal, scale, qseg, kseg)[0]
+
+
+def _masked_scores(q: Tensor, k: Tensor, causal: bool, scale: float, qseg: Tensor | None,
+                   kseg: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """:func:`_scores` and which keys each query sees (None: all)."""
     group = q.shape[1] // k.shape[1]
     s = (_build.upcast(q) @ _expand(_build.upcast(k), group).transpose(-1, -2)) * scale
-    if causal:
-        seen = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    seen = _visible(s, causal, qseg, kseg)
+    if seen is not None:
         s = s.masked_fill(~seen, float("-inf"))
-    return s
+    return s, seen
 
 
-def _fwd_torch(q: Tensor, k: Tensor, v: Tensor, causal: bool,
-               scale: float) -> tuple[Tensor, Tensor]:
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)                                        # (B, Hq, S)
+def _probs(s: Tensor, seen: Tensor | None, lse: Tensor) -> Tensor:
+    """exp(s - lse), 0 where a key is not seen (also on a row that sees none, lse -inf)."""
     p = torch.exp(s - lse[..., None])
+    return p if seen is None else p.masked_fill(~seen, 0.0)
+
+
+def _fwd_torch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+               qseg: Tensor | None = None, kseg: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    s, seen = _masked_scores(q, k, causal, scale, qseg, kseg)
+    lse = torch.logsumexp(s, dim=-1)                                        # (B, Hq, S)
+    p = _probs(s, seen, lse)
     out = p @ _expand(_build.upcast(v), q.shape[1] // k.shape[1])
     return out.to(q.dtype), lse.float()
 
 
 def _bwd_torch(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-               causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+               causal: bool, scale: float, qseg: Tensor | None = None,
+               kseg: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     group = q.shape[1] // k.shape[1]
-    s = _scores(q, k, causal, scale)
-    p = torch.exp(s - lse.to(s.dtype)[..., None])                           # (B, Hq, S, Skv)
+    s, seen = _masked_scores(q, k, causal, scale, qseg, kseg)
+    p = _probs(s, seen, lse.to(s.dtype))                                    # (B, Hq, S, Skv)
     g, o = _build.upcast(dout), _build.upcast(out)
     kf, vf = _expand(_build.upcast(k), group), _expand(_build.upcast(v), group)
     ds = p * (g @ vf.transpose(-1, -2) - (g * o).sum(-1, keepdim=True))
@@ -146,32 +220,40 @@ def _bwd_torch(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _long(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.to(torch.long).contiguous()
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+             qseg: Tensor | None = None, kseg: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(out, lse) on the best path for the device; out may be strided on CUDA."""
     if q.device.type == "cuda":
         off = _build.native_disabled_reason()
         if off is None:
-            return cuda_forward(q, k, v, causal, scale)
+            return cuda_forward(q, k, v, causal, scale, qseg, kseg)
         _build.record("attention", "cuda", False, off)
-        return _fwd_torch(q, k, v, causal, scale)
+        return _fwd_torch(q, k, v, causal, scale, qseg, kseg)
     mod = _build.kernels("attention", q)
     if mod is None:
-        return _fwd_torch(q, k, v, causal, scale)
-    return mod.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+        return _fwd_torch(q, k, v, causal, scale, qseg, kseg)
+    return mod.attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale,
+                             _long(qseg), _long(kseg))
 
 
-def _backward_impl(dout, q, k, v, out, lse, causal, scale) -> tuple[Tensor, Tensor, Tensor]:
+def _backward_impl(dout, q, k, v, out, lse, causal, scale, qseg=None,
+                   kseg=None) -> tuple[Tensor, Tensor, Tensor]:
     if q.device.type == "cuda":
         off = _build.native_disabled_reason()
         if off is None:
-            return cuda_backward(dout, q, k, v, out, lse, causal, scale)
+            return cuda_backward(dout, q, k, v, out, lse, causal, scale, qseg, kseg)
         _build.record("attention_backward", "cuda", False, off)
-        return _bwd_torch(dout, q, k, v, out, lse, causal, scale)
+        return _bwd_torch(dout, q, k, v, out, lse, causal, scale, qseg, kseg)
     mod = _build.kernels("attention_backward", q)
     if mod is None:
-        return _bwd_torch(dout, q, k, v, out, lse, causal, scale)
+        return _bwd_torch(dout, q, k, v, out, lse, causal, scale, qseg, kseg)
     c = [t.to(q.dtype).contiguous() for t in (dout, q, k, v, out)]
-    return mod.attention_bwd(*c, lse.float().contiguous(), causal, scale)
+    return mod.attention_bwd(*c, lse.float().contiguous(), causal, scale, _long(qseg),
+                             _long(kseg))
 
 
 # ---------------------------------------------------------------------------- custom ops
@@ -192,50 +274,57 @@ def _empty(ref: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("meshlab::attention", mutates_args=())
-def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool,
-                 scale: float) -> tuple[Tensor, Tensor]:
-    """q (B, Hq, S, D), k, v (B, Hkv, Skv, D) -> (out (B, Hq, S, D) in q.dtype, laid out
-    as ``_layout`` says; lse (B, Hq, S) float32, contiguous, the log-sum-exp of each row of
-    scaled, masked scores)."""
+def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                 segments: Tensor | None = None,
+                 kv_segments: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """q (B, Hq, S, D), k, v (B, Hkv, Skv, D), optional integer segment ids (B, S) and
+    (B, Skv) -> (out (B, Hq, S, D) in q.dtype, laid out as ``_layout`` says; lse (B, Hq, S)
+    float32, contiguous, the log-sum-exp of each row of scaled, masked scores, -inf on a
+    row that sees no key)."""
     _check(q, k, v, causal)
-    out, lse = _forward(q, k, v, causal, scale)
+    qseg, kseg = _segments(q, k, segments, kv_segments)
+    out, lse = _forward(q, k, v, causal, scale, qseg, kseg)
     return _layout(out, q), _build.contiguous(lse)
 
 
 @attention_op.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, segments=None, kv_segments=None):
     _check(q, k, v, causal)
+    _segments(q, k, segments, kv_segments)
     return _empty(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("meshlab::attention_backward", mutates_args=())
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dout, q, out (B, Hq, S, D), k, v (B, Hkv, Skv, D), lse (B, Hq, S) float32 ->
-    (dq (B, Hq, S, D), dk, dv (B, Hkv, Skv, D)), each laid out as ``_layout`` says for q, k
-    and v, in their dtypes."""
-    dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, causal, scale)
+                       causal: bool, scale: float, segments: Tensor | None = None,
+                       kv_segments: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """dout, q, out (B, Hq, S, D), k, v (B, Hkv, Skv, D), lse (B, Hq, S) float32, the
+    forward's segment ids -> (dq (B, Hq, S, D), dk, dv (B, Hkv, Skv, D)), each laid out as
+    ``_layout`` says for q, k and v, in their dtypes."""
+    qseg, kseg = _segments(q, k, segments, kv_segments)
+    dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, causal, scale, qseg, kseg)
     return _layout(dq, q), _layout(dk, k), _layout(dv, v)
 
 
 @attention_backward.register_fake
-def _(dout, q, k, v, out, lse, causal, scale):
+def _(dout, q, k, v, out, lse, causal, scale, segments=None, kv_segments=None):
     return _empty(q), _empty(k), _empty(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, *segs = inputs
+    qseg, kseg = (segs + [None, None])[:2]
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, qseg, kseg)
     ctx.causal, ctx.scale = causal, scale
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, qseg, kseg = ctx.saved_tensors
     dq, dk, dv = torch.ops.meshlab.attention_backward(dout, q, k, v, out, lse, ctx.causal,
-                                                      ctx.scale)
-    return dq, dk, dv, None, None
+                                                      ctx.scale, qseg, kseg)
+    return dq, dk, dv, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -246,16 +335,18 @@ class _Eager(torch.autograd.Function):
     (and without forcing outputs contiguous, which the custom op's fake promises)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        out, lse = _forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, causal, scale, qseg=None, kseg=None):
+        out, lse = _forward(q, k, v, causal, scale, qseg, kseg)
+        ctx.save_for_backward(q, k, v, out, lse, qseg, kseg)
         ctx.causal, ctx.scale = causal, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = _backward_impl(dout, *ctx.saved_tensors, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+        q, k, v, out, lse, qseg, kseg = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, ctx.causal, ctx.scale, qseg,
+                                    kseg)
+        return dq, dk, dv, None, None, None, None
 
 
 # ---------------------------------------------------------------------------- public
@@ -315,6 +406,37 @@ def _flash_attn_4():
 _FA4_HEAD_DIMS = (64, 128)
 
 
+@functools.cache
+def _flash_attn_4_varlen():
+    """flash-attn-4's ``flash_attn_varlen_func`` where :func:`_flash_attn_4` runs, else None."""
+    if _flash_attn_4() is None:
+        return None
+    from flash_attn.cute import flash_attn_varlen_func
+
+    return flash_attn_varlen_func
+
+
+def _varlen(segments: Tensor, kv_segments: Tensor | None) -> tuple[Tensor, int] | None:
+    """``(cu_seqlens int32 (runs + 1,), longest run)`` of the (B * S) tokens as
+    flash-attention's varlen functions take them, where each row's segments are runs of
+    consecutive tokens (no id in two runs of a row, so one sequence a run is exactly the
+    segment mask) and the keys' segments are the queries'; else None (reads the ids on the
+    host)."""
+    if kv_segments is not None and kv_segments is not segments and \
+            not torch.equal(kv_segments, segments):
+        return None
+    b, s = segments.shape
+    starts = torch.ones(b, s, dtype=torch.bool, device=segments.device)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    rows = torch.arange(b, device=segments.device)[:, None].expand(b, s)
+    keys = torch.stack([rows[starts], segments.to(torch.long)[starts]])
+    if torch.unique(keys, dim=1).shape[1] != keys.shape[1]:
+        return None                     # a segment split into runs (a token masked inside)
+    where = starts.flatten().nonzero().flatten()
+    cu = torch.cat([where, where.new_tensor([b * s])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
 def _fa4_for(q: Tensor, k: Tensor, v: Tensor):
     if q.shape[-1] not in _FA4_HEAD_DIMS or not torch.is_grad_enabled() or \
             not any(t.requires_grad for t in (q, k, v)):
@@ -331,22 +453,61 @@ def _is_plain(t: Tensor) -> bool:
     return not isinstance(t, DTensor)
 
 
+def _varlen_attention(q, k, v, causal, scale, segments, kv_segments) -> Tensor | None:
+    """Segment-masked attention through flash-attention's varlen entry (flash-attn-4 where
+    it takes the training pass, else FlashAttention-2), one sequence a segment run; None
+    where neither is installed or the segments are not runs (:func:`_varlen`)."""
+    fa4 = _fa4_for(q, k, v)
+    fn = _flash_attn_4_varlen() if fa4 is not None else None
+    name = f"flash-attn-4 {fa4[1]} varlen (training pass)" if fn is not None else None
+    if fn is None:
+        fa = _flash_attn()
+        fn = getattr(fa, "flash_attn_varlen_func", None) if fa is not None else None
+        name = f"flash-attn {fa.__version__} varlen" if fn is not None else None
+    if fn is None or q.shape[2] != k.shape[2]:
+        return None
+    runs = _varlen(segments, kv_segments)
+    if runs is None:
+        return None
+    cu, longest = runs
+    b, h, s, d = q.shape
+    flat = lambda t: t.transpose(1, 2).reshape(b * s, t.shape[1], d)   # noqa: E731
+    _build.record("attention", "cuda", True, name)
+    out = fn(flat(q), flat(k), flat(v), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+             max_seqlen_k=longest, softmax_scale=scale, causal=causal)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.view(b, s, h, d).transpose(1, 2)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
-              scale: float | None = None) -> Tensor:
+              scale: float | None = None, segments: Tensor | None = None,
+              kv_segments: Tensor | None = None) -> Tensor:
     """Attention of q (B, Hq, S, D) over k, v (B, Hkv, Skv, D) -> (B, Hq, S, D) in q.dtype.
 
     ``Hq`` a multiple of ``Hkv``; ``causal`` masks top-left and needs ``S == Skv``; ``scale``
-    defaults to ``1 / sqrt(D)``. No dropout, no mask other than causal. Raises ``ValueError``
-    (``TypeError`` for mixed dtypes) before running anything when the shapes do not fit.
+    defaults to ``1 / sqrt(D)``. ``segments`` (B, S) and ``kv_segments`` (B, Skv; default
+    ``segments``): integer ids, a query sees only the keys of its own segment (packed
+    samples, padding tokens each a segment of its own); a row that sees no key gives 0. No
+    dropout, no other mask. Raises ``ValueError`` (``TypeError`` for mixed dtypes) before
+    running anything when the shapes do not fit.
     """
     _check(q, k, v, causal)
+    segments, kv_segments = _segments(q, k, segments, kv_segments)
     scale = _default_scale(q, scale)
     # Under torch.compile the custom op runs (its fake kernel is what the graph needs);
     # flash-attn's Python entry point cannot be traced, and importing it breaks the graph.
     if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
             and _build.native_disabled_reason() is None
-            and all(_is_plain(t) for t in (q, k, v))):
+            and all(_is_plain(t) for t in (q, k, v)) and segments is not None
+            and _is_plain(segments) and _is_plain(kv_segments)):
+        out = _varlen_attention(q, k, v, causal, scale, segments, kv_segments)
+        if out is not None:
+            return out
+    elif (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
+            and _build.native_disabled_reason() is None
+            and all(_is_plain(t) for t in (q, k, v)) and segments is None):
         fa4 = _fa4_for(q, k, v)
         if fa4 is not None:
             fn, ver = fa4
@@ -365,8 +526,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                                      dropout_p=0.0, softmax_scale=scale, causal=causal)
             return out.transpose(1, 2)
     if _build.eager(q, k, v):
-        return _Eager.apply(q, k, v, causal, scale)
-    return torch.ops.meshlab.attention(q, k, v, causal, scale)[0]
+        return _Eager.apply(q, k, v, causal, scale, segments, kv_segments)
+    return torch.ops.meshlab.attention(q, k, v, causal, scale, segments, kv_segments)[0]
 
 
 # ---------------------------------------------------------------------------- Hugging Face
@@ -402,6 +563,63 @@ def _is_plain_causal(mask: Tensor, s: int, skv: int) -> bool:
     return bool(ok)
 
 
+def causal_segments(mask: Tensor) -> Tensor | None:
+    """Segment ids (B, S) int64 under which the materialized 4-D ``mask`` (bool: True =
+    attend; float: 0 = attend, very negative = masked; heads broadcast or all equal) is
+    causal attention within segments, for every query a key attends to: the mask
+    transformers builds for padded rows (``attention_mask``) and for packed samples
+    (``position_ids`` that start again). None where it is not that (a sliding window, a
+    bidirectional or custom mask, or dtypes and shapes that cannot be one).
+
+    A token no query attends to (padding) becomes a segment of its own, which sees itself
+    alone: its output is 0 or the mean of the row's keys under transformers' mask and
+    never reaches another token; only a loss that reads it could tell (``fuse``'s
+    ``check_batch`` refuses labels that would). Every other token's segment is the first
+    key its row attends to, and the mask must be exactly causal within those segments.
+
+    Under ``torch.compile`` the check is a device-side assertion, as in
+    :func:`_is_plain_causal`, and the ids are returned."""
+    if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
+        return None
+    if mask.dtype == torch.bool:
+        ok, seen = None, mask
+    elif mask.is_floating_point():
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        ok, seen = ((mask == 0) | blocked).all(), mask == 0
+    else:
+        return None
+    heads = seen[:, :1]
+    ok = (seen == heads).all() if ok is None else ok & (seen == heads).all()
+    seen = heads[:, 0]                                                    # (B, S, S)
+    s = seen.shape[-1]
+    idx = torch.arange(s, device=seen.device)
+    pad = ~seen.any(dim=-2)                                  # no query attends to it
+    first = torch.where(seen.any(-1), seen.to(torch.int8).argmax(-1), idx)  # first key seen
+    seg = torch.where(pad, idx, first)                      # (B, S)
+    want = (seg[:, :, None] == seg[:, None, :]) & (idx[None, :] <= idx[:, None])
+    same = ((want == seen) | pad[:, :, None]).all()        # padding rows: anything
+    ok = same if ok is None else ok & same
+    if torch.compiler.is_compiling():
+        torch._assert_async(ok, "meshlab attention: the attention mask is not causal "
+                                "within segments; use attn_implementation='sdpa'")
+        return seg
+    return seg if bool(ok) else None
+
+
+_LAST_SEGMENTS: list = []        # [(mask, its segments)]: the layers of one forward share it
+
+
+def _segments_of(mask: Tensor) -> Tensor | None:
+    """:func:`causal_segments` of ``mask``, read once per mask (every layer of a forward
+    gets the same one)."""
+    if not torch.compiler.is_compiling() and _LAST_SEGMENTS and _LAST_SEGMENTS[0][0] is mask:
+        return _LAST_SEGMENTS[0][1]
+    seg = causal_segments(mask)
+    if not torch.compiler.is_compiling():
+        _LAST_SEGMENTS[:] = [(mask, seg)]
+    return seg
+
+
 def _describe(mask) -> str:
     if isinstance(mask, Tensor):
         return f"{str(mask.dtype).removeprefix('torch.')} {tuple(mask.shape)}"
@@ -429,8 +647,10 @@ def hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
     Causal when the module is (``module.is_causal``, or an ``is_causal`` keyword) and more
     than one query is given, as the SDPA integration decides. ``attention_mask`` must be
     ``None`` (what transformers' SDPA mask function gives for an unpadded batch, see
-    :func:`register_hf`) or exactly the causal mask; padding, sliding-window or custom masks,
-    dropout, soft-capping and sinks raise :class:`~meshlab.ConfigError`.
+    :func:`register_hf`), exactly the causal mask, or causal within segments (padded rows,
+    packed samples: :func:`causal_segments`, run with ``segments``); sliding-window,
+    bidirectional or custom masks, dropout, soft-capping and sinks raise
+    :class:`~meshlab.ConfigError`.
     """
     if dropout:
         raise ConfigError(f"meshlab attention has no dropout, got dropout={dropout} from "
@@ -444,21 +664,27 @@ def hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     s, skv = query.shape[2], key.shape[2]
+    segments = None
     if attention_mask is not None:
-        if not (is_causal and isinstance(attention_mask, Tensor)
-                and _is_plain_causal(attention_mask, s, skv)):
-            raise ConfigError(
-                f"meshlab attention supports causal or no masks only; got a "
-                f"{_describe(attention_mask)} mask that is not the plain causal one (padding, "
-                f"a sliding window or packed sequences make such masks). Batch without "
-                f"padding, or use attn_implementation='sdpa'")
+        plain = is_causal and isinstance(attention_mask, Tensor) and \
+            _is_plain_causal(attention_mask, s, skv)
+        if not plain:
+            if is_causal and isinstance(attention_mask, Tensor) and s == skv > 1 and \
+                    tuple(attention_mask.shape[-2:]) == (s, skv):
+                segments = _segments_of(attention_mask)
+            if segments is None:
+                raise ConfigError(
+                    f"meshlab attention supports causal masks, and causal masks within "
+                    f"segments (padded rows, packed samples); got a "
+                    f"{_describe(attention_mask)} mask that is neither (a sliding window, a "
+                    f"bidirectional or custom mask). Use attn_implementation='sdpa'")
     causal = bool(is_causal and s > 1)        # a SymBool under dynamic shapes -> bool
     if causal and skv > s:
         # Prefill into an empty static cache: the slots past S are empty (the mask function
         # returned None only because of that), so drop them, as the SDPA integration does.
         key, value = key[:, :, :s], value[:, :, :s]
     query, key, value = as_autocast(query, key, value)
-    out = attention(query, key, value, causal=causal, scale=scaling)
+    out = attention(query, key, value, causal=causal, scale=scaling, segments=segments)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -467,8 +693,9 @@ def register_hf() -> str:
 
     Also registers transformers' SDPA mask function under the same name, so a batch
     without padding reaches :func:`hf_attention` with ``attention_mask=None`` and a padded
-    one with an explicit mask, which it refuses (a name without a mask function would get
-    ``None`` in both cases and silently attend to padding). Idempotent; returns the name.
+    or packed one with an explicit mask, which it reads as segments (a name without a mask
+    function would get ``None`` in both cases and silently attend to padding). Idempotent;
+    returns the name.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -484,18 +711,27 @@ if _build.sharding_available():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
+    def _seg_specs(segments, kv_segments, d):
+        # The segment ids (B, S) follow the batch: sharded with it, replicated beside heads.
+        seg = Shard(0) if d == 0 else Replicate()
+        return [None if t is None else seg for t in (segments, kv_segments)]
+
     @register_sharding(torch.ops.meshlab.attention.default)
-    def _(q, k, v, causal, scale):
+    def _(q, k, v, causal, scale, segments=None, kv_segments=None):
         # Batch rows and heads are independent; every query needs every key, so never the
         # sequence. lse (B, Hq, S) follows q.
-        rules = [([Replicate(), Replicate()], [Replicate()] * 3 + [None, None])]
+        rules = [([Replicate(), Replicate()], [Replicate()] * 3 + [None, None]
+                  + _seg_specs(segments, kv_segments, None))]
         for d in (0, 1):
-            rules.append(([Shard(d), Shard(d)], [Shard(d)] * 3 + [None, None]))
+            rules.append(([Shard(d), Shard(d)], [Shard(d)] * 3 + [None, None]
+                          + _seg_specs(segments, kv_segments, d)))
         return rules
 
     @register_sharding(torch.ops.meshlab.attention_backward.default)
-    def _(dout, q, k, v, out, lse, causal, scale):
-        rules = [([Replicate()] * 3, [Replicate()] * 6 + [None, None])]
+    def _(dout, q, k, v, out, lse, causal, scale, segments=None, kv_segments=None):
+        rules = [([Replicate()] * 3, [Replicate()] * 6 + [None, None]
+                  + _seg_specs(segments, kv_segments, None))]
         for d in (0, 1):
-            rules.append(([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]))
+            rules.append(([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]
+                          + _seg_specs(segments, kv_segments, d)))
         return rules

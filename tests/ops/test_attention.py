@@ -286,16 +286,48 @@ def test_hf_llama_matches_eager():
     assert torch.equal(fused.generate(ids[:1], **gen), eager.generate(ids[:1], **gen))
 
 
-def test_hf_refuses_what_it_cannot_do():
+def test_hf_reads_padded_and_packed_masks_as_segments():
+    """A left-padded row (attention_mask) and a row of two packed samples (position ids
+    that start again): every token that is not padding gets SDPA's output."""
     register_hf()
-    fused = _llama("meshlab")
-    ids = torch.randint(0, 97, (2, 7))
+    fused, ref = _llama("meshlab"), _llama("sdpa")
+    ids = torch.randint(0, 97, (2, 9))
     pad = torch.ones_like(ids)
     pad[0, :2] = 0
-    with pytest.raises(ConfigError, match="causal or no masks only.*attn_implementation='sdpa'"):
-        fused(ids, attention_mask=pad)
+    with torch.no_grad():
+        got, want = (m(ids, attention_mask=pad).logits for m in (fused, ref))
+        torch.testing.assert_close(got[pad.bool()], want[pad.bool()], rtol=1e-4, atol=1e-4)
+        pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4]])
+        got, want = (m(ids[:1], position_ids=pos, use_cache=False).logits
+                     for m in (fused, ref))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_causal_segments_of_masks():
+    from meshlab.ops.attention import causal_segments
+
+    seg = torch.tensor([[0, 1, 2, 2, 2, 5, 5, 7]])
+    tril = torch.ones(8, 8, dtype=torch.bool).tril()
+    mask = ((seg[:, :, None] == seg[:, None, :]) & tril)[:, None]
+    assert torch.equal(causal_segments(mask), seg)
+    # right padding: the padding rows see the sample (transformers masks keys only)
+    right = tril.clone()
+    right[:, 6:] = False
+    assert causal_segments(right[None, None]).tolist() == [[0, 0, 0, 0, 0, 0, 6, 7]]
+    # a sliding window and a bidirectional mask are not causal within segments
+    window = tril & ~torch.ones(8, 8, dtype=torch.bool).tril(-3)
+    assert causal_segments(window[None, None]) is None
+    assert causal_segments(torch.ones(1, 1, 8, 8, dtype=torch.bool)) is None
+
+
+def test_hf_refuses_what_it_cannot_do():
+    register_hf()
     q, k, v = _inputs(2, 4, 2, 7, 7, 8, torch.float32)
     mod = types.SimpleNamespace(is_causal=True)
+    window = torch.ones(7, 7, dtype=torch.bool).tril() & \
+        ~torch.ones(7, 7, dtype=torch.bool).tril(-3)
+    with pytest.raises(ConfigError, match="neither.*attn_implementation='sdpa'"):
+        hf_attention(mod, q, k, v, window.expand(2, 1, 7, 7))
     with pytest.raises(ConfigError, match="no dropout"):
         hf_attention(mod, q, k, v, None, dropout=0.1)
     with pytest.raises(ConfigError, match="softcap"):

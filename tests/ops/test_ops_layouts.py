@@ -2,7 +2,8 @@
 contiguous, transposed (queries and keys as Hugging Face lays them out, ``view(B, S, H, D)
 .transpose(1, 2)``, and their gradients), sliced (a chunk of a packed qkv or gate/up
 projection, the first half of a cos/sin table), expanded (stride-0 broadcasts) and a decoding
-step whose size-1 dim carries an odd stride.
+step whose size-1 dim carries an odd stride. Attention also takes segment ids (packed and
+padded rows): contiguous int64, and a strided int32 view (a column of a wider table).
 
 For each: ``torch.library.opcheck`` (the fake kernel against the real one, autograd, AOT
 dispatch); the outputs' sizes and strides equal between the real and the fake kernel on
@@ -203,27 +204,45 @@ def _qkv(layout: str):
     return _r(B, H, S, D), _r(B, HKV, S, D), _r(B, HKV, S, D), True
 
 
+def _segment_ids(layout: str):
+    """Segment ids (B, S) of a padded row (two padding tokens, each its own segment, then a
+    sample) and a packed one (two samples, then a padding token), or None. ``segments``:
+    contiguous int64; ``segments_strided``: int32, a column of a (B, S, 2) table."""
+    if not layout.startswith("segments"):
+        return None
+    seg = torch.tensor([[0, 1, 2, 2, 2, 2, 2, 2], [0, 0, 0, 3, 3, 3, 3, 7]])
+    if layout == "segments_strided":
+        return torch.stack([seg, -seg], -1).to(torch.int32)[..., 0]
+    return seg
+
+
 def _attention(layout: str) -> list[Case]:
-    q, k, v, causal = _qkv(layout)
+    q, k, v, causal = _qkv("contiguous" if layout == "segments" else
+                           "transposed" if layout == "segments_strided" else layout)
+    seg = _segment_ids(layout)
     scale = D ** -0.5
-    out, lse = torch.ops.meshlab.attention(q, k, v, causal, scale)
+    segs = () if seg is None else (seg, seg)
+    out, lse = torch.ops.meshlab.attention(q, k, v, causal, scale, *segs)
     # The gradient of out.transpose(1, 2), as the attention module's o_proj hands it back.
     dout = _r(B, q.shape[2], H, D).transpose(1, 2)
 
-    def want_fwd(q, k, v, causal, scale):
+    def want_fwd(q, k, v, causal, scale, *segs):
         s = q.float() @ k.float().repeat_interleave(H // HKV, 1).transpose(-1, -2) * scale
         if causal:
             s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -torch.inf)
-        return attention_reference(q, k, v, causal, scale), torch.logsumexp(s, -1)
+        if segs:
+            s = s.masked_fill(segs[0][:, None, :, None] != segs[1][:, None, None, :],
+                              -torch.inf)
+        return attention_reference(q, k, v, causal, scale, *segs), torch.logsumexp(s, -1)
 
-    def want_bwd(dout, q, k, v, out, lse, causal, scale):
-        return _vjp(lambda q, k, v: attention_reference(q, k, v, causal, scale), (q, k, v),
-                    (0, 1, 2), dout)
+    def want_bwd(dout, q, k, v, out, lse, causal, scale, *segs):
+        return _vjp(lambda q, k, v: attention_reference(q, k, v, causal, scale, *segs),
+                    (q, k, v), (0, 1, 2), dout)
 
-    return [Case(torch.ops.meshlab.attention.default, (q, k, v, causal, scale), (0, 1, 2),
-                 want_fwd),
+    return [Case(torch.ops.meshlab.attention.default, (q, k, v, causal, scale, *segs),
+                 (0, 1, 2), want_fwd),
             Case(torch.ops.meshlab.attention_backward.default,
-                 (dout, q, k, v, out, lse, causal, scale), (), want_bwd)]
+                 (dout, q, k, v, out, lse, causal, scale, *segs), (), want_bwd)]
 
 
 # ---------------------------------------------------------------------------- loss head
@@ -319,7 +338,7 @@ BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_table
             "geglu": (lambda layout: _gated(layout, "geglu"),
                       ("contiguous", "transposed", "sliced", "expanded")),
             "attention": (_attention, ("contiguous", "transposed", "sliced", "expanded",
-                                       "decode")),
+                                       "decode", "segments", "segments_strided")),
             "linear_cross_entropy": (_linear_cross_entropy, ("contiguous", "transposed",
                                                              "sliced", "expanded")),
             "paged_attention": (_paged_attention, ("contiguous", "transposed", "decode")),

@@ -9,9 +9,10 @@ that is not -100 (``step(reduction='tokens')``) and the gradient is that loss's.
 
 Trained as the reference (the loss and every gradient; float64 to 1e-10, float32 to
 1e-5): data parallelism (one row a rank), tensor parallelism (with Megatron SP, and
-one row a microbatch), LoRA, the fused norms, rotary, MLP and loss, and the same batch
-with the padding marked by position ids alone. Refused with a ``ConfigError`` on every
-rank, before any collective of the model: ``fuse('attention')``, ``sequence('sp',
+one row a microbatch), LoRA, the fused norms, rotary, MLP and loss, the fused attention
+(``fuse()``: meshlab's C++ kernel masking the segments it reads from transformers' mask),
+and the same batch with the padding marked by position ids alone. Refused with a
+``ConfigError`` on every rank, before any collective of the model: ``sequence('sp',
 'all_to_all')``, ``sequence('sp', 'ring')``, the pipeline, and tokens masked inside a
 packed sample.
 """
@@ -135,6 +136,9 @@ def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1)
             "dp": (ml.data_parallel("dp"), ml.Mesh(dp=2)),
             "fuse_no_attention": (ml.fuse("rms_norm", "rotary", "mlp", "loss")
                                   | ml.data_parallel("dp"), ml.Mesh(dp=2)),
+            "fuse": (ml.fuse() | ml.data_parallel("dp"), ml.Mesh(dp=2)),
+            "fuse_tp": (ml.fuse("rms_norm", "rotary", "attention", "mlp")
+                        | ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
             "tp": (ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
             "tp_sp": (ml.shard(ml.policies.auto, rules | ml.Rules(seq="tp")), ml.Mesh(tp=2)),
         }[layout]
@@ -217,7 +221,6 @@ def refusal_case(rank, world, layout):
     from meshlab.estimate.comm import CommCounter
 
     spec, mesh = {
-        "fuse": (ml.fuse() | ml.data_parallel("dp"), ml.Mesh(dp=2)),
         "all_to_all": (ml.sequence("sp", "all_to_all"), ml.Mesh(sp=2)),
         "ring": (ml.sequence("sp", "ring"), ml.Mesh(sp=2)),
         "pipeline": (ml.pipeline("pp", schedule="1f1b", microbatches=2), ml.Mesh(pp=2)),
@@ -257,6 +260,17 @@ def test_fused_kernels_without_attention_train_as_the_samples_one_by_one(world2)
     world2.run(parity_case, layout="fuse_no_attention", dtype="float32")
 
 
+def test_fused_attention_trains_as_the_samples_one_by_one(world2):
+    # meshlab's attention kernel (C++ on the CPU) with the segments it reads from the mask:
+    # rank 0 the left-padded row (its attention_mask), rank 1 the packed one (position ids)
+    world2.run(parity_case, layout="fuse", dtype="float32")
+
+
+def test_fused_attention_with_both_rows_on_each_rank(world2):
+    # both rows in one forward, the padding folded into the position ids (as_packed)
+    world2.run(parity_case, layout="fuse_tp", dtype="float32")
+
+
 def test_packed_without_a_mask_trains_as_the_samples_one_by_one(world2):
     # the padding marked by position ids alone (each pad token at 0), as
     # transformers' DataCollatorWithFlattening lays samples out
@@ -288,7 +302,6 @@ def test_lora_trains_as_the_samples_one_by_one(world2):
 
 
 @pytest.mark.parametrize("layout,says", [
-    ("fuse", ["fuse('attention')", "fuse('rms_norm', 'rotary', 'mlp', 'loss')"]),
     ("all_to_all", ["sequence('sp', mode='all_to_all')", "shard()"]),
     ("ring", ["sequence('sp', mode='ring')", "shard()"]),
     ("pipeline", ["pipelined model", "without a pipeline"]),

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from torch import Tensor
+
 from ...core.errors import ConfigError
 from ...planning.plan import Plan
 from .._protocol import Phase, Transform
@@ -77,19 +79,29 @@ class Fuse(Transform):
                               f"whole on each rank: see docs/composition.md)")
 
     def check_batch(self, plan: Plan, batch, layout) -> None:
-        """meshlab's fused attention is causal over the whole row, with no mask: a padded
-        or packed batch (whose mask transformers would hand it, and it would refuse in the
-        forward) is refused before the step's first collective."""
-        if "attention" not in self.ops or not layout:
+        """meshlab's fused attention reads a padded or packed batch as causal attention
+        within segments (``ops.attention.causal_segments``: each packed sample a segment,
+        each padding token one of its own), exactly as transformers masks it for every
+        token another token attends to. A padding token's own output is not transformers'
+        (it sees itself alone), so a batch whose labels would read it (a label other than
+        -100 right after a token with ``attention_mask`` 0) is refused before the step's
+        first collective; no sample run alone has such a label either."""
+        if "attention" not in self.ops or not layout.padded:
             return
-        rest = tuple(op for op in self.ops if op != "attention")
-        fix = (f"fuse{rest!r}".replace(",)", ")") if rest else "no fuse()")
-        raise ConfigError(
-            f"fuse('attention'): this batch {layout.describe()}, and meshlab's fused "
-            f"attention is causal over the whole row with no mask. Leave 'attention' out "
-            f"for such batches ({fix}: transformers' attention then masks them exactly), or "
-            f"give rows of one sample each, padded on the right with the padding labelled "
-            f"-100 and no attention_mask (causal attention never reads what follows a token)")
+        mask, labels = batch.get("attention_mask"), batch.get("labels")
+        if not isinstance(mask, Tensor) or not isinstance(labels, Tensor) or \
+                mask.dim() != 2 or tuple(labels.shape) != tuple(mask.shape):
+            return
+        reads = (mask[:, :-1] == 0) & (labels[:, 1:].to(mask.device) != -100)
+        if bool(reads.any()):
+            row, col = (int(x) for x in reads.nonzero()[0])
+            raise ConfigError(
+                f"fuse('attention'): row {row} of this batch labels column {col + 1} (not "
+                f"-100) after a padding token (attention_mask 0 at column {col}), so the "
+                f"loss reads that padding token's output, which meshlab's fused attention "
+                f"(a padding token attends to itself alone) does not compute as transformers' "
+                f"attention does. Label the token after padding -100 (a sample run alone "
+                f"has no token before its first), or leave 'attention' out of fuse()")
 
     def install(self, ctx) -> None:
         fuse_model(ctx.model, self.ops)
