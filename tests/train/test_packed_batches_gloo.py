@@ -11,10 +11,10 @@ Trained as the reference (the loss and every gradient; float64 to 1e-10, float32
 1e-5): data parallelism (one row a rank), tensor parallelism (with Megatron SP, and
 one row a microbatch), LoRA, the fused norms, rotary, MLP and loss, the fused attention
 (``fuse()``: meshlab's C++ kernel masking the segments it reads from transformers' mask),
+Ulysses (``sequence('sp', 'all_to_all')``: the whole-sequence mask after the exchange),
 and the same batch with the padding marked by position ids alone. Refused with a
 ``ConfigError`` on every rank, before any collective of the model: ``sequence('sp',
-'all_to_all')``, ``sequence('sp', 'ring')``, the pipeline, and tokens masked inside a
-packed sample.
+'ring')``, the pipeline, and tokens masked inside a packed sample.
 """
 
 from __future__ import annotations
@@ -137,6 +137,7 @@ def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1)
             "fuse_no_attention": (ml.fuse("rms_norm", "rotary", "mlp", "loss")
                                   | ml.data_parallel("dp"), ml.Mesh(dp=2)),
             "fuse": (ml.fuse() | ml.data_parallel("dp"), ml.Mesh(dp=2)),
+            "all_to_all": (ml.sequence("sp", "all_to_all"), ml.Mesh(sp=2)),
             "fuse_tp": (ml.fuse("rms_norm", "rotary", "attention", "mlp")
                         | ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
             "tp": (ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
@@ -221,7 +222,6 @@ def refusal_case(rank, world, layout):
     from meshlab.estimate.comm import CommCounter
 
     spec, mesh = {
-        "all_to_all": (ml.sequence("sp", "all_to_all"), ml.Mesh(sp=2)),
         "ring": (ml.sequence("sp", "ring"), ml.Mesh(sp=2)),
         "pipeline": (ml.pipeline("pp", schedule="1f1b", microbatches=2), ml.Mesh(pp=2)),
     }[layout]
@@ -271,6 +271,12 @@ def test_fused_attention_with_both_rows_on_each_rank(world2):
     world2.run(parity_case, layout="fuse_tp", dtype="float32")
 
 
+def test_ulysses_trains_as_the_samples_one_by_one(world2):
+    # both rows on each rank, the sequence split in two: the mask of the whole sequence
+    # (packing folded into the position ids) applies after the all-to-all
+    world2.run(parity_case, layout="all_to_all")
+
+
 def test_packed_without_a_mask_trains_as_the_samples_one_by_one(world2):
     # the padding marked by position ids alone (each pad token at 0), as
     # transformers' DataCollatorWithFlattening lays samples out
@@ -302,7 +308,6 @@ def test_lora_trains_as_the_samples_one_by_one(world2):
 
 
 @pytest.mark.parametrize("layout,says", [
-    ("all_to_all", ["sequence('sp', mode='all_to_all')", "shard()"]),
     ("ring", ["sequence('sp', mode='ring')", "shard()"]),
     ("pipeline", ["pipelined model", "without a pipeline"]),
 ])

@@ -11,9 +11,11 @@
   the causal work is balanced.
 
 For ``all_to_all`` and ``ring`` the sequence is split before the first block and gathered
-after the last, so the embeddings, final norm and head see the whole sequence. Causal
-attention without padding masks: a batch with padding (``attention_mask``) or packed samples
-(``position_ids``) is refused by ``step``.
+after the last, so the embeddings, final norm and head see the whole sequence. Padded and
+packed batches (``attention_mask``, ``position_ids`` that start again): the model builds
+its mask of the whole sequence before the split; Ulysses hands it to SDPA over the whole
+sequence of its heads, ring attention reads it as causal segments and masks each block
+pair with the segments of its positions.
 
 Odd lengths are never padded silently: a sequence not divisible by the axis raises.
 
@@ -127,11 +129,11 @@ class Sequence(Transform):
                               f"{n} ranks; use a sequence axis size that divides {heads}")
 
     def check_batch(self, plan: Plan, batch, layout) -> None:
-        """Ulysses and ring attention are causal over the whole row and read no mask: a
-        padded or packed batch is refused before the step's first collective (it would
-        attend to the padding and across samples). Megatron SP runs the model's own
-        attention, which masks."""
-        if self.mode == "split_gather" or not layout:
+        """Ring attention is causal over the whole row and reads no mask: a padded or
+        packed batch is refused before the step's first collective (it would attend to the
+        padding and across samples). Ulysses hands the model's whole-sequence mask to its
+        attention, and Megatron SP runs the model's own attention: both mask."""
+        if self.mode in ("split_gather", "all_to_all") or not layout:
             return
         raise ConfigError(
             f"{self!r}: this batch {layout.describe()}, and meshlab's sequence-parallel "

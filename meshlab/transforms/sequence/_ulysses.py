@@ -3,7 +3,11 @@
 The blocks run on a slice of the sequence; attention goes through an implementation
 registered in Hugging Face's ``AttentionInterface`` (the extension point transformers
 offers for attention kernels), which trades the sequence for heads with an all-to-all,
-runs causal SDPA over the whole sequence for its heads, and trades back.
+runs causal SDPA over the whole sequence for its heads, and trades back. Padded and packed
+batches: the name is registered with transformers' SDPA mask function too, so the model
+builds its 4-D mask of the whole sequence (the padding, and packed samples from their
+position ids) before the blocks split it, and each rank, which holds the whole sequence
+for its heads after the exchange, hands that mask to SDPA as it is.
 """
 
 from __future__ import annotations
@@ -49,17 +53,43 @@ def sp_group(module: nn.Module):
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """(B, H, S/n, D) per rank -> heads split, whole sequence -> causal SDPA -> back."""
+    """(B, H, S/n, D) per rank -> heads split, whole sequence -> causal SDPA (with the
+    model's whole-sequence mask where it builds one: padded or packed rows) -> back."""
     group = sp_group(module)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:                                   # GQA: one K/V per query head
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     q, k, v = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # (B, H/n, S, D)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+    if attention_mask is not None:
+        attention_mask = _whole_mask(attention_mask, q.shape[2])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask,
+                                         is_causal=attention_mask is None, scale=scaling,
                                          dropout_p=dropout if module.training else 0.0)
     out = _AllToAll.apply(out, group, 2, 1)          # (B, H, S/n, D)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _whole_mask(mask, s: int):
+    """The model's 4-D mask of the whole sequence (B, 1 or H, S, S), as SDPA takes it."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or \
+            tuple(mask.shape[-2:]) != (s, s) or mask.shape[1] != 1:
+        from ...core.errors import ConfigError
+
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ConfigError(f"sequence(all_to_all): the model handed its attention a {got} "
+                          f"mask; Ulysses attention takes the 4-D mask (B, 1, S, S) of the "
+                          f"whole sequence ({s} tokens) that transformers' SDPA mask function "
+                          f"builds")
+    return mask
+
+
+def register_mask(name: str) -> None:
+    """transformers builds its SDPA mask for attention named ``name`` (None for a batch
+    without padding or packing, else the 4-D mask of the whole sequence)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionMaskInterface.register(name, sdpa_mask)
 
 
 PROFILE_NAME = "meshlab_ulysses_profile"
@@ -91,6 +121,7 @@ def install(model: nn.Module, blocks: tuple[str, ...], group, held: frozenset) -
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, attention)
+    register_mask(NAME)
     _route_attention(model, tuple(b for b in blocks if b in held), group, NAME)
     n = dist.get_world_size(group)
 
