@@ -298,8 +298,9 @@ def _prepared(model, rt, batch, mbs: list, inputs) -> list:
     collective (an error here reaches every rank through the step's agreement).
 
     Padded and packed batches: each room that cannot train one as one process would
-    refuses it (``check_batch(plan, batch, layout)``: ``fuse('attention')``, Ulysses and
-    ring attention, the pipeline's decoder stages, whose attention reads no mask). For a
+    refuses it (``check_batch(plan, batch, layout)``: the pipeline's decoder stages, whose
+    attention reads no mask; ``fuse('attention')``, a label that would read a padding
+    token's output). For a
     forward that takes ``position_ids`` and ``use_cache`` (a Hugging Face model's), a
     batch with ``position_ids`` runs with ``use_cache=False``, and where its rows pack
     several samples (positions that start again inside a row) a 2-D ``attention_mask`` is

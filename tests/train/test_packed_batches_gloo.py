@@ -12,9 +12,11 @@ Trained as the reference (the loss and every gradient; float64 to 1e-10, float32
 one row a microbatch), LoRA, the fused norms, rotary, MLP and loss, the fused attention
 (``fuse()``: meshlab's C++ kernel masking the segments it reads from transformers' mask),
 Ulysses (``sequence('sp', 'all_to_all')``: the whole-sequence mask after the exchange),
-and the same batch with the padding marked by position ids alone. Refused with a
-``ConfigError`` on every rank, before any collective of the model: ``sequence('sp',
-'ring')``, the pipeline, and tokens masked inside a packed sample.
+ring attention (``sequence('sp', 'ring')``: each block pair masked by the segments of its
+positions, in float64 and on the C++ kernel in float32), and the same batch with the
+padding marked by position ids alone. Refused with a ``ConfigError`` on every rank,
+before any collective of the model: the pipeline, and tokens masked inside a packed
+sample.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1)
                                   | ml.data_parallel("dp"), ml.Mesh(dp=2)),
             "fuse": (ml.fuse() | ml.data_parallel("dp"), ml.Mesh(dp=2)),
             "all_to_all": (ml.sequence("sp", "all_to_all"), ml.Mesh(sp=2)),
+            "ring": (ml.sequence("sp", "ring"), ml.Mesh(sp=2)),
             "fuse_tp": (ml.fuse("rms_norm", "rotary", "attention", "mlp")
                         | ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
             "tp": (ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
@@ -222,7 +225,6 @@ def refusal_case(rank, world, layout):
     from meshlab.estimate.comm import CommCounter
 
     spec, mesh = {
-        "ring": (ml.sequence("sp", "ring"), ml.Mesh(sp=2)),
         "pipeline": (ml.pipeline("pp", schedule="1f1b", microbatches=2), ml.Mesh(pp=2)),
     }[layout]
     model = ml.parallelize(M.build("llama"), spec, mesh, seed=0)
@@ -277,6 +279,18 @@ def test_ulysses_trains_as_the_samples_one_by_one(world2):
     world2.run(parity_case, layout="all_to_all")
 
 
+def test_ring_attention_trains_as_the_samples_one_by_one(world2):
+    # zigzag chunks of 3 tokens: the pair (tokens 6-8, keys 0-2) meets no key in either
+    # row (A against its padding, C against B) and is skipped; in the pair (3-5, 0-2) row
+    # 0's queries see no key (A against its padding) and join the merge with weight 0
+    world2.run(parity_case, layout="ring")
+
+
+def test_ring_attention_on_the_fused_kernel(world2):
+    # float32: each block pair on meshlab's C++ kernel with the segment ids of its positions
+    world2.run(parity_case, layout="ring", dtype="float32")
+
+
 def test_packed_without_a_mask_trains_as_the_samples_one_by_one(world2):
     # the padding marked by position ids alone (each pad token at 0), as
     # transformers' DataCollatorWithFlattening lays samples out
@@ -308,7 +322,6 @@ def test_lora_trains_as_the_samples_one_by_one(world2):
 
 
 @pytest.mark.parametrize("layout,says", [
-    ("ring", ["sequence('sp', mode='ring')", "shard()"]),
     ("pipeline", ["pipelined model", "without a pipeline"]),
 ])
 def test_refused_before_any_collective(world2, layout, says):

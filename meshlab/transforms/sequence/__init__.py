@@ -128,22 +128,6 @@ class Sequence(Transform):
             raise ConfigError(f"sequence(all_to_all): {heads} attention heads do not divide over "
                               f"{n} ranks; use a sequence axis size that divides {heads}")
 
-    def check_batch(self, plan: Plan, batch, layout) -> None:
-        """Ring attention is causal over the whole row and reads no mask: a padded or
-        packed batch is refused before the step's first collective (it would attend to the
-        padding and across samples). Ulysses hands the model's whole-sequence mask to its
-        attention, and Megatron SP runs the model's own attention: both mask."""
-        if self.mode in ("split_gather", "all_to_all") or not layout:
-            return
-        raise ConfigError(
-            f"{self!r}: this batch {layout.describe()}, and meshlab's sequence-parallel "
-            f"attention ({self.mode}) is causal over the whole row and reads no mask: it "
-            f"would attend to the padding and across samples, training differently from one "
-            f"process. Give it rows of one sample each, padded on the right with the padding "
-            f"labelled -100 and no attention_mask (causal attention never reads what follows "
-            f"a token), or train padded and packed batches with shard() (Megatron SP: "
-            f"sequence(axis, 'split_gather')) or data parallelism, whose attention masks")
-
     def install(self, ctx) -> Part | None:
         if self.mode == "split_gather":
             return None            # shard's room runs Megatron SP

@@ -9,8 +9,13 @@ which returns the rows' log-sum-exp; a chunk after the query's is skipped, the s
 is causal), and the blocks are joined by their log-sum-exps. Memory: the backward keeps
 q, k, v, the output and the log-sum-exps, O(S/n x D) per rank, and recomputes each block
 (``meshlab::attention_backward``), the K/V gradients travelling with their blocks back to
-their owner, so no (S/n)^2 score block outlives its step. Causal language models without
-padding masks; registered through transformers' ``AttentionInterface``. The ring is a
+their owner, so no (S/n)^2 score block outlives its step. Causal language models;
+registered through transformers' ``AttentionInterface`` and its SDPA mask function.
+Padded and packed batches: the model's mask of the whole sequence is read as causal
+attention within segments (``ops.attention.causal_segments``; any other mask is refused),
+and each block pair (a query chunk, a K/V chunk) is masked with the segment ids of its
+positions; a pair in which no query sees any key is skipped, and a row that sees no key
+of a block joins the merge with weight 0 (log-sum-exp -inf). The ring is a
 pair of custom ops (``meshlab_comm::ring_attention`` and its backward), so a block attending
 through it compiles whole.
 """
@@ -27,7 +32,7 @@ from ...core.errors import ConfigError, SpecError
 from ... import ops as _ops  # noqa: F401  (registers meshlab::attention)
 from ...ops.attention import as_autocast
 from .._seqsplit import install_split
-from ._ulysses import _route_attention, sp_group
+from ._ulysses import _route_attention, register_mask, sp_group
 
 NAME = "meshlab_ring"
 
@@ -70,36 +75,57 @@ def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
     return t.repeat_interleave(group, dim=1) if group > 1 else t
 
 
-def _block(q, k, v, causal: bool, scale: float):
-    """(out, lse) of query chunk ``q`` over one K/V chunk (grouped heads as they are):
-    ``meshlab::attention`` (its C++ kernel on the CPU, cuDNN on CUDA); in float64 the same
-    math in float64, since the op's log-sum-exp is float32 and the merge would round."""
+def _seen(causal: bool, qs, ks, n: int, device):
+    """Which keys of a block each query sees, (B, 1, c, c) or (c, c); None: all."""
+    seen = torch.ones(n, n, dtype=torch.bool, device=device).tril() if causal else None
+    if qs is not None:
+        same = (qs[:, None, :, None] == ks[:, None, None, :])
+        seen = same if seen is None else same & seen
+    return seen
+
+
+def _block(q, k, v, causal: bool, scale: float, qs=None, ks=None):
+    """(out, lse) of query chunk ``q`` over one K/V chunk (grouped heads as they are),
+    ``qs``/``ks`` the segment ids of their positions (or None): ``meshlab::attention``
+    (its C++ kernel on the CPU, cuDNN on CUDA); in float64 the same math in float64, since
+    the op's log-sum-exp is float32 and the merge would round. A row that sees no key
+    gives 0 and lse -inf."""
     if q.dtype != torch.float64:
-        return torch.ops.meshlab.attention(q.contiguous(), k.contiguous(), v.contiguous(),
-                                           causal, scale)
+        out, lse = torch.ops.meshlab.attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                               causal, scale, qs, ks)
+        if qs is not None:          # rows with no key of this block: weight 0 in the merge
+            none = ~_seen(causal, qs, ks, q.shape[2], q.device).any(-1)        # (B, 1, c)
+            out = out.masked_fill(none[..., None], 0.0)
+            lse = lse.masked_fill(none, float("-inf"))
+        return out, lse
     g = q.shape[1] // k.shape[1]
     s = (q @ _expand(k, g).transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool,
-                                      device=s.device).tril(), float("-inf"))
+    seen = _seen(causal, qs, ks, q.shape[2], q.device)
+    if seen is not None:
+        s = s.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
-    return torch.exp(s - lse[..., None]) @ _expand(v, g), lse
+    p = torch.exp(s - lse[..., None])
+    if seen is not None:
+        p = p.masked_fill(~seen, 0.0)
+    return p @ _expand(v, g), lse
 
 
-def _block_grad(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _block_grad(dout, q, k, v, out, lse, causal: bool, scale: float, qs=None, ks=None):
     """(dq, dk, dv) of one block given the whole row's ``out`` and ``lse`` (flash
     attention's backward: the probabilities recomputed from the global log-sum-exp)."""
     if q.dtype != torch.float64:
         return torch.ops.meshlab.attention_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-            out.contiguous(), lse.float().contiguous(), causal, scale)
+            out.contiguous(), lse.float().contiguous(), causal, scale, qs, ks)
     g = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, g), _expand(v, g)
     s = (q @ ke.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool,
-                                      device=s.device).tril(), float("-inf"))
+    seen = _seen(causal, qs, ks, q.shape[2], q.device)
+    if seen is not None:
+        s = s.masked_fill(~seen, float("-inf"))
     p = torch.exp(s - lse[..., None])
+    if seen is not None:
+        p = p.masked_fill(~seen, 0.0)
     dv = p.transpose(-1, -2) @ dout
     dp = dout @ ve.transpose(-1, -2)
     ds = p * (dp - (dout * out).sum(-1, keepdim=True)) * scale
@@ -112,13 +138,29 @@ def _block_grad(dout, q, k, v, out, lse, causal: bool, scale: float):
 
 
 def _merge(acc, o, lse):
-    """Two partial attentions of the same rows joined by their log-sum-exps."""
+    """Two partial attentions of the same rows joined by their log-sum-exps (a row with
+    lse -inf on one side, which saw no key there, takes the other side whole; on both,
+    it stays 0 with lse -inf)."""
     if acc is None:
         return o.to(torch.promote_types(o.dtype, torch.float32)), lse
     o_acc, l_acc = acc
     new = torch.logaddexp(l_acc, lse)
-    return (o_acc * torch.exp(l_acc - new)[..., None] +
-            o.to(o_acc.dtype) * torch.exp(lse - new)[..., None]), new
+    empty = new == float("-inf")
+    w_acc = torch.exp(l_acc - new).masked_fill(empty, 0.0)
+    w = torch.exp(lse - new).masked_fill(empty, 0.0)
+    return o_acc * w_acc[..., None] + o.to(o_acc.dtype) * w[..., None], new
+
+
+def _chunk_segments(segments, chunk: int, c: int):
+    """Segment ids (B, c) of the positions of zigzag chunk ``chunk`` (None: no segments)."""
+    return None if segments is None else segments[:, chunk * c:(chunk + 1) * c]
+
+
+def _meets(causal: bool, qs, ks) -> bool:
+    """Whether any query of a block pair sees any key (always, without segments)."""
+    if qs is None:
+        return True
+    return bool(_seen(causal, qs, ks, qs.shape[1], qs.device).any())
 
 
 def _pairs(r: int, src: int, n: int):
@@ -130,9 +172,10 @@ def _pairs(r: int, src: int, n: int):
             if ids_k[b] <= ids_q[a]]
 
 
-def _ring_forward(q, k, v, group, scale: float):
+def _ring_forward(q, k, v, group, scale: float, segments=None):
     """(out, row log-sum-exps) of causal attention of this rank's two zigzag chunks over
-    the whole sequence, the K/V of every rank passing once around the ring."""
+    the whole sequence, the K/V of every rank passing once around the ring; ``segments``
+    (B, S) the whole sequence's segment ids in its own order, or None."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     c = q.shape[2] // 2
     qs = (q[:, :, :c], q[:, :, c:])
@@ -141,8 +184,13 @@ def _ring_forward(q, k, v, group, scale: float):
     for step in range(n):
         ahead = _Shift(kv, group) if step < n - 1 else None
         ks, vs = (kv[0][:, :, :c], kv[0][:, :, c:]), (kv[1][:, :, :c], kv[1][:, :, c:])
-        for a, b, causal in _pairs(r, (r - step) % n, n):
-            o, lse = _block(qs[a], ks[b], vs[b], causal, scale)
+        src = (r - step) % n
+        for a, b, causal in _pairs(r, src, n):
+            sq = _chunk_segments(segments, (r, 2 * n - 1 - r)[a], c)
+            sk = _chunk_segments(segments, (src, 2 * n - 1 - src)[b], c)
+            if not _meets(causal, sq, sk):
+                continue              # no query of the pair sees a key: nothing to add
+            o, lse = _block(qs[a], ks[b], vs[b], causal, scale, sq, sk)
             acc[a] = _merge(acc[a], o, lse)
         if ahead is not None:
             kv = ahead.wait()
@@ -151,7 +199,7 @@ def _ring_forward(q, k, v, group, scale: float):
     return out, lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, scale: float):
+def _ring_backward(dout, q, k, v, out, lse, group, scale: float, segments=None):
     """(dq, dk, dv): each block recomputed from the saved log-sum-exps, the K/V gradients
     travelling with their blocks back to their owner."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
@@ -166,8 +214,14 @@ def _ring_backward(dout, q, k, v, out, lse, group, scale: float):
     for step in range(n):
         ahead = _Shift(kv, group) if step < n - 1 else None
         ks, vs = halves(kv[0]), halves(kv[1])
-        for a, b, causal in _pairs(r, (r - step) % n, n):
-            g = _block_grad(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal, scale)
+        src = (r - step) % n
+        for a, b, causal in _pairs(r, src, n):
+            sq = _chunk_segments(segments, (r, 2 * n - 1 - r)[a], c)
+            sk = _chunk_segments(segments, (src, 2 * n - 1 - src)[b], c)
+            if not _meets(causal, sq, sk):
+                continue
+            g = _block_grad(douts[a], qs[a], ks[b], vs[b], outs[a], lses[a], causal, scale,
+                            sq, sk)
             dq[:, :, a * c:(a + 1) * c] += g[0]
             dkv[0][:, :, b * c:(b + 1) * c] += g[1]
             dkv[1][:, :, b * c:(b + 1) * c] += g[2]
@@ -192,15 +246,18 @@ def _group(name: str):
 
 
 def _forward_named(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal ring attention of this rank's zigzag chunks: (out, row log-sum-exps)."""
-    return _ring_forward(q, k, v, _group(group_name), scale)
+                   scale: float, segments: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal ring attention of this rank's zigzag chunks: (out, row log-sum-exps);
+    ``segments`` (B, S): the whole sequence's segment ids (its own order), or None."""
+    return _ring_forward(q, k, v, _group(group_name), scale, segments)
 
 
 def _backward_named(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, group_name: str, scale: float
+                    out: torch.Tensor, lse: torch.Tensor, group_name: str, scale: float,
+                    segments: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _ring_backward(dout, q, k, v, out, lse, _group(group_name), scale)
+    return _ring_backward(dout, q, k, v, out, lse, _group(group_name), scale, segments)
 
 
 ring_attention = torch.library.custom_op("meshlab_comm::ring_attention",
@@ -208,7 +265,7 @@ ring_attention = torch.library.custom_op("meshlab_comm::ring_attention",
 
 
 @ring_attention.register_fake
-def _(q, k, v, group_name, scale):
+def _(q, k, v, group_name, scale, segments=None):
     return (q.new_empty(q.shape),
             q.new_empty(q.shape[:-1], dtype=torch.promote_types(q.dtype, torch.float32)))
 
@@ -218,21 +275,21 @@ ring_attention_backward = torch.library.custom_op("meshlab_comm::ring_attention_
 
 
 @ring_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, group_name, scale):
+def _(dout, q, k, v, out, lse, group_name, scale, segments=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, group_name, scale = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, group_name, scale, *segments = inputs
+    ctx.save_for_backward(q, k, v, *output, segments[0] if segments else None)
     ctx.group_name, ctx.scale = group_name, scale
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, segments = ctx.saved_tensors
     dq, dk, dv = torch.ops.meshlab_comm.ring_attention_backward(
-        dout.contiguous(), q, k, v, out, lse, ctx.group_name, ctx.scale)
-    return dq, dk, dv, None, None
+        dout.contiguous(), q, k, v, out, lse, ctx.group_name, ctx.scale, segments)
+    return dq, dk, dv, None, None, None
 
 
 ring_attention.register_autograd(_backward, setup_context=_setup)
@@ -243,18 +300,38 @@ C.COMMUNICATING_OPS.update({"meshlab_comm::ring_attention": _forward_named,
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """(B, H, S/n, D) per rank, zigzag chunks -> causal attention over the whole sequence
     (returned as (B, S/n, H, D), as transformers' attention functions return it). K/V keep
-    their own (grouped) head count on the ring."""
+    their own (grouped) head count on the ring. ``attention_mask``: None, or the model's
+    4-D mask of the whole sequence (padded or packed rows), read as causal segments."""
     if dropout:
         raise ConfigError(f"sequence(ring): attention dropout {dropout} is not computed by "
                           f"ring attention; set the model's attention_dropout to 0")
     group = sp_group(module)
+    segments = None
+    if attention_mask is not None:
+        segments = _segments_of(attention_mask, query.shape[2] * dist.get_world_size(group))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     query, key, value = _one_dtype(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
         out, _ = torch.ops.meshlab_comm.ring_attention(query.contiguous(), key.contiguous(),
                                                   value.contiguous(), group.group_name,
-                                                  float(scale))
+                                                  float(scale), segments)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _segments_of(mask, s: int):
+    """Segment ids (B, S) of the model's whole-sequence mask (``ops.attention``'s reading,
+    once per mask); a mask that is not causal within segments is refused by name."""
+    from ...ops.attention import _describe, _segments_of as read
+
+    seg = read(mask) if isinstance(mask, torch.Tensor) and mask.dim() == 4 and \
+        tuple(mask.shape[-2:]) == (s, s) else None
+    if seg is None:
+        raise ConfigError(f"sequence(ring): the model handed its attention a "
+                          f"{_describe(mask)} mask that is not causal within segments (padded "
+                          f"rows, packed samples) of the whole sequence ({s} tokens): ring "
+                          f"attention masks those only; a sliding window or a custom mask "
+                          f"needs shard() or data parallelism")
+    return seg
 
 
 PROFILE_NAME = "meshlab_ring_profile"
@@ -326,6 +403,7 @@ def install(model: nn.Module, blocks: tuple[str, ...], group, held: frozenset) -
     from transformers import AttentionInterface
 
     AttentionInterface.register(NAME, attention)
+    register_mask(NAME)
     _route_attention(model, tuple(b for b in blocks if b in held), group, NAME)
     n = dist.get_world_size(group)
 
