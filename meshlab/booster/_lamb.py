@@ -52,8 +52,8 @@ class Lamb(_lib.Lamb):
     The trust ratio is a norm over the whole tensor. On DTensor parameters (tensor
     parallelism by specs, ``zero_shard(3)``) ``torch.norm`` is the norm of the full tensor,
     reduced over the mesh, so the update equals one process's. ZeRO-1 steps flat slices of
-    the parameters, where each norm would be a slice's: ``meshlab.optimizer`` refuses LAMB
-    there (it is not registered as elementwise).
+    the parameters only for elementwise optimizers; LAMB (not registered as elementwise)
+    gets whole tensors there, each parameter stepped by the data rank that owns it.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0,

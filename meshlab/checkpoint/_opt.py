@@ -72,6 +72,8 @@ def fit(opt, model: nn.Module, src, strict: bool) -> OptimizerFit:
     the current state's, under ``strict=False``; nothing is written)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    if hasattr(opt, "check_checkpointable"):       # owners of whole tensors: refused
+        opt.check_checkpointable("meshlab.checkpoint.load")
     md = src.md.state_dict_metadata
     params = _state._params(opt, model)
     record = src.meta.get("optimizer")

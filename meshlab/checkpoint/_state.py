@@ -186,6 +186,8 @@ def optimizer_state(opt, model: nn.Module | None = None
                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors for DCP, JSON-able rest: param groups, state kept as numbers (an
     optimizer's integer step), the loss scaler)."""
+    if hasattr(opt, "check_checkpointable"):       # owners of whole tensors: refused
+        opt.check_checkpointable("meshlab.checkpoint.save")
     inner = getattr(opt, "inner", opt)
     tensors: dict[str, torch.Tensor] = {}
     numbers: dict[str, dict[str, Any]] = {}     # state kept as Python numbers, by parameter

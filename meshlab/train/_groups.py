@@ -74,4 +74,8 @@ def torch_groups(tensors: list, group_of: dict[int, int], options: list[dict],
         b = bucket_of.get(id(t))
         i = group_of[id(b.params[0])] if b is not None else group_of[id(t)]
         split[i].append(t)
-    return [{"params": ts, **opt} for ts, opt in zip(split, options) if ts]
+    # A group that names parameters stays, empty where this rank steps none of them (ZeRO-1
+    # owners of whole tensors): every rank keeps the same groups, in the same order.
+    named = set(group_of.values())
+    return [{"params": ts, **opt} for i, (ts, opt) in enumerate(zip(split, options))
+            if i in named]

@@ -6,7 +6,13 @@ parallelized model correctly. ``meshlab.optimizer`` adds, in ``step()``: ZeRO-1'
 reduce-scatter into fp32 slices and all-gather back (``Part.sync_grads`` /
 ``after_step``), unscaling and the overflow check agreed by every rank (fp16 loss
 scaling), gradient-norm clipping over every mesh axis, and the skip of a step whose
-global gradient norm is NaN or infinite (``nonfinite``). It is a
+global gradient norm is NaN or infinite (``nonfinite``).
+
+Optimizers that are not elementwise (LAMB, Adafactor, Muon, ...) step whole tensors where
+meshlab would give them pieces: under ZeRO-1 each parameter is owned by one data rank
+(``transforms/zero/_owned.py``), and on DTensor parameters those DTensor cannot compute
+(``WHOLE_ON_DTENSORS``: Adafactor) are stepped as whole plain tensors, each on one rank of
+its mesh (``_whole.py``). It is a
 ``torch.optim.Optimizer``: learning-rate schedulers, ``param_groups``,
 ``state_dict()``/``load_state_dict()`` and step hooks work as with the optimizer inside.
 
@@ -35,6 +41,7 @@ from ..transforms._gradsync import mark_mesh_optimizer
 from ..transforms._install import runtime_of
 from ..transforms.precision import PrecisionPart
 from ._groups import group_layout, torch_groups
+from ._whole import WholeTensors
 from ._content import CHECK_EVERY, agree_hyperparameters, check_replicas as _check_replicas
 
 
@@ -44,7 +51,8 @@ _NONFINITE = (None, "skip", "raise")
 # they step a flat slice of a parameter exactly as they step the whole of it (ZeRO-1's fp32
 # slices). Those that reduce over a tensor (Adafactor's factored moments, LAMB's and LARS's
 # trust ratios, Muon's and Shampoo's whole-matrix preconditioners) would compute those
-# reductions over each slice instead: on slices they are refused, never run.
+# reductions over each slice instead: ZeRO-1 gives them whole tensors, each parameter
+# stepped by one data rank that owns it (``transforms/zero/_owned.py``), never slices.
 ELEMENTWISE: list[type] = [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
                            torch.optim.Adamax, torch.optim.Adagrad, torch.optim.Adadelta,
                            torch.optim.RMSprop, torch.optim.Rprop, torch.optim.NAdam,
@@ -61,7 +69,8 @@ def _meshlab_elementwise() -> list[type]:
 
 def register_elementwise(cls: type) -> type:
     """Declare that optimizer ``cls`` updates every element from that element's gradient
-    and state alone, so ZeRO-1 may hand it flat slices of parameters; returns ``cls``
+    and state alone, so ZeRO-1 may hand it flat slices of parameters (cheaper than the
+    whole tensors, each on one owner, that any other optimizer gets); returns ``cls``
     (usable as a class decorator)."""
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ConfigError(f"register_elementwise({cls!r}): give a torch.optim.Optimizer class")
@@ -76,9 +85,13 @@ def elementwise(cls: type) -> bool:
 
 
 def _refuse_on_slices(cls: type, owner) -> None:
-    """A part hands the optimizer slices of parameters (ZeRO-1): refuse an optimizer that
-    is not known to update elementwise, by name and with the fixes."""
+    """A part hands the optimizer tensors of its own (ZeRO-1): an optimizer that is not
+    known to update elementwise asked it for whole parameters (``whole=True``); refuse it,
+    by name, where a tensor still stands for several parameters or a piece of one."""
     if elementwise(cls):
+        return
+    if all(len(b.params) == 1 and _local(t).numel() == _local(b.params[0]).numel()
+           for b, t in owner.stepped()):
         return
     raise ConfigError(
         f"optimizer {cls.__name__} under {type(owner).__name__.removesuffix('Part')}: this "
@@ -86,18 +99,21 @@ def _refuse_on_slices(cls: type, owner) -> None:
         f"update elementwise (factored moments, trust ratios or whole-matrix "
         f"preconditioners would be computed over each slice, not the tensor: the weights "
         f"would silently differ from one process). Use an elementwise optimizer (SGD, "
-        f"Adam, AdamW, Adagrad, RMSprop, ...), drop zero_shard(1) (zero_shard(3) and plain "
-        f"data parallelism step whole tensors or DTensors), or, if {cls.__name__} does "
-        f"update each element alone, declare it with "
+        f"Adam, AdamW, Adagrad, RMSprop, ...), or, if {cls.__name__} does update each "
+        f"element alone, declare it with "
         f"meshlab.train.optimizer.register_elementwise({cls.__name__})")
 
 
 # Optimizers whose update DTensor cannot compute on DTensor parameters (tensor parallelism,
 # ZeRO-3): refused by name before any step, where torch would stop inside the update.
-_NOT_ON_DTENSORS = {
-    torch.optim.Adafactor: "its factored second moment squares a row norm in place "
-                           "(aten.pow_ on a pending reduction), which DTensor refuses",
-}
+# (None today: the one there was, Adafactor, steps whole tensors, ``WHOLE_ON_DTENSORS``.)
+_NOT_ON_DTENSORS: dict[type, str] = {}
+
+# Optimizers stepped on whole plain tensors where they would get DTensors (``_whole``):
+# each DTensor's owner gathers it, steps it with the optimizer's own code and broadcasts
+# it back. torch's Adafactor squares a pending row norm in place (aten.pow_), which DTensor
+# refuses.
+WHOLE_ON_DTENSORS: list[type] = [torch.optim.Adafactor]
 
 
 def _refuse_on_dtensors(cls: type, tensors) -> None:
@@ -111,9 +127,17 @@ def _refuse_on_dtensors(cls: type, tensors) -> None:
                           f"process, or lay the model out with data parallelism alone")
 
 
-def _params_of(cls) -> set[str]:
+def _whole_on_dtensors(cls: type, tensors) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(issubclass(cls, c) for c in WHOLE_ON_DTENSORS) and \
+        any(isinstance(t, DTensor) for t in tensors)
+
+
+def _params_of(fn) -> set[str]:
+    """The parameter names of a class's ``__init__``, or of a function."""
     try:
-        return set(inspect.signature(cls.__init__).parameters)
+        return set(inspect.signature(fn.__init__ if isinstance(fn, type) else fn).parameters)
     except (TypeError, ValueError):
         return set()
 
@@ -149,7 +173,9 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     It holds the optimizer it was built with as ``inner`` and shares its
     ``param_groups`` and ``state``; under ZeRO-1 those are the fp32 slices this rank
-    owns, not the model's parameters.
+    owns (or the fp32 masters of the whole parameters it owns, for an optimizer that is
+    not elementwise), and for DTensors stepped whole the stand-ins this rank owns, not the
+    model's parameters.
     """
 
     def __init__(self, model: nn.Module, cls: type, *, clip_grad_norm: float | None = None,
@@ -190,12 +216,23 @@ class MeshOptimizer(torch.optim.Optimizer):
                                   f"its own optimizer over one group; give one group (set a "
                                   f"group's options after with opt.param_groups[i][...]) or "
                                   f"leave that transform out")
+            if made is not None and _whole_on_dtensors(cls, tensors):
+                raise ConfigError(f"optimizer {cls.__name__} on DTensor parameters beside "
+                                  f"{type(part).__name__}, which builds its own optimizer: "
+                                  f"{cls.__name__} steps whole tensors gathered on an owner, "
+                                  f"which that optimizer does not; use an elementwise "
+                                  f"optimizer, or leave that transform out")
             self.inner = made or self.inner
+        # DTensors the optimizer cannot step: whole plain stand-ins on their owners.
+        self._whole = WholeTensors(tensors) if self.inner is None and \
+            _whole_on_dtensors(cls, tensors) else None
         if self.inner is None:
-            self.inner = cls(tensors if len(options) == 1 else
-                             torch_groups(tensors, self._group_of, options,
-                                          [bt for part in self.rt.parts
-                                           for bt in part.stepped()]), **kwargs)
+            groups = [{"params": tensors}] if len(options) == 1 else \
+                torch_groups(tensors, self._group_of, options,
+                             [bt for part in self.rt.parts for bt in part.stepped()])
+            if self._whole is not None:
+                groups = [{**g, "params": self._whole.replace(g["params"])} for g in groups]
+            self.inner = cls(groups, **kwargs)
         mark_mesh_optimizer(self.inner)
         self.defaults = self.inner.defaults
         self.last_grad_norm: float | None = None
@@ -207,9 +244,12 @@ class MeshOptimizer(torch.optim.Optimizer):
         inner, owner = None, None
         several = len(set(self._group_of.values())) > 1
         for part in self.rt.parts:
-            # Several groups: a part that steps slices of its own keeps them apart.
-            got = (part.optimizer_params(self.params, group_of=self._group_of) if several
-                   else part.optimizer_params(self.params))
+            # Several groups: a part that steps slices of its own keeps them apart. An
+            # optimizer that reduces over tensors asks for whole ones (ZeRO-1's owners).
+            kw = {"group_of": self._group_of} if several else {}
+            if not elementwise(cls) and "whole" in _params_of(type(part).optimizer_params):
+                kw["whole"] = True      # (a part that slices without asking is refused below)
+            got = part.optimizer_params(self.params, **kw)
             if got is not None:
                 inner, owner = got, part
         if inner is not None:
@@ -249,7 +289,8 @@ class MeshOptimizer(torch.optim.Optimizer):
     def zero1(self):
         """The part whose tensors the inner optimizer steps in place of the parameters
         (ZeRO-1 over more than one data rank), or None."""
-        return next((part for part in self.rt.parts if part.stepped()), None)
+        return next((part for part in self.rt.parts
+                     if part.stepped() or getattr(part, "whole", False)), None)
 
     @property
     def buckets(self) -> list:
@@ -266,6 +307,8 @@ class MeshOptimizer(torch.optim.Optimizer):
         """Copy the parameters into this rank's fp32 master copies (after a load)."""
         for part in self.rt.parts:
             part.refresh_master()
+        if self._whole is not None:
+            self._whole.refresh()
 
     def tensor_of(self, p: nn.Parameter) -> torch.Tensor:
         """The tensor the inner optimizer updates for parameter ``p`` (its key in
@@ -351,7 +394,11 @@ class MeshOptimizer(torch.optim.Optimizer):
                 return self._nonfinite(norm)
             if self.clip is not None:
                 self._clip(items, norm_t)
+        if self._whole is not None:
+            self._whole.before_step()
         self.inner.step()
+        if self._whole is not None:
+            self._whole.after_step()
         for part in self.rt.parts:
             part.after_step()
         self._synced = False
@@ -403,18 +450,161 @@ class MeshOptimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        """The inner optimizer's ``state_dict`` (plus ``grad_scaler`` under fp16)."""
-        d = self.inner.state_dict()
+        """The inner optimizer's ``state_dict`` (plus ``grad_scaler`` under fp16).
+
+        Where each parameter is stepped whole by one owner (ZeRO-1 with an optimizer that is
+        not elementwise, ``WHOLE_ON_DTENSORS`` on DTensors), it is torch's layout over the
+        model's parameters (in ``named_parameters`` order within each group), each
+        parameter's state gathered from its owner onto the host: a collective, every rank
+        calls it and gets the same dict."""
+        d = self._state_by_owner() if self._by_owner() else self.inner.state_dict()
         if self.scaler is not None:
             d["grad_scaler"] = self.scaler.state_dict()
         return d
 
     def load_state_dict(self, d: Mapping) -> None:
+        """The inverse of ``state_dict``: where parameters are stepped by their owners,
+        each rank keeps the state of those it owns (no collective)."""
         d = dict(d)
         scaler = d.pop("grad_scaler", None)
-        self.inner.load_state_dict(d)
+        self.inner.load_state_dict(self._inner_layout(d) if self._by_owner() else d)
         if self.scaler is not None and scaler is not None:
             self.scaler.load_state_dict(scaler)
+
+    # -- whole tensors stepped by owners (ZeRO-1's, DTensors' stand-ins) ----------------
+    @property
+    def _owned_part(self):
+        """The part whose owners step whole parameters (ZeRO-1 with an optimizer that is
+        not elementwise), or None."""
+        return next((part for part in self.rt.parts if getattr(part, "whole", False)), None)
+
+    def _by_owner(self) -> bool:
+        return self._whole is not None or self._owned_part is not None
+
+    def check_checkpointable(self, where: str) -> None:
+        """``meshlab.checkpoint`` names optimizer state by each rank's tensors; where
+        owners step whole tensors it is refused (``state_dict()`` serves instead)."""
+        if self._by_owner():
+            how = "zero_shard(1) steps each parameter whole on one data rank" \
+                if self._owned_part is not None else \
+                f"{type(self.inner).__name__} steps each DTensor whole on one rank of its mesh"
+            raise ConfigError(f"{where}: the optimizer state of {type(self.inner).__name__} "
+                              f"lives with the owners of the parameters ({how}), which "
+                              f"meshlab.checkpoint does not save or load yet; save the model "
+                              f"without it (optimizer=None) and keep opt.state_dict() (torch's "
+                              f"layout, gathered from the owners) with torch.save, or use an "
+                              f"elementwise optimizer")
+
+    def _holder(self, p):
+        """The tensor the inner optimizer steps for parameter ``p`` on this rank (ZeRO-1's
+        master, a DTensor's stand-in, ``p``), or None where another rank owns it."""
+        z = self._owned_part
+        t = z.buffers.master.get(id(p)) if z is not None else p
+        if t is None or self._whole is None:
+            return t
+        return self._whole.holder(t)
+
+    def _torch_order(self) -> list[list]:
+        """The model's parameters by inner group, as one process's optimizer numbers them."""
+        kept = sorted(set(self._group_of.values()))
+        order: list[list] = [[] for _ in kept]
+        for _, p in self.params:
+            order[kept.index(self._group_of[id(p)])].append(p)
+        return order
+
+    def _state_by_owner(self) -> dict:
+        z, out, groups, i = self._owned_part, {}, [], 0
+        for g, ps in zip(self.inner.param_groups, self._torch_order()):
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(i, i + len(ps)))})
+            for p in ps:
+                t = z.buffers.master.get(id(p)) if z is not None else p
+                st = None
+                if t is not None:       # this rank's data rank owns it (or no ZeRO-1)
+                    h = self._whole.holder(t) if self._whole is not None else t
+                    st = _portable(self.inner.state.get(h)) if h is not None else None
+                    if self._whole is not None:
+                        st = self._whole.share(t, st)
+                if z is not None:
+                    st = z.buffers.share(p, st)
+                if st:
+                    out[i] = _placed(p, st)
+                i += 1
+        return {"state": out, "param_groups": groups}
+
+    def _inner_layout(self, d: dict) -> dict:
+        """A ``state_dict`` in torch's layout over the model's parameters as the inner
+        optimizer's own: the state of the tensors this rank steps."""
+        order = self._torch_order()
+        saved = list(d.get("param_groups", []))
+        if len(saved) != len(order) or any(len(g["params"]) != len(ps)
+                                           for g, ps in zip(saved, order)):
+            raise ConfigError(f"{self!r}.load_state_dict: the dict's groups hold "
+                              f"{[len(g['params']) for g in saved]} parameters, this "
+                              f"optimizer's {[len(ps) for ps in order]}; load a state_dict of "
+                              f"an optimizer over the same parameters and groups")
+        index: dict[int, int] = {}
+        groups = []
+        for g, sg in zip(self.inner.param_groups, saved):
+            ids = []
+            for t in g["params"]:
+                index[id(t)] = len(index)
+                ids.append(index[id(t)])
+            groups.append({**{k: v for k, v in sg.items() if k != "params"}, "params": ids})
+        state, states = {}, d.get("state", {})
+        for sg, ps in zip(saved, order):
+            for k, p in zip(sg["params"], ps):
+                h = self._holder(p)
+                st = states.get(k)
+                if h is not None and st:
+                    state[index[id(h)]] = {key: _fit_to(h, v) for key, v in st.items()}
+        return {"state": state, "param_groups": groups}
+
+
+class _Block:
+    """A DTensor's local block on its way between ranks (a DTensor is not sent whole)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def _portable(st):
+    """An optimizer state dict that pickles across ranks: tensors detached onto the host,
+    DTensors as their local blocks."""
+    from torch.distributed.tensor import DTensor
+
+    if st is None:
+        return None
+    return {k: _Block(v.to_local().detach().cpu().clone()) if isinstance(v, DTensor) else
+            v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+            for k, v in st.items()}
+
+
+def _placed(p, st: dict) -> dict:
+    """``_portable``'s blocks back as DTensors laid out as ``p`` (state shaped like it)."""
+    from torch.distributed.tensor import DTensor
+
+    def one(v):
+        if not isinstance(v, _Block):
+            return v
+        if isinstance(p, DTensor) and tuple(v.t.shape) == tuple(_local(p).shape):
+            return DTensor.from_local(v.t, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+        return v.t
+
+    return {k: one(v) for k, v in st.items()}
+
+
+def _fit_to(h, v):
+    """A saved state value for the tensor ``h`` the inner optimizer steps: a full plain
+    tensor of a DTensor's shape becomes its local block (torch casts the rest)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(h, DTensor) and isinstance(v, torch.Tensor) and \
+            not isinstance(v, DTensor) and tuple(v.shape) == tuple(h.shape) and v.dim() > 0:
+        return distribute_tensor(v.to(_local(h).device), h.device_mesh, h.placements,
+                                 src_data_rank=None)
+    return v
 
 
 def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
@@ -424,7 +614,8 @@ def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
     """An optimizer over a parallelized model's parameters (``cls(**kwargs)`` inside).
 
     ``clip_grad_norm`` clips by the global norm over all mesh axes. ZeRO-1 keeps the
-    optimizer state for this rank's slice only.
+    optimizer state for this rank's slice only (an elementwise optimizer), or for the
+    whole parameters this rank owns (any other: ``opt.zero1.owners``).
 
     ``param_groups`` takes torch's groups, ``[{'params': [...], **options}]``, each
     parameter of the parallelized model named by itself or its FQN; a group's options

@@ -138,7 +138,11 @@ class Part:
     def optimizer_params(self, params: list, group_of: Mapping | None = None) -> list | None:
         """The tensors the inner optimizer updates instead of ``params`` (or None). With
         several parameter groups, ``group_of`` maps ``id(parameter)`` to its group: a
-        tensor standing for several parameters stands for those of one group only."""
+        tensor standing for several parameters stands for those of one group only.
+        A part that declares a ``whole`` keyword gets ``whole=True`` for an optimizer that
+        is not elementwise (it reduces over each tensor): each tensor it gives must then
+        stand for one whole parameter (ZeRO-1 steps each on one owner); a part that gives
+        such an optimizer slices of parameters has it refused by name."""
         return None
 
     def stepped(self) -> list:

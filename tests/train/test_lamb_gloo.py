@@ -6,10 +6,11 @@ holding empty shards) the parameters are DTensors and ``torch.norm`` of one is t
 tensor's norm, so three steps give one process's losses and weights (float64, to 1e-12);
 so does a Hugging Face llama under its policy's TP x ZeRO-3 (float32, 1e-5), and the
 Booster (``TorchFSDPPlugin``, two parameter groups), also after a checkpoint resume.
-ZeRO-1 steps flat slices of the parameters, where the norms would be the slices': refused
-with ``ConfigError`` by name, by ``meshlab.optimizer`` and by ``boost`` under
-``LowLevelZeroPlugin(stage=1)``. A trust ratio computed per shard fails each layout's
-comparison.
+ZeRO-1 steps flat slices of the parameters for elementwise optimizers, where the norms
+would be the slices'; LAMB there steps whole tensors, each parameter owned by one of the 4
+data ranks (four tensors of unequal sizes), and trains as one process too, through
+``meshlab.optimizer`` and through ``boost`` under ``LowLevelZeroPlugin(stage=1)``. A
+trust ratio computed per shard fails each layout's comparison.
 
 The one-process reference is itself checked against LAMB's formula as Colossal-AI writes
 it (written out here step by step), on tensors whose norm exceeds the library's default
@@ -152,14 +153,42 @@ def case_policy(rank, world):
     return True
 
 
-def case_zero1_refused(rank, world):
+def case_zero1(rank, world):
+    """ZeRO-1 at dp=4: each parameter stepped whole by its owner, the largest first to
+    the rank holding the fewest bytes; also through the Booster's LowLevelZeroPlugin."""
     import meshlab as ml
+    from meshlab.booster import Booster
     from meshlab.booster.nn.optimizer import Lamb
-    from meshlab.core.errors import ConfigError
+    from meshlab.booster.plugin import LowLevelZeroPlugin
 
-    model = ml.parallelize(_base(), ml.zero_shard(1, "dp"), ml.Mesh(dp=4))
-    with pytest.raises(ConfigError, match="optimizer Lamb under Zero.*flat slices"):
-        ml.optimizer(model, Lamb, lr=1e-2)
+    data, target = _data()
+    mine = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    for kw in CONFIGS:
+        want_losses, want = _reference(kw)
+        model = ml.parallelize(_base(), ml.zero_shard(1, "dp"), ml.Mesh(dp=4))
+        opt = ml.optimizer(model, Lamb, **kw)
+        assert opt.zero1.owners == {"inp.weight": 0, "out.weight": 1, "inp.bias": 2,
+                                    "out.bias": 3}, opt.zero1.owners
+        losses = [ml.step(model, opt, {"x": data[s, mine], "y": target[s, mine]},
+                          lambda out, b: nn.functional.mse_loss(out, b["y"]),
+                          inputs=["x"]) for s in range(STEPS)]
+        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                                   torch.tensor(want_losses, dtype=torch.float64), **TOL)
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.detach(), want[n], **TOL,
+                                       msg=lambda m, n=n: f"zero1 {kw} {n}: {m}")
+    kw = CONFIGS[0]
+    _, want = _reference(kw)
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=1, precision="fp32"))
+    base = _base()
+    model, opt = booster.boost(base, Lamb(base.parameters(), **kw))[:2]
+    for s in range(STEPS):
+        booster.backward(nn.functional.mse_loss(model(data[s, mine]), target[s, mine]), opt)
+        opt.step()
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), want[n], **TOL,
+                                   msg=lambda m, n=n: f"LowLevelZeroPlugin(stage=1) {n}: {m}")
     return True
 
 
@@ -178,8 +207,7 @@ def case_booster(rank, world, path):
 
     from meshlab.booster import Booster
     from meshlab.booster.nn.optimizer import Lamb
-    from meshlab.booster.plugin import LowLevelZeroPlugin, TorchFSDPPlugin
-    from meshlab.core.errors import ConfigError
+    from meshlab.booster.plugin import TorchFSDPPlugin
 
     kw = dict(lr=1e-2, bias_correction=True)
     data, target = _data()
@@ -228,10 +256,6 @@ def case_booster(rank, world, path):
         for n, p in ref.named_parameters():
             torch.testing.assert_close(got[n], p.detach(), **TOL,
                                        msg=lambda msg, n=n: f"{name} {n}: {msg}")
-
-    with pytest.raises(ConfigError, match="optimizer Lamb under Zero"):
-        Booster(plugin=LowLevelZeroPlugin(stage=1, precision="fp32")).boost(
-            _base(), Lamb(_base().parameters(), lr=1e-2))
     return True
 
 
@@ -243,8 +267,8 @@ def test_lamb_under_a_policy_trains_as_one_process(world4):
     assert world4.run(case_policy) == [True] * 4
 
 
-def test_lamb_is_refused_on_zero1_slices(world4):
-    assert world4.run(case_zero1_refused) == [True] * 4
+def test_lamb_under_zero1_trains_whole_tensors_as_one_process(world4):
+    assert world4.run(case_zero1) == [True] * 4
 
 
 def test_lamb_through_the_booster_trains_and_resumes_as_one_process(world4, tmp_path):

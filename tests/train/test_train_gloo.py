@@ -157,8 +157,9 @@ def test_dataloader_shards_over_dp_only(world4):
 
 def factored_case(rank, world, spec_name):
     """Adafactor (factored second moments over each weight's rows and columns) against one
-    process: exact where it steps whole tensors, refused by name where ZeRO-1 would hand it
-    flat slices (there it trained silently wrong: 3.4e-2 off after 3 steps at dp=2)."""
+    process, under data parallelism and under ZeRO-1, where each parameter is stepped whole
+    by the data rank that owns it (on flat slices it trained silently wrong: 3.4e-2 off
+    after 3 steps at dp=2; then it was refused)."""
     import torch.distributed as dist
 
     import meshlab as ml
@@ -183,11 +184,9 @@ def factored_case(rank, world, spec_name):
     return "trained"
 
 
-def test_a_factored_optimizer_is_exact_or_refused(world2):
+def test_a_factored_optimizer_trains_a_llama_as_one_process_under_dp_and_zero1(world2):
     assert world2.run(factored_case, spec_name="dp") == ["trained"] * 2
-    out = world2.run(factored_case, spec_name="zero1")
-    assert all(o == out[0] for o in out)
-    assert "Adafactor under Zero1" in out[0] and "register_elementwise" in out[0]
+    assert world2.run(factored_case, spec_name="zero1") == ["trained"] * 2
 
 
 def reduction_case(rank, world, reduction, microbatches):

@@ -11,6 +11,7 @@ from .._gradsync import reduce_dtype, require_mesh_optimizer
 from .._install import StageRoots
 from .._protocol import Part
 from ..precision import Precision
+from ._owned import Zero1Whole
 from ._zero1 import Zero1Buffers
 
 
@@ -43,23 +44,41 @@ class FSDPPart(Part):
 
 @dataclasses.dataclass
 class Zero1Part(Part):
-    """Stage 1: the inner optimizer updates fp32 slices (``Zero1Buffers``); gradients are
-    reduce-scattered into them and the updated slices all-gathered back."""
+    """Stage 1: for an elementwise optimizer the inner optimizer updates fp32 slices
+    (``Zero1Buffers``); gradients are reduce-scattered into them and the updated slices
+    all-gathered back. For any other (``whole=True``: LAMB, Adafactor, Muon, ...) each
+    parameter is owned by one data rank, which steps the whole tensor (``Zero1Whole``);
+    ``owners`` then records which rank steps which parameter (FQN -> data rank)."""
 
     order: ClassVar[int] = 10
     group: Any
     size: int
-    buffers: Zero1Buffers | None = None
+    buffers: Zero1Buffers | Zero1Whole | None = None
     apart: frozenset = frozenset()      # FQNs bucketed on their own (offload's host ones)
     reduce: Any = None                  # the dtype gradients are reduce-scattered in
 
-    def optimizer_params(self, params: list, group_of=None) -> list | None:
+    def optimizer_params(self, params: list, group_of=None, whole: bool = False
+                         ) -> list | None:
         if self.size == 1:
             return None
+        if whole:
+            self.buffers = Zero1Whole(list(params), self.group, self.size, group_of or {},
+                                      reduce=self.reduce)
+            return self.buffers.shards
         self.buffers = Zero1Buffers([p for _, p in params], self.group, self.size,
                                     frozenset(id(p) for n, p in params if n in self.apart),
                                     group_of or {}, reduce=self.reduce)
         return self.buffers.shards
+
+    @property
+    def whole(self) -> bool:
+        """Whether the optimizer steps whole parameters, each on its owner."""
+        return isinstance(self.buffers, Zero1Whole)
+
+    @property
+    def owners(self) -> dict | None:
+        """FQN -> the data rank that steps that parameter (whole-tensor mode), else None."""
+        return self.buffers.owners if self.whole else None
 
     def sync_grads(self, params: list) -> None:
         if self.buffers is not None:
@@ -68,6 +87,8 @@ class Zero1Part(Part):
     def grad_items(self, items: list) -> list:
         if self.buffers is None:
             return items
+        if self.whole:
+            return self.buffers.grad_items()
         return [(s.grad, b.groups + (self.group,)) for s, b in
                 zip(self.buffers.shards, self.buffers.buckets) if s.grad is not None]
 
@@ -92,6 +113,8 @@ class Zero1Part(Part):
         z = self.buffers
         if z is None:
             return None
+        if self.whole:
+            raise _no_checkpoint()
         out = []
         for b, shard in zip(z.buckets, z.shards):
             for key, flat_local in state.get(shard, {}).items():
@@ -106,6 +129,8 @@ class Zero1Part(Part):
         z = self.buffers
         if z is None:
             return False
+        if self.whole:
+            raise _no_checkpoint()
         for b, shard in zip(z.buckets, z.shards):
             for key, flat_local in state.get(shard, {}).items():
                 if flat_local.dim() == 0:
@@ -114,6 +139,17 @@ class Zero1Part(Part):
                     flat_local.copy_(z.slice_state([read(p, key) for p in b.params], b,
                                                    flat_local))
         return True
+
+
+def _no_checkpoint():
+    from ...core.errors import ConfigError
+
+    return ConfigError(
+        "meshlab.checkpoint of an optimizer that zero_shard(1) steps whole-tensor (each "
+        "parameter on its owner, for an optimizer that is not elementwise) is not supported "
+        "yet; save the model without the optimizer (optimizer=None), keep opt.state_dict() "
+        "(each parameter's state in torch's layout, gathered from its owner), or use an "
+        "elementwise optimizer")
 
 
 def install_zero(t, ctx) -> Part:
