@@ -13,9 +13,6 @@ _REDUCE_ONE = meaningless("one reduction dtype per spec; keep one precision()")
 _FP8_NO = not_yet("torchao's float8 layers are not yet shown to train like one process with it",
                   "{a} with {b}: float8 layers are not yet shown to train like one process "
                   "beside it; use precision('bf16') there")
-_FP8_SCALE = not_yet("float8 training scales each tensor itself and runs beside bf16, which "
-                     "needs no loss scale", "{a} with {b}: float8 training takes no loss "
-                     "scale; leave loss_scale out")
 _FP8_TP = not_yet(
     "a policy's tensor-parallel regions compute on local shards, where a tensorwise float8 "
     "scale would be taken over a shard (a weight, a row-parallel input, a column-parallel "

@@ -113,7 +113,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
         "vocabulary-sharded head (the fused loss needs the whole vocabulary)"
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
-from ._reasons import (_DTYPE, _FP8_NO, _FP8_SCALE, _FP8_TP,
+from ._reasons import (_DTYPE, _FP8_NO, _FP8_TP,
                        _FUSE_ATTN_SEQ, _FUSE_LOSS_PIPE, _OFF_GRADS, _OFF_PARAMS, _ORDER,
                        _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE, _TWO_SEQ,
                        _ZERO)
@@ -380,14 +380,14 @@ _LISTED: list[tuple[str, str, Cell]] = [
     # (pairs in the rows' order: the generated case's name is the pair's)
     *[(r, _FP8, _shown(r, _FP8, _FP8_EXACT)) for r in (
         "data_parallel", "zero_shard(1)", "zero_shard(2)", "zero_shard(3)")],
-    *[(r, _FP8, _shown(r, _FP8)) for r in ("remat", "precision(reduce='bf16')")],
+    *[(r, _FP8, _shown(r, _FP8)) for r in ("remat", "precision(reduce='bf16')",
+                                           "precision(reduce='fp16')")],
     *[(_FP8, r, _shown(_FP8, r)) for r in _FUSES + ("compile_blocks",)],
     *[(p, _FP8, _DTYPE) for p in _PRECS[:3]],
-    ("precision(loss_scale)", _FP8, _FP8_SCALE),
+    ("precision(loss_scale)", _FP8, _shown("precision(loss_scale)", _FP8)),
     *[(o, _FP8, _shown(o, _FP8, _FP8_OFF)) for o in _OFFLOADS],
     *[(r, _FP8, _shown(r, _FP8, note)) for r, note in _FP8_BLOCKS.items()],
     *[(r, _FP8, _FP8_TP) for r in ("shard", "sequence('split_gather')")],
-    ("precision(reduce='fp16')", _FP8, _FP8_NO),
     (_FP8, "step_in_backward", _FP8_NO),
     # fuse: one value routes any of its ops
     ("fuse", "fuse('attention')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),

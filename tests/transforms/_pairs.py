@@ -128,7 +128,7 @@ _ONE_VALUE: dict[frozenset, tuple[Callable, tuple[str, ...]]] = {
        (_const(_P(c, reduce=r, loss_scale=None)), ())
        for c in ("fp32", "bf16", "fp16") for r in ("bf16", "fp16")},
     **{frozenset({f"precision('{c}')", "precision(loss_scale)"}):
-       (_const(_P(c, loss_scale=1024.0)), ()) for c in ("fp32", "bf16", "fp16")},
+       (_const(_P(c, loss_scale=1024.0)), ()) for c in ("fp32", "bf16", "fp16", "fp8")},
     **{frozenset({"precision('fp8')", f"precision(reduce='{r}')"}):
        (_const(_P("fp8", reduce=r)), ()) for r in ("bf16", "fp16")},
     **{frozenset({f"precision(reduce='{r}')", "precision(loss_scale)"}):

@@ -93,10 +93,9 @@ class Precision(Transform):
             if self.float8 not in RECIPES:
                 raise ConfigError(f"precision('fp8', recipe={self.float8!r}): torchao's recipes "
                                   f"are {RECIPES}")
-            if self.compute != "bfloat16" or self.loss_scale is not None:
+            if self.compute != "bfloat16":
                 raise ConfigError(f"precision('fp8'): float8 products run beside bf16 "
-                                  f"compute without a loss scale (got compute="
-                                  f"{self.compute!r}, loss_scale={self.loss_scale!r}); write "
+                                  f"compute (got compute={self.compute!r}); write "
                                   f"precision('fp8') or precision('fp8', recipe='rowwise')")
         if (self.min_scale is not None and self.max_scale is not None
                 and self.min_scale > self.max_scale):
