@@ -65,9 +65,6 @@ _FUSE_LOSS_PIPE = not_yet("the last stage's loss comes from the schedule's loss_
                           "logits", "fuse('loss') with pipeline(): the last stage's loss "
                           "comes from the schedule's loss_fn on logits; leave 'loss' out of "
                           "fuse()")
-_FUSE_ATTN_SEQ = not_yet("sequence parallelism installs its own attention",
-                         "fuse('attention') with sequence(): sequence parallelism installs "
-                         "its own attention; leave 'attention' out of fuse()")
 _TWO_SEQ = not_yet("Ulysses over one axis with ring attention over another (2-D sequence "
                    "parallelism) is not yet supported; one sequence() per spec")
 _SEQ_SG = "spelled shard(..., Rules(seq=<tp axis>)) | sequence(axis, mode): two sequence() " \

@@ -114,7 +114,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
 from ._reasons import (_DTYPE, _FP8_NO, _FP8_TP,
-                       _FUSE_ATTN_SEQ, _FUSE_LOSS_PIPE, _OFF_GRADS, _OFF_PARAMS, _ORDER,
+                       _FUSE_LOSS_PIPE, _OFF_GRADS, _OFF_PARAMS, _ORDER,
                        _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE, _TWO_SEQ,
                        _ZERO)
 
@@ -330,7 +330,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("sequence('all_to_all')", "sequence('ring')", _TWO_SEQ),
     *[("expert_route", s, _shown("expert_route", s)) for s in _SEQS[1:]],
     *[("lora", s, _shown("lora", s)) for s in _SEQS[1:]],
-    *[("fuse('attention')", s, _FUSE_ATTN_SEQ) for s in _SEQS[1:]],
+    *[("fuse('attention')", s, _shown("fuse('attention')", s)) for s in _SEQS[1:]],
     ("compile_blocks", "sequence('all_to_all')", _shown("compile_blocks", "sequence('all_to_all')")),
     ("compile_blocks", "sequence('ring')", _shown("compile_blocks", "sequence('ring')")),
     *[("step_in_backward", s, _STEP) for s in _SEQS[1:]],

@@ -17,6 +17,11 @@ its mask of the whole sequence before the split; Ulysses hands it to SDPA over t
 sequence of its heads, ring attention reads it as causal segments and masks each block
 pair with the segments of its positions.
 
+Beside ``fuse('attention')``: ring attention computes every block pair on
+``meshlab::attention`` in any case; Ulysses then runs each rank's heads over the whole
+sequence on it too (SDPA otherwise), K and V sent with their own heads where those divide
+over the axis.
+
 Odd lengths are never padded silently: a sequence not divisible by the axis raises.
 
 The room: ``Sequence`` (claims the ``sp`` role), its checks, its install (``_ulysses``,
@@ -137,7 +142,11 @@ class Sequence(Transform):
         group = ctx.group(self.axis)
         blocks = ctx.plan.model.blocks
         held = frozenset(b for b in blocks if b not in ctx.dropped)   # a pipeline stage's
-        (_ring if self.mode == "ring" else _ulysses).install(ctx.model, blocks, group, held)
+        if self.mode == "ring":          # every block pair on meshlab::attention already
+            _ring.install(ctx.model, blocks, group, held)
+        else:                            # fuse('attention'): each rank's heads on it too
+            _ulysses.install(ctx.model, blocks, group, held,
+                             fused=_fused_attention(ctx.plan))
         return None
 
     def reductions(self, plan: Plan) -> list:
@@ -182,11 +191,22 @@ class Sequence(Transform):
             nbytes = L * (4 * (n - 1) * kv + 2 * n * dkv)
             return [CommOp("send", self.axis, count, nbytes),
                     CommOp("recv", self.axis, count, nbytes)]
-        return [CommOp("all_to_all", self.axis, 8 * L, 8 * L * piece),
+        # fuse('attention'): K and V keep their own heads where those divide over the axis
+        kv_heads = cfg("num_key_value_heads") or heads
+        kv = piece * kv_heads // heads if heads and _fused_attention(plan) and \
+            kv_heads % n == 0 else piece
+        return [CommOp("all_to_all", self.axis, 8 * L, 4 * L * (piece + kv)),
                 CommOp("all_gather", self.axis, 2, 2 * batch * seq * h * wb)]
 
     def __repr__(self) -> str:
         return f"sequence({self.axis!r}, mode={self.mode!r})"
+
+
+def _fused_attention(plan: Plan) -> bool:
+    """Whether the spec routes attention to ``meshlab::attention`` (``fuse('attention')``):
+    Ulysses then runs each rank's heads on it, K and V with their own heads."""
+    return any("attention" in getattr(t, "ops", ()) for t in plan.rooms
+               if getattr(t, "kind", "") == "fuse")
 
 
 def _refuse_non_causal(plan: Plan, mode: str) -> None:

@@ -22,6 +22,7 @@ from ...core.errors import SpecError
 from .._seqsplit import install_split
 
 NAME = "meshlab_ulysses"
+FUSED = "meshlab_ulysses_fused"      # the same, each rank's heads on meshlab::attention
 
 
 def _a2a(x: torch.Tensor, group, scatter: int, gather: int) -> torch.Tensor:
@@ -70,6 +71,31 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     return out.transpose(1, 2).contiguous(), None
 
 
+def fused_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    **kwargs):
+    """:func:`attention` with each rank's heads over the whole sequence on
+    ``meshlab::attention`` (``fuse('attention')`` beside Ulysses): the K/V heads travel as
+    they are where they divide over the axis (grouped-query attention kept, n times fewer
+    bytes than expanded), else expanded to the query heads as :func:`attention` sends
+    them; the whole-sequence mask is read as the fused op reads any (causal within
+    segments, or refused by name)."""
+    from ...ops.attention import hf_attention
+
+    group = sp_group(module)
+    n = dist.get_world_size(group)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and key.shape[1] % n:              # K/V heads do not divide: one per q head
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    q, k, v = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))  # (B, H/n, S, D)
+    if attention_mask is not None:
+        attention_mask = _whole_mask(attention_mask, q.shape[2])
+    out, _ = hf_attention(module, q, k, v, attention_mask, scaling=scaling, dropout=dropout,
+                          **kwargs)                  # (B, S, H/n, D)
+    out = _AllToAll.apply(out.transpose(1, 2), group, 2, 1)      # (B, H, S/n, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _whole_mask(mask, s: int):
     """The model's 4-D mask of the whole sequence (B, 1 or H, S, S), as SDPA takes it."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or \
@@ -114,15 +140,18 @@ def profile_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
-def install(model: nn.Module, blocks: tuple[str, ...], group, held: frozenset) -> None:
+def install(model: nn.Module, blocks: tuple[str, ...], group, held: frozenset,
+            fused: bool = False) -> None:
     """Attention over ``group`` in the ``held`` blocks (this rank's, of the model's
     ``blocks``), the sequence split before the model's first block and joined after its
-    last (``install_split``)."""
+    last (``install_split``); ``fused``: each rank's heads on ``meshlab::attention``
+    (:func:`fused_attention`) instead of SDPA."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(NAME, attention)
-    register_mask(NAME)
-    _route_attention(model, tuple(b for b in blocks if b in held), group, NAME)
+    name = FUSED if fused else NAME
+    AttentionInterface.register(name, fused_attention if fused else attention)
+    register_mask(name)
+    _route_attention(model, tuple(b for b in blocks if b in held), group, name)
     n = dist.get_world_size(group)
 
     def split(h):

@@ -42,6 +42,49 @@ def test_sequence_modes(world4, family, mode, mesh_text):
     world4.run(seq_case, family=family, mode=mode, mesh_text=mesh_text)
 
 
+def fused_ulysses_case(rank, world):
+    """fuse('attention') beside Ulysses: each rank's heads run on meshlab::attention (the
+    op records its path), K and V cross the all-to-all with their own heads (2 K/V heads
+    over sp=2: half the bytes of q), as plan.comm says, and three steps match one process."""
+    import meshlab as ml
+    from meshlab.estimate.comm import CommCounter
+    from meshlab.ops import _build
+
+    steps, lr = 3, 1e-3
+    data = M.batches(steps, batch=4, seq=8)
+    ref, ref_losses, _ = M.reference("llama", data, lr)
+    spec = ml.fuse("attention") | ml.sequence("sp", "all_to_all") | ml.data_parallel("dp")
+    model = ml.parallelize(M.build("llama"), spec, ml.Mesh(dp=2, sp=2), seed=0)
+    assert model.config._attn_implementation == "meshlab_ulysses_fused"
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=lr)
+    import torch.distributed as dist
+
+    r = dist.get_rank(model._meshlab.dp_group)
+    _build.LAST_PATH.pop(("attention", "cpu"), None)
+    losses = []
+    for i, b in enumerate(data):
+        with CommCounter(per_module=False) as cc:
+            losses.append(ml.step(model, opt, {"input_ids": b.chunk(2)[r]}))
+        if i == 0:
+            got = (cc.count("all_to_all"), cc.bytes("all_to_all"))
+    assert ("attention", "cpu") in _build.LAST_PATH
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5,
+                               rtol=1e-3)
+    M.assert_weights_match(model, ref)
+    plan = ml.plan(M.build("llama"), spec, ml.Mesh(dp=2, sp=2, fake=True))
+    est = plan.comm(batch=2, seq=8)
+    return got, (est.count("all_to_all"), est.bytes("all_to_all")), \
+        (model.config.num_attention_heads, model.config.num_key_value_heads)
+
+
+def test_fused_attention_beside_ulysses(world4):
+    got, est, (h, kv) = world4.run(fused_ulysses_case)[0]
+    B, S, D, L, n = 2, 8, 8, 2, 2
+    piece = B * h * (S // n) * D * 4
+    assert kv % n == 0 and kv < h
+    assert got == est == (8 * L, 4 * L * (piece + piece * kv // h)), (got, est)
+
+
 def bad_seq_case(rank, world):
     import meshlab as ml
 
