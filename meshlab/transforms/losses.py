@@ -105,7 +105,18 @@ def causal_lm_loss(output, batch) -> torch.Tensor:
     """Next-token loss: ``output.logits`` (B, S, V) against ``batch['labels']`` shifted by
     one (or ``input_ids`` when there are no labels); -100 is ignored."""
     logits = output.logits if hasattr(output, "logits") else output
-    labels = batch.get("labels", batch["input_ids"])
+    labels = batch["labels"] if "labels" in batch else batch["input_ids"]
+    if isinstance(labels, torch.Tensor) and isinstance(logits, torch.Tensor):
+        key = "labels" if "labels" in batch else "input_ids"
+        err = _form_error({"labels": labels}, False)
+        if err is None and tuple(labels.shape) != tuple(logits.shape[:2]):
+            err = BatchError(
+                f"batch[{key!r}] has shape {tuple(labels.shape)} and the logits "
+                f"{tuple(logits.shape)}: the causal-LM loss reads one label per input "
+                f"position, shape {tuple(logits.shape[:2])} (it shifts them by one itself). "
+                f"Pass labels of that shape, -100 where a position has none")
+        if err is not None:
+            raise err
     return cross_entropy(logits[:, :-1], labels[:, 1:])
 
 
@@ -220,10 +231,13 @@ class VocabGuard:
                 return key, t
         return None, None
 
-    def check(self, what: str, items: list, *, local: bool = False) -> None:
+    def check(self, what: str, items: list, *, local: bool = False,
+              error: BaseException | None = None) -> None:
         """Check ``(key, tensor, vocab, where, ignore_index)`` items; raise on every rank
-        together (here alone when not ``agreed``, or ``local``) if one is out of range."""
-        error = None
+        together (here alone when not ``agreed``, or ``local``) if one is out of range, or
+        ``error`` (the batch's form) is given."""
+        if error is not None:
+            items = []
         for key, t, vocab, where, ignore in items:
             rng = value_range(t, ignore)
             if rng is None:
@@ -347,6 +361,7 @@ def guard_model(model, group, *, agreed: bool, pipelined: bool, tp_axis: str | N
         _vocab_module(model, "get_output_embeddings")
     root_ids = inp is not None and not pipelined
     positional = _positional_names(model)
+    encdec = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
     def where(m) -> str:
         return names.get(id(m)) or type(model).__name__
@@ -361,8 +376,9 @@ def guard_model(model, group, *, agreed: bool, pipelined: bool, tp_axis: str | N
         if out is not None and given.get("labels") is not None:
             items.append(("labels", given["labels"], out[1], where(out[0]),
                           kwargs.get("ignore_index", -100)))
-        if items:
-            guard.check("forward", items)
+        error = _form_error(given, encdec) if inp is not None and not pipelined else None
+        if items or error is not None:
+            guard.check("forward", items, error=error)
 
     def post(mod, args, kwargs, output):
         mark(output, guard)
@@ -374,6 +390,51 @@ def guard_model(model, group, *, agreed: bool, pipelined: bool, tp_axis: str | N
                 not (root_ids and m is inp[0]):
             m.register_forward_pre_hook(_embedding_check(guard, fqn, m.weight.shape[0]),
                                         prepend=True)
+
+
+def _form_error(given: dict, encdec: bool) -> BatchError | None:
+    """The error for a batch whose token ids or labels a language model cannot read by
+    their form (dtype, dimensions, length), or None. One process raises a torch error
+    deep inside the model there (an embedding's dtype check, a reshape of 0 elements, a
+    size mismatch in attention or the loss); this names the key and the fix."""
+    ids, labels, embeds = (given.get(k) for k in ("input_ids", "labels", "inputs_embeds"))
+    lead = "input_ids" if ids is not None else "inputs_embeds"
+    x = ids if ids is not None else embeds
+    if ids is not None:
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            return BatchError(
+                f"input_ids is a {ids.dtype} tensor: token ids are integers (torch.long), "
+                f"indices into the vocabulary. Pass the tokenizer's ids "
+                f"(input_ids.long() if they were cast; a mask goes in attention_mask)")
+        if ids.dim() != 2:
+            fix = ("input_ids.unsqueeze(0) for one sequence" if ids.dim() == 1 else
+                   "input_ids.reshape(-1, input_ids.shape[-1]) to fold the leading "
+                   "dimensions into the batch" if ids.dim() > 2 else "a (batch, seq) tensor")
+            return BatchError(
+                f"input_ids has shape {tuple(ids.shape)}: a language model reads "
+                f"(batch, seq) token ids, 2 dimensions, not {ids.dim()}. Pass {fix}")
+    elif embeds is not None and embeds.dim() != 3:
+        return BatchError(
+            f"inputs_embeds has shape {tuple(embeds.shape)}: a language model reads "
+            f"(batch, seq, hidden) embeddings, 3 dimensions, not {embeds.dim()}")
+    if x is not None and x.dim() >= 2 and (x.shape[0] == 0 or x.shape[1] == 0):
+        return BatchError(
+            f"{lead} has shape {tuple(x.shape)}: an empty batch or empty sequences (no "
+            f"token to read). Drop empty samples before batching, or pad each to at least "
+            f"one token")
+    if labels is not None:
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            return BatchError(
+                f"labels is a {labels.dtype} tensor: labels are integer token ids "
+                f"(torch.long), -100 where a position has none. Pass labels.long(), or "
+                f"input_ids.clone() for next-token training")
+        if x is not None and not encdec and tuple(labels.shape) != tuple(x.shape[:2]):
+            return BatchError(
+                f"labels has shape {tuple(labels.shape)} and {lead} "
+                f"{tuple(x.shape)}: a language model reads one label per input "
+                f"position, shape {tuple(x.shape[:2])} (the model shifts them by one "
+                f"itself). Pass labels of that shape, -100 where a position has none")
+    return None
 
 
 def _embedding_check(guard: VocabGuard, fqn: str, vocab: int):

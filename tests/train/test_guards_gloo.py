@@ -312,3 +312,50 @@ def test_labels_that_are_the_ids_or_a_copy_take_one_path(world4, how, bad):
         else:
             assert kind == "PeerError" and "BatchError" in msg and "rank 2" in msg, (kind, msg)
         assert after > 0
+
+
+# -- batches a language model cannot read by their form ----------------------------------
+FORMS = {
+    "float_ids": (lambda x: {"input_ids": x.float()}, "input_ids is a torch.float32"),
+    "bool_ids": (lambda x: {"input_ids": x > 50}, "input_ids is a torch.bool"),
+    "ids_1d": (lambda x: {"input_ids": x[0]}, "unsqueeze(0)"),
+    "ids_3d": (lambda x: {"input_ids": x[None]}, "reshape(-1, input_ids.shape[-1])"),
+    "empty": (lambda x: {"input_ids": x[:, :0]}, "empty sequences"),
+    "labels_shape": (lambda x: {"input_ids": x, "labels": x[:, :5]}, "one label per input position"),
+    "labels_float": (lambda x: {"input_ids": x, "labels": x.float()}, "labels is a torch.float32"),
+}
+
+
+def batch_form_case(rank, world, layout):
+    """Each malformed batch on every rank (step, and the model's own loss; one rank's batch
+    of another dtype or shape is step's RankMismatchError); a good step after each, the
+    ranks still in step. Then {inputs_embeds, labels}."""
+    import meshlab as ml
+
+    spec, mesh = _layout(layout, world)
+    model = ml.parallelize(M.build("llama"), spec, mesh, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    good = _local(model, M.batches(1, batch=4)[0])
+    out = {}
+    for what, (make, _) in FORMS.items():
+        b = make(good.clone())
+        out[what, "step"] = _outcome(lambda: ml.step(model, opt, b))
+        out[what, "hf"] = _outcome(lambda: model(**{**b, "labels": b.get(
+            "labels", b["input_ids"])}).loss.backward())
+        model.zero_grad()
+        assert ml.step(model, opt, {"input_ids": good}) > 0
+    emb = model.get_input_embeddings()(good).detach()
+    out["embeds", "step"] = _outcome(lambda: ml.step(
+        model, opt, {"inputs_embeds": emb, "labels": good}))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp"])
+def test_batches_of_another_form_are_batch_errors(world4, layout):
+    """Float, bool, 1-D and 3-D ids, empty sequences, labels of another shape or dtype:
+    raw torch errors deep in the model once (a reshape of 0 elements, an embedding's dtype
+    check, a size mismatch); a {inputs_embeds, labels} batch: KeyError 'input_ids'."""
+    for out in world4.run(batch_form_case, layout=layout, timeout=180):
+        assert out.pop(("embeds", "step"))[0] is None
+        for (what, api), (kind, msg) in out.items():
+            assert kind == "BatchError" and FORMS[what][1] in msg, (what, api, kind, msg)
