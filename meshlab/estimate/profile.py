@@ -493,7 +493,7 @@ def profile(model: nn.Module, plan, batch: int, seq: int, inputs=None, loss=None
                     contexts += got.get("contexts", [])
                     hooked.extend(got.get("hooked", []))
         step = example_step(clone, inputs, loss, room_loss)
-        pr = _run(clone, block, int(batch), int(seq), step, contexts)
+        pr = _run(clone, block, int(batch), int(seq), step, [*contexts, _GroupedMMAnyDtype()])
         if hooked:          # ops the rooms' own dispatch modes saw, counted in the block
             k = ("block", "fwd")
             seen = [c() for c in hooked]          # (all, of which fused)
@@ -502,6 +502,27 @@ def profile(model: nn.Module, plan, batch: int, seq: int, inputs=None, loss=None
                                              hooked_fused=sum(f for _, f in seen))
         per[key] = pr
     return per[key]
+
+
+class _GroupedMMAnyDtype(torch.utils._python_dispatch.TorchDispatchMode):
+    """``torch._grouped_mm`` on fake tensors of a dtype other than bfloat16: its fake
+    kernel takes bfloat16 alone ("Expected inputs of BF16 type"), so a float32 MoE running
+    transformers' ``grouped_mm`` experts could not be profiled. The op runs on bfloat16
+    copies and its output is cast back: the shapes, the saved tensors (autograd keeps the
+    float32 inputs above this mode) and the FLOPs are the float32 op's."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            dtype = flat[0].dtype if flat else torch.bfloat16
+            if dtype.is_floating_point and dtype != torch.bfloat16:
+                def bf(a):
+                    return a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and \
+                        a.is_floating_point() else a
+                out = func(*map(bf, args), **{k: bf(v) for k, v in kwargs.items()})
+                return out.to(dtype)
+        return func(*args, **kwargs)
 
 
 def _profiles(t) -> bool:

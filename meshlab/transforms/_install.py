@@ -22,6 +22,14 @@ def axes_mesh(mesh: Mesh, axes: tuple[str, ...]):
     dm = mesh.device_mesh
     if len(axes) == 1:
         return dm[axes[0]]
+    order = [mesh.axis_names.index(a) for a in axes if a in mesh.axis_names]
+    if len(order) == len(axes) and order != sorted(order):
+        mine = tuple(a for a in mesh.axis_names if a in axes)
+        raise ConfigError(
+            f"axes {axes} of the mesh {mesh.shape} are named in "
+            f"another order than the mesh lists them ({mine}): a DeviceMesh flattens axes "
+            f"only in the mesh's order. Name them as {mine}, or build the Mesh with its axes "
+            f"in the order {axes}")
     return dm[axes]._flatten("_".join(axes))
 
 
@@ -46,6 +54,11 @@ class _Groups:
         return axes_mesh(self.mesh, tuple(axes))
 
     def group(self, *axes: str):
+        # a group's members do not depend on the order of its axes: take the mesh's order
+        # (data axes are listed as the plan found them, which need not be the mesh's)
+        names = self.mesh.axis_names
+        if all(a in names for a in axes):
+            axes = tuple(sorted(axes, key=names.index))
         return self.device_mesh(*axes).get_group()
 
     def size(self, *axes: str) -> int:

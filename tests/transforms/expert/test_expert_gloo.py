@@ -44,6 +44,9 @@ def _spec(layout: str):
     spec, mesh = {"ep2": (ep, dict(ep=2)), "ep4": (ep, dict(ep=4)),
                   "ep2_dp2": (ml.data_parallel("dp") | ep, dict(dp=2, ep=2)),
                   "ep2_zero3": (ml.zero_shard(3, "dp") | ep, dict(dp=2, ep=2)),
+                  # the expert axis listed first: the data group spans (dp, ep) against the
+                  # mesh's order (DeviceMesh's KeyError once)
+                  "ep2_zero3_ep_first": (ep | ml.zero_shard(3), dict(ep=2, dp=2)),
                   "ep2_remat": (ep | ml.remat("full"), dict(ep=2)),
                   "ep2_bf16": (ml.precision("bf16") | ep, dict(ep=2)),
                   "ep2_tp2": (ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ep,
@@ -160,6 +163,7 @@ def test_router_aux_loss_is_the_whole_batch_loss(world2):
                                            ("mixtral", "ep2_dp2"), ("deepseek_v3", "ep2_dp2"),
                                            ("qwen2_moe", "ep2_dp2"),
                                            ("qwen2_moe", "ep2_zero3"), ("mixtral", "ep2_zero3"),
+                                           ("mixtral", "ep2_zero3_ep_first"),
                                            ("deepseek_v3", "ep2_zero3"),
                                            ("mixtral", "ep2_tp2"), ("qwen2_moe", "ep2_tp2"),
                                            ("deepseek_v3", "ep2_tp2"),

@@ -66,3 +66,14 @@ def test_cli_plans_expert_parallelism_on_an_ep_axis(capsys):
                  "--seq", "1024"]) == 0
     out = capsys.readouterr().out
     assert "experts per layer / per rank" in out and "8 / 2" in out and "all_to_all" in out
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_memory_and_time_of_a_float32_moe(family):
+    """transformers runs these experts through torch._grouped_mm, whose fake kernel takes
+    bfloat16 alone: plan.memory(batch=, seq=) and plan.time() on the float32 model raised
+    "Expected inputs of BF16 type"."""
+    for spec in (ml.expert_route("ep"), ml.data_parallel("ep")):
+        p = ml.plan(M.build(family), spec, ml.Mesh(ep=2, fake=True))
+        assert p.memory(batch=2, seq=16).peak > p.memory().params
+        assert p.time(batch=2, seq=16).compute > 0
