@@ -104,6 +104,14 @@ def _check_plan_flags(args) -> None:
     if where is not None and not os.path.isdir(where):
         raise ConfigError(f"--json {args.json!r}: the directory {where!r} does not exist; "
                           f"create it or write the plan elsewhere")
+    if args.json and os.path.isdir(args.json):
+        raise ConfigError(f"--json {args.json!r}: is a directory; --json takes the path of "
+                          f"the file to write, e.g. --json "
+                          f"{os.path.join(args.json, 'plan.json')}")
+    if args.batch is not None and getattr(args, "gpu", None) is not None:
+        from ..estimate.machine import machine
+
+        machine(args.gpu)           # a preset name or a readable profile, before planning
 
 
 _SPECS_EXAMPLE = '{"model.layers.*.mlp.up_proj.weight": ["mlp", "embed"], "score.weight": []}'
@@ -377,6 +385,15 @@ def cmd_check(args) -> int:
     from ..ops import check as _check
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()] if args.ops else None
+    if ops is not None:
+        from ..core.errors import ConfigError
+        from ..ops import OPS
+
+        unknown = [o for o in ops if o not in OPS]
+        if unknown or not ops:
+            raise ConfigError(f"--ops {args.ops!r}: {', '.join(map(repr, unknown)) or 'no op'}"
+                              f" is not one of meshlab's fused ops ({', '.join(sorted(OPS))}); "
+                              f"pass e.g. --ops {sorted(OPS)[0]}")
     return _check.run(ops=ops, devices=[args.device] if args.device else None,
                       run_opcheck=not args.no_opcheck)
 

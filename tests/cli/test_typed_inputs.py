@@ -89,3 +89,78 @@ def test_machine_profiles_are_checked(tmp_path):
     path.write_text("{")
     with pytest.raises(ConfigError, match="not a readable JSON profile"):
         machine(str(path))
+
+
+# -- the rest of the command line, the engine and the adapters' arguments -----------------
+@pytest.mark.parametrize("argv, said", [
+    (["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--batch", "2", "--seq", "8",
+      "--gpu", "{bad"], "machine '{bad'"),
+    (["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--json", "{tmp}"], "is a directory"),
+    (["check", "--ops", "nope"], "--ops 'nope': 'nope' is not one of meshlab's fused ops"),
+    (["calibrate", "--device", "tpu", "--out", "{tmp}/m.json"], "calibrate(device='tpu')"),
+])
+def test_other_commands_refuse_bad_flags_by_name(tmp_path, capsys, argv, said):
+    """A directory for --json (IsADirectoryError) and an unknown op for check (KeyError)
+    were tracebacks; --gpu is read before the model is planned."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert said in captured.err and "Traceback" not in captured.err, captured.err
+    if argv[0] == "plan":
+        assert "planned" not in captured.out
+
+
+def test_bad_gpu_json_file_is_refused(tmp_path, capsys):
+    bad = tmp_path / "h.json"
+    bad.write_text("{bad")
+    assert cli.main(["plan", "--model", "tiny-llama", "--mesh", "dp=2", "--batch", "2",
+                     "--seq", "8", "--gpu", str(bad)]) == 2
+    assert "not a readable JSON profile" in capsys.readouterr().err
+
+
+def test_generate_on_a_directory_with_only_a_config(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2).to_json_file(
+        str(tmp_path / "config.json"))
+    assert _generate(tmp_path, "--max-new-tokens", "2") == 2
+    err = capsys.readouterr().err
+    assert "ConfigError" in err and "safetensors weights" in err and "Traceback" not in err
+
+
+def test_an_engine_on_a_model_directory_with_code_of_its_own_is_refused(tmp_path):
+    """InferenceEngine(path) on such a directory reached transformers' interactive y/N."""
+    from meshlab.inference import InferenceEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
+    with pytest.raises(ConfigError, match="names code of its own"):
+        InferenceEngine(str(tmp_path))
+    assert cli.main(["generate", str(tmp_path), "--prompt-ids", "1,2"]) == 2
+
+
+@pytest.mark.parametrize("value", ["x", [1.0], "nan"])
+def test_inference_config_refuses_other_kinds(value):
+    from meshlab.inference import InferenceConfig
+
+    with pytest.raises(ConfigError, match="temperature"):
+        InferenceConfig(temperature=value)
+
+
+@pytest.mark.parametrize("kw, said", [
+    (dict(r=0), "lora(r=0): r must be an integer >= 1"),
+    (dict(r=-1), "lora(r=-1)"), (dict(r=1.5), "lora(r=1.5)"), (dict(r=True), "lora(r=True)"),
+    (dict(lora_alpha=float("nan")), "lora_alpha"), (dict(lora_dropout=1.0), "lora_dropout"),
+])
+def test_lora_ranks_and_scales_are_checked(kw, said):
+    """peft accepted r of 0, -1 or 1.5 and failed inside its injection."""
+    import peft
+
+    import meshlab as ml
+
+    for call in (lambda: ml.lora(target_modules=["q_proj"], **kw),
+                 lambda: ml.lora(peft.LoraConfig(target_modules=["q_proj"], **kw))):
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert said in str(e.value)

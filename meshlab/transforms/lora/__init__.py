@@ -196,6 +196,16 @@ def lora(config=None, **kwargs) -> Lora:
         raise ConfigError("lora(config, ...): give a LoraConfig or its keywords, not both")
     if not isinstance(config, peft.LoraConfig):
         raise ConfigError(f"lora(config): a peft.LoraConfig, got {type(config).__name__}")
+    # peft takes these as they come and fails inside the injection (r=0, -1) or builds
+    # adapters of a rank no matmul can have (r=1.5): refused here, by name
+    from ...core.errors import check_int, check_number
+
+    check_int(config.r, "lora", "r", example=8)
+    check_number(config.lora_alpha, "lora", "lora_alpha", example=16)
+    drop = config.lora_dropout
+    if isinstance(drop, bool) or not isinstance(drop, (int, float)) or not 0 <= drop < 1:
+        raise ConfigError(f"lora(lora_dropout={drop!r}): lora_dropout is a probability in "
+                          f"[0, 1); pass e.g. lora_dropout=0.05")
     for name in ("rank_pattern", "alpha_pattern"):
         if getattr(config, name, None):
             raise ConfigError(f"lora: LoraConfig({name}=...) gives modules their own rank or "
