@@ -180,7 +180,7 @@ class MeshOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, cls: type, *, clip_grad_norm: float | None = None,
                  nonfinite: str | None = None, check_replicas: int = CHECK_EVERY,
-                 param_groups=None, **kwargs: Any) -> None:
+                 param_groups=None, zero1_whole: bool = False, **kwargs: Any) -> None:
         if nonfinite not in _NONFINITE:
             raise ConfigError(f"optimizer(nonfinite={nonfinite!r}): use one of "
                               f"{sorted(k for k in _NONFINITE if k)} (or leave it out)")
@@ -194,6 +194,9 @@ class MeshOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self.model, self.rt = model, runtime_of(model)
         self.clip, self.nonfinite = clip_grad_norm, nonfinite
+        from ..core.errors import check_bool
+
+        self.zero1_whole = check_bool(zero1_whole, "optimizer", "zero1_whole")
         self.check_replicas = check_int(check_replicas, "optimizer", "check_replicas", low=0,
                                         example=CHECK_EVERY)
         self._agreed = False            # ``step`` agreed on this step's hyper-parameters
@@ -206,16 +209,21 @@ class MeshOptimizer(torch.optim.Optimizer):
         prec = self.rt.part(PrecisionPart)
         self.scaler = prec.scaler() if prec is not None else None
         self._group_of, options = group_layout(self.params, param_groups)
+        self._options = options
         tensors = self._inner_params(cls, kwargs)
         _refuse_on_dtensors(cls, [p for _, p in self.params])
         self.inner = None
         for part in self.rt.parts:          # offload splits it between host and device
             made = part.make_optimizer(self, cls, kwargs, tensors)
-            if made is not None and len(options) > 1:
+            if made is not None and len(made.param_groups) != len(options):
                 raise ConfigError(f"optimizer(param_groups=...): {type(part).__name__} builds "
                                   f"its own optimizer over one group; give one group (set a "
                                   f"group's options after with opt.param_groups[i][...]) or "
                                   f"leave that transform out")
+            if made is not None and self.zero1_whole:
+                raise ConfigError(f"optimizer(zero1_whole=True) beside {type(part).__name__}, "
+                                  f"which builds its own optimizer over ZeRO-1's flat slices: "
+                                  f"not yet; leave zero1_whole out, or that transform")
             if made is not None and _whole_on_dtensors(cls, tensors):
                 raise ConfigError(f"optimizer {cls.__name__} on DTensor parameters beside "
                                   f"{type(part).__name__}, which builds its own optimizer: "
@@ -227,9 +235,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         self._whole = WholeTensors(tensors) if self.inner is None and \
             _whole_on_dtensors(cls, tensors) else None
         if self.inner is None:
-            groups = [{"params": tensors}] if len(options) == 1 else \
-                torch_groups(tensors, self._group_of, options,
-                             [bt for part in self.rt.parts for bt in part.stepped()])
+            groups = [{"params": tensors}] if len(options) == 1 else self.torch_groups(tensors)
             if self._whole is not None:
                 groups = [{**g, "params": self._whole.replace(g["params"])} for g in groups]
             self.inner = cls(groups, **kwargs)
@@ -240,6 +246,17 @@ class MeshOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0          # steps skipped for a non-finite gradient norm
         self._synced = False
 
+    def torch_groups(self, tensors: list, stand_in: dict | None = None) -> list[dict]:
+        """``tensors`` (what the inner optimizer steps: parameters, ZeRO-1's slices, or
+        tensors standing for parameters, ``stand_in`` mapping their ids to those, as
+        offload's host masters do) split into the ``param_groups`` the user gave, with each
+        group's options."""
+        group_of = self._group_of
+        if stand_in:
+            group_of = {**group_of, **{i: group_of[id(p)] for i, p in stand_in.items()}}
+        return torch_groups(tensors, group_of, self._options,
+                            [bt for part in self.rt.parts for bt in part.stepped()])
+
     def _inner_params(self, cls: type, kwargs: dict) -> list:
         inner, owner = None, None
         several = len(set(self._group_of.values())) > 1
@@ -247,7 +264,8 @@ class MeshOptimizer(torch.optim.Optimizer):
             # Several groups: a part that steps slices of its own keeps them apart. An
             # optimizer that reduces over tensors asks for whole ones (ZeRO-1's owners).
             kw = {"group_of": self._group_of} if several else {}
-            if not elementwise(cls) and "whole" in _params_of(type(part).optimizer_params):
+            if (not elementwise(cls) or self.zero1_whole) and \
+                    "whole" in _params_of(type(part).optimizer_params):
                 kw["whole"] = True      # (a part that slices without asking is refused below)
             got = part.optimizer_params(self.params, **kw)
             if got is not None:
@@ -610,7 +628,7 @@ def _fit_to(h, v):
 def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
               clip_grad_norm: float | None = None, nonfinite: str | None = None,
               check_replicas: int = CHECK_EVERY, param_groups=None,
-              **kwargs: Any) -> MeshOptimizer:
+              zero1_whole: bool = False, **kwargs: Any) -> MeshOptimizer:
     """An optimizer over a parallelized model's parameters (``cls(**kwargs)`` inside).
 
     ``clip_grad_norm`` clips by the global norm over all mesh axes. ZeRO-1 keeps the
@@ -638,6 +656,14 @@ def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
     hold it: replicas that drifted apart raise ``RankMismatchError`` on every rank, naming
     the first parameter that differs and the ranks.
 
+    ``zero1_whole=True``: under ``zero_shard(1)`` an elementwise optimizer steps whole
+    parameters, each on one data rank (``opt.zero1.owners``), as any other optimizer does,
+    instead of flat slices of several. A parameter that no data rank has a gradient for in
+    a step (a branch or expert no sample used) is then left alone, as one process's
+    optimizer leaves it; on flat slices such a step is refused by name. The state balances
+    by whole tensors, and ``meshlab.checkpoint`` does not save it yet (``state_dict()``
+    does).
+
     >>> opt = optimizer(model, torch.optim.AdamW, lr=3e-4, clip_grad_norm=1.0)  # doctest: +SKIP
     """
     from ..core.errors import check_number
@@ -648,4 +674,5 @@ def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,
     if clip_grad_norm is not None:
         check_number(clip_grad_norm, "optimizer", "clip_grad_norm", example=1.0)
     return MeshOptimizer(model, cls, clip_grad_norm=clip_grad_norm, nonfinite=nonfinite,
-                         check_replicas=check_replicas, param_groups=param_groups, **kwargs)
+                         check_replicas=check_replicas, param_groups=param_groups,
+                         zero1_whole=zero1_whole, **kwargs)

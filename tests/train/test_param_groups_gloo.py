@@ -1,8 +1,10 @@
 """Two parameter groups (weights with decay at one learning rate, biases and norms without
 at another) through ``meshlab.optimizer(param_groups=...)`` under tensor parallelism by
-specs, ZeRO-1 and ZeRO-3 on 2 gloo ranks: after three AdamW steps every weight equals one
-process's AdamW over the same groups on the global batches (float32, 1e-6). Offload, whose
-CPU AdamW steps one group, refuses two by name before any step. The Booster's plugins are
+specs, ZeRO-1 and ZeRO-3, and each of those and data parallelism with the optimizer
+offloaded (the CPU AdamW steps each group's host tensors with that group's options), on 2
+gloo ranks: after three AdamW steps every weight equals one process's AdamW over the same
+groups on the global batches (float32, 1e-6). A group option the CPU AdamW does not
+compute (``amsgrad``) is refused by name. The Booster's plugins are
 covered by ``tests/colossal/test_param_groups_gloo.py``."""
 
 from __future__ import annotations
@@ -35,7 +37,16 @@ def _layout(name):
                    "out.weight": P(None, "tp")})
     return {"tp": (tp, ml.Mesh(tp=2), False),
             "zero1": (ml.zero_shard(1, "dp"), ml.Mesh(dp=2), True),
-            "zero3": (ml.zero_shard(3, "dp"), ml.Mesh(dp=2), True)}[name]
+            "zero3": (ml.zero_shard(3, "dp"), ml.Mesh(dp=2), True),
+            # the CPU AdamW steps the host part of each group with that group's options,
+            # the device optimizer the rest (half of the optimizer on the host)
+            "dp_offload": (ml.data_parallel("dp") | ml.offload(optimizer=0.5), ml.Mesh(dp=2),
+                           True),
+            "zero1_offload": (ml.zero_shard(1, "dp") | ml.offload(optimizer=1.0),
+                              ml.Mesh(dp=2), True),
+            "zero3_offload": (ml.zero_shard(3, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0),
+                              ml.Mesh(dp=2), True),
+            "tp_offload": (tp | ml.offload(optimizer=1.0), ml.Mesh(tp=2), False)}[name]
 
 
 def _full(t):
@@ -59,7 +70,8 @@ def case_layouts(rank, world):
         ref_opt.step()
         ref_opt.zero_grad()
 
-    for name in ("tp", "zero1", "zero3"):
+    for name in ("tp", "zero1", "zero3", "dp_offload", "zero1_offload", "zero3_offload",
+                 "tp_offload"):
         spec, mesh, split = _layout(name)
         model = Net()
         model.load_state_dict(base.state_dict())
@@ -79,8 +91,10 @@ def case_layouts(rank, world):
 
     model = ml.parallelize(Net(), ml.zero_shard(1, "dp") | ml.offload(optimizer=1.0),
                            ml.Mesh(dp=2))
-    with pytest.raises(ConfigError, match="builds its own optimizer over one group"):
-        ml.optimizer(model, torch.optim.AdamW, lr=1e-2, param_groups=_groups(lambda n: n))
+    amsgrad = _groups(lambda n: n)
+    amsgrad[1]["amsgrad"] = True
+    with pytest.raises(ConfigError, match="parameter group 1 sets amsgrad"):
+        ml.optimizer(model, torch.optim.AdamW, lr=1e-2, param_groups=amsgrad)
     return True
 
 

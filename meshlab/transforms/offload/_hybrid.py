@@ -1,6 +1,6 @@
 """``HybridAdamW``: one AdamW over tensors on the host and on the device.
 
-It is one ``torch.optim.Optimizer`` (one ``param_groups``, one ``state`` in
+It is one ``torch.optim.Optimizer`` (its ``param_groups`` torch's, one ``state`` in
 ``torch.optim.AdamW``'s layout, so ``state_dict()`` does not depend on where a tensor
 lives and loads across offload fractions). Host tensors are stepped by ``CPUAdamW``'s C++
 loop through the offload part's pipeline (gradient copied in, update, parameter copied
@@ -49,43 +49,56 @@ def adamw_family(cls: type, kwargs: dict) -> dict:
 
 
 class HybridAdamW(torch.optim.Optimizer):
-    """AdamW over ``params`` where the tensors whose ids are in ``host`` are updated by
-    ``pipeline.host_step`` (the offload part) and the rest by ``device_cls``."""
+    """AdamW over ``params`` (tensors, or torch's list of group dicts, each group with its
+    own ``lr``, ``betas``, ``eps`` and ``weight_decay``) where the tensors whose ids are in
+    ``host`` are updated by ``pipeline.host_step`` (the offload part) and the rest by
+    ``device_cls``, one device group per group that holds device tensors."""
 
     def __init__(self, params, *, host: set[int], pipeline, device_cls: type,
                  device_kwargs: dict, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay))
-        if len(self.param_groups) != 1:
-            raise ConfigError("HybridAdamW takes one parameter group")
+        for i, group in enumerate(self.param_groups):
+            extra = sorted(k for k in group if k not in ("params",) + _HYPER + _DEVICE_ONLY
+                           and not (k in _NEUTRAL and group[k] == _NEUTRAL[k]))
+            if extra:
+                raise ConfigError(f"offload(optimizer>0): parameter group {i} sets "
+                                  f"{', '.join(extra)}, which the CPU AdamW does not compute; "
+                                  f"a group may set only {', '.join(_HYPER)}")
         self.host_ids, self.pipeline = set(host), pipeline
-        dev = [p for p in self.param_groups[0]["params"] if id(p) not in self.host_ids]
+        # (index of the group, its device tensors) for the groups that hold any
+        self._device = [(i, [p for p in g["params"] if id(p) not in self.host_ids])
+                        for i, g in enumerate(self.param_groups)]
+        self._device = [(i, dev) for i, dev in self._device if dev]
         self.device_opt = None
-        if dev:
+        if self._device:
             if device_cls is CPUAdamW:
                 device_cls = torch.optim.AdamW
-            self.device_opt = device_cls(dev, lr=lr, betas=betas, eps=eps,
-                                         weight_decay=weight_decay, **device_kwargs)
+            self.device_opt = device_cls(
+                [{"params": dev, **{k: self.param_groups[i][k] for k in _HYPER}}
+                 for i, dev in self._device],
+                lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **device_kwargs)
             self.device_opt.state = self.state          # one state, one state_dict
             mark_mesh_optimizer(self.device_opt)
 
     @property
     def host_params(self) -> list:
-        return [p for p in self.param_groups[0]["params"] if id(p) in self.host_ids]
+        return [p for g in self.param_groups for p in g["params"] if id(p) in self.host_ids]
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ConfigError("HybridAdamW.step takes no closure")
-        group = self.param_groups[0]
         if self.device_opt is not None:
-            dg = self.device_opt.param_groups[0]
-            for k, v in group.items():
-                if k != "params":
-                    dg[k] = v
+            # a scheduler or the user sets a group's options here: the device groups follow
+            for dg, (i, _) in zip(self.device_opt.param_groups, self._device):
+                for k, v in self.param_groups[i].items():
+                    if k != "params":
+                        dg[k] = v
             self.device_opt.step()
-        self.pipeline.host_step(self, group, self.host_params)
+        self.pipeline.host_step(self, [(g, [p for p in g["params"] if id(p) in self.host_ids])
+                                       for g in self.param_groups])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

@@ -95,11 +95,13 @@ class OffloadPart(Part):
         self._check_host_memory(opt)
         if self.zero1 and opt.shards:
             tensors = self._zero1_entries(opt, tensors)
+            groups = opt.torch_groups(tensors)
         else:
-            tensors = [self._entry(n, p) if n in self.choice.optimizer else p
-                       for n, p in opt.params]
+            pairs = [(p, self._entry(n, p) if n in self.choice.optimizer else p)
+                     for n, p in opt.params]
+            groups = opt.torch_groups([t for _, t in pairs], {id(t): p for p, t in pairs})
         host = {id(e.master) for e in self.entries}
-        return HybridAdamW(tensors, host=host, pipeline=self, device_cls=cls,
+        return HybridAdamW(groups, host=host, pipeline=self, device_cls=cls,
                            device_kwargs=device_kwargs, **hyper)
 
     def _entry(self, fqn: str, p) -> torch.Tensor:
@@ -220,22 +222,27 @@ class OffloadPart(Part):
         return out
 
     # -- the step ----------------------------------------------------------------------------
-    def host_step(self, opt, group: dict, host: list) -> None:
-        """Update the host tensors chunk by chunk: while the CPU AdamW runs on one chunk,
-        the next chunk's gradients come in and the previous chunk's results go out."""
+    def host_step(self, opt, groups: list) -> None:
+        """Update the host tensors of each ``(group, tensors)`` of ``groups`` chunk by
+        chunk (a chunk within one group, stepped with its options): while the CPU AdamW runs
+        on one chunk, the next chunk's gradients come in and the previous chunk's results
+        go out."""
         from ...ops.cpu_adam import step_group
 
         by_master = {id(e.master): e for e in self.entries}
-        todo = [by_master[id(m)] for m in host]
-        todo = [e for e in todo if e.master.grad is not None or e.master in self.grads
-                or self._fetched(e)]
-        chunks = [[todo[i] for i in c] for c in
-                  chunk_indices([e.master.numel() for e in todo], self.chunk)]
+        chunks, options = [], []
+        for group, host in groups:
+            todo = [by_master[id(m)] for m in host]
+            todo = [e for e in todo if e.master.grad is not None or e.master in self.grads
+                    or self._fetched(e)]
+            for c in chunk_indices([e.master.numel() for e in todo], self.chunk):
+                chunks.append([todo[i] for i in c])
+                options.append(group)
         if not chunks:
             return
         slots = self._slots(chunks)
         self._fetch(chunks[0], slots[0])
-        for i, chunk in enumerate(chunks):
+        for i, (chunk, group) in enumerate(zip(chunks, options)):
             slot = slots[i % 2]
             if i + 1 < len(chunks):
                 self._fetch(chunks[i + 1], slots[(i + 1) % 2])
@@ -370,7 +377,7 @@ class OffloadPart(Part):
             add(e.grad if e.has_grad else None, "grads", "host")
         out["host"]["staging"] = sum(s.g.numel() + s.o.numel() for s in self._staging or ())
         host_ids = {id(e.master) for e in self.entries}
-        for t in opt.inner.param_groups[0]["params"]:
+        for t in (t for g in opt.inner.param_groups for t in g["params"]):
             for v in opt.inner.state.get(t, {}).values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     add(v, "optimizer", "host" if id(t) in host_ids else None)
