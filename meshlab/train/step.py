@@ -157,7 +157,9 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
       loss is that sum over the global batch divided by the global count of tokens
       (``num_tokens(microbatch)``, by default the labelled next-token positions:
       ``batch['labels'][:, 1:] != -100``), the token-weighted mean a single process takes
-      of a padded batch. The default loss follows the reduction.
+      of a padded batch. The default loss follows the reduction. The token count is
+      known before the step runs, so a pipeline's schedule weighs each microbatch's sum
+      by it on the last stage, as the step does without one.
 
     The convention, for a dict ``batch``: every key but ``labels`` is passed to the model
     by name (``model(input_ids=...)``: labels go to ``loss_fn``, not to the model, which
@@ -225,7 +227,7 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
     backward over the microbatches, the optimizer, and the loss of the global batch (a
     float from a room's schedule, else a tensor not yet read from the device)."""
     for part in rt.parts:
-        done = part.run_step(rt, opt, batch, loss_fn or _default_loss)
+        done = part.run_step(rt, opt, batch, *red.room_args(part, loss_fn))
         if done is not None:
             return done
     scaler = getattr(opt, "scaler", None)
@@ -262,7 +264,7 @@ def _evaluate(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"
     schedule), or the forward and loss of every microbatch under ``no_grad``; the loss of
     the global batch as ``_run`` returns it."""
     for part in rt.parts:
-        done = part.evaluate(rt, batch, loss_fn or _default_loss)
+        done = part.evaluate(rt, batch, *red.room_args(part, loss_fn))
         if done is not None:
             return done
     total = None
@@ -298,9 +300,10 @@ def _prepared(model, rt, batch, mbs: list, inputs) -> list:
     collective (an error here reaches every rank through the step's agreement).
 
     Padded and packed batches: each room that cannot train one as one process would
-    refuses it (``check_batch(plan, batch, layout)``: the pipeline's decoder stages, whose
-    attention reads no mask; ``fuse('attention')``, a label that would read a padding
-    token's output). For a
+    refuses it (``check_batch(plan, batch, layout)``: ``fuse('attention')``, a label that
+    would read a padding token's output; the pipeline's decoder stages, a key they do not
+    read, while they build each microbatch's mask and positions from its
+    ``attention_mask`` and ``position_ids`` as the model's forward does). For a
     forward that takes ``position_ids`` and ``use_cache`` (a Hugging Face model's), a
     batch with ``position_ids`` runs with ``use_cache=False``, and where its rows pack
     several samples (positions that start again inside a row) a 2-D ``attention_mask`` is
@@ -330,9 +333,6 @@ def _check_reduction(reduction, num_tokens, rt) -> None:
     if num_tokens is not None and (reduction != "tokens" or not callable(num_tokens)):
         raise ConfigError("step(num_tokens=...): a function of a microbatch, with "
                           "reduction='tokens' only")
-    if reduction != "mean" and any(p.runs_step for p in rt.parts):
-        raise ConfigError(f"step(reduction={reduction!r}) with a room that runs the step "
-                          f"itself (the pipeline's schedule): not yet; use reduction='mean'")
 
 
 def _labelled(mb) -> torch.Tensor:
@@ -370,6 +370,18 @@ class _Reduce:
             return mean
         return mean * _labelled(mb).clamp(min=1).to(mean.dtype)
 
+    def room_args(self, part, loss_fn) -> tuple:
+        """The loss a room that runs the step itself (the pipeline's schedule) runs on
+        each microbatch, and this reduction, which it weighs those losses by
+        (``PipelinePart._weigh``): the caller's loss, or the default one as this reduction
+        wants it (one function of each kind: the schedule is built once per loss
+        function). Any other room's ``run_step`` takes the loss alone."""
+        if not part.runs_step:
+            return (loss_fn or _default_loss,)
+        if loss_fn is None:
+            loss_fn = _default_loss if self.reduction == "mean" else _default_sum
+        return (loss_fn, self)
+
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A scalar loss as a plain tensor: a DTensor's full value (a partial sum reduced, as
@@ -389,6 +401,13 @@ def _shapes(batch) -> object:
 
 def _default_loss(out, batch):
     return _loss(None, out, batch)
+
+
+def _default_sum(out, batch):
+    """The default loss as a sum over the microbatch's labelled tokens (``'sum'`` and
+    ``'tokens'``, under a room that runs the step itself)."""
+    mean = _loss(None, out, batch)
+    return mean * _labelled(batch).clamp(min=1).to(mean.dtype)
 
 
 @contextlib.contextmanager

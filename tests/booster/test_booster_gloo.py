@@ -467,8 +467,9 @@ def test_broadcast_buffers(world):
 
 
 def dropped_key_case(rank, world):
-    """A pipelined model reads input_ids and labels only: a padding mask is refused on
-    every rank (by the pipeline room, so ml.step refuses it too), an all-ones one is fine."""
+    """A pipelined model's stages read input_ids, attention_mask and position_ids (and
+    the loss labels): a padding mask trains, a key the stages would drop is refused on
+    every rank (by the pipeline room, so ml.step refuses it too)."""
     import meshlab as ml
     from meshlab.booster import HybridParallelPlugin
 
@@ -478,13 +479,15 @@ def dropped_key_case(rank, world):
     ones = {"input_ids": x, "labels": x, "attention_mask": torch.ones_like(x)}
     booster.execute_pipeline(iter([ones]), model, lambda o, i: o.loss, opt)
     padded = {**ones, "attention_mask": torch.ones_like(x).index_fill_(1, torch.tensor([15]), 0)}
+    booster.execute_pipeline(iter([padded]), model, lambda o, i: o.loss, opt)
     try:
-        booster.execute_pipeline(iter([padded]), model, lambda o, i: o.loss, opt)
+        booster.execute_pipeline(iter([{**ones, "token_type_ids": torch.zeros_like(x)}]),
+                                 model, lambda o, i: o.loss, opt)
     except ml.ConfigError as e:
         return str(e)
-    raise AssertionError("a padding mask was dropped silently")
+    raise AssertionError("a batch key the stages do not read was dropped silently")
 
 
 def test_pipeline_refuses_keys_it_would_drop(world):
-    assert all("batch['attention_mask'] would be dropped" in m
+    assert all("batch key(s) ['token_type_ids'] would be dropped" in m
                for m in world.run(dropped_key_case))

@@ -13,10 +13,15 @@ one row a microbatch), LoRA, the fused norms, rotary, MLP and loss, the fused at
 (``fuse()``: meshlab's C++ kernel masking the segments it reads from transformers' mask),
 Ulysses (``sequence('sp', 'all_to_all')``: the whole-sequence mask after the exchange),
 ring attention (``sequence('sp', 'ring')``: each block pair masked by the segments of its
-positions, in float64 and on the C++ kernel in float32), and the same batch with the
-padding marked by position ids alone. Refused with a ``ConfigError`` on every rank,
-before any collective of the model: the pipeline, and tokens masked inside a packed
-sample.
+positions, in float64 and on the C++ kernel in float32), the pipeline (pp=2, one row a
+microbatch, 1F1B and GPipe: every stage builds its microbatch's mask and positions from
+the ``attention_mask`` and ``position_ids`` the schedule hands it, and each microbatch's
+loss is its sum over tokens divided by the whole batch's token count), and the same batch
+with the padding marked by position ids alone. ``reduction='tokens'`` through the pipeline
+is also checked on an unpadded batch whose microbatches hold different numbers of labels
+(where the mean of the microbatches' means is not the token mean). Refused with a
+``ConfigError`` on every rank, before any collective of the model: tokens masked inside a
+packed sample, and a batch key the pipeline's stages would drop.
 """
 
 from __future__ import annotations
@@ -145,6 +150,9 @@ def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1)
                         | ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
             "tp": (ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
             "tp_sp": (ml.shard(ml.policies.auto, rules | ml.Rules(seq="tp")), ml.Mesh(tp=2)),
+            "pipeline": (ml.pipeline("pp", schedule="1f1b", microbatches=2), ml.Mesh(pp=2)),
+            "pipeline_gpipe": (ml.pipeline("pp", schedule="gpipe", microbatches=2),
+                               ml.Mesh(pp=2)),
         }[layout]
         attention = "sdpa" if dtype == "float64" else "eager"
         model = ml.parallelize(build(attention), spec, mesh, seed=0)
@@ -155,7 +163,49 @@ def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1)
         batch = _rows(packed_batch(mask), r, rt.dp_size)
         opt = Grads(list(model.named_parameters()))
         loss = ml.step(model, opt, batch, reduction="tokens", microbatches=microbatches)
-        return _check(loss, opt.seen, ref_loss, ref_grads, tol)
+        return _check(loss, opt.seen, ref_loss, _held(model, ref_grads), tol)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def _held(model, ref_grads):
+    """The reference gradients of the parameters this rank holds (a pipeline stage's
+    own), once the ranks together are seen to hold every one."""
+    import torch.distributed as dist
+
+    held = {n for n, _ in model.named_parameters()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sorted(held))
+    assert set().union(*map(set, every)) >= set(ref_grads), sorted(set(ref_grads) - held)
+    return {n: g for n, g in ref_grads.items() if n in held}
+
+
+def tokens_case(rank, world, schedule):
+    """``reduction='tokens'`` through the pipeline on rows of one sample each, without
+    padding, whose labels are -100 on 2 and on 7 tokens: one row a microbatch, so the
+    mean of the microbatches' means (9 and 4 labelled tokens) is not the token-weighted
+    mean one process takes of the batch. Loss and gradients against one process."""
+    import torch.nn.functional as F
+
+    import meshlab as ml
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        ids = torch.randint(1, 97, (2, S), generator=torch.Generator().manual_seed(5))
+        labels = ids.clone()
+        labels[0, :2], labels[1, :7] = -100, -100
+        ref = ml.init_weights(build(), seed=0)
+        logits = ref(input_ids=ids).logits
+        total = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                labels[:, 1:].reshape(-1), reduction="sum")
+        ref_loss = total / (labels[:, 1:] != -100).sum()
+        ref_loss.backward()
+        ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+        model = ml.parallelize(build(), ml.pipeline("pp", schedule=schedule, microbatches=2),
+                               ml.Mesh(pp=2), seed=0)
+        opt = Grads(list(model.named_parameters()))
+        loss = ml.step(model, opt, {"input_ids": ids, "labels": labels}, reduction="tokens")
+        return _check(loss, opt.seen, float(ref_loss), _held(model, ref_grads), 1e-10)
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -218,9 +268,9 @@ def lora_case(rank, world):
 
 
 def refusal_case(rank, world, layout):
-    """``step`` refuses the batch on every rank with a ``ConfigError`` naming the room
-    and the fix, before any collective of the model (agreement exchanges aside); the
-    next step, on rows of one sample each without padding, trains."""
+    """``step`` refuses a batch with a key the room would drop on every rank with a
+    ``ConfigError`` naming it, before any collective of the model (agreement exchanges
+    aside); the next step, on the same batch without that key, trains."""
     import meshlab as ml
     from meshlab.estimate.comm import CommCounter
 
@@ -234,18 +284,18 @@ def refusal_case(rank, world, layout):
     before = {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
     messages = []
     for batch in (packed_batch(), packed_batch(mask=False)):
+        batch["token_type_ids"] = torch.zeros_like(batch["input_ids"])
         with CommCounter(per_module=False) as cc:
             try:
-                ml.step(model, opt, share(batch))
+                ml.step(model, opt, share(batch), reduction="tokens")
             except ml.ConfigError as e:
                 messages.append(str(e))
             else:
-                raise AssertionError(f"{layout}: a padded and packed batch was trained")
+                raise AssertionError(f"{layout}: a key the stages do not read was dropped")
         assert [c for c in cc.calls if c[0] != "control"] == [], cc.calls
     for n, p in model.named_parameters():
         assert torch.equal(M.full(p).detach(), before[n]), n
-    ids = torch.randint(1, 97, (2, S), generator=torch.Generator().manual_seed(1))
-    loss = ml.step(model, opt, share({"input_ids": ids, "labels": ids}))
+    loss = ml.step(model, opt, share(packed_batch()), reduction="tokens")
     assert loss == loss and loss > 0
     return messages
 
@@ -310,6 +360,19 @@ def test_tensor_parallel_in_float32(world2):
     world2.run(parity_case, layout="tp", dtype="float32")
 
 
+@pytest.mark.parametrize("layout", ["pipeline", "pipeline_gpipe"])
+def test_pipeline_trains_as_the_samples_one_by_one(world2, layout):
+    # pp=2, one row a microbatch: every stage builds its microbatch's mask and positions
+    # (row 0 its padding mask, row 1 its packed position ids, the mask folded into them)
+    world2.run(parity_case, layout=layout)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_weighs_tokens_across_microbatches(world2, schedule):
+    # unpadded: 9 and 4 labelled tokens in the two microbatches
+    world2.run(tokens_case, schedule=schedule)
+
+
 def test_a_token_masked_inside_a_packed_sample_is_refused(world2):
     (peer, theirs), (kind, mine) = world2.run(hole_case)      # rank 1 holds row 1
     assert kind == "ConfigError" and "column 8" in mine and "position_ids" in mine, mine
@@ -322,7 +385,7 @@ def test_lora_trains_as_the_samples_one_by_one(world2):
 
 
 @pytest.mark.parametrize("layout,says", [
-    ("pipeline", ["pipelined model", "without a pipeline"]),
+    ("pipeline", ["['token_type_ids'] would be dropped"]),
 ])
 def test_refused_before_any_collective(world2, layout, says):
     for messages in world2.run(refusal_case, layout=layout):

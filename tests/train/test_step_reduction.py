@@ -1,5 +1,6 @@
-"""``step(reduction=)``'s refusal is for a room that runs the whole step itself (the
-pipeline's schedule), not for every part that has a ``run_step`` hook."""
+"""``step(reduction=)`` reaches a room that runs the whole step itself (the pipeline's
+schedule, which weighs each microbatch's loss by it), and only that room: a part with a
+``run_step`` hook that leaves the step to ``step`` gets the loss alone."""
 
 from __future__ import annotations
 
@@ -8,18 +9,25 @@ import types
 import pytest
 
 import meshlab as ml
-from meshlab.train.step import _check_reduction
+from meshlab.train.step import _check_reduction, _default_loss, _default_sum, _Reduce
 from meshlab.transforms.compile import GraphSteps
 
 
-def test_only_a_room_running_the_step_refuses_a_reduction():
+def test_a_room_running_the_step_gets_the_reduction():
     from meshlab.transforms.pipeline._runtime import PipelinePart
 
-    graphs = types.SimpleNamespace(parts=(GraphSteps(),))
-    _check_reduction("sum", None, graphs)                 # CUDA graphs: the step is ours
-    piped = types.SimpleNamespace(parts=(PipelinePart.__new__(PipelinePart),))
-    with pytest.raises(ml.ConfigError, match="pipeline"):
-        _check_reduction("tokens", None, piped)
-    _check_reduction("mean", None, piped)
+    graphs = types.SimpleNamespace(parts=(GraphSteps(),), dp_size=1)
+    piped = types.SimpleNamespace(parts=(PipelinePart.__new__(PipelinePart),), dp_size=1)
+    for rt in (graphs, piped):
+        for reduction in ("mean", "sum", "tokens"):
+            _check_reduction(reduction, None, rt)
     with pytest.raises(ml.ConfigError, match="reduction="):
         _check_reduction("median", None, graphs)
+    red = _Reduce("sum", None, piped, [None])
+    mine = lambda out, batch: out          # noqa: E731
+    assert red.room_args(GraphSteps(), None) == (_default_loss,)
+    assert red.room_args(GraphSteps(), mine) == (mine,)
+    assert red.room_args(piped.parts[0], None) == (_default_sum, red)
+    assert red.room_args(piped.parts[0], mine) == (mine, red)
+    assert _Reduce("mean", None, piped, [None]).room_args(piped.parts[0], None)[0] \
+        is _default_loss

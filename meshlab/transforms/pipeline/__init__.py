@@ -168,10 +168,12 @@ class Pipeline(Transform):
         ctx.keep(PipelineSetup(self, ctx))
 
     def check_batch(self, plan: Plan, batch, layout) -> None:
-        """meshlab's stages of a Hugging Face decoder read ``input_ids`` and ``labels``
-        only: a batch with other keys (a padding ``attention_mask``, ``position_ids``) is
-        refused before the step's first collective. A model with declared ``blocks``
-        gets every key its forward takes, and masks as it does."""
+        """meshlab's stages of a Hugging Face decoder read ``input_ids`` (the first stage),
+        ``attention_mask`` and ``position_ids`` (every stage: each builds its microbatch's
+        mask and positions from them as the model's forward does, so padded and packed
+        batches train as one process) and ``labels`` (the loss): a batch with any other
+        key is refused by name before the step's first collective. A model with declared
+        ``blocks`` gets every key its forward takes, and masks as it does."""
         if self.blocks is None:
             from ._runtime import check_keys
 

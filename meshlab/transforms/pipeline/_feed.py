@@ -8,7 +8,8 @@ hidden states in its place); every other key the forward takes (``attention_mask
 ``position_ids``, ...) goes to every stage by name, cut into microbatches by torch's
 schedule (its default chunk spec: tensors along dim 0, other values repeated), and
 ``labels`` goes to the loss only. meshlab's stages of a Hugging Face decoder read
-``input_ids`` (``_runtime._pipeline_batch``). Either way the loss is the caller's,
+``input_ids`` (``_runtime._pipeline_batch``) on the first stage and ``attention_mask`` and
+``position_ids`` on every stage (``decoder_feed``). Either way the loss is the caller's,
 ``loss_fn(output, microbatch)``, with the microbatch cut from the whole batch, every key
 in it: the schedule hands the last stage the chunk of ``index`` (``arange(m)``) for each
 microbatch, a view whose storage offset is that microbatch's number, read without a
@@ -114,13 +115,24 @@ def own_feed(batch, m: int, sig: Signature) -> Feed:
     return Feed((batch[sig.first],), kwargs, _rows(batch, m), index, batch)
 
 
+DECODER_KEYS = ("attention_mask", "position_ids")   # what every decoder stage reads by name
+
+
 def decoder_feed(batch, m: int, x: torch.Tensor) -> Feed:
     """The inputs of meshlab's stages of a Hugging Face decoder: ``x`` (the input ids,
-    ``_pipeline_batch`` checked the batch) for the first stage, nothing by name; the loss
-    reads the microbatches of the whole batch (of ``{'input_ids': x}`` for a tensor)."""
+    ``_pipeline_batch`` checked the batch) for the first stage; the batch's
+    ``attention_mask`` and ``position_ids`` to every stage by name, in the form
+    ``meshlab.step`` gives a Hugging Face model (``_packing.as_packed``: where rows pack
+    several samples, the mask folded into the position ids), so each stage builds the
+    mask and positions the model's forward builds for its microbatch; the loss reads the
+    microbatches of the whole batch (of ``{'input_ids': x}`` for a tensor)."""
+    from .._packing import as_packed
+
     whole = dict(batch) if isinstance(batch, Mapping) else {"input_ids": x}
     _check_rows(whole, m)
-    return Feed((x,), {}, _rows(whole, m), torch.arange(m), whole)
+    packed = as_packed(whole, ("position_ids", "use_cache"))
+    kwargs = {k: packed[k] for k in DECODER_KEYS if packed.get(k) is not None}
+    return Feed((x,), kwargs, _rows(whole, m), torch.arange(m), whole)
 
 
 def microbatch(feed: Feed, index: torch.Tensor):

@@ -103,30 +103,24 @@ def _refuse_generate(model: nn.Module) -> None:
 
 
 def check_keys(batch) -> None:
-    """The keys meshlab's stages of a Hugging Face decoder read: ``input_ids`` and
-    ``labels`` (and an ``attention_mask`` of ones, which changes nothing); any other key
-    would be dropped, and the model would train on other math than one process: padding
-    the stages' causal attention reads, samples packed by ``position_ids`` attending to
-    each other. ``step`` runs this before its first collective (``Pipeline.check_batch``),
-    where a refusal on one rank reaches every rank."""
+    """The keys meshlab's stages of a Hugging Face decoder read: ``input_ids`` (the first
+    stage), ``attention_mask`` and ``position_ids`` (every stage, which builds the mask
+    and positions of its microbatch from them as the model's forward does: padding and
+    packed samples train as one process) and ``labels`` (the loss). Any other key would
+    be dropped, so it is refused by name. ``step`` runs this before its first collective
+    (``Pipeline.check_batch``), where a refusal on one rank reaches every rank."""
     from ...core.errors import ConfigError
+    from ._feed import DECODER_KEYS
 
     if not isinstance(batch, Mapping):
         return
-    for k, v in batch.items():
-        if k in ("input_ids", "labels") or (
-                k == "attention_mask" and isinstance(v, torch.Tensor) and bool((v == 1).all())):
-            continue     # an all-ones mask changes nothing; anything else would be lost
-        what = {"attention_mask": " (padding: the stages' causal attention would read the "
-                                  "masked tokens)",
-                "position_ids": " (packed samples would attend to each other)"}.get(k, "")
-        raise ConfigError(f"step: a pipelined model reads batch['input_ids'] and "
-                          f"batch['labels'] only; batch[{k!r}] would be dropped{what}. "
-                          f"meshlab's stages of a Hugging Face decoder take the ids alone "
-                          f"and attend causally over the whole row: give rows of one sample "
-                          f"each, padded on the right with the padding labelled -100 and no "
-                          f"attention_mask (causal attention never reads what follows a "
-                          f"token), or train padded and packed batches without a pipeline")
+    read = ("input_ids", *DECODER_KEYS, "labels")
+    unknown = [k for k in batch if k not in read]
+    if unknown:
+        raise ConfigError(f"step: a pipelined model's stages of a Hugging Face decoder read "
+                          f"batch keys {list(read)} only; batch key(s) {unknown} would be "
+                          f"dropped and the stages would train on other inputs than the "
+                          f"model's forward on one process; drop them from the batch")
 
 
 def _pipeline_batch(batch, microbatches: int):
@@ -175,6 +169,7 @@ class PipelinePart(Part):
     signature: Any = None
     _schedules: dict = dataclasses.field(default_factory=dict)
     _scale: float = 1.0
+    _weight: float = 1.0
     _feed: Feed | None = None
 
     def norm_groups(self) -> tuple:
@@ -191,13 +186,14 @@ class PipelinePart(Part):
             m = self.t.microbatches
 
             # The loss is the caller's, of the microbatch the schedule's target names
-            # (``_feed``). Each microbatch's loss is divided by their number here, so the
-            # backward accumulates the mean's gradient; torch's own ``scale_grads`` divides
-            # every gradient after the schedule instead, including gradients accumulated
-            # before this call (a second call without zero_grad would hold g2 + g1 / m).
+            # (``_feed``). Each microbatch's loss is weighed here (``_weight``: divided by
+            # their number for the mean), so the backward accumulates the step's loss's
+            # gradient; torch's own ``scale_grads`` divides every gradient after the
+            # schedule instead, including gradients accumulated before this call (a second
+            # call without zero_grad would hold g2 + g1 / m).
             def stage_loss(out, index):
                 loss = loss_fn(out, microbatch(self._feed, index))
-                return loss * (self._scale / m)
+                return loss * (self._scale * self._weight)
 
             sched = _PipelineScheduleRuntime(self.stages, m,
                                              loss_fn=guarded_loss(stage_loss, self.failures),
@@ -207,33 +203,46 @@ class PipelinePart(Part):
             self._schedules[key] = sched
         return self._schedules[key]
 
-    def run_step(self, rt, opt, batch, loss_fn) -> float:
+    def run_step(self, rt, opt, batch, loss_fn, reduction=None) -> float:
         """The schedule runs the microbatches; the loss comes from the last stage."""
         scaler = getattr(opt, "scaler", None)
-        loss, _ = self.forward_backward(rt, batch, loss_fn,
+        loss, _ = self.forward_backward(rt, batch, loss_fn, reduction=reduction,
                                         scale=scaler.scale if scaler is not None else 1.0)
         opt.step()
         opt.zero_grad()
         return loss
 
-    def evaluate(self, rt, batch, loss_fn) -> float:
+    def evaluate(self, rt, batch, loss_fn, reduction=None) -> float:
         """The schedule's forward only; the loss comes from the last stage."""
-        return self.forward_only(rt, batch, loss_fn)[0]
+        return self.forward_only(rt, batch, loss_fn, reduction=reduction)[0]
 
     def forward_backward(self, rt, batch, loss_fn, *, return_outputs: bool = False,
-                         scale: float = 1.0):
+                         scale: float = 1.0, reduction=None):
         """Forward and backward of every microbatch through the schedule, the gradients
         reduced; no optimizer step. The backward runs on the loss times ``scale`` (fp16's
-        loss scale). Returns (the unscaled loss averaged over microbatches and data ranks,
-        on every rank; the last stage's merged outputs when ``return_outputs``, else
-        None)."""
-        return self._run(rt, batch, loss_fn, True, return_outputs, scale)
+        loss scale). Returns (the unscaled loss, on every rank; the last stage's merged
+        outputs when ``return_outputs``, else None). The loss is ``reduction``'s
+        (``meshlab.step``'s ``_Reduce``; None: ``'mean'``): the mean over microbatches and
+        data ranks of ``loss_fn``'s; for ``'sum'`` and ``'tokens'``, ``loss_fn`` returns
+        its microbatch's sum, and the loss is the sum over the global batch (divided by
+        the global token count ``step`` counted before the schedule, for ``'tokens'``)."""
+        return self._run(rt, batch, loss_fn, True, return_outputs, scale, reduction)
 
-    def forward_only(self, rt, batch, loss_fn, *, return_outputs: bool = False):
+    def forward_only(self, rt, batch, loss_fn, *, return_outputs: bool = False,
+                     reduction=None):
         """The forward of every microbatch through the schedule, under ``no_grad``: no
         backward, no gradient touched. Returns what ``forward_backward`` returns."""
         with torch.no_grad():
-            return self._run(rt, batch, loss_fn, False, return_outputs, 1.0)
+            return self._run(rt, batch, loss_fn, False, return_outputs, 1.0, reduction)
+
+    def _weigh(self, reduction) -> float:
+        """What each microbatch's loss is multiplied by: 1/m for the mean; for a sum, 1
+        (the token count's inverse for ``'tokens'``) times ``step``'s backward scale, the
+        data-parallel size, which undoes the data ranks' average of the gradients and of
+        the loss (``_run``), as ``step`` does without a pipeline."""
+        if reduction is None or reduction.reduction == "mean":
+            return 1.0 / self.t.microbatches
+        return reduction.factor * reduction.backward_scale
 
     def feed(self, batch) -> Feed:
         """The schedule's inputs for ``batch`` (``_feed``), checked before any send."""
@@ -242,11 +251,12 @@ class PipelinePart(Part):
             return own_feed(batch, m, self.signature)
         return decoder_feed(batch, m, _pipeline_batch(batch, m)[0])
 
-    def _run(self, rt, batch, loss_fn, train: bool, return_outputs: bool, scale: float):
+    def _run(self, rt, batch, loss_fn, train: bool, return_outputs: bool, scale: float,
+             reduction=None):
         feed = self.feed(batch)
         losses: list = []
         sched = self.schedule(loss_fn)
-        self._scale, self._feed = scale, feed
+        self._scale, self._weight, self._feed = scale, self._weigh(reduction), feed
         sync = rt.grad_sync if train else None
         if sync is not None:         # the microbatches accumulate; one reduction after
             sync.enabled = False
@@ -273,7 +283,7 @@ class PipelinePart(Part):
         # Summed on the device and read once, by the caller: no host round trip per
         # microbatch.
         t = (torch.stack([l.detach().to(torch.float64) for l in losses]).sum().reshape(1) /
-             scale if losses else          # each already divided by the microbatches
+             scale if losses else          # each already weighed (``_weigh``)
              torch.zeros(1, dtype=torch.float64, device=rt.device))
         dist.all_reduce(t, group=self.group)      # only the last stage holds a loss
         if rt.dp_group is not None and rt.dp_size > 1:

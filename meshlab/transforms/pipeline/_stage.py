@@ -58,13 +58,17 @@ class DecoderStage(nn.Module):
         # the first block cuts it, the last joins it): a later stage receives one part
         self.seq_split = seq_split
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The stage's blocks on ``x``; under a schedule, an exception is recorded and a
-        stand-in handed on, so the other stages do not wait for this one (``_guard``)."""
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's blocks on ``x``, with the microbatch's ``attention_mask`` and
+        ``position_ids`` where the batch has them (the schedule hands every stage its
+        microbatch's slice of them by name); under a schedule, an exception is recorded
+        and a stand-in handed on, so the other stages do not wait for this one
+        (``_guard``)."""
         if self.failures is None:
-            return self._blocks(x)
+            return self._blocks(x, attention_mask, position_ids)
         try:
-            return self._blocks(x)
+            return self._blocks(x, attention_mask, position_ids)
         except Exception as e:     # raised on every rank once the schedule is done
             self.failures.record(e)
             config = getattr(self._model[0], "config", None)
@@ -73,7 +77,7 @@ class DecoderStage(nn.Module):
             self.failures.stand_ins.add(id(out))
             return out
 
-    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+    def _blocks(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
         model = self._model[0]
@@ -84,12 +88,16 @@ class DecoderStage(nn.Module):
         # forward makes them before its first block (whose hooks cut them as they cut h).
         whole = h if self.first or self.seq_split == 1 else \
             h.new_empty(()).expand(h.shape[0], h.shape[1] * self.seq_split, h.shape[2])
-        pos = torch.arange(whole.shape[1], device=h.device).unsqueeze(0)
-        # No position ids to the mask: they are 0..S-1 here, never packed sequences, and
-        # given, transformers reads them back to look for packing (a host round trip per
-        # stage and microbatch).
-        mask = create_causal_mask(config=base.config, inputs_embeds=whole, attention_mask=None,
-                                  position_ids=None, **_NO_CACHE)
+        # The mask and positions the model's forward builds before its first block, from
+        # the microbatch's attention_mask and position_ids (a padded row's mask, packed
+        # samples' block-diagonal mask), on every stage alike. Without position ids none
+        # go to the mask: they are 0..S-1, never packed sequences, and given, transformers
+        # reads them back to look for packing (a host round trip per stage and microbatch).
+        pos = position_ids if position_ids is not None else \
+            torch.arange(whole.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=base.config, inputs_embeds=whole,
+                                  attention_mask=attention_mask, position_ids=position_ids,
+                                  **_NO_CACHE)
         pe = base.rotary_emb(h, pos)
         for i in self.layer_ids:
             out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos,
