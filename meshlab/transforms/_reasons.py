@@ -30,12 +30,6 @@ _FP8_TP = not_yet(
     "{a} with {b}: float8 layers do not yet train like one process under tensor "
     "parallelism (scales over local shards; bf16-rounded partial sums that float8 "
     "magnifies); use precision('bf16') with shard, or precision('fp8') without it")
-_OFF_GRADS = not_yet(
-    "gradients reduced after the backward cannot leave the device as the backward makes "
-    "them", "{a} under {b} over {ranks} data ranks: the gradients are reduced after the "
-    "backward there (whole on every rank until the step), so they cannot leave the device "
-    "as the backward makes them; use zero_shard(2) or zero_shard(3), or grads=0",
-    scope=SEVERAL_DATA_RANKS)
 _OFF_PARAMS = not_yet(
     "parameters leave the device per FSDP2 unit, which needs zero_shard(3)",
     "{a}: parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one "

@@ -114,7 +114,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
 from ._reasons import (_DTYPE, _FP8_NO, _FP8_TP,
-                       _FUSE_LOSS_PIPE, _OFF_GRADS, _OFF_PARAMS, _ORDER,
+                       _FUSE_LOSS_PIPE, _OFF_PARAMS, _ORDER,
                        _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE, _TWO_SEQ,
                        _ZERO)
 
@@ -216,7 +216,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     *[("data_parallel", f"zero_shard({s})",
        _shown("data_parallel", f"zero_shard({s})", _HYBRID.format(s=s, how=_HOW[s])))
       for s in (1, 2, 3)],
-    ("offload(grads)", "data_parallel", _OFF_GRADS),
+    ("offload(grads)", "data_parallel", _shown("offload(grads)", "data_parallel")),
     ("offload(params)", "data_parallel", _OFF_PARAMS),
     ("data_parallel", "pipeline", _t(f"{_FP16}[pp_fp16]")),
     ("data_parallel", "sequence('split_gather')", _t(f"{_PAR}[llama-tp_sp]")),
@@ -239,7 +239,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("zero_shard(1)", "zero_shard(2)", _ZERO),
     ("zero_shard(1)", "zero_shard(3)", _ZERO),
     ("zero_shard(1)", "offload(optimizer)", _t(_OFF, _VS_ZERO)),
-    ("offload(grads)", "zero_shard(1)", _OFF_GRADS),
+    ("offload(grads)", "zero_shard(1)", _shown("offload(grads)", "zero_shard(1)")),
     ("offload(params)", "zero_shard(1)", _OFF_PARAMS),
     ("zero_shard(1)", "pipeline", _t(f"{_PIPE}::test_pp2_composed[zero1-pp=2,dp=2]")),
     ("zero_shard(1)", "expert_route", _t(f"{_BOOST}::test_loop_matches_one_process[moe]")),
