@@ -60,8 +60,9 @@ def test_memory_moves_to_the_host():
 def test_refusals_name_the_fix():
     with pytest.raises(ml.ConfigError, match="zero_shard\\(3\\)"):
         _plan(ml.zero_shard(2, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0))
-    with pytest.raises(ml.ConfigError, match="zero_shard\\(2\\) or zero_shard\\(3\\)"):
-        _plan(ml.zero_shard(1, "dp") | ml.offload(grads=1.0, optimizer=1.0))
+    # gradients summed after the backward (ZeRO-1's reduce-scatter) leave at the step
+    p = _plan(ml.zero_shard(1, "dp") | ml.offload(grads=1.0, optimizer=1.0))
+    assert p.runnable and not p.not_runnable
     # beside tensor parallelism it composes (the table's shard x offload cells)
     p = _plan(ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.offload(optimizer=1.0),
               ml.Mesh(dp=1, tp=2, fake=True))
