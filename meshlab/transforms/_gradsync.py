@@ -9,7 +9,11 @@ included) and the communication overlaps the rest of the backward:
   most ``bucket_mb`` MiB, in reverse registration order (about the order the backward
   produces their gradients);
 * a post-accumulate-grad hook marks each gradient ready; when a bucket's last one
-  arrives, its flat buffer's first reduction is launched asynchronously;
+  arrives, its flat buffer's first reduction is launched asynchronously, buckets always
+  in their order: one waits for those before it, so every rank launches the same
+  reductions in the same order even where the ranks' gradients arrive differently (a
+  branch only one rank's batch used: its bucket is ready there in the backward, on the
+  others only at the end);
 * at the end of the backward (an autograd callback) every remaining reduction runs,
   then the results are copied back into ``.grad``.
 
@@ -181,6 +185,7 @@ class GradSync:
         self.enabled = True
         self.launched = {"in_backward": 0, "at_end": 0}   # buckets, since construction
         self._queued = False
+        self._next = 0                    # the first bucket of this backward not launched
         self._handles = []
         for b in self.buckets:
             for i, (_, p) in enumerate(b.params):
@@ -201,13 +206,20 @@ class GradSync:
                 b.work.wait()
                 b.work, b.flat = None, None
             b.ready.add(i)
-            if len(b.ready) == len(b.params):
-                b.launch()
-                self.launched["in_backward"] += 1
+            # launch, in order, the buckets whose gradients are all in
+            while self._next < len(self.buckets):
+                nb = self.buckets[self._next]
+                if len(nb.ready) < len(nb.params):
+                    break
+                if nb.work is None:
+                    nb.launch()
+                    self.launched["in_backward"] += 1
+                self._next += 1
         return hook
 
     def _finish(self) -> None:
         self._queued = False
+        self._next = 0
         for b in self.buckets:            # the same order on every rank
             if b.work is None:
                 b.launch()
@@ -217,6 +229,7 @@ class GradSync:
 
     def flush(self) -> None:
         """Reduce the gradients accumulated so far now (after a ``no_sync`` stretch)."""
+        self._next = 0
         for b in self.buckets:
             b.launch()
         for b in self.buckets:

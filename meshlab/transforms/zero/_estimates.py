@@ -68,6 +68,7 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
     prec = plan.get(Precision)
     grad_dt = prec.reduce if prec else None
     buckets: dict = defaultdict(int)      # (dtype, tp-sharded?) -> elements
+    counts: dict = defaultdict(int)       # (dtype, tp-sharded?) -> parameters
     units: dict = defaultdict(int)        # FSDP unit -> padded elements
     from ...planning.rows import rank_params
 
@@ -76,20 +77,23 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
         if e.tied_to is not None or not e.requires_grad:
             continue
         ls = local_shape(e.shape, e.mesh_spec, sizes, coord)
-        buckets[(grad_dt or e.dtype if t.stage < 2 else e.dtype, bool(e.mesh_spec.axes))] += \
-            math.prod(ls)
+        key = (grad_dt or e.dtype if t.stage < 2 else e.dtype, bool(e.mesh_spec.axes))
+        buckets[key] += math.prod(ls)
+        counts[key] += 1
         unit = next((b for b in blocks if e.fqn.startswith(b + ".")), "")
         units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
-    ops = _stage_ops(t.stage, name, dp, buckets, units, prec) if dp > 1 else []
+    ops = _stage_ops(t.stage, name, dp, buckets, units, prec, counts) if dp > 1 else []
     if rep > 1 and t.stage >= 2:      # HSDP: each unit's gradient shard over the replicas
         gbytes = dtype_bytes(prec.reduce if prec else "float32")
         ops += [CommOp("all_reduce", "_".join(t.replicate), 1, n // dp * gbytes)
                 for n in units.values()]
     data = "_".join(t.claims(plan)["dp"])
+    if t.stage >= 2:        # FSDP2: which parameters some data rank had a gradient for
+        ops.append(CommOp("all_reduce", data, 1, 4 * sum(counts.values())))
     return ops + [CommOp("all_reduce", data, 1, 8)]      # the step's loss
 
 
-def _stage_ops(stage, name, dp, buckets, units, prec) -> list[CommOp]:
+def _stage_ops(stage, name, dp, buckets, units, prec, counts) -> list[CommOp]:
     if stage == 0:
         return []          # the backward's all-reduces: ``_gradsync.estimate``
     if stage == 1:
@@ -97,9 +101,10 @@ def _stage_ops(stage, name, dp, buckets, units, prec) -> list[CommOp]:
         # the fp32 master slices gathered
         rs = dtype_bytes(prec.reduce) if prec is not None else 4
         ops = []
-        for n in buckets.values():
+        for key, n in buckets.items():
             padded = -(-n // dp) * dp
-            ops += [CommOp("reduce_scatter", name, 1, padded * rs),
+            # each rank's part ends with one count per parameter of the bucket
+            ops += [CommOp("reduce_scatter", name, 1, (padded + dp * counts[key]) * rs),
                     CommOp("all_gather", name, 1, padded * 4)]
         return ops
     pbytes = dtype_bytes(prec.compute if prec else "float32")

@@ -27,12 +27,79 @@ class HostResidency:
     optimizer_host: frozenset = frozenset()
 
 
+class UnusedGrads:
+    """Parameters without a gradient under FSDP2, as one process treats them.
+
+    FSDP2 reduce-scatters the gradients a rank has: a parameter that one data rank's batch
+    used and another's did not would give the ranks reduce-scatters of different sizes (a
+    collective mismatch). Each unit therefore reduce-scatters zeros for the parameters a
+    rank has no gradient for (FSDP2's ``reduce_scatter_unused_params``), so the sum is one
+    process's; and each unit's post-backward records which parameters this rank had a
+    gradient for, which the end of the backward that reduces sums over the data ranks
+    (one all-reduce of one element per parameter): a parameter no rank had a gradient for
+    gets ``grad=None`` back, so the optimizer skips it (no weight decay, no moment update)
+    as one process's does, instead of stepping the zeros. Only a rank that missed a
+    gradient of its own reads the counts."""
+
+    def __init__(self, root, group, device):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.group, self.device = group, device
+        self.had: dict[int, bool] = {}
+        self.queued = False
+        managed: set[int] = set()
+        for m in root.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            pg = m._get_fsdp_state()._fsdp_param_group
+            if pg is None:
+                continue
+            managed |= {id(fp.sharded_param) for fp in pg.fsdp_params}
+            self._wrap(pg)
+        root.set_reduce_scatter_unused_params(True)
+        self.params = [p for p in root.parameters() if id(p) in managed and p.requires_grad]
+
+    def _wrap(self, pg) -> None:
+        inner = pg.post_backward
+
+        def post_backward(*args):
+            for fp in pg.fsdp_params:
+                up = getattr(fp, "_unsharded_param", None)
+                got = up is not None and (fp.unsharded_accumulated_grad is not None or
+                                          up.grad is not None)
+                key = id(fp.sharded_param)
+                self.had[key] = self.had.get(key, False) or got
+            if pg.reduce_grads and not self.queued:
+                self.queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            return inner(*args)
+
+        pg.post_backward = post_backward
+
+    def finish(self) -> None:
+        import torch.distributed as dist
+
+        self.queued = False
+        had = [self.had.get(id(p), False) for p in self.params]
+        self.had.clear()
+        if not self.params:
+            return
+        counts = torch.tensor(had, dtype=torch.float32, device=self.device)
+        dist.all_reduce(counts, group=self.group)
+        if all(had):                # every parameter had a gradient here: none is unused
+            return
+        for p, n in zip(self.params, counts.tolist()):
+            if n == 0:
+                p.grad = None
+
+
 @dataclasses.dataclass
 class FSDPPart(Part):
     """Stages 2/3: FSDP2 reduce-scatters (and averages) the gradients in backward;
     parameters it leaves replicated are all-reduced by ``GradSync``. ``roots``: the FSDP2
     roots, the model or, under a pipeline, each stage module (``StageRoots``), filled as
-    the stages are built."""
+    the stages are built. Parameters no data rank has a gradient for keep none
+    (``UnusedGrads``)."""
 
     casts_params: ClassVar[bool] = True
     roots: list = dataclasses.field(default_factory=list)
@@ -67,7 +134,8 @@ class Zero1Part(Part):
             return self.buffers.shards
         self.buffers = Zero1Buffers([p for _, p in params], self.group, self.size,
                                     frozenset(id(p) for n, p in params if n in self.apart),
-                                    group_of or {}, reduce=self.reduce)
+                                    group_of or {}, reduce=self.reduce,
+                                    names={id(p): n for n, p in params})
         return self.buffers.shards
 
     @property
@@ -199,8 +267,11 @@ def _fully_shard(t, ctx, roots: list) -> None:
     for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
         fully_shard(mods[b], **kw, **policy(b))
 
+    data = ctx.group(*(t.replicate + t.axis))
+
     def root(module) -> None:
         fully_shard(module, **kw, **policy(""))
+        module._meshlab_unused = UnusedGrads(module, data, ctx.device)
         roots.append(module)
 
     stages = ctx.kept(StageRoots)

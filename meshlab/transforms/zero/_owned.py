@@ -12,7 +12,12 @@ distributed Muon implementations do:
   depends only on the parameters' global shapes and dtypes, so tensor-parallel peers agree;
 * the summed gradient reaches the owner through the same reduce-scatter the elementwise
   path runs (each rank's "slice" is the concatenation of the parameters it owns, padded
-  to the longest), averaged alike, so the sum is the elementwise path's;
+  to the longest), averaged alike, so the sum is the elementwise path's; each parameter's
+  block is followed by one element, 1 where a rank has a gradient for it, so the owner
+  reads how many data ranks had one: none (a branch no rank's batch used this step) and
+  the owner leaves the parameter and its optimizer state alone, as one process's
+  optimizer skips a parameter whose gradient is None; some, and it steps the sum, the
+  other ranks having added zeros;
 * the owner steps its fp32 master of each whole parameter (a DTensor over the tensor axes
   where the parameter is one, so norms and products stay the whole tensor's) with the
   optimizer's own code and holds its state;
@@ -41,7 +46,8 @@ class _Entry(NamedTuple):
     param: nn.Parameter
     numel: int              # its local block's
     owner: int              # the data rank that steps it
-    offset: int             # where its block lies in the owner's part of the buffer
+    offset: int             # where its block lies in the owner's part of the buffer (the
+                            # element after it counts the data ranks with a gradient)
 
 
 class _Layout(NamedTuple):
@@ -111,7 +117,7 @@ class Zero1Whole:
             for (n, p), r in zip(ps, owner):
                 k = _local(p).numel()
                 entries.append(_Entry(p, k, r, fill[r]))
-                fill[r] += k
+                fill[r] += k + 1
                 self.owners[n] = r
                 if r == self.rank:
                     m = nn.Parameter(_like(p, _local(p).detach().to(mdt).clone()))
@@ -128,7 +134,11 @@ class Zero1Whole:
 
     def sync(self) -> None:
         """Reduce-scatter (and average) every layout's gradients: each owner gets the sum
-        of its parameters' gradients, as ``Zero1Buffers.sync`` sums them."""
+        of its parameters' gradients, as ``Zero1Buffers.sync`` sums them, and with each the
+        count of data ranks that had one. A parameter no rank has a gradient for keeps
+        ``grad=None`` on its master (the optimizer skips it, as one process's does); the
+        owner reads the counts only where it has no gradient of its own for a parameter it
+        owns (else some rank had one), so the common step reads nothing."""
         for lay in self.layouts:
             if lay.per == 0:
                 continue
@@ -137,8 +147,10 @@ class Zero1Whole:
                 if e.param.grad is not None:
                     at = e.owner * lay.per + e.offset
                     flat[at:at + e.numel] = _local(e.param.grad).reshape(-1).to(lay.dtype)
+                    flat[at + e.numel] = 1
             if self.reduce is not None and self.reduce != lay.dtype:
-                # ``precision(reduce=...)``: as Zero1Buffers.sync
+                # ``precision(reduce=...)``: as Zero1Buffers.sync (the counts divided too,
+                # and compared with zero only)
                 flat = flat.div_(self.size).to(self.reduce)
                 out = torch.empty(lay.per, dtype=self.reduce, device=self.device)
                 reduce_scatter_into(out, flat, self.group)
@@ -147,11 +159,16 @@ class Zero1Whole:
                 out = torch.empty(lay.per, dtype=lay.dtype, device=self.device)
                 reduce_scatter_into(out, flat, self.group)
                 out.div_(self.size)
-            for e in lay.entries:
-                m = self.master.get(id(e.param))
-                if m is not None:
-                    g = out[e.offset:e.offset + e.numel].view(_local(e.param).shape)
-                    m.grad = _like(e.param, g.to(_local(m).device))
+            mine = [e for e in lay.entries if id(e.param) in self.master]
+            counts = out[[e.offset + e.numel for e in mine]].tolist() \
+                if any(e.param.grad is None for e in mine) else [1] * len(mine)
+            for e, n in zip(mine, counts):
+                m = self.master[id(e.param)]
+                if n == 0:              # no data rank has a gradient: not stepped
+                    m.grad = None
+                    continue
+                g = out[e.offset:e.offset + e.numel].view(_local(e.param).shape)
+                m.grad = _like(e.param, g.to(_local(m).device))
 
     def gather(self) -> None:
         """Each owner's updated masters to every rank (the all-gather of the layout)."""

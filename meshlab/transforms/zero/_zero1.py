@@ -32,11 +32,13 @@ class Zero1Buffers:
     """The buckets and this rank's master slices (``shards``, fp32 parameters)."""
 
     def __init__(self, params: list, group, size: int, apart: frozenset = frozenset(),
-                 group_of: dict | None = None, reduce: torch.dtype | None = None):
+                 group_of: dict | None = None, reduce: torch.dtype | None = None,
+                 names: dict | None = None):
         # ``apart``: ids of parameters bucketed on their own (offload moves their slices to
         # the host; a slice may then live on another device than the parameters).
         # ``group_of``: id -> the optimizer's parameter group; a bucket holds one group's.
         group_of = group_of or {}
+        self.names = names or {}    # id -> FQN, for the refusal of an unused parameter
         self.group, self.size, self.rank = group, size, dist.get_rank(group)
         self.reduce = reduce        # the dtype gradients are reduce-scattered in (None: fp32)
         self.device = _local(params[0]).device if params else None
@@ -72,21 +74,62 @@ class Zero1Buffers:
                 flat = self._flat(b.params, b.numels, b.per, shard.dtype, lambda p: p.detach())
                 shard.copy_(flat[self.rank * b.per:(self.rank + 1) * b.per].to(shard.device))
 
+    def _flat_with_counts(self, b: Bucket, dtype) -> torch.Tensor:
+        """The bucket's gradients laid out for the reduce-scatter: rank ``r``'s part is its
+        slice of the flat gradients (zeros where this rank has none) followed by one
+        element per parameter of the bucket, 1 where this rank has its gradient, so every
+        rank receives the count of data ranks that had each one."""
+        k = len(b.params)
+        buf = torch.zeros(self.size, b.per + k, dtype=dtype, device=self.device)
+        off = 0
+        for p, n in zip(b.params, b.numels):
+            g = p.grad
+            if g is not None:
+                src = _local(g).reshape(-1).to(dtype)
+                i = 0
+                while i < n:            # the block over the ranks' slices it spans
+                    r, c = divmod(off + i, b.per)
+                    take = min(b.per - c, n - i)
+                    buf[r, c:c + take] = src[i:i + take]
+                    i += take
+            off += n
+        have = [1.0 if p.grad is not None else 0.0 for p in b.params]
+        buf[:, b.per:] = torch.tensor(have, dtype=dtype, device=self.device)
+        return buf.reshape(-1)
+
     def sync(self) -> None:
-        """Reduce-scatter (and average) every bucket's gradients into the slices."""
+        """Reduce-scatter (and average) every bucket's gradients into the slices.
+
+        A parameter no data rank has a gradient for (a branch, head or expert no sample
+        of the step used) is one that one process's optimizer skips: no weight decay, no
+        moment update, no step counted. A slice holds several parameters under one step
+        count and one update, so it cannot skip one: that step is refused by name
+        (``unused_refusal``) on every rank. A parameter only some ranks have a gradient for
+        is stepped on the sum, the others adding zeros, as one process would. Only a rank
+        missing a gradient of its own reads the counts (a parameter no rank has one for is
+        missing on every rank, so every rank reads it and raises alike)."""
+        short = []
         for b, shard in zip(self.buckets, self.shards):
-            flat = self._flat(b.params, b.numels, b.per, shard.dtype, lambda p: p.grad)
+            k = len(b.params)
+            flat = self._flat_with_counts(b, shard.dtype)
             if self.reduce is not None and self.reduce != flat.dtype:
                 # ``precision(reduce=...)``: divided first (a float16 sum stays in range),
                 # summed in the narrow dtype, widened into the master slice's gradient
+                # (the counts divided too: compared with zero only)
                 flat = flat.div_(self.size).to(self.reduce)
-                out = torch.empty(b.per, dtype=self.reduce, device=self.device)
+                out = torch.empty(b.per + k, dtype=self.reduce, device=self.device)
                 reduce_scatter_into(out, flat, self.group)
-                shard.grad = out.to(shard.dtype).to(shard.device)
-                continue
-            out = torch.empty(b.per, dtype=shard.dtype, device=self.device)
-            reduce_scatter_into(out, flat, self.group)
-            shard.grad = out.div_(self.size).to(shard.device)
+                shard.grad = out[:b.per].to(shard.dtype).to(shard.device)
+            else:
+                out = torch.empty(b.per + k, dtype=shard.dtype, device=self.device)
+                reduce_scatter_into(out, flat, self.group)
+                shard.grad = out[:b.per].div_(self.size).to(shard.device)
+            if any(p.grad is None for p in b.params):
+                short.append((b, out[b.per:]))
+        unused = [self.names.get(id(p), f"parameter {tuple(p.shape)}")
+                  for b, counts in short for p, n in zip(b.params, counts.tolist()) if n == 0]
+        if unused:
+            raise unused_refusal(unused)
 
     def gather(self) -> None:
         """All-gather the updated slices back into the parameters."""
@@ -118,3 +161,22 @@ class Zero1Buffers:
             full[off:off + n] = _local(t).reshape(-1).to(like.device)
             off += n
         return full[self.rank * b.per:(self.rank + 1) * b.per]
+
+
+def unused_refusal(names: list[str]):
+    """The error of a ZeRO-1 step on flat slices in which ``names`` got no gradient on any
+    data rank."""
+    from ...core.errors import ConfigError
+
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return ConfigError(
+        f"zero_shard(1): {shown} got no gradient on any data rank in this step (a branch, "
+        f"head or expert that no sample of the step used). One process's optimizer skips "
+        f"such a parameter (no weight decay, no moment update, no step counted); ZeRO-1 "
+        f"steps flat slices that hold several parameters under one update and one step "
+        f"count, so it cannot skip one, and refuses the step rather than train differently. "
+        f"Freeze the parameters no step uses (p.requires_grad_(False) before "
+        f"meshlab.parallelize); for parameters used on some steps only, build the optimizer "
+        f"with meshlab.optimizer(model, cls, ..., zero1_whole=True) (each parameter stepped "
+        f"whole by one data rank, which skips it as one process does), or lay the model out "
+        f"with data_parallel, zero_shard(2) or zero_shard(3)")
