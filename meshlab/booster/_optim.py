@@ -124,17 +124,22 @@ def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, di
 def groups(opt: torch.optim.Optimizer, model: torch.nn.Module, kwargs: dict) -> list | None:
     """Each group of ``opt`` as ``{'params': [FQN, ...], **options differing from
     kwargs}`` (None for one group: ``kwargs`` says it all)."""
-    if len(opt.param_groups) == 1 or not any(p.requires_grad for p in model.parameters()):
+    # Group options the constructor does not take but the optimizer reads from its groups
+    # (GaLore's ``rank``, ...): carried as they are.
+    extra = getattr(opt, "meshlab_group_keys", ())
+    carried = any(k in g for g in opt.param_groups for k in extra)
+    if (len(opt.param_groups) == 1 and not carried) or \
+            not any(p.requires_grad for p in model.parameters()):
         return None
     name = {id(p): n for n, p in model.named_parameters()}
     out = []
     for g in opt.param_groups:
         fqns = [name[id(p)] for p in g["params"] if id(p) in name and p.requires_grad]
         diff = {k: (tuple(v) if k == "betas" else v) for k, v in g.items()
-                if k in kwargs and v != kwargs[k]}
+                if (k in kwargs and v != kwargs[k]) or k in extra}
         if fqns:
             out.append({"params": fqns, **diff})
-    return out if len(out) > 1 else None
+    return out if len(out) > 1 or carried else None
 
 
 def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
