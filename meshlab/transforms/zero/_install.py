@@ -71,10 +71,19 @@ class UnusedGrads:
                 self.had[key] = self.had.get(key, False) or got
             if pg.reduce_grads and not self.queued:
                 self.queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                if torch._C._current_graph_task_id() != -1:
+                    torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                # else a pipeline schedule runs this unit's post-backward itself, after
+                # its microbatches' backwards: the counts are summed at the optimizer's
+                # step (FSDPPart.sync_grads), once every unit has reported
             return inner(*args)
 
         pg.post_backward = post_backward
+
+    def flush(self) -> None:
+        """Sum the counts a pipeline's post-backward left pending (``_wrap``)."""
+        if self.queued:
+            self.finish()
 
     def finish(self) -> None:
         import torch.distributed as dist
@@ -107,6 +116,14 @@ class FSDPPart(Part):
     def set_gradient_sync(self, model, enabled: bool) -> None:
         for root in self.roots:
             root.set_requires_gradient_sync(enabled)
+
+    def sync_grads(self, params: list) -> None:
+        """The counts of parameters with a gradient that a pipeline's schedule left
+        pending (it runs the units' post-backward outside the backward)."""
+        for root in self.roots:
+            unused = getattr(root, "_meshlab_unused", None)
+            if unused is not None:
+                unused.flush()
 
 
 @dataclasses.dataclass
