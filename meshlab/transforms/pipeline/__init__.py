@@ -254,7 +254,8 @@ def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
 
 def stages(plan: Plan) -> list[Stage]:
     """The stages a bound plan's pipeline runs (as ``bind`` split the blocks, balanced by
-    parameter bytes); none without a pipeline."""
+    compute: the matmul weights each token meets, the head's counted on the last stage, an
+    embedding's not at all); none without a pipeline."""
     t = plan.get(Pipeline)
     return [] if t is None else _schedule.stages(plan, t)
 

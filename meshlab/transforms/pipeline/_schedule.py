@@ -94,7 +94,8 @@ def stages(plan: Plan, opt) -> list[Stage]:
 
 
 def split(plan: Plan, opt) -> PipelineStages:
-    """The stages of a bound plan with a pipeline: blocks balanced by parameter bytes (or
+    """The stages of a bound plan with a pipeline: blocks balanced by their compute (the
+    matmul weights each token meets: the blocks', and the head's on the last stage; or
     ``layers_per_stage``), each stage on its rank (``Pipeline.decide``)."""
     p = plan.mesh_shape.get(opt.axis)
     if p is None:
@@ -111,22 +112,32 @@ def split(plan: Plan, opt) -> PipelineStages:
     sides = PipelineStages((), *ends(plan))
     size = {b: 0 for b in blocks}
     outside = [0, 0]
+    # compute per token, in matmul weights: a block's products, the head's on the last
+    # stage; an embedding is a lookup and a norm or bias is elementwise, so neither
+    # weighs (balancing bytes gave the first stage, whose embedding is large and cheap,
+    # the fewest blocks and left it idle)
+    cost = {b: 0 for b in blocks}
+    cost_outside = [0, 0]
     for e in plan.params:
         if e.tied_to:
             continue
         nb = e.numel * dtype_bytes(e.dtype)
+        matmul = e.numel if len(e.shape) >= 2 else 0
         owner = plan_owner(e.fqn, size)
         if owner is not None:
             size[owner] += nb
+            cost[owner] += matmul
         else:
-            outside[not sides.first_holds(e.fqn)] += nb
+            last = not sides.first_holds(e.fqn)
+            outside[last] += nb
+            cost_outside[last] += matmul if last else 0
     if opt.layers_per_stage is not None:
         counts = list(opt.layers_per_stage)
         if len(counts) != n or sum(counts) != len(blocks) or min(counts) < 1:
             raise ConfigError(f"layers_per_stage={counts}: give {n} positive counts summing to "
                               f"{len(blocks)}")
     else:
-        counts = _balanced([size[b] for b in blocks], n, outside[0], outside[1])
+        counts = _balanced([cost[b] for b in blocks], n, cost_outside[0], cost_outside[1])
     out, start = [], 0
     for i, c in enumerate(counts):
         bl = tuple(blocks[start:start + c])
