@@ -172,12 +172,20 @@ def _model_fit(src: _Source, model: nn.Module, weights: bool):
 def _stateful(src: _Source, name: str, obj) -> str | None:
     """Why the checkpoint's ``name`` state (scheduler, data position) cannot be loaded
     into ``obj``, or None: it must hold what ``obj`` holds, in the same form."""
-    saved = src.meta.get(name)
-    if obj is None or saved is None:
+    if obj is None or name not in src.meta:
         return None
-    differs = _state.same_shape(saved, obj.state_dict(), f"{name} state")
+    saved, own = src.meta[name], obj.state_dict()
+    differs = _state.same_shape(saved, own, f"{name} state")
+    if not differs and name == "scheduler" and _is_lr_scheduler(obj):
+        differs = _state.check_scheduler(saved, own)
     return (f"{src.directory}/{MARKER}: its {differs} ({type(obj).__name__}); pass the "
             f"{name} the saved run used, or load without it ({name}=None)") if differs else None
+
+
+def _is_lr_scheduler(obj) -> bool:
+    from torch.optim import lr_scheduler as L
+
+    return isinstance(obj, (L.LRScheduler, L.ReduceLROnPlateau))
 
 
 def _fit(src: _Source, model, optimizer, scheduler, dataloader, strict: bool, group,
@@ -290,7 +298,7 @@ def _apply(model, optimizer, scheduler, dataloader, src: _Source, fit: _Fit,
                       for k, v in per.items()} for n, per in fit.final.items()}
         _opt.set_state(optimizer, model, values, meta.get("optimizer") or {})
     if scheduler is not None and "scheduler" in meta:
-        scheduler.load_state_dict(meta["scheduler"])
+        scheduler.load_state_dict(_state.restored(meta["scheduler"], scheduler.state_dict()))
     if dataloader is not None and "dataloader" in meta:
         dataloader.load_state_dict(meta["dataloader"])
     if src.rng is not None:

@@ -164,12 +164,16 @@ def same_shape(saved: Any, own: Any, what: str, common_only: bool = False) -> st
     if kind(saved) != kind(own):
         return f"{what} is a {kind(saved)} where this one holds a {kind(own)}"
     if isinstance(own, dict):
-        keys = set(saved) & set(own) if common_only else set(own)
-        if not common_only and set(saved) != set(own):
-            return (f"{what} has the keys {sorted(map(str, saved))}, this one "
-                    f"{sorted(map(str, own))}")
+        # JSON wrote the keys as strings (MultiStepLR's milestones: {30: 1} -> {"30": 1})
+        named = {str(k): k for k in own}
+        if len(named) != len(own) or not all(isinstance(k, str) for k in saved):
+            named = {k: k for k in own}
+        keys = set(saved) & set(named) if common_only else set(named)
+        if not common_only and set(saved) != set(named):
+            return (f"{what} has the keys {sorted(map(repr, saved))}, this one "
+                    f"{sorted(map(repr, named))}")
         for k in sorted(keys, key=str):
-            differs = same_shape(saved[k], own[k], f"{what}[{k!r}]", common_only)
+            differs = same_shape(saved[k], own[named[k]], f"{what}[{k!r}]", common_only)
             if differs:
                 return differs
     elif isinstance(own, (list, tuple)):
@@ -179,6 +183,73 @@ def same_shape(saved: Any, own: Any, what: str, common_only: bool = False) -> st
             differs = same_shape(a, b, f"{what}[{i}]", common_only)
             if differs:
                 return differs
+    return None
+
+
+def restored(saved: Any, own: Any) -> Any:
+    """``saved`` (read from JSON, checked by ``same_shape``) in the containers of ``own``:
+    a dict's keys JSON wrote as strings given back their own type, a ``Counter`` or tuple
+    built again (MultiStepLR's milestones are a ``Counter`` of ints)."""
+    if isinstance(own, dict) and isinstance(saved, dict):
+        named = {str(k): k for k in own}
+        if len(named) != len(own):
+            named = {k: k for k in own}
+        out = {named.get(k, k): restored(v, own.get(named.get(k, k))) for k, v in saved.items()}
+        return out if type(own) is dict else type(own)(out)
+    if isinstance(own, (list, tuple)) and isinstance(saved, (list, tuple)):
+        out = [restored(a, b) for a, b in zip(saved, own)]
+        return tuple(out) if isinstance(own, tuple) else out
+    return saved
+
+
+# LR schedulers' counts (whole numbers; ``last_epoch`` starts at -1) and rates (>= 0)
+_SCHED_COUNTS = {"last_epoch": -1, "_step_count": 0, "step_size": 1, "total_steps": 1,
+                 "total_iters": 0, "T_0": 1, "T_i": 1, "T_mult": 1, "patience": 0,
+                 "cooldown": 0, "cooldown_counter": 0, "num_bad_epochs": 0}
+_SCHED_RATES = {"base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min", "gamma", "factor",
+                "start_factor", "end_factor", "base_momentums", "max_momentums", "eps",
+                "default_min_lr", "max_lr", "initial_lr", "min_lr", "total_size",
+                "step_ratio"}
+_SCHED_INFINITE = {"best", "mode_worse"}     # ReduceLROnPlateau's best before any metric
+
+
+def check_scheduler(saved: Any, own: Any, what: str = "scheduler state",
+                    key: Any = None) -> str | None:
+    """Where a learning-rate scheduler's saved state (of ``own``'s form, ``same_shape``)
+    holds a value the scheduler would misread, or None: a setting (a string: a mode, an
+    annealing function, the name of a group's option; or a flag) other than the
+    scheduler's, a number that is NaN or infinite, a count that is not a whole number in
+    its range, a rate below 0. The scheduler would take any of them and fail at a later
+    step (a ``KeyError``, a ``ValueError``) or set NaN or negative learning rates."""
+    import math
+
+    if isinstance(own, dict) and isinstance(saved, dict):
+        named = {str(k): k for k in own}
+        for k in sorted(saved, key=str):
+            o = own.get(k, own.get(named.get(k), None))
+            bad = check_scheduler(saved[k], o, f"{what}[{k!r}]", k)
+            if bad:
+                return bad
+        return None
+    if isinstance(own, (list, tuple)) and isinstance(saved, (list, tuple)):
+        for i, (a, b) in enumerate(zip(saved, own)):
+            bad = check_scheduler(a, b, f"{what}[{i}]", key)
+            if bad:
+                return bad
+        return None
+    if isinstance(own, (str, bool)) and saved != own:
+        return (f"{what} is {saved!r} where this scheduler holds {own!r} (a setting, "
+                f"not a state the run changes)")
+    if isinstance(saved, (int, float)) and not isinstance(saved, bool):
+        if math.isnan(saved) or math.isinf(saved) and not (
+                key in _SCHED_INFINITE or saved == own):
+            return f"{what} is {saved!r}, not a finite number"
+        if key in _SCHED_COUNTS and isinstance(own, int) and not isinstance(own, bool) and (
+                not isinstance(saved, int) or saved < _SCHED_COUNTS[key]):
+            return (f"{what} is {saved!r}, not a whole number >= {_SCHED_COUNTS[key]} "
+                    f"(a count)")
+        if key in _SCHED_RATES and saved < 0:
+            return f"{what} is {saved!r}, below 0 (a rate)"
     return None
 
 

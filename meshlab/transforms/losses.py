@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..core import collectives as C
 from ..core.agree import agree
-from ..core.errors import BatchError
+from ..core.errors import BatchError, ConfigError
 from ..core.sections import inside
 from ..core.placement import dim_block
 from ..core.tensors import local as _local
@@ -336,6 +336,102 @@ def _positional_names(model) -> list[str]:
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+# -- a user's own loss on split logits ---------------------------------------------------------
+# The logits a vocabulary-parallel head returns are a DTensor split over the vocabulary.
+# ``F.cross_entropy(out.logits, labels)`` on them, with plain labels, failed inside
+# DTensor's dispatch ("got mixed torch.Tensor and DTensor"), after the log-softmax had
+# gathered the logits. The forward hands them out as ``SplitLogits``: a DTensor whose
+# torch functions (and those of every DTensor computed from it) are watched, so that a
+# cross-entropy on them, or any operation mixing them with plain tensors, raises a
+# ``ConfigError`` naming the fix, before its collectives.
+
+_CE_FUNCS = {F.cross_entropy, F.nll_loss}
+_FIX = ("compute the loss with meshlab.losses.cross_entropy(logits, labels) (or "
+        "meshlab.losses.causal_lm_loss(out, batch)), which reads the split logits without "
+        "gathering them; train with meshlab.step(model, opt, batch), which does so; or take "
+        "the whole logits with logits.full_tensor() on every rank")
+
+
+def _split_dtensor():
+    from torch.distributed.tensor import DTensor
+
+    class SplitLogits(DTensor):
+        """Logits of a vocabulary-parallel head (a ``DTensor`` split over its last
+        dimension) handed to the user: every operation runs as on a ``DTensor``, but a
+        cross-entropy against plain labels, or any operation mixing them with plain
+        tensors, raises ``ConfigError`` naming meshlab's loss for split logits."""
+
+        __slots__ = ()
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in _CE_FUNCS:
+                _refuse_plain_loss(func, args, kwargs)
+            try:
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = func(*args, **kwargs)
+            except RuntimeError as e:
+                if "mixed torch.Tensor and DTensor" not in str(e):
+                    raise
+                raise ConfigError(
+                    f"{getattr(func, '__name__', func)}: the model's logits are a DTensor "
+                    f"split over the vocabulary across the tensor-parallel ranks, and this "
+                    f"operation mixes them with a plain tensor; {_FIX}") from None
+            return _retag(out)
+
+    return SplitLogits
+
+
+_SPLIT_CLS: list = []
+
+
+def split_logits_class():
+    if not _SPLIT_CLS:
+        _SPLIT_CLS.append(_split_dtensor())
+    return _SPLIT_CLS[0]
+
+
+def _refuse_plain_loss(func, args, kwargs) -> None:
+    from torch.distributed.tensor import DTensor
+
+    x = args[0] if args else kwargs.get("input")
+    y = args[1] if len(args) > 1 else kwargs.get("target")
+    if isinstance(x, DTensor) and isinstance(y, torch.Tensor) and not isinstance(y, DTensor):
+        raise ConfigError(
+            f"torch.nn.functional.{func.__name__}(logits, labels): the logits are a DTensor "
+            f"of shape {tuple(x.shape)} split over the vocabulary ({tuple(x.placements)}) "
+            f"across the tensor-parallel ranks and the labels a plain tensor, which "
+            f"{func.__name__} cannot read; {_FIX}")
+
+
+def _retag(out):
+    from torch.distributed.tensor import DTensor
+
+    if type(out) is DTensor:
+        out.__class__ = split_logits_class()
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if type(o) is DTensor:
+                o.__class__ = split_logits_class()
+    return out
+
+
+def hand_out_split_logits(out) -> None:
+    """Hand the logits of a forward (a tensor, ``out['logits']`` or the first tensor of a
+    tuple) to the user as ``SplitLogits`` where they are a DTensor split over their last
+    dimension."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    t = out
+    if isinstance(out, (tuple, list)):
+        t = next((o for o in out if isinstance(o, torch.Tensor)), None)
+    elif not isinstance(out, torch.Tensor) and hasattr(out, "get"):
+        t = out.get("logits")
+    if type(t) is DTensor and t.ndim and Shard(t.ndim - 1) in t.placements:
+        t.__class__ = split_logits_class()
+
+
 def guard_of_model(model) -> VocabGuard | None:
     """The vocabulary guard ``guard_model`` gave ``model``, or None."""
     return getattr(model, _GUARD, None)
@@ -382,6 +478,7 @@ def guard_model(model, group, *, agreed: bool, pipelined: bool, tp_axis: str | N
 
     def post(mod, args, kwargs, output):
         mark(output, guard)
+        hand_out_split_logits(output)
 
     model.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
     model.register_forward_hook(post, with_kwargs=True)

@@ -124,11 +124,28 @@ def _fresh():
     return m, opt, sched, dl
 
 
+_STEP = torch.optim.lr_scheduler.StepLR(
+    torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), 1).state_dict()
+
+
 @pytest.mark.parametrize("entry, value, named", [
     ("scheduler", {"last_epoch": "three"}, "scheduler state has the keys"),
     ("scheduler", {**torch.optim.lr_scheduler.StepLR(
         torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0), 1).state_dict(),
         "last_epoch": "three"}, r"scheduler state\['last_epoch'\] is a str"),
+    *[("scheduler", {**_STEP, key: value}, named) for key, value, named in [
+        ("_get_lr_called_within_step", "yes", r"\['_get_lr_called_within_step'\] is a str"),
+        ("_get_lr_called_within_step", True, r"\['_get_lr_called_within_step'\] is True"),
+        ("base_lrs", [0.1, 0.1], r"scheduler state\['base_lrs'\] holds 2 values, this one 1"),
+        ("base_lrs", [-0.1], r"\['base_lrs'\]\[0\] is -0.1, below 0"),
+        ("last_epoch", 1.5, r"\['last_epoch'\] is 1.5, not a whole number >= -1"),
+        ("last_epoch", -7, r"\['last_epoch'\] is -7, not a whole number >= -1"),
+        ("_step_count", math.nan, r"\['_step_count'\] is nan, not a finite number"),
+        ("gamma", math.inf, r"\['gamma'\] is inf, not a finite number"),
+        ("lr_lambda", None, r"has the keys .*'lr_lambda'"),
+    ]],
+    ("scheduler", None, "scheduler state is a NoneType where this one holds a object"),
+    ("dataloader", None, "dataloader"),
     ("dataloader", {"epoch": 0, "served": None}, r"dataloader state\['served'\] is a NoneType"),
     ("dataloader", [1, 2], "dataloader is a list, not an object"),
 ])
@@ -145,6 +162,90 @@ def test_a_bad_scheduler_or_data_entry_is_refused_before_the_weights(tmp_path, e
     for p, st in before_opt.items():
         assert all(opt.state[p][k] is v for k, v in st.items())
     assert opt.param_groups[0]["lr"] == lr and sched.state_dict() == sched_before
+
+
+class _Decay:
+    """A scheduler's function with state of its own (LambdaLR saves its ``__dict__``)."""
+
+    def __init__(self):
+        self.rate = 0.9
+
+    def __call__(self, epoch):
+        return self.rate ** epoch
+
+
+_SCHEDULERS = {
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.9 ** e),
+    "lambda_object": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, _Decay()),
+    "multistep": lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, [1, 3], 0.5),
+    "plateau": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+    "onecycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, 0.1, total_steps=10),
+}
+
+
+def _step(sched):
+    sched.step(1.0) if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau) else \
+        sched.step()
+
+
+def _with(kind, seed=0):
+    m = _model(seed)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    return m, opt, _SCHEDULERS[kind](opt)
+
+
+@pytest.mark.parametrize("kind, edit, named", [
+    # a function's entry where this scheduler holds a lambda (saved as None), and back
+    ("lambda", lambda s: s.__setitem__("lr_lambdas", [{"rate": 0.5}]),
+     r"\['lr_lambdas'\]\[0\] is a object where this one holds a NoneType"),
+    ("lambda_object", lambda s: s.__setitem__("lr_lambdas", [None]),
+     r"\['lr_lambdas'\]\[0\] is a NoneType"),
+    ("lambda_object", lambda s: s["lr_lambdas"][0].__setitem__("__call__", "os.system"),
+     r"\['lr_lambdas'\]\[0\] has the keys"),
+    ("lambda_object", lambda s: s["lr_lambdas"][0].__setitem__("rate", math.nan),
+     r"\['lr_lambdas'\]\[0\]\['rate'\] is nan"),
+    ("multistep", lambda s: s.__setitem__("milestones", {"1": 1, "x": 1}),
+     r"\['milestones'\] has the keys"),
+    ("plateau", lambda s: s.__setitem__("mode", "sideways"),
+     r"\['mode'\] is 'sideways' where this scheduler holds 'min'"),
+    ("plateau", lambda s: s.__setitem__("best", math.nan), r"\['best'\] is nan"),
+    ("onecycle", lambda s: s.__setitem__("_anneal_func_type", "sine"),
+     r"\['_anneal_func_type'\] is 'sine'"),
+    ("onecycle", lambda s: s["_schedule_phases"][0].__setitem__("end_lr", "lr2"),
+     r"\['_schedule_phases'\]\[0\]\['end_lr'\] is 'lr2'"),
+    ("onecycle", lambda s: s.__setitem__("use_beta1", True), r"\['use_beta1'\] is True"),
+    ("onecycle", lambda s: s.__setitem__("total_steps", 2.5), r"\['total_steps'\] is 2.5"),
+])
+def test_an_injected_scheduler_entry_is_named_before_anything_is_written(tmp_path, kind, edit,
+                                                                        named):
+    m, opt, sched = _with(kind)
+    _steps(m, opt, 1)
+    _step(sched)
+    ml.checkpoint.save(tmp_path / "s", m, opt, sched)
+    _edit_marker(tmp_path / "s", lambda mk: edit(mk["scheduler"]))
+    m2, opt2, sched2 = _with(kind, seed=3)
+    before, lr, sched_before = _state(m2), opt2.param_groups[0]["lr"], sched2.state_dict()
+    with pytest.raises(CheckpointError, match=named):
+        ml.checkpoint.load(tmp_path / "s", m2, opt2, sched2)
+    assert _same(before, _state(m2)) and opt2.param_groups[0]["lr"] == lr
+    assert str(sched2.state_dict()) == str(sched_before)
+
+
+def test_a_multistep_scheduler_resumes_its_milestones(tmp_path):
+    """JSON writes MultiStepLR's milestones (a Counter of ints) with string keys: the load
+    refused the scheduler's own checkpoint, and would have left milestones no step meets."""
+    m, opt, sched = _with("multistep")
+    ml.checkpoint.save(tmp_path / "s", m, opt, sched)
+    m2, opt2, sched2 = _with("multistep", seed=3)
+    ml.checkpoint.load(tmp_path / "s", m2, opt2, sched2)
+    assert sched2.milestones == sched.milestones and type(sched2.milestones) is \
+        type(sched.milestones)
+    for _ in range(4):
+        for s in (sched, sched2):
+            s.optimizer.step()
+            s.step()
+        assert sched2.get_last_lr() == sched.get_last_lr()
+    assert sched2.get_last_lr()[0] == pytest.approx(0.1 * 0.25)
 
 
 def test_damaged_param_groups_are_refused_before_the_weights(tmp_path):

@@ -29,6 +29,9 @@ ROOMS = {
                        "use_dora", "modules_to_save")),
     "expert_route": (ml.expert_route, ("axis", "capacity_factor", "dispatch")),
 }
+# arguments a constructor needs before any other is read: each fuzzed argument is checked
+# beside valid others (lora refuses a config without targets before reading r)
+BASE = {"lora": {"target_modules": ["q_proj", "v_proj"]}}
 
 
 @pytest.mark.parametrize("name", sorted(ROOMS))
@@ -43,9 +46,31 @@ def test_room_constructors_raise_only_typed_errors(name, data):
     arg = data.draw(st.sampled_from([a for a in args if a in params or takes_any]),
                     label="arg")
     value = data.draw(VALUES, label=arg)
-    t = _typed(fn, **{arg: value})
+    t = _typed(fn, **{**BASE.get(name, {}), arg: value})
     if t is not None and isinstance(value, float) and not math.isfinite(value):
         pytest.fail(f"{name}({arg}={value!r}) accepted a non-finite number: {t!r}")
+    if name == "lora" and t is not None:
+        c = t.config
+        assert type(c.r) is int and c.r > 0 and math.isfinite(c.lora_alpha) and \
+            0 <= c.lora_dropout < 1, (arg, value, c)
+        assert c.bias == "none" and c.use_dora is False, (arg, value, c)
+        assert (isinstance(c.target_modules, str) and c.target_modules) or (
+            c.target_modules and all(isinstance(m, str) and m for m in c.target_modules)), \
+            (arg, value, c.target_modules)
+        assert c.modules_to_save is None or all(isinstance(m, str) and m
+                                                for m in c.modules_to_save), (arg, value)
+
+
+@pytest.mark.parametrize("arg, value", [
+    ("r", 0), ("r", -1), ("r", 1.5), ("r", True), ("lora_alpha", math.nan),
+    ("lora_dropout", 1.0), ("target_modules", 5), ("target_modules", [1]),
+    ("target_modules", [""]), ("target_modules", {"q_proj": 1}), ("bias", "x"), ("bias", 0),
+    ("use_dora", 1), ("use_dora", "no"), ("modules_to_save", "lm_head"),
+    ("modules_to_save", [None]), ("task_type", "x"), ("no_such_option", 1),
+])
+def test_lora_refuses_each_bad_argument_beside_valid_targets(arg, value):
+    with pytest.raises(ml.ConfigError, match=arg if arg != "no_such_option" else "LoraConfig"):
+        ml.lora(**{"target_modules": ["q_proj", "v_proj"], arg: value})
 
 
 def _config_fields():

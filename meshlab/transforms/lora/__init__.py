@@ -191,7 +191,12 @@ def lora(config=None, **kwargs) -> Lora:
     or the same keywords (``lora(r=8, target_modules=[...])``)."""
     peft = _peft()
     if config is None:
-        config = peft.LoraConfig(**kwargs)
+        try:
+            config = peft.LoraConfig(**kwargs)
+        except (TypeError, ValueError) as e:     # an unknown keyword, peft's own checks
+            raise ConfigError(f"lora(**{sorted(kwargs)}): peft.LoraConfig refused them "
+                              f"({e}); pass the keywords of peft.LoraConfig, e.g. "
+                              f"lora(r=8, target_modules=['q_proj', 'v_proj'])") from None
     elif kwargs:
         raise ConfigError("lora(config, ...): give a LoraConfig or its keywords, not both")
     if not isinstance(config, peft.LoraConfig):
@@ -210,10 +215,28 @@ def lora(config=None, **kwargs) -> Lora:
         if getattr(config, name, None):
             raise ConfigError(f"lora: LoraConfig({name}=...) gives modules their own rank or "
                               f"alpha, which meshlab does not plan yet; use one r and alpha")
-    if getattr(config, "use_dora", False):
+    from ...core.errors import check_bool
+
+    if check_bool(getattr(config, "use_dora", False), "lora", "use_dora"):
         raise ConfigError("lora: LoraConfig(use_dora=True) is not planned by meshlab yet; "
                           "use plain LoRA")
-    if not config.target_modules:
+    if config.bias != "none":
+        # peft takes any value and would train biases meshlab plans frozen ("all",
+        # "lora_only"), or none at all
+        raise ConfigError(f"lora(bias={config.bias!r}): meshlab plans LoRA with frozen "
+                          f"biases only; pass bias='none' (the default)")
+    targets = config.target_modules
+    if not targets:
         raise ConfigError("lora: the LoraConfig names no target_modules; name some, e.g. "
                           "target_modules=['q_proj', 'v_proj']")
+    if not (isinstance(targets, str) or (isinstance(targets, (list, tuple, set, frozenset))
+                                         and all(isinstance(t, str) and t for t in targets))):
+        raise ConfigError(f"lora(target_modules={targets!r}): target_modules is a module "
+                          f"name pattern (a string) or a list of module names; pass e.g. "
+                          f"target_modules=['q_proj', 'v_proj']")
+    saved = config.modules_to_save
+    if saved is not None and not (isinstance(saved, (list, tuple, set, frozenset)) and all(
+            isinstance(m, str) and m for m in saved)):
+        raise ConfigError(f"lora(modules_to_save={saved!r}): modules_to_save is a list of "
+                          f"module names; pass e.g. modules_to_save=['lm_head']")
     return Lora(config)

@@ -1,0 +1,56 @@
+"""A user's own loss on the logits of a vocabulary-parallel head (2 gloo processes).
+
+``model(ids).logits`` of ``shard(policies.auto, Rules(vocab='tp', ...))`` at tp=2 is a
+DTensor split over the vocabulary. ``F.cross_entropy`` on it with plain labels failed
+inside DTensor's dispatch ("got mixed torch.Tensor and DTensor"); it is a ``ConfigError``
+naming meshlab's loss for split logits, raised on every rank before any collective, and
+the fixes it names give the loss of the whole logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import _models as M
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def user_loss_case(rank, world):
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    import meshlab as ml
+    from meshlab.estimate.comm import CommCounter
+
+    model = ml.parallelize(M.build("llama"), ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)),
+                           ml.Mesh(dp=1, tp=world), seed=0)
+    x = M.batches(1)[0]
+    logits = model(x).logits
+    assert isinstance(logits, DTensor) and logits.placements[0].is_shard(2)
+    flat, y = logits[:, :-1].flatten(0, 1), x[:, 1:].flatten()
+    refused, comms = [], []
+    for call in (lambda: F.cross_entropy(flat, y),
+                 lambda: torch.nn.CrossEntropyLoss()(flat, y),
+                 lambda: F.nll_loss(F.log_softmax(flat, -1), y),   # the gather is the user's
+                 lambda: logits.argmax(-1) == x):
+        with CommCounter() as cc:
+            try:
+                call()
+                refused.append(None)
+            except ml.ConfigError as e:
+                refused.append(str(e))
+        comms.append(len(cc.calls))
+    ours = ml.losses.cross_entropy(logits[:, :-1], x[:, 1:])
+    whole = F.cross_entropy(logits.full_tensor()[:, :-1].flatten(0, 1), y)
+    ours.backward()
+    return refused, comms, float(ours), float(whole)
+
+
+def test_a_users_cross_entropy_on_split_logits_names_the_fix(world2):
+    for refused, comms, ours, whole in world2.run(user_loss_case):
+        assert comms[:2] == [0, 0], comms          # refused before any collective
+        assert all(r is not None for r in refused), refused
+        assert all("meshlab.losses.cross_entropy" in r and "full_tensor()" in r for r in refused)
+        assert "split over the vocabulary" in refused[0] and "labels a plain tensor" in refused[0]
+        assert ours == pytest.approx(whole, rel=1e-6)
