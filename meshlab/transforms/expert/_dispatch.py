@@ -162,6 +162,12 @@ def _run_local(module, st: EPState, x, local_ids, n_local: int, weights=None):
 
 def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     st: EPState = self._meshlab_ep
+    n, E = st.size, self.num_experts
+    if n == 1 and st.capacity_factor is None:
+        # every expert here: nothing to exchange (so nothing to agree on before it), the
+        # family's own path runs, and a compiled block traces it with the rest
+        st.stats.routed += top_k_index.numel()
+        return _run_local(self, st, hidden_states, top_k_index, E, top_k_weights)
     # The expert ranks read different tokens, so one of them may have raised since the
     # last exchange (its loop then skips the batch): in a training forward every rank
     # agrees it got here before the all-to-all waits for it (``core.sections``). Once
@@ -170,10 +176,6 @@ def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     boundary("expert dispatch")
     if st.capacity_factor is not None:
         return _capacity_forward(self, st, hidden_states, top_k_index, top_k_weights)
-    n, E = st.size, self.num_experts
-    if n == 1:      # every expert here: nothing to exchange, the family's own path runs
-        st.stats.routed += top_k_index.numel()
-        return _run_local(self, st, hidden_states, top_k_index, E, top_k_weights)
     L = E // n
     T, k = top_k_index.shape
     dev = hidden_states.device

@@ -76,9 +76,12 @@ def install_experts(t, ctx):
     axes = tuple(a for a in ctx.plan.mesh_shape if a in ctx.roles.data + seq)   # mesh order
     if aux and axes and ctx.size(*axes) > 1:
         scope_forward(ctx.model, ctx.group(*axes), 1.0 / ctx.size(*seq) if seq else 1.0)
-    ctx.keep(EagerModules(frozenset(x.fqn for x in layouts),
-                          "the expert dispatch reads its all-to-all's split sizes from the "
-                          "routing on the host"))
+    if n > 1 or t.capacity_factor is not None:
+        ctx.keep(EagerModules(frozenset(x.fqn for x in layouts),
+                              "the expert dispatch reads its all-to-all's split sizes (or "
+                              "its capacity's drops) from the routing on the host"))
+    # else one rank holds every expert and the family's own path runs: compiled blocks
+    # take the experts with the rest of the block
     return ExpertPart(stats)
 
 

@@ -230,3 +230,22 @@ def test_a_block_with_eager_modules_is_compiled_around_them():
     assert f"{block}.self_attn" in units and experts.rsplit(".", 1)[0] + ".gate" in units
     assert not any(u.startswith(experts) for u in units)
     assert compiled_units("model.layers.1", mods, frozenset({experts})) == ["model.layers.1"]
+
+
+def test_experts_on_one_rank_compile_with_their_block(one_process):
+    """expert_route over a one-rank axis runs the family's own expert path (no exchange,
+    no host read of split sizes), so compile_blocks compiles each block whole, experts
+    included, and it trains as the eager run (aot_eager: the same ops)."""
+    import meshlab as ml
+
+    def train(spec):
+        model = ml.parallelize(M.build("mixtral"), spec, ml.Mesh(ep=1), seed=0)
+        opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-2)
+        ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+        return model, [ml.step(model, opt, {"input_ids": ids}) for _ in range(3)]
+
+    model, compiled = train(ml.expert_route("ep") | ml.compile_blocks(backend="aot_eager"))
+    layers = model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    _, eager = train(ml.expert_route("ep"))
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=1e-5, rtol=0)

@@ -265,7 +265,7 @@ def _refused():
             (lambda: M.build("mixtral", num_local_experts=3), ml.expert_route("ep"),
              lambda fake: ml.Mesh(ep=2, fake=fake)),
             (lambda: M.build("mixtral"),     # a pair the composition table still refuses
-             ml.expert_route("ep") | ml.precision("fp8", reduce="fp16"),
+             ml.expert_route("ep") | ml.precision("fp8") | ml.step_in_backward(),
              lambda fake: ml.Mesh(ep=2, fake=fake)),
             (lambda: M.build("phimoe"), ml.expert_route("ep"),
              lambda fake: ml.Mesh(ep=2, fake=fake)),
