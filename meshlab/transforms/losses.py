@@ -472,7 +472,8 @@ def guard_model(model, group, *, agreed: bool, pipelined: bool, tp_axis: str | N
         if out is not None and given.get("labels") is not None:
             items.append(("labels", given["labels"], out[1], where(out[0]),
                           kwargs.get("ignore_index", -100)))
-        error = _form_error(given, encdec) if inp is not None and not pipelined else None
+        error = _form_error(given, encdec, lm=out is not None) \
+            if inp is not None and not pipelined else None
         if items or error is not None:
             guard.check("forward", items, error=error)
 
@@ -489,11 +490,13 @@ def guard_model(model, group, *, agreed: bool, pipelined: bool, tp_axis: str | N
                                         prepend=True)
 
 
-def _form_error(given: dict, encdec: bool) -> BatchError | None:
+def _form_error(given: dict, encdec: bool, lm: bool = True) -> BatchError | None:
     """The error for a batch whose token ids or labels a language model cannot read by
     their form (dtype, dimensions, length), or None. One process raises a torch error
     deep inside the model there (an embedding's dtype check, a reshape of 0 elements, a
-    size mismatch in attention or the loss); this names the key and the fix."""
+    size mismatch in attention or the loss); this names the key and the fix. Labels are
+    read as token labels only where the model has a language-model head (``lm``): a
+    classifier's labels are one per sequence, a regression's floats."""
     ids, labels, embeds = (given.get(k) for k in ("input_ids", "labels", "inputs_embeds"))
     lead = "input_ids" if ids is not None else "inputs_embeds"
     x = ids if ids is not None else embeds
@@ -519,7 +522,7 @@ def _form_error(given: dict, encdec: bool) -> BatchError | None:
             f"{lead} has shape {tuple(x.shape)}: an empty batch or empty sequences (no "
             f"token to read). Drop empty samples before batching, or pad each to at least "
             f"one token")
-    if labels is not None:
+    if labels is not None and lm:
         if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
             return BatchError(
                 f"labels is a {labels.dtype} tensor: labels are integer token ids "

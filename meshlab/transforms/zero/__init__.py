@@ -20,6 +20,7 @@ into its slices over ``dp``. Either way each gradient is the mean over the globa
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, ClassVar
 
 from ...core.errors import ConfigError, NotRunnable, check_int, check_names, check_number
@@ -113,6 +114,8 @@ class ZeroShard(Transform):
                 f"map that logical axis to None in Rules")
         if fsdp:
             _check_fsdp_specs(plan, fsdp)
+        if self.stage >= 2:
+            _check_mixed_precision(self, plan)
 
     def install(self, ctx):
         return install_zero(self, ctx)
@@ -239,3 +242,35 @@ def _implied_dp(plan: Plan, roles) -> Any:
     if not roles.dp or any(isinstance(t, ZeroShard) for t in plan.options):
         return None
     return ZeroShard(3 if roles.fsdp else 0, roles.dp)
+
+
+def _check_mixed_precision(t, plan: Plan) -> None:
+    """FSDP2's mixed precision casts the parameters it shards to the 16-bit compute dtype
+    and nothing else: a BatchNorm's running statistics stay float32 (batch_norm refuses
+    the mix), and so do the parameters FSDP2 leaves whole (``fsdp_ignored``: a packed
+    tensor-parallel projection's), beside the cast ones they are computed with. Refused
+    by name before anything runs, where torch would raise inside the forward."""
+    from ..precision import Precision
+
+    prec = plan.get(Precision)
+    if prec is None or prec.compute == "float32":
+        return
+    short = {"bfloat16": "bf16", "float16": "fp16"}.get(prec.compute, prec.compute)
+    bn = next((m for m in plan.model.modules
+               if re.fullmatch(r"(Lazy)?BatchNorm[123]d|SyncBatchNorm", m.cls)), None)
+    if bn is not None:
+        raise ConfigError(
+            f"{t!r} with precision({short!r}): {bn.fqn} ({bn.cls}) keeps float32 running "
+            f"statistics that FSDP2's mixed precision does not cast, beside the {short} "
+            f"weights it does; not yet supported. Use zero_shard(1) or data_parallel (the "
+            f"{short} compute then runs under autocast), or precision('fp32')")
+    kept = sorted(fsdp_ignored(plan))
+    if kept:
+        raise ConfigError(
+            f"{t!r} with precision({short!r}): FSDP2 leaves {kept[0]}"
+            f"{f' (and {len(kept) - 1} more)' if len(kept) > 1 else ''} whole (a packed "
+            f"tensor-parallel projection it cannot shard again), so it stays float32 beside "
+            f"the {short} parameters it is computed with; not yet supported. Use "
+            f"zero_shard(1) or data_parallel beside the tensor parallelism, or "
+            f"precision('fp32')")
+
