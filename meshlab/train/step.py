@@ -206,9 +206,8 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     # shape, and what must be equal beyond shapes (the batch among the ranks that read it
     # together, the optimizer's hyper-parameters), which would otherwise train silently
     # wrong.
-    peers = None
-    if error is None and not alone(rt.ctrl_group):
-        peers = {**batch_peers(rt, batch), **(hyperparameters(opt) if train else {})}
+    peers = {**batch_peers(rt, batch), **(hyperparameters(opt) if train else {})} \
+        if error is None and not alone(rt.ctrl_group) else None
     agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches,
                                   "reduction": reduction}, error, peers=peers)
     agreed = opt.agreed_by_caller() if isinstance(opt, MeshOptimizer) else \
