@@ -146,8 +146,6 @@ REFUSED = [
      dict(pp=2), ml.ConfigError, "fuse('loss') with pipeline"),
     ("fuse loss with a vocab-parallel head", lambda: ml.shard(ml.policies.auto, ml.Rules(**_TP))
      | ml.fuse("loss"), dict(dp=1, tp=2), ml.ConfigError, "needs the whole vocabulary"),
-    ("fuse attention with ulysses", lambda: ml.sequence("sp") | ml.fuse("attention"),
-     dict(sp=2), ml.ConfigError, "installs its own attention"),
     ("sequence axis not in the mesh", lambda: ml.sequence("sp"),
      dict(dp=2), ml.ConfigError, "is not a mesh axis"),
     ("more stages than blocks", lambda: ml.pipeline("pp"),
