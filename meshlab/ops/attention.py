@@ -536,6 +536,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
 _HF_UNSUPPORTED = ("softcap", "s_aux", "position_bias")
 
 
+def _attended(mask: Tensor):
+    """``(ok, seen)`` of a materialized mask: ``seen`` True where a query attends to a key
+    (bool: True; float: 0), ``ok`` a tensor that holds where a float mask is only 0 or
+    very negative (None for bool); None for a mask of another dtype."""
+    if mask.dtype == torch.bool:
+        return None, mask
+    if mask.is_floating_point():
+        blocked = mask <= torch.finfo(mask.dtype).min / 2
+        return ((mask == 0) | blocked).all(), mask == 0
+    return None
+
+
 def _is_plain_causal(mask: Tensor, s: int, skv: int) -> bool:
     """Whether a materialized 4-D mask (bool: True = attend; float: 0 = attend, very negative
     = masked) is exactly the top-left causal mask for every batch row and head.
@@ -545,13 +557,10 @@ def _is_plain_causal(mask: Tensor, s: int, skv: int) -> bool:
     mask is not causal, and the shapes and dtype are still checked here."""
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (s, skv) or s != skv:
         return False
-    if mask.dtype == torch.bool:
-        ok, seen = None, mask
-    elif mask.is_floating_point():
-        blocked = mask <= torch.finfo(mask.dtype).min / 2
-        ok, seen = ((mask == 0) | blocked).all(), mask == 0
-    else:
+    read = _attended(mask)
+    if read is None:
         return False
+    ok, seen = read
     # (arange, not tril: inductor of torch 2.11 fails to lower tril over symbolic sizes)
     rows = torch.arange(s, device=mask.device).unsqueeze(1)
     same = (seen == (torch.arange(skv, device=mask.device) <= rows)).all()
@@ -581,13 +590,10 @@ def causal_segments(mask: Tensor) -> Tensor | None:
     :func:`_is_plain_causal`, and the ids are returned."""
     if mask.dim() != 4 or mask.shape[-1] != mask.shape[-2]:
         return None
-    if mask.dtype == torch.bool:
-        ok, seen = None, mask
-    elif mask.is_floating_point():
-        blocked = mask <= torch.finfo(mask.dtype).min / 2
-        ok, seen = ((mask == 0) | blocked).all(), mask == 0
-    else:
+    read = _attended(mask)
+    if read is None:
         return None
+    ok, seen = read
     heads = seen[:, :1]
     ok = (seen == heads).all() if ok is None else ok & (seen == heads).all()
     seen = heads[:, 0]                                                    # (B, S, S)
