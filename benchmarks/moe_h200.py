@@ -13,6 +13,9 @@ throughput against a dense model of the same active parameters.
   grouped_mm path eager and with each decoder layer compiled (``torch.compile``, graph
   breaks allowed), meshlab's ``expert_route`` alone and with ``fuse`` (norms, rotary,
   attention) and ``compile_blocks`` (each block compiled around the expert dispatch);
+* two rows that take the best apart: ``moe_meshlab_compile`` (``expert_route`` with
+  ``compile_blocks`` only, torch's fused AdamW) and ``moe_meshlab_fused_torch_adamw`` (the
+  best meshlab model under torch's fused AdamW in a plain loop, without ``ml.step``);
 * best of each (``moe_hf_best``, ``moe_meshlab_best``): the two compiled paths above, each
   with its fastest optimizer, torch's ``AdamW(fused=True)`` for transformers, meshlab's
   ``FusedAdamW`` through ``ml.optimizer`` and ``ml.step`` for meshlab (at ep=1 no parameter
@@ -119,7 +122,10 @@ def model(kind: str) -> dict:
         m.config._experts_implementation = "grouped_mm"
     if kind == "moe_meshlab":
         m = ml.parallelize(m, ml.expert_route("ep"), ml.Mesh(ep=1), seed=0)
-    if kind in ("moe_meshlab_fused", "moe_meshlab_best"):  # norms, rotary, attention fused
+    if kind == "moe_meshlab_compile":  # blocks compiled, nothing fused
+        m = ml.parallelize(m, ml.expert_route("ep") | ml.compile_blocks(), ml.Mesh(ep=1), seed=0)
+    if kind in ("moe_meshlab_fused", "moe_meshlab_best", "moe_meshlab_fused_torch_adamw"):
+        # norms, rotary, attention fused
         spec = ml.expert_route("ep") | ml.fuse("rms_norm", "rotary", "attention") | \
             ml.compile_blocks()          # compiled around the expert dispatch
         m = ml.parallelize(m, spec, ml.Mesh(ep=1), seed=0)
@@ -139,7 +145,7 @@ def model(kind: str) -> dict:
         def step():
             ml.step(m, opt, batch)
     else:
-        fused = kind == "moe_hf_best"
+        fused = kind in ("moe_hf_best", "moe_meshlab_fused_torch_adamw", "moe_meshlab_compile")
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=False, fused=fused)
         optimizer = f"torch AdamW({'fused=True' if fused else 'foreach=False'})"
 
@@ -189,7 +195,8 @@ def main() -> None:
            "method": "CUDA events, median of 20 (block) / 10 (model) after 3 warm-ups; bf16",
            "block": {f"E{E}": block(E) for E in (8, 64)},
            "model": {k: _row(k) for k in ("dense", "moe_hf", "moe_hf_compile", "moe_meshlab",
-                                          "moe_meshlab_fused", "moe_hf_best",
+                                          "moe_meshlab_fused", "moe_meshlab_compile",
+                                          "moe_meshlab_fused_torch_adamw", "moe_hf_best",
                                           "moe_meshlab_best")}}
     best = out["model"]
     if all("tokens_per_s" in best[k] for k in ("moe_hf_best", "moe_meshlab_best")):
