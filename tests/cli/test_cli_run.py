@@ -31,6 +31,29 @@ SCRIPTS = {
                 "      f\"args {sys.argv[1:]}\", flush=True)\n",
     "exit3.py": "import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n",
     "tinymod.py": "import os, sys\nprint(f\"module rank {os.environ['RANK']} {sys.argv[1:]}\")\n",
+    # A save, then rank 1 still at work while rank 0 has already reached interpreter exit:
+    # the moment a group left to teardown aborts ("terminate called without an active
+    # exception"). Each rank records when it finished and when its group was destroyed.
+    "exit_after_save.py": (
+        "import json, sys, time\n"
+        "import torch, torch.distributed as dist\n"
+        "import meshlab as ml\n"
+        "mesh = ml.Mesh(dp=2)\n"
+        "rank = dist.get_rank()\n"
+        "torch.manual_seed(0)\n"
+        "model = ml.parallelize(torch.nn.Linear(4, 4), ml.data_parallel('dp'), mesh)\n"
+        "ml.checkpoint.save(sys.argv[1] + '/exit_ckpt', model)\n"
+        "def note(**kw):\n"
+        "    with open(f'{sys.argv[1]}/exit{rank}.jsonl', 'a') as f:\n"
+        "        f.write(json.dumps(kw) + '\\n')\n"
+        "destroy = dist.destroy_process_group\n"
+        "def recorded(*a, **k):\n"
+        "    note(destroy=time.time())\n"
+        "    return destroy(*a, **k)\n"
+        "dist.destroy_process_group = recorded\n"
+        "if rank == 1:\n"
+        "    time.sleep(2.0)\n"
+        "note(done=time.time())\n"),
     "hosts.txt": "# one local node\nlocalhost slots=2   # two processes\n",
     "bad_hosts.txt": "node-a slots=0\n",
 }
@@ -42,6 +65,7 @@ CASES = {
     "module": ["run", "--nproc-per-node", "2", "-m", "tinymod", "x"],
     "hostfile": ["run", "--hostfile", "{tmp}/hosts.txt", "ranks.py"],
     "demo": ["demo", "--nproc-per-node", "4", "--steps", "20"],
+    "exit_after_save": ["run", "--nproc-per-node", "2", "{tmp}/exit_after_save.py", "{tmp}"],
 }
 # bad input: a one-line message and exit code 2, before anything starts (in this process)
 BAD = {
@@ -94,6 +118,26 @@ def test_run_starts_each_rank_with_its_arguments(runs):
         assert f"rank {r} of 2 args ['hello', '--nproc-per-node', '9']" in stdout
     assert "torchrun --standalone --nproc-per-node 2 " in stdout
     assert stdout.index("torchrun") < stdout.index("rank 0 of 2")
+
+
+def test_a_group_meshlab_started_ends_after_every_rank_is_done(runs):
+    """At exit each rank waits for the slowest before its group is destroyed, so no rank
+    closes its connections under a peer still using them (the abort seen after saves)."""
+    import json
+
+    rc, stdout, stderr = runs["exit_after_save"]
+    assert rc == 0, stderr
+    assert "terminate called" not in stderr
+    notes = {}
+    for r in (0, 1):
+        with open(os.path.join(runs["tmp"], f"exit{r}.jsonl")) as f:
+            for line in f:
+                notes.setdefault(r, {}).update(json.loads(line))
+    for r in (0, 1):
+        assert "destroy" in notes[r], f"rank {r} left its group to interpreter teardown"
+    # rank 1 finished 2 s after rank 0; rank 0 destroyed its group only after that
+    assert notes[1]["done"] >= notes[0]["done"] + 1.5
+    assert notes[0]["destroy"] >= notes[1]["done"]
 
 
 def test_run_propagates_the_failing_rank_exit_code(runs):
