@@ -280,7 +280,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     *[("zero_shard(3)", f, _t(f"{_FUSE}::test_fuse_composes_gloo[zero3-ops0]"))
       for f in _FUSES],
     ("zero_shard(3)", "compile_blocks", _t(f"{_COMP}[zero3]", _VS_EAGER)),
-    ("step_in_backward", "zero_shard(3)", _STEP),
+    ("zero_shard(3)", "step_in_backward", _shown("zero_shard(3)", "step_in_backward")),
     *_trained("zero_shard(3)", "sequence('split_gather') sequence('all_to_all') "
                                 "sequence('ring') precision('fp32') precision('fp16') "
                                 "precision(reduce='bf16') precision(reduce='fp16') "
@@ -351,7 +351,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     # lora
     ("lora", "precision('bf16')", _t(f"{_LORA}::test_lora_under_bf16")),
     ("compile_blocks", "lora", _shown("compile_blocks", "lora")),
-    ("step_in_backward", "lora", _STEP),
+    ("lora", "step_in_backward", _shown("lora", "step_in_backward")),
     *_trained("lora", "remat precision('fp32') precision('fp16') precision(reduce='bf16') "
                        "precision(reduce='fp16') precision(loss_scale) fuse "
                        "fuse('attention') fuse('loss')"),

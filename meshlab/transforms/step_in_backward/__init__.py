@@ -1,8 +1,9 @@
 """step_in_backward: each parameter updated by the optimizer as soon as its gradient is
 complete in the backward, and the gradient freed there.
 
-The room: ``StepInBackward`` (a plan value), its check (a mesh of one rank; the rooms it
-is not yet shown with are the composition table's), its estimate (no gradient is held
+The room: ``StepInBackward`` (a plan value), its check (a mesh of one rank, or one that
+only ``zero_shard(3)`` spreads over; the rooms it is not yet shown with are the composition
+table's), its estimate (no gradient is held
 across the backward: the ``grads`` rows go, and the largest single gradient is added to
 the peak) and its runtime part, which builds the optimizer ``meshlab.optimizer`` asks for
 as one optimizer per bucket (a repeated block's parameters, or one parameter outside the
@@ -18,9 +19,12 @@ the optimizer's own, per bucket, so the weights equal the ordinary step's.
 What it rules out, each refused with a typed error: gradient clipping and the non-finite
 check (they need the global norm before any update), fp16 loss scaling, microbatches
 and ``no_sync`` (a gradient is used when it is first complete), and, until shown,
-every room that synchronizes or places gradients (data parallel, ZeRO, tensor and
-pipeline parallel, offload, experts, LoRA). ``opt.step()`` then updates only what
-the backward did not (a gradient set by hand), and ``opt.zero_grad()`` clears those.
+every other room that synchronizes or places gradients (data parallel, ZeRO-1 and 2,
+tensor and pipeline parallel, offload, experts). Under ``zero_shard(3)`` FSDP2 calls each
+sharded parameter's post-accumulate-grad hooks once its unit's gradients are
+reduce-scattered, so a block is stepped on its shard after that reduction. ``opt.step()``
+then updates only what the backward did not (a gradient set by hand), and
+``opt.zero_grad()`` clears those.
 
 >>> step_in_backward()
 step_in_backward()
@@ -48,11 +52,20 @@ class StepInBackward(Transform):
     phase: ClassVar[Phase] = Phase.OPTIMIZER
 
     def check(self, plan: Plan) -> None:
+        """One rank, or ranks that only ``zero_shard(3)`` spreads over: FSDP2 hands each
+        unit's reduce-scattered gradients to the parameters' post-accumulate-grad hooks,
+        so a unit is stepped once its gradients are summed over the data ranks."""
         ranks = math.prod(plan.mesh_shape.values())
-        if ranks > 1:
+        if ranks == 1:
+            return
+        zero = next((r for r in plan.rooms if r.kind == "zero"), None)
+        spread = {a for a, n in plan.mesh_shape.items() if n > 1}
+        if zero is None or zero.stage != 3 or zero.replicate or not spread <= set(zero.axis):
             raise ConfigError(f"step_in_backward() on a mesh of {ranks} ranks "
-                              f"({plan.mesh_shape}): it is shown on one process only; use a "
-                              f"mesh of one rank, or leave it out")
+                              f"({plan.mesh_shape}): it is shown on one process and under "
+                              f"zero_shard(3) over the data axes alone; use a mesh of one "
+                              f"rank, zero_shard(3, axis) over every axis of the mesh, or "
+                              f"leave it out")
 
     def install(self, ctx) -> Part:
         return InBackward(tuple(ctx.plan.model.blocks))

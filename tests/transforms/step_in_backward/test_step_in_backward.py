@@ -115,14 +115,16 @@ def test_the_plan_holds_no_gradients(base):
 def test_refusals(base):
     fake2 = ml.Mesh(dp=2, fake=True)
     for spec, mesh, match in (
-            (ml.zero_shard(3, "dp") | ml.step_in_backward(), fake2, "zero_shard"),
+            (ml.zero_shard(2, "dp") | ml.step_in_backward(), fake2, "zero_shard"),
+            (ml.zero_shard(3, "dp", replicate="rep") | ml.step_in_backward(),
+             ml.Mesh(rep=2, dp=2, fake=True), "replicate='rep'.*not yet shown"),
             (ml.data_parallel("dp") | ml.step_in_backward(), fake2, "stage=0"),
             (ml.step_in_backward(), fake2, "mesh of 2 ranks")):
         with pytest.raises(ml.ConfigError, match=match):
             ml.plan(base, spec, mesh)
     with pytest.raises(ml.ConfigError, match="not yet shown"):
-        ml.parallelize(copy.deepcopy(base), ml.lora(__import__("peft").LoraConfig(
-            r=2, target_modules=["q_proj"])) | ml.step_in_backward(), ml.Mesh(dp=1))
+        ml.parallelize(copy.deepcopy(base), ml.offload(optimizer=1.0) | ml.step_in_backward(),
+                       ml.Mesh(dp=1))
     model = ml.parallelize(copy.deepcopy(base), ml.step_in_backward(), ml.Mesh(dp=1))
     for kw, what in (({"clip_grad_norm": 1.0}, "clip_grad_norm"),
                      ({"nonfinite": "skip"}, "nonfinite")):
