@@ -226,7 +226,7 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
     backward over the microbatches, the optimizer, and the loss of the global batch (a
     float from a room's schedule, else a tensor not yet read from the device)."""
     for part in rt.parts:
-        done = part.run_step(rt, opt, batch, *red.room_args(part, loss_fn))
+        done = part.run_step(rt, opt, batch, *red.room_args(part, loss_fn, fused))
         if done is not None:
             return done
     scaler = getattr(opt, "scaler", None)
@@ -263,7 +263,7 @@ def _evaluate(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"
     schedule), or the forward and loss of every microbatch under ``no_grad``; the loss of
     the global batch as ``_run`` returns it."""
     for part in rt.parts:
-        done = part.evaluate(rt, batch, *red.room_args(part, loss_fn))
+        done = part.evaluate(rt, batch, *red.room_args(part, loss_fn, fused))
         if done is not None:
             return done
     total = None
@@ -369,16 +369,19 @@ class _Reduce:
             return mean
         return mean * _labelled(mb).clamp(min=1).to(mean.dtype)
 
-    def room_args(self, part, loss_fn) -> tuple:
+    def room_args(self, part, loss_fn, fused: bool = False) -> tuple:
         """The loss a room that runs the step itself (the pipeline's schedule) runs on
         each microbatch, and this reduction, which it weighs those losses by
         (``PipelinePart._weigh``): the caller's loss, or the default one as this reduction
-        wants it (one function of each kind: the schedule is built once per loss
-        function). Any other room's ``run_step`` takes the loss alone."""
+        wants it, through the fused head where ``fuse('loss')`` routed it (one function
+        of each kind: the schedule is built once per loss function). Any other room's
+        ``run_step`` takes the loss alone."""
         if not part.runs_step:
             return (loss_fn or _default_loss,)
         if loss_fn is None:
-            loss_fn = _default_loss if self.reduction == "mean" else _default_sum
+            mean = self.reduction == "mean"
+            loss_fn = (_fused_head_mean if mean else _fused_head_sum) if fused else \
+                (_default_loss if mean else _default_sum)
         return (loss_fn, self)
 
 
@@ -407,6 +410,23 @@ def _default_sum(out, batch):
     ``'tokens'``, under a room that runs the step itself)."""
     mean = _loss(None, out, batch)
     return mean * _labelled(batch).clamp(min=1).to(mean.dtype)
+
+
+def _fused_head_mean(head, hidden, batch):
+    """The default loss through a fused head (``fuse('loss')``) on a pipeline's last stage,
+    which hands over its final hidden states: the mean over the labelled tokens."""
+    from ..transforms.fuse import head_loss
+
+    return head_loss(head, hidden, batch.get("labels", batch["input_ids"]))
+
+
+def _fused_head_sum(head, hidden, batch):
+    """``_fused_head_mean`` as a sum over the microbatch's labelled tokens."""
+    mean = _fused_head_mean(head, hidden, batch)
+    return mean * _labelled(batch).clamp(min=1).to(mean.dtype)
+
+
+_fused_head_mean.runs_head = _fused_head_sum.runs_head = True
 
 
 @contextlib.contextmanager

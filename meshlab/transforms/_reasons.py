@@ -55,10 +55,6 @@ _STEP_SCALE = not_yet("each parameter is updated before the global gradient norm
                       "overflow) is known", "step_in_backward() with precision('fp16')'s "
                       "loss scaling: each parameter is updated before the global gradient "
                       "norm is known; leave one of them out", AT_OPTIMIZER)
-_FUSE_LOSS_PIPE = not_yet("the last stage's loss comes from the schedule's loss_fn on "
-                          "logits", "fuse('loss') with pipeline(): the last stage's loss "
-                          "comes from the schedule's loss_fn on logits; leave 'loss' out of "
-                          "fuse()")
 _TWO_SEQ = not_yet("Ulysses over one axis with ring attention over another (2-D sequence "
                    "parallelism) is not yet supported; one sequence() per spec")
 _SEQ_SG = "spelled shard(..., Rules(seq=<tp axis>)) | sequence(axis, mode): two sequence() " \

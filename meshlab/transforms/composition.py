@@ -114,7 +114,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
 from ._reasons import (_DTYPE, _FP8_NO, _FP8_TP,
-                       _FUSE_LOSS_PIPE, _OFF_PARAMS, _ORDER,
+                       _OFF_PARAMS, _ORDER,
                        _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE, _TWO_SEQ,
                        _ZERO)
 
@@ -308,7 +308,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("pipeline", "precision(loss_scale)", _t(f"{_FP16}[pp_fp16]")),
     ("pipeline", "fuse", _t(f"{_PIPE}::test_pp2_fused_ops")),
     ("pipeline", "fuse('attention')", _t(f"{_PIPE}::test_pp2_fused_ops")),
-    ("fuse('loss')", "pipeline", _FUSE_LOSS_PIPE),
+    ("fuse('loss')", "pipeline", _shown("fuse('loss')", "pipeline")),
     ("compile_blocks", "pipeline", _shown("compile_blocks", "pipeline")),
     ("step_in_backward", "pipeline", _STEP),
     *_trained("pipeline", "remat precision('fp32') precision(reduce='bf16') "

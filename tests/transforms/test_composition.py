@@ -134,11 +134,12 @@ def test_each_pair_plans_as_its_cell_says(row):
 
 def test_a_refusal_names_its_cell_and_the_page():
     with pytest.raises(ml.ConfigError) as e:
-        ml.plan(M.build("llama"), ml.pipeline("pp") | ml.fuse("loss"), ml.Mesh(pp=2, fake=True))
-    assert str(e.value) == ("fuse('loss') with pipeline(): the last stage's loss comes from "
-                            "the schedule's loss_fn on logits; leave 'loss' out of fuse() "
-                            "(composition table: fuse('loss') x pipeline: not yet; see "
-                            "docs/composition.md)")
+        ml.plan(M.build("llama"), ml.sequence("sp", "all_to_all") | ml.sequence("cp", "ring"),
+                ml.Mesh(sp=2, cp=2, fake=True))
+    assert str(e.value).endswith(
+        "Ulysses over one axis with ring attention over another (2-D sequence parallelism) "
+        "is not yet supported; one sequence() per spec (composition table: "
+        "sequence('all_to_all') x sequence('ring'): not yet; see docs/composition.md)")
 
 
 def test_a_refusal_over_several_data_ranks_is_none_on_one():

@@ -349,6 +349,19 @@ def fused_loss_of(model: nn.Module) -> bool:
     return getattr(model, "_meshlab_fused_loss", False)
 
 
+def head_loss(head: nn.Module, hidden_states: Tensor, labels: Tensor,
+              ignore_index: int = -100) -> Tensor:
+    """The causal-LM loss of ``labels`` through a routed output ``head`` on the final hidden
+    states (after the last norm): what the head returns inside :func:`fused_labels`. A
+    pipeline's last stage hands its hidden states to the loss this way, the head's weight
+    taking its gradient from the loss's backward."""
+    if getattr(head, "_meshlab_linear_forward", None) is None:
+        raise ConfigError(f"{type(head).__name__} is not a fused output head; route it with "
+                          f"fuse('loss') first")
+    with fused_labels(labels, ignore_index):
+        return head(hidden_states)
+
+
 def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
     """Next-token loss of ``model`` on ``batch`` (``input_ids``, optional ``labels``,
     other model inputs) through the fused head: ``batch['labels']`` (or ``input_ids``)
@@ -447,6 +460,12 @@ def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:
     is found and probed (:func:`check`) before any is installed.
     """
     ops = _op_names(ops)
+    get = getattr(model, "get_output_embeddings", None)
+    if "loss" in ops and getattr(get() if get is not None else None, "_meshlab_elsewhere", False):
+        # a pipeline rank without the last stage: its head runs elsewhere, the loss is
+        # still fused (every rank's step takes the fused loss's path)
+        ops = tuple(op for op in ops if op != "loss")
+        model._meshlab_fused_loss = True
     found = {op: _find(model, op) for op in ops}
     report = FuseReport({op: _ROUTES[op][1](model, found[op]) for op in ops})
     if "rms_norm" in ops:

@@ -51,10 +51,10 @@ class PipelineSetup:
         prune(model, self.kept)
         base = getattr(model, model.base_model_prefix)
         if not self.first:
-            base.embed_tokens = nn.Module()
+            base.embed_tokens = _elsewhere()
         if not self.last:
-            base.norm = nn.Module()
-            model.lm_head = nn.Module()
+            base.norm = _elsewhere()
+            model.lm_head = _elsewhere()
 
     def build(self, ctx) -> "PipelinePart":
         from torch.distributed.pipelining import PipelineStage
@@ -152,6 +152,14 @@ def _pipeline_batch(batch, microbatches: int):
     return x, target
 
 
+def _elsewhere() -> nn.Module:
+    """The stand-in for a part of the model another stage runs (``_meshlab_elsewhere``: a
+    room installed later, such as ``fuse('loss')``, leaves it be)."""
+    m = nn.Module()
+    m._meshlab_elsewhere = True
+    return m
+
+
 @dataclasses.dataclass
 class PipelinePart(Part):
     """Runs the step through the schedule; the gradient norm is summed over the stages."""
@@ -192,7 +200,17 @@ class PipelinePart(Part):
             # schedule instead, including gradients accumulated before this call (a second
             # call without zero_grad would hold g2 + g1 / m).
             def stage_loss(out, index):
-                loss = loss_fn(out, microbatch(self._feed, index))
+                mb = microbatch(self._feed, index)
+                # a fused loss: the last stage ends at the norm, the loss runs its head
+                if getattr(loss_fn, "runs_head", False):
+                    loss = loss_fn(self._head(), out, mb)
+                elif getattr(self._head(), "_meshlab_linear_forward", None) is not None:
+                    raise ConfigError(
+                        "this model's loss is fused (fuse('loss')): its last stage hands the "
+                        "final hidden states to the fused head, not logits, so a loss "
+                        "function cannot run on them; leave 'loss' out of fuse() to pass one")
+                else:
+                    loss = loss_fn(out, mb)
                 return loss * (self._scale * self._weight)
 
             sched = _PipelineScheduleRuntime(self.stages, m,
@@ -202,6 +220,10 @@ class PipelinePart(Part):
                 self.t.schedule, self.group.size(), self.t.microbatches, self.t.v))
             self._schedules[key] = sched
         return self._schedules[key]
+
+    def _head(self) -> nn.Module:
+        """The output head of the last stage, which this rank runs when it computes a loss."""
+        return next(st.submod for st in self.stages if st.is_last).head
 
     def run_step(self, rt, opt, batch, loss_fn, reduction=None) -> float:
         """The schedule runs the microbatches; the loss comes from the last stage."""

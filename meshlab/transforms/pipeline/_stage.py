@@ -104,7 +104,11 @@ class DecoderStage(nn.Module):
                                       position_embeddings=pe)
             h = out[0] if isinstance(out, tuple) else out
         if self.last:
-            h = self.head(self.norm(h))                         # (B, S, V)
+            h = self.norm(h)
+            # a fused loss (fuse('loss')) takes the hidden states and the head together:
+            # the schedule's loss runs the head (``runs_head``), the logits never exist
+            if not getattr(model, "_meshlab_fused_loss", False):
+                h = self.head(h)                                # (B, S, V)
         return h
 
 

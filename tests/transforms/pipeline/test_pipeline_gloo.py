@@ -26,8 +26,8 @@ def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=
         spec = spec | ml.zero_shard(int(extra[-1]), "dp")
     elif extra == "tp":
         spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | spec
-    elif extra == "fuse":
-        spec = spec | ml.fuse("rms_norm", "rotary", "attention")
+    elif extra == "fuse":                  # every op, the loss on the last stage's head
+        spec = spec | ml.fuse()
     model = ml.parallelize(M.build(family, **LAYERS), spec, mesh, seed=0)
     opt = ml.optimizer(model, torch.optim.AdamW, lr=lr)
     rt = model._meshlab
@@ -36,13 +36,13 @@ def pp_case(rank, world, schedule, mesh_text, extra=None, microbatches=4, steps=
 
     _build.LAST_PATH.clear()
     losses = [ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[dp_rank]}) for b in data]
+    ran = {op for op, _ in _build.LAST_PATH}
     if extra == "fuse":                  # the stage really ran meshlab's ops
-        ran = {op for op, _ in _build.LAST_PATH}
         assert {"rms_norm", "rotary", "attention", "attention_backward"} <= ran, ran
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses),
                                atol=1e-5, rtol=1e-3)
     owned = M.assert_weights_match(model, ref)
-    return losses, sorted(owned), len(dict(ref.named_parameters()))
+    return losses, sorted(owned), len(dict(ref.named_parameters())), sorted(ran)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zero_bubble", "zbv"])
@@ -52,9 +52,38 @@ def test_pp2(world2, schedule):
 
 
 def test_pp2_fused_ops(world2):
-    """fuse() inside pipeline stages: each stage's norms, rotary and attention on meshlab's ops."""
+    """fuse() inside pipeline stages: each stage's norms, rotary and attention on meshlab's
+    ops, and the last stage's loss through the fused head (its hidden states and the head's
+    weight into ``meshlab::linear_cross_entropy``, the logits never made)."""
     out = world2.run(pp_case, schedule="1f1b", mesh_text="pp=2", extra="fuse")
     _check_disjoint(out)
+    assert "linear_cross_entropy" not in out[0][3] and "linear_cross_entropy" in out[1][3]
+
+
+def fused_loss_refusal_case(rank, world):
+    """A loss function of the caller's cannot run on a fused-loss pipeline's last stage
+    (it would get hidden states where it expects logits): every rank raises, the first
+    stage's too."""
+    import meshlab as ml
+    from meshlab.transforms._install import runtime_of
+    from meshlab.transforms.pipeline._runtime import PipelinePart
+
+    model = ml.parallelize(M.build("llama", **LAYERS), ml.pipeline("pp") | ml.fuse("loss"),
+                           ml.Mesh(pp=world), seed=0)
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    ids = M.batches(1, batch=8)[0]
+    with pytest.raises(ml.ConfigError, match="this model's loss is fused"):
+        ml.step(model, opt, {"input_ids": ids}, loss_fn=M.loss_fn("llama"))
+    rt = runtime_of(model)
+    with pytest.raises(ml.MeshlabError) as e:
+        rt.part(PipelinePart).forward_backward(rt, {"input_ids": ids}, M.loss_fn("llama"))
+    return type(e.value).__name__, str(e.value)
+
+
+def test_a_callers_loss_on_a_fused_loss_pipeline_is_refused_on_every_rank(world2):
+    out = world2.run(fused_loss_refusal_case)
+    assert out[1][0] == "ConfigError" and "leave 'loss' out of fuse()" in out[1][1]
+    assert out[0][0] == "PeerError", out[0]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
