@@ -70,6 +70,12 @@ class Fuse(Transform):
         why = next((refused[op] for op in self.ops if op in refused), None)
         if why is not None:
             raise ConfigError(why)
+        if "loss" in self.ops and any(r.kind == "pipeline" and r.blocks is not None
+                                      for r in plan.rooms):
+            raise ConfigError("fuse('loss') with pipeline(blocks=...): the fused loss runs on "
+                              "the last stage of a Hugging Face decoder's pipeline (its final "
+                              "norm, then the head); a model whose blocks are declared ends "
+                              "its last stage in its own code, so leave 'loss' out of fuse()")
         head, tp = plan.model.head, plan.roles.tp
         if "loss" in self.ops and head is not None and tp is not None and any(
                 e.module == head and tp in e.mesh_spec.axes for e in plan.params):

@@ -285,8 +285,15 @@ def _fully_shard(t, ctx, roots: list) -> None:
         fully_shard(mods[b], **kw, **policy(b))
 
     data = ctx.group(*(t.replicate + t.axis))
+    # A fused loss on a pipeline's last stage runs the head after the stage's forward has
+    # returned (the schedule's loss), where the root's weights are resharded again: the
+    # head is a unit of its own there, gathered when the loss calls it.
+    fused_head = any(r.kind == "fuse" and "loss" in r.ops for r in ctx.plan.rooms)
 
     def root(module) -> None:
+        head = getattr(module, "head", None)
+        if fused_head and isinstance(head, torch.nn.Linear):
+            fully_shard(head, **kw, **policy(""))
         fully_shard(module, **kw, **policy(""))
         module._meshlab_unused = UnusedGrads(module, data, ctx.device)
         roots.append(module)

@@ -166,3 +166,12 @@ def test_stages_are_balanced_by_compute_not_bytes():
         "pp", schedule="1f1b", microbatches=8, layers_per_stage=(7, 9, 9, 7)),
         ml.Mesh(pp=4, fake=True))
     assert replay.bubble(p, batch=8, seq=4096) < replay.bubble(even, batch=8, seq=4096)
+
+
+def test_a_fused_loss_with_declared_blocks_is_refused():
+    """The fused loss runs on a Hugging Face decoder's last stage (its final norm, then the
+    head); with declared blocks the last stage ends in the model's own code."""
+    with pytest.raises(ml.ConfigError, match=r"fuse\('loss'\) with pipeline\(blocks=\.\.\.\)"):
+        ml.plan(M.build("llama", num_hidden_layers=4),
+                ml.pipeline("pp", blocks="model.layers") | ml.fuse("loss"),
+                ml.Mesh(pp=2, fake=True))

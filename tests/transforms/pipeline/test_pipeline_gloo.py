@@ -201,6 +201,48 @@ def pp_zero_case(rank, world, stage, schedule, steps=3, lr=0.1):
         torch.set_default_dtype(torch.float32)
 
 
+def pp_fused_loss_zero_case(rank, world, stage, steps=2, lr=0.1):
+    """pipeline x zero_shard(stage) x fuse('loss') on pp=2, dp=2 against one process with the
+    same fused loss, SGD: the last stage's head is an FSDP2 unit of its own,
+    gathered when the schedule's loss calls it after the stage's forward (as the stage's
+    root it would be resharded by then under ZeRO-3)."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.transforms.fuse import causal_lm_loss, fuse_model
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        data = M.batches(steps, batch=8)
+        ref = ml.init_weights(M.build("llama", **LAYERS), seed=0)
+        fuse_model(ref, ("loss",))
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+        model = ml.parallelize(M.build("llama", **LAYERS),
+                               ml.pipeline("pp", microbatches=2) | ml.zero_shard(stage, "dp")
+                               | ml.fuse("loss"), ml.Mesh(pp=2, dp=2), seed=0)
+        dp_rank = dist.get_rank(model._meshlab.dp_group)
+        opt = ml.optimizer(model, torch.optim.SGD, lr=lr)
+        for b in data:
+            # the one process takes the mean of the same 4 microbatches (2 per data rank);
+            # the fused kernel computes in float32, hence float32's tolerance
+            want = sum(causal_lm_loss(ref, {"input_ids": m}) for m in b.chunk(4)) / 4
+            want.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            got = ml.step(model, opt, {"input_ids": b.chunk(2)[dp_rank]})
+            torch.testing.assert_close(got, want.item(), rtol=1e-6, atol=1e-7)
+            M.assert_weights_match(model, ref, atol=1e-6, rtol=1e-5)
+        return got
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pp2_zero_with_a_fused_loss_matches_one_process(world4, stage):
+    out = world4.run(pp_fused_loss_zero_case, stage=stage)
+    assert len(set(out)) == 1
+
+
 def _grads_match(model, want: dict) -> None:
     for n, p in model.named_parameters():
         torch.testing.assert_close(M.full(p.grad), want[n], rtol=1e-9, atol=1e-12,
