@@ -252,6 +252,7 @@ def _each(traced, cands, remats, cap, card, seq, example, bar):
     """``_search``'s loop; ``bar(n)`` advances the progress by ``n`` layouts, planned or
     refused, so it reaches its total."""
     from ..core.mesh import Mesh
+    from ..planning.rows import shared_rows
     from ..transforms import pipeline, remat, sequence, zero_shard
 
     tried, refused, why = [], 0, ""
@@ -276,15 +277,35 @@ def _each(traced, cands, remats, cap, card, seq, example, bar):
             refused += len(remats)
             why = why or f"{base.not_runnable[0]} (on {axes})"
             continue
-        for pol in remats:
-            bar(1)
-            p = base if pol == "none" else _with(base, remat(pol))
-            mem = p.memory(batch=per_dp, seq=seq, **example)
-            st = p.time(batch=per_dp, seq=seq, gpu=card, **example)
-            spec = " | ".join(repr(t) for t in p.options if t.kind != "shard") or "-"
-            tried.append(Layout(tuple(axes.items()), zero, pol, mb, mem.peak, mem.peak <= cap,
-                                st, spec))
+        # The rooms' memory rows and gradient reductions are computed once per mesh and
+        # read by every remat policy's memory, comm and time: remat changes neither
+        # (``_keeps_rows``).
+        with shared_rows() as shared:
+            for pol in remats:
+                bar(1)
+                p = base if pol == "none" else _with(base, remat(pol))
+                if p is not base and _keeps_rows(p.rooms, base.rooms):
+                    shared.same(p, base)
+                mem = p.memory(batch=per_dp, seq=seq, **example)
+                st = p.time(batch=per_dp, seq=seq, gpu=card, **example)
+                spec = " | ".join(repr(t) for t in p.options if t.kind != "shard") or "-"
+                tried.append(Layout(tuple(axes.items()), zero, pol, mb, mem.peak,
+                                    mem.peak <= cap, st, spec))
     return tried, refused, why
+
+
+def _keeps_rows(rooms, base_rooms) -> bool:
+    """Whether a plan with ``rooms`` keeps the memory rows and gradient reductions of one
+    with ``base_rooms``: the rooms it adds are remat's, which leaves both as they are (its
+    ``memory`` and ``reductions`` are the protocol's, and no other room's reads it)."""
+    from ..transforms import Remat
+    from ..transforms._protocol import Transform
+
+    kept = [t for t in rooms if any(t is b for b in base_rooms)]
+    added = [t for t in rooms if not any(t is b for b in base_rooms)]
+    return len(kept) == len(base_rooms) and \
+        all(type(t) is Remat and type(t).memory is Transform.memory and
+            type(t).reductions is Transform.reductions for t in added)
 
 
 def _with(plan, t):

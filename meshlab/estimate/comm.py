@@ -153,12 +153,14 @@ def grad_sync_ops(plan, coord) -> list[CommOp]:
     from ..transforms._gradsync import bucket_mb, layout, plan_reductions, reduce_dtype, routes
 
     sizes = plan.mesh_shape
-    from ..planning.rows import rank_params
+    from ..planning.rows import alike, rank_params
 
     items = [(e.fqn, math.prod(local_shape(e.shape, e.mesh_spec, sizes, coord)), e.dtype,
               dtype_bytes(e.dtype)) for e in rank_params(plan, coord)
              if e.tied_to is None and e.requires_grad]
-    route_of = routes(plan_reductions(plan), sizes, [i[0] for i in items])
+    # Inside advise's search, a layout with remat added reduces as the one without it
+    # does (``planning.rows.alike``), whose reductions its check has already laid out.
+    route_of = routes(plan_reductions(alike(plan)), sizes, [i[0] for i in items])
     narrow = reduce_dtype(plan)       # precision(reduce=...): the data axes' buckets
 
     def nbytes(route, dt) -> int:

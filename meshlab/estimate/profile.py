@@ -74,8 +74,9 @@ class Work:
     graphs: int = 0        # CUDA graph replays (one host call each)
 
     def __add__(self, o: "Work") -> "Work":
-        return Work(*(a + b for a, b in zip(dataclasses.astuple(self),
-                                             dataclasses.astuple(o))))
+        # Field by field by name: ``dataclasses.astuple`` deep-copies each value, and the
+        # profile adds one Work per op it sees.
+        return Work(*[getattr(self, f) + getattr(o, f) for f in _FIELDS])
 
     def scale(self, k: float, ops: float | None = None) -> "Work":
         """Work ``k`` times over (op counts ``ops`` times over, when given)."""
@@ -85,6 +86,7 @@ class Work:
 
 
 _COUNTS = ("ops", "hooked", "fused", "hooked_fused", "replayed", "graphs")  # op counts
+_FIELDS = tuple(f.name for f in dataclasses.fields(Work))                  # in order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +177,13 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         self.t = 0
         self.phase = "fwd"
         self.work: dict = {}
-        self.snapshots: list[tuple[int, tuple[int, ...]]] = []
+        # The storages not yet seen freed, in the order they were made (a subset of
+        # ``made``): a storage once freed stays freed, so each moment's scan for what is
+        # alive looks only at these, dropping those it finds freed.
+        self.alive: dict[int, int] = {}     # cdata -> bytes
+        # The first moment with the most bytes alive: (t, its storages), and those bytes.
+        self.peak: tuple[int, tuple[int, ...]] | None = None
+        self.peak_bytes = 0
 
     def _module(self) -> str:
         names = [n for n in self.tracker.parents if n != "Global"]
@@ -206,6 +214,7 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
                 self.made[k] = [StorageWeakRef(st), st.nbytes(), mod, str(func.overloadpacket
                                                                           .__name__),
                                 dtype_name(o.dtype), tuple(o.shape), self.t, []]
+                self.alive[k] = st.nbytes()
                 new += st.nbytes()
         if not self.count:
             return out
@@ -234,9 +243,22 @@ class _Recorder(torch.utils._python_dispatch.TorchDispatchMode):
         self._add("work", Work(flops, moved, kernel,
                                fused=kernel if getattr(func, "namespace", "") == "meshlab" else 0))
         self.t += 1
-        self.snapshots.append((self.t, tuple(k for k, v in self.made.items()
-                                             if not v[0].expired())))
+        self._snapshot()
         return out
+
+    def _snapshot(self) -> None:
+        """Record this moment if more bytes are alive than at every moment before it."""
+        made, keys, total, gone = self.made, [], 0, []
+        for k, n in self.alive.items():
+            if made[k][0].expired():
+                gone.append(k)
+            else:
+                keys.append(k)
+                total += n
+        for k in gone:
+            del self.alive[k]
+        if self.peak is None or total > self.peak_bytes:
+            self.peak, self.peak_bytes = (self.t, tuple(keys)), total
 
     _block = ""
     _embed = ""
@@ -388,8 +410,7 @@ def _run(model: nn.Module, block: str, batch: int, seq: int, step, contexts) -> 
         grads = {p.grad.untyped_storage()._cdata: n for n, p in params.items()
                  if p.grad is not None}
         # The peak: the moment the most bytes are alive (gradients included).
-        best = max(rec.snapshots, key=lambda s: sum(rec.made[k][1] for k in s[1]),
-                   default=(0, ()))
+        best = rec.peak or (0, ())
         for h in ends.pop("hooks"):
             h.remove()
         hidden = ends.pop("shape", ())

@@ -9,6 +9,8 @@ estimators that add them up (``meshlab.estimate``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -87,8 +89,65 @@ def base_rows(plan, n_states: int) -> list[MemRow]:
     return rows
 
 
+class SharedRows:
+    """The answers ``room_rows`` gives inside one ``shared_rows()`` block."""
+
+    def __init__(self) -> None:
+        # (id(plan), n_states, id(until)) -> (plan, until, rows); the plan and ``until``
+        # are kept so that their ids stay theirs while the block runs.
+        self.rows: dict = {}
+        self.alike: dict = {}          # id(plan) -> (plan, the plan it reads the rows of)
+
+    def same(self, plan, like) -> None:
+        """``plan`` answers with the rows and gradient reductions of ``like``
+        (``room_rows``, ``alike``): for a ``plan`` that is ``like`` with rooms added that
+        keep every room's rows and reductions as they are (``remat``, which changes what
+        the step saves, not what a rank keeps between steps or how it reduces them)."""
+        self.alike[id(plan)] = (plan, like)
+
+
+_SHARED: contextvars.ContextVar[SharedRows | None] = contextvars.ContextVar(
+    "meshlab_room_rows", default=None)
+
+
+@contextlib.contextmanager
+def shared_rows():
+    """Inside the block, ``room_rows`` computes the rows of a plan object once and answers
+    the same plan again from that first answer (``plan.memory`` and ``plan.time`` both
+    read them: ``advise`` asks both of each layout). A plan is an immutable value, so its
+    rows cannot change while the block runs; the answers are dropped when it ends.
+    Yields the ``SharedRows``, whose ``same`` says which plans have another's rows."""
+    shared = SharedRows()
+    token = _SHARED.set(shared)
+    try:
+        yield shared
+    finally:
+        _SHARED.reset(token)
+
+
+def alike(plan):
+    """The plan whose rows and gradient reductions ``plan`` has (``SharedRows.same``):
+    inside ``shared_rows()`` the one it was declared the same as, else ``plan``."""
+    shared = _SHARED.get()
+    got = shared.alike.get(id(plan)) if shared is not None else None
+    return got[1] if got is not None and got[0] is plan else plan
+
+
 def room_rows(plan, n_states: int = 2, *, until=None) -> list[MemRow]:
-    """The rows after every room's ``memory`` (or those before room ``until``)."""
+    """The rows after every room's ``memory`` (or those before room ``until``); inside
+    ``shared_rows()``, computed once per plan object."""
+    shared = _SHARED.get()
+    if shared is None:
+        return _room_rows(plan, n_states, until)
+    plan = alike(plan)
+    key = (id(plan), n_states, id(until))
+    hit = shared.rows.get(key)
+    if hit is None or hit[0] is not plan or hit[1] is not until:
+        hit = shared.rows[key] = (plan, until, tuple(_room_rows(plan, n_states, until)))
+    return list(hit[2])
+
+
+def _room_rows(plan, n_states: int, until) -> list[MemRow]:
     rows = base_rows(plan, n_states)
     for t in plan.rooms:
         if t is until:

@@ -314,6 +314,31 @@ def test_saved_counter_matches_the_profile_on_one_process():
         assert abs(want / got - 1) < 0.02, (family, got, want)
 
 
+def test_advise_shares_rows_across_remat_policies_without_changing_them(monkeypatch):
+    """advise computes each mesh's memory rows and gradient reductions once, for every
+    remat policy and for both memory and time: every layout it returns is the one it
+    returns when each plan computes its own."""
+    import contextlib
+
+    from meshlab.planning import rows
+
+    def layouts(a):
+        return [(t.mesh, t.zero, t.remat, t.microbatches, t.peak, t.fits, t.step, t.spec)
+                for t in a.tried]
+
+    m = _llama(**SMALL)
+    shared = layouts(ml.advise(m, gpus=8, batch=8, seq=256))
+
+    class Apart:
+        def same(self, plan, like):
+            pass
+
+    monkeypatch.setattr(rows, "shared_rows", lambda: contextlib.nullcontext(Apart()))
+    alone = layouts(ml.advise(m, gpus=8, batch=8, seq=256))
+    assert shared == alone and {t[2] for t in shared} == {"none", "selective", "full"}
+    assert len({t[0] for t in shared}) > 1
+
+
 def test_advise_searches_sequence_parallelism_for_long_sequences():
     a = ml.advise(_llama(), gpus=16, batch=4, seq=32768)
     sps = {dict(t.mesh).get("sp", 1) for t in a.tried}
