@@ -182,9 +182,16 @@ def _row(kind: str) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
 
+ROWS = ("dense", "moe_hf", "moe_hf_compile", "moe_meshlab", "moe_meshlab_fused",
+        "moe_meshlab_compile", "moe_meshlab_fused_torch_adamw", "moe_hf_best", "moe_meshlab_best")
+
+
 def main() -> None:
+    """``--only a,b``: those model rows alone (no block rows), for a short run."""
     import torch.distributed as dist
     import transformers
+
+    only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29641")
@@ -193,11 +200,8 @@ def main() -> None:
            "transformers": transformers.__version__,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "method": "CUDA events, median of 20 (block) / 10 (model) after 3 warm-ups; bf16",
-           "block": {f"E{E}": block(E) for E in (8, 64)},
-           "model": {k: _row(k) for k in ("dense", "moe_hf", "moe_hf_compile", "moe_meshlab",
-                                          "moe_meshlab_fused", "moe_meshlab_compile",
-                                          "moe_meshlab_fused_torch_adamw", "moe_hf_best",
-                                          "moe_meshlab_best")}}
+           "block": {f"E{E}": block(E) for E in (8, 64)} if not only else {},
+           "model": {k: _row(k) for k in ROWS if not only or k in only}}
     best = out["model"]
     if all("tokens_per_s" in best[k] for k in ("moe_hf_best", "moe_meshlab_best")):
         out["meshlab_best_vs_hf_best"] = (best["moe_meshlab_best"]["tokens_per_s"]
