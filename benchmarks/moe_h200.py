@@ -203,7 +203,7 @@ def main() -> None:
            "block": {f"E{E}": block(E) for E in (8, 64)} if not only else {},
            "model": {k: _row(k) for k in ROWS if not only or k in only}}
     best = out["model"]
-    if all("tokens_per_s" in best[k] for k in ("moe_hf_best", "moe_meshlab_best")):
+    if all("tokens_per_s" in best.get(k, {}) for k in ("moe_hf_best", "moe_meshlab_best")):
         out["meshlab_best_vs_hf_best"] = (best["moe_meshlab_best"]["tokens_per_s"]
                                           / best["moe_hf_best"]["tokens_per_s"])
     copy = sys.argv[sys.argv.index("--copy-to") + 1] if "--copy-to" in sys.argv else None
