@@ -207,7 +207,7 @@ def main() -> None:
         out["meshlab_best_vs_hf_best"] = (best["moe_meshlab_best"]["tokens_per_s"]
                                           / best["moe_hf_best"]["tokens_per_s"])
     copy = sys.argv[sys.argv.index("--copy-to") + 1] if "--copy-to" in sys.argv else None
-    print(_results.write("moe", out["card"], out, copy))
+    print(_results.write("moe_rows" if only else "moe", out["card"], out, copy))
 
 
 if __name__ == "__main__":
