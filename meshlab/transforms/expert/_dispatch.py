@@ -125,11 +125,14 @@ class _Local:
     implementation reads come from the module unless overridden here."""
 
     def __init__(self, module: nn.Module, **overrides):
-        self.__dict__["_module"] = module
-        self.__dict__.update(overrides)
+        # attribute by attribute: a compiled block traces this (dynamo of torch 2.11
+        # cannot trace ``self.__dict__.update``)
+        self._module = module
+        for name, value in overrides.items():
+            setattr(self, name, value)
 
-    def __getattr__(self, name):
-        return getattr(self.__dict__["_module"], name)
+    def __getattr__(self, name):          # only for names not set above
+        return getattr(self._module, name)
 
 
 def _local_weights(module: nn.Module, n: int) -> dict:
