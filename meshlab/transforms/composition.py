@@ -22,7 +22,7 @@ cells in a ``composition`` class attribute (``{row: Cell}``); a row it names no 
 is ``not yet``. ``docs/composition.md`` is ``page()``; ``scripts/composition_matrix.py``
 measures the table against ``meshlab.plan``.
 
->>> cell("fuse('loss')", "pipeline").describe()
+>>> cell("sequence('all_to_all')", "sequence('ring')").describe()
 'not yet (plan raises ConfigError)'
 """
 

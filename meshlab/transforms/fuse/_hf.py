@@ -62,6 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
+from .._head import fused_loss_of as fused_loss_of, is_elsewhere, mark_fused_loss
 from ._residual import (_bare_linear, _is_dtensor, norm_eps, norm_rule, probe_close, route_layers,
                         set_norm_rule)
 from ._rotary import _find_rotary, _route_rotary
@@ -340,13 +341,8 @@ def _route_loss(model: nn.Module, found) -> list[str]:
     if getattr(head, "_meshlab_linear_forward", None) is None:
         head._meshlab_linear_forward = head.forward
         head.forward = types.MethodType(_fused_head_forward, head)
-    model._meshlab_fused_loss = True
+    mark_fused_loss(model)
     return [name]
-
-
-def fused_loss_of(model: nn.Module) -> bool:
-    """Whether ``model``'s head returns the causal-LM loss (``fuse('loss')`` routed it)."""
-    return getattr(model, "_meshlab_fused_loss", False)
 
 
 def head_loss(head: nn.Module, hidden_states: Tensor, labels: Tensor,
@@ -461,11 +457,11 @@ def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:
     """
     ops = _op_names(ops)
     get = getattr(model, "get_output_embeddings", None)
-    if "loss" in ops and getattr(get() if get is not None else None, "_meshlab_elsewhere", False):
+    if "loss" in ops and is_elsewhere(get() if get is not None else None):
         # a pipeline rank without the last stage: its head runs elsewhere, the loss is
         # still fused (every rank's step takes the fused loss's path)
         ops = tuple(op for op in ops if op != "loss")
-        model._meshlab_fused_loss = True
+        mark_fused_loss(model)
     found = {op: _find(model, op) for op in ops}
     report = FuseReport({op: _ROUTES[op][1](model, found[op]) for op in ops})
     if "rms_norm" in ops:

@@ -14,6 +14,7 @@ from torch import nn
 from ...core.agree import agree, alone
 from ...core.digest import batch_entry, data_coords
 from ...core.errors import ConfigError
+from .._head import elsewhere, fused_loss_of
 from .._install import StageRoots
 from .._protocol import Part
 from ._feed import Feed, decoder_feed, microbatch, own_feed, signature_of
@@ -51,10 +52,10 @@ class PipelineSetup:
         prune(model, self.kept)
         base = getattr(model, model.base_model_prefix)
         if not self.first:
-            base.embed_tokens = _elsewhere()
+            base.embed_tokens = elsewhere()
         if not self.last:
-            base.norm = _elsewhere()
-            model.lm_head = _elsewhere()
+            base.norm = elsewhere()
+            model.lm_head = elsewhere()
 
     def build(self, ctx) -> "PipelinePart":
         from torch.distributed.pipelining import PipelineStage
@@ -152,14 +153,6 @@ def _pipeline_batch(batch, microbatches: int):
     return x, target
 
 
-def _elsewhere() -> nn.Module:
-    """The stand-in for a part of the model another stage runs (``_meshlab_elsewhere``: a
-    room installed later, such as ``fuse('loss')``, leaves it be)."""
-    m = nn.Module()
-    m._meshlab_elsewhere = True
-    return m
-
-
 @dataclasses.dataclass
 class PipelinePart(Part):
     """Runs the step through the schedule; the gradient norm is summed over the stages."""
@@ -202,9 +195,10 @@ class PipelinePart(Part):
             def stage_loss(out, index):
                 mb = microbatch(self._feed, index)
                 # a fused loss: the last stage ends at the norm, the loss runs its head
+                last = next(st.submod for st in self.stages if st.is_last)
                 if getattr(loss_fn, "runs_head", False):
-                    loss = loss_fn(self._head(), out, mb)
-                elif getattr(self._head(), "_meshlab_linear_forward", None) is not None:
+                    loss = loss_fn(last.head, out, mb)
+                elif isinstance(last, DecoderStage) and fused_loss_of(last._model[0]):
                     raise ConfigError(
                         "this model's loss is fused (fuse('loss')): its last stage hands the "
                         "final hidden states to the fused head, not logits, so a loss "
@@ -220,10 +214,6 @@ class PipelinePart(Part):
                 self.t.schedule, self.group.size(), self.t.microbatches, self.t.v))
             self._schedules[key] = sched
         return self._schedules[key]
-
-    def _head(self) -> nn.Module:
-        """The output head of the last stage, which this rank runs when it computes a loss."""
-        return next(st.submod for st in self.stages if st.is_last).head
 
     def run_step(self, rt, opt, batch, loss_fn, reduction=None) -> float:
         """The schedule runs the microbatches; the loss comes from the last stage."""

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ...core.errors import ConfigError
+from .._head import fused_loss_of
 from ._guard import stand_in
 
 
@@ -107,7 +108,7 @@ class DecoderStage(nn.Module):
             h = self.norm(h)
             # a fused loss (fuse('loss')) takes the hidden states and the head together:
             # the schedule's loss runs the head (``runs_head``), the logits never exist
-            if not getattr(model, "_meshlab_fused_loss", False):
+            if not fused_loss_of(model):
                 h = self.head(h)                                # (B, S, V)
         return h
 

@@ -1,0 +1,34 @@
+"""What the pipeline and ``fuse('loss')`` tell each other about a model's output head.
+
+A pipeline rank without the last stage holds stand-ins for the parts other stages run
+(``elsewhere``): ``fuse('loss')`` leaves those be. A model whose head returns the causal-LM
+loss (``fuse('loss')`` routed it) is marked so (``mark_fused_loss``): the step then takes
+the fused loss's path on every rank, and a pipeline's last stage ends at the final norm,
+handing its hidden states to that loss. Both rooms read the marks through these functions.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def elsewhere() -> nn.Module:
+    """A stand-in for a part of the model another pipeline stage runs."""
+    m = nn.Module()
+    m._meshlab_elsewhere = True
+    return m
+
+
+def is_elsewhere(module) -> bool:
+    """Whether ``module`` stands in for a part another pipeline stage runs."""
+    return getattr(module, "_meshlab_elsewhere", False)
+
+
+def mark_fused_loss(model: nn.Module) -> None:
+    """``model``'s head returns the causal-LM loss (where this rank holds it)."""
+    model._meshlab_fused_loss = True
+
+
+def fused_loss_of(model: nn.Module) -> bool:
+    """Whether ``model``'s head returns the causal-LM loss (``fuse('loss')`` routed it)."""
+    return getattr(model, "_meshlab_fused_loss", False)
