@@ -7,8 +7,9 @@ two ranks where the pair holds no data axis and the mesh stays within 4 ranks). 
 ``meshlab.verify``: two steps of the layout and of its reference side by side on every
 rank, then the loss of each step, every parameter's gradient and weight after each step,
 and the starting weights, against the reference within the tolerance of the cell's rows.
-``step_in_backward`` runs on a mesh of one rank, as its room requires. One gloo world per
-world size serves the whole module.
+``step_in_backward`` runs on a mesh of one rank (beside ``zero_shard(3)``, on its data
+ranks), as its room requires. One gloo world per
+world size serves 40 cases at a time (``_Worlds``).
 
 References and tolerances, by the rows of the cell (``_setting``):
 
@@ -210,15 +211,40 @@ def cell_case(rank, world, a, b, label):
     return report.ok, str(report)
 
 
+class _Worlds:
+    """One gloo world per world size, started afresh every ``RUNS`` cases: a world that
+    ran a few dozen cases runs the later ones several times slower (measured: a compiled
+    block's case at 3.5 s in a fresh world, 59 s after the module's other 300 cases), and a
+    world starts in about a second."""
+
+    RUNS = 40
+
+    def __init__(self):
+        self.worlds: dict[int, tuple[World, int]] = {}
+
+    def get(self, n: int) -> World:
+        w, runs = self.worlds.get(n, (None, 0))
+        if w is None or runs >= self.RUNS:
+            if w is not None:
+                w.close()
+            w, runs = World(n), 0
+        self.worlds[n] = (w, runs + 1)
+        return w
+
+    def close(self) -> None:
+        for w, _ in self.worlds.values():
+            w.close()
+
+
 @pytest.fixture(scope="module")
-def world1():
-    w = World(1)
+def worlds():
+    w = _Worlds()
     yield w
     w.close()
 
 
 @pytest.mark.parametrize("a,b", CELLS, ids=[f"{_slug(a)}-{_slug(b)}" for a, b in CELLS])
-def test_cell(request, a, b):
+def test_cell(worlds, a, b):
     """The pair trains as one process does (the cell names this test unless it names an
     earlier one)."""
     cell = composition.cell(a, b)
@@ -226,7 +252,7 @@ def test_cell(request, a, b):
     assert node.endswith(f"[{_slug(a)}-{_slug(b)}]")
     assert cell.test is not None, f"{a} x {b} composes and names no test; it is {node}"
     label, n = _context(a, b)
-    world = request.getfixturevalue(f"world{n}")
+    world = worlds.get(n)
     out = world.run(cell_case, a=a, b=b, label=label)
     ok, text = out[0]
     assert all(o == out[0] for o in out), "the ranks' reports differ"
