@@ -120,6 +120,7 @@ def test_run_starts_each_rank_with_its_arguments(runs):
     assert stdout.index("torchrun") < stdout.index("rank 0 of 2")
 
 
+@pytest.mark.slow
 def test_a_group_meshlab_started_ends_after_every_rank_is_done(runs):
     """At exit each rank waits for the slowest before its group is destroyed, so no rank
     closes its connections under a peer still using them (the abort seen after saves)."""

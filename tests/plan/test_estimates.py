@@ -314,6 +314,7 @@ def test_saved_counter_matches_the_profile_on_one_process():
         assert abs(want / got - 1) < 0.02, (family, got, want)
 
 
+@pytest.mark.slow
 def test_advise_shares_rows_across_remat_policies_without_changing_them(monkeypatch):
     """advise computes each mesh's memory rows and gradient reductions once, for every
     remat policy and for both memory and time: every layout it returns is the one it
