@@ -10,9 +10,6 @@ from ._cell import AT_OPTIMIZER, RECORDS, SEVERAL_DATA_RANKS, TP_REGIONS, meanin
 _ZERO = meaningless("one ZeRO stage for the data axes; keep one zero_shard")
 _DTYPE = meaningless("one compute dtype per spec; keep one precision()")
 _REDUCE_ONE = meaningless("one reduction dtype per spec; keep one precision()")
-_FP8_NO = not_yet("torchao's float8 layers are not yet shown to train like one process with it",
-                  "{a} with {b}: float8 layers are not yet shown to train like one process "
-                  "beside it; use precision('bf16') there")
 _FP8_TP = not_yet(
     "a policy's tensor-parallel regions compute on local shards, where a tensorwise float8 "
     "scale would be taken over a shard (a weight, a row-parallel input, a column-parallel "

@@ -113,7 +113,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
         "vocabulary-sharded head (the fused loss needs the whole vocabulary)"
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
-from ._reasons import (_DTYPE, _FP8_NO, _FP8_TP,
+from ._reasons import (_DTYPE, _FP8_TP,
                        _OFF_PARAMS, _ORDER,
                        _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE, _TWO_SEQ,
                        _ZERO)
@@ -388,7 +388,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     *[(o, _FP8, _shown(o, _FP8, _FP8_OFF)) for o in _OFFLOADS],
     *[(r, _FP8, _shown(r, _FP8, note)) for r, note in _FP8_BLOCKS.items()],
     *[(r, _FP8, _FP8_TP) for r in ("shard", "sequence('split_gather')")],
-    (_FP8, "step_in_backward", _FP8_NO),
+    (_FP8, "step_in_backward", _t(f"{_SIB}[AdamW-fp8]", _VS_STEP)),
     # fuse: one value routes any of its ops
     ("fuse", "fuse('attention')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),
     ("fuse", "fuse('loss')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),

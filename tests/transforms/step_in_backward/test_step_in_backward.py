@@ -2,7 +2,7 @@
 
 Against the ordinary step of the same spec: the same losses, weights and optimizer state
 (torch's AdamW and meshlab's FusedAdamW, with fused ops and some blocks checkpointed,
-under bf16 autocast, and with the blocks compiled);
+under bf16 autocast, with the blocks compiled, and with torchao's float8 layers);
 at most one block's gradients alive at any point of the backward, and the optimizer
 freed with the model; the state dict loads into the
 plain optimizer; the plan holds no gradients; what it is not shown with is refused, by
@@ -43,17 +43,20 @@ def _train(base, spec, cls, steps=3):
 
 SPECS = {"fuse_remat": lambda: ml.fuse() | ml.remat("full", count=2),
          "bf16": lambda: ml.precision("bf16"),
-         "compiled": lambda: ml.fuse() | ml.compile_blocks(backend="aot_eager")}
+         "compiled": lambda: ml.fuse() | ml.compile_blocks(backend="aot_eager"),
+         "fp8": lambda: ml.precision("fp8")}
 
 
 @pytest.mark.parametrize("cls,spec", [(torch.optim.AdamW, "fuse_remat"),
                                       (FusedAdamW, "fuse_remat"), (torch.optim.AdamW, "bf16"),
-                                      (FusedAdamW, "compiled")])
+                                      (FusedAdamW, "compiled"), (torch.optim.AdamW, "fp8")])
 def test_trains_as_the_ordinary_step(base, cls, spec):
-    spec = SPECS[spec]()
+    name, spec = spec, SPECS[spec]()
     ref, ref_opt, ref_losses = _train(base, spec, cls)
     got, got_opt, losses = _train(base, spec | ml.step_in_backward(), cls)
     assert losses == ref_losses and losses[-1] < losses[0]
+    if name == "fp8":                  # torchao's float8 layers, stepped in the backward
+        assert any(type(m).__name__ == "Float8Linear" for m in got.modules())
     for (n, a), b in zip(ref.state_dict().items(), got.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=n)
     want, have = ref_opt.state_dict(), got_opt.state_dict()
