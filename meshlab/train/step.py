@@ -365,9 +365,7 @@ class _Reduce:
     def default(self, mean: torch.Tensor, mb) -> torch.Tensor:
         """The default (causal-LM) loss, a mean over the microbatch's labelled tokens, as
         this reduction wants it: the mean, or the sum (mean times the count)."""
-        if self.reduction == "mean":
-            return mean
-        return mean * _labelled(mb).clamp(min=1).to(mean.dtype)
+        return mean if self.reduction == "mean" else _summed(mean, mb)
 
     def room_args(self, part, loss_fn, fused: bool = False) -> tuple:
         """The loss a room that runs the step itself (the pipeline's schedule) runs on
@@ -408,7 +406,11 @@ def _default_loss(out, batch):
 def _default_sum(out, batch):
     """The default loss as a sum over the microbatch's labelled tokens (``'sum'`` and
     ``'tokens'``, under a room that runs the step itself)."""
-    mean = _loss(None, out, batch)
+    return _summed(_loss(None, out, batch), batch)
+
+
+def _summed(mean, batch):
+    """A mean over the microbatch's labelled tokens as their sum."""
     return mean * _labelled(batch).clamp(min=1).to(mean.dtype)
 
 
@@ -422,8 +424,7 @@ def _fused_head_mean(head, hidden, batch):
 
 def _fused_head_sum(head, hidden, batch):
     """``_fused_head_mean`` as a sum over the microbatch's labelled tokens."""
-    mean = _fused_head_mean(head, hidden, batch)
-    return mean * _labelled(batch).clamp(min=1).to(mean.dtype)
+    return _summed(_fused_head_mean(head, hidden, batch), batch)
 
 
 _fused_head_mean.runs_head = _fused_head_sum.runs_head = True
