@@ -52,8 +52,6 @@ _STEP_SCALE = not_yet("each parameter is updated before the global gradient norm
                       "overflow) is known", "step_in_backward() with precision('fp16')'s "
                       "loss scaling: each parameter is updated before the global gradient "
                       "norm is known; leave one of them out", AT_OPTIMIZER)
-_TWO_SEQ = not_yet("Ulysses over one axis with ring attention over another (2-D sequence "
-                   "parallelism) is not yet supported; one sequence() per spec")
 _SEQ_SG = "spelled shard(..., Rules(seq=<tp axis>)) | sequence(axis, mode): two sequence() " \
           "values in one spec are refused, the room holds one"
 _ORDER = "lora(...) | {b}: the sharding reads the model as it was before adapters; write " \

@@ -22,8 +22,10 @@ cells in a ``composition`` class attribute (``{row: Cell}``); a row it names no 
 is ``not yet``. ``docs/composition.md`` is ``page()``; ``scripts/composition_matrix.py``
 measures the table against ``meshlab.plan``.
 
->>> cell("sequence('all_to_all')", "sequence('ring')").describe()
+>>> cell("offload(params)", "data_parallel").describe()
 'not yet (plan raises ConfigError)'
+>>> cell("sequence('all_to_all')", "sequence('ring')").describe()
+'composes'
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
 from ._reasons import (_DTYPE, _FP8_TP,
                        _OFF_PARAMS, _ORDER,
-                       _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE, _TWO_SEQ,
+                       _REDUCE_ONE, _SEQ_SG, _SHARD_COMPILE, _STEP, _STEP_SCALE,
                        _ZERO)
 
 _OFFLOADS = ("offload(optimizer)", "offload(grads)", "offload(params)")
@@ -327,7 +329,13 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("step_in_backward", "sequence('split_gather')", _STEP),
     *_trained("sequence('split_gather')", " ".join(_PRECS) + " fuse fuse('attention')"),
     # sequence('all_to_all') and sequence('ring')
-    ("sequence('all_to_all')", "sequence('ring')", _TWO_SEQ),
+    ("sequence('all_to_all')", "sequence('ring')", _shown(
+        "sequence('all_to_all')", "sequence('ring')",
+        "2-D sequence parallelism: sequence('sp', 'all_to_all') | sequence('cp', 'ring') is "
+        "one value, sequence('sp', mode='all_to_all', ring='cp'); Ulysses' all-to-all over sp "
+        "gives each rank H/sp heads of its ring part, ring attention runs over cp; "
+        "tests/transforms/sequence/test_sequence_gloo.py::test_ulysses_around_the_ring also "
+        "trains it with grouped K/V heads and a padded batch against one process")),
     *[("expert_route", s, _shown("expert_route", s)) for s in _SEQS[1:]],
     *[("lora", s, _shown("lora", s)) for s in _SEQS[1:]],
     *[("fuse('attention')", s, _shown("fuse('attention')", s)) for s in _SEQS[1:]],

@@ -140,20 +140,23 @@ def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1)
         tol = 1e-10 if dtype == "float64" else 1e-5
         rules = ml.Rules(**M.TP_RULES)
         spec, mesh = {
-            "dp": (ml.data_parallel("dp"), ml.Mesh(dp=2)),
+            "dp": (ml.data_parallel("dp"), dict(dp=2)),
             "fuse_no_attention": (ml.fuse("rms_norm", "rotary", "mlp", "loss")
-                                  | ml.data_parallel("dp"), ml.Mesh(dp=2)),
-            "fuse": (ml.fuse() | ml.data_parallel("dp"), ml.Mesh(dp=2)),
-            "all_to_all": (ml.sequence("sp", "all_to_all"), ml.Mesh(sp=2)),
-            "ring": (ml.sequence("sp", "ring"), ml.Mesh(sp=2)),
+                                  | ml.data_parallel("dp"), dict(dp=2)),
+            "fuse": (ml.fuse() | ml.data_parallel("dp"), dict(dp=2)),
+            "all_to_all": (ml.sequence("sp", "all_to_all"), dict(sp=2)),
+            "ring": (ml.sequence("sp", "ring"), dict(sp=2)),
+            "ulysses_ring": (ml.sequence("sp", "all_to_all") | ml.sequence("cp", "ring"),
+                             dict(sp=2, cp=2)),
             "fuse_tp": (ml.fuse("rms_norm", "rotary", "attention", "mlp")
-                        | ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
-            "tp": (ml.shard(ml.policies.auto, rules), ml.Mesh(tp=2)),
-            "tp_sp": (ml.shard(ml.policies.auto, rules | ml.Rules(seq="tp")), ml.Mesh(tp=2)),
-            "pipeline": (ml.pipeline("pp", schedule="1f1b", microbatches=2), ml.Mesh(pp=2)),
+                        | ml.shard(ml.policies.auto, rules), dict(tp=2)),
+            "tp": (ml.shard(ml.policies.auto, rules), dict(tp=2)),
+            "tp_sp": (ml.shard(ml.policies.auto, rules | ml.Rules(seq="tp")), dict(tp=2)),
+            "pipeline": (ml.pipeline("pp", schedule="1f1b", microbatches=2), dict(pp=2)),
             "pipeline_gpipe": (ml.pipeline("pp", schedule="gpipe", microbatches=2),
-                               ml.Mesh(pp=2)),
+                               dict(pp=2)),
         }[layout]
+        mesh = ml.Mesh(**mesh)          # built for the layout run: others need other worlds
         attention = "sdpa" if dtype == "float64" else "eager"
         model = ml.parallelize(build(attention), spec, mesh, seed=0)
         ref = ml.init_weights(build(attention), seed=0)

@@ -8,7 +8,8 @@ it), each parallel axis of size 2, with ``data_parallel('dp')`` added over ``dp=
 is shown on one process only: its pairs add ``data_parallel`` over one rank, and run alone
 on one rank unless the other row needs an axis. ``data_parallel x zero_shard(s)`` is hybrid
 sharding over two data axes: ``data_parallel('rep') | zero_shard(s, 'dp')`` on
-``rep=2, dp=2``.
+``rep=2, dp=2``; ``sequence('all_to_all') x sequence('ring')`` is 2-D sequence parallelism,
+``sequence('sp', 'all_to_all') | sequence('cp', 'ring')`` on ``cp=2, sp=2``.
 
 Two conditions that are not pairs are kept out of the way here, each refused by its room
 for a reason the table's note names: ``fuse('loss')`` beside a vocabulary-sharded head (the
@@ -142,9 +143,13 @@ def _hybrid(stage: int) -> Callable[[str, frozenset], list]:
 
 
 # Pairs spelled over a mesh axis of their own besides their rows' (placed first in the
-# mesh): hybrid sharding replicates over one data axis and shards over another.
-_HYBRID = {frozenset({"data_parallel", f"zero_shard({s})"}): (_hybrid(s), ("rep",))
-           for s in (1, 2, 3)}
+# mesh): hybrid sharding replicates over one data axis and shards over another; 2-D
+# sequence parallelism runs Ulysses over sp and the ring over cp.
+_OWN_AXIS = {**{frozenset({"data_parallel", f"zero_shard({s})"}): (_hybrid(s), ("rep",))
+                for s in (1, 2, 3)},
+             frozenset({"sequence('all_to_all')", "sequence('ring')"}): (
+                 _const(lambda: _ml().sequence("sp", "all_to_all"),
+                        lambda: _ml().sequence("cp", "ring")), ("cp",))}
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -190,14 +195,14 @@ def contexts(a: str, b: str) -> list[Context]:
     one = _ONE_VALUE.get(frozenset({a, b}))
     rows = {a, b} | (set(one[1]) if one else set(ra.also) | set(rb.also))
     pair = frozenset({a, b})
-    hybrid = _HYBRID.get(pair)
-    axes = {x: 2 for x in (hybrid[1] if hybrid else ()) + ra.axes + rb.axes}
+    own = _OWN_AXIS.get(pair)
+    axes = {x: 2 for x in (own[1] if own else ()) + ra.axes + rb.axes}
     dp = 1 if "step_in_backward" in (a, b) else 2
 
     def spec_of(extra: Callable[[], list]):
         def spec():
-            if hybrid:
-                parts = [(0, t) for t in hybrid[0](family, pair)]
+            if own:
+                parts = [(0, t) for t in own[0](family, pair)]
             elif one:
                 parts = [(0, t) for t in one[0](family, pair)]
             else:

@@ -134,12 +134,13 @@ def test_each_pair_plans_as_its_cell_says(row):
 
 def test_a_refusal_names_its_cell_and_the_page():
     with pytest.raises(ml.ConfigError) as e:
-        ml.plan(M.build("llama"), ml.sequence("sp", "all_to_all") | ml.sequence("cp", "ring"),
-                ml.Mesh(sp=2, cp=2, fake=True))
+        ml.plan(M.build("llama"), ml.data_parallel("dp") | ml.offload(params=1.0, grads=1.0,
+                                                                     optimizer=1.0),
+                ml.Mesh(dp=2, fake=True))
     assert str(e.value).endswith(
-        "Ulysses over one axis with ring attention over another (2-D sequence parallelism) "
-        "is not yet supported; one sequence() per spec (composition table: "
-        "sequence('all_to_all') x sequence('ring'): not yet; see docs/composition.md)")
+        "parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one rank "
+        "too: zero_shard(3) over a size-1 axis); add it or use params=0 (composition table: "
+        "offload(params) x data_parallel: not yet; see docs/composition.md)")
 
 
 def test_a_refusal_over_several_data_ranks_is_none_on_one():

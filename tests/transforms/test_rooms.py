@@ -142,7 +142,7 @@ REFUSED = [
     ("zero bubble with zero 3", lambda: ml.zero_shard(3, "dp") | ml.pipeline(
         "pp", schedule="zero_bubble", virtual_stages=1), dict(pp=2, dp=2), ml.ConfigError,
      "use schedule='1f1b', 'interleaved' or 'gpipe'"),
-    ("ulysses with ring", lambda: ml.sequence("sp", "all_to_all") | ml.sequence("cp", "ring"),
+    ("two rings", lambda: ml.sequence("sp", "ring") | ml.sequence("cp", "ring"),
      dict(sp=2, cp=2), ml.ConfigError, "two sequence transforms in one spec"),
     ("fuse loss with a vocab-parallel head", lambda: ml.shard(ml.policies.auto, ml.Rules(**_TP))
      | ml.fuse("loss"), dict(dp=1, tp=2), ml.ConfigError, "needs the whole vocabulary"),

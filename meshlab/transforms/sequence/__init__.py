@@ -22,6 +22,12 @@ Beside ``fuse('attention')``: ring attention computes every block pair on
 sequence on it too (SDPA otherwise), K and V sent with their own heads where those divide
 over the axis.
 
+2-D sequence parallelism, Ulysses over one axis and ring attention over another:
+``sequence('sp', 'all_to_all') | sequence('cp', 'ring')`` combine into one value,
+``sequence('sp', mode='all_to_all', ring='cp')`` (``_usp``). The sequence is cut over
+both; each attention trades the sequence for heads over ``sp`` and runs the ring over
+``cp``, which takes the role ``cp`` (context).
+
 Odd lengths are never padded silently: a sequence not divisible by the axis raises.
 
 The room: ``Sequence`` (claims the ``sp`` role), its checks, its install (``_ulysses``,
@@ -32,6 +38,7 @@ gradient sync (block parameters saw one slice of the sequence: summed over the a
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar
 
 from ...core.errors import ConfigError, check_choice, check_name
@@ -50,10 +57,40 @@ class Sequence(Transform):
 
     axis: str = "sp"
     mode: str = "all_to_all"
+    ring: str | None = None          # 2-D: ring attention over this axis, Ulysses over axis
 
     def __post_init__(self):
         check_name(self.axis, "sequence", "axis", example="sp")
         check_choice(self.mode, "sequence", "mode", MODES)
+        if self.ring is not None:
+            check_name(self.ring, "sequence", "ring", example="cp")
+            if self.mode != "all_to_all":
+                raise ConfigError(f"sequence({self.axis!r}, mode={self.mode!r}, "
+                                  f"ring={self.ring!r}): ring= is the ring axis of 2-D "
+                                  f"sequence parallelism beside Ulysses; use "
+                                  f"mode='all_to_all'")
+            if self.ring == self.axis:
+                raise ConfigError(_same_axis(self.axis))
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes the sequence is cut over between the blocks (none for split_gather,
+        whose cut is shard's)."""
+        if self.mode == "split_gather":
+            return ()
+        return (self.axis,) + ((self.ring,) if self.ring else ())
+
+    def combine(self, other):
+        """``sequence(a, 'all_to_all') | sequence(r, 'ring')`` (either order): 2-D sequence
+        parallelism, ``sequence(a, mode='all_to_all', ring=r)``. One axis for both is
+        refused."""
+        if not isinstance(other, Sequence) or self.ring or other.ring or \
+                {self.mode, other.mode} != {"all_to_all", "ring"}:
+            return None
+        uly, ring = (self, other) if self.mode == "all_to_all" else (other, self)
+        if uly.axis == ring.axis:
+            raise ConfigError(_same_axis(uly.axis))
+        return Sequence(uly.axis, "all_to_all", ring.axis)
 
     def apply(self, plan: Plan) -> Plan:
         if self.mode == "split_gather":
@@ -64,17 +101,19 @@ class Sequence(Transform):
         return plan
 
     def claims(self, plan: Plan):
-        return {} if self.mode == "split_gather" else {"sp": (self.axis,)}
+        if self.mode == "split_gather":
+            return {}
+        return {"sp": (self.axis,), **({"cp": (self.ring,)} if self.ring else {})}
 
     def rows(self, plan: Plan | None) -> tuple[str, ...]:
         """Its mode: ``sequence('all_to_all')``, ``sequence('ring')`` or
-        ``sequence('split_gather')``."""
-        return (f"sequence({self.mode!r})",)
+        ``sequence('split_gather')``; 2-D takes the rows of both its modes."""
+        return (f"sequence({self.mode!r})",) + (("sequence('ring')",) if self.ring else ())
 
     def work_share(self, plan: Plan, parts: dict) -> dict:
         """Each rank computes its share of the sequence (Ulysses: of the heads)."""
-        n = plan.mesh_shape.get(self.axis, 1)
-        if self.mode == "split_gather" or n == 1:
+        n = math.prod(plan.mesh_shape.get(a, 1) for a in self.axes)
+        if n == 1:
             return parts
         return {k: w.scale(1 / n, ops=1.0) for k, w in parts.items()}
 
@@ -90,7 +129,7 @@ class Sequence(Transform):
             return None
         from . import _ring, _ulysses
 
-        impl = _ring if self.mode == "ring" else _ulysses
+        impl = _ring if self.mode == "ring" or self.ring else _ulysses
         AttentionInterface.register(impl.PROFILE_NAME, impl.profile_attention)
         _ulysses.set_attention(model, impl.PROFILE_NAME)
         return None
@@ -99,21 +138,24 @@ class Sequence(Transform):
         """Inside the blocks every rank holds its share of the sequence (Ulysses: of the
         heads inside attention, the same bytes); outside them, and where the hidden states
         are cut and joined, the whole sequence (``_memory``). split_gather is shard()'s
-        sequence parallelism."""
-        n = plan.mesh_shape.get(self.axis, 1)
-        if self.mode == "split_gather" or n == 1:
+        sequence parallelism. 2-D: the share of both axes, the tables as the ring keeps
+        them."""
+        n = math.prod(plan.mesh_shape.get(a, 1) for a in self.axes)
+        if n == 1:
             return rows
         from ._memory import rank_rows
 
         cfg = plan.model.config_get
-        return rank_rows(rows, n=n, mode=self.mode, block=plan.model.blocks[0],
+        mode = "ring" if self.ring else self.mode
+        return rank_rows(rows, n=n, mode=mode, block=plan.model.blocks[0],
                          n_blocks=len(plan.model.blocks),
                          width=cfg("hidden_size") or cfg("n_embd"))
 
     def check(self, plan: Plan) -> None:
         sizes = plan.mesh_shape
-        if self.axis not in sizes:
-            raise ConfigError(f"sequence axis {self.axis!r} is not a mesh axis {tuple(sizes)}")
+        for a in (self.axis,) + ((self.ring,) if self.ring else ()):
+            if a not in sizes:
+                raise ConfigError(f"sequence axis {a!r} is not a mesh axis {tuple(sizes)}")
         if self.mode == "split_gather":
             if plan.roles.tp != self.axis:
                 raise ConfigError(
@@ -142,7 +184,11 @@ class Sequence(Transform):
         group = ctx.group(self.axis)
         blocks = ctx.plan.model.blocks
         held = frozenset(b for b in blocks if b not in ctx.dropped)   # a pipeline stage's
-        if self.mode == "ring":          # every block pair on meshlab::attention already
+        if self.ring:                    # 2-D: Ulysses over axis around the ring over ring
+            from . import _usp
+
+            _usp.install(ctx.model, blocks, group, ctx.group(self.ring), held)
+        elif self.mode == "ring":          # every block pair on meshlab::attention already
             _ring.install(ctx.model, blocks, group, held)
         else:                            # fuse('attention'): each rank's heads on it too
             _ulysses.install(ctx.model, blocks, group, held,
@@ -157,49 +203,88 @@ class Sequence(Transform):
         blocks = plan.model.blocks
         names = frozenset(e.fqn for e in plan.params
                           if any(e.fqn.startswith(b + ".") for b in blocks))
-        return [Reduction((self.axis,), average=False, names=names, order=5)]
+        return [Reduction(self.axes, average=False, names=names, order=5)]
 
     def comm(self, plan: Plan, *, batch, seq, coord):
         """Per block, Ulysses moves q, k, v and the output through one all-to-all each way
         (k and v after GQA expansion: heads x seq/n x head_dim), and the sequence is
         gathered once after the blocks and once (gradients) before them; ring sends K and
         V (their own heads) n - 1 steps forward in the forward and again in the backward,
-        and their gradients n steps home."""
-        from .._protocol import CommOp
-
-        n = plan.mesh_shape.get(self.axis, 1)
-        if self.mode == "split_gather" or n == 1 or batch is None or seq is None:
+        their gradients n steps home, and gathers the sequence as Ulysses does. 2-D: Ulysses over its axis on S/(a r) (K and V
+        with their own heads where those divide over it, as the 2-D attention sends them),
+        its gather joining S/r; the ring over the other on H/a heads of S/r."""
+        sizes = plan.mesh_shape
+        if not self.axes or math.prod(sizes.get(a, 1) for a in self.axes) == 1 or \
+                batch is None or seq is None:
             return []
-        from ...core.units import dtype_bytes
-
-        cfg = plan.model.config_get
-        h = cfg("hidden_size") or cfg("n_embd")
-        heads = cfg("num_attention_heads") or cfg("n_head")
-        # a model without a config: q, k and v as wide as the hidden states
-        width = heads * (cfg("head_dim") or h // heads) if heads else h
-        wb = dtype_bytes(plan.params[0].dtype) if plan.params else 4
-        L = len(plan.model.blocks)
-        piece = batch * (seq // n) * width * wb
+        a = sizes.get(self.axis, 1)
         if self.mode == "ring":
-            # K and V with their own (grouped) heads: n - 1 shifts each in the forward and
-            # again in the backward's recompute, and their gradients (accumulated in at
-            # least float32) n shifts home
-            kv_heads = cfg("num_key_value_heads") or heads
-            kv = piece * kv_heads // heads if heads else piece
-            dkv = kv * max(wb, 4) // wb
-            count = L * (4 * (n - 1) + 2 * n)
-            nbytes = L * (4 * (n - 1) * kv + 2 * n * dkv)
-            return [CommOp("send", self.axis, count, nbytes),
-                    CommOp("recv", self.axis, count, nbytes)]
-        # fuse('attention'): K and V keep their own heads where those divide over the axis
-        kv_heads = cfg("num_key_value_heads") or heads
-        kv = piece * kv_heads // heads if heads and _fused_attention(plan) and \
-            kv_heads % n == 0 else piece
-        return [CommOp("all_to_all", self.axis, 8 * L, 4 * L * (piece + kv)),
-                CommOp("all_gather", self.axis, 2, 2 * batch * seq * h * wb)]
+            return _ring_ops(plan, self.axis, a, batch, seq, heads_cut=1)
+        r = sizes.get(self.ring, 1) if self.ring else 1
+        own = _fused_attention(plan) or self.ring is not None
+        ops = _ulysses_ops(plan, self.axis, a, batch, seq // r, own) if a > 1 else []
+        if self.ring and r > 1:
+            ops += _ring_ops(plan, self.ring, r, batch, seq, heads_cut=a)
+        return ops
 
     def __repr__(self) -> str:
-        return f"sequence({self.axis!r}, mode={self.mode!r})"
+        ring = f", ring={self.ring!r}" if self.ring else ""
+        return f"sequence({self.axis!r}, mode={self.mode!r}{ring})"
+
+
+def _same_axis(axis: str) -> str:
+    return (f"sequence: Ulysses and ring attention both over {axis!r}; 2-D sequence "
+            f"parallelism needs an axis for each (sequence('sp', 'all_to_all') | "
+            f"sequence('cp', 'ring'))")
+
+
+def split_axes(plan: Plan) -> tuple[str, ...]:
+    """The axes Ulysses and ring attention cut the sequence over between the blocks."""
+    s = plan.get(Sequence)
+    return () if s is None else s.axes
+
+
+def _widths(plan: Plan):
+    """(hidden size, q width, heads, K/V heads, bytes per element, blocks)."""
+    from ...core.units import dtype_bytes
+
+    cfg = plan.model.config_get
+    h = cfg("hidden_size") or cfg("n_embd")
+    heads = cfg("num_attention_heads") or cfg("n_head")
+    # a model without a config: q, k and v as wide as the hidden states
+    width = heads * (cfg("head_dim") or h // heads) if heads else h
+    wb = dtype_bytes(plan.params[0].dtype) if plan.params else 4
+    return h, width, heads, cfg("num_key_value_heads") or heads, wb, len(plan.model.blocks)
+
+
+def _ring_ops(plan: Plan, axis: str, n: int, batch: int, seq: int, heads_cut: int) -> list:
+    """K and V with their own (grouped) heads, ``1/heads_cut`` of them: n - 1 shifts each
+    in the forward and again in the backward's recompute, and their gradients
+    (accumulated in at least float32) n shifts home; the sequence gathered once after the
+    blocks and once (gradients) before them."""
+    from .._protocol import CommOp
+
+    h, width, heads, kv_heads, wb, L = _widths(plan)
+    piece = batch * (seq // n) * width * wb // heads_cut
+    # 2-D: K/V heads that do not divide over the Ulysses axis were expanded to the queries'
+    kv = piece * kv_heads // heads if heads and kv_heads % heads_cut == 0 else piece
+    dkv = kv * max(wb, 4) // wb
+    count = L * (4 * (n - 1) + 2 * n)
+    nbytes = L * (4 * (n - 1) * kv + 2 * n * dkv)
+    return [CommOp("send", axis, count, nbytes), CommOp("recv", axis, count, nbytes),
+            CommOp("all_gather", axis, 2, 2 * batch * seq * h * wb)]
+
+
+def _ulysses_ops(plan: Plan, axis: str, n: int, batch: int, seq: int, own: bool) -> list:
+    """The all-to-alls of ``seq`` tokens over ``n`` ranks (K and V with their own heads
+    where ``own`` and those divide over the axis) and the gather of the sequence."""
+    from .._protocol import CommOp
+
+    h, width, heads, kv_heads, wb, L = _widths(plan)
+    piece = batch * (seq // n) * width * wb
+    kv = piece * kv_heads // heads if heads and own and kv_heads % n == 0 else piece
+    return [CommOp("all_to_all", axis, 8 * L, 4 * L * (piece + kv)),
+            CommOp("all_gather", axis, 2, 2 * batch * seq * h * wb)]
 
 
 def _fused_attention(plan: Plan) -> bool:
@@ -237,10 +322,14 @@ def _refuse_non_causal(plan: Plan, mode: str) -> None:
                           f"causal; {fix}")
 
 
-def sequence(axis: str = "sp", mode: str = "all_to_all") -> Sequence:
-    """Sequence parallelism over ``axis`` (``'split_gather'`` or ``'all_to_all'``).
+def sequence(axis: str = "sp", mode: str = "all_to_all", ring: str | None = None) -> Sequence:
+    """Sequence parallelism over ``axis`` (``'split_gather'``, ``'all_to_all'`` or
+    ``'ring'``); ``ring``: beside Ulysses, ring attention over that axis (2-D, the same
+    value as ``sequence(axis, 'all_to_all') | sequence(ring, 'ring')``).
 
     >>> sequence('sp', 'all_to_all')
     sequence('sp', mode='all_to_all')
+    >>> sequence('sp', 'all_to_all', ring='cp')
+    sequence('sp', mode='all_to_all', ring='cp')
     """
-    return Sequence(axis, mode)
+    return Sequence(axis, mode, ring)

@@ -302,10 +302,16 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     (returned as (B, S/n, H, D), as transformers' attention functions return it). K/V keep
     their own (grouped) head count on the ring. ``attention_mask``: None, or the model's
     4-D mask of the whole sequence (padded or packed rows), read as causal segments."""
+    out = over_ring(query, key, value, attention_mask, scaling, dropout, sp_group(module))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def over_ring(query, key, value, attention_mask, scaling, dropout, group) -> torch.Tensor:
+    """The ring op on this rank's zigzag chunks, (B, H, S/n, D) in and out; the mask read
+    as causal segments of the whole sequence (or refused by name)."""
     if dropout:
         raise ConfigError(f"sequence(ring): attention dropout {dropout} is not computed by "
                           f"ring attention; set the model's attention_dropout to 0")
-    group = sp_group(module)
     segments = None
     if attention_mask is not None:
         segments = _segments_of(attention_mask, query.shape[2] * dist.get_world_size(group))
@@ -315,7 +321,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         out, _ = torch.ops.meshlab_comm.ring_attention(query.contiguous(), key.contiguous(),
                                                   value.contiguous(), group.group_name,
                                                   float(scale), segments)
-    return out.transpose(1, 2).contiguous(), None
+    return out
 
 
 def _segments_of(mask, s: int):
@@ -396,6 +402,15 @@ def _zigzag_split(x: torch.Tensor, group) -> torch.Tensor:
     return C.split_seq(_Permute.apply(x, order, 1), group, 1)
 
 
+def _zigzag_gather(h: torch.Tensor, group) -> torch.Tensor:
+    """The whole sequence, in its own order, from every rank's zigzag chunks."""
+    full = C.gather_seq_replicated(h, group, 1)
+    order = zigzag_order(dist.get_world_size(group), full.shape[1]).to(full.device)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(len(order), device=order.device)
+    return _Permute.apply(full, inv, 1)
+
+
 def install(model: nn.Module, blocks: tuple[str, ...], group, held: frozenset) -> None:
     """Attention over ``group`` in the ``held`` blocks (this rank's, of the model's
     ``blocks``), the sequence split before the model's first block and joined after its
@@ -405,13 +420,5 @@ def install(model: nn.Module, blocks: tuple[str, ...], group, held: frozenset) -
     AttentionInterface.register(NAME, attention)
     register_mask(NAME)
     _route_attention(model, tuple(b for b in blocks if b in held), group, NAME)
-    n = dist.get_world_size(group)
-
-    def gather(h):
-        full = C.gather_seq_replicated(h, group, 1)
-        order = zigzag_order(n, full.shape[1]).to(full.device)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(len(order), device=order.device)
-        return _Permute.apply(full, inv, 1)
-
-    install_split(model, blocks, lambda h: _zigzag_split(h, group), gather, held)
+    install_split(model, blocks, lambda h: _zigzag_split(h, group),
+                  lambda h: _zigzag_gather(h, group), held)

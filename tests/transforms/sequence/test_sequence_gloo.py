@@ -171,6 +171,74 @@ def test_ring_point_to_point_volume(world4):
     assert (est.count("send"), est.bytes("send")) == out[0]
 
 
+def usp_case(rank, world, family, kv_heads, steps=3, lr=1e-3):
+    """Ulysses over sp around the ring over cp: each rank holds S/4 between the blocks;
+    three AdamW steps against one process; then one step's collectives against
+    plan.comm."""
+    import meshlab as ml
+    from meshlab.estimate.comm import CommCounter
+
+    kw = {"num_key_value_heads": kv_heads}
+    data = M.batches(steps, batch=4, seq=8)
+    ref, ref_losses, _ = M.reference(family, data, lr, **kw)
+    spec = ml.sequence("sp", "all_to_all") | ml.sequence("cp", "ring")
+    mesh = ml.Mesh(sp=2, cp=2)
+    model = ml.parallelize(M.build(family, **kw), spec, mesh, seed=0)
+    assert model.config._attn_implementation == "meshlab_ulysses_ring"
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=lr)
+    losses = [ml.step(model, opt, {"input_ids": b}) for b in data]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-5,
+                               rtol=1e-3)
+    M.assert_weights_match(model, ref)
+    with CommCounter(per_module=False) as cc:
+        ml.step(model, opt, {"input_ids": data[0]})
+    est = ml.plan(M.build(family, **kw), spec, ml.Mesh(sp=2, cp=2, fake=True)).comm(
+        batch=4, seq=8)
+    return {k: ((cc.count(k), cc.bytes(k)), (est.count(k), est.bytes(k)))
+            for k in ("all_to_all", "send", "all_gather")}
+
+
+@pytest.mark.parametrize("family,kv_heads", [("llama", 2), ("llama", 1), ("qwen2", 2)])
+def test_ulysses_around_the_ring(world4, family, kv_heads):
+    """2-D sequence parallelism trains as one process, with K/V heads that divide over sp
+    (sent as they are) and one that does not (expanded to the query heads first); the
+    all-to-alls, ring shifts and gathers it runs are the ones plan.comm counts."""
+    for got in world4.run(usp_case, family=family, kv_heads=kv_heads):
+        for op, (ran, planned) in got.items():
+            assert ran == planned, (op, ran, planned)
+
+
+def test_ulysses_around_the_ring_with_padded_and_packed_rows(world4):
+    """float64, to 1e-10: the padded and packed batch of tests/train/
+    test_packed_batches_gloo.py, its loss and every gradient against its samples run one
+    by one (the ring reads the whole sequence's mask as segments after the all-to-all)."""
+    from tests.train.test_packed_batches_gloo import parity_case
+
+    world4.run(parity_case, layout="ulysses_ring")
+
+
+def test_two_dimensional_sequence_values():
+    """The two rooms combine into one value (either order), which plans on a fake mesh with
+    the ring's axis in the role cp; one axis for both, two of one mode, or ring= beside a
+    mode other than Ulysses are refused by name."""
+    import meshlab as ml
+
+    one = ml.sequence("sp", "all_to_all", ring="cp")
+    for spec in (ml.sequence("sp", "all_to_all") | ml.sequence("cp", "ring"),
+                 ml.sequence("cp", "ring") | ml.sequence("sp", "all_to_all")):
+        plan = ml.plan(M.build("llama"), spec, ml.Mesh(sp=2, cp=2, fake=True))
+        assert plan.options == (one,) and plan.roles.sp == "sp"
+        assert plan.roles.axes("cp") == ("cp",) and not plan.not_runnable
+    with pytest.raises(ml.ConfigError, match="needs an axis for each"):
+        ml.plan(M.build("llama"), ml.sequence("sp", "all_to_all") | ml.sequence("sp", "ring"),
+                ml.Mesh(sp=2, fake=True))
+    with pytest.raises(ml.ConfigError, match="two sequence transforms"):
+        ml.plan(M.build("llama"), ml.sequence("sp", "ring") | ml.sequence("cp", "ring"),
+                ml.Mesh(sp=2, cp=2, fake=True))
+    with pytest.raises(ml.ConfigError, match="use mode='all_to_all'"):
+        ml.sequence("sp", "ring", ring="cp")
+
+
 @pytest.mark.parametrize("mode", ["all_to_all", "ring"])
 def test_sequence_refuses_attention_it_was_not_shown_on(mode):
     """Ulysses and ring attention are shown for causal decoder-only models (the support
