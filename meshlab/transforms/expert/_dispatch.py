@@ -53,9 +53,19 @@ class EPStats:
     all_to_all: int = 0
     rows: int = 0
     bytes: int = 0
-    routed: int = 0
+    routed_on_host: int = 0
     away: int = 0
     dropped_on_device: list = dataclasses.field(default_factory=list)   # counts, unread
+    # pairs routed where every expert is on this rank: a tensor, so that a compiled block
+    # adds to it in its graph (a Python int there is a constant dynamo guards on: every
+    # step would compile the block again)
+    routed_on_device: torch.Tensor = dataclasses.field(
+        default_factory=lambda: torch.zeros((), dtype=torch.int64))
+
+    @property
+    def routed(self) -> int:
+        """(token, expert) pairs routed (reading it waits for the device)."""
+        return self.routed_on_host + int(self.routed_on_device)
 
     @property
     def dropped(self) -> int:
@@ -64,7 +74,10 @@ class EPStats:
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, [] if f.name == "dropped_on_device" else 0)
+            if f.name == "routed_on_device":
+                self.routed_on_device.zero_()         # the same tensor: graphs hold it
+            else:
+                setattr(self, f.name, [] if f.name == "dropped_on_device" else 0)
 
 
 @dataclasses.dataclass
@@ -169,7 +182,7 @@ def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     if n == 1 and st.capacity_factor is None:
         # every expert here: nothing to exchange (so nothing to agree on before it), the
         # family's own path runs, and a compiled block traces it with the rest
-        st.stats.routed += top_k_index.numel()
+        st.stats.routed_on_device.add_(top_k_index.numel())
         return _run_local(self, st, hidden_states, top_k_index, E, top_k_weights)
     # The expert ranks read different tokens, so one of them may have raised since the
     # last exchange (its loop then skips the batch): in a training forward every rank
@@ -187,7 +200,7 @@ def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     ids_s, tok = ids[order], order // k
     w = top_k_weights.reshape(-1)[order]
     counts = torch.bincount(ids_s, minlength=E)
-    st.stats.routed += ids.numel()
+    st.stats.routed_on_host += ids.numel()
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=st.group)
     st.stats.all_to_all += 1
@@ -233,7 +246,7 @@ def _capacity_forward(self, st: EPState, hidden_states, top_k_index, top_k_weigh
     slot_in_expert = torch.arange(ids_s.numel(), device=dev) - starts[ids_s]
     kept = slot_in_expert < cap
     slots = torch.where(kept, ids_s * cap + slot_in_expert, E * cap)     # E*cap: the bin
-    st.stats.routed += ids.numel()
+    st.stats.routed_on_host += ids.numel()
     st.stats.dropped_on_device.append((~kept).sum())
     send = hidden_states.new_zeros(E * cap + 1, H).index_copy(0, slots, hidden_states[tok])
     splits = [L * cap] * n

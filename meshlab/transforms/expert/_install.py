@@ -3,11 +3,12 @@ implementation (``_dispatch``)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ...core.errors import ConfigError
 from ...planning.roles import block_sequence_axes
-from .._install import EagerModules
+from .._install import EagerModules, mesh_device
 from .._protocol import Part
 from ._aux import patch_family, scope_forward
 from ._layout import placement
@@ -45,7 +46,8 @@ def install_experts(t, ctx):
     mesh = ctx.device_mesh(t.axis)
     n, rank = ctx.size(t.axis), ctx.coordinate(t.axis)
     group = ctx.group(t.axis)
-    stats = EPStats()
+    stats = EPStats(routed_on_device=torch.zeros((), dtype=torch.int64,
+                                                 device=mesh_device(ctx.mesh)))
     aux = False
     mods = dict(ctx.model.named_modules())
     where = placement(ctx.plan, t)

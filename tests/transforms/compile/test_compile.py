@@ -235,17 +235,35 @@ def test_a_block_with_eager_modules_is_compiled_around_them():
 def test_experts_on_one_rank_compile_with_their_block(one_process):
     """expert_route over a one-rank axis runs the family's own expert path (no exchange,
     no host read of split sizes), so compile_blocks compiles each block whole, experts
-    included, and it trains as the eager run (aot_eager: the same ops)."""
-    import meshlab as ml
+    included, and it trains as the eager run (aot_eager: the same ops). The blocks compile
+    in the first steps only: the routed-pairs count is a tensor the graph adds to (as a
+    Python int it was a constant dynamo guarded on, and every step compiled every block
+    again until the recompile limit failed the step), and it still counts every pair."""
+    import torch._dynamo.utils
 
-    def train(spec):
+    import meshlab as ml
+    from meshlab.transforms.expert._install import ExpertPart
+
+    graphs = torch._dynamo.utils.counters["stats"]
+
+    def train(spec, steps=5):
         model = ml.parallelize(M.build("mixtral"), spec, ml.Mesh(ep=1), seed=0)
         opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-2)
         ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
-        return model, [ml.step(model, opt, {"input_ids": ids}) for _ in range(3)]
+        losses, compiled_by_step = [], []
+        for _ in range(steps):
+            before = graphs["unique_graphs"]
+            losses.append(ml.step(model, opt, {"input_ids": ids}))
+            compiled_by_step.append(graphs["unique_graphs"] - before)
+        return model, losses, compiled_by_step
 
-    model, compiled = train(ml.expert_route("ep") | ml.compile_blocks(backend="aot_eager"))
+    model, compiled, frames_by_step = train(ml.expert_route("ep")
+                                            | ml.compile_blocks(backend="aot_eager"))
     layers = model.model.layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
-    _, eager = train(ml.expert_route("ep"))
+    assert frames_by_step[0] > 0 and frames_by_step[2:] == [0, 0, 0], frames_by_step
+    stats = next(p for p in model._meshlab.parts if isinstance(p, ExpertPart)).stats
+    k = model.config.num_experts_per_tok
+    assert stats.routed == 5 * len(layers) * 2 * 16 * k, stats.routed
+    _, eager, _ = train(ml.expert_route("ep"))
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=1e-5, rtol=0)
