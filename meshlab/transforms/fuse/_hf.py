@@ -63,8 +63,8 @@ from torch import Tensor, nn
 
 from ...core.errors import ConfigError
 from .._head import fused_loss_of as fused_loss_of, is_elsewhere, mark_fused_loss
-from ._residual import (_bare_linear, _is_dtensor, norm_eps, norm_rule, probe_close, route_layers,
-                        set_norm_rule)
+from ._residual import (_bare_linear, _is_dtensor, in_float32, norm_eps, norm_rule, probe_close,
+                        route_layers, set_norm_rule)
 from ._rotary import _find_rotary, _route_rotary
 
 FUSABLE = ("rms_norm", "rotary", "attention", "mlp", "loss")
@@ -132,6 +132,7 @@ def _fused_norm_forward(self, hidden_states: Tensor) -> Tensor:
     return rms_norm(hidden_states, w, norm_eps(self))
 
 
+@in_float32
 def _probe_norm(m: nn.Module, rule: Norm) -> None:
     # A CPU float32 copy with a random weight (the module itself may be on meta or sharded),
     # seeded: the same probe, and the same refusal, wherever it runs.
@@ -227,6 +228,7 @@ def _fused_mlp_forward(self, x: Tensor) -> Tensor:
     return self.down_proj(gate(a, b))
 
 
+@in_float32
 def _probe_mlp(m: nn.Module) -> None:
     """The class built small (its config with hidden 8, intermediate 16) computes what the
     fused forward computes on the same weights."""

@@ -21,6 +21,7 @@ uses too). Autograd would otherwise add each of those terms in a pass of its own
 from __future__ import annotations
 
 import copy
+import functools
 import types
 import warnings
 
@@ -32,6 +33,24 @@ from ...core.errors import ConfigError
 
 
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def in_float32(probe):
+    """Run ``probe`` with float32 as the default dtype: a probe measures an op's math, and a
+    model built under ``torch.set_default_dtype(torch.bfloat16)`` (a common way to build one
+    in bf16) would otherwise make the probe's tensors in bf16 and see one rounding apart
+    as a different formula. The fused op then runs in the model's dtype, as the module
+    did, apart from it by that dtype's rounding."""
+    @functools.wraps(probe)
+    def run(*args, **kwargs):
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            return probe(*args, **kwargs)
+        finally:
+            torch.set_default_dtype(old)
+
+    return run
 
 
 def probe_difference(got: Tensor, want: Tensor) -> float | None:
@@ -241,6 +260,7 @@ def _layer_fusable(m: nn.Module) -> bool:
     return rule is not None and not rule.offset and "forward" not in vars(m)
 
 
+@in_float32
 def _probe_layer(m: nn.Module, forward=_fused_layer_forward, prepare=None) -> str | None:
     """Why the layer's class cannot take ``forward`` (the fused residual add), or None: a
     small copy (hidden 16, 2 heads on 1 kv head of 8) runs its own forward and ``forward``

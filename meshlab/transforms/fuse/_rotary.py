@@ -24,7 +24,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
-from ._residual import probe_close
+from ._residual import in_float32, probe_close
 
 _ROUTED = threading.local()         # depth of routed attention modules now running
 
@@ -208,6 +208,7 @@ def _route_rotary(model: nn.Module, found) -> list[str]:
     return [name for name, _, _ in found]
 
 
+@in_float32
 def _probe_rotary(fn, owner: str) -> None:
     params = inspect.signature(fn).parameters
     if list(params)[:4] != ["q", "k", "cos", "sin"]:
