@@ -67,7 +67,10 @@ def _lora_config(model):
         from ..core.errors import ConfigError
 
         raise ConfigError("this model was parallelized without lora(); it has no adapters")
-    return t.config
+    from ..transforms.lora import with_targets
+
+    plan = runtime_of(model).plan           # the targets it runs: peft's defaults named
+    return with_targets(t.config, plan.model.config_get("model_type"))
 
 
 def _export(directory, model, what: str, files) -> str:

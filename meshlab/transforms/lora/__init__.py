@@ -33,6 +33,25 @@ from ._peft import jsonable as _jsonable, peft_module as _peft
 __all__ = ["Lora", "lora"]
 
 
+def with_targets(config, model_type: str | None):
+    """``config`` with the target modules peft picks for ``model_type`` where it names none
+    (peft's own table, as ``get_peft_model`` fills it in), else ``config`` itself; a model
+    type peft has no defaults for is refused by name."""
+    if config.target_modules:
+        return config
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TABLE
+
+    if model_type not in TABLE:
+        raise ConfigError(f"lora: the LoraConfig names no target_modules and peft has no "
+                          f"defaults for model type {model_type!r}; name some, e.g. "
+                          f"target_modules=['q_proj', 'v_proj']")
+    import copy
+
+    out = copy.copy(config)
+    out.target_modules = set(TABLE[model_type])
+    return out
+
+
 def _targets(config, plan: Plan) -> list[ModuleInfo]:
     """The linear modules peft will wrap (its own matching rule)."""
     from peft.tuners.tuners_utils import check_target_module_exists
@@ -157,9 +176,10 @@ class Lora(Transform):
         if plan.is_bound:
             raise ConfigError("lora() rewrites the parameter table: apply it to an unbound "
                               "plan, as part of the spec given to plan/parallelize")
-        return plan.replace(params=lora_entries(self.config, plan),
+        config = with_targets(self.config, plan.model.config_get("model_type"))
+        return plan.replace(params=lora_entries(config, plan),
                             model=dataclasses.replace(plan.model, modules=lora_modules(
-                                self.config, plan)))
+                                config, plan)))
 
     def prepare(self, ctx) -> None:
         from ._inject import inject
@@ -181,7 +201,8 @@ class Lora(Transform):
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"lora(r={c.r}, alpha={c.lora_alpha}, targets={sorted(c.target_modules)}"
+        targets = sorted(c.target_modules) if c.target_modules else "peft's for the model type"
+        return (f"lora(r={c.r}, alpha={c.lora_alpha}, targets={targets}"
                 + (f", modules_to_save={list(c.modules_to_save)}" if c.modules_to_save else "")
                 + ")")
 
@@ -226,10 +247,7 @@ def lora(config=None, **kwargs) -> Lora:
         raise ConfigError(f"lora(bias={config.bias!r}): meshlab plans LoRA with frozen "
                           f"biases only; pass bias='none' (the default)")
     targets = config.target_modules
-    if not targets:
-        raise ConfigError("lora: the LoraConfig names no target_modules; name some, e.g. "
-                          "target_modules=['q_proj', 'v_proj']")
-    if not (isinstance(targets, str) or (isinstance(targets, (list, tuple, set, frozenset))
+    if targets is not None and not (isinstance(targets, str) or (isinstance(targets, (list, tuple, set, frozenset))
                                          and all(isinstance(t, str) and t for t in targets))):
         raise ConfigError(f"lora(target_modules={targets!r}): target_modules is a module "
                           f"name pattern (a string) or a list of module names; pass e.g. "

@@ -16,8 +16,11 @@ def inject(t, ctx) -> None:
     model = ctx.model
     meta = any(p.is_meta for p in model.parameters())
     device = "meta" if meta else next(model.parameters()).device
+    from . import with_targets
+
+    config = with_targets(t.config, ctx.plan.model.config_get("model_type"))
     with torch.device(device):
-        peft.inject_adapter_in_model(t.config, model)
+        peft.inject_adapter_in_model(config, model)
     want = {e.fqn: e for e in ctx.plan.params}
     got = dict(model.named_parameters())
     if set(got) != set(want):

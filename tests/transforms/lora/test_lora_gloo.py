@@ -25,11 +25,13 @@ pytestmark = pytest.mark.timeout(900)
 LR = 1e-2
 
 
-def _config(save: bool):
+def _config(save: bool, default_targets: bool = False):
+    """``default_targets``: no target_modules, peft's defaults for the model type."""
     from peft import LoraConfig
 
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                      target_modules=["q_proj", "v_proj", "down_proj"],
+                      target_modules=None if default_targets else ["q_proj", "v_proj",
+                                                                    "down_proj"],
                       modules_to_save=["lm_head"] if save else None)
 
 
@@ -72,12 +74,12 @@ def _reference(model, cfg):
 LAYERS = dict(num_hidden_layers=4)
 
 
-def parity_case(rank, world, layout, save, bf16=False):
+def parity_case(rank, world, layout, save, bf16=False, default_targets=False):
     import torch.distributed as dist
 
     import meshlab as ml
 
-    cfg = _config(save)
+    cfg = _config(save, default_targets)
     spec, mesh = _spec(layout, cfg)
     model = ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(**mesh), seed=0)
     ref, gathered = _reference(model, cfg)
@@ -238,6 +240,29 @@ def test_plan_memory_counts_the_adapters_alone():
     assert est.params == plain.params + adapters
     assert {e.fqn for e in p.params if e.requires_grad} == {
         e.fqn for e in p.params if ".lora_" in e.fqn}
+
+
+def test_peft_default_targets_match_single_process_peft(world2):
+    """A LoraConfig without target_modules (as Colossal-AI's LoRA test and ColossalChat's
+    lora_finetune.py write it) takes the modules peft picks for the model type, q_proj and
+    v_proj for Llama, and trains as get_peft_model with the same config on one process."""
+    results = world2.run(parity_case, layout="dp", save=False, default_targets=True)
+    _check(results, "dp")
+    assert all(r["trainable"] == 2 * 2 * LAYERS["num_hidden_layers"] for r in results), results
+
+
+def test_peft_default_targets_in_the_plan():
+    import meshlab as ml
+    from peft import LoraConfig
+
+    plan = ml.plan(M.build("llama"), ml.lora(LoraConfig(r=2)), ml.Mesh(dp=1, fake=True))
+    wrapped = {e.fqn.rsplit(".", 3)[0].rsplit(".", 1)[1] for e in plan.params
+               if ".lora_A." in e.fqn}
+    assert wrapped == {"q_proj", "v_proj"}, wrapped
+    assert "peft's for the model type" in repr(plan.options[0])
+    with pytest.raises(ml.ConfigError, match="peft has no defaults for model type "
+                                             "'qwen3_moe'"):
+        ml.plan(M.build("qwen3_moe"), ml.lora(LoraConfig(r=2)), ml.Mesh(dp=1, fake=True))
 
 
 def test_refusals_name_the_fix():
