@@ -173,7 +173,13 @@ def model(kind: str) -> dict:
 
 
 def _row(kind: str) -> dict:
-    """``model(kind)``, or the error it raised (the other rows still run)."""
+    """``model(kind)``, or the error it raised (the other rows still run). Each row starts
+    from an empty dynamo cache: the rows' decoder layers share one code object, whose
+    recompile limit an earlier row's entries would otherwise use up (a row over it runs
+    eager without saying so, or fails under fullgraph)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
     try:
         return model(kind)
     except Exception as e:
