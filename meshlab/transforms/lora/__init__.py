@@ -26,30 +26,11 @@ from ...core.errors import ConfigError
 from ...planning.plan import ModuleInfo, ParamEntry, Plan
 from ...core.spec import P
 from .._protocol import Phase, Transform
-from ._peft import jsonable as _jsonable, peft_module as _peft
+from ._peft import jsonable as _jsonable, peft_module as _peft, with_targets as with_targets
 
 # Saving, loading and merging adapters are checkpoint work: meshlab.checkpoint.adapters
 # (meshlab.save_adapter, load_adapter, save_merged, merge_adapters, unmerge_adapters).
 __all__ = ["Lora", "lora"]
-
-
-def with_targets(config, model_type: str | None):
-    """``config`` with the target modules peft picks for ``model_type`` where it names none
-    (peft's own table, as ``get_peft_model`` fills it in), else ``config`` itself; a model
-    type peft has no defaults for is refused by name."""
-    if config.target_modules:
-        return config
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TABLE
-
-    if model_type not in TABLE:
-        raise ConfigError(f"lora: the LoraConfig names no target_modules and peft has no "
-                          f"defaults for model type {model_type!r}; name some, e.g. "
-                          f"target_modules=['q_proj', 'v_proj']")
-    import copy
-
-    out = copy.copy(config)
-    out.target_modules = set(TABLE[model_type])
-    return out
 
 
 def _targets(config, plan: Plan) -> list[ModuleInfo]:

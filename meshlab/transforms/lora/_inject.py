@@ -16,7 +16,7 @@ def inject(t, ctx) -> None:
     model = ctx.model
     meta = any(p.is_meta for p in model.parameters())
     device = "meta" if meta else next(model.parameters()).device
-    from . import with_targets
+    from ._peft import with_targets
 
     config = with_targets(t.config, ctx.plan.model.config_get("model_type"))
     with torch.device(device):
