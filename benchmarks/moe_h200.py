@@ -122,7 +122,8 @@ def model(kind: str) -> dict:
         m.config._experts_implementation = "grouped_mm"
     if kind == "moe_meshlab":
         m = ml.parallelize(m, ml.expert_route("ep"), ml.Mesh(ep=1), seed=0)
-    if kind == "moe_meshlab_compile":  # blocks compiled, nothing fused
+    if kind in ("moe_meshlab_compile", "moe_meshlab_compile_step",
+                "moe_meshlab_compile_fusedadamw"):  # blocks compiled, nothing fused
         m = ml.parallelize(m, ml.expert_route("ep") | ml.compile_blocks(), ml.Mesh(ep=1), seed=0)
     if kind in ("moe_meshlab_fused", "moe_meshlab_best", "moe_meshlab_fused_torch_adamw"):
         # norms, rotary, attention fused
@@ -136,14 +137,27 @@ def model(kind: str) -> dict:
     # DTensor expert weights and plain dense ones).
     ids = torch.randint(0, 32000, (4, 2048), device="cuda")
     batch = {"input_ids": ids, "labels": ids}
-    if kind == "moe_meshlab_best":
+    if kind in ("moe_meshlab_best", "moe_meshlab_compile_step",
+                "moe_meshlab_compile_fusedadamw"):
         from meshlab.ops import FusedAdamW
 
-        opt = ml.optimizer(m, FusedAdamW, lr=1e-5)
-        optimizer = "meshlab FusedAdamW through ml.step"
+        if kind == "moe_meshlab_compile_step":      # ml.step, torch's fused AdamW
+            opt = ml.optimizer(m, torch.optim.AdamW, lr=1e-5, fused=True)
+            optimizer = "torch AdamW(fused=True) through ml.step"
+        else:
+            opt = ml.optimizer(m, FusedAdamW, lr=1e-5)
+            optimizer = "meshlab FusedAdamW through ml." + (
+                "step" if kind == "moe_meshlab_best" else "optimizer, a plain loop")
 
-        def step():
-            ml.step(m, opt, batch)
+        if kind == "moe_meshlab_compile_fusedadamw":
+            def step():
+                loss = ml.losses.causal_lm_loss(m(input_ids=ids), batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        else:
+            def step():
+                ml.step(m, opt, batch)
     else:
         fused = kind in ("moe_hf_best", "moe_meshlab_fused_torch_adamw", "moe_meshlab_compile")
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=False, fused=fused)
@@ -189,7 +203,8 @@ def _row(kind: str) -> dict:
 
 
 ROWS = ("dense", "moe_hf", "moe_hf_compile", "moe_meshlab", "moe_meshlab_fused",
-        "moe_meshlab_compile", "moe_meshlab_fused_torch_adamw", "moe_hf_best", "moe_meshlab_best")
+        "moe_meshlab_compile", "moe_meshlab_compile_step", "moe_meshlab_compile_fusedadamw",
+        "moe_meshlab_fused_torch_adamw", "moe_hf_best", "moe_meshlab_best")
 
 
 def main() -> None:
