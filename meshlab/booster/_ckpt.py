@@ -2,12 +2,14 @@
 
 A model or optimizer checkpoint is a directory, written atomically by every rank:
 
-* ``use_safetensors=False`` (the default) writes meshlab's sharded DCP checkpoint — each
-  rank its shards, checksummed, reshardable onto any mesh, so a checkpoint saved under
-  one plugin loads under any other; no pickles are written or read;
-* ``use_safetensors=True`` writes a Hugging Face export (``config.json``, safetensors
-  shards of ``size_per_shard`` MB with ``shard=True``, one file without) that
-  ``from_pretrained`` reads, and ``load_model`` streams back into any layout.
+* the defaults (``shard=False``, ``use_safetensors=False``) write meshlab's sharded DCP
+  checkpoint — each rank its shards, checksummed, reshardable onto any mesh, so a
+  checkpoint saved under one plugin loads under any other; no pickles are written or read;
+* ``use_safetensors=True`` or ``shard=True`` writes a Hugging Face export (``config.json``,
+  safetensors shards of ``size_per_shard`` MB with their index with ``shard=True``, one
+  file without) that ``from_pretrained`` reads, and ``load_model`` streams back into any
+  layout. Colossal-AI's ``shard=True`` without safetensors writes ``.bin`` shards that
+  ``from_pretrained`` reads; these are safetensors shards it reads alike, without pickles.
 
 A learning-rate scheduler's state is a JSON file. Saves replace what the path held (as
 Colossal-AI's do), never leaving a half-written checkpoint.
@@ -30,19 +32,20 @@ import os
 from ..core.errors import check_int
 from ._args import Arg, UnsupportedArgument, bind, hint, maps, only
 
-_SHARDS = "size_per_shard applies to use_safetensors=True (DCP writes one file per rank)"
-
 SAVE_MODEL = (
-    maps("shard", False, "with use_safetensors=True: safetensors shards of size_per_shard MB "
-         "and an index (False: one file); DCP checkpoints are always sharded by rank", True),
+    maps("shard", False, "True: a Hugging Face export, safetensors shards of size_per_shard "
+         "MB and their index (from_pretrained reads them, as it reads Colossal-AI's .bin "
+         "shards); False: one safetensors file with use_safetensors=True, else meshlab's DCP "
+         "checkpoint, sharded by rank", True),
     hint("gather_dtensor", True, "DCP saves each rank's shards with the global layout, "
          "loadable on any mesh; safetensors exports hold whole tensors", False),
     only("prefix", None, "files are named as Hugging Face names them, so from_pretrained "
          "reads them", "a directory per checkpoint"),
     maps("size_per_shard", 1024, "checkpoint.save_pretrained(max_shard_size=f'{n}MB') "
-         "(use_safetensors=True and shard=True)", 64),
+         "with shard=True; unused without it, as in Colossal-AI", 64),
     maps("use_safetensors", False, "True: checkpoint.save_pretrained (a Hugging Face export); "
-         "False: checkpoint.save (meshlab's sharded DCP checkpoint, no pickles)", True),
+         "False: the same export with shard=True, else checkpoint.save (meshlab's sharded DCP "
+         "checkpoint, no pickles)", True),
     maps("use_async", False, "checkpoint.save(async_save=True): the shards are copied to "
          "host memory and written in the background (DCP only)", True),
 )
@@ -166,18 +169,16 @@ def save_model(self, model, checkpoint: str, shard: bool = False, gather_dtensor
                                  size_per_shard=size_per_shard,
                                  use_safetensors=use_safetensors, use_async=use_async))
     check_int(v["size_per_shard"], "Booster.save_model", "size_per_shard", example=1024)
-    if v["use_safetensors"]:
+    if v["use_safetensors"] or v["shard"]:
         if v["use_async"]:
-            raise UnsupportedArgument("Booster.save_model", "use_async", True, "safetensors "
-                                      "exports are written synchronously",
+            raise UnsupportedArgument("Booster.save_model", "use_async", True, "Hugging Face "
+                                      "exports (use_safetensors=True or shard=True) are "
+                                      "written synchronously", "shard=False, "
                                       "use_safetensors=False (DCP saves asynchronously)")
         size = f"{v['size_per_shard']}MB" if v["shard"] else 2 ** 62
         ckpt.save_pretrained(checkpoint, model, max_shard_size=size,
                              extra=_step_extra(_step_of(self, model)))
         return
-    if v["size_per_shard"] != 1024:
-        raise UnsupportedArgument("Booster.save_model", "size_per_shard", v["size_per_shard"],
-                                  _SHARDS, "use_safetensors=True")
     ckpt.save(checkpoint, model, overwrite=True, async_save=v["use_async"],
               extra=_step_extra(_step_of(self, model)))
 

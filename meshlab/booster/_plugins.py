@@ -213,8 +213,10 @@ class GeminiPlugin(Plugin):
         hint("enable_gradient_accumulation", False, "gradients always accumulate over "
              "backwards until the optimizer steps (no_sync skips their reduction)", True),
         hint("max_prefetch", 0, "FSDP2 prefetches the next block's all-gather", 2),
-        only("shard_param_frac", 1.0, "ZeRO-3 shards every parameter",
-             "zero_shard(3) (all) or zero_shard(2) (none)"),
+        maps("shard_param_frac", 1.0, "1.0: zero_shard(3) (every parameter sharded); 0.0: "
+             "zero_shard(2) (parameters gathered for the forward and kept through the "
+             "backward; gradients and optimizer state sharded); a fraction between is refused "
+             "(FSDP2 shards each block whole)", 0.0),
         maps("offload_optim_frac", 0.0, "offload(optimizer=f) (placement_policy='static')",
              0.5),
         maps("offload_param_frac", 0.0, "offload(params=f, grads=f) (placement_policy="
@@ -276,7 +278,13 @@ class GeminiPlugin(Plugin):
                                   f"parallelism splits inside tensor parallelism; set "
                                   f"tp_size > 1")
             spec = spec | sequence("tp", "split_gather")
-        spec = spec | zero_shard(3, "dp")
+        frac = float(v["shard_param_frac"])
+        if frac not in (0.0, 1.0):
+            raise UnsupportedArgument(owner, "shard_param_frac", frac, "FSDP2 shards each "
+                                      "block's parameters whole, not a fraction of them",
+                                      "shard_param_frac=1.0 (zero_shard(3)) or 0.0 "
+                                      "(zero_shard(2))")
+        spec = spec | zero_shard(3 if frac == 1.0 else 2, "dp")
         policy = v["placement_policy"]
         po, oo = float(v["offload_param_frac"]), float(v["offload_optim_frac"])
         for k, f in (("offload_param_frac", po), ("offload_optim_frac", oo)):

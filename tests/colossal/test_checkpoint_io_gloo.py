@@ -1,0 +1,118 @@
+"""Colossal-AI's checkpoint-IO cases, rewritten in meshlab's code, on 2 gloo processes.
+
+``tests/test_checkpoint_io/test_plugins_huggingface_compatibility.py``: a Llama boosted
+under ``TorchDDPPlugin``, ``LowLevelZeroPlugin(stage=2, max_norm=1.0, initial_scale=32)``
+and ``GeminiPlugin(precision='fp16', initial_scale=32)`` with ``HybridAdam`` takes one step,
+``booster.save_model(model, path, shard=True, size_per_shard=32)`` (no safetensors asked
+for), and ``from_pretrained`` of the class reads the directory back; boosted again, its
+state dict equals the saved model's (``unwrap().state_dict()``; Gemini's
+``state_dict(only_rank_0=False)``). Tighter than the original: exactly equal, where its
+``check_state_dict_equal`` allows 1e-3, and the directory holds several shards of at most
+``size_per_shard`` with their index (1 MB, for a Llama of about 4 MB).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests import _models as M
+
+pytestmark = pytest.mark.timeout(600)
+
+WIDE = dict(hidden_size=256, intermediate_size=512)     # 2 blocks of about 2.6 MB
+
+
+def hf_compat_case(rank, world, plugin_type, path):
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.booster import Booster
+    from meshlab.booster.nn.optimizer import HybridAdam
+    from meshlab.booster.plugin import GeminiPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+
+    plugin = {"ddp": lambda: TorchDDPPlugin(),
+              "zero": lambda: LowLevelZeroPlugin(stage=2, max_norm=1.0, initial_scale=32),
+              "gemini": lambda: GeminiPlugin(precision="fp16", initial_scale=32)}[plugin_type]()
+    booster = Booster(plugin=plugin)
+    model = ml.init_weights(M.build("llama", **WIDE), seed=0)
+    cls = type(model)
+    optimizer = HybridAdam(model.parameters(), lr=1e-3)
+    criterion = lambda out: out.loss          # noqa: E731  (the zoo's loss for causal LMs)
+    model, optimizer, criterion, _, _ = booster.boost(model, optimizer, criterion)
+    ids = M.batches(1, batch=2)[0]
+    loss = criterion(model(input_ids=ids, labels=ids))
+    booster.backward(loss, optimizer)
+    optimizer.step()
+
+    where = os.path.join(path, plugin_type, "model")
+    booster.save_model(model, where, shard=True, size_per_shard=1)
+    dist.barrier()
+    files = sorted(os.listdir(where))
+    index = json.load(open(os.path.join(where, "model.safetensors.index.json")))
+    new = cls.from_pretrained(where)
+    new_optimizer = HybridAdam(new.parameters(), lr=1e-3)
+    new, new_optimizer, criterion, _, _ = booster.boost(new, new_optimizer, criterion)
+    if plugin_type == "gemini":
+        a, b = model.state_dict(only_rank_0=False), new.state_dict(only_rank_0=False)
+    else:
+        a, b = model.unwrap().state_dict(), new.unwrap().state_dict()
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for k in a:
+        assert torch.equal(M.full(a[k]), M.full(b[k])), k
+    dist.barrier()
+    return files, sorted(set(index["weight_map"].values()))
+
+
+@pytest.mark.parametrize("plugin_type", ["ddp", "zero", "gemini"])
+def test_a_sharded_save_loads_with_from_pretrained(world2, tmp_path_factory, plugin_type):
+    path = str(tmp_path_factory.getbasetemp() / "hf_compat")
+    files, shards = world2.run(hf_compat_case, plugin_type=plugin_type, path=path)[0]
+    assert len(shards) > 1 and set(shards) <= set(files), (files, shards)
+    assert "config.json" in files and not any(f.endswith(".bin") for f in files), files
+
+
+def gemini_frac_case(rank, world):
+    """``tests/test_checkpoint_io/test_gemini_checkpoint_io.py``'s optimizer placement
+    ``{"placement_policy": "static", "shard_param_frac": 0.0, "offload_optim_frac": 0.5}``
+    (ZeRO-2 with half the optimizer offloaded) plans zero_shard(2) and trains as
+    ``shard_param_frac=1.0`` (zero_shard(3)) does, to float32 rounding; a fraction between
+    is refused by name before anything runs."""
+    import meshlab as ml
+    from meshlab.booster import Booster
+    from meshlab.booster._args import UnsupportedArgument
+    from meshlab.booster.nn.optimizer import HybridAdam
+    from meshlab.booster.plugin import GeminiPlugin
+
+    def train(**placement):
+        booster = Booster(plugin=GeminiPlugin(precision="fp32", **placement))
+        model = ml.init_weights(M.build("llama"), seed=0)
+        optimizer = HybridAdam(model.parameters(), lr=1e-3)
+        model, optimizer, *_ = booster.boost(model, optimizer)
+        for ids in M.batches(2, batch=4):
+            mine = ids.chunk(world)[rank]
+            booster.backward(model(input_ids=mine, labels=mine).loss, optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+        rooms = [repr(t) for t in model.unwrap()._meshlab.plan.rooms]
+        return {n: M.full(p).detach().clone() for n, p in model.unwrap().named_parameters()}, \
+            rooms
+
+    half, rooms = train(placement_policy="static", shard_param_frac=0.0, offload_optim_frac=0.5)
+    assert any("zero_shard(stage=2" in r for r in rooms), rooms
+    whole, rooms3 = train(placement_policy="static", offload_optim_frac=0.5)
+    assert any("zero_shard(stage=3" in r for r in rooms3), rooms3
+    for n in whole:
+        torch.testing.assert_close(half[n], whole[n], atol=1e-6, rtol=1e-5,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+    with pytest.raises(UnsupportedArgument, match="shard_param_frac"):
+        Booster(plugin=GeminiPlugin(shard_param_frac=0.5)).boost(
+            ml.init_weights(M.build("llama"), seed=0))
+    return True
+
+
+def test_gemini_shard_param_frac_zero_is_zero2(world2):
+    assert all(world2.run(gemini_frac_case))
