@@ -30,7 +30,7 @@ ROOMS = {
     "expert_route": (ml.expert_route, ("axis", "capacity_factor", "dispatch")),
 }
 # arguments a constructor needs before any other is read: each fuzzed argument is checked
-# beside valid others (lora refuses a config without targets before reading r)
+# beside valid others (lora with named targets: the fuzz reads each argument beside them)
 BASE = {"lora": {"target_modules": ["q_proj", "v_proj"]}}
 
 
@@ -54,9 +54,10 @@ def test_room_constructors_raise_only_typed_errors(name, data):
         assert type(c.r) is int and c.r > 0 and math.isfinite(c.lora_alpha) and \
             0 <= c.lora_dropout < 1, (arg, value, c)
         assert c.bias == "none" and c.use_dora is False, (arg, value, c)
-        assert (isinstance(c.target_modules, str) and c.target_modules) or (
+        assert c.target_modules is None or (isinstance(c.target_modules, str) and
+                                            c.target_modules) or (
             c.target_modules and all(isinstance(m, str) and m for m in c.target_modules)), \
-            (arg, value, c.target_modules)
+            (arg, value, c.target_modules)     # None: peft's defaults for the model type
         assert c.modules_to_save is None or all(isinstance(m, str) and m
                                                 for m in c.modules_to_save), (arg, value)
 
@@ -64,7 +65,7 @@ def test_room_constructors_raise_only_typed_errors(name, data):
 @pytest.mark.parametrize("arg, value", [
     ("r", 0), ("r", -1), ("r", 1.5), ("r", True), ("lora_alpha", math.nan),
     ("lora_dropout", 1.0), ("target_modules", 5), ("target_modules", [1]),
-    ("target_modules", [""]), ("target_modules", {"q_proj": 1}), ("bias", "x"), ("bias", 0),
+    ("target_modules", [""]), ("target_modules", []), ("target_modules", {"q_proj": 1}), ("bias", "x"), ("bias", 0),
     ("use_dora", 1), ("use_dora", "no"), ("modules_to_save", "lm_head"),
     ("modules_to_save", [None]), ("task_type", "x"), ("no_such_option", 1),
 ])

@@ -227,11 +227,13 @@ def lora(config=None, **kwargs) -> Lora:
         # "lora_only"), or none at all
         raise ConfigError(f"lora(bias={config.bias!r}): meshlab plans LoRA with frozen "
                           f"biases only; pass bias='none' (the default)")
-    targets = config.target_modules
-    if targets is not None and not (isinstance(targets, str) or (isinstance(targets, (list, tuple, set, frozenset))
-                                         and all(isinstance(t, str) and t for t in targets))):
+    targets = config.target_modules     # None: peft's defaults for the model type
+    names = isinstance(targets, (list, tuple, set, frozenset)) and all(
+        isinstance(t, str) and t for t in targets)
+    if targets is not None and (not targets or not (isinstance(targets, str) or names)):
         raise ConfigError(f"lora(target_modules={targets!r}): target_modules is a module "
-                          f"name pattern (a string) or a list of module names; pass e.g. "
+                          f"name pattern (a string), a list of module names, or None for "
+                          f"peft's defaults for the model type; pass e.g. "
                           f"target_modules=['q_proj', 'v_proj']")
     saved = config.modules_to_save
     if saved is not None and not (isinstance(saved, (list, tuple, set, frozenset)) and all(
