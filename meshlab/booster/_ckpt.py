@@ -11,6 +11,9 @@ A model or optimizer checkpoint is a directory, written atomically by every rank
   layout. Colossal-AI's ``shard=True`` without safetensors writes ``.bin`` shards that
   ``from_pretrained`` reads; these are safetensors shards it reads alike, without pickles.
 
+A path that names a file (``model.pt``, ``model.safetensors``; ``shard=False``) is one
+file ``torch.load`` or safetensors reads, as Colossal-AI writes it (``_onefile``).
+
 A learning-rate scheduler's state is a JSON file. Saves replace what the path held (as
 Colossal-AI's do), never leaving a half-written checkpoint.
 
@@ -30,6 +33,7 @@ import json
 import os
 
 from ..core.errors import check_int
+from . import _onefile
 from ._args import Arg, UnsupportedArgument, bind, hint, maps, only
 
 SAVE_MODEL = (
@@ -169,6 +173,11 @@ def save_model(self, model, checkpoint: str, shard: bool = False, gather_dtensor
                                  size_per_shard=size_per_shard,
                                  use_safetensors=use_safetensors, use_async=use_async))
     check_int(v["size_per_shard"], "Booster.save_model", "size_per_shard", example=1024)
+    path = os.fspath(checkpoint)
+    if not v["shard"] and _onefile.names_a_file(path):      # Colossal-AI's one file
+        # use_async: written before save_model returns (the same file, complete sooner)
+        _onefile.save(model, path, v["use_safetensors"], _step_extra(_step_of(self, model)))
+        return
     if v["use_safetensors"] or v["shard"]:
         if v["use_async"]:
             raise UnsupportedArgument("Booster.save_model", "use_async", True, "Hugging Face "
@@ -193,6 +202,9 @@ def load_model(self, model, checkpoint: str, strict: bool = True, low_cpu_mem_mo
     v = _args("load_model", dict(strict=strict, low_cpu_mem_mode=low_cpu_mem_mode,
                                  num_threads=num_threads))
     path = os.fspath(checkpoint).rstrip("/")
+    if os.path.isfile(path):                     # one file: Colossal-AI's unsharded save
+        _onefile.load(model, path, v["strict"])
+        return
     if _is_dcp(path):
         step = _marker_step(path)
         parts = _check_resume(self, model, "model", step, path)

@@ -116,3 +116,54 @@ def gemini_frac_case(rank, world):
 
 def test_gemini_shard_param_frac_zero_is_zero2(world2):
     assert all(world2.run(gemini_frac_case))
+
+
+def one_file_case(rank, world, plugin_type, suffix, path):
+    """``tests/test_checkpoint_io/test_torch_ddp_checkpoint_io.py`` and
+    ``test_low_level_zero_checkpoint_io.py`` with ``shard=False``: ``save_model`` of a path
+    ``model.pt`` / ``model.safetensors`` writes one file (``torch.load`` or safetensors reads
+    it, with the trained weights: tighter than the originals, which only load it back), and
+    ``load_model`` of it into a fresh boosted model gives the same weights exactly."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.booster import Booster
+    from meshlab.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
+
+    def boosted():
+        plugin = TorchDDPPlugin() if plugin_type == "ddp" else LowLevelZeroPlugin(stage=2)
+        booster = Booster(plugin=plugin)
+        model = ml.init_weights(M.build("llama"), seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, *_ = booster.boost(model, opt)
+        return booster, model, opt
+
+    booster, model, opt = boosted()
+    ids = M.batches(1, batch=4)[0].chunk(world)[rank]
+    booster.backward(model(input_ids=ids, labels=ids).loss, opt)
+    opt.step()
+    where = os.path.join(path, f"{plugin_type}-model{suffix}")
+    booster.save_model(model, where)
+    want = {n: M.full(p).detach().clone() for n, p in model.unwrap().named_parameters()}
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        saved = load_file(where)
+    else:
+        saved = torch.load(where, weights_only=True)
+    assert os.path.isfile(where) and not os.path.exists(where + ".meshlab-export")
+    for n, w in want.items():
+        assert torch.equal(saved[n], w), n
+    booster2, fresh, _ = boosted()
+    booster2.load_model(fresh, where)
+    for n, p in fresh.unwrap().named_parameters():
+        assert torch.equal(M.full(p), want[n]), n
+    dist.barrier()
+    return True
+
+
+@pytest.mark.parametrize("plugin_type,suffix", [("ddp", ".pt"), ("zero", ".safetensors"),
+                                                ("zero", ".pt")])
+def test_a_file_path_saves_one_file(world2, tmp_path_factory, plugin_type, suffix):
+    path = str(tmp_path_factory.getbasetemp() / "one_file")
+    assert all(world2.run(one_file_case, plugin_type=plugin_type, suffix=suffix, path=path))
