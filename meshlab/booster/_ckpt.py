@@ -39,8 +39,9 @@ from ._args import Arg, UnsupportedArgument, bind, hint, maps, only
 SAVE_MODEL = (
     maps("shard", False, "True: a Hugging Face export, safetensors shards of size_per_shard "
          "MB and their index (from_pretrained reads them, as it reads Colossal-AI's .bin "
-         "shards); False: one safetensors file with use_safetensors=True, else meshlab's DCP "
-         "checkpoint, sharded by rank", True),
+         "shards); False: a path naming a file (model.pt, model.safetensors) gets one file "
+         "torch.load or safetensors reads, a directory path one safetensors file with "
+         "use_safetensors=True, else meshlab's DCP checkpoint, sharded by rank", True),
     hint("gather_dtensor", True, "DCP saves each rank's shards with the global layout, "
          "loadable on any mesh; safetensors exports hold whole tensors", False),
     only("prefix", None, "files are named as Hugging Face names them, so from_pretrained "
