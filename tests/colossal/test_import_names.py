@@ -9,6 +9,10 @@
   calls it between cases): nothing to clear.
 * ``HybridParallelModule`` (``tests/test_lora/test_lora.py`` unwraps ``model.module.module``
   when the boosted model is one): meshlab's boosted model never is, so the model is kept.
+* ``shardformer.layer.utils.Randomizer`` (the same checkpoint test calls
+  ``Randomizer.reset_index()`` between cases): nothing to reset; the hand-sharded layers of
+  ``shardformer.layer`` (``Linear1D_Col``, imported by the model zoo's ``simple_mlp``) raise
+  an ``ImportError`` naming meshlab's way (a weight's partition spec).
 """
 
 from __future__ import annotations
@@ -106,3 +110,11 @@ def test_lazy_init_takes_this_process_device_and_refuses_another():
         LazyInitContext(default_device=other)
     with pytest.raises(ConfigError):
         LazyInitContext(default_device="not-a-device")
+
+
+def test_randomizer_resets_and_the_hand_sharded_layers_name_the_fix():
+    from meshlab.booster.shardformer.layer.utils import Randomizer
+
+    assert Randomizer.reset_index() is None and Randomizer.increment_index() is None
+    with pytest.raises(ImportError, match="partition spec"):
+        from meshlab.booster.shardformer.layer import Linear1D_Col  # noqa: F401
