@@ -23,6 +23,7 @@ import time
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from . import _rng
@@ -55,8 +56,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     """Save a sharded checkpoint into directory ``path``; every rank calls it.
 
     ``extra`` (a dict of JSON values) is for the user's own state (``{'step': 100}``).
-    ``async_save`` copies the state to CPU before returning and writes it in the
-    background (at most one save in flight: a new save first waits for the last).
+    ``async_save`` copies the state to CPU before returning (from an accelerator into
+    pinned buffers kept for the next save, ``_stage``) and writes it in the background (at most one save in flight: a new save first waits for the last).
     ``keep_last=k`` deletes older complete checkpoints next to ``path``, never the newest
     valid one. A save before the optimizer's first step records that it has no state yet
     (it creates none, so the run goes on exactly as without the save).
@@ -93,7 +94,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
                                               len(tensors), time.perf_counter() - t0)
         return path
     # Stage: copy every local shard now, so later updates cannot reach the file.
-    staged = {k: _stage(v) for k, v in tensors.items()}
+    staged = _stage(tensors)
     errors: list = []
     bg = background_group(model)
     thread = threading.Thread(target=_finish, name="meshlab-save",
@@ -156,13 +157,42 @@ def _health(extra, optimizer) -> dict:
             "grad_norm": number(getattr(optimizer, "last_grad_norm", None))}
 
 
-def _stage(t):
+_PINNED: dict = {}     # name -> the pinned host buffer its last asynchronous save used
+
+
+def _stage(tensors: dict) -> dict:
+    """Every local shard copied to host memory now, so later updates cannot reach the file.
+
+    From an accelerator: into pinned buffers kept per name for the next save (``wait()``
+    has finished the last write before a save stages again), by non-blocking copies and
+    one synchronization. Measured on an H100 for a 3.5 GiB state: 68 ms, against 2,832 ms
+    copying each tensor into pageable memory (what this did before) and 1,507 ms for the
+    first call of DCP's ``DefaultStager``, whose second call raises ``KeyError: <class
+    'type'>`` on torch 2.11 (``benchmarks/stage_gpu.py``,
+    ``benchmarks/results/stage_nvidia_h100_80gb_hbm3.json``); the buffers stay allocated
+    for the process, as DCP's stager keeps its own. From the CPU: plain copies."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
-        return DTensor.from_local(t.to_local().detach().to("cpu", copy=True), t.device_mesh,
-                                  t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return t.detach().to("cpu", copy=True)
+    for name in set(_PINNED) - set(tensors):
+        del _PINNED[name]
+    out, pending = {}, False
+    for name, t in tensors.items():
+        local = (t.to_local() if isinstance(t, DTensor) else t).detach()
+        if local.device.type == "cpu":
+            copy = local.to("cpu", copy=True)
+        else:
+            copy = _PINNED.get(name)
+            if copy is None or copy.shape != local.shape or copy.dtype != local.dtype:
+                copy = _PINNED[name] = torch.empty(local.shape, dtype=local.dtype,
+                                                   pin_memory=True)
+            copy.copy_(local, non_blocking=True)
+            pending = True
+        out[name] = DTensor.from_local(copy, t.device_mesh, t.placements, run_check=False,
+                                       shape=t.shape, stride=t.stride()) \
+            if isinstance(t, DTensor) else copy
+    if pending:
+        torch.accelerator.synchronize()
+    return out
 
 
 def _discard_quietly(tmp: str) -> None:
