@@ -47,6 +47,8 @@ def make_plugin(name: str):
         return LowLevelZeroPlugin(stage=1, precision="fp32")
     if name == "gemini":
         return GeminiPlugin(precision="fp32", offload_optim_frac=0.5, pin_memory=False)
+    if name == "gemini_hybrid":     # sharded over 2, replicated over the rest (extra_dp_size)
+        return GeminiPlugin(precision="fp32", extra_dp_size=2)
     if name == "hybrid":
         return HybridParallelPlugin(tp_size=2, pp_size=2, zero_stage=1, precision="fp32",
                                     num_microbatches=2)
@@ -74,7 +76,7 @@ def make_plugin(name: str):
         return MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1,
                                        cpu_offload=True, precision="fp32")
     raise SystemExit(f"--plugin {name!r}: one of ddp, fsdp, fsdp_hybrid, zero1, zero2, gemini, "
-                     f"gemini_tp, hybrid, hybrid_offload, hybrid_sp, hybrid_tp, moe, moe_sp, "
+                     f"gemini_hybrid, gemini_tp, hybrid, hybrid_offload, hybrid_sp, hybrid_tp, moe, moe_sp, "
                      f"moe_offload")
 
 

@@ -246,8 +246,10 @@ class GeminiPlugin(Plugin):
              "offload(policy='auto', budget=...)"),
     ) + scaler_args(2 ** 16) + clip_args() + (
         maps("tp_size", 1, "a 'tp' mesh axis of this size and shard(policies.auto)", 2),
-        only("extra_dp_size", 1, "one data-parallel axis", "a meshlab mesh with the axes "
-             "you need"),
+        maps("extra_dp_size", 1, "hybrid sharding: data_parallel('rep') | zero_shard(3, 'dp') "
+             "(FSDP2 on the 2-D mesh (rep, dp)), replicated over a 'rep' axis of this size and "
+             "sharded over the ranks the world leaves, as Colossal-AI shards over "
+             "world / (tp_size * extra_dp_size)", 2),
     ) + shardformer_args()[:3] + (
         maps("enable_sequence_parallelism", False, "sequence('tp', 'split_gather') (Megatron "
              "sequence parallelism inside tensor parallelism; needs tp_size > 1)",
@@ -262,12 +264,20 @@ class GeminiPlugin(Plugin):
     )
 
     def _sizes(self) -> dict:
-        tp = self.arguments["tp_size"]
-        return {"tp": tp} if tp > 1 else {}
+        tp, rep = self.arguments["tp_size"], self.arguments["extra_dp_size"]
+        return {**({"rep": rep} if rep > 1 else {}), **({"tp": tp} if tp > 1 else {})}
+
+    def _order(self, fixed: dict) -> dict:
+        """Hybrid sharding's replicas first in the mesh (``rep``, ``dp``, ``tp``)."""
+        if "rep" not in fixed:
+            return super()._order(fixed)
+        return {"rep": fixed["rep"], "dp": None, **{k: v for k, v in fixed.items()
+                                                    if k != "rep"}}
 
     def _build(self, v: dict) -> Stack:
         from .. import policies
-        from ..transforms import Identity, fuse, offload, sequence, shard, zero_shard
+        from ..transforms import Identity, data_parallel, fuse, offload, sequence, shard, \
+            zero_shard
 
         owner = type(self).__name__
         tp = positive_int(owner, "tp_size", v["tp_size"])
@@ -284,6 +294,9 @@ class GeminiPlugin(Plugin):
                                       "block's parameters whole, not a fraction of them",
                                       "shard_param_frac=1.0 (zero_shard(3)) or 0.0 "
                                       "(zero_shard(2))")
+        replicas = positive_int(owner, "extra_dp_size", v["extra_dp_size"])
+        if replicas > 1:                 # hybrid sharding: replicated over rep
+            spec = spec | data_parallel("rep")
         spec = spec | zero_shard(3 if frac == 1.0 else 2, "dp")
         policy = v["placement_policy"]
         po, oo = float(v["offload_param_frac"]), float(v["offload_optim_frac"])
@@ -311,4 +324,5 @@ class GeminiPlugin(Plugin):
         prec = precision_of(self, v, ("fp16", "bf16", "fp32"))
         if prec is not None:
             spec = spec | prec
-        return Stack({}, spec, ("dp",), clip_grad_norm=clip(v), verbose=v["verbose"])
+        return Stack({}, spec, ("rep", "dp") if replicas > 1 else ("dp",),
+                     clip_grad_norm=clip(v), verbose=v["verbose"])

@@ -155,7 +155,7 @@ def world():
 
 
 @pytest.mark.parametrize("plugin_name", ["ddp", "fsdp", "fsdp_hybrid", "zero2", "gemini",
-                                         "gemini_tp", "hybrid", "hybrid_offload", "hybrid_sp",
+                                         "gemini_hybrid", "gemini_tp", "hybrid", "hybrid_offload", "hybrid_sp",
                                          "moe", "moe_sp", "moe_offload"])
 def test_loop_matches_one_process(world, plugin_name):
     out = world.run(loop_case, plugin_name=plugin_name)
@@ -169,7 +169,7 @@ def test_loop_matches_one_process(world, plugin_name):
         assert out[0]["mesh"]["sp"] == 2, out[0]["mesh"]
     if plugin_name == "moe_offload":
         assert "offload(" in out[0]["spec"] and "expert_route(" in out[0]["spec"]
-    if plugin_name == "fsdp_hybrid":        # FSDP2 on (rep, dp): replicated, then sharded
+    if plugin_name in ("fsdp_hybrid", "gemini_hybrid"):   # FSDP2 on (rep, dp)
         assert out[0]["mesh"] == {"rep": 2, "dp": 2}, out[0]["mesh"]
         assert out[0]["placements"] == "(Replicate(), Shard(dim=0))", out[0]["placements"]
 
