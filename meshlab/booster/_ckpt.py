@@ -34,7 +34,7 @@ import os
 
 from ..core.errors import check_int
 from . import _onefile
-from ._args import Arg, UnsupportedArgument, bind, hint, maps, only
+from ._args import Arg, bind, hint, maps, only
 
 SAVE_MODEL = (
     maps("shard", False, "True: a Hugging Face export, safetensors shards of size_per_shard "
@@ -52,7 +52,8 @@ SAVE_MODEL = (
          "False: the same export with shard=True, else checkpoint.save (meshlab's sharded DCP "
          "checkpoint, no pickles)", True),
     maps("use_async", False, "checkpoint.save(async_save=True): the shards are copied to "
-         "host memory and written in the background (DCP only)", True),
+         "host memory and written in the background (DCP); a Hugging Face export or one file "
+         "is written before save_model returns", True),
 )
 LOAD_MODEL = (
     maps("strict", True, "checkpoint.load/load_pretrained(strict=...)", False),
@@ -180,11 +181,7 @@ def save_model(self, model, checkpoint: str, shard: bool = False, gather_dtensor
         _onefile.save(model, path, v["use_safetensors"], _step_extra(_step_of(self, model)))
         return
     if v["use_safetensors"] or v["shard"]:
-        if v["use_async"]:
-            raise UnsupportedArgument("Booster.save_model", "use_async", True, "Hugging Face "
-                                      "exports (use_safetensors=True or shard=True) are "
-                                      "written synchronously", "shard=False, "
-                                      "use_safetensors=False (DCP saves asynchronously)")
+        # use_async: the export is written before save_model returns (the same files)
         size = f"{v['size_per_shard']}MB" if v["shard"] else 2 ** 62
         ckpt.save_pretrained(checkpoint, model, max_shard_size=size,
                              extra=_step_extra(_step_of(self, model)))
