@@ -77,8 +77,10 @@ LOAD_OPTIMIZER = (
     hint("num_threads", 1, "DCP reads each rank's own slices", 4),
 )
 SAVE_LORA = (
-    hint("use_safetensors", False, "meshlab.save_adapter always writes "
-         "adapter_model.safetensors (peft reads it; no pickles)", True),
+    maps("use_safetensors", False, "meshlab.save_adapter(safe_serialization=...): True "
+         "writes adapter_model.safetensors; False, as peft's save_pretrained, "
+         "adapter_model.bin (tensors only: load_adapter reads it without running pickled "
+         "code)", True),
 )
 METHODS: dict[str, tuple[Arg, ...]] = {
     "save_model": SAVE_MODEL, "load_model": LOAD_MODEL, "save_optimizer": SAVE_OPTIMIZER,
@@ -325,5 +327,5 @@ def save_lora_as_pretrained(self, model, checkpoint: str, use_safetensors: bool 
     """Write the adapters in PEFT format (``meshlab.save_adapter``)."""
     from ..checkpoint.adapters import save_adapter
 
-    _args("save_lora_as_pretrained", dict(use_safetensors=use_safetensors))
-    save_adapter(checkpoint, model)
+    v = _args("save_lora_as_pretrained", dict(use_safetensors=use_safetensors))
+    save_adapter(checkpoint, model, safe_serialization=v["use_safetensors"])

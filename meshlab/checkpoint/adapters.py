@@ -30,6 +30,7 @@ from torch import nn
 from ..transforms._install import runtime_of
 
 ADAPTER = "adapter_model.safetensors"
+ADAPTER_BIN = "adapter_model.bin"      # peft's save_pretrained(safe_serialization=False)
 CONFIG = "adapter_config.json"
 
 
@@ -92,7 +93,9 @@ def _export(directory, model, what: str, files) -> str:
             os.makedirs(tmp)
             for name, data in files().items():
                 path = os.path.join(tmp, name)
-                if isinstance(data, dict):
+                if isinstance(data, dict) and name.endswith(".bin"):
+                    torch.save({k: v.contiguous() for k, v in data.items()}, path)
+                elif isinstance(data, dict):
                     save_file({k: v.contiguous() for k, v in data.items()}, path,
                               metadata={"format": "pt"})
                 else:
@@ -113,12 +116,21 @@ def _export(directory, model, what: str, files) -> str:
     return directory
 
 
+def _weights_file(d: str) -> str | None:
+    """The adapter's weights file in directory ``d``: safetensors, else peft's ``.bin``."""
+    return next((n for n in (ADAPTER, ADAPTER_BIN) if os.path.isfile(os.path.join(d, n))),
+                None)
+
+
 def _rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def save_adapter(directory, model: nn.Module, *, base_model_name_or_path: str | None = None):
-    """Write the adapters in PEFT format (see the module doc); returns ``directory``."""
+def save_adapter(directory, model: nn.Module, *, base_model_name_or_path: str | None = None,
+                 safe_serialization: bool = True):
+    """Write the adapters in PEFT format (see the module doc); returns ``directory``.
+    ``safe_serialization=False`` writes ``adapter_model.bin`` (tensors only, which
+    ``torch.load(weights_only=True)`` reads), as peft's ``save_pretrained`` does."""
     from ..transforms.lora._peft import jsonable as _jsonable
 
     cfg = _lora_config(model)
@@ -128,8 +140,8 @@ def save_adapter(directory, model: nn.Module, *, base_model_name_or_path: str | 
         d = _jsonable(cfg.to_dict())
         d["base_model_name_or_path"] = base_model_name_or_path or \
             getattr(model.config, "_name_or_path", None)
-        return {ADAPTER: {_peft_key(n): t for n, t in tensors.items()},
-                CONFIG: json.dumps(d, indent=2)}
+        return {ADAPTER if safe_serialization else ADAPTER_BIN:
+                {_peft_key(n): t for n, t in tensors.items()}, CONFIG: json.dumps(d, indent=2)}
 
     return _export(directory, model, "save_adapter", files)
 
@@ -212,7 +224,7 @@ def load_adapter(directory, model: nn.Module) -> None:
     from ._ranks import agree, as_error, ctrl_group
 
     d = os.fspath(directory).rstrip("/")      # after a crash mid-export: the committed one
-    d = resolve(d, lambda x: os.path.isfile(os.path.join(x, ADAPTER))) or d
+    d = resolve(d, lambda x: _weights_file(x) is not None) or d
     params = {n: p for n, p in model.named_parameters() if _adapter(n)}
     files, err = {}, None
     try:
@@ -270,8 +282,9 @@ def _read_adapter(d: str, model: nn.Module, by_key: dict[str, str]) -> dict:
     from . import _manifest
     from ._safe import AdapterConfigError, CheckpointError
 
+    weights = _weights_file(d) or ADAPTER
     doc = _manifest.check(d)
-    for name in (ADAPTER, CONFIG):
+    for name in (weights, CONFIG):
         _manifest.listed(doc, d, name)
     try:
         with open(os.path.join(d, CONFIG), "rb") as f:
@@ -285,11 +298,13 @@ def _read_adapter(d: str, model: nn.Module, by_key: dict[str, str]) -> dict:
     if not isinstance(saved, dict):
         raise CheckpointError(f"{os.path.join(d, CONFIG)} is damaged: not a JSON object")
     _check_config(saved, _lora_config(model), d)
-    try:
-        files = load_file(os.path.join(d, ADAPTER))
+    path = os.path.join(d, weights)
+    try:                          # a .bin file: tensors only, no pickled code runs
+        files = load_file(path) if weights == ADAPTER else \
+            torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:        # missing, truncated or garbage header
-        raise CheckpointError(f"{os.path.join(d, ADAPTER)} cannot be read ({type(e).__name__}: "
-                              f"{e}); save the adapter again") from None
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); save the "
+                              f"adapter again") from None
     missing = sorted(set(by_key) - set(files))
     unexpected = sorted(set(files) - set(by_key))
     if missing or unexpected:

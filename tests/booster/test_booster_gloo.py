@@ -324,7 +324,9 @@ def test_no_sync_accumulates_like_one_process(world):
 
 def lora_case(rank, world, path):
     """enable_lora under ZeRO-2 trains the adapters as single-process peft does; the
-    adapter written by save_lora_as_pretrained loads with PeftModel."""
+    adapter written by save_lora_as_pretrained (peft's adapter_model.bin by default, as
+    Colossal-AI writes it; safetensors with use_safetensors=True) loads with PeftModel and
+    back into the boosted model."""
     import torch.distributed as dist
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -358,8 +360,13 @@ def lora_case(rank, world, path):
         p = dict(model.named_parameters())[n]
         torch.testing.assert_close(p.full_tensor() if hasattr(p, "full_tensor") else p,
                                    own[n], atol=2e-5, rtol=1e-4)
-    booster.save_lora_as_pretrained(model, path)
+    booster.save_lora_as_pretrained(model, path)     # Colossal-AI's default: peft's .bin
+    booster.save_lora_as_pretrained(model, path + "_safe", use_safetensors=True)
     dist.barrier()
+    import os
+
+    assert os.path.isfile(os.path.join(path, "adapter_model.bin"))
+    assert os.path.isfile(os.path.join(path + "_safe", "adapter_model.safetensors"))
     torch.manual_seed(0)
     back = PeftModel.from_pretrained(L.make_model("ddp"), path)
     x = torch.randint(0, 256, (1, 8))
@@ -370,6 +377,20 @@ def lora_case(rank, world, path):
                 p.copy_(base[n])
         torch.testing.assert_close(back(input_ids=x).logits, ref(input_ids=x).logits,
                                    atol=1e-5, rtol=1e-4)
+    import meshlab as ml
+
+    for where in (path, path + "_safe"):      # both files load back into the boosted model
+        saved = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                 for n, p in model.named_parameters() if "lora_" in n}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.zero_()
+        ml.load_adapter(where, model)
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                assert torch.equal(p.full_tensor() if hasattr(p, "full_tensor") else p,
+                                   saved[n]), (where, n)
     return len(trainable)
 
 
