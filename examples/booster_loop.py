@@ -76,8 +76,8 @@ def make_plugin(name: str):
         return MoeHybridParallelPlugin(tp_size=1, pp_size=1, ep_size=2, zero_stage=1,
                                        cpu_offload=True, precision="fp32")
     raise SystemExit(f"--plugin {name!r}: one of ddp, fsdp, fsdp_hybrid, zero1, zero2, gemini, "
-                     f"gemini_hybrid, gemini_tp, hybrid, hybrid_offload, hybrid_sp, hybrid_tp, moe, moe_sp, "
-                     f"moe_offload")
+                     f"gemini_hybrid, gemini_tp, hybrid, hybrid_offload, hybrid_sp, hybrid_tp, "
+                     f"moe, moe_sp, moe_offload")
 
 
 def make_model(name: str):

@@ -57,7 +57,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
 
     ``extra`` (a dict of JSON values) is for the user's own state (``{'step': 100}``).
     ``async_save`` copies the state to CPU before returning (from an accelerator into
-    pinned buffers kept for the next save, ``_stage``) and writes it in the background (at most one save in flight: a new save first waits for the last).
+    pinned buffers kept for the next save, ``_stage``) and writes it in the background
+    (at most one save in flight: a new save first waits for the last).
     ``keep_last=k`` deletes older complete checkpoints next to ``path``, never the newest
     valid one. A save before the optimizer's first step records that it has no state yet
     (it creates none, so the run goes on exactly as without the save).

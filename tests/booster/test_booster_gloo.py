@@ -155,7 +155,8 @@ def world():
 
 
 @pytest.mark.parametrize("plugin_name", ["ddp", "fsdp", "fsdp_hybrid", "zero2", "gemini",
-                                         "gemini_hybrid", "gemini_tp", "hybrid", "hybrid_offload", "hybrid_sp",
+                                         "gemini_hybrid", "gemini_tp", "hybrid",
+                                         "hybrid_offload", "hybrid_sp",
                                          "moe", "moe_sp", "moe_offload"])
 def test_loop_matches_one_process(world, plugin_name):
     out = world.run(loop_case, plugin_name=plugin_name)

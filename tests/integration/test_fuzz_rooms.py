@@ -65,7 +65,8 @@ def test_room_constructors_raise_only_typed_errors(name, data):
 @pytest.mark.parametrize("arg, value", [
     ("r", 0), ("r", -1), ("r", 1.5), ("r", True), ("lora_alpha", math.nan),
     ("lora_dropout", 1.0), ("target_modules", 5), ("target_modules", [1]),
-    ("target_modules", [""]), ("target_modules", []), ("target_modules", {"q_proj": 1}), ("bias", "x"), ("bias", 0),
+    ("target_modules", [""]), ("target_modules", []), ("target_modules", {"q_proj": 1}),
+    ("bias", "x"), ("bias", 0),
     ("use_dora", 1), ("use_dora", "no"), ("modules_to_save", "lm_head"),
     ("modules_to_save", [None]), ("task_type", "x"), ("no_such_option", 1),
 ])

@@ -210,9 +210,10 @@ class Sequence(Transform):
         (k and v after GQA expansion: heads x seq/n x head_dim), and the sequence is
         gathered once after the blocks and once (gradients) before them; ring sends K and
         V (their own heads) n - 1 steps forward in the forward and again in the backward,
-        their gradients n steps home, and gathers the sequence as Ulysses does. 2-D: Ulysses over its axis on S/(a r) (K and V
-        with their own heads where those divide over it, as the 2-D attention sends them),
-        its gather joining S/r; the ring over the other on H/a heads of S/r."""
+        their gradients n steps home, and gathers the sequence as Ulysses does. 2-D:
+        Ulysses over its axis on S/(a r) (K and V with their own heads where those divide
+        over it, as the 2-D attention sends them), its gather joining S/r; the ring over
+        the other on H/a heads of S/r."""
         sizes = plan.mesh_shape
         if not self.axes or math.prod(sizes.get(a, 1) for a in self.axes) == 1 or \
                 batch is None or seq is None:
