@@ -232,6 +232,7 @@ def test_a_block_with_eager_modules_is_compiled_around_them():
     assert compiled_units("model.layers.1", mods, frozenset({experts})) == ["model.layers.1"]
 
 
+@pytest.mark.slow
 def test_experts_on_one_rank_compile_with_their_block(one_process):
     """expert_route over a one-rank axis runs the family's own expert path (no exchange,
     no host read of split sizes), so compile_blocks compiles each block whole, experts
