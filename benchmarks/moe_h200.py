@@ -13,6 +13,9 @@ throughput against a dense model of the same active parameters.
   grouped_mm path eager and with each decoder layer compiled (``torch.compile``, graph
   breaks allowed), meshlab's ``expert_route`` alone and with ``fuse`` (norms, rotary,
   attention) and ``compile_blocks`` (each block compiled around the expert dispatch);
+* ``moe_meshlab_compile_fuse_<op>+<op>`` (``--only`` only): compiled blocks with those
+  ops fused (``rms_norm``, ``rotary``, ``attention``), torch's fused AdamW: which of
+  meshlab's ops inside a compiled block costs time;
 * two rows that take the best apart: ``moe_meshlab_compile`` (``expert_route`` with
   ``compile_blocks`` only, torch's fused AdamW) and ``moe_meshlab_fused_torch_adamw`` (the
   best meshlab model under torch's fused AdamW in a plain loop, without ``ml.step``);
@@ -125,6 +128,10 @@ def model(kind: str) -> dict:
     if kind in ("moe_meshlab_compile", "moe_meshlab_compile_step",
                 "moe_meshlab_compile_fusedadamw"):  # blocks compiled, nothing fused
         m = ml.parallelize(m, ml.expert_route("ep") | ml.compile_blocks(), ml.Mesh(ep=1), seed=0)
+    if kind.startswith("moe_meshlab_compile_fuse_"):  # compiled blocks, some ops fused
+        ops = kind[len("moe_meshlab_compile_fuse_"):].split("+")
+        m = ml.parallelize(m, ml.expert_route("ep") | ml.fuse(*ops) | ml.compile_blocks(),
+                           ml.Mesh(ep=1), seed=0)
     if kind in ("moe_meshlab_fused", "moe_meshlab_best", "moe_meshlab_fused_torch_adamw"):
         # norms, rotary, attention fused
         spec = ml.expert_route("ep") | ml.fuse("rms_norm", "rotary", "attention") | \
@@ -159,7 +166,8 @@ def model(kind: str) -> dict:
             def step():
                 ml.step(m, opt, batch)
     else:
-        fused = kind in ("moe_hf_best", "moe_meshlab_fused_torch_adamw", "moe_meshlab_compile")
+        fused = kind in ("moe_hf_best", "moe_meshlab_fused_torch_adamw",
+                         "moe_meshlab_compile") or kind.startswith("moe_meshlab_compile_fuse_")
         opt = torch.optim.AdamW(m.parameters(), lr=1e-5, foreach=False, fused=fused)
         optimizer = f"torch AdamW({'fused=True' if fused else 'foreach=False'})"
 
@@ -213,6 +221,7 @@ def main() -> None:
     import transformers
 
     only = sys.argv[sys.argv.index("--only") + 1].split(",") if "--only" in sys.argv else None
+    extra = tuple(k for k in only or () if k.startswith("moe_meshlab_compile_fuse_"))
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29641")
@@ -222,7 +231,7 @@ def main() -> None:
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "method": "CUDA events, median of 20 (block) / 10 (model) after 3 warm-ups; bf16",
            "block": {f"E{E}": block(E) for E in (8, 64)} if not only else {},
-           "model": {k: _row(k) for k in ROWS if not only or k in only}}
+           "model": {k: _row(k) for k in ROWS + extra if not only or k in only}}
     best = out["model"]
     if all("tokens_per_s" in best.get(k, {}) for k in ("moe_hf_best", "moe_meshlab_best")):
         out["meshlab_best_vs_hf_best"] = (best["moe_meshlab_best"]["tokens_per_s"]
