@@ -117,6 +117,14 @@ class MeshBase:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"{type(self).__name__} is immutable")
 
+    def __copy__(self) -> "MeshBase":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "MeshBase":
+        """A mesh is an immutable value over this process's groups: a copy of a model
+        that holds one (``copy.deepcopy`` of a parallelized model) shares it."""
+        return self
+
     # -- description -------------------------------------------------------------------
     @property
     def axis_names(self) -> tuple[str, ...]:

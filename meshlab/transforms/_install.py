@@ -163,6 +163,16 @@ class Runtime(_Groups):
     ctrl_group: object     # gloo group for checkpoint agreement and barriers
     grad_sync: object = None   # ``GradSync``: the reductions the backward runs
 
+    def __deepcopy__(self, memo: dict):
+        from ..core.errors import ConfigError
+
+        raise ConfigError(
+            "copy.deepcopy of a parallelized model: its hooks, process groups and sharded "
+            "parameters belong to this model, and a copy would run them on the original's "
+            "state. Keep a copy of its weights instead ({n: p.full_tensor() if hasattr(p, "
+            "'full_tensor') else p.detach().clone() for n, p in model.named_parameters()}), "
+            "or build and parallelize a second model")
+
     def part(self, cls: type):
         """The installed part of type ``cls``, or None."""
         return next((p for p in self.parts if isinstance(p, cls)), None)
@@ -190,8 +200,14 @@ class Runtime(_Groups):
 
 # The runtime rides on the model it runs, under this one attribute, set and read only here.
 def attach_runtime(model: nn.Module, rt: Runtime) -> None:
-    """Give a materialized model its ``Runtime`` (``materialize``'s last step)."""
-    model._meshlab = rt
+    """Give a materialized model its ``Runtime`` (``materialize``'s last step), first in
+    the model's ``__dict__``: ``copy.deepcopy`` copies a module's attributes in that
+    order, so it meets the runtime's refusal (``Runtime.__deepcopy__``) before the
+    process groups and FSDP2 state it could not copy."""
+    rest = dict(model.__dict__)
+    model.__dict__.clear()
+    model.__dict__["_meshlab"] = rt
+    model.__dict__.update((k, v) for k, v in rest.items() if k != "_meshlab")
 
 
 def runtime_or_none(model: nn.Module) -> Runtime | None:

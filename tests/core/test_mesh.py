@@ -165,6 +165,33 @@ def test_immutable():
         m.foo = 1
 
 
+def test_a_copy_of_a_mesh_or_of_what_holds_one_shares_it():
+    """An immutable value: copy and deepcopy give the mesh itself (a deepcopy had raised
+    "Mesh is immutable" rebuilding its slots)."""
+    import copy
+
+    m = Mesh(dp=2, tp=2, fake=True)
+    assert copy.copy(m) is m and copy.deepcopy(m) is m
+    holder = copy.deepcopy({"mesh": m, "n": [1]})
+    assert holder["mesh"] is m
+
+
+@pytest.mark.slow
+def test_a_parallelized_models_deepcopy_is_refused_by_name(one_process):
+    """``copy.deepcopy`` of a parallelized model (Colossal-AI's LoRA test copies a boosted
+    model) raises a ConfigError naming the fix, before it reaches the process groups it
+    could not copy (a TypeError on pickling a ProcessGroup before)."""
+    import copy
+
+    import meshlab as ml
+    from meshlab.core.errors import ConfigError
+    from tests import _models as M
+
+    model = ml.parallelize(M.build("llama"), ml.data_parallel("dp"), ml.Mesh(dp=1), seed=0)
+    with pytest.raises(ConfigError, match="Keep a copy of its weights"):
+        copy.deepcopy(model)
+
+
 @pytest.mark.parametrize("args, kwargs", [
     ((), {"fake": True}),
     ((), {"dp": 0, "fake": True}),
