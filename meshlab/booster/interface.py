@@ -21,7 +21,30 @@ from ..train.optimizer import MeshOptimizer
 
 class OptimizerWrapper(MeshOptimizer):
     """The optimizer ``boost`` returns: ``meshlab.optimizer`` plus Colossal-AI's
-    ``backward``, ``clip_grad_by_norm``, ``get_grad_norm``, ``unwrap`` and ``optim``."""
+    ``backward``, ``clip_grad_by_norm``, ``get_grad_norm``, ``unwrap``, ``optim`` and
+    ``state_dict(only_rank_0=...)``."""
+
+    def state_dict(self, only_rank_0: bool | None = None) -> dict:
+        """meshlab's optimizer ``state_dict``; with ``only_rank_0`` given (Gemini's
+        argument), every state tensor whole, gathered over the mesh (every rank must call
+        it), on rank 0 only when True (the other ranks get ``{}``). ZeRO-1's flat slices
+        are not DTensors and are refused here: ``meshlab.checkpoint.save`` gathers them."""
+        d = super().state_dict()
+        if only_rank_0 is None:
+            return d
+        if self.shards:
+            raise ConfigError("optimizer.state_dict(only_rank_0=...): ZeRO-1 keeps its state "
+                              "as flat slices of its own; save it with booster.save_optimizer "
+                              "(meshlab.checkpoint.save), which gathers them")
+        from torch.distributed.tensor import DTensor
+
+        def whole(v):
+            return v.full_tensor() if isinstance(v, DTensor) else v
+
+        state = {k: {n: whole(v) for n, v in st.items()} for k, st in d["state"].items()}
+        if only_rank_0 and dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        return {**d, "state": state}
 
     @property
     def optim(self) -> torch.optim.Optimizer:

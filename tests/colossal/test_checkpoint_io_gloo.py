@@ -170,3 +170,52 @@ def one_file_case(rank, world, plugin_type, suffix, path):
 def test_a_file_path_saves_one_file(world2, tmp_path_factory, plugin_type, suffix):
     path = str(tmp_path_factory.getbasetemp() / "one_file")
     assert all(world2.run(one_file_case, plugin_type=plugin_type, suffix=suffix, path=path))
+
+
+def gemini_optimizer_case(rank, world, path):
+    """``tests/test_checkpoint_io/test_gemini_checkpoint_io.py``'s optimizer half:
+    ``optimizer.state_dict(only_rank_0=False)`` of a Gemini-boosted optimizer holds every
+    state tensor whole on every rank (``only_rank_0=True``: rank 0 only), and a new boosted
+    optimizer that loads what ``save_optimizer`` wrote gives the same dict exactly."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.booster import Booster
+    from meshlab.booster.nn.optimizer import HybridAdam
+    from meshlab.booster.plugin import GeminiPlugin
+
+    def boosted():
+        booster = Booster(plugin=GeminiPlugin(precision="fp32"))
+        model = ml.init_weights(M.build("llama"), seed=0)
+        opt = HybridAdam(model.parameters(), lr=1e-3)
+        model, opt, *_ = booster.boost(model, opt)
+        return booster, model, opt
+
+    booster, model, opt = boosted()
+    ids = M.batches(1, batch=4)[0].chunk(world)[rank]
+    booster.backward(model(input_ids=ids, labels=ids).loss, opt)
+    opt.step()
+    full = opt.state_dict(only_rank_0=False)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    whole = [st["exp_avg"].shape for st in full["state"].values()]
+    assert sorted(map(tuple, whole)) == sorted(shapes.values()), (whole, shapes)
+    assert all(not hasattr(v, "placements") for st in full["state"].values()
+               for v in st.values())
+    mine = opt.state_dict(only_rank_0=True)
+    assert (mine == {}) == (rank != 0)
+    where = os.path.join(path, "gemini-optimizer")
+    booster.save_optimizer(opt, where)
+    booster2, _, opt2 = boosted()
+    booster2.load_optimizer(opt2, where)
+    back = opt2.state_dict(only_rank_0=False)
+    assert full["state"].keys() == back["state"].keys()
+    for k, st in full["state"].items():
+        for n, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(back["state"][k][n])), (k, n)
+    dist.barrier()
+    return True
+
+
+def test_gemini_optimizer_state_dict_gathers_whole_tensors(world2, tmp_path_factory):
+    path = str(tmp_path_factory.getbasetemp() / "gemini_opt")
+    assert all(world2.run(gemini_optimizer_case, path=path))
