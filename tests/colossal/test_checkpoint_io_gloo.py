@@ -26,6 +26,24 @@ pytestmark = pytest.mark.timeout(600)
 WIDE = dict(hidden_size=256, intermediate_size=512)     # 2 blocks of about 2.6 MB
 
 
+def _boosted(plugin, opt_cls, **opt_kw):
+    """(booster, model, optimizer): the small Llama boosted under ``plugin``."""
+    import meshlab as ml
+    from meshlab.booster import Booster
+
+    booster = Booster(plugin=plugin)
+    model = ml.init_weights(M.build("llama"), seed=0)
+    model, opt, *_ = booster.boost(model, opt_cls(model.parameters(), **opt_kw))
+    return booster, model, opt
+
+
+def _one_step(booster, model, opt, rank, world) -> None:
+    """One step on this rank's share of a batch of 4."""
+    ids = M.batches(1, batch=4)[0].chunk(world)[rank]
+    booster.backward(model(input_ids=ids, labels=ids).loss, opt)
+    opt.step()
+
+
 def hf_compat_case(rank, world, plugin_type, path):
     import torch.distributed as dist
 
@@ -129,22 +147,14 @@ def one_file_case(rank, world, plugin_type, suffix, path):
     ``load_model`` of it into a fresh boosted model gives the same weights exactly."""
     import torch.distributed as dist
 
-    import meshlab as ml
-    from meshlab.booster import Booster
     from meshlab.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
 
     def boosted():
         plugin = TorchDDPPlugin() if plugin_type == "ddp" else LowLevelZeroPlugin(stage=2)
-        booster = Booster(plugin=plugin)
-        model = ml.init_weights(M.build("llama"), seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model, opt, *_ = booster.boost(model, opt)
-        return booster, model, opt
+        return _boosted(plugin, torch.optim.SGD, lr=0.1)
 
     booster, model, opt = boosted()
-    ids = M.batches(1, batch=4)[0].chunk(world)[rank]
-    booster.backward(model(input_ids=ids, labels=ids).loss, opt)
-    opt.step()
+    _one_step(booster, model, opt, rank, world)
     where = os.path.join(path, f"{plugin_type}-model{suffix}")
     booster.save_model(model, where)
     want = {n: M.full(p).detach().clone() for n, p in model.unwrap().named_parameters()}
@@ -179,22 +189,14 @@ def gemini_optimizer_case(rank, world, path):
     optimizer that loads what ``save_optimizer`` wrote gives the same dict exactly."""
     import torch.distributed as dist
 
-    import meshlab as ml
-    from meshlab.booster import Booster
     from meshlab.booster.nn.optimizer import HybridAdam
     from meshlab.booster.plugin import GeminiPlugin
 
     def boosted():
-        booster = Booster(plugin=GeminiPlugin(precision="fp32"))
-        model = ml.init_weights(M.build("llama"), seed=0)
-        opt = HybridAdam(model.parameters(), lr=1e-3)
-        model, opt, *_ = booster.boost(model, opt)
-        return booster, model, opt
+        return _boosted(GeminiPlugin(precision="fp32"), HybridAdam, lr=1e-3)
 
     booster, model, opt = boosted()
-    ids = M.batches(1, batch=4)[0].chunk(world)[rank]
-    booster.backward(model(input_ids=ids, labels=ids).loss, opt)
-    opt.step()
+    _one_step(booster, model, opt, rank, world)
     full = opt.state_dict(only_rank_0=False)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     whole = [st["exp_avg"].shape for st in full["state"].values()]
