@@ -284,7 +284,7 @@ def _read_scheduler(checkpoint: str, lr_scheduler) -> tuple[dict, int | None]:
     without a step)."""
     from ..checkpoint import CheckpointError
     from ..checkpoint._files import check_digest
-    from ..checkpoint._state import same_shape
+    from ..checkpoint._state import restored, same_shape
 
     try:
         with open(checkpoint, "rb") as f:
@@ -302,7 +302,8 @@ def _read_scheduler(checkpoint: str, lr_scheduler) -> tuple[dict, int | None]:
         raise CheckpointError(f"Booster.load_lr_scheduler: {checkpoint}: its {differs} "
                               f"({type(lr_scheduler).__name__}); load the state this "
                               f"scheduler saved")
-    return state, step
+    # JSON wrote a dict's int keys as strings (MultiStepLR's milestones): given back
+    return restored(state, lr_scheduler.state_dict()), step
 
 
 def load_lr_scheduler(self, lr_scheduler, checkpoint: str) -> None:

@@ -142,6 +142,16 @@ def groups(opt: torch.optim.Optimizer, model: torch.nn.Module, kwargs: dict) -> 
     return out if len(out) > 1 or carried else None
 
 
+def _with_inner(sched) -> list:
+    """``sched`` and the schedulers it steps: a warm-up scheduler's ``after_scheduler``,
+    torch's ``SequentialLR`` and ``ChainedScheduler``'s ``_schedulers``."""
+    out = [sched]
+    for s in [getattr(sched, "after_scheduler", None), *getattr(sched, "_schedulers", ())]:
+        if s is not None and s is not sched:
+            out += _with_inner(s)
+    return out
+
+
 def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
     """Point ``sched`` (built on ``old``) at ``new``: the groups' learning rates and
     ``initial_lr`` carried over, ``new.step`` counted as torch's schedulers count it."""
@@ -154,7 +164,9 @@ def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimiz
         for k in ("lr", "initial_lr"):
             if k in g_old:
                 g_new[k] = g_old[k]
-    sched.optimizer = new
+    for s in _with_inner(sched):          # a phased scheduler steps the one inside it
+        if getattr(s, "optimizer", None) is old:
+            s.optimizer = new
     step = new.step
     if not hasattr(step, "_wrapped_by_lr_sched"):
         ref = weakref.ref(new)

@@ -221,3 +221,62 @@ def gemini_optimizer_case(rank, world, path):
 def test_gemini_optimizer_state_dict_gathers_whole_tensors(world2, tmp_path_factory):
     path = str(tmp_path_factory.getbasetemp() / "gemini_opt")
     assert all(world2.run(gemini_optimizer_case, path=path))
+
+
+def scheduler_case(rank, world, path):
+    """A Colossal-AI warm-up scheduler passed to ``boost`` (as every Colossal-AI example
+    passes one) drives the rebuilt optimizer through and past its warm-up (the cosine or
+    multi-step scheduler inside it follows the rebuilt optimizer too), and one resumed with
+    ``save_lr_scheduler``/``load_lr_scheduler`` goes on exactly as the saved one: the
+    milestones JSON wrote with string keys are steps again."""
+    import math
+
+    import torch.distributed as dist
+
+    from meshlab.booster import Booster
+    from meshlab.booster.nn.lr_scheduler import CosineAnnealingWarmupLR, MultiStepWarmupLR
+    from meshlab.booster.plugin import TorchDDPPlugin
+
+    def boosted(make):
+        torch.manual_seed(0)
+        booster = Booster(plugin=TorchDDPPlugin())
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model, opt, _, _, sched = booster.boost(model, opt, lr_scheduler=make(opt))
+        return booster, model, opt, sched
+
+    def step(model, opt, sched):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        return opt.param_groups[0]["lr"]
+
+    cos = [(t + 1) / 2 for t in range(2)] + [(1 + math.cos(math.pi * k / 6)) / 2
+                                              for k in range(6)]
+    cases = {"multistep": (lambda o: MultiStepWarmupLR(o, total_steps=8, warmup_steps=1,
+                                                       milestones=[3, 5], gamma=0.5),
+                           [1.0, 1.0, 1.0, 0.5, 0.5, 0.25, 0.25, 0.25]),
+             "cosine": (lambda o: CosineAnnealingWarmupLR(o, total_steps=8, warmup_steps=2),
+                        cos)}
+    for name, (make, want) in cases.items():
+        booster, model, opt, sched = boosted(make)
+        got = [opt.param_groups[0]["lr"]] + [step(model, opt, sched) for _ in range(2)]
+        where = os.path.join(path, f"{name}.json")
+        booster.save_lr_scheduler(sched, where)
+        dist.barrier()
+        booster2, model2, opt2, sched2 = boosted(make)
+        booster2.load_lr_scheduler(sched2, where)
+        opt2.param_groups[0]["lr"] = opt.param_groups[0]["lr"]    # load_optimizer's part
+        for _ in range(5):
+            got.append(step(model, opt, sched))
+            assert step(model2, opt2, sched2) == got[-1], (name, len(got))
+        assert all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-15)
+                   for a, b in zip(got, want)), (name, got, want)
+    dist.barrier()
+    return True
+
+
+def test_a_warmup_scheduler_drives_the_boosted_optimizer_and_resumes(world2, tmp_path_factory):
+    path = str(tmp_path_factory.getbasetemp() / "schedulers")
+    assert all(world2.run(scheduler_case, path=path))
