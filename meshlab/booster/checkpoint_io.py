@@ -61,7 +61,10 @@ class GeneralCheckpointIO(CheckpointIO):
         state = optimizer.state_dict()
         if not shard:
             os.makedirs(os.path.dirname(os.path.abspath(checkpoint)) or ".", exist_ok=True)
-            torch.save(state, os.fspath(checkpoint))
+            if os.fspath(checkpoint).endswith(".safetensors"):
+                _write_flat_optimizer(state, os.fspath(checkpoint))
+            else:
+                torch.save(state, os.fspath(checkpoint))
             return
         _save_sharded_optimizer(state, os.fspath(checkpoint), size_per_shard, prefix)
 
@@ -70,6 +73,8 @@ class GeneralCheckpointIO(CheckpointIO):
         path = os.fspath(checkpoint)
         if os.path.isdir(path):
             state = _load_sharded_optimizer(path)
+        elif path.endswith(".safetensors"):
+            state = _read_flat_optimizer(path, optimizer)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)
         optimizer.load_state_dict(state)
@@ -83,6 +88,63 @@ class GeneralCheckpointIO(CheckpointIO):
 
 
 _OPTIM_INDEX = f"{_files.STATES}.index.json"
+_FLAT_FORMAT = "meshlab.optimizer/1"
+
+
+def _write_flat_optimizer(state: dict, path: str) -> None:
+    """An optimizer's state as one safetensors file (what a ``*.safetensors`` name means to
+    Colossal-AI's loader and to ``torch.load``): each state tensor as
+    ``state.<index>.<name>``, the param groups and the state's other values as JSON in
+    the metadata (Colossal-AI pickles them into byte tensors; meshlab reads no pickles)."""
+    from safetensors.torch import save_file
+
+    tensors, other = {}, {}
+    for idx, st in state["state"].items():
+        for k, v in st.items():
+            key = f"state.{idx}.{k}"
+            if torch.is_tensor(v):
+                tensors[key] = v.detach().cpu().contiguous()
+            else:
+                other[key] = v
+    try:
+        meta = {"format": "pt", "meshlab": _FLAT_FORMAT,
+                "param_groups": json.dumps(state["param_groups"]),
+                "other_state": json.dumps(other)}
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"save_optimizer: {path}: the optimizer's param groups or state "
+                          f"hold a value JSON cannot write ({e}); a *.safetensors file keeps "
+                          f"everything but tensors as JSON: save to another name (optim.bin, "
+                          f"torch.save's file)") from None
+    save_file(_files._untied(tensors), path, metadata=meta)
+
+
+def _read_flat_optimizer(path: str, optimizer) -> dict:
+    """The state ``_write_flat_optimizer`` wrote, its groups' tuples (betas) given back as
+    tuples after the optimizer's own groups."""
+    from safetensors import safe_open
+
+    from ..checkpoint._state import restored
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("meshlab") != _FLAT_FORMAT:
+            pickled = " (its non-tensor values are pickles, as Colossal-AI writes them)" \
+                if "non_tensor_keys" in meta else ""
+            raise ConfigError(f"load_optimizer: {path} is not an optimizer state meshlab "
+                              f"wrote{pickled}; meshlab does not unpickle: save it again "
+                              f"with meshlab's save_optimizer, or torch.save its state_dict() "
+                              f"to a .bin name")
+        flat = {k: f.get_tensor(k) for k in f.keys()}
+    flat.update(json.loads(meta["other_state"]))
+    state: dict = {}
+    for key, v in flat.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = v
+    groups = json.loads(meta["param_groups"])
+    own = optimizer.state_dict()["param_groups"]
+    if len(groups) == len(own):
+        groups = [restored(g, o) for g, o in zip(groups, own)]
+    return {"state": state, "param_groups": groups}
 _GROUPS = "pytorch_optim_group.bin"
 
 

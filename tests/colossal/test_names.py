@@ -103,6 +103,41 @@ def test_an_unsharded_checkpoint_is_a_file_torch_load_reads(tmp_path, use_safete
     assert new_sched.state_dict() == sched.state_dict()
 
 
+@pytest.mark.parametrize("use_async", [True, False])
+def test_an_optimizer_under_a_safetensors_name_is_a_safetensors_file(tmp_path, use_async):
+    """``test_unsharded_checkpoint`` saves the optimizer to ``*.safetensors`` with
+    ``use_async=True`` and loads it back: a safetensors file (the state's tensors by
+    ``state.<index>.<name>``, the rest JSON in its metadata), as Colossal-AI's loader and
+    torch.load tell a file by that name, read back exactly (betas a tuple again)."""
+    from safetensors import safe_open
+
+    from meshlab.booster.checkpoint_io import GeneralCheckpointIO
+    from meshlab.core.errors import ConfigError
+
+    model, opt = _trained(groups=True)
+    io = GeneralCheckpointIO()
+    path = tmp_path / "optim.safetensors"
+    io.save_optimizer(opt, path, use_async=use_async)
+    io._sync_d2h(); io._sync_io()
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        meta = f.metadata()
+    assert keys == {f"state.{i}.{k}" for i, st in opt.state_dict()["state"].items()
+                    for k in st}
+    assert json.loads(meta["param_groups"])[1]["lr"] == 2e-3
+    new, new_opt = _fresh(groups=True)
+    io.load_optimizer(new_opt, path)
+    _equal(new_opt.state_dict(), opt.state_dict())
+    # Colossal-AI's own file of this name holds pickles; meshlab does not unpickle them
+    from safetensors.torch import save_file
+
+    save_file({"state.0.exp_avg": torch.zeros(2), "param_groups": torch.zeros(3, dtype=torch.uint8)},
+              str(tmp_path / "theirs.safetensors"),
+              metadata={"format": "pt", "non_tensor_keys": '["param_groups"]'})
+    with pytest.raises(ConfigError, match="save it again with meshlab"):
+        io.load_optimizer(new_opt, tmp_path / "theirs.safetensors")
+
+
 @pytest.mark.parametrize("use_safetensors", [True, False])
 def test_a_sharded_checkpoint_is_shards_of_size_per_shard_with_an_index(tmp_path,
                                                                         use_safetensors):
