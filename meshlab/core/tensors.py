@@ -4,9 +4,12 @@ from __future__ import annotations
 
 
 def local(t):
-    """The local shard of a DTensor; any other tensor as it is."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    """The local shard of a DTensor; any other tensor as it is. Decided by type, not by
+    ``getattr(t, "to_local", None)``: dynamo reads that as None for a DTensor parameter,
+    which would hand a compiled block the DTensor where its local shard belongs."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def shard_groups(t) -> tuple:

@@ -4,7 +4,7 @@ argued where it is written."""
 
 from __future__ import annotations
 
-from ._cell import AT_OPTIMIZER, RECORDS, SEVERAL_DATA_RANKS, TP_REGIONS, meaningless, not_yet
+from ._cell import AT_OPTIMIZER, RECORDS, SEVERAL_DATA_RANKS, meaningless, not_yet
 
 
 _ZERO = meaningless("one ZeRO stage for the data axes; keep one zero_shard")
@@ -31,20 +31,6 @@ _OFF_PARAMS = not_yet(
     "parameters leave the device per FSDP2 unit, which needs zero_shard(3)",
     "{a}: parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one "
     "rank too: zero_shard(3) over a size-1 axis); add it or use params=0")
-_SHARD_COMPILE = not_yet(
-    "a policy's tensor-parallel modules show their forward the local shards through the "
-    "module's __dict__ (set in a pre-hook), which dynamo does not read: it traces the "
-    "DTensor parameters, and the first forward of a compiled block raises TorchRuntimeError "
-    "(aten.mm got mixed torch.Tensor and DTensor; measured on tp=2, Llama, aot_eager); the "
-    "switches of the dropout stream around each region (torch.Generator.get_state, in a "
-    "model that drops) would break the graph too",
-    "compile_blocks() with tensor parallelism over {tp!r}: the compiled blocks would trace "
-    "the DTensor parameters where each tensor-parallel module computes on its local shard; "
-    "leave one of them out, or shard by specs alone (no policy regions), which composes", scope=TP_REGIONS,
-    note="specs alone (no policy regions: the model's own forward on DTensors) compose, "
-         "trained against one process by tests/transforms/test_handwritten_gloo.py::"
-         "test_composes_with_zero_remat_and_compile[compile] and against the eager run by "
-         "tests/transforms/compile/test_compile.py::test_blocks_compile_in_dtensor_mode_gloo")
 _STEP = not_yet("not yet shown to train like the ordinary step",
                 "step_in_backward() with {b} is not yet shown to train like the ordinary "
                 "step; leave one of them out")

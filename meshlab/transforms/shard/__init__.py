@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
-from ...core.errors import PlanError, RulesError, SpecError
+from ...core.errors import ConfigError, PlanError, RulesError, SpecError
 from ...planning.plan import ActivationEntry, Plan
 from ...planning.roles import implied_room
 from ...core.rules import DEFAULT_RULES, Rules
@@ -24,7 +24,7 @@ from ._layout import sequence_parallel as sequence_parallel, tp_layout as tp_lay
 from ._loss import install_generate, install_loss
 from ._styles import TPGroup, VocabHead
 from . import _dtensor
-from . import _tp
+from . import _rng, _tp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +93,17 @@ class Shard(Transform):
                              else ())
 
     def check(self, plan: Plan) -> None:
-        tp_layout(plan, 0)
+        layout, _ = tp_layout(plan, 0)
+        compiled = any(t.kind == "compile" for t in plan.rooms)
+        if compiled and layout is not None and not layout.dtensor \
+                and plan.source is not None and _rng.drops(plan.source):
+            raise ConfigError(
+                "compile_blocks() with a policy's tensor-parallel regions in a model that "
+                "drops (a dropout probability above 0): each region switches dropout to "
+                "this rank's random stream by reading and setting the generator's state, "
+                "which a compiled block cannot trace; set the model's dropout "
+                "probabilities to 0, leave compile_blocks() out, or shard by specs alone "
+                "(no policy regions)")
 
     def prepare(self, ctx) -> None:
         if ctx.roles.tp is not None:

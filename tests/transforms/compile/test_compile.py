@@ -73,11 +73,6 @@ def dtensor_case(rank, world, sp, backend):
 
     spec = ml.shard({k: P(*v) for k, v in M.HAND_SPECS.items()}, ml.Rules(**M.HAND_RULES))
     mesh = ml.Mesh(dp=1, tp=world)
-    with torch.device("meta"):
-        llama = M.build("llama")
-    with pytest.raises(ml.ConfigError, match="composition table: shard x compile_blocks"):
-        ml.plan(llama, ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.compile_blocks(),
-                ml.Mesh(dp=1, tp=world, fake=True))
     data = M.batches(3, batch=4, seq=8, vocab=M.HAND["vocab"])
     torch._dynamo.reset()
     counters.clear()
@@ -121,6 +116,51 @@ def test_blocks_compile_in_dtensor_mode_gloo(world2, sp, backend):
     assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
+def policy_case(rank, world, sp, backend):
+    """A small Llama sharded by its policy (tensor-parallel regions: each module computes
+    on its local shards, joined by meshlab's collectives), with Megatron sequence
+    parallelism or without, trained 3 SGD steps eagerly and with compile_blocks() in the
+    spec (fullgraph): the same losses and weights, no graph break, one graph per block
+    shape. Dynamo read ``getattr(dtensor, "to_local", None)`` as None, so the regions' hooks
+    handed the modules their DTensor parameters and the first compiled forward raised."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import meshlab as ml
+
+    spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES))
+    if sp:
+        spec = spec | ml.sequence("tp", "split_gather")
+    mesh = ml.Mesh(dp=1, tp=world)
+    ids = torch.randint(0, 97, (3, 2, 16), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    counters.clear()
+    runs = {}
+    for compiled in (False, True):
+        model = ml.parallelize(M.build("llama"), spec | ml.compile_blocks(backend=backend)
+                               if compiled else spec, mesh, seed=0)
+        opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+        runs[compiled] = (model, [ml.step(model, opt, {"input_ids": b}) for b in ids])
+    (eager, e_losses), (compiled, c_losses) = runs[False], runs[True]
+    assert all(getattr(b, "_compiled_call_impl", None) is not None
+               for b in compiled.model.layers)
+    torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(e_losses), atol=2e-6,
+                               rtol=1e-6)
+    ref = dict(eager.named_parameters())
+    for n, w in compiled.named_parameters():
+        torch.testing.assert_close(M.full(w).detach(), M.full(ref[n]).detach(), atol=2e-6,
+                                   rtol=1e-5, msg=lambda m, n=n: f"weight {n}: {m}")
+    return {"breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+@pytest.mark.parametrize("sp,backend", [(False, "aot_eager"), (True, "inductor")],
+                         ids=["tp", "tp_sp"])
+def test_policy_regions_compile_gloo(world2, sp, backend):
+    out = world2.run(policy_case, sp=sp, backend=backend)
+    assert all(o["breaks"] == 0 and o["graphs"] >= 1 for o in out), out
+
+
 def test_refused_compositions():
     import meshlab as ml
 
@@ -128,9 +168,13 @@ def test_refused_compositions():
         model = M.build("llama")
     assert ml.plan(model, ml.pipeline("pp", microbatches=2) | ml.compile_blocks(),
                    ml.Mesh(pp=2, fake=True)).runnable
-    with pytest.raises(ml.ConfigError, match="composition table: shard x compile_blocks"):
-        ml.plan(model, ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) |
-                ml.sequence("tp", "split_gather") | ml.compile_blocks(), ml.Mesh(tp=2, fake=True))
+    tp = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.sequence("tp", "split_gather")
+    assert ml.plan(model, tp | ml.compile_blocks(), ml.Mesh(tp=2, fake=True)).runnable
+    with torch.device("meta"):
+        drops = M.build("llama", attention_dropout=0.1)
+    assert ml.plan(drops, tp, ml.Mesh(tp=2, fake=True)).runnable
+    with pytest.raises(ml.ConfigError, match="model that drops.*compiled block cannot trace"):
+        ml.plan(drops, tp | ml.compile_blocks(), ml.Mesh(tp=2, fake=True))
     with pytest.raises(ml.ConfigError, match="mode"):
         ml.compile_blocks(mode="fastest")
     with pytest.raises(ml.ConfigError, match="modes are inductor's"):
