@@ -28,9 +28,12 @@ _FP8_TP = not_yet(
     "parallelism (scales over local shards; bf16-rounded partial sums that float8 "
     "magnifies); use precision('bf16') with shard, or precision('fp8') without it")
 _OFF_PARAMS = not_yet(
-    "parameters leave the device per FSDP2 unit, which needs zero_shard(3)",
-    "{a}: parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one "
-    "rank too: zero_shard(3) over a size-1 axis); add it or use params=0")
+    "parameters rest on the host as the shards of FSDP2 units, which zero_shard(2) and "
+    "zero_shard(3) build; data_parallel and zero_shard(1) keep every parameter whole on the "
+    "device (DeepSpeed offloads parameters at stage 3 only)",
+    "{a}: parameters rest on the host as the shards of FSDP2 units, which zero_shard(2) and "
+    "zero_shard(3) build (on one rank too: over a size-1 axis); use one of them or "
+    "params=0")
 _STEP = not_yet("not yet shown to train like the ordinary step",
                 "step_in_backward() with {b} is not yet shown to train like the ordinary "
                 "step; leave one of them out")

@@ -265,7 +265,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
                                 "compile_blocks"),
     # zero_shard(2)
     ("zero_shard(2)", "zero_shard(3)", _ZERO),
-    ("offload(params)", "zero_shard(2)", _OFF_PARAMS),
+    ("offload(params)", "zero_shard(2)", _shown("offload(params)", "zero_shard(2)")),
     ("zero_shard(2)", "pipeline", _shown("zero_shard(2)", "pipeline", _PP_FSDP)),
     ("zero_shard(2)", "lora",
      _t(f"{_LORA}::test_lora_matches_single_process_peft[False-zero2]")),

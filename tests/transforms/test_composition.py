@@ -138,8 +138,9 @@ def test_a_refusal_names_its_cell_and_the_page():
                                                                      optimizer=1.0),
                 ml.Mesh(dp=2, fake=True))
     assert str(e.value).endswith(
-        "parameters leave the device per FSDP2 unit, which needs zero_shard(3) (on one rank "
-        "too: zero_shard(3) over a size-1 axis); add it or use params=0 (composition table: "
+        "parameters rest on the host as the shards of FSDP2 units, which zero_shard(2) and "
+        "zero_shard(3) build (on one rank too: over a size-1 axis); use one of them or "
+        "params=0 (composition table: "
         "offload(params) x data_parallel: not yet; see docs/composition.md)")
 
 

@@ -11,8 +11,10 @@ rows and the predicted cost of a step (``_estimates``).
   ``precision('bf16')`` the device copy of an offloaded parameter is kept in bf16.
 * ``grads=f``: the selected gradients leave the device in the backward that reduces
   them (a copy on a side stream as each is ready) and are consumed on the host.
-* ``params=f`` (``zero_shard(3)``): FSDP2 keeps the shards of the selected units on the
-  host and copies them in for each forward and backward (``CPUOffloadPolicy`` per unit).
+* ``params=f`` (``zero_shard(2)`` or ``zero_shard(3)``): FSDP2 keeps the shards of the
+  selected units on the host and copies them in for the forward, and again for the backward
+  under ``zero_shard(3)`` (``zero_shard(2)`` keeps them gathered from one to the other)
+  (``CPUOffloadPolicy`` per unit).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ class Offload(Transform):
 
     def _params_ok(self, plan: Plan) -> bool:
         z = self._zero(plan)
-        return z is not None and z.stage == 3
+        return z is not None and z.stage >= 2
 
     # -- the hooks -------------------------------------------------------------------------
     def rows(self, plan: Plan | None) -> tuple[str, ...]:
@@ -188,10 +190,9 @@ class Offload(Transform):
                               f"as a transform; see docs/composition.md)")
         if self.params > 0 and self._zero(plan) is None:
             raise ConfigError(
-                f"{self!r}: parameters leave the device per FSDP2 unit, which needs "
-                f"zero_shard(3) (on one rank too: zero_shard(3) over a size-1 axis); add it "
-                f"or use params=0 (the composition table's offload(params) composes with "
-                f"zero_shard(3) only: see docs/composition.md)")
+                f"{self!r}: parameters rest on the host as the shards of FSDP2 units, which "
+                f"zero_shard(2) and zero_shard(3) build (on one rank too: over a size-1 "
+                f"axis); add one or use params=0 (see docs/composition.md)")
 
     def memory(self, plan: Plan, rows: list) -> list:
         c = self.choice(plan)
