@@ -56,7 +56,6 @@ class UnusedGrads:
                 continue
             managed |= {id(fp.sharded_param) for fp in pg.fsdp_params}
             self._wrap(pg)
-        root.set_reduce_scatter_unused_params(True)
         self.params = [p for p in root.parameters() if id(p) in managed and p.requires_grad]
 
     def _wrap(self, pg) -> None:
@@ -69,6 +68,11 @@ class UnusedGrads:
                                           up.grad is not None)
                 key = id(fp.sharded_param)
                 self.had[key] = self.had.get(key, False) or got
+                if pg.reduce_grads and not self.had[key] and up is not None \
+                        and fp.sharded_param.requires_grad:
+                    # reduce-scatter zeros for it, so every rank runs the same collectives
+                    # (FSDP2's set_reduce_scatter_unused_params, which torch 2.11 lacks)
+                    up.grad = torch.zeros_like(up)
             if pg.reduce_grads and not self.queued:
                 self.queued = True
                 if torch._C._current_graph_task_id() != -1:
