@@ -89,6 +89,9 @@ METHODS: dict[str, tuple[Arg, ...]] = {
 
 
 def _args(name: str, given: dict) -> dict:
+    if given.get("prefix") == "":
+        # Colossal-AI prefixes file names only with a non-empty prefix: "" is no prefix
+        given = {**given, "prefix": None}
     return bind(f"Booster.{name}", METHODS[name], 0, (), given)
 
 

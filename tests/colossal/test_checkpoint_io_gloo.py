@@ -280,3 +280,52 @@ def scheduler_case(rank, world, path):
 def test_a_warmup_scheduler_drives_the_boosted_optimizer_and_resumes(world2, tmp_path_factory):
     path = str(tmp_path_factory.getbasetemp() / "schedulers")
     assert all(world2.run(scheduler_case, path=path))
+
+
+def empty_prefix_case(rank, world, path):
+    """``tests/test_checkpoint_io/test_gemini_checkpoint_io.py`` passes ``prefix=""`` to
+    ``save_model``: Colossal-AI prefixes file names only with a non-empty prefix, so the
+    empty one is no prefix; the files and what loads back are those of ``prefix=None``."""
+    import torch.distributed as dist
+
+    import meshlab as ml
+    from meshlab.booster import Booster, UnsupportedArgument
+    from meshlab.booster.plugin import TorchDDPPlugin
+
+    booster = Booster(plugin=TorchDDPPlugin())
+    model = ml.init_weights(M.build("llama"), seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt, *_ = booster.boost(model, opt)
+    _one_step(booster, model, opt, rank, world)
+    where = os.path.join(path, "model")
+    booster.save_model(model, where, True, True, "", 1, use_safetensors=True)
+    booster.save_optimizer(opt, os.path.join(path, "optim"), prefix="")
+    dist.barrier()
+    files = os.listdir(where)
+    assert "config.json" in files and any(f.startswith("model") and
+                                           f.endswith(".safetensors") for f in files), files
+    new = ml.init_weights(M.build("llama"), seed=1)
+    new_opt = torch.optim.SGD(new.parameters(), lr=0.1, momentum=0.9)
+    new, new_opt, *_ = booster.boost(new, new_opt)
+    booster.load_model(new, where)
+    booster.load_optimizer(new_opt, os.path.join(path, "optim"), prefix="")
+    want = model.unwrap().state_dict()
+    for k, v in new.unwrap().state_dict().items():
+        assert torch.equal(_whole(v), _whole(want[k])), k
+    try:
+        booster.save_model(model, where, True, True, "run1", 1, use_safetensors=True)
+    except UnsupportedArgument as e:
+        assert "prefix='run1'" in str(e), e
+    else:
+        raise AssertionError("a non-empty prefix was accepted")
+    dist.barrier()
+    return True
+
+
+def _whole(v):
+    return v.full_tensor() if hasattr(v, "full_tensor") else v
+
+
+def test_an_empty_prefix_is_no_prefix(world2, tmp_path_factory):
+    path = str(tmp_path_factory.getbasetemp() / "empty_prefix")
+    assert all(world2.run(empty_prefix_case, path=path))
