@@ -81,7 +81,7 @@ def test_bf16_device_copies_and_memory_accounting(one_rank):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_parameters_rest_on_the_host_under_fsdp2_units(one_rank, stage):
-    """``offload(params=1.0)`` beside ``zero_shard(2)`` (units kept whole from the forward to
+    """Everything offloaded beside ``zero_shard(2)`` (units kept whole from the forward to
     the backward) and ``zero_shard(3)``: between steps every parameter's shard is in pinned
     host memory, and the losses and weights are the same run's without offload."""
     import meshlab as ml
@@ -90,7 +90,8 @@ def test_parameters_rest_on_the_host_under_fsdp2_units(one_rank, stage):
     data = M.batches(3, vocab=96)
     ref, _, want = _train(ml.zero_shard(stage, "dp"), data)
     assert all(local(p).device.type == "cuda" for p in ref.parameters())
-    model, _, got = _train(ml.zero_shard(stage, "dp") | ml.offload(params=1.0), data)
+    model, _, got = _train(ml.zero_shard(stage, "dp") | ml.offload(params=1.0, grads=1.0,
+                                                                   optimizer=1.0), data)
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
     assert all(local(p).device.type == "cpu" and local(p).is_pinned()
                for p in model.parameters())
