@@ -215,8 +215,10 @@ class GeminiPlugin(Plugin):
         hint("max_prefetch", 0, "FSDP2 prefetches the next block's all-gather", 2),
         maps("shard_param_frac", 1.0, "1.0: zero_shard(3) (every parameter sharded); 0.0: "
              "zero_shard(2) (parameters gathered for the forward and kept through the "
-             "backward; gradients and optimizer state sharded); a fraction between is refused "
-             "(FSDP2 shards each block whole)", 0.0),
+             "backward; gradients and optimizer state sharded); a fraction f between: "
+             "zero_shard(3, reshard=f) (the first f of the blocks freed after their forward, "
+             "the others kept gathered to their backward: FSDP2 shards each block whole, so "
+             "the share is counted in blocks)", 0.5),
         maps("offload_optim_frac", 0.0, "offload(optimizer=f) (placement_policy='static')",
              0.5),
         maps("offload_param_frac", 0.0, "offload(params=f, grads=f) (placement_policy="
@@ -289,15 +291,14 @@ class GeminiPlugin(Plugin):
                                   f"tp_size > 1")
             spec = spec | sequence("tp", "split_gather")
         frac = float(v["shard_param_frac"])
-        if frac not in (0.0, 1.0):
-            raise UnsupportedArgument(owner, "shard_param_frac", frac, "FSDP2 shards each "
-                                      "block's parameters whole, not a fraction of them",
-                                      "shard_param_frac=1.0 (zero_shard(3)) or 0.0 "
-                                      "(zero_shard(2))")
+        if not 0.0 <= frac <= 1.0:
+            raise ConfigError(f"{owner}(shard_param_frac={frac!r}): the share of the "
+                              f"parameters sharded, from 0.0 to 1.0, e.g. 0.5")
         replicas = positive_int(owner, "extra_dp_size", v["extra_dp_size"])
         if replicas > 1:                 # hybrid sharding: replicated over rep
             spec = spec | data_parallel("rep")
-        spec = spec | zero_shard(3 if frac == 1.0 else 2, "dp")
+        spec = spec | (zero_shard(2, "dp") if frac == 0.0 else
+                       zero_shard(3, "dp", reshard=frac))
         policy = v["placement_policy"]
         po, oo = float(v["offload_param_frac"]), float(v["offload_optim_frac"])
         for k, f in (("offload_param_frac", po), ("offload_optim_frac", oo)):

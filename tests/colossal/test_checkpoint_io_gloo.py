@@ -99,12 +99,12 @@ def test_a_sharded_save_loads_with_from_pretrained(world2, tmp_path_factory, plu
 def gemini_frac_case(rank, world):
     """``tests/test_checkpoint_io/test_gemini_checkpoint_io.py``'s optimizer placement
     ``{"placement_policy": "static", "shard_param_frac": 0.0, "offload_optim_frac": 0.5}``
-    (ZeRO-2 with half the optimizer offloaded) plans zero_shard(2) and trains as
-    ``shard_param_frac=1.0`` (zero_shard(3)) does, to float32 rounding; a fraction between
-    is refused by name before anything runs."""
+    (ZeRO-2 with half the optimizer offloaded) plans zero_shard(2), and its
+    ``shard_param_frac=0.5`` zero_shard(3, reshard=0.5) (the first half of the blocks freed
+    after their forward, the rest kept gathered to their backward, as FSDP2 reports); both
+    train as ``shard_param_frac=1.0`` (zero_shard(3)) does, to float32 rounding."""
     import meshlab as ml
     from meshlab.booster import Booster
-    from meshlab.booster._args import UnsupportedArgument
     from meshlab.booster.nn.optimizer import HybridAdam
     from meshlab.booster.plugin import GeminiPlugin
 
@@ -119,23 +119,29 @@ def gemini_frac_case(rank, world):
             optimizer.step()
             optimizer.zero_grad()
         rooms = [repr(t) for t in model.unwrap()._meshlab.plan.rooms]
+        freed = [getattr(b._get_fsdp_state()._fsdp_param_group, "post_forward_mesh_info",
+                         None) is not None for b in model.unwrap().model.layers]
         return {n: M.full(p).detach().clone() for n, p in model.unwrap().named_parameters()}, \
-            rooms
+            (rooms, freed)
 
-    half, rooms = train(placement_policy="static", shard_param_frac=0.0, offload_optim_frac=0.5)
-    assert any("zero_shard(stage=2" in r for r in rooms), rooms
-    whole, rooms3 = train(placement_policy="static", offload_optim_frac=0.5)
-    assert any("zero_shard(stage=3" in r for r in rooms3), rooms3
+    zero2, (rooms, freed) = train(placement_policy="static", shard_param_frac=0.0,
+                                  offload_optim_frac=0.5)
+    assert any("zero_shard(stage=2" in r for r in rooms) and not any(freed), (rooms, freed)
+    half, (rooms, freed) = train(placement_policy="static", shard_param_frac=0.5,
+                                 offload_optim_frac=0.5)
+    assert any("zero_shard(stage=3, axis='dp', reshard=0.5" in r for r in rooms), rooms
+    assert freed == [True] * (len(freed) // 2) + [False] * (len(freed) - len(freed) // 2), \
+        freed
+    whole, (rooms, freed) = train(placement_policy="static", offload_optim_frac=0.5)
+    assert any("zero_shard(stage=3" in r for r in rooms) and all(freed), (rooms, freed)
     for n in whole:
-        torch.testing.assert_close(half[n], whole[n], atol=1e-6, rtol=1e-5,
-                                   msg=lambda m, n=n: f"{n}: {m}")
-    with pytest.raises(UnsupportedArgument, match="shard_param_frac"):
-        Booster(plugin=GeminiPlugin(shard_param_frac=0.5)).boost(
-            ml.init_weights(M.build("llama"), seed=0))
+        for got in (zero2, half):
+            torch.testing.assert_close(got[n], whole[n], atol=1e-6, rtol=1e-5,
+                                       msg=lambda m, n=n: f"{n}: {m}")
     return True
 
 
-def test_gemini_shard_param_frac_zero_is_zero2(world2):
+def test_gemini_shard_param_frac(world2):
     assert all(world2.run(gemini_frac_case))
 
 

@@ -164,6 +164,36 @@ def test_zero2_peaks_above_zero3():
     assert "(gathered parameters)" in names
 
 
+def test_zero3_reshard_share_sits_between_zero2_and_zero3():
+    """zero_shard(3, reshard=0.5): the last half of the blocks stay gathered from their
+    forward to their backward (counted as held, as ZeRO-2's are), the first half are freed
+    and gathered again for the backward (one all-gather more each, as ZeRO-3's)."""
+    m = _llama(**SMALL)
+    mesh = ml.Mesh(dp=8, fake=True)
+    plans = {k: ml.plan(m, z, mesh) for k, z in (
+        ("2", ml.zero_shard(2)), ("3", ml.zero_shard(3)), ("half", ml.zero_shard(3, reshard=0.5)),
+        ("none", ml.zero_shard(3, reshard=0.0)))}
+
+    def held(k):
+        rows = plans[k].memory(batch=1, seq=256).transients
+        return next(r.bytes for r in rows if r.module == "(gathered parameters)")
+
+    def gathers(k):
+        return plans[k].comm().count("all_gather")
+
+    assert held("3") < held("half") < held("2")
+    assert gathers("2") < gathers("half") < gathers("3")
+    blocks = len(plans["3"].model.blocks)
+    assert gathers("3") - gathers("half") == blocks - round(0.5 * blocks)
+    # reshard counts blocks: the root (embeddings, norm, head) is freed at stage 3 still
+    assert held("none") == held("2") and gathers("none") == gathers("2") + 1
+    assert repr(ml.zero_shard(3, reshard=0.5)) == "zero_shard(stage=3, axis='dp', reshard=0.5)"
+    with pytest.raises(ml.ConfigError, match="only stage 3"):
+        ml.zero_shard(2, reshard=0.5)
+    with pytest.raises(ml.ConfigError, match="from 0.0 to 1.0"):
+        ml.zero_shard(3, reshard=1.5)
+
+
 def test_peak_and_fits():
     m = _llama()
     p = ml.plan(m, ml.remat("full"), ml.Mesh(dp=1, fake=True))

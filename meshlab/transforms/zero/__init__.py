@@ -55,9 +55,20 @@ class ZeroShard(Transform):
     axis: tuple[str, ...] = ("dp",)
     bucket_mb: float = BUCKET_MB       # the gradient all-reduce buckets (stage 0, leftovers)
     replicate: tuple[str, ...] = ()    # hybrid sharding: data axes the state is replicated on
+    reshard: float = 1.0               # stage 3: the share of blocks freed after the forward
 
     def __post_init__(self):
         object.__setattr__(self, "stage", _stage(self.stage))
+        object.__setattr__(self, "reshard", check_number(
+            self.reshard, "zero_shard", "reshard", example=0.5, allow_zero=True))
+        if not 0.0 <= self.reshard <= 1.0:
+            raise ConfigError(f"zero_shard(reshard={self.reshard!r}): the share of blocks "
+                              f"whose parameters are freed after the forward, from 0.0 to "
+                              f"1.0, e.g. reshard=0.5")
+        if self.stage != 3 and self.reshard != 1.0:
+            raise ConfigError(f"zero_shard({self.stage}, reshard={self.reshard!r}): only "
+                              f"stage 3 frees parameters after the forward; use "
+                              f"zero_shard(3, reshard={self.reshard!r})")
         object.__setattr__(self, "axis", _axes(self.axis))
         object.__setattr__(self, "bucket_mb", check_number(
             self.bucket_mb, "zero_shard", "bucket_mb", example=25.0))
@@ -96,7 +107,8 @@ class ZeroShard(Transform):
         if len(mb) > 1:
             raise ConfigError(f"{self!r} and {other!r}: two gradient bucket sizes for one "
                               f"data-parallel room; give bucket_mb to one of them")
-        return ZeroShard(zero.stage, zero.axis, mb.pop() if mb else BUCKET_MB, dp.axis)
+        return ZeroShard(zero.stage, zero.axis, mb.pop() if mb else BUCKET_MB, dp.axis,
+                         zero.reshard)
 
     def check(self, plan: Plan) -> None:
         for a in self.axis + self.replicate:
@@ -152,7 +164,17 @@ class ZeroShard(Transform):
         a = _name(self.axis)
         b = "" if self.bucket_mb == BUCKET_MB else f", bucket_mb={self.bucket_mb!r}"
         r = f", replicate={_name(self.replicate)!r}" if self.replicate else ""
-        return f"zero_shard(stage={self.stage}, axis={a!r}{b}{r})"
+        f = "" if self.reshard == 1.0 else f", reshard={self.reshard!r}"
+        return f"zero_shard(stage={self.stage}, axis={a!r}{b}{r}{f})"
+
+    def resharded(self, blocks) -> frozenset:
+        """The blocks whose parameters FSDP2 frees after their forward and gathers again
+        for their backward: every block at stage 3 (none below), or with ``reshard`` the
+        first ``round(reshard * len(blocks))``; the last blocks, whose backward comes
+        first, keep theirs gathered."""
+        if self.stage != 3:
+            return frozenset()
+        return frozenset(blocks[:round(self.reshard * len(blocks))])
 
 
 def _name(axes: tuple[str, ...]):
@@ -213,10 +235,17 @@ def _check_fsdp_specs(plan: Plan, fsdp: tuple[str, ...]) -> None:
 
 def zero_shard(stage: int = 3, axis: str | tuple[str, ...] = "dp", *,
                bucket_mb: float = BUCKET_MB,
-               replicate: str | tuple[str, ...] = ()) -> ZeroShard:
+               replicate: str | tuple[str, ...] = (), reshard: float = 1.0) -> ZeroShard:
     """Shard optimizer state (1), + gradients (2), + parameters (3) over ``axis``;
     with ``replicate``, hybrid sharding: the batch split over those axes too, the state
     replicated on them (what ``data_parallel(replicate) | zero_shard(stage, axis)`` makes).
+    ``reshard`` (stage 3): the share of blocks freed after their forward and gathered again
+    for their backward (FSDP2's ``reshard_after_forward`` per block); the others, the last
+    blocks, stay gathered from their forward to their backward, as at stage 2. Between 0.0
+    and 1.0 it trades memory for a gather per block; the numbers are the same.
+
+    >>> zero_shard(3, 'dp', reshard=0.5)
+    zero_shard(stage=3, axis='dp', reshard=0.5)
 
     >>> zero_shard(3, 'dp')
     zero_shard(stage=3, axis='dp')
@@ -224,7 +253,7 @@ def zero_shard(stage: int = 3, axis: str | tuple[str, ...] = "dp", *,
     zero_shard(stage=0, axis='rep') | zero_shard(stage=3, axis='dp')
     """
     return ZeroShard(stage=_stage(stage), axis=_axes(axis), bucket_mb=bucket_mb,
-                     replicate=replicate)
+                     replicate=replicate, reshard=reshard)
 
 
 def data_parallel(axis: str | tuple[str, ...] = "dp", *,

@@ -82,7 +82,8 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
         counts[key] += 1
         unit = next((b for b in blocks if e.fqn.startswith(b + ".")), "")
         units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
-    ops = _stage_ops(t.stage, name, dp, buckets, units, prec, counts) if dp > 1 else []
+    ops = _stage_ops(t.stage, name, dp, buckets, units, prec, counts,
+                     t.resharded(blocks) | {""}) if dp > 1 else []
     if rep > 1 and t.stage >= 2:      # HSDP: each unit's gradient shard over the replicas
         gbytes = dtype_bytes(prec.reduce if prec else "float32")
         ops += [CommOp("all_reduce", "_".join(t.replicate), 1, n // dp * gbytes)
@@ -93,7 +94,7 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
     return ops + [CommOp("all_reduce", data, 1, 8)]      # the step's loss
 
 
-def _stage_ops(stage, name, dp, buckets, units, prec, counts) -> list[CommOp]:
+def _stage_ops(stage, name, dp, buckets, units, prec, counts, freed) -> list[CommOp]:
     if stage == 0:
         return []          # the backward's all-reduces: ``_gradsync.estimate``
     if stage == 1:
@@ -110,10 +111,10 @@ def _stage_ops(stage, name, dp, buckets, units, prec, counts) -> list[CommOp]:
     pbytes = dtype_bytes(prec.compute if prec else "float32")
     gbytes = dtype_bytes(prec.reduce if prec else "float32")
     ops = []
-    for n in units.values():
+    for unit, n in units.items():
         ops += [CommOp("all_gather", name, 1, n * pbytes),
                 CommOp("reduce_scatter", name, 1, n * gbytes)]
-        if stage == 3:                 # re-gathered for backward (the root too)
+        if stage == 3 and unit in freed:      # re-gathered for backward (the root too)
             ops.append(CommOp("all_gather", name, 1, n * pbytes))
     return ops
 
@@ -141,7 +142,11 @@ def zero_transients(t, plan: Plan) -> list:
         units[unit] += math.prod(ls)
     pb = dtype_bytes(prec.compute) if prec else 4
     gb = dtype_bytes(prec.reduce) if prec else 4
-    held = sorted(units.values(), reverse=True)[:2] if t.stage == 3 else list(units.values())
+    # the units kept gathered from forward to backward (every one at stage 2, those past
+    # ``reshard`` at stage 3), and of those freed after the forward the two largest
+    freed = t.resharded(plan.model.blocks) | {""} if t.stage == 3 else frozenset()
+    held = [n for u, n in units.items() if u not in freed] + \
+        sorted((n for u, n in units.items() if u in freed), reverse=True)[:2]
     # FSDP2 gathers into buffers of its own, beside the shards (at any world size).
     rows = [ActRow(module="(gathered parameters)", op="all_gather", dtype="",
                    shape=(sum(held),), bytes=sum(held) * pb)]

@@ -274,6 +274,7 @@ def _fully_shard(t, ctx, roots: list) -> None:
     placement = _by_spec(ctx) if ctx.roles.fsdp else None
     kw = dict(mesh=_fsdp_mesh(t, ctx), reshard_after_forward=t.stage == 3,
               mp_policy=mp, ignored_params=ignored or None)
+    freed = t.resharded(ctx.plan.model.blocks)
     if placement is not None:
         kw["shard_placement_fn"] = placement
     # offload(params=...) names the units whose shards FSDP2 keeps on the host ('' = root).
@@ -286,7 +287,7 @@ def _fully_shard(t, ctx, roots: list) -> None:
             if unit in host.units else {}
 
     for b in (b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped):
-        fully_shard(mods[b], **kw, **policy(b))
+        fully_shard(mods[b], **{**kw, "reshard_after_forward": b in freed}, **policy(b))
 
     data = ctx.group(*(t.replicate + t.axis))
     # A fused loss on a pipeline's last stage runs the head after the stage's forward has
