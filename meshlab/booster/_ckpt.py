@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..core.errors import check_int
+from ..core.errors import check_number
 from . import _onefile
 from ._args import Arg, bind, hint, maps, only
 
@@ -46,8 +46,9 @@ SAVE_MODEL = (
          "loadable on any mesh; safetensors exports hold whole tensors", False),
     only("prefix", None, "files are named as Hugging Face names them, so from_pretrained "
          "reads them", "a directory per checkpoint"),
-    maps("size_per_shard", 1024, "checkpoint.save_pretrained(max_shard_size=f'{n}MB') "
-         "with shard=True; unused without it, as in Colossal-AI", 64),
+    maps("size_per_shard", 1024, "checkpoint.save_pretrained(max_shard_size=int(n * 2**20)) "
+         "with shard=True: MB as Colossal-AI counts them, a fraction too; unused without "
+         "it, as in Colossal-AI", 64),
     maps("use_safetensors", False, "True: checkpoint.save_pretrained (a Hugging Face export); "
          "False: the same export with shard=True, else checkpoint.save (meshlab's sharded DCP "
          "checkpoint, no pickles)", True),
@@ -179,7 +180,9 @@ def save_model(self, model, checkpoint: str, shard: bool = False, gather_dtensor
     v = _args("save_model", dict(shard=shard, gather_dtensor=gather_dtensor, prefix=prefix,
                                  size_per_shard=size_per_shard,
                                  use_safetensors=use_safetensors, use_async=use_async))
-    check_int(v["size_per_shard"], "Booster.save_model", "size_per_shard", example=1024)
+    # MB as Colossal-AI counts them (2**20 bytes), a fraction too (its tests pass one)
+    mb = check_number(v["size_per_shard"], "Booster.save_model", "size_per_shard",
+                      example=1024)
     path = os.fspath(checkpoint)
     if not v["shard"] and _onefile.names_a_file(path):      # Colossal-AI's one file
         # use_async: written before save_model returns (the same file, complete sooner)
@@ -187,7 +190,7 @@ def save_model(self, model, checkpoint: str, shard: bool = False, gather_dtensor
         return
     if v["use_safetensors"] or v["shard"]:
         # use_async: the export is written before save_model returns (the same files)
-        size = f"{v['size_per_shard']}MB" if v["shard"] else 2 ** 62
+        size = max(1, int(mb * 2 ** 20)) if v["shard"] else 2 ** 62
         ckpt.save_pretrained(checkpoint, model, max_shard_size=size,
                              extra=_step_extra(_step_of(self, model)))
         return
