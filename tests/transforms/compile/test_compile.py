@@ -116,51 +116,6 @@ def test_blocks_compile_in_dtensor_mode_gloo(world2, sp, backend):
     assert all(o["losses"] == out[0]["losses"] for o in out)
 
 
-def policy_case(rank, world, sp, backend):
-    """A small Llama sharded by its policy (tensor-parallel regions: each module computes
-    on its local shards, joined by meshlab's collectives), with Megatron sequence
-    parallelism or without, trained 3 SGD steps eagerly and with compile_blocks() in the
-    spec (fullgraph): the same losses and weights, no graph break, one graph per block
-    shape. Dynamo read ``getattr(dtensor, "to_local", None)`` as None, so the regions' hooks
-    handed the modules their DTensor parameters and the first compiled forward raised."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    import meshlab as ml
-
-    spec = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES))
-    if sp:
-        spec = spec | ml.sequence("tp", "split_gather")
-    mesh = ml.Mesh(dp=1, tp=world)
-    ids = torch.randint(0, 97, (3, 2, 16), generator=torch.Generator().manual_seed(0))
-    torch._dynamo.reset()
-    counters.clear()
-    runs = {}
-    for compiled in (False, True):
-        model = ml.parallelize(M.build("llama"), spec | ml.compile_blocks(backend=backend)
-                               if compiled else spec, mesh, seed=0)
-        opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
-        runs[compiled] = (model, [ml.step(model, opt, {"input_ids": b}) for b in ids])
-    (eager, e_losses), (compiled, c_losses) = runs[False], runs[True]
-    assert all(getattr(b, "_compiled_call_impl", None) is not None
-               for b in compiled.model.layers)
-    torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(e_losses), atol=2e-6,
-                               rtol=1e-6)
-    ref = dict(eager.named_parameters())
-    for n, w in compiled.named_parameters():
-        torch.testing.assert_close(M.full(w).detach(), M.full(ref[n]).detach(), atol=2e-6,
-                                   rtol=1e-5, msg=lambda m, n=n: f"weight {n}: {m}")
-    return {"breaks": sum(counters["graph_break"].values()),
-            "graphs": counters["stats"]["unique_graphs"]}
-
-
-@pytest.mark.parametrize("sp,backend", [(False, "aot_eager"), (True, "inductor")],
-                         ids=["tp", "tp_sp"])
-def test_policy_regions_compile_gloo(world2, sp, backend):
-    out = world2.run(policy_case, sp=sp, backend=backend)
-    assert all(o["breaks"] == 0 and o["graphs"] >= 1 for o in out), out
-
-
 def test_refused_compositions():
     import meshlab as ml
 
