@@ -74,13 +74,17 @@ def ddp_args(prefix: str) -> tuple[Arg, ...]:
 def shardformer_args() -> tuple[Arg, ...]:
     return (
         maps("enable_all_optimization", False, "fuse('rms_norm', 'rotary', 'attention', "
-             "'mlp'): meshlab's fused kernels on the model's norms, rotary embedding, attention "
-             "and gated MLP", True),
-        maps("enable_fused_normalization", False, "fuse('rms_norm')", True),
-        maps("enable_flash_attention", False, "fuse('attention') (flash attention where "
-             "installed, else SDPA's)", True),
-        maps("enable_jit_fused", False, "fuse('rotary', 'mlp') (meshlab's fused elementwise "
-             "ops: the rotary embedding and the SwiGLU gate)", True),
+             "'mlp', absent='leave'): meshlab's fused kernels on the model's norms, rotary "
+             "embedding, attention and gated MLP, each where the model has it (as "
+             "Colossal-AI's policies apply what a family supports; plan.decision(FuseLeft) "
+             "names what was left)", True),
+        maps("enable_fused_normalization", False, "fuse('rms_norm', absent='leave'): the "
+             "model's RMSNorms (a model with LayerNorm keeps torch's, one kernel already, and "
+             "the plan says so)", True),
+        maps("enable_flash_attention", False, "fuse('attention', absent='leave') (flash "
+             "attention where installed, else SDPA's)", True),
+        maps("enable_jit_fused", False, "fuse('rotary', 'mlp', absent='leave') (meshlab's "
+             "fused elementwise ops: the rotary embedding and the SwiGLU gate)", True),
     )
 
 

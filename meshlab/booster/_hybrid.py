@@ -167,8 +167,8 @@ class HybridParallelPlugin(Plugin):
         if remat is not None:
             spec = spec | remat
         ops = fuse_ops(v)
-        if ops:
-            spec = spec | fuse(*ops)
+        if ops:                 # as Colossal-AI's policies: where the model has them
+            spec = spec | fuse(*ops, absent="leave")
         if v["cpu_offload"]:
             if stage == 0:
                 raise ConfigError(f"{owner}(cpu_offload=True): offloading the optimizer "

@@ -320,8 +320,8 @@ class GeminiPlugin(Plugin):
         else:
             raise ConfigError(f"{owner}(placement_policy={policy!r}): 'static' or 'auto'")
         ops = fuse_ops(v)
-        if ops:
-            spec = spec | fuse(*ops)
+        if ops:                 # as Colossal-AI's policies: where the model has them
+            spec = spec | fuse(*ops, absent="leave")
         prec = precision_of(self, v, ("fp16", "bf16", "fp32"))
         if prec is not None:
             spec = spec | prec

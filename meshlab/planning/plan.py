@@ -107,6 +107,8 @@ class ModelInfo:
     # plan step on the traced module; empty where that step had no module (a traced plan
     # read back from JSON), and then only the install checks
     fuse_refusals: tuple[tuple[str, str], ...] = ()
+    # the ops among those that find nothing in the model to route (``fuse()`` leaves them)
+    fuse_absent: tuple[str, ...] = ()
 
     def config_get(self, key: str, default: Any = None) -> Any:
         return dict(self.config).get(key, default)
@@ -118,14 +120,15 @@ class ModelInfo:
         return {"cls": self.cls, "model_type": self.model_type, "base_prefix": self.base_prefix,
                 "blocks": list(self.blocks), "config": dict(self.config),
                 "tp_plan": dict(self.tp_plan), "modules": [m.to_json() for m in self.modules],
-                "head": self.head, "fuse_refusals": dict(self.fuse_refusals)}
+                "head": self.head, "fuse_refusals": dict(self.fuse_refusals),
+                "fuse_absent": list(self.fuse_absent)}
 
     @classmethod
     def from_json(cls, d: dict) -> "ModelInfo":
         return cls(d["cls"], d["model_type"], d["base_prefix"], tuple(d["blocks"]),
                    tuple(d["config"].items()), tuple(d["tp_plan"].items()),
                    tuple(ModuleInfo.from_json(m) for m in d.get("modules", ())), d.get("head"),
-                   tuple(d.get("fuse_refusals", {}).items()))
+                   tuple(d.get("fuse_refusals", {}).items()), tuple(d.get("fuse_absent", ())))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -356,8 +356,9 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("expert_route", "remat", _t(f"{_EXP}::test_ep2_with_remat_matches_one_process[mixtral]")),
     ("expert_route", "precision('bf16')",
      _t(f"{_EXP}::test_ep2_under_bf16_matches_one_process_under_autocast")),
-    ("expert_route", "fuse", _shown("expert_route", "fuse", "fuse('mlp') finds no gated MLP to "
-                                    "route in a model whose MLPs are mixtures of experts")),
+    ("expert_route", "fuse", _shown("expert_route", "fuse", "fuse() leaves 'mlp' out in a model "
+                                    "whose MLPs are mixtures of experts (nothing to route; the "
+                                    "plan's FuseLeft says so), and fuse('mlp') named is refused")),
     ("compile_blocks", "expert_route", _shown("compile_blocks", "expert_route")),
     ("step_in_backward", "expert_route", _STEP),
     *_trained("expert_route", "precision('fp32') precision('fp16') precision(reduce='bf16') "

@@ -13,8 +13,9 @@ sharding over two data axes: ``data_parallel('rep') | zero_shard(s, 'dp')`` on
 
 Two conditions that are not pairs are kept out of the way here, each refused by its room
 for a reason the table's note names: ``fuse('loss')`` beside a vocabulary-sharded head (the
-``shard`` rows keep the head whole for it), and ``fuse('mlp')`` in a model whose MLPs are
-mixtures of experts (the ``fuse`` row routes the norms and rotary embedding there).
+``shard`` rows keep the head whole for it), and ``fuse('mlp')`` named in a model whose MLPs
+are mixtures of experts (the ``fuse`` row asks for its ops with ``absent='leave'``, which
+leaves the MLP out there and routes the norms and rotary embedding).
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def _const(*make: Callable[[], object]) -> Callable[[str, frozenset], list]:
 
 
 def _fuse(family: str, others: frozenset) -> list:
-    ops = ("rms_norm", "rotary") if family != "llama" else ("rms_norm", "rotary", "mlp")
-    return [_ml().fuse(*ops)]
+    """The row's three ops, each where the model has it: a mixture-of-experts model has no
+    gated MLP to route, which fuse leaves out (the plan says so)."""
+    return [_ml().fuse("rms_norm", "rotary", "mlp", absent="leave")]
 
 
 def _shard(family: str, others: frozenset) -> list:

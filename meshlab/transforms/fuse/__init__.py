@@ -15,11 +15,12 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, check_choice
+from ...planning.decisions import register_decision
 from ...planning.plan import Plan
 from .._protocol import Phase, Transform
 from ._hf import FUSABLE as FUSABLE, NORMS as NORMS, causal_lm_loss as causal_lm_loss
-from ._hf import fuse as fuse_model, fused_labels as fused_labels, refusals
+from ._hf import fuse as fuse_model, fused_labels as fused_labels, findings
 from ._hf import fused_loss_of as fused_loss_of
 from ._hf import head_loss as head_loss
 
@@ -39,8 +40,12 @@ class Fuse(Transform):
     phase: ClassVar[Phase] = Phase.KERNELS
 
     ops: tuple[str, ...] = FUSABLE
+    # an op that finds nothing in the model to route: 'refuse' it (ops named in fuse(...)),
+    # or 'leave' it out and record that in the plan (fuse() as written, without names)
+    absent: str = "refuse"
 
     def __post_init__(self):
+        check_choice(self.absent, "fuse", "absent", ("refuse", "leave"))
         ops = (self.ops,) if isinstance(self.ops, str) else \
             tuple(self.ops) if isinstance(self.ops, (tuple, list)) else None
         bad = None if ops is None else [o for o in ops if not isinstance(o, str)
@@ -55,30 +60,59 @@ class Fuse(Transform):
     def apply(self, plan: Plan) -> Plan:
         if plan.source is None:                # no module to probe: the install checks
             return plan
-        refused = tuple(refusals(plan.source, self.ops).items())
-        return plan.replace(model=dataclasses.replace(plan.model, fuse_refusals=refused))
+        refused, absent = findings(plan.source, self.ops)
+        return plan.replace(model=dataclasses.replace(
+            plan.model, fuse_refusals=tuple(refused.items()), fuse_absent=absent))
+
+    def routed(self, plan: Plan | None) -> tuple[str, ...]:
+        """The ops this room routes in ``plan``'s model: its ``ops``, less, where
+        ``absent='leave'``, those ``_left`` names."""
+        if self.absent != "leave" or plan is None:
+            return self.ops
+        left = self._left(plan)
+        return tuple(op for op in self.ops if op not in left)
+
+    def _left(self, plan: Plan) -> dict[str, str]:
+        """Ops left out, each with why: those that find nothing in the model to route, and
+        the loss where shard splits the head over the vocabulary (its vocabulary-parallel
+        cross-entropy computes the loss there)."""
+        refused = dict(plan.model.fuse_refusals)
+        left = {op: refused.get(op, "nothing to route") for op in plan.model.fuse_absent}
+        if "loss" in self.ops and _vocab_split_head(plan):
+            left["loss"] = (f"{plan.model.head} is split over the vocabulary by shard(), whose "
+                            f"vocabulary-parallel cross-entropy computes the loss")
+        return left
+
+    def decide(self, plan: Plan) -> "FuseLeft | None":
+        """The ops left out (``_left``), each with why."""
+        if self.absent != "leave":
+            return None
+        left = self._left(plan)
+        pairs = tuple((op, left[op]) for op in self.ops if op in left)
+        return FuseLeft(pairs) if pairs else None
 
     def rows(self, plan: Plan | None) -> tuple[str, ...]:
         """``fuse`` for the norms, rotary embedding and MLP, and ``fuse('attention')`` and
         ``fuse('loss')`` for the ops other rooms replace too (sequence parallelism's
-        attention, the pipeline's loss)."""
-        return ((("fuse",) if set(self.ops) & {"rms_norm", "rotary", "mlp"} else ())
-                + tuple(f"fuse({op!r})" for op in ("attention", "loss") if op in self.ops))
+        attention, the pipeline's loss); of the ops routed in the plan's model."""
+        ops = self.routed(plan)
+        return ((("fuse",) if set(ops) & {"rms_norm", "rotary", "mlp"} else ())
+                + tuple(f"fuse({op!r})" for op in ("attention", "loss") if op in ops))
 
     def check(self, plan: Plan) -> None:
+        ops = self.routed(plan)
         refused = dict(plan.model.fuse_refusals)
-        why = next((refused[op] for op in self.ops if op in refused), None)
+        why = next((refused[op] for op in ops if op in refused), None)
         if why is not None:
             raise ConfigError(why)
-        if "loss" in self.ops and any(r.kind == "pipeline" and r.blocks is not None
-                                      for r in plan.rooms):
+        if "loss" in ops and any(r.kind == "pipeline" and r.blocks is not None
+                                 for r in plan.rooms):
             raise ConfigError("fuse('loss') with pipeline(blocks=...): the fused loss runs on "
                               "the last stage of a Hugging Face decoder's pipeline (its final "
                               "norm, then the head); a model whose blocks are declared ends "
                               "its last stage in its own code, so leave 'loss' out of fuse()")
-        head, tp = plan.model.head, plan.roles.tp
-        if "loss" in self.ops and head is not None and tp is not None and any(
-                e.module == head and tp in e.mesh_spec.axes for e in plan.params):
+        head = plan.model.head
+        if "loss" in ops and _vocab_split_head(plan):
             raise ConfigError(f"fuse('loss') with {head} sharded by shard(): the fused loss "
                               f"needs the whole vocabulary on each rank; leave 'loss' out of "
                               f"fuse() (the vocabulary-parallel cross-entropy runs instead; the "
@@ -93,7 +127,7 @@ class Fuse(Transform):
         (it sees itself alone), so a batch whose labels would read it (a label other than
         -100 right after a token with ``attention_mask`` 0) is refused before the step's
         first collective; no sample run alone has such a label either."""
-        if "attention" not in self.ops or not layout.padded:
+        if "attention" not in self.routed(plan) or not layout.padded:
             return
         mask, labels = batch.get("attention_mask"), batch.get("labels")
         if not isinstance(mask, Tensor) or not isinstance(labels, Tensor) or \
@@ -111,14 +145,49 @@ class Fuse(Transform):
                 f"has no token before its first), or leave 'attention' out of fuse()")
 
     def install(self, ctx) -> None:
-        fuse_model(ctx.model, self.ops)
+        ops = self.routed(ctx.plan)
+        if ops:                 # absent='leave' in a model with none of them: the plan says
+            fuse_model(ctx.model, ops)
 
     def profile(self, plan: Plan, model) -> dict | None:
-        fuse_model(model, self.ops)
-        return {"loss": _fused_loss} if "loss" in self.ops else None
+        ops = self.routed(plan)
+        if ops:
+            fuse_model(model, ops)
+        return {"loss": _fused_loss} if "loss" in ops else None
 
     def __repr__(self) -> str:
-        return "fuse()" if self.ops == FUSABLE else f"fuse{self.ops!r}".replace(",)", ")")
+        if self.ops == FUSABLE and self.absent == "leave":
+            return "fuse()"
+        named = ", ".join(map(repr, self.ops))
+        return f"fuse({named})" if self.absent == "refuse" else f"fuse({named}, absent='leave')"
+
+
+@dataclasses.dataclass(frozen=True)
+class FuseLeft:
+    """The ops ``fuse`` left out for finding nothing in the model to route, each with the
+    finding (``absent='leave'``: ``fuse()`` as written without names)."""
+
+    left: tuple[tuple[str, str], ...]
+
+    def describe(self) -> str:
+        return "fuse left " + "; ".join(f"{op} ({why})" for op, why in self.left)
+
+    def to_json(self) -> dict:
+        return {"left": [list(x) for x in self.left]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "FuseLeft":
+        return cls(tuple(tuple(x) for x in d["left"]))
+
+
+register_decision("fuse.left", FuseLeft)
+
+
+def _vocab_split_head(plan: Plan) -> bool:
+    """Whether shard splits the output head over a tensor-parallel axis."""
+    head, tp = plan.model.head, plan.roles.tp if plan.roles is not None else None
+    return head is not None and tp is not None and any(
+        e.module == head and tp in e.mesh_spec.axes for e in plan.params)
 
 
 def _fused_loss(forward, batch):
@@ -127,7 +196,20 @@ def _fused_loss(forward, batch):
         return forward(input_ids=batch["input_ids"], use_cache=False).logits
 
 
-def fuse(*ops: str) -> Fuse:
-    """Fused ops for a Hugging Face model: ``fuse()`` routes all of them, ``fuse('rms_norm',
-    'loss')`` those named."""
-    return Fuse(tuple(ops) or FUSABLE)
+def fuse(*ops: str, absent: str | None = None) -> Fuse:
+    """Fused ops for a Hugging Face model: ``fuse()`` routes each of them the model has
+    (an op that finds nothing to route, such as the gated MLP of a mixture-of-experts
+    model, is left out, and ``plan.decision(FuseLeft)`` says why); ``fuse('rms_norm',
+    'loss')`` routes those named, and refuses one that finds nothing, unless
+    ``absent='leave'``.
+
+    >>> fuse()
+    fuse()
+    >>> fuse('rms_norm', 'loss')
+    fuse('rms_norm', 'loss')
+    >>> fuse('rms_norm', 'mlp', absent='leave')
+    fuse('rms_norm', 'mlp', absent='leave')
+    """
+    if absent is None:
+        absent = "refuse" if ops else "leave"
+    return Fuse(tuple(ops) or FUSABLE, absent)

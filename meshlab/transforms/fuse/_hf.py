@@ -413,11 +413,16 @@ def _op_names(ops) -> tuple[str, ...]:
     return ops
 
 
+class NothingToRoute(ConfigError):
+    """An op finds no module of the model to route (``fuse()`` leaves it out, an op named
+    in ``fuse(...)`` is refused)."""
+
+
 def _find(model: nn.Module, op: str) -> list:
     found = _ROUTES[op][0](model)
     if not found:
-        raise ConfigError(f"fuse(ops=({op!r},)): nothing in {type(model).__name__} to route "
-                          f"to meshlab::{op}; leave it out")
+        raise NothingToRoute(f"fuse(ops=({op!r},)): nothing in {type(model).__name__} to "
+                             f"route to meshlab::{op}; leave it out")
     return found
 
 
@@ -431,12 +436,13 @@ def check(model: nn.Module, ops=FUSABLE) -> None:
             _find(model, op)
 
 
-def refusals(model: nn.Module, ops=FUSABLE) -> dict[str, str]:
+def findings(model: nn.Module, ops=FUSABLE) -> tuple[dict[str, str], tuple[str, ...]]:
     """For each of ``ops`` that ``fuse`` would refuse on ``model``, its ``ConfigError``
-    message (:func:`check`, one op at a time). Ops that route are left out, and so is one
-    whose finding fails otherwise (a module that cannot run where it lies, on the meta
-    device): installing it runs the same probe on the real module, and raises there."""
-    out = {}
+    message (:func:`check`, one op at a time), and the ops among them that find nothing
+    to route (``NothingToRoute``). Ops that route are left out, and so is one whose
+    finding fails otherwise (a module that cannot run where it lies, on the meta device):
+    installing it runs the same probe on the real module, and raises there."""
+    out, absent = {}, []
     ops = _op_names(ops)
     with torch.random.fork_rng(devices=()):
         for op in ops:
@@ -444,9 +450,16 @@ def refusals(model: nn.Module, ops=FUSABLE) -> dict[str, str]:
                 _find(model, op)
             except ConfigError as e:
                 out[op] = str(e)
+                if isinstance(e, NothingToRoute):
+                    absent.append(op)
             except Exception:
                 pass
-    return out
+    return out, tuple(absent)
+
+
+def refusals(model: nn.Module, ops=FUSABLE) -> dict[str, str]:
+    """:func:`findings`' messages alone."""
+    return findings(model, ops)[0]
 
 
 def fuse(model: nn.Module, ops=FUSABLE) -> FuseReport:

@@ -291,7 +291,7 @@ def _ulysses_ops(plan: Plan, axis: str, n: int, batch: int, seq: int, own: bool)
 def _fused_attention(plan: Plan) -> bool:
     """Whether the spec routes attention to ``meshlab::attention`` (``fuse('attention')``):
     Ulysses then runs each rank's heads on it, K and V with their own heads."""
-    return any("attention" in getattr(t, "ops", ()) for t in plan.rooms
+    return any("attention" in t.routed(plan) for t in plan.rooms
                if getattr(t, "kind", "") == "fuse")
 
 

@@ -293,7 +293,8 @@ def _fully_shard(t, ctx, roots: list) -> None:
     # A fused loss on a pipeline's last stage runs the head after the stage's forward has
     # returned (the schedule's loss), where the root's weights are resharded again: the
     # head is a unit of its own there, gathered when the loss calls it.
-    fused_head = any(r.kind == "fuse" and "loss" in r.ops for r in ctx.plan.rooms)
+    fused_head = any(r.kind == "fuse" and "loss" in r.routed(ctx.plan)
+                     for r in ctx.plan.rooms)
 
     def root(module) -> None:
         head = getattr(module, "head", None)

@@ -427,6 +427,41 @@ def test_fuse_transform_repr_and_validation():
     assert eval(repr(ml.fuse("rms_norm", "loss")), {"fuse": ml.fuse}) == ml.fuse("rms_norm", "loss")
     with pytest.raises(ml.ConfigError, match="choose distinct op names"):
         ml.fuse("rms_norm", "rms_norm")
+    assert repr(ml.fuse("rms_norm", "mlp", absent="leave")) == \
+        "fuse('rms_norm', 'mlp', absent='leave')"
+    every = "fuse('rms_norm', 'rotary', 'attention', 'mlp', 'loss')"
+    assert repr(ml.fuse(*FUSABLE)) == every and ml.fuse(*FUSABLE) != ml.fuse()
+    with pytest.raises(ml.ConfigError, match="absent"):
+        ml.fuse("rms_norm", absent="skip")
+
+
+def test_fuse_leaves_what_the_model_lacks_and_says_so():
+    """``fuse()`` as written without names routes each op the model has: a mixture of
+    experts has no gated MLP (left, with the finding), and under tensor parallelism the
+    loss is the vocabulary-parallel cross-entropy's (left, with why); the plan records what
+    was left and its JSON keeps it. Named, the same ops are refused as before."""
+    import meshlab as ml
+    from meshlab.transforms.fuse import FuseLeft
+
+    moe = M.build("qwen3_moe")
+    plan = ml.plan(moe, ml.fuse(), ml.Mesh(dp=1, fake=True))
+    fuse = next(t for t in plan.rooms if t.kind == "fuse")
+    assert fuse.routed(plan) == ("rms_norm", "rotary", "attention", "loss")
+    left = plan.decision(FuseLeft)
+    assert [op for op, _ in left.left] == ["mlp"] and "nothing in" in left.left[0][1]
+    assert "fuse left mlp" in left.describe()
+    assert ml.Plan.from_json(plan.to_json()).decision(FuseLeft) == left
+    with pytest.raises(ml.ConfigError, match="nothing in Qwen3MoeForCausalLM to route"):
+        ml.plan(moe, ml.fuse("rms_norm", "mlp"), ml.Mesh(dp=1, fake=True))
+
+    llama = M.build("llama")
+    tp = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES))
+    plan = ml.plan(llama, tp | ml.fuse(), ml.Mesh(tp=2, fake=True))
+    assert plan.runnable and plan.decision(FuseLeft).left[0][0] == "loss"
+    assert "vocabulary-parallel cross-entropy" in plan.decision(FuseLeft).left[0][1]
+    with pytest.raises(ml.ConfigError, match="fuse\\('loss'\\) with lm_head sharded"):
+        ml.plan(llama, tp | ml.fuse("loss"), ml.Mesh(tp=2, fake=True))
+    assert ml.plan(llama, ml.fuse(), ml.Mesh(dp=1, fake=True)).decision(FuseLeft) is None
 
 
 def fuse_case(rank, world, spec_name, ops):
