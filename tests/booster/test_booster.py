@@ -346,3 +346,26 @@ def test_use_fp8_is_precision_fp8():
     tp = HybridParallelPlugin(tp_size=2, pp_size=1, precision="bf16", use_fp8=True)
     with pytest.raises(ml.ConfigError, match=r"composition table: shard x precision\('fp8'\)"):
         ml.plan(model, tp.spec, ml.Mesh(dp=2, tp=2, fake=True))
+
+
+def test_shardformer_switches_route_what_the_model_has():
+    """Colossal-AI's ``enable_fused_normalization`` / ``enable_all_optimization`` apply
+    what a family supports (its policies pick FusedLayerNorm for BERT): on BERT (LayerNorm,
+    a head with a bias) and on a mixture of experts (no gated MLP) the plugins' spec plans,
+    routing what the model has and naming in the plan what it left, where fuse() refused
+    both before."""
+    import meshlab as ml
+    from meshlab.booster.plugin import GeminiPlugin, HybridParallelPlugin
+    from meshlab.transforms.fuse import FuseLeft
+
+    from tests import _models as M
+
+    plugin = GeminiPlugin(tp_size=2, enable_fused_normalization=True)
+    plan = ml.plan(M.build("bert"), plugin.spec, ml.Mesh(dp=1, tp=2, fake=True))
+    assert plan.runnable
+    assert [op for op, _ in plan.decision(FuseLeft).left] == ["rms_norm"]
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=1, enable_all_optimization=True)
+    plan = ml.plan(M.build("qwen3_moe"), plugin.spec, ml.Mesh(dp=2, fake=True))
+    fuse = next(t for t in plan.rooms if t.kind == "fuse")
+    assert fuse.routed(plan) == ("rms_norm", "rotary", "attention")
+    assert [op for op, _ in plan.decision(FuseLeft).left] == ["mlp"]
