@@ -197,6 +197,7 @@ class Booster:
         from ..apply.parallelize import parallelize
         from ._optim import groups, rebind_scheduler, recipe
         from .interface import OptimizerWrapper, wrap_model
+        from .lazy.lazy_init import pretrained_source
 
         if not isinstance(model, nn.Module):
             raise ConfigTypeError(f"boost(model=...): an nn.Module, got {type(model).__name__}")
@@ -213,7 +214,12 @@ class Booster:
         if st.sync_module_states:
             _broadcast_state(model)
         lo = getattr(model, "_meshlab_booster_lora", None)
+        pretrained = pretrained_source(model)
         model = wrap_model(parallelize(model, st.spec, self.plugin.mesh))
+        if pretrained is not None:      # from_pretrained inside LazyInitContext
+            from ..checkpoint import load_pretrained
+
+            load_pretrained(pretrained, model)
         if lo is not None and lo.pretrained_dir is not None:
             from ..checkpoint.adapters import load_adapter
 

@@ -150,6 +150,48 @@ def test_gemini_shard_param_frac(world2):
     assert all(world2.run(gemini_frac_case))
 
 
+def lazy_pretrained_case(rank, world, path):
+    """``tests/test_checkpoint_io/test_gemini_checkpoint_io.py``'s
+    ``exam_lazy_from_pretrained``: a Llama loaded with ``from_pretrained`` inside
+    ``LazyInitContext`` and boosted by ``GeminiPlugin`` holds the directory's weights (here
+    exactly, in the checkpoint's dtype; Colossal-AI's compares in half precision), and its
+    one-file save is those weights. Built there, it holds no memory before boost."""
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    import meshlab as ml
+    from meshlab.booster import Booster
+    from meshlab.booster.lazy import LazyInitContext
+    from meshlab.booster.plugin import GeminiPlugin
+
+    if rank == 0:
+        ml.init_weights(M.build("llama"), seed=3).save_pretrained(path)
+    dist.barrier()
+    want = LlamaForCausalLM.from_pretrained(path).state_dict()
+    with LazyInitContext():
+        model = LlamaForCausalLM.from_pretrained(path)
+    assert all(p.is_meta for p in model.parameters())
+    booster = Booster(plugin=GeminiPlugin(precision="fp32"))
+    model, *_ = booster.boost(model)
+    got = model.state_dict(only_rank_0=False)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(M.full(got[k]).cpu(), want[k]), k
+    booster.save_model(model, os.path.join(path, "model.pt"), shard=False)
+    dist.barrier()
+    saved = torch.load(os.path.join(path, "model.pt"), weights_only=True)
+    assert all(torch.equal(saved[k], want[k]) for k in want)
+    with pytest.raises(ml.ConfigError, match="dtype= and config= only"), LazyInitContext():
+        LlamaForCausalLM.from_pretrained(path, attn_implementation="eager")
+    dist.barrier()
+    return True
+
+
+def test_lazy_from_pretrained_boosts_with_the_directorys_weights(world2, tmp_path_factory):
+    path = str(tmp_path_factory.getbasetemp() / "lazy_pretrained")
+    assert all(world2.run(lazy_pretrained_case, path=path))
+
+
 def one_file_case(rank, world, plugin_type, suffix, path):
     """``tests/test_checkpoint_io/test_torch_ddp_checkpoint_io.py`` and
     ``test_low_level_zero_checkpoint_io.py`` with ``shard=False``: ``save_model`` of a path
