@@ -10,23 +10,6 @@ from ._cell import AT_OPTIMIZER, RECORDS, SEVERAL_DATA_RANKS, meaningless, not_y
 _ZERO = meaningless("one ZeRO stage for the data axes; keep one zero_shard")
 _DTYPE = meaningless("one compute dtype per spec; keep one precision()")
 _REDUCE_ONE = meaningless("one reduction dtype per spec; keep one precision()")
-_FP8_TP = not_yet(
-    "a policy's tensor-parallel regions compute on local shards, where a tensorwise float8 "
-    "scale would be taken over a shard (a weight, a row-parallel input, a column-parallel "
-    "output's gradient), not over the whole tensor as one process takes it; precision's swap "
-    "replaces the modules that hold the regions' hooks, and the first forward raises "
-    "RuntimeError (aten.mm got mixed torch.Tensor and DTensor; measured on dp=2, tp=2, "
-    "Llama). Specs alone (DTensor mode) run, torchao taking each scale over the whole "
-    "DTensor (q, k and v match one process), but a row-parallel product's partial sums are "
-    "rounded to bf16 before the reduction and float8 turns that into rounding steps: "
-    "measured on tp=2 (a hand-written decoder, SGD, against one process with the same "
-    "float8 layers), the loss 2.1e-3 apart at the first step and the head's gradient off by "
-    "5e-2 of its largest element (bf16 alone: 4.2e-4 and 6.6e-3); with Megatron sequence "
-    "parallelism the first forward raises NotImplementedError (aten.index_select on a "
-    "float8 tensor)",
-    "{a} with {b}: float8 layers do not yet train like one process under tensor "
-    "parallelism (scales over local shards; bf16-rounded partial sums that float8 "
-    "magnifies); use precision('bf16') with shard, or precision('fp8') without it")
 _OFF_PARAMS = not_yet(
     "parameters rest on the host as the shards of FSDP2 units, which zero_shard(2) and "
     "zero_shard(3) build; data_parallel and zero_shard(1) keep every parameter whole on the "

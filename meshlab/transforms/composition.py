@@ -115,7 +115,7 @@ _HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse 
         "vocabulary-sharded head (the fused loss needs the whole vocabulary)"
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
-from ._reasons import (_DTYPE, _FP8_TP,
+from ._reasons import (_DTYPE,
                        _OFF_PARAMS, _ORDER,
                        _REDUCE_ONE, _SEQ_SG, _STEP, _STEP_SCALE,
                        _ZERO)
@@ -178,6 +178,14 @@ _TP_COMPILE = "a policy's tensor-parallel regions trace inside each compiled blo
     "hooks and collectives included); a model that drops (dropout above 0) is refused " \
     "beside them, since the switches between the shared and each rank's random stream " \
     "read and set the generator's state, which dynamo cannot trace"
+
+
+_FP8_TP_NOTE = "each tensor-parallel module runs torchao's float8 layer on its local shards " \
+    "(its regions' hooks carried onto the swapped module), so a tensorwise scale is taken " \
+    "over a shard of a weight, of a row-parallel input and of a column-parallel output's " \
+    "gradient, where one process takes it over the whole: values round to float8 with " \
+    "another scale, within float8's tolerance of one process, as a data rank's scales " \
+    "over its own batch are"
 
 
 def _shown(a: str, b: str, note: str = "") -> Cell:
@@ -403,7 +411,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
     ("precision(loss_scale)", _FP8, _shown("precision(loss_scale)", _FP8)),
     *[(o, _FP8, _shown(o, _FP8, _FP8_OFF)) for o in _OFFLOADS],
     *[(r, _FP8, _shown(r, _FP8, note)) for r, note in _FP8_BLOCKS.items()],
-    *[(r, _FP8, _FP8_TP) for r in ("shard", "sequence('split_gather')")],
+    *[(r, _FP8, _shown(r, _FP8, _FP8_TP_NOTE)) for r in ("shard", "sequence('split_gather')")],
     (_FP8, "step_in_backward", _t(f"{_SIB}[AdamW-fp8]", _VS_STEP)),
     # fuse: one value routes any of its ops
     ("fuse", "fuse('attention')", _t(f"{_FUSE}::test_fused_equals_unfused[llama]")),

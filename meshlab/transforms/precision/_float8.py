@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from torch import nn
+
 from ...core.log import require
 from ...planning.decisions import register_decision
 from ...planning.plan import Plan
@@ -77,6 +79,21 @@ def convert(model, chosen: Float8Layers, prefix: str = "") -> int:
             done.append(fqn)
         return ok
 
+    before = dict(model.named_modules())
     float8.convert_to_float8_training(model, config=config(chosen.recipe),
                                       module_filter_fn=keep)
+    for fqn in done:                 # the swap builds new modules: the hooks rooms
+        _carry_hooks(before[fqn], model.get_submodule(fqn))     # installed go along
     return len(done)
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+          "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new`` (torchao's ``Float8Linear``, sharing ``old``'s parameters) the forward
+    hooks rooms installed on ``old`` before precision's swap: a policy's tensor-parallel
+    regions run each module's forward on its local shards through them."""
+    for name in _HOOKS:
+        getattr(new, name).update(getattr(old, name))
