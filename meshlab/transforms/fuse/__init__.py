@@ -21,6 +21,7 @@ from ...planning.plan import Plan
 from .._protocol import Phase, Transform
 from ._hf import FUSABLE as FUSABLE, NORMS as NORMS, causal_lm_loss as causal_lm_loss
 from ._hf import fuse as fuse_model, fused_labels as fused_labels, findings
+from ._hf import refusals as refusals
 from ._hf import fused_loss_of as fused_loss_of
 from ._hf import head_loss as head_loss
 
