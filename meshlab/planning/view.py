@@ -78,12 +78,16 @@ def _title(plan) -> str:
 
 
 def plan_table(plan, *, collapse: bool = True, max_rows: int = 200):
-    """The plan as a rich table; the caption lists the transforms and, in red, every
-    reason ``parallelize`` would refuse the layout."""
+    """The plan as a rich table; the caption lists the transforms, what the rooms decided
+    at bind that they describe (what ``fuse()`` left, what ``offload`` chose) and, in red,
+    every reason ``parallelize`` would refuse the layout."""
     from rich.table import Table
     from rich.text import Text
 
     caption = Text(" | ".join(plan.transforms), style="table.caption")
+    for d in plan.decisions:
+        if hasattr(d, "describe"):
+            caption.append(("\n" if caption else "") + d.describe())
     for why in plan.not_runnable:
         caption.append(("\n" if caption else "") + f"parallelize cannot run this layout: {why}",
                        style="bold red")

@@ -23,6 +23,14 @@ from tests import _models as M
 
 pytestmark = pytest.mark.timeout(600)
 
+
+def _passes_on_every_rank(world, tmp_path_factory, case, **kw) -> None:
+    """Run ``case`` on every rank of ``world`` with a shared directory of its own
+    (``path``); each rank returns True once its assertions held."""
+    path = str(tmp_path_factory.getbasetemp() / case.__name__)
+    assert all(world.run(case, path=path, **kw))
+
+
 WIDE = dict(hidden_size=256, intermediate_size=512)     # 2 blocks of about 2.6 MB
 
 
@@ -188,8 +196,7 @@ def lazy_pretrained_case(rank, world, path):
 
 
 def test_lazy_from_pretrained_boosts_with_the_directorys_weights(world2, tmp_path_factory):
-    path = str(tmp_path_factory.getbasetemp() / "lazy_pretrained")
-    assert all(world2.run(lazy_pretrained_case, path=path))
+    _passes_on_every_rank(world2, tmp_path_factory, lazy_pretrained_case)
 
 
 def one_file_case(rank, world, plugin_type, suffix, path):
@@ -231,8 +238,8 @@ def one_file_case(rank, world, plugin_type, suffix, path):
 @pytest.mark.parametrize("plugin_type,suffix", [("ddp", ".pt"), ("zero", ".safetensors"),
                                                 ("zero", ".pt")])
 def test_a_file_path_saves_one_file(world2, tmp_path_factory, plugin_type, suffix):
-    path = str(tmp_path_factory.getbasetemp() / "one_file")
-    assert all(world2.run(one_file_case, plugin_type=plugin_type, suffix=suffix, path=path))
+    _passes_on_every_rank(world2, tmp_path_factory, one_file_case, plugin_type=plugin_type,
+                          suffix=suffix)
 
 
 def gemini_optimizer_case(rank, world, path):
@@ -272,8 +279,7 @@ def gemini_optimizer_case(rank, world, path):
 
 
 def test_gemini_optimizer_state_dict_gathers_whole_tensors(world2, tmp_path_factory):
-    path = str(tmp_path_factory.getbasetemp() / "gemini_opt")
-    assert all(world2.run(gemini_optimizer_case, path=path))
+    _passes_on_every_rank(world2, tmp_path_factory, gemini_optimizer_case)
 
 
 def scheduler_case(rank, world, path):
@@ -331,8 +337,7 @@ def scheduler_case(rank, world, path):
 
 
 def test_a_warmup_scheduler_drives_the_boosted_optimizer_and_resumes(world2, tmp_path_factory):
-    path = str(tmp_path_factory.getbasetemp() / "schedulers")
-    assert all(world2.run(scheduler_case, path=path))
+    _passes_on_every_rank(world2, tmp_path_factory, scheduler_case)
 
 
 def empty_prefix_case(rank, world, path):
@@ -380,5 +385,4 @@ def _whole(v):
 
 
 def test_an_empty_prefix_is_no_prefix(world2, tmp_path_factory):
-    path = str(tmp_path_factory.getbasetemp() / "empty_prefix")
-    assert all(world2.run(empty_prefix_case, path=path))
+    _passes_on_every_rank(world2, tmp_path_factory, empty_prefix_case)

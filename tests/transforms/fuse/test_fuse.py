@@ -449,7 +449,7 @@ def test_fuse_leaves_what_the_model_lacks_and_says_so():
     assert fuse.routed(plan) == ("rms_norm", "rotary", "attention", "loss")
     left = plan.decision(FuseLeft)
     assert [op for op, _ in left.left] == ["mlp"] and "nothing in" in left.left[0][1]
-    assert "fuse left mlp" in left.describe()
+    assert "fuse left mlp" in left.describe() and "fuse left mlp" in str(plan)
     assert ml.Plan.from_json(plan.to_json()).decision(FuseLeft) == left
     with pytest.raises(ml.ConfigError, match="nothing in Qwen3MoeForCausalLM to route"):
         ml.plan(moe, ml.fuse("rms_norm", "mlp"), ml.Mesh(dp=1, fake=True))

@@ -196,7 +196,7 @@ def refusal_case(rank, world):
 
     out = []
     for spec in (ml.zero_shard(1, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0),
-                 ml.zero_shard(2, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0)):
+                 ml.data_parallel("dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0)):
         try:
             ml.parallelize(M.build("llama"), spec, ml.Mesh(dp=world), seed=0)
             out.append(None)
@@ -210,7 +210,7 @@ def test_zero1_refusals_agree_with_plan(world2):
 
     got = world2.run(refusal_case)[0]
     for spec, g in zip((ml.zero_shard(1, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0),
-                        ml.zero_shard(2, "dp") | ml.offload(params=1.0, grads=1.0,
+                        ml.data_parallel("dp") | ml.offload(params=1.0, grads=1.0,
                                                             optimizer=1.0)), got):
         with pytest.raises(ml.MeshlabError) as e:
             ml.plan(M.build("llama"), spec, ml.Mesh(dp=2, fake=True))
