@@ -168,13 +168,13 @@ class ZeroShard(Transform):
         return f"zero_shard(stage={self.stage}, axis={a!r}{b}{r}{f})"
 
     def resharded(self, blocks) -> frozenset:
-        """The blocks whose parameters FSDP2 frees after their forward and gathers again
-        for their backward: every block at stage 3 (none below), or with ``reshard`` the
-        first ``round(reshard * len(blocks))``; the last blocks, whose backward comes
-        first, keep theirs gathered."""
+        """The FSDP2 units whose parameters are freed after their forward and gathered
+        again for their backward: none below stage 3; at stage 3 the root (``''``) and
+        the first ``round(reshard * len(blocks))`` blocks (every block by default); the
+        last blocks, whose backward comes first, keep theirs gathered."""
         if self.stage != 3:
             return frozenset()
-        return frozenset(blocks[:round(self.reshard * len(blocks))])
+        return frozenset(("",) + tuple(blocks[:round(self.reshard * len(blocks))]))
 
 
 def _name(axes: tuple[str, ...]):

@@ -83,7 +83,7 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
         unit = next((b for b in blocks if e.fqn.startswith(b + ".")), "")
         units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
     ops = _stage_ops(t.stage, name, dp, buckets, units, prec, counts,
-                     t.resharded(blocks) | {""}) if dp > 1 else []
+                     t.resharded(blocks)) if dp > 1 else []
     if rep > 1 and t.stage >= 2:      # HSDP: each unit's gradient shard over the replicas
         gbytes = dtype_bytes(prec.reduce if prec else "float32")
         ops += [CommOp("all_reduce", "_".join(t.replicate), 1, n // dp * gbytes)
@@ -114,7 +114,7 @@ def _stage_ops(stage, name, dp, buckets, units, prec, counts, freed) -> list[Com
     for unit, n in units.items():
         ops += [CommOp("all_gather", name, 1, n * pbytes),
                 CommOp("reduce_scatter", name, 1, n * gbytes)]
-        if stage == 3 and unit in freed:      # re-gathered for backward (the root too)
+        if unit in freed:              # re-gathered for backward (the root too)
             ops.append(CommOp("all_gather", name, 1, n * pbytes))
     return ops
 
@@ -144,7 +144,7 @@ def zero_transients(t, plan: Plan) -> list:
     gb = dtype_bytes(prec.reduce) if prec else 4
     # the units kept gathered from forward to backward (every one at stage 2, those past
     # ``reshard`` at stage 3), and of those freed after the forward the two largest
-    freed = t.resharded(plan.model.blocks) | {""} if t.stage == 3 else frozenset()
+    freed = t.resharded(plan.model.blocks)
     held = [n for u, n in units.items() if u not in freed] + \
         sorted((n for u, n in units.items() if u in freed), reverse=True)[:2]
     # FSDP2 gathers into buffers of its own, beside the shards (at any world size).
