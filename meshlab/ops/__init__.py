@@ -38,8 +38,8 @@ from .layer_norm import layer_norm as layer_norm, layer_norm_reference as layer_
 from .linear_cross_entropy import (linear_cross_entropy as linear_cross_entropy,
                                    linear_cross_entropy_reference as
                                    linear_cross_entropy_reference)
-from .attention import (attention as attention, attention_reference as attention_reference,
-                        hf_attention as hf_attention, register_hf as register_hf)
+from .attention import attention as attention, attention_reference as attention_reference
+from ._attention_hf import hf_attention as hf_attention, register_hf as register_hf
 from .paged_attention import paged_attention as paged_attention
 from .cpu_adam import CPUAdamW as CPUAdamW
 from .fused_adamw import FusedAdamW as FusedAdamW

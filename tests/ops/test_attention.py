@@ -304,7 +304,7 @@ def test_hf_reads_padded_and_packed_masks_as_segments():
 
 
 def test_causal_segments_of_masks():
-    from meshlab.ops.attention import causal_segments
+    from meshlab.ops._attention_hf import causal_segments
 
     seg = torch.tensor([[0, 1, 2, 2, 2, 5, 5, 7]])
     tril = torch.ones(8, 8, dtype=torch.bool).tril()
@@ -352,7 +352,7 @@ def test_hf_refuses_what_it_cannot_do():
 def test_causal_mask_check_compiles_without_a_graph_break():
     """transformers passes an explicit causal mask under torch.compile; the check holds
     inside one graph (a device-side assertion) and still rejects other masks."""
-    from meshlab.ops.attention import _is_plain_causal
+    from meshlab.ops._attention_hf import _is_plain_causal
 
     s = 8
     causal = torch.zeros(1, 1, s, s).masked_fill(

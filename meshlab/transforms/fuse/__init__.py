@@ -122,7 +122,7 @@ class Fuse(Transform):
 
     def check_batch(self, plan: Plan, batch, layout) -> None:
         """meshlab's fused attention reads a padded or packed batch as causal attention
-        within segments (``ops.attention.causal_segments``: each packed sample a segment,
+        within segments (``ops._attention_hf.causal_segments``: each packed sample a segment,
         each padding token one of its own), exactly as transformers masks it for every
         token another token attends to. A padding token's own output is not transformers'
         (it sees itself alone), so a batch whose labels would read it (a label other than

@@ -391,7 +391,7 @@ def _find_attention(model: nn.Module) -> list:
 
 
 def _route_attention(model: nn.Module, found) -> list[str]:
-    from ...ops.attention import register_hf
+    from ...ops._attention_hf import register_hf
 
     register_hf()
     found[0]("meshlab")

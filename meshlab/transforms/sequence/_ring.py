@@ -12,7 +12,7 @@ q, k, v, the output and the log-sum-exps, O(S/n x D) per rank, and recomputes ea
 their owner, so no (S/n)^2 score block outlives its step. Causal language models;
 registered through transformers' ``AttentionInterface`` and its SDPA mask function.
 Padded and packed batches: the model's mask of the whole sequence is read as causal
-attention within segments (``ops.attention.causal_segments``; any other mask is refused),
+attention within segments (``ops._attention_hf.causal_segments``; any other mask is refused),
 and each block pair (a query chunk, a K/V chunk) is masked with the segment ids of its
 positions; a pair in which no query sees any key is skipped, and a row that sees no key
 of a block joins the merge with weight 0 (log-sum-exp -inf). The ring is a
@@ -30,7 +30,7 @@ from torch import nn
 from ...core import collectives as C
 from ...core.errors import ConfigError, SpecError
 from ... import ops as _ops  # noqa: F401  (registers meshlab::attention)
-from ...ops.attention import as_autocast
+from ...ops._attention_hf import as_autocast
 from .._seqsplit import install_split
 from ._ulysses import _route_attention, register_mask, sp_group
 
@@ -325,9 +325,9 @@ def over_ring(query, key, value, attention_mask, scaling, dropout, group) -> tor
 
 
 def _segments_of(mask, s: int):
-    """Segment ids (B, S) of the model's whole-sequence mask (``ops.attention``'s reading,
+    """Segment ids (B, S) of the model's whole-sequence mask (``ops._attention_hf``'s reading,
     once per mask); a mask that is not causal within segments is refused by name."""
-    from ...ops.attention import _describe, _segments_of as read
+    from ...ops._attention_hf import _describe, _segments_of as read
 
     seg = read(mask) if isinstance(mask, torch.Tensor) and mask.dim() == 4 and \
         tuple(mask.shape[-2:]) == (s, s) else None

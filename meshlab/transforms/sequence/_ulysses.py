@@ -79,7 +79,7 @@ def fused_attention(module, query, key, value, attention_mask, scaling=None, dro
     bytes than expanded), else expanded to the query heads as :func:`attention` sends
     them; the whole-sequence mask is read as the fused op reads any (causal within
     segments, or refused by name)."""
-    from ...ops.attention import hf_attention
+    from ...ops._attention_hf import hf_attention
 
     group = sp_group(module)
     n = dist.get_world_size(group)
