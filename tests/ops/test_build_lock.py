@@ -63,13 +63,20 @@ def test_build_after_a_killed_build_completes(tmp_path):
     builds the extension (before, it waited on the file forever)."""
     src = tmp_path / "csrc"
     src.mkdir()
-    # pybind11 alone, not torch/extension.h: the build is what is tested, and torch's
-    # headers would take most of its 20 s
+    # Python's C API alone, not torch/extension.h nor pybind11: the build is what is
+    # tested, and their headers would take most of its time
     (src / "tiny.cpp").write_text(textwrap.dedent("""
-        #include <pybind11/pybind11.h>
-        #include <cstdint>
-        int64_t twice(int64_t x) { return 2 * x; }
-        PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
+        #include <Python.h>
+        static PyObject *twice(PyObject *, PyObject *x) {
+            return PyLong_FromLongLong(2 * PyLong_AsLongLong(x));
+        }
+        static PyMethodDef methods[] = {{"twice", twice, METH_O, nullptr}, {}};
+        #define INIT2(name) PyInit_##name
+        #define INIT(name) INIT2(name)
+        PyMODINIT_FUNC INIT(TORCH_EXTENSION_NAME)() {
+            static PyModuleDef def = {PyModuleDef_HEAD_INIT, "tiny", nullptr, -1, methods};
+            return PyModule_Create(&def);
+        }
     """))
     ext = tmp_path / "ext"
     code = textwrap.dedent(f"""
