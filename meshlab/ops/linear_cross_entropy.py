@@ -177,3 +177,111 @@ if _build.sharding_available():
             # Tokens split across the mesh: every sum is partial; dhidden stays with its rows.
             ([Partial(), Partial(), Shard(0), Partial()], [Shard(0), R, Shard(0), None, None, None]),
         ]
+
+
+# ----------------------------------------------------------- split over the vocabulary
+
+class _SplitLinearCrossEntropy(torch.autograd.Function):
+    """The chunked loss with the head's rows split over ``group``: each rank holds
+    ``weight`` = rows ``[start, start + V_local)`` of a vocabulary of ``vocab``, and the
+    whole ``hidden`` and ``target``. Per chunk, each rank's logits give its row-wise
+    log-sum-exp and its share of the target logit; one all-gather of those two numbers a
+    token makes the whole-vocabulary log-sum-exp on every rank, and each rank's logits
+    become ``softmax - onehot`` on its own rows. The gradients follow as in the whole op:
+    ``weight``'s is this rank's rows, exact; ``hidden``'s is this rank's share of the sum
+    over the vocabulary, which the head's region sums over ``group`` in the backward (the
+    column-parallel input's all-reduce, as for the unfused head)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, start, group, ignore_index, chunk, with_grad):
+        import torch.distributed as dist
+
+        from ..core.collectives import all_gather_into
+
+        n = dist.get_world_size(group)
+        wide = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
+        rows_here = weight.shape[0]
+        loss = torch.zeros((), device=hidden.device, dtype=wide)
+        gh = hidden.new_empty(hidden.shape) if with_grad else None
+        gw = weight.new_zeros(weight.shape) if with_grad else None
+        with torch.no_grad():
+            for s in range(0, hidden.shape[0], chunk):
+                h, t = hidden[s:s + chunk], target[s:s + chunk]
+                valid = t != ignore_index
+                mine = valid & (t >= start) & (t < start + rows_here)
+                col = torch.where(mine, t - start, 0)
+                z = (h @ weight.T).to(wide)                               # (c, V_local)
+                stats = torch.stack([
+                    torch.logsumexp(z, dim=-1) if rows_here else
+                    z.new_full((h.shape[0],), -torch.inf),
+                    torch.where(mine, z.gather(1, col[:, None])[:, 0], 0.0)
+                    if rows_here else z.new_zeros(h.shape[0])])          # (2, c)
+                every = stats.new_empty((n * 2, stats.shape[1]))
+                all_gather_into(every, stats, group)
+                every = every.view(n, 2, -1)
+                lse = torch.logsumexp(every[:, 0], dim=0)
+                loss += torch.where(valid, lse - every[:, 1].sum(0), 0.0).sum()
+                if not with_grad:
+                    continue
+                g = z.sub_(lse[:, None]).exp_()
+                g[torch.arange(g.shape[0], device=g.device)[mine], col[mine]] -= 1.0
+                g = g.mul_(valid[:, None]).to(hidden.dtype)
+                torch.mm(g, weight, out=gh[s:s + chunk])
+                gw.addmm_(g.T, h)
+                del z, g
+        count = (target != ignore_index).sum().to(wide)
+        ctx.save_for_backward(gh, gw)
+        ctx.mark_non_differentiable(count)
+        return loss, count
+
+    @staticmethod
+    def backward(ctx, dloss, _dcount):
+        gh, gw = ctx.saved_tensors
+        if gh is None:
+            raise RuntimeError("linear_cross_entropy_split ran without grad, so it kept no "
+                               "gradients; call it with grad enabled")
+        return (gh * dloss.to(gh.dtype), gw * dloss.to(gw.dtype)) + (None,) * 6
+
+
+def linear_cross_entropy_split(hidden: Tensor, weight: Tensor, target: Tensor, *, start: int,
+                               vocab: int, group, ignore_index: int = -100,
+                               chunk: int | None = None) -> Tensor:
+    """:func:`linear_cross_entropy` of a head whose rows are split over the ranks of
+    ``group`` (tensor parallelism over the vocabulary): this rank holds ``weight`` = rows
+    ``[start, start + weight.shape[0])`` of ``vocab``, and every rank the same ``hidden``
+    and ``target``. The whole logits exist on no rank, nor does any rank's shard of them:
+    one (chunk, V / ranks) buffer is alive at a time, and the ranks exchange two numbers
+    a token per chunk. Every rank returns the same mean loss (float32, float64 for float64
+    inputs). The gradient of ``hidden`` is this rank's share, to be summed over ``group``
+    in the backward (as a column-parallel region's input is); ``weight``'s is exact for its
+    rows. Targets outside ``[0, vocab)`` (other than ``ignore_index``) would read as a zero
+    logit: on the CPU they raise ``IndexError`` here, before any exchange; on a GPU (where
+    reading them back would stall each step) the caller checks them, as meshlab's fused
+    head does through the model's vocabulary guard.
+    """
+    if hidden.shape[-1] != weight.shape[-1] or weight.ndim != 2:
+        raise ValueError(f"linear_cross_entropy_split: hidden {tuple(hidden.shape)} and weight "
+                         f"{tuple(weight.shape)} do not match; weight must be (rows, "
+                         f"{hidden.shape[-1]})")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"linear_cross_entropy_split: hidden is {hidden.dtype} but weight is "
+                        f"{weight.dtype}; cast one so they match")
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(f"linear_cross_entropy_split: target {tuple(target.shape)} must be "
+                         f"hidden's leading dims {tuple(hidden.shape[:-1])}")
+    if not 0 <= start <= vocab - weight.shape[0]:
+        raise ValueError(f"linear_cross_entropy_split: rows [{start}, "
+                         f"{start + weight.shape[0]}) are not within the vocabulary of {vocab}")
+    hidden, target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    counted = target[target != ignore_index] if target.device.type == "cpu" else target[:0]
+    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
+        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
+        raise IndexError(f"linear_cross_entropy_split: target {bad} is outside the vocabulary "
+                         f"of {vocab} (ignore_index {ignore_index} aside)")
+    chunk = default_chunk(vocab) if chunk is None else int(chunk)
+    if chunk < 1:
+        raise ValueError(f"linear_cross_entropy_split: chunk must be >= 1, got {chunk}")
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    loss, count = _SplitLinearCrossEntropy.apply(hidden, weight, target.contiguous(), int(start),
+                                                 group, ignore_index, chunk, with_grad)
+    return loss / count

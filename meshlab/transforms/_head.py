@@ -1,10 +1,13 @@
-"""What the pipeline and ``fuse('loss')`` tell each other about a model's output head.
+"""What the pipeline, ``shard`` and ``fuse('loss')`` tell each other about a model's output head.
 
 A pipeline rank without the last stage holds stand-ins for the parts other stages run
 (``elsewhere``): ``fuse('loss')`` leaves those be. A model whose head returns the causal-LM
 loss (``fuse('loss')`` routed it) is marked so (``mark_fused_loss``): the step then takes
 the fused loss's path on every rank, and a pipeline's last stage ends at the final norm,
-handing its hidden states to that loss. Both rooms read the marks through these functions.
+handing its hidden states to that loss. A head ``shard`` splits over the vocabulary
+(its hooks swap in this rank's rows for the forward) says so (``mark_vocab_split``): the
+fused loss then takes the split loss over the tensor-parallel group. The rooms read the
+marks through these functions.
 """
 
 from __future__ import annotations
@@ -32,3 +35,14 @@ def mark_fused_loss(model: nn.Module) -> None:
 def fused_loss_of(model: nn.Module) -> bool:
     """Whether ``model``'s head returns the causal-LM loss (``fuse('loss')`` routed it)."""
     return getattr(model, "_meshlab_fused_loss", False)
+
+
+def mark_vocab_split(head: nn.Module, group, start: int, vocab: int) -> None:
+    """``head``'s forward runs on rows ``[start, ...)`` of a vocabulary of ``vocab`` split
+    over ``group`` (``shard``'s vocabulary-parallel head)."""
+    head._meshlab_vocab_split = (group, int(start), int(vocab))
+
+
+def vocab_split_of(head: nn.Module):
+    """``(group, start, vocab)`` of a head split over the vocabulary, or None."""
+    return getattr(head, "_meshlab_vocab_split", None)

@@ -111,8 +111,10 @@ _PP_FSDP = "torchtitan's layout: each pipeline stage module is an FSDP2 root ove
            "zero_grad (an evaluation between them too); zero_bubble and zbv, whose " \
            "backward is split, are refused by the pipeline's check (measured: weights off " \
            "after the first step under zero_shard(3), a hang for zbv under zero_shard(2))"
-_HEAD = "with the output head whole on each rank (vocab -> None in Rules); fuse refuses a " \
-        "vocabulary-sharded head (the fused loss needs the whole vocabulary)"
+_HEAD = "the output head split over the vocabulary: the fused loss is the split one " \
+        "(meshlab.ops.linear_cross_entropy_split), chunked over tokens, each rank's rows " \
+        "of the vocabulary and one all-gather of two numbers a token per chunk, so no " \
+        "rank builds the logits or its shard of them"
 
 # -- why pairs are not yet shown, and today's refusals: meshlab/transforms/_reasons.py
 from ._reasons import (_DTYPE,

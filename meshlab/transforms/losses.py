@@ -77,8 +77,18 @@ def _check_labels(logits, labels: torch.Tensor, ignore_index: int) -> None:
     logits of no parallelized model are left to ``F.cross_entropy``, which raises itself."""
     from torch.distributed.tensor import DTensor
 
-    guard, vocab = guard_of(logits), logits.shape[-1]
-    item = ("labels", labels, vocab, "the logits given to cross_entropy", ignore_index)
+    guard = guard_of(logits)
+    if guard is not None or isinstance(logits, DTensor):
+        check_labels(guard, labels, logits.shape[-1], "the logits given to cross_entropy",
+                     ignore_index)
+
+
+def check_labels(guard: "VocabGuard | None", labels: torch.Tensor, vocab: int, where: str,
+                 ignore_index: int) -> None:
+    """Labels read by a loss over a vocabulary split across ranks (where one outside
+    ``[0, vocab)`` would read as a zero logit): through ``guard``, the vocabulary guard of
+    the parallelized forward computing the loss, else on this rank alone."""
+    item = ("labels", labels, vocab, where, ignore_index)
     if guard is not None:
         # Whether the ranks exchange their outcome must not depend on this rank's tensors:
         # labels that are the checked ids (``labels=x``) skip the check, a copy of them
@@ -88,11 +98,11 @@ def _check_labels(logits, labels: torch.Tensor, ignore_index: int) -> None:
         # (those whose labels were checked already with nothing to report).
         covered = guard.covers(labels, vocab, ignore_index)
         guard.check("loss", [] if covered else [item], local=inside())
-    elif isinstance(logits, DTensor):
-        rng = value_range(labels, ignore_index)
-        err = None if rng is None else vocab_error(*item[:1], rng, *item[2:])
-        if err is not None:
-            raise err
+        return
+    rng = value_range(labels, ignore_index)
+    err = None if rng is None else vocab_error(*item[:1], rng, *item[2:])
+    if err is not None:
+        raise err
 
 
 def _count(y: torch.Tensor, ignore_index: int, num_items):

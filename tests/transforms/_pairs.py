@@ -11,11 +11,10 @@ sharding over two data axes: ``data_parallel('rep') | zero_shard(s, 'dp')`` on
 ``rep=2, dp=2``; ``sequence('all_to_all') x sequence('ring')`` is 2-D sequence parallelism,
 ``sequence('sp', 'all_to_all') | sequence('cp', 'ring')`` on ``cp=2, sp=2``.
 
-Two conditions that are not pairs are kept out of the way here, each refused by its room
-for a reason the table's note names: ``fuse('loss')`` beside a vocabulary-sharded head (the
-``shard`` rows keep the head whole for it), and ``fuse('mlp')`` named in a model whose MLPs
-are mixtures of experts (the ``fuse`` row asks for its ops with ``absent='leave'``, which
-leaves the MLP out there and routes the norms and rotary embedding).
+A condition that is not a pair is kept out of the way here, refused by its room for a
+reason the table's note names: ``fuse('mlp')`` named in a model whose MLPs are mixtures of
+experts (the ``fuse`` row asks for its ops with ``absent='leave'``, which leaves the MLP
+out there and routes the norms and rotary embedding).
 """
 
 from __future__ import annotations
@@ -32,11 +31,11 @@ def _ml():
     return ml
 
 
-def _tp(seq: bool = False, head: bool = True):
-    """``shard`` by the auto policy over tp (Megatron SP with ``seq``; the vocabulary
-    replicated without ``head``)."""
+def _tp(seq: bool = False):
+    """``shard`` by the auto policy over tp, the head split over the vocabulary (Megatron
+    SP with ``seq``)."""
     ml = _ml()
-    rules = ml.Rules(**{**M.TP_RULES, **({} if head else {"vocab": None})})
+    rules = ml.Rules(**M.TP_RULES)
     return ml.shard(ml.policies.auto, rules | ml.Rules(seq="tp") if seq else rules)
 
 
@@ -63,7 +62,7 @@ def _fuse(family: str, others: frozenset) -> list:
 
 
 def _shard(family: str, others: frozenset) -> list:
-    return [_tp(head="fuse('loss')" not in others)]
+    return [_tp()]
 
 
 def _sg(family: str, others: frozenset) -> list:
@@ -71,7 +70,7 @@ def _sg(family: str, others: frozenset) -> list:
     spec holds one ``sequence()``) as what ``shard`` with seq -> tp turns on."""
     if any(r.startswith("sequence") for r in others - {"sequence('split_gather')"}):
         return [_tp(seq=True)]
-    return [_tp(head="fuse('loss')" not in others), _ml().sequence("tp", "split_gather")]
+    return [_tp(), _ml().sequence("tp", "split_gather")]
 
 
 ROWS: dict[str, Row] = {

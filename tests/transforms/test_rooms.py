@@ -144,8 +144,6 @@ REFUSED = [
      "use schedule='1f1b', 'interleaved' or 'gpipe'"),
     ("two rings", lambda: ml.sequence("sp", "ring") | ml.sequence("cp", "ring"),
      dict(sp=2, cp=2), ml.ConfigError, "two sequence transforms in one spec"),
-    ("fuse loss with a vocab-parallel head", lambda: ml.shard(ml.policies.auto, ml.Rules(**_TP))
-     | ml.fuse("loss"), dict(dp=1, tp=2), ml.ConfigError, "needs the whole vocabulary"),
     ("sequence axis not in the mesh", lambda: ml.sequence("sp"),
      dict(dp=2), ml.ConfigError, "is not a mesh axis"),
     ("more stages than blocks", lambda: ml.pipeline("pp"),

@@ -2,9 +2,9 @@
 meshlab's fused ops (``meshlab.ops``), routed at materialize time.
 
 The room: ``Fuse`` (a plan value), its checks (ops the traced model has nothing to route
-for or whose probe disagrees, found by its plan step; a head the loss would need whole but
-tensor parallelism splits; the rooms whose loss or attention replaces fuse's are the
-composition table's) and its install, the Hugging Face routing of ``_hf`` (also usable on
+for or whose probe disagrees, found by its plan step; the rooms whose loss or attention
+replaces fuse's are the composition table's; a head tensor parallelism splits over the
+vocabulary takes the split loss, ``ops.linear_cross_entropy_split``) and its install, the Hugging Face routing of ``_hf`` (also usable on
 its own: ``fuse_model(model)``), each routing probed against what it replaces.
 """
 
@@ -74,15 +74,9 @@ class Fuse(Transform):
         return tuple(op for op in self.ops if op not in left)
 
     def _left(self, plan: Plan) -> dict[str, str]:
-        """Ops left out, each with why: those that find nothing in the model to route, and
-        the loss where shard splits the head over the vocabulary (its vocabulary-parallel
-        cross-entropy computes the loss there)."""
+        """Ops left out, each with why: those that find nothing in the model to route."""
         refused = dict(plan.model.fuse_refusals)
-        left = {op: refused.get(op, "nothing to route") for op in plan.model.fuse_absent}
-        if "loss" in self.ops and _vocab_split_head(plan):
-            left["loss"] = (f"{plan.model.head} is split over the vocabulary by shard(), whose "
-                            f"vocabulary-parallel cross-entropy computes the loss")
-        return left
+        return {op: refused.get(op, "nothing to route") for op in plan.model.fuse_absent}
 
     def decide(self, plan: Plan) -> "FuseLeft | None":
         """The ops left out (``_left``), each with why."""
@@ -112,13 +106,6 @@ class Fuse(Transform):
                               "the last stage of a Hugging Face decoder's pipeline (its final "
                               "norm, then the head); a model whose blocks are declared ends "
                               "its last stage in its own code, so leave 'loss' out of fuse()")
-        head = plan.model.head
-        if "loss" in ops and _vocab_split_head(plan):
-            raise ConfigError(f"fuse('loss') with {head} sharded by shard(): the fused loss "
-                              f"needs the whole vocabulary on each rank; leave 'loss' out of "
-                              f"fuse() (the vocabulary-parallel cross-entropy runs instead; the "
-                              f"composition table's fuse('loss') x shard composes with the head "
-                              f"whole on each rank: see docs/composition.md)")
 
     def check_batch(self, plan: Plan, batch, layout) -> None:
         """meshlab's fused attention reads a padded or packed batch as causal attention
@@ -182,13 +169,6 @@ class FuseLeft:
 
 
 register_decision("fuse.left", FuseLeft)
-
-
-def _vocab_split_head(plan: Plan) -> bool:
-    """Whether shard splits the output head over a tensor-parallel axis."""
-    head, tp = plan.model.head, plan.roles.tp if plan.roles is not None else None
-    return head is not None and tp is not None and any(
-        e.module == head and tp in e.mesh_spec.axes for e in plan.params)
 
 
 def _fused_loss(forward, batch):

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
-from .._head import fused_loss_of as fused_loss_of, is_elsewhere, mark_fused_loss
+from .._head import fused_loss_of as fused_loss_of, is_elsewhere, mark_fused_loss, vocab_split_of
 from ._residual import (_bare_linear, _is_dtensor, in_float32, norm_eps, norm_rule, probe_close,
                         route_layers, set_norm_rule)
 from ._rotary import _find_rotary, _route_rotary
@@ -284,11 +284,13 @@ _LABELS = threading.local()
 
 
 @contextlib.contextmanager
-def fused_labels(labels: Tensor, ignore_index: int = -100):
+def fused_labels(labels: Tensor, ignore_index: int = -100, guard=None):
     """Inside this block a routed output head returns the causal-LM loss of ``labels``
-    (B, S), next-token shifted, instead of logits."""
+    (B, S), next-token shifted, instead of logits. ``guard``: the vocabulary guard of the
+    parallelized model whose forward runs inside (``losses.guard_of_model``), which checks
+    the labels of a head split over the vocabulary."""
     prev = getattr(_LABELS, "value", None)
-    _LABELS.value = (labels, ignore_index)
+    _LABELS.value = (labels, ignore_index, guard)
     try:
         yield
     finally:
@@ -301,8 +303,8 @@ def _fused_head_forward(self, hidden_states: Tensor) -> Tensor:
         return self._meshlab_linear_forward(hidden_states)
     from ...ops.linear_cross_entropy import linear_cross_entropy
 
-    labels, ignore_index = ctx
-    w = self.weight
+    labels, ignore_index, guard = ctx
+    hidden_states, w, split = _split_head(self, hidden_states)
     dev = hidden_states.device.type
     if torch.is_autocast_enabled(dev):
         # What autocast does to the head's matmul: both sides in the autocast dtype.
@@ -311,8 +313,47 @@ def _fused_head_forward(self, hidden_states: Tensor) -> Tensor:
     if hidden_states.shape[:2] != labels.shape:
         raise ConfigError(f"fused loss: hidden states {tuple(hidden_states.shape)} do not match "
                           f"labels {tuple(labels.shape)}; call the model with logits_to_keep=0")
-    return linear_cross_entropy(hidden_states[:, :-1], w, labels[:, 1:],
-                                ignore_index=ignore_index)
+    if split is None:
+        return linear_cross_entropy(hidden_states[:, :-1], w, labels[:, 1:],
+                                    ignore_index=ignore_index)
+    from ...ops.linear_cross_entropy import linear_cross_entropy_split
+    from ..losses import check_labels
+
+    group, start, vocab = split
+    target = labels[:, 1:].to(hidden_states.device)
+    check_labels(guard, target, vocab, "the fused loss of the vocabulary-split head",
+                 ignore_index)
+    return linear_cross_entropy_split(hidden_states[:, :-1], w, target, start=start,
+                                      vocab=vocab, group=group, ignore_index=ignore_index)
+
+
+def _split_head(head: nn.Module, hidden: Tensor):
+    """``(hidden, weight, split)`` for the fused loss: the head's rows as its forward sees
+    them, and ``(group, start, vocab)`` where they are one rank's share of the vocabulary
+    (``shard``'s head, in its regions or as a DTensor split on its rows), else None. A
+    DTensor head is read locally: its rows, and the hidden states of every rank, whose
+    gradient is then each rank's share of the sum (``Partial``)."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    w = head.weight
+    split = vocab_split_of(head)
+    if split is not None or not isinstance(w, DTensor) or \
+            all(p.is_replicate() for p in w.placements):
+        return hidden, w, split      # a replicated DTensor head: the op's sharding rule
+    if w.device_mesh.ndim != 1 or w.placements[0] != Shard(0):
+        raise ConfigError(f"fused loss: the output head's weight is laid out as "
+                          f"{w.placements} over {w.device_mesh.ndim} mesh axes; the fused loss "
+                          f"takes a head whole on each rank or split over its rows (the "
+                          f"vocabulary) on one axis; leave 'loss' out of fuse()")
+    if isinstance(hidden, DTensor):
+        if not hidden.placements[0].is_replicate():
+            hidden = hidden.redistribute(hidden.device_mesh, [Replicate()])
+        hidden = hidden.to_local(grad_placements=(Partial(),))
+    from ...core.placement import dim_block
+
+    mesh = w.device_mesh
+    start = dim_block(w.shape[0], [mesh.size()], [mesh.get_local_rank()])[0]
+    return hidden, w.to_local(), (mesh.get_group(), start, w.shape[0])
 
 
 def _find_loss(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -368,8 +409,10 @@ def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
     if not fused_loss_of(model):
         raise ConfigError(f"{type(model).__name__} has no fused loss; call "
                           f"meshlab.transforms.fuse.fuse_model(model, ops=('loss',)) first")
+    from ..losses import guard_of_model
+
     labels = batch.get("labels", batch["input_ids"])
-    with fused_labels(labels, ignore_index):
+    with fused_labels(labels, ignore_index, guard_of_model(model)):
         out = model(**{k: v for k, v in batch.items() if k != "labels"})
     loss = out.logits if hasattr(out, "logits") else out
     if not isinstance(loss, Tensor) or loss.ndim != 0:

@@ -37,6 +37,7 @@ import torch
 from ...core import collectives as C
 from ...core.placement import dim_block
 from ...core.tensors import local as _local
+from .._head import mark_vocab_split
 
 
 _WHOLE = threading.local()
@@ -238,6 +239,8 @@ class VocabHead:
         local = _LocalParams(_names(m), zero_bias=False, conv1d=self.conv1d)
         w = m._parameters["weight"]
         vocab = w.shape[1] if self.conv1d else w.shape[0]
+        # fuse('loss') reads its rows of the vocabulary from here
+        mark_vocab_split(m, tp.group, dim_block(vocab, [tp.size], [tp.rank])[0], vocab)
 
         def pre(mod, args):
             local.enter(mod)
@@ -247,6 +250,8 @@ class VocabHead:
             from torch.distributed.tensor import DTensor, Shard
 
             local.exit(mod)
+            if out.dim() == 0:
+                return out          # a fused head's loss (fuse('loss')), already whole
             if self.gather_output:
                 return C.gather_last(out, tp.group)
             shape = tuple(out.shape[:-1]) + (vocab,)
