@@ -21,6 +21,7 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 
 
@@ -92,15 +93,25 @@ class World:
         for q in self.inqs:
             q.put((fn.__module__, fn.__name__, kw))
         results: dict[int, tuple] = {}
-        try:
-            while len(results) < self.n:
-                rank, ok, out = self.outq.get(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while len(results) < self.n:
+            try:
+                rank, ok, out = self.outq.get(timeout=min(1.0, max(0.0, deadline -
+                                                                     time.monotonic())))
                 results[rank] = (ok, out)
-        except queue.Empty:
-            self.close(force=True)
+                continue
+            except queue.Empty:
+                pass
             missing = sorted(set(range(self.n)) - set(results))
-            raise AssertionError(f"{fn.__name__}: ranks {missing} did not finish within "
-                                 f"{timeout}s (hang); world torn down")
+            dead = [r for r in missing if not self.procs[r].is_alive()]
+            if dead and len(dead) == len(missing):     # every rank left has reported
+                self.close(force=True)
+                raise AssertionError(f"{fn.__name__}: ranks {dead} died (the others "
+                                     f"reported); world torn down")
+            if time.monotonic() >= deadline:
+                self.close(force=True)
+                raise AssertionError(f"{fn.__name__}: ranks {missing} did not finish within "
+                                     f"{timeout}s (hang); world torn down")
         bad = {r: out for r, (ok, out) in results.items() if not ok}
         if bad:
             raise AssertionError(f"{fn.__name__} failed on ranks {sorted(bad)}:\n" +

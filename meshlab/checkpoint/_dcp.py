@@ -90,7 +90,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     rng = _rng.capture()
     if not async_save:
         t0 = time.perf_counter()
-        _finish(tensors, meta, rng, path, tmp, keep_last, group, None, None, show)
+        _finish(tensors, meta, rng, path, tmp, keep_last, group, None, None, show, timeout)
         get_logger("meshlab.checkpoint").info("saved %s (%d tensors) in %.1f s", path,
                                               len(tensors), time.perf_counter() - t0)
         return path
@@ -99,7 +99,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, scheduler=No
     errors: list = []
     bg = background_group(model)
     thread = threading.Thread(target=_finish, name="meshlab-save",
-                              args=(staged, meta, rng, path, tmp, keep_last, bg, bg, errors))
+                              args=(staged, meta, rng, path, tmp, keep_last, bg, bg, errors,
+                                    False, timeout))
     IN_FLIGHT.append(Pending(thread, errors))
     thread.start()
     return path
@@ -207,18 +208,20 @@ def _discard_quietly(tmp: str) -> None:
                       f"to this path removes it", stacklevel=3)
 
 
-def _agree_or_discard(group, what: str, tmp: str, err) -> None:
+def _agree_or_discard(group, what: str, tmp: str, err, timeout: float | None = None) -> None:
     try:
-        agree(group, what, error=err)
+        agree(group, what, error=err, timeout=timeout)
     except BaseException:
         _discard_quietly(tmp)
         raise
 
 
 def _finish(tensors, meta, rng, path, tmp, keep_last, group, dcp_group, errors,
-            show: bool = False) -> None:
+            show: bool = False, timeout: float | None = None) -> None:
     """Write (every rank), agree, commit (rank 0), agree. ``errors`` collects the failure
-    of an asynchronous save for ``wait()``; ``show``: a bar counts the tensors written."""
+    of an asynchronous save for ``wait()``; ``show``: a bar counts the tensors written.
+    ``timeout``: how long a rank that has written waits for the others in each agreement
+    (a rank that died writing fails every other rank after it, never leaves one waiting)."""
     from torch.distributed.checkpoint.api import CheckpointException
     import torch.distributed.checkpoint as dcp
 
@@ -232,7 +235,7 @@ def _finish(tensors, meta, rng, path, tmp, keep_last, group, dcp_group, errors,
             _write_rank_file(tmp, rng)
         except (Exception, CheckpointException) as e:   # torch's is a BaseException
             err = as_error(e, "save", path, where=f"its shards into {tmp}")
-        _agree_or_discard(group, "checkpoint.save: write", tmp, err)
+        _agree_or_discard(group, "checkpoint.save: write", tmp, err, timeout)
         err = None
         if rank() == 0:
             try:
@@ -242,7 +245,7 @@ def _finish(tensors, meta, rng, path, tmp, keep_last, group, dcp_group, errors,
                 _undo(path)
             else:
                 _prune(os.path.dirname(os.path.abspath(path)), keep_last, keep=path)
-        agree(group, "checkpoint.save: commit", error=err)
+        agree(group, "checkpoint.save: commit", error=err, timeout=timeout)
     except Exception as e:  # an asynchronous save reports its failure at the next wait()
         if errors is None:
             raise
