@@ -262,3 +262,40 @@ def test_dependent_launch_chain_reads_what_the_kernel_before_wrote():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_linear_cross_entropy_on_cuda(dtype, one_process):
+    """The split loss's CUDA path (NCCL, one rank holding every row): the loss and both
+    gradients of the whole-logits loss, in float32 and bfloat16 (statistics in float32)."""
+    import socket
+
+    import torch.distributed as dist
+
+    from meshlab.ops.linear_cross_entropy import (linear_cross_entropy_reference,
+                                                  linear_cross_entropy_split)
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already running in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(300, 64, device="cuda", generator=g).to(dt)
+    w = (torch.randn(1000, 64, device="cuda", generator=g) * 0.1).to(dt)
+    t = torch.randint(0, 1000, (300,), device="cuda", generator=g)
+    t[::7] = -100
+    ref_h, ref_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = linear_cross_entropy_reference(ref_h, ref_w, t)
+    ref.backward()
+    mine_h, mine_w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = linear_cross_entropy_split(mine_h, mine_w, t, start=0, vocab=1000,
+                                      group=dist.group.WORLD, chunk=128)
+    loss.backward()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(loss, ref.float(), **tol)
+    torch.testing.assert_close(mine_h.grad.float(), ref_h.grad.float(), **tol)
+    torch.testing.assert_close(mine_w.grad.float(), ref_w.grad.float(), **tol)
