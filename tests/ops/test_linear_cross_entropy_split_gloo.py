@@ -165,3 +165,21 @@ def test_fused_loss_on_a_vocabulary_split_head_trains_like_one_process(world2, m
         assert out is not None, "a label outside the vocabulary trained silently"
         kind, msg = out
         assert kind == "BatchError" and "97" in msg and "outside the vocabulary" in msg, out
+
+
+def pipeline_case(rank, world):
+    """pp=2 x tp=2: the last stage hands its hidden states to the split fused loss."""
+    import meshlab as ml
+
+    spec = (ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES))
+            | ml.pipeline("pp", microbatches=2) | ml.fuse("loss"))
+    data = M.batches(2, batch=8, seq=8)
+    report = ml.verify(M.build("llama"), spec, ml.Mesh(pp=2, tp=2),
+                       [{"input_ids": b} for b in data], dtype=torch.float64)
+    return report.ok, str(report)
+
+
+def test_the_split_loss_on_a_pipelines_last_stage(world4):
+    for ok, text in world4.run(pipeline_case):
+        assert ok, text
+        assert "fuse('loss')" in text
