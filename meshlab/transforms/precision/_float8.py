@@ -15,6 +15,7 @@ import dataclasses
 
 from torch import nn
 
+from ...core.errors import ConfigError
 from ...core.log import require
 from ...planning.decisions import register_decision
 from ...planning.plan import Plan
@@ -87,13 +88,30 @@ def convert(model, chosen: Float8Layers, prefix: str = "") -> int:
     return len(done)
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
-          "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+def _hook_dicts(m: nn.Module) -> list[str]:
+    """The names of ``m``'s hook registries (forward, backward, state-dict), as torch
+    keeps them: instance dicts whose names end in ``hooks``, ``hooks_with_kwargs`` or
+    ``hooks_always_called``."""
+    return [k for k, v in vars(m).items() if isinstance(v, dict) and
+            k.endswith(("_hooks", "_hooks_with_kwargs", "_hooks_always_called"))]
 
 
 def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
-    """Give ``new`` (torchao's ``Float8Linear``, sharing ``old``'s parameters) the forward
-    hooks rooms installed on ``old`` before precision's swap: a policy's tensor-parallel
-    regions run each module's forward on its local shards through them."""
-    for name in _HOOKS:
+    """Give ``new`` (torchao's ``Float8Linear``, sharing ``old``'s parameters) what rooms
+    and the user installed on ``old`` before precision's swap: every hook (forward, as a
+    policy's tensor-parallel regions run each module's forward on its local shards through
+    them; backward; state-dict) and meshlab's marks (``_meshlab_*``). A forward another
+    room replaced on the instance would run on ``old``: refused by name."""
+    if "forward" in vars(old):
+        raise ConfigError(f"precision('fp8') would swap {old!r} for torchao's Float8Linear, "
+                          f"but its forward was replaced on the instance, which the new "
+                          f"module would not run (the layer would silently compute "
+                          f"something else); restore the module's own forward, or train "
+                          f"with precision('bf16')")
+    for name in _hook_dicts(old):
         getattr(new, name).update(getattr(old, name))
+    if "_is_full_backward_hook" in vars(old):
+        new._is_full_backward_hook = old._is_full_backward_hook
+    for k, v in vars(old).items():
+        if k.startswith("_meshlab"):
+            setattr(new, k, v)

@@ -44,3 +44,30 @@ def test_the_blocks_another_stage_runs_are_not_counted():
     model.model.layers[1] = torch.nn.Identity()        # a pipeline stage without block 1
     _install(model, dropped=("model.layers.1",))
     assert sum(type(m).__name__ == "Float8Linear" for m in model.modules()) == 7
+
+
+def test_the_swap_keeps_every_hook_and_refuses_a_replaced_forward():
+    """The swap builds new modules: the hooks installed on the old ones (forward ones, as
+    tensor-parallel regions install, but also a full backward hook and a state-dict hook)
+    and meshlab's marks go along; a forward replaced on the instance is refused by name
+    (the new module would not run it)."""
+    import meshlab as ml
+    from meshlab.transforms.precision._float8 import Float8Layers, convert
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    seen = []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append("pre"))
+    model[0].register_full_backward_hook(lambda m, gi, go: seen.append("backward"))
+    model[0].register_state_dict_post_hook(lambda m, sd, p, lv: seen.append("state_dict"))
+    model[0]._meshlab_mark = 7
+    assert convert(model, Float8Layers("tensorwise", ("0",))) == 1
+    assert type(model[0]).__name__ == "Float8Linear" and model[0]._meshlab_mark == 7
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    model.state_dict()
+    assert seen == ["pre", "backward", "state_dict"], seen
+
+    other = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    other[0].forward = lambda x: x
+    with pytest.raises(ml.ConfigError, match="forward was replaced on the instance"):
+        convert(other, Float8Layers("tensorwise", ("0",)))
