@@ -134,6 +134,27 @@ def default_chunk(vocab: int) -> int:
     return max(64, 1 << max(0, (_LOGITS_BUDGET // max(vocab, 1)).bit_length() - 1))
 
 
+def _checked(name: str, rows: str, hidden: Tensor, weight: Tensor, target: Tensor, chunk,
+             vocab: int | None):
+    """The arguments of ``name`` checked: ``(hidden (N, H), target (N,), chunk)``, the
+    chunk by default ``default_chunk`` of ``vocab`` (the weight's rows where None)."""
+    if hidden.shape[-1] != weight.shape[-1] or weight.ndim != 2:
+        raise ValueError(f"{name}: hidden {tuple(hidden.shape)} and weight "
+                         f"{tuple(weight.shape)} do not match; weight must be ({rows}, "
+                         f"{hidden.shape[-1]})")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"{name}: hidden is {hidden.dtype} but weight is {weight.dtype}; cast "
+                        f"one so they match")
+    if hidden.shape[:-1] != target.shape:
+        raise ValueError(f"{name}: target {tuple(target.shape)} must be hidden's leading dims "
+                         f"{tuple(hidden.shape[:-1])}")
+    chunk = default_chunk(weight.shape[0] if vocab is None else vocab) if chunk is None \
+        else int(chunk)
+    if chunk < 1:
+        raise ValueError(f"{name}: chunk must be >= 1, got {chunk}")
+    return hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1), chunk
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
                          ignore_index: int = -100, chunk: int | None = None) -> Tensor:
     """Mean cross-entropy of ``hidden @ weight.T`` against ``target``, without the logits.
@@ -145,20 +166,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor,
     token counts, as ``F.cross_entropy``); gradients are computed in the forward pass when
     grad mode is on, and the weight gradient is accumulated in the weight's dtype.
     """
-    if hidden.shape[-1] != weight.shape[-1] or weight.ndim != 2:
-        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
-                         f"{tuple(weight.shape)} do not match; weight must be (vocab, "
-                         f"{hidden.shape[-1]})")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"linear_cross_entropy: hidden is {hidden.dtype} but weight is "
-                        f"{weight.dtype}; cast one so they match")
-    if hidden.shape[:-1] != target.shape:
-        raise ValueError(f"linear_cross_entropy: target {tuple(target.shape)} must be "
-                         f"hidden's leading dims {tuple(hidden.shape[:-1])}")
-    hidden, target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    chunk = default_chunk(weight.shape[0]) if chunk is None else int(chunk)
-    if chunk < 1:
-        raise ValueError(f"linear_cross_entropy: chunk must be >= 1, got {chunk}")
+    hidden, target, chunk = _checked("linear_cross_entropy", "vocab", hidden, weight, target,
+                                     chunk, None)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, count, _, _ = torch.ops.meshlab.linear_cross_entropy(hidden, weight, target,
                                                                ignore_index, chunk, with_grad)
@@ -259,28 +268,16 @@ def linear_cross_entropy_split(hidden: Tensor, weight: Tensor, target: Tensor, *
     reading them back would stall each step) the caller checks them, as meshlab's fused
     head does through the model's vocabulary guard.
     """
-    if hidden.shape[-1] != weight.shape[-1] or weight.ndim != 2:
-        raise ValueError(f"linear_cross_entropy_split: hidden {tuple(hidden.shape)} and weight "
-                         f"{tuple(weight.shape)} do not match; weight must be (rows, "
-                         f"{hidden.shape[-1]})")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"linear_cross_entropy_split: hidden is {hidden.dtype} but weight is "
-                        f"{weight.dtype}; cast one so they match")
-    if hidden.shape[:-1] != target.shape:
-        raise ValueError(f"linear_cross_entropy_split: target {tuple(target.shape)} must be "
-                         f"hidden's leading dims {tuple(hidden.shape[:-1])}")
+    hidden, target, chunk = _checked("linear_cross_entropy_split", "rows", hidden, weight,
+                                     target, chunk, vocab)
     if not 0 <= start <= vocab - weight.shape[0]:
         raise ValueError(f"linear_cross_entropy_split: rows [{start}, "
                          f"{start + weight.shape[0]}) are not within the vocabulary of {vocab}")
-    hidden, target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     counted = target[target != ignore_index] if target.device.type == "cpu" else target[:0]
     if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
         bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
         raise IndexError(f"linear_cross_entropy_split: target {bad} is outside the vocabulary "
                          f"of {vocab} (ignore_index {ignore_index} aside)")
-    chunk = default_chunk(vocab) if chunk is None else int(chunk)
-    if chunk < 1:
-        raise ValueError(f"linear_cross_entropy_split: chunk must be >= 1, got {chunk}")
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, count = _SplitLinearCrossEntropy.apply(hidden, weight, target.contiguous(), int(start),
                                                  group, ignore_index, chunk, with_grad)
