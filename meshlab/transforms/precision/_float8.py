@@ -100,8 +100,8 @@ def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
     """Give ``new`` (torchao's ``Float8Linear``, sharing ``old``'s parameters) what rooms
     and the user installed on ``old`` before precision's swap: every hook (forward, as a
     policy's tensor-parallel regions run each module's forward on its local shards through
-    them; backward; state-dict) and meshlab's marks (``_meshlab_*``). A forward another
-    room replaced on the instance would run on ``old``: refused by name."""
+    them; backward; state-dict) and the attributes rooms set on the instance (their marks).
+    A forward replaced on the instance would run on ``old``: refused by name."""
     if "forward" in vars(old):
         raise ConfigError(f"precision('fp8') would swap {old!r} for torchao's Float8Linear, "
                           f"but its forward was replaced on the instance, which the new "
@@ -112,6 +112,6 @@ def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
         getattr(new, name).update(getattr(old, name))
     if "_is_full_backward_hook" in vars(old):
         new._is_full_backward_hook = old._is_full_backward_hook
-    for k, v in vars(old).items():
-        if k.startswith("_meshlab"):
+    for k, v in vars(old).items():      # what rooms marked on the instance
+        if k not in vars(new):
             setattr(new, k, v)
