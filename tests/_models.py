@@ -142,12 +142,13 @@ def reference(family: str, data, lr: float = 1e-3, seed: int = 0, **overrides):
 
 
 def assert_weights_match(model, ref, atol: float = 1e-4, rtol: float = 1e-3) -> dict:
-    """Every parameter this rank holds equals the reference's (gathered); returns them."""
+    """Every parameter this rank holds equals the reference's (both gathered: the reference
+    may be a parallelized model too); returns them."""
     refp = dict(ref.named_parameters())
     out = {}
     for n, p in model.named_parameters():
         w = full(p).detach()
-        torch.testing.assert_close(w, refp[n].detach(), atol=atol, rtol=rtol,
+        torch.testing.assert_close(w, full(refp[n]).detach(), atol=atol, rtol=rtol,
                                    msg=lambda m, n=n: f"weight {n}: {m}")
         out[n] = w
     return out

@@ -273,9 +273,11 @@ def linear_cross_entropy_split(hidden: Tensor, weight: Tensor, target: Tensor, *
     if not 0 <= start <= vocab - weight.shape[0]:
         raise ValueError(f"linear_cross_entropy_split: rows [{start}, "
                          f"{start + weight.shape[0]}) are not within the vocabulary of {vocab}")
+    # on the CPU, as the whole op's kernel checks its targets (a GPU's would stall to read)
     counted = target[target != ignore_index] if target.device.type == "cpu" else target[:0]
-    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= vocab):
-        bad = int(counted.min()) if int(counted.min()) < 0 else int(counted.max())
+    low, high = (int(counted.min()), int(counted.max())) if counted.numel() else (0, 0)
+    if low < 0 or high >= vocab:
+        bad = low if low < 0 else high
         raise IndexError(f"linear_cross_entropy_split: target {bad} is outside the vocabulary "
                          f"of {vocab} (ignore_index {ignore_index} aside)")
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)

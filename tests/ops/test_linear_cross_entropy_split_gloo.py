@@ -133,10 +133,7 @@ def _train(world, mode):
     # the same layout with meshlab's unfused vocabulary-parallel loss: equal to rounding
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(unfused_losses), rtol=1e-12,
                                atol=1e-12)
-    other = dict(unfused.named_parameters())
-    for n, w in model.named_parameters():
-        torch.testing.assert_close(M.full(w).detach(), M.full(other[n]).detach(), atol=1e-12,
-                                   rtol=1e-10, msg=lambda m, n=n: f"weight {n}: {m}")
+    M.assert_weights_match(model, unfused, atol=1e-12, rtol=1e-10)
     # and one process. DTensor mode sums the head's input gradient over the ranks as its
     # own op, and transformers' RMSNorm rounds the gradient it passes on to float32 (it
     # computes in float32 whatever the dtype), which shows that order at float32's

@@ -3,9 +3,10 @@ meshlab's fused ops (``meshlab.ops``), routed at materialize time.
 
 The room: ``Fuse`` (a plan value), its checks (ops the traced model has nothing to route
 for or whose probe disagrees, found by its plan step; the rooms whose loss or attention
-replaces fuse's are the composition table's; a head tensor parallelism splits over the
-vocabulary takes the split loss, ``ops.linear_cross_entropy_split``) and its install, the Hugging Face routing of ``_hf`` (also usable on
-its own: ``fuse_model(model)``), each routing probed against what it replaces.
+replaces fuse's are the composition table's) and its install, the Hugging Face routing of
+``_hf`` (also usable on its own: ``fuse_model(model)``), each routing probed against what
+it replaces. A head tensor parallelism splits over the vocabulary takes the split loss
+(``ops.linear_cross_entropy_split``).
 """
 
 from __future__ import annotations

@@ -96,10 +96,7 @@ def dtensor_case(rank, world, sp, backend):
                for b in compiled.blocks)
     torch.testing.assert_close(torch.tensor(c_losses), torch.tensor(e_losses), atol=2e-5,
                                rtol=1e-5)
-    ref = dict(eager.named_parameters())
-    for n, w in compiled.named_parameters():
-        torch.testing.assert_close(M.full(w).detach(), M.full(ref[n]).detach(), atol=2e-5,
-                                   rtol=1e-4, msg=lambda m, n=n: f"weight {n}: {m}")
+    M.assert_weights_match(compiled, eager, atol=2e-5, rtol=1e-4)
     return {"breaks": sum(counters["graph_break"].values()),
             "graphs": counters["stats"]["unique_graphs"], "losses": c_losses}
 
