@@ -235,7 +235,7 @@ _LISTED: list[tuple[str, str, Cell]] = [
        _shown("data_parallel", f"zero_shard({s})", _HYBRID.format(s=s, how=_HOW[s])))
       for s in (1, 2, 3)],
     ("offload(grads)", "data_parallel", _shown("offload(grads)", "data_parallel")),
-    ("offload(params)", "data_parallel", _OFF_PARAMS),
+    ("offload(params)", "data_parallel", _shown("offload(params)", "data_parallel")),
     ("data_parallel", "pipeline", _t(f"{_FP16}[pp_fp16]")),
     ("data_parallel", "sequence('split_gather')", _t(f"{_PAR}[llama-tp_sp]")),
     ("data_parallel", "sequence('all_to_all')", _t(f"{_SEQ}[all_to_all-dp=2,sp=2-llama]")),

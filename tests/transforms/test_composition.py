@@ -134,14 +134,35 @@ def test_each_pair_plans_as_its_cell_says(row):
 
 def test_a_refusal_names_its_cell_and_the_page():
     with pytest.raises(ml.ConfigError) as e:
-        ml.plan(M.build("llama"), ml.data_parallel("dp") | ml.offload(params=1.0, grads=1.0,
+        ml.plan(M.build("llama"), ml.zero_shard(1, "dp") | ml.offload(params=1.0, grads=1.0,
                                                                      optimizer=1.0),
                 ml.Mesh(dp=2, fake=True))
     assert str(e.value).endswith(
-        "parameters rest on the host as the shards of FSDP2 units, which zero_shard(2) and "
-        "zero_shard(3) build (on one rank too: over a size-1 axis); use one of them or "
-        "params=0 (composition table: "
-        "offload(params) x data_parallel: not yet; see docs/composition.md)")
+        "offload(params=1.0, grads=1.0, optimizer=1.0, pin_memory=True): zero_shard(1) keeps "
+        "every parameter whole on the device, where its step all-gathers the updated slices; "
+        "for parameters resting on the host use data_parallel | offload(params=1.0, "
+        "grads=1.0, optimizer=1.0, pin_memory=True) (replicated), zero_shard(2) or "
+        "zero_shard(3), or params=0 (composition table: "
+        "offload(params) x zero_shard(1): not yet; see docs/composition.md)")
+
+
+def test_data_parallel_keeps_parameters_on_the_host_as_fsdp2_units():
+    """``data_parallel | offload(params)`` plans FSDP2 over a size-1 shard dimension: the
+    gradient all-reduce is FSDP2's (none left to the backward's buckets), and the plan's
+    traffic is the same all-reduce of every gradient over dp as plain data parallelism."""
+    from meshlab.transforms._gradsync import plan_reductions
+
+    mesh = ml.Mesh(dp=2, fake=True)
+    off = ml.plan(M.build("llama"), ml.data_parallel("dp") | ml.offload(
+        params=1.0, grads=1.0, optimizer=1.0), mesh)
+    plain = ml.plan(M.build("llama"), ml.data_parallel("dp"), mesh)
+    assert off.runnable and off.memory().host > 0
+    assert plan_reductions(off) == [] and plan_reductions(plain) != []
+
+    # one all-reduce per FSDP2 unit instead of the buckets, the same bytes (gradients, the
+    # count of parameters each rank had a gradient for, the loss)
+    assert off.comm().bytes("all_reduce", "dp") == plain.comm().bytes("all_reduce", "dp")
+    assert off.comm().count("all_reduce", "dp") == len(off.model.blocks) + 3
 
 
 def test_a_refusal_over_several_data_ranks_is_none_on_one():

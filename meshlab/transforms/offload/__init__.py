@@ -11,10 +11,12 @@ rows and the predicted cost of a step (``_estimates``).
   ``precision('bf16')`` the device copy of an offloaded parameter is kept in bf16.
 * ``grads=f``: the selected gradients leave the device in the backward that reduces
   them (a copy on a side stream as each is ready) and are consumed on the host.
-* ``params=f`` (``zero_shard(2)`` or ``zero_shard(3)``): FSDP2 keeps the shards of the
-  selected units on the host and copies them in for the forward, and again for the backward
-  under ``zero_shard(3)`` (``zero_shard(2)`` keeps them gathered from one to the other)
-  (``CPUOffloadPolicy`` per unit).
+* ``params=f`` (``zero_shard(2)``, ``zero_shard(3)`` or ``data_parallel``): FSDP2 keeps
+  the shards of the selected units on the host and copies them in for the forward, and
+  again for the backward under ``zero_shard(3)`` (``zero_shard(2)`` keeps them gathered
+  from one to the other) (``CPUOffloadPolicy`` per unit). Under ``data_parallel`` FSDP2
+  runs with a size-1 shard dimension: the "shard" is the whole parameter, kept gathered
+  from the forward to the backward as under ``zero_shard(2)``.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class Offload(Transform):
         under a 16-bit ``precision``, outside FSDP2."""
         z = self._zero(plan)
         if self._compute(plan) == "float32" or self._dp(plan) > 1 or \
-                (z is not None and z.stage >= 2):
+                (z is not None and (z.stage >= 2 or z.stage == 0 and choice.params)):
             return frozenset()
         return frozenset(e.fqn for e in plan.params
                          if e.fqn in choice.optimizer and e.fqn not in choice.params
@@ -162,7 +164,7 @@ class Offload(Transform):
 
     def _params_ok(self, plan: Plan) -> bool:
         z = self._zero(plan)
-        return z is not None and z.stage >= 2
+        return z is not None and z.stage != 1
 
     # -- the hooks -------------------------------------------------------------------------
     def rows(self, plan: Plan | None) -> tuple[str, ...]:
@@ -191,8 +193,8 @@ class Offload(Transform):
         if self.params > 0 and self._zero(plan) is None:
             raise ConfigError(
                 f"{self!r}: parameters rest on the host as the shards of FSDP2 units, which "
-                f"zero_shard(2) and zero_shard(3) build (on one rank too: over a size-1 "
-                f"axis); add one or use params=0 (see docs/composition.md)")
+                f"data_parallel, zero_shard(2) and zero_shard(3) build (on one rank too: "
+                f"over a size-1 axis); add one or use params=0 (see docs/composition.md)")
 
     def memory(self, plan: Plan, rows: list) -> list:
         c = self.choice(plan)

@@ -8,6 +8,11 @@ maps to an axis no transform claims) is this room at stage 0; parameter specs th
 over such an axis (``P('fsdp', 'tp')``) make it stage 3 with FSDP2 sharding each
 parameter on the dimension its spec names.
 
+Plain data parallelism whose parameters rest on the host (``data_parallel('dp') |
+offload(params=...)``) runs on FSDP2 too, as hybrid sharding over the data axes and a
+size-1 shard dimension: each unit's gradient is all-reduced over the data axes as stage 0
+does, and FSDP2 keeps the units ``offload`` names on the host between their uses.
+
 Hybrid sharding (PyTorch's HSDP, torchtitan's ``dp_replicate`` x ``dp_shard``):
 ``data_parallel('rep') | zero_shard(s, 'dp')`` combine into one value,
 ``zero_shard(s, 'dp', replicate='rep')``: the batch is split over both axes, the state is
@@ -126,21 +131,27 @@ class ZeroShard(Transform):
                 f"map that logical axis to None in Rules")
         if fsdp:
             _check_fsdp_specs(plan, fsdp)
-        if self.stage >= 2:
+        if self.fsdp(plan):
             _check_mixed_precision(self, plan)
+
+    def fsdp(self, plan: Plan) -> bool:
+        """Whether FSDP2 runs this room: stages 2 and 3, and plain data parallelism some of
+        whose FSDP2 units rest on the host (``host_units``)."""
+        return self.stage >= 2 or (self.stage == 0 and bool(host_units(plan)))
 
     def install(self, ctx):
         return install_zero(self, ctx)
 
     def reductions(self, plan: Plan) -> list:
         """Stage 0 averages every gradient over the data axes from the backward; stages
-        2/3 only those FSDP2 leaves replicated (it reduce-scatters the rest itself);
+        2/3 (and stage 0 run by FSDP2, ``fsdp``) only those FSDP2 leaves replicated (it
+        reduce-scatters or all-reduces the rest itself);
         stage 1 reduce-scatters in ``meshlab.optimizer`` (under hybrid sharding after the
         backward's average over the replicate axes)."""
         if self.stage == 1:     # hybrid: the mean over the replicas first, then ZeRO-1's
             return [Reduction(self.replicate, average=True, order=10)] if self.replicate \
                 else []
-        names = None if self.stage == 0 else fsdp_ignored(plan)
+        names = fsdp_ignored(plan) if self.fsdp(plan) else None
         if names is not None and not names:
             return []
         return [Reduction(self.replicate + self.axis, average=True, names=names, order=10)]
@@ -175,6 +186,15 @@ class ZeroShard(Transform):
         if self.stage != 3:
             return frozenset()
         return frozenset(("",) + tuple(blocks[:round(self.reshard * len(blocks))]))
+
+
+def host_units(plan: Plan) -> tuple[str, ...]:
+    """The FSDP2 units whose parameters a room keeps on the host (``offload(params=...)``),
+    as the bound plan's decisions record them; none before ``bind``."""
+    from ..offload import Choice
+
+    got = plan.decision(Choice) if plan.is_bound else None
+    return got.units if got is not None else ()
 
 
 def _name(axes: tuple[str, ...]):

@@ -7,7 +7,8 @@ master slice (its moments, the slice and its reduced gradient, fp32, split). Lay
 whose specs already shard over the data axis (FSDP by spec) are counted by the specs.
 
 Traffic, with Ψ the bytes of this rank's (TP-local) gradients: stage 0 the backward's
-bucketed all-reduces of Ψ (counted by ``_gradsync.estimate``); stage 1 a reduce-scatter and an all-gather of Ψ; stage 2 an all-gather in forward and
+bucketed all-reduces of Ψ (counted by ``_gradsync.estimate``; where FSDP2 runs it,
+parameters resting on the host, its all-reduce of each unit's gradient); stage 1 a reduce-scatter and an all-gather of Ψ; stage 2 an all-gather in forward and
 a reduce-scatter in backward per FSDP unit; stage 3 also the backward all-gather. Plus
 one all-reduce of the step's loss (8 bytes) over every data axis.
 
@@ -70,6 +71,7 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
     buckets: dict = defaultdict(int)      # (dtype, tp-sharded?) -> elements
     counts: dict = defaultdict(int)       # (dtype, tp-sharded?) -> parameters
     units: dict = defaultdict(int)        # FSDP unit -> padded elements
+    whole: dict = defaultdict(int)        # FSDP unit -> elements
     from ...planning.rows import rank_params
 
     blocks = plan.model.blocks
@@ -82,14 +84,19 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
         counts[key] += 1
         unit = next((b for b in blocks if e.fqn.startswith(b + ".")), "")
         units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
+        whole[unit] += math.prod(ls)
     ops = _stage_ops(t.stage, name, dp, buckets, units, prec, counts,
                      t.resharded(blocks)) if dp > 1 else []
     if rep > 1 and t.stage >= 2:      # HSDP: each unit's gradient shard over the replicas
         gbytes = dtype_bytes(prec.reduce if prec else "float32")
         ops += [CommOp("all_reduce", "_".join(t.replicate), 1, n // dp * gbytes)
                 for n in units.values()]
+    fsdp = t.fsdp(plan)
+    if t.stage == 0 and fsdp and dp > 1:    # FSDP2 over a size-1 shard dimension: each
+        gbytes = dtype_bytes(prec.reduce if prec else "float32")    # unit's whole gradient
+        ops += [CommOp("all_reduce", name, 1, n * gbytes) for n in whole.values()]
     data = "_".join(t.claims(plan)["dp"])
-    if t.stage >= 2:        # FSDP2: which parameters some data rank had a gradient for
+    if fsdp:                # FSDP2: which parameters some data rank had a gradient for
         ops.append(CommOp("all_reduce", data, 1, 4 * sum(counts.values())))
     return ops + [CommOp("all_reduce", data, 1, 8)]      # the step's loss
 

@@ -250,7 +250,7 @@ def install_zero(t, ctx) -> Part:
         host = ctx.kept(HostResidency) or HostResidency()     # none kept: nothing on the host
         return Zero1Part(group, size, apart=host.optimizer_host,
                          reduce=reduce_dtype(ctx.plan))
-    if t.stage == 0:
+    if t.stage == 0 and not (ctx.kept(HostResidency) or HostResidency()).units:
         return None                # GradSync averages every gradient (ZeroShard.reductions)
     part = FSDPPart()
     _fully_shard(t, ctx, part.roots)
@@ -314,7 +314,21 @@ def _fully_shard(t, ctx, roots: list) -> None:
 def _fsdp_mesh(t, ctx):
     """FSDP2's mesh: the shard axes (flattened into one), or under hybrid sharding the
     2-D mesh ``(replicate, shard)`` (HSDP: FSDP2 reduce-scatters over the second dimension
-    and all-reduces the shards over the first)."""
+    and all-reduces the shards over the first). Plain data parallelism (stage 0, run by
+    FSDP2 where parameters rest on the host) replicates over its axes and shards over a
+    size-1 dimension unflattened from them: each rank's shard is the whole parameter."""
+    if t.stage == 0:
+        dm = ctx.device_mesh(*t.axis)
+        if not hasattr(dm, "_unflatten"):
+            from ...core.errors import ConfigError
+
+            raise ConfigError(f"{t!r} with offload(params=...): FSDP2 keeps the parameters on "
+                              f"the host over a size-1 shard dimension, which this torch "
+                              f"{torch.__version__} cannot add to a DeviceMesh "
+                              f"(DeviceMesh._unflatten); upgrade torch, or shard over the "
+                              f"data axes instead: zero_shard(3, {t.axis!r}) | offload(...)")
+        name = "_".join(t.axis)
+        return dm._unflatten(0, (dm.size(), 1), (f"{name}_replicas", f"{name}_whole"))
     if not t.replicate:
         return ctx.device_mesh(*t.axis)
     rep, shard = ctx.device_mesh(*t.replicate), ctx.device_mesh(*t.axis)
