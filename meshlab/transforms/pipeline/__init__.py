@@ -159,7 +159,7 @@ class Pipeline(Transform):
 
         if self.blocks is None:
             check_layout(plan)
-        check_untied(plan, _schedule.stages(plan, self))
+        check_untied(plan, _schedule.stages(plan, self), self.blocks is not None)
         _check_split_backward(self, plan)
 
     def prepare(self, ctx) -> None:

@@ -20,7 +20,7 @@ from .._protocol import Part
 from ._feed import Feed, decoder_feed, microbatch, own_feed, signature_of
 from ._guard import StageFailures, guarded_loss
 from ._schedule import PipelineStages, stages, torch_actions
-from ._stage import DecoderStage, prune, seq_split
+from ._stage import DecoderStage, model_layout, prune, seq_split
 
 
 class PipelineSetup:
@@ -51,10 +51,12 @@ class PipelineSetup:
             return
         prune(model, self.kept)
         base = getattr(model, model.base_model_prefix)
+        lay = model_layout(model)
         if not self.first:
-            base.embed_tokens = elsewhere()
+            for part in lay.first_only:
+                setattr(base, part, elsewhere())
         if not self.last:
-            base.norm = elsewhere()
+            setattr(base, lay.norm, elsewhere())
             model.lm_head = elsewhere()
 
     def build(self, ctx) -> "PipelinePart":
@@ -63,13 +65,40 @@ class PipelineSetup:
         mesh = ctx.device_mesh(self.t.axis)
         group = mesh.get_group()
         failures = StageFailures()
+        tied = self._tied_head(ctx, group)          # before the stages read the head
         built = [PipelineStage(self.roots.wrap(self._module(ctx, s, failures)), s.index,
                                len(self.all), ctx.device, group=group)
                  for s in self.mine]
         _refuse_generate(ctx.model)
         sig = None if self.t.blocks is None else signature_of(ctx.model)
         return PipelinePart(self.t, group, built, self.kept, self.first, self.last,
-                            failures=failures, signature=sig)
+                            failures=failures, signature=sig, tied=tied)
+
+    def _tied_head(self, ctx, group) -> "TiedHead | None":
+        """A head tied to the token embeddings, run on another rank than the first stage's
+        (``check_untied`` allowed it): the two ranks' ``TiedHead``; None elsewhere."""
+        if self.t.blocks is not None or not any(e.tied_to for e in ctx.plan.params):
+            return None
+        src = next(s.rank for s in self.all if s.first)
+        dst = next(s.rank for s in self.all if s.last)
+        if src == dst:
+            return None
+        ends = _ends_group(ctx, self.t.axis, group, src, dst)
+        if not (self.first or self.last):
+            return None                      # a middle stage: no part in it
+        owner = getattr(getattr(ctx.model, ctx.model.base_model_prefix),
+                        model_layout(ctx.model).embed).weight if self.first else None
+        copy = None
+        if self.last and not self.first:
+            head = ctx.model.lm_head
+            w = head._parameters.pop("weight")
+            # the last stage's own copy of the first stage's weight, refreshed from it
+            # before every schedule; not a parameter: no optimizer, norm or checkpoint
+            # counts it twice
+            copy = w.detach().clone().requires_grad_(w.requires_grad)
+            head.register_buffer("weight", copy, persistent=False)
+        ranks = dist.get_process_group_ranks(group)
+        return TiedHead(ends, ranks[src], owner, copy)
 
     def _module(self, ctx, s, failures) -> nn.Module:
         """What stage ``s`` runs: the model's own forward on its view of the model
@@ -83,6 +112,59 @@ class PipelineSetup:
         view, pairs = stage_view(ctx.model, _all_blocks(self), s.blocks, self.sides.before,
                                  self.sides.after, s.first, s.last)
         return OwnStage(ctx.model, view, pairs, hidden_size(ctx.plan) or 0, failures)
+
+
+def _ends_group(ctx, axis: str, group, src: int, dst: int):
+    """The group of the two pipeline ranks ``src`` and ``dst`` (coordinates on ``axis``)
+    of this rank's pipeline: the pipeline's own group when it has no other rank; else one
+    group per pipeline of the mesh, every rank making each in the same order."""
+    if group.size() == 2:
+        return group
+    dm = ctx.mesh.device_mesh
+    p = group.size()
+    rows = dm.mesh.movedim(ctx.mesh.axis_names.index(axis), -1).reshape(-1, p).tolist()
+    mine = None
+    for row in rows:
+        g = dist.new_group([row[src], row[dst]])
+        if dist.get_rank() in (row[src], row[dst]):
+            mine = g
+    return mine
+
+
+@dataclasses.dataclass
+class TiedHead:
+    """The LM head tied to the token embeddings across pipeline ranks (Megatron's shared
+    embedding, owned once): the first stage's rank holds the weight (``owner``, the
+    parameter the optimizer steps), the last stage's rank a copy (``copy``, a buffer the
+    head reads). Before a schedule the copy takes the owner's values; after a backward the
+    copy's gradient is added to the owner's and dropped, so the owner's gradient is one
+    process's (the embedding's plus the head's) before the data ranks reduce it."""
+
+    group: Any
+    src: int                      # the owner's global rank
+    owner: Any = None
+    copy: Any = None
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        from ...core.tensors import local
+
+        t = self.owner if self.owner is not None else self.copy
+        dist.broadcast(local(t), src=self.src, group=self.group)
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        from ...core.tensors import local
+
+        if self.owner is not None:
+            if self.owner.grad is None:
+                self.owner.grad = torch.zeros_like(self.owner)
+            dist.all_reduce(local(self.owner.grad), group=self.group)
+            return
+        g = self.copy.grad
+        dist.all_reduce(local(g) if g is not None else torch.zeros_like(local(self.copy)),
+                        group=self.group)
+        self.copy.grad = None
 
 
 def _all_blocks(setup: PipelineSetup) -> tuple[str, ...]:
@@ -169,6 +251,7 @@ class PipelinePart(Part):
     # the forward the stages run, for declared blocks (``_feed``); None: a decoder's stages
     signature: Any = None
     _schedules: dict = dataclasses.field(default_factory=dict)
+    tied: TiedHead | None = None     # the LM head tied to the embeddings across ranks
     _scale: float = 1.0
     _weight: float = 1.0
     _feed: Feed | None = None
@@ -268,6 +351,8 @@ class PipelinePart(Part):
         feed = self.feed(batch)
         losses: list = []
         sched = self.schedule(loss_fn)
+        if self.tied is not None:        # the head's copy takes the weight's last values
+            self.tied.refresh()
         self._scale, self._weight, self._feed = scale, self._weigh(reduction), feed
         sync = rt.grad_sync if train else None
         if sync is not None:         # the microbatches accumulate; one reduction after
@@ -288,6 +373,8 @@ class PipelinePart(Part):
             if sync is not None:
                 sync.enabled = True
         self._settle(rt, feed.batch)
+        if train and self.tied is not None:
+            self.tied.sum_grads()
         if sync is not None:
             sync.flush()
         for p, g in held:              # reduced before this call: added to this call's sums

@@ -1,12 +1,17 @@
 """Pipeline stages of an unmodified Hugging Face decoder, on torch.distributed.pipelining.
 
 A stage is the model itself with the blocks of other stages removed, run by a small
-module that calls the model's own parts in the order the model's ``forward`` does (the
-``base_model_pp_plan`` Hugging Face configs carry: embed_tokens -> layers -> norm, then
-the LM head). Parameter names stay those of the model, so checkpoints and plans line up.
+module that calls the model's own parts in the order the model's ``forward`` does. Where
+those parts are is data (``LAYOUTS``): Llama-like families keep them as their
+``base_model_pp_plan`` says (embed_tokens -> layers -> norm, a rotary table handed to
+every block), GPT-2-like ones as wte + wpe -> h -> ln_f (learned positions added to the
+tokens' embeddings, dropout on the sum); then the LM head. Parameter names stay those of
+the model, so checkpoints and plans line up.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -32,26 +37,72 @@ except ImportError:  # pragma: no cover - transformers without masking_utils
     _NO_CACHE = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a decoder's forward finds its parts, under its base model (``base_model_prefix``):
+    the token embedding, the blocks (a ModuleList), the final norm; a rotary table every
+    block is handed (Llama-like), or learned positions added to the tokens' embeddings and a
+    dropout on the sum (GPT-2-like)."""
+
+    name: str
+    embed: str
+    layers: str
+    norm: str
+    rotary: str | None = None
+    positions: str | None = None
+    dropout: str | None = None
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        return tuple(n for n in (self.embed, self.layers, self.norm, self.rotary,
+                                 self.positions) if n)
+
+    @property
+    def first_only(self) -> tuple[str, ...]:
+        """The parts with parameters only the first stage runs."""
+        return tuple(n for n in (self.embed, self.positions) if n)
+
+
+LAYOUTS = (
+    Layout("embed_tokens -> layers -> norm", "embed_tokens", "layers", "norm",
+           rotary="rotary_emb"),
+    Layout("wte + wpe -> h -> ln_f", "wte", "h", "ln_f", positions="wpe", dropout="drop"),
+)
+
+
+def layout_of(has) -> Layout | None:
+    """The first of ``LAYOUTS`` whose parts ``has(name)`` finds under the base model."""
+    return next((lay for lay in LAYOUTS if all(has(n) for n in lay.needs)), None)
+
+
+def model_layout(model: nn.Module) -> Layout:
+    base = getattr(model, model.base_model_prefix)
+    lay = layout_of(lambda n: hasattr(base, n))
+    if lay is None:
+        raise ConfigError(f"pipeline: {type(model).__name__} is laid out as none of "
+                          f"{_LAYOUT_NAMES}; meshlab pipelines Hugging Face decoders laid "
+                          f"out so")
+    return lay
+
+
 class DecoderStage(nn.Module):
     """Runs blocks ``layer_ids`` of ``model`` (plus the embeddings on the first stage and
-    the final norm and head on the last)."""
+    the final norm and head on the last), its parts found by its ``Layout``."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], first: bool, last: bool,
                  failures=None, seq_split: int = 1):
         super().__init__()
         base = getattr(model, model.base_model_prefix)
-        for need in ("embed_tokens", "layers", "norm", "rotary_emb"):
-            if not hasattr(base, need):
-                raise ConfigError(
-                    f"pipeline: {type(model).__name__} lacks {need!r}; meshlab pipelines "
-                    f"decoders laid out as embed_tokens -> layers -> norm (the "
-                    f"base_model_pp_plan of Llama-like families)")
+        lay = self.layout = model_layout(model)
         # Only this stage's parts are registered: the schedule scales and zeroes the
         # gradients of a stage's own parameters, and a rank may run several stages.
         self._model = (model,)                       # a tuple: not registered
-        self.layers = nn.ModuleDict({str(i): base.layers[i] for i in layer_ids})
-        self.embed = base.embed_tokens if first else None
-        self.norm = base.norm if last else None
+        blocks = getattr(base, lay.layers)
+        self.layers = nn.ModuleDict({str(i): blocks[i] for i in layer_ids})
+        self.embed = getattr(base, lay.embed) if first else None
+        self.positions = getattr(base, lay.positions) if first and lay.positions else None
+        self.dropout = getattr(base, lay.dropout, None) if first and lay.dropout else None
+        self.norm = getattr(base, lay.norm) if last else None
         self.head = model.lm_head if last else None
         self.layer_ids, self.first, self.last = list(layer_ids), first, last
         self.failures = failures        # ``_guard.StageFailures``: where an exception goes
@@ -83,6 +134,7 @@ class DecoderStage(nn.Module):
 
         model = self._model[0]
         base = getattr(model, model.base_model_prefix)
+        lay = self.layout
         h = self.embed(x) if self.first else x                   # (B, S, H)
         # A later stage under sequence parallelism holds 1/seq_split of the sequence; the
         # positions, rotary tables and mask are the whole sequence's, as the model's own
@@ -96,13 +148,19 @@ class DecoderStage(nn.Module):
         # reads them back to look for packing (a host round trip per stage and microbatch).
         pos = position_ids if position_ids is not None else \
             torch.arange(whole.shape[1], device=h.device).unsqueeze(0)
+        if self.positions is not None:                # learned positions (GPT-2)
+            h = h + self.positions(pos).to(h.device)
+        if self.dropout is not None:
+            h = self.dropout(h)
         mask = create_causal_mask(config=base.config, inputs_embeds=whole,
                                   attention_mask=attention_mask, position_ids=position_ids,
                                   **_NO_CACHE)
-        pe = base.rotary_emb(h, pos)
+        if lay.rotary:
+            rope = {"position_embeddings": getattr(base, lay.rotary)(h, pos)}
+        else:
+            rope = {"use_cache": False}
         for i in self.layer_ids:
-            out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos,
-                                      position_embeddings=pe)
+            out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos, **rope)
             h = out[0] if isinstance(out, tuple) else out
         if self.last:
             h = self.norm(h)
@@ -132,45 +190,76 @@ def seq_split(plan) -> int:
 
 def prune(model: nn.Module, blocks_kept: set[str]) -> None:
     """Drop the blocks of other stages (their parameters are freed)."""
-    base = getattr(model, model.base_model_prefix)
-    prefix = model.base_model_prefix + ".layers."
-    for i in range(len(base.layers)):
+    lay = model_layout(model)
+    blocks = getattr(getattr(model, model.base_model_prefix), lay.layers)
+    prefix = f"{model.base_model_prefix}.{lay.layers}."
+    for i in range(len(blocks)):
         if f"{prefix}{i}" not in blocks_kept:
-            base.layers[i] = nn.Module()
+            blocks[i] = nn.Module()
 
 
-NEEDS = ("embed_tokens", "layers", "norm", "rotary_emb")
+_LAYOUT_NAMES = " or ".join(lay.name for lay in LAYOUTS)
 
 
 def check_layout(plan) -> None:
-    """The stages run decoders laid out as ``embed_tokens -> layers -> norm`` (with the
-    model's ``rotary_emb``), the base_model_pp_plan of Llama-like families; refuse others
-    at plan time, as ``DecoderStage`` would at install."""
+    """The stages run decoders laid out as one of ``LAYOUTS`` (embed_tokens -> layers ->
+    norm with the model's ``rotary_emb``, the base_model_pp_plan of Llama-like families;
+    wte + wpe -> h -> ln_f, GPT-2's); refuse others at plan time, as ``DecoderStage``
+    would at install."""
     prefix = plan.model.base_prefix
     names = {m.fqn for m in plan.model.modules}
-    missing = [n for n in NEEDS if (f"{prefix}.{n}" if prefix else n) not in names]
-    if not missing:
+    if layout_of(lambda n: (f"{prefix}.{n}" if prefix else n) in names) is not None:
         return
     cls = plan.model.cls or "the model"
     tops = {n.split(".")[-1] for n in names if n.count(".") <= (1 if prefix else 0)}
     if {"encoder", "decoder"} <= tops:
         raise ConfigError(f"pipeline: {cls} is an encoder-decoder model; meshlab pipelines "
-                          f"decoder-only models (embed_tokens -> layers -> norm) and does not "
+                          f"decoder-only models ({_LAYOUT_NAMES}) and does not "
                           f"yet split an encoder and a decoder into stages; use zero_shard, "
                           f"shard or remat for it")
+    missing = [n for n in LAYOUTS[0].needs
+               if (f"{prefix}.{n}" if prefix else n) not in names]
     lists = [m.fqn for m in plan.model.modules if m.cls in ("ModuleList", "ModuleDict")]
     raise ConfigError(f"pipeline: {cls} lacks {missing} under {prefix or 'the model'!r}; meshlab "
-                      f"pipelines decoders laid out as embed_tokens -> layers -> norm (the "
-                      f"base_model_pp_plan of Llama-like families) on its own stages; for "
+                      f"pipelines decoders laid out as {_LAYOUT_NAMES} (Llama-like and "
+                      f"GPT-2-like families) on its own stages; for "
                       f"any other model, declare its blocks and let its forward skip what a "
                       f"stage does not hold: pipeline(..., blocks={(lists or ['layers'])[0]!r}) "
                       f"(docs/transforms.md, pipeline)")
 
 
-def check_untied(plan, stages) -> None:
-    first = {s.index for s in stages if s.first}
-    last = {s.index for s in stages if s.last}
-    if first != last and any(e.tied_to for e in plan.params):
-        tied = [f"{e.fqn} -> {e.tied_to}" for e in plan.params if e.tied_to]
-        raise ConfigError(f"pipeline: tied weights across the first and last stage ({tied}) "
-                          f"are not supported; build the model with tie_word_embeddings=False")
+def check_untied(plan, stages, declared: bool) -> None:
+    """A head tied to the token embeddings (``tie_word_embeddings``) on another rank than
+    the first stage trains as one process (``TiedHead``) on meshlab's decoder stages
+    beside data parallelism, ZeRO-1 and tensor parallelism. Refused by name: any other
+    tie across ranks, ties under declared blocks, and ties beside FSDP2 units
+    (``zero_shard(2)``, ``zero_shard(3)``), whose shards the copy would have to follow."""
+    first = {s.rank for s in stages if s.first}
+    last = {s.rank for s in stages if s.last}
+    tied = [e for e in plan.params if e.tied_to]
+    if first == last or not tied:
+        return
+    pairs = [f"{e.fqn} -> {e.tied_to}" for e in tied]
+    if declared:
+        raise ConfigError(f"pipeline(blocks=...): tied weights across the first and last "
+                          f"stage ({pairs}) are not supported on declared blocks; build the "
+                          f"model with tie_word_embeddings=False")
+    prefix = plan.model.base_prefix
+    embeds = {f"{prefix}.{lay.embed}.weight" if prefix else f"{lay.embed}.weight"
+              for lay in LAYOUTS}
+    other = [p for e, p in zip(tied, pairs)
+             if "lm_head.weight" not in (e.fqn, e.tied_to)
+             or not {e.fqn, e.tied_to} - {"lm_head.weight"} <= embeds]
+    if other:
+        raise ConfigError(f"pipeline: tied weights across the first and last stage other "
+                          f"than the LM head's and the token embeddings' ({other}) are not "
+                          f"supported; untie them")
+    from ..zero import ZeroShard
+
+    z = plan.get(ZeroShard)
+    if plan.roles.fsdp or (z is not None and z.fsdp(plan)):
+        raise ConfigError(f"pipeline with the LM head tied to the token embeddings "
+                          f"({pairs[0]}) beside FSDP2 units ({z!r}) is not yet supported: "
+                          f"the last stage's copy of the head would have to follow the "
+                          f"first stage's shards; use zero_shard(1) or data_parallel, or "
+                          f"build the model with tie_word_embeddings=False")

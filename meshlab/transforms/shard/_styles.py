@@ -77,7 +77,8 @@ class _LocalParams:
 
     def enter(self, module) -> None:
         for n in self.names:
-            p = module._parameters.get(n)
+            # a weight held as a buffer: a pipeline's last stage's copy of a tied head
+            p = module._parameters.get(n, module._buffers.get(n))
             if p is None:
                 continue
             if n == "bias" and self.zero_bias:

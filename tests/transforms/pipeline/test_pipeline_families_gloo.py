@@ -8,9 +8,17 @@ is refused by name, with the fix, before anything runs.
   summed over four microbatches instead of one batch, round 4e-8 apart; the tolerance is
   float32's (1e-6 relative), where a missed embedding scale or norm offset would move the
   first loss by far more.
-* Refused at plan on a fake mesh (no process group): Gemma with its head tied to the
-  embeddings (tied weights across the first and last stage), GPT-2 and BERT (not laid out
-  as embed_tokens -> layers -> norm) and T5 (an encoder-decoder).
+* GPT-2 (untied): wte + wpe -> h -> ln_f, learned positions added on the first stage;
+  pp=2 (4 microbatches, padded rows) trains as one process in float64 through
+  ``meshlab.verify``, alone and with tp=2 beside it.
+* The LM head tied to the token embeddings across the first and last stage (Gemma,
+  GPT-2): the first stage's rank owns the weight, the last stage's a copy refreshed before
+  each schedule, whose gradient joins the owner's. Gemma tied at pp=2 and GPT-2 tied at
+  pp=4 (a middle rank outside the pair) and at pp=2 x tp=2 with ZeRO-1 beside, each
+  through ``meshlab.verify`` in float64 over two steps.
+* Refused at plan on a fake mesh (no process group): a tied head beside FSDP2 units
+  (zero_shard(3)), BERT (laid out as no decoder meshlab stages) and T5 (an
+  encoder-decoder).
 """
 
 from __future__ import annotations
@@ -37,10 +45,7 @@ def _refused():
     import transformers as T
 
     return {
-        "gemma_tied": (lambda: _gemma(True), "tie_word_embeddings=False"),
-        "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(
-            n_embd=32, n_layer=4, n_head=4, vocab_size=64, n_positions=64)),
-            "embed_tokens -> layers -> norm"),
+        "gemma_tied_fsdp2": (lambda: _gemma(True), "tie_word_embeddings=False"),
         "bert": (lambda: T.BertForMaskedLM(T.BertConfig(
             hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
             vocab_size=64)), "embed_tokens -> layers -> norm"),
@@ -53,8 +58,11 @@ def _refused():
 @pytest.mark.parametrize("family", sorted(_refused()))
 def test_refused_by_name_at_plan(family):
     build, said = _refused()[family]
+    spec, mesh = ml.pipeline("pp", microbatches=2), ml.Mesh(pp=2, fake=True)
+    if family.endswith("fsdp2"):
+        spec, mesh = spec | ml.zero_shard(3, "dp"), ml.Mesh(pp=2, dp=2, fake=True)
     with pytest.raises(ml.ConfigError, match="pipeline") as e:
-        ml.plan(build(), ml.pipeline("pp", microbatches=2), ml.Mesh(pp=2, fake=True))
+        ml.plan(build(), spec, mesh)
     assert said in str(e.value), str(e.value)
 
 
@@ -71,3 +79,67 @@ def case_gemma(rank, world):
 def test_gemma_untied_trains_as_one_process(world2):
     for ok, text in world2.run(case_gemma):
         assert ok, text
+
+
+def _gpt2(tied: bool = False):
+    import transformers as T
+
+    cfg = T.GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=64, n_positions=64,
+                       tie_word_embeddings=tied, resid_pdrop=0.0, embd_pdrop=0.0,
+                       attn_pdrop=0.0, attn_implementation="sdpa")
+    with torch.device("meta"):
+        return T.GPT2LMHeadModel(cfg)
+
+
+def case_gpt2(rank, world, tp: bool, tied: bool = False, pp: int = 2, extra=None):
+    from tests import _models as M
+
+    data = M.batches(2, batch=8, seq=8, vocab=64)
+    batches = []
+    for b in data:
+        mask = torch.ones_like(b)
+        mask[1, :3] = 0                      # a left-padded row: the mask reaches every stage
+        batches.append({"input_ids": b, "attention_mask": mask})
+    spec, axes = ml.pipeline("pp", microbatches=4), {"pp": pp}
+    if tp:
+        spec, axes = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | spec, {**axes, "tp": 2}
+    if extra == "zero1":
+        spec, axes = spec | ml.zero_shard(1, "dp"), {**axes, "dp": 2}
+    mesh = ml.Mesh(**axes)
+    report = ml.verify(_gpt2(tied), spec, mesh, batches, dtype=torch.float64, atol=1e-9,
+                       rtol=1e-7)
+    return report.ok, str(report)
+
+
+def test_gpt2_untied_trains_as_one_process(world2):
+    for ok, text in world2.run(case_gpt2, tp=False):
+        assert ok, text
+
+
+def test_gpt2_untied_with_tensor_parallelism(world4):
+    for ok, text in world4.run(case_gpt2, tp=True):
+        assert ok, text
+
+
+def case_gemma_tied(rank, world):
+    from tests import _models as M
+
+    data = M.batches(2, batch=8, seq=8, vocab=64)
+    report = ml.verify(_gemma(True), ml.pipeline("pp", microbatches=4), ml.Mesh(pp=2),
+                       [{"input_ids": b} for b in data], dtype=torch.float64,
+                       atol=1e-9, rtol=1e-6)
+    return report.ok, str(report)
+
+
+def test_tied_head_across_stages_trains_as_one_process(world2):
+    for ok, text in world2.run(case_gemma_tied):
+        assert ok, text
+    for ok, text in world2.run(case_gpt2, tp=False, tied=True):
+        assert ok, text
+
+
+def test_tied_head_across_four_stages_and_beside_tp_and_zero1(world4):
+    for kw in (dict(pp=4), dict(tp=True), dict(extra="zero1")):
+        kw = {"tp": False, **kw}
+        for ok, text in world4.run(case_gpt2, tied=True, **kw):
+            assert ok, (kw, text)
