@@ -43,6 +43,15 @@ class PipelineDecoder:
         self.mine = {st.stage_index: st.submod for st in part.stages}
         self.last_rank = dist.get_global_rank(self.group, self.all[-1].rank)
         self.failed: BaseException | None = None      # a stage of this rank raised
+        self.tied = part.tied       # a head tied to the embeddings on another rank
+        from ..core.errors import ConfigError
+        from ..transforms.pipeline._stage import LAYOUTS, model_layout
+
+        if model_layout(model) is not LAYOUTS[0]:
+            raise ConfigError(f"InferenceEngine on a pipelined {type(model).__name__}: "
+                              f"meshlab decodes pipelined models laid out as "
+                              f"{LAYOUTS[0].name} (Llama-like); parallelize it without "
+                              f"pipeline() for decoding, or with shard() alone")
 
     def _peer(self, stage) -> int:
         return dist.get_global_rank(self.group, stage.rank)
@@ -62,6 +71,8 @@ class PipelineDecoder:
         ``(ids (1, T), pos (1, T), last, batch)``; the stages run on them as a pipeline
         (module docstring), at most ``buffer`` sends in flight from this rank."""
         hs, out, sends = [None] * len(micro), [], []
+        if self.tied is not None:       # the last stage's copy of a tied head is current
+            self.tied.refresh_if_changed()
         for i, s in enumerate(self.all):
             if s.rank != self.me:
                 continue

@@ -144,6 +144,7 @@ class TiedHead:
     src: int                      # the owner's global rank
     owner: Any = None
     copy: Any = None
+    seen: int = -1                # the owner's version the copy last took
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -151,6 +152,25 @@ class TiedHead:
 
         t = self.owner if self.owner is not None else self.copy
         dist.broadcast(local(t), src=self.src, group=self.group)
+
+    @torch.no_grad()
+    def refresh_if_changed(self) -> None:
+        """``refresh`` where the owner's weight changed in place since the copy last took
+        it (an optimizer step, a load): one integer agreed between the two ranks, for
+        callers that read the head many times between steps (decoding)."""
+        if self._version() != self.seen:
+            self.refresh()
+            self.seen = self._version()     # the broadcast may count as a write itself
+
+    def _version(self) -> int:
+        """The owner's version counter, agreed between the two ranks."""
+        from ...core.tensors import local
+
+        t = self.owner if self.owner is not None else self.copy
+        v = torch.tensor([local(t)._version if self.owner is not None else -1],
+                         dtype=torch.int64, device=local(t).device)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX, group=self.group)
+        return int(v)
 
     @torch.no_grad()
     def sum_grads(self) -> None:

@@ -159,6 +159,12 @@ def rank_rows(plan: Plan, opt, rows: list) -> list:
     first = next(s.rank for s in st if s.first)
     last = next(s.rank for s in st if s.last)
     fqns = {e.fqn for e in plan.params}
+    if first != last and opt.blocks is None:
+        # a head tied to the embeddings: the last stage's rank holds a copy of the weight
+        # and its gradient, not its optimizer state (``_runtime.TiedHead``)
+        copy = {e.tied_to: e.fqn for e in plan.params if e.tied_to}
+        rows = rows + [dataclasses.replace(r, fqn=copy[r.fqn]) for r in rows
+                       if r.fqn in copy and r.category in ("params", "grads")]
 
     def rank_of(fqn: str) -> int | None:
         if fqn not in fqns:

@@ -85,6 +85,48 @@ def model_layout(model: nn.Module) -> Layout:
     return lay
 
 
+_MASKS = ("full_attention", "sliding_attention")
+
+
+def layer_masks(config) -> list[str] | None:
+    """The mask each block attends under, as the model's own forward builds them: per
+    ``config.layer_types`` (Qwen2, Qwen3, Gemma 2: full or sliding-window causal), every
+    block sliding where the config names a window without layer types (Mistral, Mixtral,
+    Phi-3), else None: every block full causal."""
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return list(types)
+    if getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * config.num_hidden_layers
+    return None
+
+
+# Config attributes with which a model's forward does what meshlab's stages do not:
+# scales the token embeddings before the first block, or transforms the logits after the
+# head (the attribute and the value at which it does nothing).
+NOT_STAGED = {"embedding_multiplier": 1.0, "embedding_scale": 1.0,
+              "final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+              "output_multiplier_scale": 1.0}
+
+
+def check_staged(config, cls: str) -> None:
+    """Refuse, by name, a decoder whose forward does what the stages would skip: masks of
+    another kind than full or sliding-window causal, a scale on the embeddings or a
+    transform of the logits (``NOT_STAGED``)."""
+    kinds = layer_masks(config) or []
+    other = sorted(set(kinds) - set(_MASKS))
+    if other:
+        raise ConfigError(f"pipeline: {cls} has layers of type {other}, whose masks meshlab's "
+                          f"stages do not build (they build {list(_MASKS)}); parallelize it "
+                          f"without pipeline()")
+    for attr, neutral in NOT_STAGED.items():
+        v = getattr(config, attr, neutral)
+        if v is not None and v != neutral:
+            raise ConfigError(f"pipeline: {cls}'s forward applies {attr}={v!r} around its "
+                              f"blocks and head, which meshlab's stages do not yet apply; "
+                              f"parallelize it without pipeline()")
+
+
 class DecoderStage(nn.Module):
     """Runs blocks ``layer_ids`` of ``model`` (plus the embeddings on the first stage and
     the final norm and head on the last), its parts found by its ``Layout``."""
@@ -94,6 +136,7 @@ class DecoderStage(nn.Module):
         super().__init__()
         base = getattr(model, model.base_model_prefix)
         lay = self.layout = model_layout(model)
+        check_staged(base.config, type(model).__name__)
         # Only this stage's parts are registered: the schedule scales and zeroes the
         # gradients of a stage's own parameters, and a rank may run several stages.
         self._model = (model,)                       # a tuple: not registered
@@ -130,7 +173,8 @@ class DecoderStage(nn.Module):
             return out
 
     def _blocks(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import (create_causal_mask,
+                                                create_sliding_window_causal_mask)
 
         model = self._model[0]
         base = getattr(model, model.base_model_prefix)
@@ -152,14 +196,22 @@ class DecoderStage(nn.Module):
             h = h + self.positions(pos).to(h.device)
         if self.dropout is not None:
             h = self.dropout(h)
-        mask = create_causal_mask(config=base.config, inputs_embeds=whole,
-                                  attention_mask=attention_mask, position_ids=position_ids,
-                                  **_NO_CACHE)
+        kinds = layer_masks(base.config)
+        masks: dict = {}
+        for i in self.layer_ids:
+            kind = kinds[i] if kinds is not None else "full_attention"
+            if kind not in masks:
+                make = create_causal_mask if kind == "full_attention" else \
+                    create_sliding_window_causal_mask
+                masks[kind] = make(config=base.config, inputs_embeds=whole,
+                                   attention_mask=attention_mask, position_ids=position_ids,
+                                   **_NO_CACHE)
         if lay.rotary:
             rope = {"position_embeddings": getattr(base, lay.rotary)(h, pos)}
         else:
             rope = {"use_cache": False}
         for i in self.layer_ids:
+            mask = masks[kinds[i] if kinds is not None else "full_attention"]
             out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos, **rope)
             h = out[0] if isinstance(out, tuple) else out
         if self.last:
@@ -209,6 +261,9 @@ def check_layout(plan) -> None:
     prefix = plan.model.base_prefix
     names = {m.fqn for m in plan.model.modules}
     if layout_of(lambda n: (f"{prefix}.{n}" if prefix else n) in names) is not None:
+        config = getattr(plan.source, "config", None)
+        if config is not None:
+            check_staged(config, plan.model.cls or "the model")
         return
     cls = plan.model.cls or "the model"
     tops = {n.split(".")[-1] for n in names if n.count(".") <= (1 if prefix else 0)}

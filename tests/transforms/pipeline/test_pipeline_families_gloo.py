@@ -16,9 +16,13 @@ is refused by name, with the fix, before anything runs.
   each schedule, whose gradient joins the owner's. Gemma tied at pp=2 and GPT-2 tied at
   pp=4 (a middle rank outside the pair) and at pp=2 x tp=2 with ZeRO-1 beside, each
   through ``meshlab.verify`` in float64 over two steps.
+* Sliding-window attention: each block gets the mask the model's own forward gives it
+  (Mistral: every block sliding; Qwen2 with ``use_sliding_window``: per ``layer_types``),
+  a window of 4 over 8 positions, pp=2 through ``meshlab.verify`` in float64.
 * Refused at plan on a fake mesh (no process group): a tied head beside FSDP2 units
-  (zero_shard(3)), BERT (laid out as no decoder meshlab stages) and T5 (an
-  encoder-decoder).
+  (zero_shard(3)), Cohere's logit scale and Gemma 2's logit soft-capping (transforms of
+  the logits the stages do not apply), BERT (laid out as no decoder meshlab stages) and
+  T5 (an encoder-decoder).
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ def _refused():
 
     return {
         "gemma_tied_fsdp2": (lambda: _gemma(True), "tie_word_embeddings=False"),
+        "cohere": (lambda: T.CohereForCausalLM(T.CohereConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=64, logit_scale=0.5)), "logit_scale=0.5"),
+        "gemma2": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=64)), "final_logit_softcapping"),
         "bert": (lambda: T.BertForMaskedLM(T.BertConfig(
             hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
             vocab_size=64)), "embed_tokens -> layers -> norm"),
@@ -143,3 +153,80 @@ def test_tied_head_across_four_stages_and_beside_tp_and_zero1(world4):
         kw = {"tp": False, **kw}
         for ok, text in world4.run(case_gpt2, tied=True, **kw):
             assert ok, (kw, text)
+
+
+def case_tied_checkpoint(rank, world, directory):
+    """A tied head across the stages resumes exactly from a checkpoint (the copy is not
+    saved: it takes the loaded weight before the next schedule), and its Hugging Face
+    export loads into one process's model with the head tied as it was."""
+    import os
+
+    import transformers as T
+
+    from tests import _models as M
+
+    data = M.batches(3, batch=8, seq=8, vocab=64)
+    spec, mesh = ml.pipeline("pp", microbatches=4), ml.Mesh(pp=2)
+
+    def build(seed):
+        m = ml.parallelize(_gpt2(True).to(torch.float64), spec, mesh, seed=seed)
+        return m, ml.optimizer(m, torch.optim.SGD, lr=0.1)
+
+    model, opt = build(0)
+    for b in data[:2]:
+        ml.step(model, opt, {"input_ids": b})
+    path = os.path.join(directory, "tied")
+    ml.checkpoint.save(path, model, opt)
+    other, other_opt = build(7)
+    ml.checkpoint.load(path, other, other_opt)
+    want = ml.step(model, opt, {"input_ids": data[2]})
+    got = ml.step(other, other_opt, {"input_ids": data[2]})
+    same = want == got and all(torch.equal(a, b) for a, b in
+                               zip(model.parameters(), other.parameters()))
+    export = os.path.join(directory, "hf")
+    ml.checkpoint.save_pretrained(export, model)
+    whole = T.GPT2LMHeadModel.from_pretrained(export, torch_dtype=torch.float64)
+    tied = whole.lm_head.weight is whole.transformer.wte.weight
+    mine = dict(model.named_parameters())
+    exported = all(torch.equal(mine[n], dict(whole.named_parameters())[n]) for n in mine)
+    return same, tied, exported
+
+
+def test_tied_head_across_stages_resumes_and_exports(world2, tmp_path):
+    for same, tied, exported in world2.run(case_tied_checkpoint, directory=str(tmp_path)):
+        assert same and tied and exported, (same, tied, exported)
+
+
+def _windowed(kind: str):
+    import transformers as T
+
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                  sliding_window=4, attn_implementation="sdpa")
+    if kind == "mistral":
+        cfg, cls = T.MistralConfig(**common, head_dim=8), T.MistralForCausalLM
+    else:
+        cfg, cls = T.Qwen2Config(**common, use_sliding_window=True, max_window_layers=2,
+                                 tie_word_embeddings=False), T.Qwen2ForCausalLM
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def case_windowed(rank, world, kind):
+    from tests import _models as M
+
+    model = _windowed(kind)
+    kinds = set(getattr(model.config, "layer_types", None) or ["sliding_attention"])
+    data = M.batches(2, batch=8, seq=8, vocab=64)
+    report = ml.verify(model, ml.pipeline("pp", microbatches=4), ml.Mesh(pp=2),
+                       [{"input_ids": b} for b in data], dtype=torch.float64,
+                       atol=1e-9, rtol=1e-7)
+    return report.ok, str(report), sorted(kinds)
+
+
+def test_sliding_window_layers_get_their_masks(world2):
+    for kind, want in (("mistral", ["sliding_attention"]),
+                       ("qwen2", ["full_attention", "sliding_attention"])):
+        for ok, text, kinds in world2.run(case_windowed, kind=kind):
+            assert kinds == want, (kind, kinds)
+            assert ok, (kind, text)
