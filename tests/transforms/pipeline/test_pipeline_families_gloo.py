@@ -230,3 +230,38 @@ def test_sliding_window_layers_get_their_masks(world2):
         for ok, text, kinds in world2.run(case_windowed, kind=kind):
             assert kinds == want, (kind, kinds)
             assert ok, (kind, text)
+
+
+def case_tied_decode(rank, world):
+    """After an optimizer step the last stage's copy of a tied head is behind the
+    owner's weight until something reads it: the inference engine brings it up to date
+    before it decodes."""
+    import torch.distributed as dist
+
+    from meshlab.inference import InferenceConfig, InferenceEngine
+    from meshlab.transforms.pipeline._runtime import PipelinePart
+    from tests import _models as M
+
+    model = ml.parallelize(M.build("llama", tie_word_embeddings=True, vocab_size=64),
+                           ml.pipeline("pp", microbatches=2), ml.Mesh(pp=2), seed=0)
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.5)
+    ml.step(model, opt, {"input_ids": M.batches(1, batch=4, seq=8, vocab=64)[0]})
+    tied = model._meshlab.part(PipelinePart).tied
+
+    def current() -> bool:
+        t = (tied.owner if tied.owner is not None else tied.copy).detach().clone()
+        dist.broadcast(t, src=tied.src, group=tied.group)
+        return bool(torch.equal(t, tied.copy)) if tied.copy is not None else True
+
+    before = current()
+    model.eval()
+    engine = InferenceEngine(model, inference_config=InferenceConfig(
+        dtype=torch.float32, max_batch_size=1, max_input_len=16, max_output_len=4,
+        block_size=4))
+    engine.generate(prompts=[[1, 2, 3]], max_new_tokens=2)
+    return before, current()
+
+
+def test_tied_head_copy_is_current_when_decoding(world2):
+    out = world2.run(case_tied_decode)
+    assert out[1] == (False, True), out        # the last stage's rank: behind, then current
