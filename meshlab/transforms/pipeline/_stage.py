@@ -261,6 +261,11 @@ def check_layout(plan) -> None:
     prefix = plan.model.base_prefix
     names = {m.fqn for m in plan.model.modules}
     if layout_of(lambda n: (f"{prefix}.{n}" if prefix else n) in names) is not None:
+        if "lm_head" not in names:
+            raise ConfigError(f"pipeline: {plan.model.cls or 'the model'} has no lm_head; "
+                              f"meshlab's decoder stages end in a causal-LM head (a "
+                              f"classification head that pools the last token is not yet "
+                              f"staged); parallelize it without pipeline()")
         config = getattr(plan.source, "config", None)
         if config is not None:
             check_staged(config, plan.model.cls or "the model")

@@ -21,8 +21,8 @@ is refused by name, with the fix, before anything runs.
   a window of 4 over 8 positions, pp=2 through ``meshlab.verify`` in float64.
 * Refused at plan on a fake mesh (no process group): a tied head beside FSDP2 units
   (zero_shard(3)), Cohere's logit scale and Gemma 2's logit soft-capping (transforms of
-  the logits the stages do not apply), BERT (laid out as no decoder meshlab stages) and
-  T5 (an encoder-decoder).
+  the logits the stages do not apply), a GPT-2 sequence classifier (no causal-LM head),
+  BERT (laid out as no decoder meshlab stages) and T5 (an encoder-decoder).
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ def _refused():
         "gemma2": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, vocab_size=64)), "final_logit_softcapping"),
+        "gpt2_classifier": (lambda: T.GPT2ForSequenceClassification(T.GPT2Config(
+            n_embd=32, n_layer=4, n_head=4, vocab_size=64, n_positions=64, pad_token_id=0)),
+            "has no lm_head"),
         "bert": (lambda: T.BertForMaskedLM(T.BertConfig(
             hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
             vocab_size=64)), "embed_tokens -> layers -> norm"),
