@@ -51,6 +51,7 @@ class Layout:
     rotary: str | None = None
     positions: str | None = None
     dropout: str | None = None
+    block_kwargs: tuple = ()      # what the model's forward also hands every block
 
     @property
     def needs(self) -> tuple[str, ...]:
@@ -67,6 +68,11 @@ LAYOUTS = (
     Layout("embed_tokens -> layers -> norm", "embed_tokens", "layers", "norm",
            rotary="rotary_emb"),
     Layout("wte + wpe -> h -> ln_f", "wte", "h", "ln_f", positions="wpe", dropout="drop"),
+    # GPT-J: rotary positions, the embeddings' dropout before the blocks
+    Layout("wte -> h -> ln_f", "wte", "h", "ln_f", rotary="rotary_emb", dropout="drop"),
+    # Falcon with rotary positions (its ALiBi configs are refused: NOT_STAGED)
+    Layout("word_embeddings -> h -> ln_f", "word_embeddings", "h", "ln_f",
+           rotary="rotary_emb", block_kwargs=(("alibi", None),)),
 )
 
 
@@ -104,7 +110,7 @@ def layer_masks(config) -> list[str] | None:
 # Config attributes with which a model's forward does what meshlab's stages do not:
 # scales the token embeddings before the first block, or transforms the logits after the
 # head (the attribute and the value at which it does nothing).
-NOT_STAGED = {"embedding_multiplier": 1.0, "embedding_scale": 1.0,
+NOT_STAGED = {"embedding_multiplier": 1.0, "embedding_scale": 1.0, "alibi": False,
               "final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
               "output_multiplier_scale": 1.0}
 
@@ -210,6 +216,7 @@ class DecoderStage(nn.Module):
             rope = {"position_embeddings": getattr(base, lay.rotary)(h, pos)}
         else:
             rope = {"use_cache": False}
+        rope.update(lay.block_kwargs)
         for i in self.layer_ids:
             mask = masks[kinds[i] if kinds is not None else "full_attention"]
             out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos, **rope)
@@ -281,8 +288,8 @@ def check_layout(plan) -> None:
                if (f"{prefix}.{n}" if prefix else n) not in names]
     lists = [m.fqn for m in plan.model.modules if m.cls in ("ModuleList", "ModuleDict")]
     raise ConfigError(f"pipeline: {cls} lacks {missing} under {prefix or 'the model'!r}; meshlab "
-                      f"pipelines decoders laid out as {_LAYOUT_NAMES} (Llama-like and "
-                      f"GPT-2-like families) on its own stages; for "
+                      f"pipelines decoders laid out as {_LAYOUT_NAMES} (Llama-like, GPT-2, "
+                      f"GPT-J and Falcon families) on its own stages; for "
                       f"any other model, declare its blocks and let its forward skip what a "
                       f"stage does not hold: pipeline(..., blocks={(lists or ['layers'])[0]!r}) "
                       f"(docs/transforms.md, pipeline)")
