@@ -66,10 +66,12 @@ def _rope(have: dict, head_dim: int) -> dict:
     return {"rope_parameters": {**rp, "mrope_section": new}}
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, base=None):
+    """``model_type``'s default config (or ``base``, a config of that family) with its size
+    fields shrunk, its per-layer lists cut and its dropout off."""
     from transformers import CONFIG_MAPPING
 
-    cfg = CONFIG_MAPPING[model_type]()
+    cfg = CONFIG_MAPPING[model_type]() if base is None else base
     have = cfg.to_dict()
     alias = dict(getattr(cfg, "attribute_map", {}) or {})       # hidden_size -> n_embd
     kw = {alias.get(k, k): v for k, v in _SMALL.items() if alias.get(k, k) in have}

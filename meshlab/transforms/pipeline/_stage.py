@@ -12,6 +12,8 @@ the model, so checkpoints and plans line up.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import torch
 from torch import nn
@@ -19,6 +21,8 @@ from torch import nn
 from ...core.errors import ConfigError
 from .._head import fused_loss_of
 from ._guard import stand_in
+
+log = logging.getLogger(__name__)
 
 
 def _no_cache_kwargs() -> dict:
@@ -113,6 +117,59 @@ def layer_masks(config) -> list[str] | None:
 NOT_STAGED = {"embedding_multiplier": 1.0, "embedding_scale": 1.0, "alibi": False,
               "final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
               "output_multiplier_scale": 1.0}
+
+
+def stage_probe(model: nn.Module) -> str | None:
+    """Whether meshlab's stages compute what ``model``'s own forward does, shown on a tiny
+    float64 copy of its config (its size fields shrunk, a sliding window cut to 4 of 8
+    positions, a left-padded row): the model's logits against its two stages run in turn.
+    None where they agree to 1e-9; else what differs. Once per class and config."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    try:
+        text = config.to_json_string(use_diff=False)
+    except (TypeError, ValueError):         # a config that does not serialize: not cached
+        return _probe(type(model), config.to_dict())
+    return _probe_cached(type(model), text)
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_cached(cls, text: str) -> str | None:
+    import json
+
+    return _probe(cls, json.loads(text))
+
+
+def _probe(cls, values: dict) -> str | None:
+    from ...testing.tiny import TinyConfigError, VOCAB, tiny_config
+
+    try:
+        cfg = tiny_config(values["model_type"], base=cls.config_class.from_dict(values))
+        if getattr(cfg, "sliding_window", None) is not None:
+            cfg.sliding_window = 4
+        if hasattr(cfg, "_experts_implementation"):     # float64: the experts' loop
+            cfg._experts_implementation = "eager"
+        torch.manual_seed(0)
+        tiny = cls(cfg).to(torch.float64).eval()
+    except (TinyConfigError, Exception) as e:      # noqa: BLE001 - any build failure
+        log.warning("pipeline: %s could not be checked on a tiny copy (%s: %s); its "
+                    "stages run as laid out", cls.__name__, type(e).__name__, e)
+        return None
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, min(VOCAB, cfg.vocab_size), (2, 8), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    n = len(getattr(getattr(tiny, tiny.base_model_prefix), model_layout(tiny).layers))
+    with torch.no_grad():
+        want = tiny(input_ids=ids, attention_mask=mask).logits
+        h = DecoderStage(tiny, list(range(n // 2)), True, False)(ids, mask)
+        got = DecoderStage(tiny, list(range(n // 2, n)), False, True)(h, mask)
+    worst = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
+    if worst <= 1e-9 * max(1.0, float(want.abs().max())):
+        return None
+    return (f"on a tiny float64 copy of its config, its logits and those of meshlab's "
+            f"stages differ by {worst:.1e}")
 
 
 def check_staged(config, cls: str) -> None:
@@ -276,6 +333,10 @@ def check_layout(plan) -> None:
         config = getattr(plan.source, "config", None)
         if config is not None:
             check_staged(config, plan.model.cls or "the model")
+            why = stage_probe(plan.source)
+            if why is not None:
+                raise ConfigError(f"pipeline: {plan.model.cls}'s forward does what meshlab's "
+                                  f"stages do not: {why}; parallelize it without pipeline()")
         return
     cls = plan.model.cls or "the model"
     tops = {n.split(".")[-1] for n in names if n.count(".") <= (1 if prefix else 0)}

@@ -268,3 +268,21 @@ def case_tied_decode(rank, world):
 def test_tied_head_copy_is_current_when_decoding(world2):
     out = world2.run(case_tied_decode)
     assert out[1] == (False, True), out        # the last stage's rank: behind, then current
+
+
+def test_a_forward_the_stages_would_miss_is_refused_at_plan(monkeypatch):
+    """The plan runs the model's forward and meshlab's two stages on a tiny float64 copy
+    of its config: stages that missed what the forward does (here, as meshlab's did
+    before, Mistral's sliding window; or a logit scale not refused by name) are refused
+    before anything runs."""
+    import importlib
+
+    stage = importlib.import_module("meshlab.transforms.pipeline._stage")
+    monkeypatch.setattr(stage, "layer_masks", lambda config: None)
+    stage._probe_cached.cache_clear()
+    try:
+        with pytest.raises(ml.ConfigError, match="stages differ by"):
+            ml.plan(_windowed("mistral"), ml.pipeline("pp", microbatches=2),
+                    ml.Mesh(pp=2, fake=True))
+    finally:
+        stage._probe_cached.cache_clear()
