@@ -86,19 +86,24 @@ class PipelineSetup:
         ends = _ends_group(ctx, self.t.axis, group, src, dst)
         if not (self.first or self.last):
             return None                      # a middle stage: no part in it
-        owner = getattr(getattr(ctx.model, ctx.model.base_model_prefix),
-                        model_layout(ctx.model).embed).weight if self.first else None
+        base = getattr(ctx.model, ctx.model.base_model_prefix)
+        owner = getattr(base, model_layout(ctx.model).embed) if self.first else None
         copy = None
+        fsdp = _fsdp(ctx.plan)
         if self.last and not self.first:
-            head = ctx.model.lm_head
-            w = head._parameters.pop("weight")
-            # the last stage's own copy of the first stage's weight, refreshed from it
-            # before every schedule; not a parameter: no optimizer, norm or checkpoint
-            # counts it twice
-            copy = w.detach().clone().requires_grad_(w.requires_grad)
-            head.register_buffer("weight", copy, persistent=False)
+            copy = ctx.model.lm_head
+            if not fsdp:
+                w = copy._parameters.pop("weight")
+                # the last stage's own copy of the first stage's weight, refreshed from it
+                # before every schedule; not a parameter: no optimizer, norm or checkpoint
+                # counts it twice
+                copy.register_buffer("weight", w.detach().clone().requires_grad_(
+                    w.requires_grad), persistent=False)
+            # under FSDP2 the copy stays the head's parameter, sharded over the data ranks
+            # as the owner is (the two ranks' shards line up), its gradient dropped once
+            # added to the owner's: the optimizer skips it, the norm does not count it
         ranks = dist.get_process_group_ranks(group)
-        return TiedHead(ends, ranks[src], owner, copy)
+        return TiedHead(ends, ranks[src], owner, copy, fsdp)
 
     def _module(self, ctx, s, failures) -> nn.Module:
         """What stage ``s`` runs: the model's own forward on its view of the model
@@ -131,6 +136,13 @@ def _ends_group(ctx, axis: str, group, src: int, dst: int):
     return mine
 
 
+def _fsdp(plan) -> bool:
+    from ..zero import ZeroShard
+
+    z = plan.get(ZeroShard)
+    return z is not None and z.fsdp(plan)
+
+
 @dataclasses.dataclass
 class TiedHead:
     """The LM head tied to the token embeddings across pipeline ranks (Megatron's shared
@@ -142,9 +154,19 @@ class TiedHead:
 
     group: Any
     src: int                      # the owner's global rank
-    owner: Any = None
-    copy: Any = None
+    owner_module: Any = None      # the embedding (first stage's rank)
+    copy_module: Any = None       # the head (last stage's rank)
+    fsdp: bool = False            # both FSDP2 parameters, sharded alike over the data ranks
     seen: int = -1                # the owner's version the copy last took
+
+    # read at each use: FSDP2 replaces a module's parameters when it wraps the stage
+    @property
+    def owner(self):
+        return None if self.owner_module is None else self.owner_module.weight
+
+    @property
+    def copy(self):
+        return None if self.copy_module is None else self.copy_module.weight
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -181,10 +203,11 @@ class TiedHead:
                 self.owner.grad = torch.zeros_like(self.owner)
             dist.all_reduce(local(self.owner.grad), group=self.group)
             return
-        g = self.copy.grad
-        dist.all_reduce(local(g) if g is not None else torch.zeros_like(local(self.copy)),
+        copy = self.copy
+        g = copy.grad
+        dist.all_reduce(local(g) if g is not None else torch.zeros_like(local(copy)),
                         group=self.group)
-        self.copy.grad = None
+        copy.grad = None
 
 
 def _all_blocks(setup: PipelineSetup) -> tuple[str, ...]:
@@ -278,6 +301,12 @@ class PipelinePart(Part):
 
     def norm_groups(self) -> tuple:
         return (self.group,)
+
+    def after_step(self) -> None:
+        """Under FSDP2 a tied head's copy is a parameter that checkpoints save: it takes
+        the owner's updated values at once (elsewhere it does before the next schedule)."""
+        if self.tied is not None and self.tied.fsdp:
+            self.tied.refresh()
 
     def schedule(self, loss_fn):
         """torch's schedule runtime over the action lists the plan simulates and draws

@@ -359,9 +359,8 @@ def check_layout(plan) -> None:
 def check_untied(plan, stages, declared: bool) -> None:
     """A head tied to the token embeddings (``tie_word_embeddings``) on another rank than
     the first stage trains as one process (``TiedHead``) on meshlab's decoder stages
-    beside data parallelism, ZeRO-1 and tensor parallelism. Refused by name: any other
-    tie across ranks, ties under declared blocks, and ties beside FSDP2 units
-    (``zero_shard(2)``, ``zero_shard(3)``), whose shards the copy would have to follow."""
+    beside data parallelism, ZeRO and tensor parallelism. Refused by name: any other tie
+    across ranks, ties under declared blocks, and ties beside FSDP by parameter specs."""
     first = {s.rank for s in stages if s.first}
     last = {s.rank for s in stages if s.last}
     tied = [e for e in plan.params if e.tied_to]
@@ -382,12 +381,9 @@ def check_untied(plan, stages, declared: bool) -> None:
         raise ConfigError(f"pipeline: tied weights across the first and last stage other "
                           f"than the LM head's and the token embeddings' ({other}) are not "
                           f"supported; untie them")
-    from ..zero import ZeroShard
-
-    z = plan.get(ZeroShard)
-    if plan.roles.fsdp or (z is not None and z.fsdp(plan)):
+    if plan.roles.fsdp:
         raise ConfigError(f"pipeline with the LM head tied to the token embeddings "
-                          f"({pairs[0]}) beside FSDP2 units ({z!r}) is not yet supported: "
-                          f"the last stage's copy of the head would have to follow the "
-                          f"first stage's shards; use zero_shard(1) or data_parallel, or "
-                          f"build the model with tie_word_embeddings=False")
+                          f"({pairs[0]}) beside parameter specs that shard over the data "
+                          f"axis {plan.roles.fsdp!r} is not yet supported; use "
+                          f"zero_shard(3) with unsharded specs, or build the model with "
+                          f"tie_word_embeddings=False")

@@ -19,8 +19,7 @@ is refused by name, with the fix, before anything runs.
 * Sliding-window attention: each block gets the mask the model's own forward gives it
   (Mistral: every block sliding; Qwen2 with ``use_sliding_window``: per ``layer_types``),
   a window of 4 over 8 positions, pp=2 through ``meshlab.verify`` in float64.
-* Refused at plan on a fake mesh (no process group): a tied head beside FSDP2 units
-  (zero_shard(3)), Cohere's logit scale and Gemma 2's logit soft-capping (transforms of
+* Refused at plan on a fake mesh (no process group): Cohere's logit scale and Gemma 2's logit soft-capping (transforms of
   the logits the stages do not apply), a GPT-2 sequence classifier (no causal-LM head),
   BERT (laid out as no decoder meshlab stages) and T5 (an encoder-decoder).
 """
@@ -49,7 +48,6 @@ def _refused():
     import transformers as T
 
     return {
-        "gemma_tied_fsdp2": (lambda: _gemma(True), "tie_word_embeddings=False"),
         "cohere": (lambda: T.CohereForCausalLM(T.CohereConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=64, logit_scale=0.5)), "logit_scale=0.5"),
@@ -72,8 +70,6 @@ def _refused():
 def test_refused_by_name_at_plan(family):
     build, said = _refused()[family]
     spec, mesh = ml.pipeline("pp", microbatches=2), ml.Mesh(pp=2, fake=True)
-    if family.endswith("fsdp2"):
-        spec, mesh = spec | ml.zero_shard(3, "dp"), ml.Mesh(pp=2, dp=2, fake=True)
     with pytest.raises(ml.ConfigError, match="pipeline") as e:
         ml.plan(build(), spec, mesh)
     assert said in str(e.value), str(e.value)
@@ -116,8 +112,8 @@ def case_gpt2(rank, world, tp: bool, tied: bool = False, pp: int = 2, extra=None
     spec, axes = ml.pipeline("pp", microbatches=4), {"pp": pp}
     if tp:
         spec, axes = ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | spec, {**axes, "tp": 2}
-    if extra == "zero1":
-        spec, axes = spec | ml.zero_shard(1, "dp"), {**axes, "dp": 2}
+    if extra is not None:                    # zero1, zero2, zero3
+        spec, axes = spec | ml.zero_shard(int(extra[-1]), "dp"), {**axes, "dp": 2}
     mesh = ml.Mesh(**axes)
     report = ml.verify(_gpt2(tied), spec, mesh, batches, dtype=torch.float64, atol=1e-9,
                        rtol=1e-7)
@@ -151,14 +147,15 @@ def test_tied_head_across_stages_trains_as_one_process(world2):
         assert ok, text
 
 
-def test_tied_head_across_four_stages_and_beside_tp_and_zero1(world4):
-    for kw in (dict(pp=4), dict(tp=True), dict(extra="zero1")):
+def test_tied_head_across_four_stages_and_beside_tp_and_zero(world4):
+    for kw in (dict(pp=4), dict(tp=True), dict(extra="zero1"), dict(extra="zero2"),
+               dict(extra="zero3")):
         kw = {"tp": False, **kw}
         for ok, text in world4.run(case_gpt2, tied=True, **kw):
             assert ok, (kw, text)
 
 
-def case_tied_checkpoint(rank, world, directory):
+def case_tied_checkpoint(rank, world, directory, zero: int | None = None):
     """A tied head across the stages resumes exactly from a checkpoint (the copy is not
     saved: it takes the loaded weight before the next schedule), and its Hugging Face
     export loads into one process's model with the head tied as it was."""
@@ -169,7 +166,10 @@ def case_tied_checkpoint(rank, world, directory):
     from tests import _models as M
 
     data = M.batches(3, batch=8, seq=8, vocab=64)
-    spec, mesh = ml.pipeline("pp", microbatches=4), ml.Mesh(pp=2)
+    spec = ml.pipeline("pp", microbatches=4)
+    if zero is not None:
+        spec = spec | ml.zero_shard(zero, "dp")
+    mesh = ml.Mesh(pp=2) if zero is None else ml.Mesh(pp=2, dp=2)
 
     def build(seed):
         m = ml.parallelize(_gpt2(True).to(torch.float64), spec, mesh, seed=seed)
@@ -184,14 +184,16 @@ def case_tied_checkpoint(rank, world, directory):
     ml.checkpoint.load(path, other, other_opt)
     want = ml.step(model, opt, {"input_ids": data[2]})
     got = ml.step(other, other_opt, {"input_ids": data[2]})
-    same = want == got and all(torch.equal(a, b) for a, b in
+    same = want == got and all(torch.equal(M.full(a), M.full(b)) for a, b in
                                zip(model.parameters(), other.parameters()))
     export = os.path.join(directory, "hf")
     ml.checkpoint.save_pretrained(export, model)
     whole = T.GPT2LMHeadModel.from_pretrained(export, torch_dtype=torch.float64)
     tied = whole.lm_head.weight is whole.transformer.wte.weight
-    mine = dict(model.named_parameters())
-    exported = all(torch.equal(mine[n], dict(whole.named_parameters())[n]) for n in mine)
+    mine = {n: M.full(p) for n, p in model.named_parameters()}
+    theirs = dict(whole.named_parameters())
+    exported = all(torch.equal(mine[n], theirs[n if n in theirs else
+                                              "transformer.wte.weight"]) for n in mine)
     return same, tied, exported
 
 
@@ -286,3 +288,9 @@ def test_a_forward_the_stages_would_miss_is_refused_at_plan(monkeypatch):
                     ml.Mesh(pp=2, fake=True))
     finally:
         stage._probe_cached.cache_clear()
+
+
+def test_tied_head_under_fsdp2_resumes_and_exports(world4, tmp_path):
+    for same, tied, exported in world4.run(case_tied_checkpoint, directory=str(tmp_path),
+                                           zero=3):
+        assert same and tied and exported, (same, tied, exported)
