@@ -46,3 +46,22 @@ def mark_vocab_split(head: nn.Module, group, start: int, vocab: int) -> None:
 def vocab_split_of(head: nn.Module):
     """``(group, start, vocab)`` of a head split over the vocabulary, or None."""
     return getattr(head, "_meshlab_vocab_split", None)
+
+
+# Config attributes with which a Hugging Face model's forward transforms the logits after
+# its head, each with the value at which it does nothing: the fused loss (which takes the
+# hidden states and the head's weight) and a pipeline's last stage (which runs the head
+# module) would skip them.
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                    "output_multiplier_scale": 1.0}
+
+
+def set_extras(config, table: dict) -> list[tuple[str, object]]:
+    """The attributes of ``table`` (attribute -> neutral value) ``config`` sets to
+    something else, with their values."""
+    out = []
+    for attr, neutral in table.items():
+        v = getattr(config, attr, neutral)
+        if v is not None and v != neutral:
+            out.append((attr, v))
+    return out

@@ -62,7 +62,8 @@ import torch
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
-from .._head import fused_loss_of as fused_loss_of, is_elsewhere, mark_fused_loss, vocab_split_of
+from .._head import (LOGIT_TRANSFORMS, fused_loss_of as fused_loss_of, is_elsewhere,
+                     mark_fused_loss, set_extras, vocab_split_of)
 from ._residual import (_bare_linear, _is_dtensor, in_float32, norm_eps, norm_rule, probe_close,
                         route_layers, set_norm_rule)
 from ._rotary import _find_rotary, _route_rotary
@@ -88,10 +89,6 @@ NORMS: dict[str, Norm] = {
     "T5LayerNorm": Norm("variance_epsilon"),
 }
 
-# Config attributes that transform the logits after the head: the fused loss would
-# skip them, so a model with any of them set is refused for "loss".
-_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
-                     "output_multiplier_scale": 1.0}
 
 
 @dataclasses.dataclass
@@ -369,13 +366,12 @@ def _find_loss(model: nn.Module) -> list[tuple[str, nn.Linear]]:
         raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__}'s output head has a "
                           f"bias, which meshlab::linear_cross_entropy does not add; leave "
                           f"'loss' out")
-    cfg = getattr(model, "config", None)
-    for attr, neutral in _LOGIT_TRANSFORMS.items():
-        v = getattr(cfg, attr, neutral)
-        if v is not None and v != neutral:
-            raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__} transforms its logits "
-                              f"({attr}={v}) after the head, which the fused loss would skip; "
-                              f"leave 'loss' out")
+    # the fused loss takes the hidden states and the head's weight: a transform of the
+    # logits after the head would be skipped
+    for attr, v in set_extras(getattr(model, "config", None), LOGIT_TRANSFORMS)[:1]:
+        raise ConfigError(f"fuse(ops=('loss',)): {type(model).__name__} transforms its logits "
+                          f"({attr}={v}) after the head, which the fused loss would skip; "
+                          f"leave 'loss' out")
     return [(next(n for n, m in model.named_modules() if m is head), head)]
 
 

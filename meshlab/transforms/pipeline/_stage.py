@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ...core.errors import ConfigError
-from .._head import fused_loss_of
+from .._head import LOGIT_TRANSFORMS, fused_loss_of, set_extras
 from ._guard import stand_in
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,11 @@ def layer_masks(config) -> list[str] | None:
 
 
 # Config attributes with which a model's forward does what meshlab's stages do not:
-# scales the token embeddings before the first block, or transforms the logits after the
-# head (the attribute and the value at which it does nothing).
+# scales the token embeddings before the first block, adds ALiBi to its masks, or
+# transforms the logits after the head (the attribute and the value at which it does
+# nothing).
 NOT_STAGED = {"embedding_multiplier": 1.0, "embedding_scale": 1.0, "alibi": False,
-              "final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
-              "output_multiplier_scale": 1.0}
+              **LOGIT_TRANSFORMS}
 
 
 def stage_probe(model: nn.Module) -> str | None:
@@ -182,12 +182,10 @@ def check_staged(config, cls: str) -> None:
         raise ConfigError(f"pipeline: {cls} has layers of type {other}, whose masks meshlab's "
                           f"stages do not build (they build {list(_MASKS)}); parallelize it "
                           f"without pipeline()")
-    for attr, neutral in NOT_STAGED.items():
-        v = getattr(config, attr, neutral)
-        if v is not None and v != neutral:
-            raise ConfigError(f"pipeline: {cls}'s forward applies {attr}={v!r} around its "
-                              f"blocks and head, which meshlab's stages do not yet apply; "
-                              f"parallelize it without pipeline()")
+    for attr, v in set_extras(config, NOT_STAGED)[:1]:
+        raise ConfigError(f"pipeline: {cls}'s forward applies {attr}={v!r} around its "
+                          f"blocks and head, which meshlab's stages do not yet apply; "
+                          f"parallelize it without pipeline()")
 
 
 class DecoderStage(nn.Module):

@@ -75,11 +75,11 @@ def test_refused_by_name_at_plan(family):
     assert said in str(e.value), str(e.value)
 
 
-def case_gemma(rank, world):
+def case_gemma(rank, world, tied: bool = False):
     from tests import _models as M
 
     data = M.batches(2, batch=8, seq=8, vocab=64)
-    report = ml.verify(_gemma(False), ml.pipeline("pp", microbatches=4), ml.Mesh(pp=2),
+    report = ml.verify(_gemma(tied), ml.pipeline("pp", microbatches=4), ml.Mesh(pp=2),
                        [{"input_ids": b} for b in data], dtype=torch.float64,
                        atol=1e-9, rtol=1e-6)
     return report.ok, str(report)
@@ -130,18 +130,8 @@ def test_gpt2_untied_with_tensor_parallelism(world4):
         assert ok, text
 
 
-def case_gemma_tied(rank, world):
-    from tests import _models as M
-
-    data = M.batches(2, batch=8, seq=8, vocab=64)
-    report = ml.verify(_gemma(True), ml.pipeline("pp", microbatches=4), ml.Mesh(pp=2),
-                       [{"input_ids": b} for b in data], dtype=torch.float64,
-                       atol=1e-9, rtol=1e-6)
-    return report.ok, str(report)
-
-
 def test_tied_head_across_stages_trains_as_one_process(world2):
-    for ok, text in world2.run(case_gemma_tied):
+    for ok, text in world2.run(case_gemma, tied=True):
         assert ok, text
     for ok, text in world2.run(case_gpt2, tp=False, tied=True):
         assert ok, text
