@@ -22,6 +22,7 @@ from ...core.units import dtype_bytes
 from ...core.errors import ConfigError
 from ...core.placement import local_shape
 from ...planning.decisions import register_decision
+from ..zero._install import HostUnits
 
 _STEPS = 20           # auto tries fractions in steps of 1/20
 
@@ -32,7 +33,7 @@ class OffloadBudgetError(ConfigError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
+class Choice(HostUnits):
     """The resolved selection: FQNs per kind and the fractions they reach. ``offload``
     decides it once, in ``bind``; the bound plan records it (``plan.decision(Choice)``)."""
 

@@ -142,7 +142,7 @@ def _probe_cached(cls, text: str) -> str | None:
 
 
 def _probe(cls, values: dict) -> str | None:
-    from ...testing.tiny import TinyConfigError, VOCAB, tiny_config
+    from ...policies.tiny import VOCAB, TinyConfigError, tiny_config
 
     try:
         cfg = tiny_config(values["model_type"], base=cls.config_class.from_dict(values))

@@ -34,7 +34,8 @@ from ...planning.roles import implied_room
 from .._protocol import Phase, Transform
 from ._estimates import zero_comm, zero_memory, zero_transients
 from .._gradsync import BUCKET_MB, Reduction
-from ._install import HostResidency as HostResidency, fsdp_ignored, install_zero
+from ._install import (HostResidency as HostResidency, HostUnits as HostUnits, fsdp_ignored,
+                       install_zero)
 
 
 def _axes(axis, call: str = "zero_shard") -> tuple[str, ...]:
@@ -191,9 +192,7 @@ class ZeroShard(Transform):
 def host_units(plan: Plan) -> tuple[str, ...]:
     """The FSDP2 units whose parameters a room keeps on the host (``offload(params=...)``),
     as the bound plan's decisions record them; none before ``bind``."""
-    from ..offload import Choice
-
-    got = plan.decision(Choice) if plan.is_bound else None
+    got = plan.decision(HostUnits) if plan.is_bound else None
     return got.units if got is not None else ()
 
 

@@ -15,6 +15,14 @@ from ._owned import Zero1Whole
 from ._zero1 import Zero1Buffers
 
 
+class HostUnits:
+    """The kind of decision a room that keeps parameters in host memory records in
+    ``bind`` (``offload``'s ``Choice``): ``units``, the FSDP2 units whose parameters
+    stay there (``''``: the root). This room reads it from the plan by this type."""
+
+    units: tuple
+
+
 @dataclasses.dataclass(frozen=True)
 class HostResidency:
     """What a room that keeps training state in host memory (``offload``) tells this
@@ -354,13 +362,15 @@ def fsdp_ignored(plan) -> frozenset:
     layout, _ = tp_layout(plan) if plan.roles.tp else (None, [])
     if layout is None or getattr(layout, "dtensor", False):
         return frozenset()
+    by_module: dict = {}
+    for e in plan.params:
+        by_module.setdefault(e.module, []).append(e)
     out = set()
     for m in layout.modules:
-        for e in plan.params:
-            if e.module == m.fqn:
-                pl = m.style.placements(e.fqn.rsplit(".", 1)[-1], len(e.shape))
-                if pl and isinstance(pl[0], _StridedShard) and pl[0].dim == 0:
-                    out.add(e.fqn)
+        for e in by_module.get(m.fqn, ()):
+            pl = m.style.placements(e.fqn.rsplit(".", 1)[-1], len(e.shape))
+            if pl and isinstance(pl[0], _StridedShard) and pl[0].dim == 0:
+                out.add(e.fqn)
     return frozenset(out)
 
 
