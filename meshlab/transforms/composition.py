@@ -22,7 +22,7 @@ cells in a ``composition`` class attribute (``{row: Cell}``); a row it names no 
 is ``not yet``. ``docs/composition.md`` is ``page()``; ``scripts/composition_matrix.py``
 measures the table against ``meshlab.plan``.
 
->>> cell("offload(params)", "data_parallel").describe()
+>>> cell("offload(params)", "zero_shard(1)").describe()
 'not yet (plan raises ConfigError)'
 >>> cell("sequence('all_to_all')", "sequence('ring')").describe()
 'composes'
