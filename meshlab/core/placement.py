@@ -16,6 +16,7 @@ refuses them unless ``uneven=True``; nothing ever computes wrong numbers for the
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -128,10 +129,19 @@ def dim_block(n: int, sizes: Sequence[int], coords: Sequence[int]) -> tuple[int,
 def local_shape(shape: Sequence[int], spec: P, axis_sizes: dict[str, int],
                 coord: dict[str, int] | None = None) -> tuple[int, ...]:
     """The local shape at mesh ``coord`` (default: coordinate 0, the largest any rank holds)."""
-    coord = coord or {}
+    return _local_shape(tuple(shape), spec, tuple(axis_sizes.items()),
+                        tuple(coord.items()) if coord else ())
+
+
+# Keyed on the shape, the spec (a P is immutable and hashable; specs equal as values shard
+# every dim alike) and the sizes and coordinates as tuples: a pure function of immutable
+# values, asked for every parameter of every layout the planner weighs.
+@functools.lru_cache(maxsize=1 << 16)
+def _local_shape(shape: tuple[int, ...], spec: P, sizes: tuple, coord: tuple) -> tuple[int, ...]:
+    axis_sizes, at = dict(sizes), dict(coord)
     return tuple(
         dim_block(n, [axis_sizes[a] for a in spec.dim_axes(d)],
-                  [coord.get(a, 0) for a in spec.dim_axes(d)])[1]
+                  [at.get(a, 0) for a in spec.dim_axes(d)])[1]
         for d, n in enumerate(shape)
     )
 

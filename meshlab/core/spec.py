@@ -56,7 +56,8 @@ PARTIAL_OPS = ("sum", "avg")
 class P:
     """A PartitionSpec: one entry per tensor dimension; immutable and hashable."""
 
-    __slots__ = ("_dims", "_partial", "_op")
+    # ``_key_``, ``_hash`` and ``_axes``: made when first asked, kept (a P is immutable)
+    __slots__ = ("_dims", "_partial", "_op", "_key_", "_hash", "_axes")
 
     def __init__(self, *entries: Entry, partial: str | tuple[str, ...] | None = None,
                  partial_op: str = "sum") -> None:
@@ -75,6 +76,9 @@ class P:
         object.__setattr__(self, "_dims", dims)
         object.__setattr__(self, "_partial", part)
         object.__setattr__(self, "_op", partial_op if part else "sum")
+        object.__setattr__(self, "_key_", None)
+        object.__setattr__(self, "_hash", None)
+        object.__setattr__(self, "_axes", None)
         seen: dict[str, str] = {}
         for where, name in self._iter_named():
             if name in seen:
@@ -119,7 +123,9 @@ class P:
     @property
     def axes(self) -> tuple[str, ...]:
         """Every axis name the spec uses, in order (sharded dims, then partial)."""
-        return tuple(n for _, n in self._iter_named())
+        if self._axes is None:
+            object.__setattr__(self, "_axes", tuple(n for _, n in self._iter_named()))
+        return self._axes
 
     def dim_axes(self, dim: int) -> tuple[str, ...]:
         """The axes that shard tensor dimension ``dim``, major first (empty: replicated)."""
@@ -154,19 +160,24 @@ class P:
 
     # -- value semantics -----------------------------------------------------------------
     def _key(self) -> tuple:
-        dims = list(self._dims)
-        while dims and dims[-1] is None:
-            dims.pop()
-        # A pending sum over several axes is one sum whatever order they are named in.
-        return (tuple(dims), tuple(sorted(self._partial)), self._op)
+        if self._key_ is None:
+            dims = list(self._dims)
+            while dims and dims[-1] is None:
+                dims.pop()
+            # A pending sum over several axes is one sum whatever order they are named in.
+            object.__setattr__(self, "_key_", (tuple(dims), tuple(sorted(self._partial)),
+                                               self._op))
+        return self._key_
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, P):
-            return self._key() == other._key()
+            return self is other or self._key() == other._key()
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        if self._hash is None:
+            object.__setattr__(self, "_hash", hash(self._key()))
+        return self._hash
 
     def __repr__(self) -> str:
         parts = [repr(e) for e in self._dims]

@@ -66,6 +66,9 @@ def _glob_regex(glob: str) -> re.Pattern:
                         f"as in fnmatch, low to high: '[0-9]', '[!a-c]'") from None
 
 
+_WILD = re.compile(r"[*?\[]")        # what makes a glob more than a literal name
+
+
 def glob_match(glob: str, fqn: str) -> bool:
     """Whether ``fqn`` matches ``glob`` (``*``: one segment, ``**``: any number)."""
     return bool(_pattern(glob).match(fqn))
@@ -99,7 +102,8 @@ def check_param_spec(glob: str, spec: P, what: str = "specs") -> None:
     """A parameter's spec: ``glob`` a valid glob, ``spec`` a ``P`` without ``partial``
     (a parameter is a whole value; pending sums are what computation leaves in
     activations)."""
-    _pattern(glob)
+    if not isinstance(glob, str) or _WILD.search(glob):   # a literal name is a valid glob
+        _pattern(glob)
     if not isinstance(spec, P):
         raise SpecError(f"{what}: {glob!r} maps to {spec!r}; parameter specs are P(...) or "
                         f"None")
@@ -137,9 +141,15 @@ def match_specs(globs: Mapping[str, P], fqns: Iterable[str], *, what: str = "spe
     for glob, spec in globs.items():
         check_param_spec(glob, spec, what)
     fqns = list(fqns)
+    present = set(fqns)
     hits: dict[str, tuple[str, P]] = {}
     used = set()
     for glob, spec in globs.items():
+        if not _WILD.search(glob):      # no wildcard: the glob matches its own name alone
+            if glob in present:
+                used.add(glob)
+                hits.setdefault(glob, (glob, spec))
+            continue
         for f in fqns:
             if glob_match(glob, f):
                 used.add(glob)

@@ -99,9 +99,24 @@ def _copies(s: Saved, block: str, n_blocks: int) -> int:
     return n_blocks if s.in_block(block) else 1
 
 
+_FULL: list = []      # (params, {fqn: bytes}): the last few parameter tables' whole bytes
+
+
+def _full_bytes(params) -> dict[str, int]:
+    """FQN -> the bytes of the whole parameter, read-only: a function of the parameter
+    table alone (immutable), kept for the last few tables (layouts share bound tables)."""
+    for table, full in _FULL:
+        if table is params:
+            return full
+    full = {e.fqn: e.numel * _bytes(e.dtype) for e in params}
+    _FULL.insert(0, (params, full))
+    del _FULL[4:]
+    return full
+
+
 def _local_grads(plan, rows: list[ActRow], local: dict[str, int]) -> list[ActRow]:
     """Gradients in the peak at the size the rank keeps them (the rooms' memory rows)."""
-    full = {e.fqn: e.numel * _bytes(e.dtype) for e in plan.params}
+    full = _full_bytes(plan.params)
     out = []
     for r in rows:
         if r.grad and r.grad in full and full[r.grad]:

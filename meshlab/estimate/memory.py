@@ -202,7 +202,10 @@ def estimate_memory(plan, *, optimizer: str = "adamw", batch: int | None = None,
     host: dict = {}
     for r in rows:
         into = cats if r.where == "device" else host
-        into.setdefault(r.category, defaultdict(int))[r.dtype] += r.bytes
+        per = into.get(r.category)
+        if per is None:
+            per = into[r.category] = defaultdict(int)
+        per[r.dtype] += r.bytes
     acts, extra = None, ()
     if batch is not None:
         from .activations import estimate_activations

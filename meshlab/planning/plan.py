@@ -289,12 +289,8 @@ class Plan:
         axes = mesh.axis_names if isinstance(mesh, MeshBase) else tuple(n for n, _ in mesh)
         sizes = mesh.shape if isinstance(mesh, MeshBase) else dict(mesh)
         rules = self.rules or Rules()
-        out = tuple(_bind_entry(e, rules, axes, sizes, self.model, uneven) for e in self.params)
-        acts = tuple(dataclasses.replace(
-            a,
-            output=None if a.output is None else rules.resolve(a.output, axes, what=a.module),
-            input=None if a.input is None else rules.resolve(a.input, axes, what=a.module))
-            for a in self.activations)
+        out = _bind_params(self.params, rules, axes, sizes, self.model, uneven)
+        acts = _bind_activations(self.activations, rules, axes)
         bound = dataclasses.replace(self, params=out, activations=acts,
                                     mesh=tuple(sizes.items()), uneven=uneven, rooms=(),
                                     decisions=())
@@ -515,6 +511,66 @@ class Plan:
             decisions=tuple(decision_from_json(x) for x in d.get("decisions", ())),
             not_runnable=tuple(d.get("not_runnable", ())),
         )
+
+
+def _spec_key(spec: P) -> tuple:
+    """A spec as written, entry by entry (``P('tp') == P('tp', None)``, yet they resolve
+    to specs of different lengths)."""
+    return tuple(spec), spec.partial, spec.partial_op
+
+
+# The last few tables bound: (the table, what its specs bound to, the bound table). A mesh
+# on which every spec binds as on one before gets that bound table again, the same value
+# (its entries are immutable), so what is computed from a bound table and cached by it
+# (``shard``'s TP layout) is computed once for every mesh that lays the table out alike.
+_BOUND_PARAMS: list = []
+_BOUND_ACTIVATIONS: list = []
+
+
+def _remember(recent: list, table, got: dict, build: Callable):
+    """The bound table of ``table`` whose specs bound to ``got``: the one kept in
+    ``recent`` if it has it, else ``build()``, kept."""
+    for t, seen, bound in recent:
+        if t is table and seen == got:
+            return bound
+    bound = build()
+    recent.insert(0, (table, got, bound))
+    del recent[4:]
+    return bound
+
+
+def _bind_params(params, rules: Rules, axes, sizes, model: ModelInfo,
+                 uneven: bool) -> tuple[ParamEntry, ...]:
+    """Every entry bound (``_bind_entry``). What binding gives an entry (its mesh spec and
+    added tags) follows from its spec, shape and tags alone, its name entering only the
+    messages, so the repeated blocks' alike entries are bound once per mesh."""
+    keys = [(_spec_key(e.spec), e.shape, e.tags) for e in params]
+    done: dict = {}                 # (spec, shape, tags) -> (mesh spec, tags)
+    for e, key in zip(params, keys):
+        if key not in done:
+            b = _bind_entry(e, rules, axes, sizes, model, uneven)
+            done[key] = (b.mesh_spec, b.tags)
+    return _remember(
+        _BOUND_PARAMS, params, {k: (_spec_key(ms), tags) for k, (ms, tags) in done.items()},
+        lambda: tuple(dataclasses.replace(e, mesh_spec=done[k][0], tags=done[k][1])
+                      for e, k in zip(params, keys)))
+
+
+def _bind_activations(acts, rules: Rules, axes) -> tuple[ActivationEntry, ...]:
+    """Every activation boundary's specs resolved on the mesh, each spec once."""
+    done: dict = {}                 # spec -> its mesh spec
+    for a in acts:
+        for spec in (a.output, a.input):
+            if spec is not None and _spec_key(spec) not in done:
+                done[_spec_key(spec)] = rules.resolve(spec, axes, what=a.module)
+
+    def bound(spec: P | None) -> P | None:
+        return None if spec is None else done[_spec_key(spec)]
+
+    return _remember(
+        _BOUND_ACTIVATIONS, acts, {k: _spec_key(ms) for k, ms in done.items()},
+        lambda: tuple(dataclasses.replace(a, output=bound(a.output), input=bound(a.input))
+                      for a in acts))
 
 
 def _bind_entry(e: ParamEntry, rules: Rules, axes, sizes, model: ModelInfo,

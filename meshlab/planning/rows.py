@@ -22,6 +22,21 @@ from ..core.units import dtype_bytes
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1}
 
 
+class _kept:
+    """A property of an immutable row computed when first read and kept in the row's
+    ``__dict__``, where later reads find it (the estimates sum a row's bytes several
+    times: memory, the optimizer's traffic, a pipeline's heaviest rank)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.name, self.__doc__ = fn, fn.__name__, fn.__doc__
+
+    def __get__(self, row, cls=None):
+        if row is None:
+            return self
+        value = row.__dict__[self.name] = self.fn(row)
+        return value
+
+
 @dataclasses.dataclass(frozen=True)
 class MemRow:
     """One tensor one rank keeps between steps: ``category`` (``params``, ``grads``,
@@ -34,7 +49,7 @@ class MemRow:
     shape: tuple[int, ...]
     where: str = "device"            # or "host": kept in host memory (offload)
 
-    @property
+    @_kept
     def bytes(self) -> int:
         return math.prod(self.shape) * dtype_bytes(self.dtype)
 
@@ -164,17 +179,33 @@ def rank_params(plan, coord=None) -> list:
     mine = set(plan.local_blocks(coord))
     if not blocks or len(mine) == len(blocks):
         return list(plan.params)
-    order = {m.fqn: i for i, m in reversed(list(enumerate(plan.model.modules)))}
-    first = order.get(blocks[0], 0)
-    names = set(blocks)
     out = []
-    for e in plan.params:
-        block = owner(e.fqn, names)
+    for e, block, before in _places(plan):
         if block is not None:
             if block in mine:
                 out.append(e)
             continue
-        before = e.module in order and order[e.module] < first
         if (blocks[0] in mine) if before else (blocks[-1] in mine):
             out.append(e)
     return out
+
+
+_PLACES: list = []      # (params, model, places): ``_places`` of the last few tables
+
+
+def _places(plan) -> list:
+    """``(entry, the block it lies under or None, whether its module comes before the
+    first block)`` for each parameter, read-only: a function of the parameter table and
+    the model alone (both immutable), kept for the last few (layouts share bound tables)."""
+    for params, model, got in _PLACES:
+        if params is plan.params and model is plan.model:
+            return got
+    blocks = plan.model.blocks
+    order = {m.fqn: i for i, m in reversed(list(enumerate(plan.model.modules)))}
+    first = order.get(blocks[0], 0)
+    names = set(blocks)
+    got = [(e, owner(e.fqn, names), e.module in order and order[e.module] < first)
+           for e in plan.params]
+    _PLACES.insert(0, (plan.params, plan.model, got))
+    del _PLACES[4:]
+    return got

@@ -99,8 +99,9 @@ def ends(plan) -> tuple[tuple[str, ...], tuple[str, ...]]:
     last = max(i for i, f in enumerate(order) if _under(f, {blocks[-1]}))
     cls = plan.model.cls or "the model"
     before, after = {}, {}
+    names = set(blocks)
     for e in plan.params:
-        if _under(e.fqn, set(blocks)):
+        if _under(e.fqn, names):
             continue
         if e.module in spine:
             where = f"{cls} itself" if not e.module else f"{e.module!r}, above the blocks"

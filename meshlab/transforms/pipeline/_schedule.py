@@ -17,11 +17,12 @@ with p pipeline ranks, m microbatches and v stages per rank.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from ...core.errors import ConfigError, PlanError
 from ...core.placement import local_shape
-from ...core.names import owner as plan_owner
+from ...core.names import ancestors, owner as plan_owner
 from ...planning.decisions import register_decision
 from ...planning.plan import Plan, dtype_bytes
 
@@ -107,8 +108,41 @@ def split(plan: Plan, opt) -> PipelineStages:
     if len(blocks) < n:
         raise ConfigError(f"pipeline: {len(blocks)} blocks cannot fill {n} stages "
                           f"({p} ranks x {v}); use fewer stages")
+    sides, size, outside, cost, cost_outside = _tallies(plan)
+    if opt.layers_per_stage is not None:
+        counts = list(opt.layers_per_stage)
+        if len(counts) != n or sum(counts) != len(blocks) or min(counts) < 1:
+            raise ConfigError(f"layers_per_stage={counts}: give {n} positive counts summing to "
+                              f"{len(blocks)}")
+    else:
+        counts = _balanced([cost[b] for b in blocks], n, cost_outside[0], cost_outside[1])
+    out, start = [], 0
+    for i, c in enumerate(counts):
+        bl = tuple(blocks[start:start + c])
+        start += c
+        nb = sum(size[b] for b in bl) + (outside[0] if i == 0 else 0) + \
+            (outside[1] if i == n - 1 else 0)
+        out.append(Stage(i, _rank_of(i, p, v, opt.schedule), bl, i == 0, i == n - 1, nb))
+    held = _stages_rank_bytes(plan, out, sides)
+    return dataclasses.replace(sides, stages=tuple(
+        dataclasses.replace(s, rank_bytes=b) for s, b in zip(out, held)))
+
+
+_TALLIES: list = []     # (params, model, tallies): ``_tallies`` of the last few tables
+
+
+def _tallies(plan: Plan) -> tuple:
+    """``split``'s reading of the parameters, read-only: the modules the first and the
+    last stage alone hold (``PipelineStages`` without stages), each block's bytes, the
+    bytes outside the blocks on the first and the last stage, each block's compute and
+    that outside. A function of the parameter table and the model alone (immutable),
+    kept for the last few (the meshes that bind a table alike share it)."""
+    for params, model, got in _TALLIES:
+        if params is plan.params and model is plan.model:
+            return got
     from ._blocks import ends
 
+    blocks = plan.model.blocks
     sides = PipelineStages((), *ends(plan))
     size = {b: 0 for b in blocks}
     outside = [0, 0]
@@ -131,22 +165,10 @@ def split(plan: Plan, opt) -> PipelineStages:
             last = not sides.first_holds(e.fqn)
             outside[last] += nb
             cost_outside[last] += matmul if last else 0
-    if opt.layers_per_stage is not None:
-        counts = list(opt.layers_per_stage)
-        if len(counts) != n or sum(counts) != len(blocks) or min(counts) < 1:
-            raise ConfigError(f"layers_per_stage={counts}: give {n} positive counts summing to "
-                              f"{len(blocks)}")
-    else:
-        counts = _balanced([cost[b] for b in blocks], n, cost_outside[0], cost_outside[1])
-    out, start = [], 0
-    for i, c in enumerate(counts):
-        bl = tuple(blocks[start:start + c])
-        start += c
-        nb = sum(size[b] for b in bl) + (outside[0] if i == 0 else 0) + \
-            (outside[1] if i == n - 1 else 0)
-        s = Stage(i, _rank_of(i, p, v, opt.schedule), bl, i == 0, i == n - 1, nb)
-        out.append(dataclasses.replace(s, rank_bytes=stage_rank_bytes(plan, s, sides)))
-    return dataclasses.replace(sides, stages=tuple(out))
+    got = (sides, size, outside, cost, cost_outside)
+    _TALLIES.insert(0, (plan.params, plan.model, got))
+    del _TALLIES[4:]
+    return got
 
 
 def rank_rows(plan: Plan, opt, rows: list) -> list:
@@ -175,8 +197,11 @@ def rank_rows(plan: Plan, opt, rows: list) -> list:
         return first if sides.first_holds(fqn) else last
 
     by_rank: dict = {}
+    rank: dict = {}                 # fqn -> rank_of(fqn): a parameter has several rows
     for r in rows:
-        by_rank.setdefault(rank_of(r.fqn), []).append(r)
+        if r.fqn not in rank:
+            rank[r.fqn] = rank_of(r.fqn)
+        by_rank.setdefault(rank[r.fqn], []).append(r)
     shared = by_rank.pop(None, [])
     if not by_rank:
         return rows
@@ -197,20 +222,36 @@ def stage_rank_bytes(plan: Plan, s: Stage, sides: PipelineStages | None = None) 
     parameters, of the modules before the blocks on the first stage and of those after on
     the last (tied parameters once), as ``sides`` (default: the plan's decision) says."""
     sides = sides if sides is not None else plan.decision(PipelineStages)
+    return _stages_rank_bytes(plan, [s], sides)[0]
+
+
+def _stages_rank_bytes(plan: Plan, st: list[Stage], sides: PipelineStages) -> list[int]:
+    """``stage_rank_bytes`` of every stage of ``st``, in one pass over the parameters: each
+    parameter's local bytes counted on the stages holding a block it lies under, or,
+    outside the blocks, on the first stage or the last (as ``sides`` says); tied
+    parameters once."""
     sizes = plan.mesh_shape
-    blocks = tuple(b + "." for b in plan.model.blocks)
-    mine = tuple(b + "." for b in s.blocks)
-    total = 0
+    blocks = set(plan.model.blocks)
+    holding: dict[str, list[int]] = {}          # block -> the stages that hold it
+    for i, s in enumerate(st):
+        for b in s.blocks:
+            holding.setdefault(b, []).append(i)
+    first = [i for i, s in enumerate(st) if s.first]
+    last = [i for i, s in enumerate(st) if s.last]
+    totals = [0] * len(st)
     for e in plan.params:
         if e.tied_to:
             continue
-        if e.fqn.startswith(blocks):
-            if not e.fqn.startswith(mine):
-                continue
-        elif not (s.first if sides.first_holds(e.fqn) else s.last):
-            continue
-        total += math.prod(local_shape(e.shape, e.mesh_spec, sizes)) * dtype_bytes(e.dtype)
-    return total
+        under = [a for a in ancestors(e.fqn) if a in blocks]
+        if under:
+            on = {i for a in under for i in holding.get(a, ())}
+        else:
+            on = first if sides.first_holds(e.fqn) else last
+        if on:
+            nb = math.prod(local_shape(e.shape, e.mesh_spec, sizes)) * dtype_bytes(e.dtype)
+            for i in on:
+                totals[i] += nb
+    return totals
 
 
 def _balanced(weights: list[int], n: int, head: int, tail: int) -> list[int]:
@@ -275,9 +316,20 @@ def stage_table(plan: Plan, opt):
     return t
 
 
-def _actions(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
-    """Per-rank (kind, stage, microbatch) lists: meshlab's own for GPipe and 1F1B, torch's
-    schedule generator for the others."""
+def _actions(schedule: str, p: int, m: int, v: int) -> tuple:
+    """Per-rank sequences of (kind, stage, microbatch): meshlab's own for GPipe and 1F1B,
+    torch's schedule generator for the others."""
+    return _schedule_actions(schedule, p, m, v)
+
+
+# Keyed on the schedule's name and sizes, which alone decide its actions; the answer is
+# made of tuples (immutable), read by every layout with that pipeline.
+@functools.lru_cache(maxsize=256)
+def _schedule_actions(schedule: str, p: int, m: int, v: int) -> tuple:
+    return tuple(tuple(row) for row in _make_actions(schedule, p, m, v))
+
+
+def _make_actions(schedule: str, p: int, m: int, v: int) -> list[list[tuple[str, int, int]]]:
     if schedule == "gpipe":
         return [[("FORWARD", r, i) for i in range(m)] + [("FULL_BACKWARD", r, i) for i in range(m)]
                 for r in range(p)]
@@ -330,33 +382,45 @@ def simulate(plan: Plan, opt, forward: float = 1.0, backward: float = 2.0, costs
     rows = _actions(opt.schedule, p, m, v)
     n = p * v
     cost = costs or [(forward, backward)] * n
+
+    def action(kind: str, st: int, mb: int) -> tuple:
+        """(what it waits for, its cost, its tag, what it marks done) of one action."""
+        f, b = cost[st]
+        if kind == "FORWARD":
+            dep = [("F", st - 1, mb)] if st > 0 else []
+            c, tag = f, "F"
+        elif kind == "BACKWARD_WEIGHT":
+            dep, c, tag = [("I", st, mb)], b / 2, "W"
+        else:   # FULL_BACKWARD, or BACKWARD_INPUT (the input-gradient half)
+            dep = [("F", st, mb)] + ([("I", st + 1, mb)] if st < n - 1 else [])
+            c = b / 2 if kind == "BACKWARD_INPUT" else b
+            tag = "I" if kind == "BACKWARD_INPUT" else "B"
+        return dep, c, tag, (tag if tag != "B" else "I", st, mb)
+
     done: dict = {}
     clock = [0.0] * p
     pos = [0] * p
     out = []
-    while any(pos[r] < len(rows[r]) for r in range(p)):
+    made = [[None] * len(row) for row in rows]      # each action's ``action()``, once
+    left = sum(len(row) for row in rows)            # actions not yet run
+    while left:
         progressed = False
         for r in range(p):
             if pos[r] >= len(rows[r]):
                 continue
             kind, st, mb = rows[r][pos[r]]
-            f, b = cost[st]
-            if kind == "FORWARD":
-                dep = [("F", st - 1, mb)] if st > 0 else []
-                c, tag = f, "F"
-            elif kind == "BACKWARD_WEIGHT":
-                dep, c, tag = [("I", st, mb)], b / 2, "W"
-            else:   # FULL_BACKWARD, or BACKWARD_INPUT (the input-gradient half)
-                dep = [("F", st, mb)] + ([("I", st + 1, mb)] if st < n - 1 else [])
-                c = b / 2 if kind == "BACKWARD_INPUT" else b
-                tag = "I" if kind == "BACKWARD_INPUT" else "B"
+            got = made[r][pos[r]]
+            if got is None:
+                got = made[r][pos[r]] = action(kind, st, mb)
+            dep, c, tag, key = got
             if any(d not in done for d in dep):
                 continue
             t0 = max([clock[r]] + [done[d] for d in dep])
             clock[r] = t0 + c
-            done[(tag if tag != "B" else "I", st, mb)] = clock[r]
+            done[key] = clock[r]
             out.append((r, t0, clock[r], tag, mb, st))
             pos[r] += 1
+            left -= 1
             progressed = True
         if not progressed:
             raise ConfigError(f"the {opt.schedule} schedule cannot make progress for "
@@ -417,9 +481,16 @@ def draw_schedule(plan: Plan, opt) -> str:
 def in_flight(plan: Plan, opt) -> dict[int, dict[int, int]]:
     """Pipeline rank -> stage -> the most microbatches whose forward on that stage has
     run and whose backward has not (weight-gradient steps included) at any one time."""
-    p, m, v = plan.mesh_shape[opt.axis], opt.microbatches, opt.v
+    flight = _in_flight(opt.schedule, plan.mesh_shape[opt.axis], opt.microbatches, opt.v)
+    return {r: dict(most) for r, most in flight}
+
+
+# Keyed on the schedule's name and sizes, which alone decide it; kept as tuples (immutable),
+# each caller given dicts of its own.
+@functools.lru_cache(maxsize=256)
+def _in_flight(schedule: str, p: int, m: int, v: int) -> tuple:
     out: dict[int, dict[int, int]] = {}
-    for r, row in enumerate(_actions(opt.schedule, p, m, v)):
+    for r, row in enumerate(_actions(schedule, p, m, v)):
         live: dict[int, set] = {}
         most: dict[int, int] = {}
         for kind, st, mb in row:
@@ -429,7 +500,7 @@ def in_flight(plan: Plan, opt) -> dict[int, dict[int, int]]:
             elif kind in ("FULL_BACKWARD", "BACKWARD_WEIGHT"):   # the input half keeps them
                 live.get(st, set()).discard(mb)
         out[r] = most
-    return out
+    return tuple((r, tuple(most.items())) for r, most in out.items())
 
 
 def rank_activations(plan: Plan, opt, rows: list, head_modules: set[str]) -> list:
@@ -443,25 +514,34 @@ def rank_activations(plan: Plan, opt, rows: list, head_modules: set[str]) -> lis
     L = len(plan.model.blocks)
     first = next(s.rank for s in st if s.first)
     last = next(s.rank for s in st if s.last)
-    best, best_total = rows, -1.0
-    for r in sorted({s.rank for s in st}):
-        held = sum(len(s.blocks) * flight[r].get(s.index, 0) for s in st if s.rank == r)
+    head = [_head_side(row.module, head_modules) for row in rows]
+
+    def held(r: int) -> list:
+        """``(row, bytes, copies, note)`` for each row rank ``r`` holds, in order."""
+        blocks = sum(len(s.blocks) * flight[r].get(s.index, 0) for s in st if s.rank == r)
         out = []
-        for row in rows:
+        for row, h in zip(rows, head):
             if row.in_block:
-                out.append(dataclasses.replace(row, bytes=row.bytes / m,
-                                               copies=row.copies * held / L,
-                                               note=f"{held} block-microbatches in flight"))
-            elif _head_side(row.module, head_modules):
+                out.append((row, row.bytes / m, row.copies * blocks / L,
+                            f"{blocks} block-microbatches in flight"))
+            elif h:
                 if r == last:
-                    out.append(dataclasses.replace(row, bytes=row.bytes / m))
+                    out.append((row, row.bytes / m, row.copies, row.note))
             elif r == first:
-                n_first = max(flight[r].values(), default=1)
-                out.append(dataclasses.replace(row, bytes=row.bytes / m, copies=n_first))
-        total = sum(x.total for x in out)
+                out.append((row, row.bytes / m, max(flight[r].values(), default=1), row.note))
+        return out
+
+    # A rank's total is its rows' ``bytes * copies`` summed in order, as the rows it holds
+    # would sum them; only the busiest rank's rows are made.
+    best, best_total = None, -1.0
+    for r in sorted({s.rank for s in st}):
+        total = sum(b * c for _, b, c, _ in held(r))
         if total > best_total:
-            best, best_total = out, total
-    return best
+            best, best_total = r, total
+    if best is None:
+        return rows
+    return [dataclasses.replace(row, bytes=b, copies=c, note=note)
+            for row, b, c, note in held(best)]
 
 
 def _head_side(module: str, head_modules: set[str]) -> bool:

@@ -59,12 +59,26 @@ class _Scan:
 _RECENT: list = []        # (plan, rank, result): the bound plans asked last (checks, estimates)
 
 
+def _same_layout(p: Plan, plan: Plan) -> bool:
+    """Whether bound plans ``p`` and ``plan`` have one TP layout: they share what
+    ``_tp_layout`` reads (the parameter and activation tables, the model, the TP axis and
+    its size), as a plan and the same plan with remat added do, or two meshes that differ
+    in other axes (``bind`` gives them one bound table)."""
+    if p is plan:
+        return True
+    if p.params is not plan.params or p.activations is not plan.activations or \
+            p.model is not plan.model or p.roles.tp != plan.roles.tp:
+        return False
+    axis = plan.roles.tp
+    return axis is None or p.mesh_shape[axis] == plan.mesh_shape[axis]
+
+
 def tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
     """The TP modules of a bound plan on tensor-parallel rank ``rank``, and the FQNs whose
     gradients are summed over the TP axis (replicated, but computed from partial data);
     the last few answers are kept, as a plan's check and estimates ask the same."""
     for p, r, (layout, reduce) in _RECENT:
-        if p is plan and r == rank:
+        if r == rank and _same_layout(p, plan):
             return layout, list(reduce)
     layout, reduce = _tp_layout(plan, rank)
     _RECENT.insert(0, (plan, rank, (layout, tuple(reduce))))

@@ -11,7 +11,7 @@ loss's per-token-per-word tensors.
 
 from __future__ import annotations
 
-from ...core.names import owner
+from ...core.names import ancestors, owner
 from ...planning.plan import Plan
 from ._layout import sequence_parallel
 
@@ -47,8 +47,27 @@ def _regions(plan: Plan, styles: dict) -> set[str]:
     return out
 
 
+_RECENT: list = []   # (params, model, axis, (styles, regions)): the tables asked last
+
+
+def _styles_and_regions(plan: Plan, axis: str) -> tuple[dict, set[str]]:
+    """``_styles`` and ``_regions`` of ``plan``, read-only: they follow from its parameter
+    table and model alone, so the last few are kept for the plans that share those (a
+    layout's saved and peak rows, the same layout with remat added)."""
+    for params, model, a, got in _RECENT:
+        if params is plan.params and model is plan.model and a == axis:
+            return got
+    styles = _styles(plan, axis)
+    got = (styles, _regions(plan, styles))
+    _RECENT.insert(0, (plan.params, plan.model, axis, got))
+    del _RECENT[4:]
+    return got
+
+
 def _inside(module: str, regions: set[str]) -> bool:
-    return any(module == r or module.startswith(r + ".") for r in regions)
+    """Whether ``module`` is one of ``regions`` or lies under one (looked up by its
+    ancestors, not by scanning every region)."""
+    return module in regions or any(a in regions for a in ancestors(module))
 
 
 def tp_activations(plan: Plan, rows: list) -> list:
@@ -57,8 +76,7 @@ def tp_activations(plan: Plan, rows: list) -> list:
         return rows
     n = plan.mesh_shape[axis]
     sp = sequence_parallel(plan, axis)
-    styles = _styles(plan, axis)
-    regions = _regions(plan, styles)
+    styles, regions = _styles_and_regions(plan, axis)
     vocab = plan.model.config_get("vocab_size")
     head_split = plan.model.head in styles
     out = []

@@ -19,7 +19,8 @@ from ._styles import ColWise
 
 def sequence_parallel(plan: Plan, axis: str) -> bool:
     """Megatron SP: the blocks' outputs are split on the sequence over the TP axis."""
-    return any(a.module in plan.model.blocks and a.output is not None and len(a.output) > 1
+    blocks = set(plan.model.blocks)
+    return any(a.module in blocks and a.output is not None and len(a.output) > 1
                and a.output.dim_axes(1) == (axis,) for a in plan.activations)
 
 

@@ -22,9 +22,11 @@ backward's bucketed all-reduces of Ψ (stage 1, ``ZeroShard.reductions``, counte
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 
+from ...core.names import ancestors
 from ...core.placement import local_shape
 from ...planning.plan import Plan, dtype_bytes
 from .._protocol import CommOp
@@ -37,24 +39,54 @@ def _split(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
     return (-(-shape[0] // n),) + tuple(shape[1:])
 
 
+def _units(blocks: tuple[str, ...]):
+    """``fqn -> `` the FSDP unit it belongs to: the first of ``blocks`` it lies under, else
+    ``''`` (the root); looked up by its ancestors, not by scanning every block."""
+    index: dict[str, int] = {}
+    for i, b in enumerate(blocks):
+        index.setdefault(b, i)
+
+    def unit(fqn: str) -> str:
+        under = [a for a in ancestors(fqn) if a in index]
+        return min(under, key=index.__getitem__) if under else ""
+
+    return unit
+
+
+def _split_row(r, n: int, category: str | None = None, dtype: str | None = None):
+    """Row ``r`` split over ``n`` ranks (FSDP2's padded dim 0), in ``dtype`` and filed
+    under ``category`` where given."""
+    try:
+        return _split_row_kept(r, n, category, dtype)
+    except TypeError:                # a row of a room's own that cannot be hashed
+        return _split_row_kept.__wrapped__(r, n, category, dtype)
+
+
+# Keyed on the row (a frozen MemRow, hashed by value), the ZeRO degree and what changes:
+# every layout that splits the same parameter over as many ranks makes this same row.
+@functools.lru_cache(maxsize=1 << 16)
+def _split_row_kept(r, n: int, category: str | None, dtype: str | None):
+    changes = {k: v for k, v in (("category", category), ("dtype", dtype)) if v is not None}
+    return dataclasses.replace(r, shape=_split(r.shape, n), **changes)
+
+
 def zero_memory(t, plan: Plan, rows: list) -> list:
     if plan.roles.fsdp:
         return rows                    # the specs split what FSDP splits
     n = math.prod(plan.mesh_shape[a] for a in t.axis)
     if t.stage >= 2:
-        return [dataclasses.replace(r, shape=_split(r.shape, n)) for r in rows]
+        return [_split_row(r, n) for r in rows]
     if t.stage == 0 or n == 1:         # ZeRO-1 over one rank keeps no slices
         return rows
     out = []
     for r in rows:
         if r.category == "optimizer":        # the moments of the fp32 slice
-            out.append(dataclasses.replace(r, dtype="float32", shape=_split(r.shape, n)))
+            out.append(_split_row(r, n, dtype="float32"))
         elif r.category == "grads":          # the gradient, and the slice's reduced one
-            out += [r, dataclasses.replace(r, dtype="float32", shape=_split(r.shape, n))]
+            out += [r, _split_row(r, n, dtype="float32")]
         else:
             out.append(r)
-    masters = [dataclasses.replace(r, category="optimizer", dtype="float32",
-                                   shape=_split(r.shape, n))
+    masters = [_split_row(r, n, category="optimizer", dtype="float32")
                for r in rows if r.category == "grads"]
     return out + masters
 
@@ -75,6 +107,7 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
     from ...planning.rows import rank_params
 
     blocks = plan.model.blocks
+    unit_of = _units(blocks)
     for e in rank_params(plan, coord):       # a pipeline rank: its stages' parameters
         if e.tied_to is not None or not e.requires_grad:
             continue
@@ -82,7 +115,7 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
         key = (grad_dt or e.dtype if t.stage < 2 else e.dtype, bool(e.mesh_spec.axes))
         buckets[key] += math.prod(ls)
         counts[key] += 1
-        unit = next((b for b in blocks if e.fqn.startswith(b + ".")), "")
+        unit = unit_of(e.fqn)
         units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
         whole[unit] += math.prod(ls)
     ops = _stage_ops(t.stage, name, dp, buckets, units, prec, counts,
@@ -141,11 +174,12 @@ def zero_transients(t, plan: Plan) -> list:
     prec = plan.get(Precision)
     sizes = plan.mesh_shape
     units: dict = defaultdict(int)
+    unit_of = _units(plan.model.blocks)
     for e in rank_params(plan):
         if e.tied_to is not None:
             continue
         ls = local_shape(e.shape, e.mesh_spec, sizes)
-        unit = next((b for b in plan.model.blocks if e.fqn.startswith(b + ".")), "")
+        unit = unit_of(e.fqn)
         units[unit] += math.prod(ls)
     pb = dtype_bytes(prec.compute) if prec else 4
     gb = dtype_bytes(prec.reduce) if prec else 4
