@@ -142,7 +142,7 @@ def _probe_cached(cls, text: str) -> str | None:
 
 
 def _probe(cls, values: dict) -> str | None:
-    from ...policies.tiny import VOCAB, TinyConfigError, tiny_config
+    from ...policies.tiny import VOCAB, tiny_config
 
     try:
         cfg = tiny_config(values["model_type"], base=cls.config_class.from_dict(values))
@@ -152,7 +152,7 @@ def _probe(cls, values: dict) -> str | None:
             cfg._experts_implementation = "eager"
         torch.manual_seed(0)
         tiny = cls(cfg).to(torch.float64).eval()
-    except (TinyConfigError, Exception) as e:      # noqa: BLE001 - any build failure
+    except Exception as e:      # noqa: BLE001 - TinyConfigError, or the family's own
         log.warning("pipeline: %s could not be checked on a tiny copy (%s: %s); its "
                     "stages run as laid out", cls.__name__, type(e).__name__, e)
         return None
@@ -257,8 +257,14 @@ class DecoderStage(nn.Module):
             h = h + self.positions(pos).to(h.device)
         if self.dropout is not None:
             h = self.dropout(h)
+        # what the model's forward hands every block besides the mask and positions
+        extra = dict(lay.block_kwargs)
+        if lay.rotary:
+            extra["position_embeddings"] = getattr(base, lay.rotary)(h, pos)
+        else:
+            extra["use_cache"] = False
         kinds = layer_masks(base.config)
-        masks: dict = {}
+        masks: dict = {}            # each kind of mask built once, as the block needs it
         for i in self.layer_ids:
             kind = kinds[i] if kinds is not None else "full_attention"
             if kind not in masks:
@@ -267,14 +273,7 @@ class DecoderStage(nn.Module):
                 masks[kind] = make(config=base.config, inputs_embeds=whole,
                                    attention_mask=attention_mask, position_ids=position_ids,
                                    **_NO_CACHE)
-        if lay.rotary:
-            rope = {"position_embeddings": getattr(base, lay.rotary)(h, pos)}
-        else:
-            rope = {"use_cache": False}
-        rope.update(lay.block_kwargs)
-        for i in self.layer_ids:
-            mask = masks[kinds[i] if kinds is not None else "full_attention"]
-            out = self.layers[str(i)](h, attention_mask=mask, position_ids=pos, **rope)
+            out = self.layers[str(i)](h, attention_mask=masks[kind], position_ids=pos, **extra)
             h = out[0] if isinstance(out, tuple) else out
         if self.last:
             h = self.norm(h)
