@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
 from ..core.errors import SpecError
 from ..core.placement import check_spec, mesh_repr, uneven_dims
 from ..core.rules import Rules
 from ..core.spec import P
 
-if TYPE_CHECKING:
-    from .plan import ActivationEntry, ModelInfo, ParamEntry
+# The entries bound (``ParamEntry``, ``ActivationEntry``) and ``ModelInfo`` are
+# ``meshlab.planning.plan``'s, named in the annotations only: plan imports this module.
 
 
 def _spec_key(spec: P) -> tuple:

@@ -258,7 +258,7 @@ def install_zero(t, ctx) -> Part:
         host = ctx.kept(HostResidency) or HostResidency()     # none kept: nothing on the host
         return Zero1Part(group, size, apart=host.optimizer_host,
                          reduce=reduce_dtype(ctx.plan))
-    if t.stage == 0 and not (ctx.kept(HostResidency) or HostResidency()).units:
+    if not t.fsdp(ctx.plan):       # stage 0 with every parameter on the device:
         return None                # GradSync averages every gradient (ZeroShard.reductions)
     part = FSDPPart()
     _fully_shard(t, ctx, part.roots)
