@@ -10,14 +10,6 @@ from ._cell import AT_OPTIMIZER, RECORDS, SEVERAL_DATA_RANKS, meaningless, not_y
 _ZERO = meaningless("one ZeRO stage for the data axes; keep one zero_shard")
 _DTYPE = meaningless("one compute dtype per spec; keep one precision()")
 _REDUCE_ONE = meaningless("one reduction dtype per spec; keep one precision()")
-_OFF_PARAMS = not_yet(
-    "zero_shard(1) all-gathers each step's updated slices into whole parameters on every "
-    "rank's device, and its sliced optimizer state would have to step parameters resting "
-    "on the host; data_parallel, zero_shard(2) and zero_shard(3) keep them there as FSDP2 "
-    "units (DeepSpeed offloads parameters at stage 3 only)",
-    "{a}: zero_shard(1) keeps every parameter whole on the device, where its step "
-    "all-gathers the updated slices; for parameters resting on the host use "
-    "data_parallel | {a} (replicated), zero_shard(2) or zero_shard(3), or params=0")
 _STEP = not_yet("not yet shown to train like the ordinary step",
                 "step_in_backward() with {b} is not yet shown to train like the ordinary "
                 "step; leave one of them out")

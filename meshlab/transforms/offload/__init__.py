@@ -163,8 +163,7 @@ class Offload(Transform):
         return self._dp(plan) == 1 or self._stage(plan) >= 2
 
     def _params_ok(self, plan: Plan) -> bool:
-        z = self._zero(plan)
-        return z is not None and z.stage != 1
+        return self._zero(plan) is not None
 
     # -- the hooks -------------------------------------------------------------------------
     def rows(self, plan: Plan | None) -> tuple[str, ...]:
@@ -193,7 +192,7 @@ class Offload(Transform):
         if self.params > 0 and self._zero(plan) is None:
             raise ConfigError(
                 f"{self!r}: parameters rest on the host as the shards of FSDP2 units, which "
-                f"data_parallel, zero_shard(2) and zero_shard(3) build (on one rank too: "
+                f"data_parallel and every zero_shard stage build (on one rank too: "
                 f"over a size-1 axis); add one or use params=0 (see docs/composition.md)")
 
     def memory(self, plan: Plan, rows: list) -> list:

@@ -52,8 +52,8 @@ def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: lis
         elif r.category == "grads":
             first = f not in seen_grad
             seen_grad.add(f)
-            if zero1:            # the whole gradient stays; ZeRO-1's reduced slice moves
-                out.append(r if first else dataclasses.replace(r, where="host"))
+            if zero1 and f not in choice.params:     # the whole gradient stays; ZeRO-1's
+                out.append(r if first else dataclasses.replace(r, where="host"))  # slice moves
             elif f in choice.grads or f in choice.params:
                 out.append(dataclasses.replace(r, where="host"))
             else:                # stays on the device; the step stages it chunk by chunk

@@ -367,7 +367,8 @@ class OffloadPart(Part):
             place = where or ("host" if self._on_host(t) else "device")
             out[place][cat] += t.numel() * t.element_size()
 
-        res = {id(e.param) for e in self.entries if e.resident and e.fqn in self.choice.params}
+        # the parameters FSDP2 keeps on the host (under ZeRO-1 too, whose entries are slices)
+        res = {id(p) for n, p in self.params.items() if n in self.choice.params}
         for p in self.params.values():
             add(p, "params", "host" if id(p) in res else None)
             add(p.grad, "grads", "host" if id(p) in res else None)

@@ -8,10 +8,13 @@ maps to an axis no transform claims) is this room at stage 0; parameter specs th
 over such an axis (``P('fsdp', 'tp')``) make it stage 3 with FSDP2 sharding each
 parameter on the dimension its spec names.
 
-Plain data parallelism whose parameters rest on the host (``data_parallel('dp') |
-offload(params=...)``) runs on FSDP2 too, as hybrid sharding over the data axes and a
-size-1 shard dimension: each unit's gradient is all-reduced over the data axes as stage 0
-does, and FSDP2 keeps the units ``offload`` names on the host between their uses.
+Plain data parallelism and ZeRO-1 whose parameters rest on the host (``data_parallel('dp')
+| offload(params=...)``, ``zero_shard(1) | offload(params=...)``) run on FSDP2 too, as
+hybrid sharding over the data axes and a size-1 shard dimension: each unit's gradient is
+all-reduced over the data axes as stage 0 does, and FSDP2 keeps the units ``offload``
+names on the host between their uses. ZeRO-1 then steps its slices of those averaged
+gradients (no reduce-scatter) and all-gathers the updated slices into the parameters,
+wherever they rest.
 
 Hybrid sharding (PyTorch's HSDP, torchtitan's ``dp_replicate`` x ``dp_shard``):
 ``data_parallel('rep') | zero_shard(s, 'dp')`` combine into one value,
@@ -136,9 +139,9 @@ class ZeroShard(Transform):
             _check_mixed_precision(self, plan)
 
     def fsdp(self, plan: Plan) -> bool:
-        """Whether FSDP2 runs this room: stages 2 and 3, and plain data parallelism some of
-        whose FSDP2 units rest on the host (``host_units``)."""
-        return self.stage >= 2 or (self.stage == 0 and bool(host_units(plan)))
+        """Whether FSDP2 runs this room: stages 2 and 3, and plain data parallelism or
+        ZeRO-1 some of whose FSDP2 units rest on the host (``host_units``)."""
+        return self.stage >= 2 or bool(host_units(plan))
 
     def install(self, ctx):
         return install_zero(self, ctx)
@@ -148,8 +151,9 @@ class ZeroShard(Transform):
         2/3 (and stage 0 run by FSDP2, ``fsdp``) only those FSDP2 leaves replicated (it
         reduce-scatters or all-reduces the rest itself);
         stage 1 reduce-scatters in ``meshlab.optimizer`` (under hybrid sharding after the
-        backward's average over the replicate axes)."""
-        if self.stage == 1:     # hybrid: the mean over the replicas first, then ZeRO-1's
+        backward's average over the replicate axes), or where FSDP2 runs it (parameters
+        resting on the host) slices what FSDP2 averaged over every data axis."""
+        if self.stage == 1 and not self.fsdp(plan):    # hybrid: the replicas' mean first
             return [Reduction(self.replicate, average=True, order=10)] if self.replicate \
                 else []
         names = fsdp_ignored(plan) if self.fsdp(plan) else None

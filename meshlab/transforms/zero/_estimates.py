@@ -8,7 +8,9 @@ whose specs already shard over the data axis (FSDP by spec) are counted by the s
 
 Traffic, with Ψ the bytes of this rank's (TP-local) gradients: stage 0 the backward's
 bucketed all-reduces of Ψ (counted by ``_gradsync.estimate``; where FSDP2 runs it,
-parameters resting on the host, its all-reduce of each unit's gradient); stage 1 a reduce-scatter and an all-gather of Ψ; stage 2 an all-gather in forward and
+parameters resting on the host, its all-reduce of each unit's gradient); stage 1 a
+reduce-scatter and an all-gather of Ψ (where FSDP2 runs it, the units' all-reduces and the
+all-gather); stage 2 an all-gather in forward and
 a reduce-scatter in backward per FSDP unit; stage 3 also the backward all-gather. Plus
 one all-reduce of the step's loss (8 bytes) over every data axis.
 
@@ -118,25 +120,30 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
         unit = unit_of(e.fqn)
         units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
         whole[unit] += math.prod(ls)
+    fsdp = t.fsdp(plan)
+    data = "_".join(t.claims(plan)["dp"])
+    whole_units = fsdp and t.stage < 2      # FSDP2 over a size-1 shard dimension
     ops = _stage_ops(t.stage, name, dp, buckets, units, prec, counts,
-                     t.resharded(blocks)) if dp > 1 else []
+                     t.resharded(blocks), whole_units) if dp > 1 else []
     if rep > 1 and t.stage >= 2:      # HSDP: each unit's gradient shard over the replicas
         gbytes = dtype_bytes(prec.reduce if prec else "float32")
         ops += [CommOp("all_reduce", "_".join(t.replicate), 1, n // dp * gbytes)
                 for n in units.values()]
-    fsdp = t.fsdp(plan)
-    if t.stage == 0 and fsdp and dp > 1:    # FSDP2 over a size-1 shard dimension: each
-        gbytes = dtype_bytes(prec.reduce if prec else "float32")    # unit's whole gradient
-        ops += [CommOp("all_reduce", name, 1, n * gbytes) for n in whole.values()]
-    data = "_".join(t.claims(plan)["dp"])
+    if whole_units:         # each unit's whole gradient, over every data axis
+        gbytes = dtype_bytes(prec.reduce if prec else "float32")
+        ops += [CommOp("all_reduce", data, 1, n * gbytes) for n in whole.values()]
     if fsdp:                # FSDP2: which parameters some data rank had a gradient for
         ops.append(CommOp("all_reduce", data, 1, 4 * sum(counts.values())))
     return ops + [CommOp("all_reduce", data, 1, 8)]      # the step's loss
 
 
-def _stage_ops(stage, name, dp, buckets, units, prec, counts, freed) -> list[CommOp]:
+def _stage_ops(stage, name, dp, buckets, units, prec, counts, freed,
+               whole_units: bool = False) -> list[CommOp]:
     if stage == 0:
         return []          # the backward's all-reduces: ``_gradsync.estimate``
+    if stage == 1 and whole_units:
+        # FSDP2 averaged the gradients (``zero_comm``): the fp32 slices gathered only
+        return [CommOp("all_gather", name, 1, -(-n // dp) * dp * 4) for n in buckets.values()]
     if stage == 1:
         # gradients reduce-scattered in precision(reduce=...)'s dtype (float32 without it),
         # the fp32 master slices gathered

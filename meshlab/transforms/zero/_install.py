@@ -147,11 +147,13 @@ class Zero1Part(Part):
     ``owners`` then records which rank steps which parameter (FQN -> data rank)."""
 
     order: ClassVar[int] = 10
+    reduced: ClassVar[bool] = False     # whether the backward already averaged the gradients
     group: Any
     size: int
     buffers: Zero1Buffers | Zero1Whole | None = None
     apart: frozenset = frozenset()      # FQNs bucketed on their own (offload's host ones)
     reduce: Any = None                  # the dtype gradients are reduce-scattered in
+    device: Any = None                  # where the collectives run (the mesh's device)
 
     def optimizer_params(self, params: list, group_of=None, whole: bool = False
                          ) -> list | None:
@@ -164,7 +166,8 @@ class Zero1Part(Part):
         self.buffers = Zero1Buffers([p for _, p in params], self.group, self.size,
                                     frozenset(id(p) for n, p in params if n in self.apart),
                                     group_of or {}, reduce=self.reduce,
-                                    names={id(p): n for n, p in params})
+                                    names={id(p): n for n, p in params},
+                                    reduced=self.reduced, device=self.device)
         return self.buffers.shards
 
     @property
@@ -238,6 +241,28 @@ class Zero1Part(Part):
         return True
 
 
+@dataclasses.dataclass
+class Zero1OnUnits(Zero1Part):
+    """Stage 1 where some parameters rest on the host (``offload(params=...)``): every
+    block is an FSDP2 unit over the data axes and a size-1 shard dimension (as plain data
+    parallelism's), whose backward all-reduces and averages each unit's gradient over the
+    data axes; the slices then take their part of those gradients as they are (no
+    reduce-scatter), and the updated slices are all-gathered on the mesh's device into
+    the parameters, on the host or the device. FSDP2 casts the parameters (its mixed
+    precision), and ``roots`` are its roots, as ``FSDPPart``'s."""
+
+    casts_params: ClassVar[bool] = True
+    reduced: ClassVar[bool] = True
+    roots: list = dataclasses.field(default_factory=list)
+
+    def set_gradient_sync(self, model, enabled: bool) -> None:
+        FSDPPart.set_gradient_sync(self, model, enabled)
+
+    def sync_grads(self, params: list) -> None:
+        FSDPPart.sync_grads(self, params)
+        super().sync_grads(params)
+
+
 def _no_checkpoint():
     from ...core.errors import ConfigError
 
@@ -256,8 +281,12 @@ def install_zero(t, ctx) -> Part:
             require_mesh_optimizer(ctx.model.parameters(), f"zero_shard(1) keeps its "
                                    f"optimizer state sharded over {'x'.join(t.axis)}")
         host = ctx.kept(HostResidency) or HostResidency()     # none kept: nothing on the host
-        return Zero1Part(group, size, apart=host.optimizer_host,
-                         reduce=reduce_dtype(ctx.plan))
+        if not t.fsdp(ctx.plan):
+            return Zero1Part(group, size, apart=host.optimizer_host,
+                             reduce=reduce_dtype(ctx.plan), device=ctx.device)
+        part = Zero1OnUnits(group, size, apart=host.optimizer_host, device=ctx.device)
+        _fully_shard(t, ctx, part.roots)
+        return part
     if not t.fsdp(ctx.plan):       # stage 0 with every parameter on the device:
         return None                # GradSync averages every gradient (ZeroShard.reductions)
     part = FSDPPart()
@@ -324,9 +353,10 @@ def _fsdp_mesh(t, ctx):
     2-D mesh ``(replicate, shard)`` (HSDP: FSDP2 reduce-scatters over the second dimension
     and all-reduces the shards over the first). Plain data parallelism (stage 0, run by
     FSDP2 where parameters rest on the host) replicates over its axes and shards over a
-    size-1 dimension unflattened from them: each rank's shard is the whole parameter."""
-    if t.stage == 0:
-        dm = ctx.device_mesh(*t.axis)
+    size-1 dimension unflattened from them: each rank's shard is the whole parameter;
+    so does ZeRO-1 run by FSDP2 (every data axis, its replicate ones too)."""
+    if t.stage < 2:
+        dm = ctx.device_mesh(*(t.replicate + t.axis))
         if not hasattr(dm, "_unflatten"):
             from ...core.errors import ConfigError
 
@@ -335,7 +365,7 @@ def _fsdp_mesh(t, ctx):
                               f"{torch.__version__} cannot add to a DeviceMesh "
                               f"(DeviceMesh._unflatten); upgrade torch, or shard over the "
                               f"data axes instead: zero_shard(3, {t.axis!r}) | offload(...)")
-        name = "_".join(t.axis)
+        name = "_".join(t.replicate + t.axis)
         return dm._unflatten(0, (dm.size(), 1), (f"{name}_replicas", f"{name}_whole"))
     if not t.replicate:
         return ctx.device_mesh(*t.axis)

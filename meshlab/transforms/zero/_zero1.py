@@ -33,7 +33,7 @@ class Zero1Buffers:
 
     def __init__(self, params: list, group, size: int, apart: frozenset = frozenset(),
                  group_of: dict | None = None, reduce: torch.dtype | None = None,
-                 names: dict | None = None):
+                 names: dict | None = None, reduced: bool = False, device=None):
         # ``apart``: ids of parameters bucketed on their own (offload moves their slices to
         # the host; a slice may then live on another device than the parameters).
         # ``group_of``: id -> the optimizer's parameter group; a bucket holds one group's.
@@ -41,7 +41,13 @@ class Zero1Buffers:
         self.names = names or {}    # id -> FQN, for the refusal of an unused parameter
         self.group, self.size, self.rank = group, size, dist.get_rank(group)
         self.reduce = reduce        # the dtype gradients are reduce-scattered in (None: fp32)
-        self.device = _local(params[0]).device if params else None
+        # ``reduced``: the backward averaged every gradient over the group already (FSDP2's
+        # units over a size-1 shard dimension, parameters resting on the host): each slice
+        # takes its part as it is. ``device``: where the collectives run (the parameters
+        # may rest on the host, where NCCL cannot reach them).
+        self.reduced = reduced
+        self.device = device if device is not None else (
+            _local(params[0]).device if params else None)
         by_key: dict = {}
         for p in params:
             key = (p.dtype, shard_groups(p), id(p) in apart, group_of.get(id(p), 0))
@@ -108,6 +114,9 @@ class Zero1Buffers:
         is stepped on the sum, the others adding zeros, as one process would. Only a rank
         missing a gradient of its own reads the counts (a parameter no rank has one for is
         missing on every rank, so every rank reads it and raises alike)."""
+        if self.reduced:
+            self._take_reduced()
+            return
         short = []
         for b, shard in zip(self.buckets, self.shards):
             k = len(b.params)
@@ -130,6 +139,25 @@ class Zero1Buffers:
                   for b, counts in short for p, n in zip(b.params, counts.tolist()) if n == 0]
         if unused:
             raise unused_refusal(unused)
+
+    def _take_reduced(self) -> None:
+        """Each slice's part of gradients the backward already averaged over the group.
+        A parameter without one has none on any data rank (FSDP2's ``UnusedGrads`` made
+        the ranks agree), so every rank refuses the step alike, with no collective."""
+        unused = [self.names.get(id(p), f"parameter {tuple(p.shape)}")
+                  for b in self.buckets for p in b.params if p.grad is None]
+        if unused:
+            raise unused_refusal(unused)
+        for b, shard in zip(self.buckets, self.shards):
+            lo, hi, off = self.rank * b.per, (self.rank + 1) * b.per, 0
+            g = torch.zeros(b.per, dtype=shard.dtype, device=shard.device)
+            for p, n in zip(b.params, b.numels):
+                a, z = max(lo, off), min(hi, off + n)
+                if a < z:
+                    src = _local(p.grad).reshape(-1)[a - off:z - off]
+                    g[a - lo:z - lo] = src.to(device=shard.device, dtype=shard.dtype)
+                off += n
+            shard.grad = g
 
     def gather(self) -> None:
         """All-gather the updated slices back into the parameters."""

@@ -9,9 +9,10 @@
   gradient's second moment is near eps).
 * Memory: what each rank holds on the host and on the device, measured from the tensors
   after a step, is within 10% of ``plan.memory()``.
-* Checkpoints saved at one fraction resume at another, bitwise.
-* ZeRO-1 refuses parameter offload with the same typed error from
-  ``plan`` (a fake mesh, no process group) and from ``parallelize``.
+* Checkpoints saved at one fraction resume at another, bitwise (ZeRO-3, and ZeRO-1 with
+  parameters on the host or not).
+* ZeRO-1 with parameters on the host runs its slices over FSDP2 units (the parameters
+  resting where FSDP2 keeps them), and the plan counts its traffic as it runs.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def matrix_case(rank, world, cases, native=False, accumulate=1):
 CASES_2 = [(1, "optimizer", 0.0), (1, "optimizer", 0.5), (1, "optimizer", 1.0),
            (3, "optimizer", 0.0), (3, "optimizer", 0.5), (3, "optimizer", 1.0),
            (3, "grads", 0.5), (3, "grads", 1.0), (3, "params", 0.5), (3, "params", 1.0),
-           # data_parallel: FSDP2 over a size-1 shard dimension keeps the whole parameters
-           (0, "params", 0.5), (0, "params", 1.0)]
+           # data_parallel and ZeRO-1: FSDP2 over a size-1 shard dimension keeps the whole
+           # parameters (ZeRO-1 steps its slices of the gradients FSDP2 averaged)
+           (0, "params", 0.5), (0, "params", 1.0), (1, "params", 0.5), (1, "params", 1.0)]
 
 
 def _check(results, *, bitwise: bool, tol: float = 0.0):
@@ -126,7 +128,8 @@ def _check(results, *, bitwise: bool, tol: float = 0.0):
             assert r["worst"] <= tol, f"{key}: worst absolute difference {r['worst']:.2e}"
             assert max(abs(a - b) for a, b in zip(r["losses"], r["want_losses"])) <= 1e-5, key
         stage, kind, f = key
-        if f > 0 and stage in (0, 3):    # the host copies ran (ZeRO-1's slices live there)
+        if f > 0 and (stage in (0, 3) or kind == "params"):   # the host copies ran
+            # (ZeRO-1's slices of the optimizer state live there)
             if kind == "params":      # the sets nest: all of them stay where FSDP2 keeps them
                 assert r["resident"] > 0 and r["copied"]["h2d_bytes"] == 0, (key, r)
             else:
@@ -164,17 +167,17 @@ def test_fractions_on_4_ranks(world4):
 
 
 # -- checkpoints across fractions ---------------------------------------------------------
-def resume_case(rank, world, directory, save_kind, save_f, load_kind, load_f):
+def resume_case(rank, world, directory, save_kind, save_f, load_kind, load_f, stage=3):
     import meshlab as ml
     from meshlab.ops import _build
 
     data = M.batches(STEPS, batch=4, vocab=VOCAB)
     with _build.force_reference():
-        full_model, _, full_losses = _train(world, 3, _offload("none", 0), data)
-        model, opt, _ = _train(world, 3, _offload(save_kind, save_f), data[:2])
-        path = os.path.join(directory, f"{save_kind}-{save_f}-{load_kind}-{load_f}")
+        full_model, _, full_losses = _train(world, stage, _offload("none", 0), data)
+        model, opt, _ = _train(world, stage, _offload(save_kind, save_f), data[:2])
+        path = os.path.join(directory, f"{stage}-{save_kind}-{save_f}-{load_kind}-{load_f}")
         ml.checkpoint.save(path, model, opt)
-        model2, opt2, _ = _train(world, 3, _offload(load_kind, load_f), [])
+        model2, opt2, _ = _train(world, stage, _offload(load_kind, load_f), [])
         ml.checkpoint.load(path, model2, opt2)
         x = data[2].chunk(world)[rank]
         loss = M.loss_fn("llama")(model2(input_ids=x), {"input_ids": x, "labels": x})
@@ -184,38 +187,63 @@ def resume_case(rank, world, directory, save_kind, save_f, load_kind, load_f):
     return float(loss) == full_losses[2] and all(torch.equal(got[n], want[n]) for n in want)
 
 
-@pytest.mark.parametrize("save,load", [(("optimizer", 0.5), ("optimizer", 1.0)),
-                                       (("params", 1.0), ("none", 0.0)),
-                                       (("none", 0.0), ("grads", 0.5))])
-def test_checkpoint_resumes_across_fractions(world2, tmp_path, save, load):
+@pytest.mark.parametrize("stage,save,load", [(3, ("optimizer", 0.5), ("optimizer", 1.0)),
+                                             (3, ("params", 1.0), ("none", 0.0)),
+                                             (3, ("none", 0.0), ("grads", 0.5)),
+                                             (1, ("params", 1.0), ("none", 0.0)),
+                                             (1, ("none", 0.0), ("params", 0.5))])
+def test_checkpoint_resumes_across_fractions(world2, tmp_path, stage, save, load):
     assert all(world2.run(resume_case, directory=str(tmp_path), save_kind=save[0],
-                          save_f=save[1], load_kind=load[0], load_f=load[1]))
+                          save_f=save[1], load_kind=load[0], load_f=load[1], stage=stage))
 
 
-# -- refusals: plan and parallelize agree -------------------------------------------------
-def refusal_case(rank, world):
+# -- ZeRO-1 over FSDP2 units: what runs is what the plan counts -------------------------
+def zero1_units_case(rank, world):
+    """``zero_shard(1) | offload(params=...)``: every block an FSDP2 unit whose parameters
+    are whole on each rank (a size-1 shard dimension), those offload names resting on the
+    host; the slices take their part of the gradients FSDP2 averaged, with no
+    reduce-scatter of their own (each collective counted as it runs)."""
+    import meshlab as ml
+    from meshlab.transforms.zero import _zero1
+    from meshlab.transforms.zero._install import Zero1OnUnits
+
+    model = ml.parallelize(M.build("llama", vocab_size=VOCAB),
+                           ml.zero_shard(1, "dp") | _offload("params", 0.5),
+                           ml.Mesh(dp=world), seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    part = model._meshlab.part(Zero1OnUnits)
+    x = M.batches(1, batch=4, vocab=VOCAB)[0].chunk(world)[rank]
+    M.loss_fn("llama")(model(input_ids=x), {"input_ids": x, "labels": x}).backward()
+    calls = []
+    real = _zero1.reduce_scatter_into
+    _zero1.reduce_scatter_into = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        opt.step()
+    finally:
+        _zero1.reduce_scatter_into = real
+    whole = all(M.full(p).shape == p.to_local().shape for p in model.parameters())
+    return dict(part=part is not None, roots=len(part.roots) if part else 0, whole=whole,
+                reduce_scatters=len(calls), sliced=len(part.buffers.shards))
+
+
+def test_zero1_over_units_slices_what_fsdp2_averaged(world2):
+    for r in world2.run(zero1_units_case):
+        assert r == dict(part=True, roots=1, whole=True, reduce_scatters=0,
+                         sliced=r["sliced"]) and r["sliced"] >= 2, r
+
+
+def test_zero1_over_units_plans_its_traffic():
+    """The plan: one all-reduce of each unit's gradient (FSDP2's), the slices' all-gather,
+    no reduce-scatter; runnable on a fake mesh."""
     import meshlab as ml
 
-    out = []
-    for spec in (ml.zero_shard(1, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0),):
-        try:
-            ml.parallelize(M.build("llama"), spec, ml.Mesh(dp=world), seed=0)
-            out.append(None)
-        except ml.MeshlabError as e:
-            out.append((type(e).__name__, str(e)))
-    return out
-
-
-def test_zero1_refusals_agree_with_plan(world2):
-    import meshlab as ml
-
-    got = world2.run(refusal_case)[0]
-    assert len(got) == 1
-    for spec, g in zip((ml.zero_shard(1, "dp") | ml.offload(params=1.0, grads=1.0,
-                                                            optimizer=1.0),), got):
-        with pytest.raises(ml.MeshlabError) as e:
-            ml.plan(M.build("llama"), spec, ml.Mesh(dp=2, fake=True))
-        assert g == (type(e.value).__name__, str(e.value))
+    mesh = ml.Mesh(dp=2, fake=True)
+    p = ml.plan(M.build("llama"), ml.zero_shard(1, "dp") | ml.offload(
+        params=1.0, grads=1.0, optimizer=1.0), mesh)
+    assert p.runnable and p.memory().host > 0
+    c = p.comm()
+    assert c.count("reduce_scatter", "dp") == 0 and c.count("all_gather", "dp") >= 1
+    assert c.count("all_reduce", "dp") == len(p.model.blocks) + 3
 
 
 def host_memory_case(rank, world):

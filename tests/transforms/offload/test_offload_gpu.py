@@ -79,10 +79,10 @@ def test_bf16_device_copies_and_memory_accounting(one_rank):
     assert abs(dev - est.total) <= 0.1 * est.total, (got, est)
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_parameters_rest_on_the_host_under_fsdp2_units(one_rank, stage):
-    """Everything offloaded beside ``data_parallel`` (FSDP2 over a size-1 shard dimension),
-    ``zero_shard(2)`` (units kept whole from the forward to the backward) and
+    """Everything offloaded beside ``data_parallel`` and ``zero_shard(1)`` (FSDP2 over a
+    size-1 shard dimension), ``zero_shard(2)`` (units kept whole from the forward to the backward) and
     ``zero_shard(3)``: between steps every parameter's shard is in pinned
     host memory, and the losses and weights are the same run's without offload."""
     import meshlab as ml

@@ -58,17 +58,15 @@ def test_memory_moves_to_the_host():
 
 
 def test_refusals_name_the_fix():
-    with pytest.raises(ml.ConfigError, match="use data_parallel .* zero_shard\\(2\\) or "
-                                             "zero_shard\\(3\\), or params=0"):
-        _plan(ml.zero_shard(1, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0))
-    with pytest.raises(ml.ConfigError, match="data_parallel, zero_shard\\(2\\) and "
-                                             "zero_shard\\(3\\) build"):
+    with pytest.raises(ml.ConfigError, match="data_parallel and every zero_shard stage "
+                                             "build"):
         ml.plan(M.build("llama"), ml.offload(params=1.0, grads=1.0, optimizer=1.0),
                 ml.Mesh(dp=1, fake=True))
     assert _plan(ml.data_parallel("dp") | ml.offload(params=1.0, grads=1.0,
                                                      optimizer=1.0)).runnable
-    p = _plan(ml.zero_shard(2, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0))
-    assert p.runnable and not p.not_runnable
+    for stage in (1, 2):
+        p = _plan(ml.zero_shard(stage, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0))
+        assert p.runnable and not p.not_runnable
     # gradients summed after the backward (ZeRO-1's reduce-scatter) leave at the step
     p = _plan(ml.zero_shard(1, "dp") | ml.offload(grads=1.0, optimizer=1.0))
     assert p.runnable and not p.not_runnable
