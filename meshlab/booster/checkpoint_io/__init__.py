@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from ..core.errors import ConfigError
-from . import _files
+from ...core.errors import ConfigError
+from .. import _files
 
 
 class CheckpointIO:
@@ -24,12 +24,12 @@ class CheckpointIO:
     so ``_sync_d2h`` and ``_sync_io`` only wait for a background save of the Booster's."""
 
     def _sync_d2h(self) -> None:
-        from ..checkpoint import wait
+        from ...checkpoint import wait
 
         wait()
 
     def _sync_io(self) -> None:
-        from ..checkpoint import wait
+        from ...checkpoint import wait
 
         wait()
 
@@ -123,7 +123,7 @@ def _read_flat_optimizer(path: str, optimizer) -> dict:
     tuples after the optimizer's own groups."""
     from safetensors import safe_open
 
-    from ..checkpoint._state import restored
+    from ...checkpoint._state import restored
 
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
