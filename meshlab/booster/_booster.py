@@ -35,7 +35,6 @@ def launch_from_torch(backend: str | None = None, seed: int = 1024, verbose: boo
     ``backend`` defaults to NCCL with GPUs, gloo without. A process group that already
     exists is used as it is."""
     import os
-    import random
 
     from ..core.errors import check_int
 
@@ -50,14 +49,9 @@ def launch_from_torch(backend: str | None = None, seed: int = 1024, verbose: boo
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend or ("nccl" if cuda else "gloo"))
-    random.seed(seed)
-    try:
-        import numpy as np
+    from .utils import set_seed
 
-        np.random.seed(seed)
-    except ImportError:
-        pass
-    torch.manual_seed(seed)
+    set_seed(seed)
     if verbose:         # rank 0's, at MESHLAB_LOG_LEVEL=INFO
         from ..core.log import get_logger
 
