@@ -259,7 +259,8 @@ class Booster:
         model's own loss of the labels); for a model with declared blocks
         (``pipeline(blocks=...)``) it is what the model's forward returns. Returns
         ``{'loss': the loss averaged over microbatches and data ranks (on every rank),
-        'outputs': the last stage's outputs (there; None elsewhere)}``."""
+        'outputs': the last stage's outputs (there; None elsewhere)}``, a Hugging Face
+        model's in its own output (``outputs['logits']``; a sequence classifier's pooled)."""
         from ..transforms.pipeline._runtime import PipelinePart
 
         rt = runtime_or_none(model)
@@ -278,14 +279,15 @@ class Booster:
             loss, out = part.forward_backward(rt, batch, loss_fn, return_outputs=return_outputs,
                                               scale=scaler.scale if scaler is not None else 1.0)
         return {"loss": torch.tensor(loss) if return_loss else None,
-                "outputs": out if return_outputs else None}
+                "outputs": _hf_outputs(model, out) if return_outputs else None}
 
     def _criterion(self, model: nn.Module, criterion: Callable) -> Callable:
         """``criterion(outputs, inputs)`` as the schedule's ``loss_fn(output, microbatch)``
         (one adapter per criterion: the schedule is built once per loss function). A
         Hugging Face model's logits are wrapped in its output with its own loss of the
-        labels (the ids where the batch has none); any other model's output is passed as
-        its forward returned it."""
+        labels (the ids where the batch has none; a sequence classifier's pooled logits
+        with its loss of the batch's labels, none without them); any other model's output
+        is passed as its forward returned it."""
         key = id(criterion)
         if key not in self._criteria:
             config = getattr(model, "config", None)
@@ -294,7 +296,12 @@ class Booster:
                 return criterion
             from transformers.modeling_outputs import CausalLMOutputWithPast
 
+            from ..transforms.pipeline._stage import pools
+
             vocab = config.vocab_size
+            if pools(model):
+                self._criteria[key] = _classifier_criterion(model, criterion)
+                return self._criteria[key]
 
             def loss_fn(logits, batch):
                 from torch.distributed.tensor import DTensor
@@ -400,12 +407,12 @@ def _device(device):
 
 
 def _microbatches(t, size: int, dataloader):
-    """``pipeline(microbatches=...)`` from ``microbatch_size`` and the per-rank batch."""
+    """``pipeline(microbatches=...)`` from ``microbatch_size`` and the per-rank batch of
+    ``dataloader``; without one, each batch is cut into microbatches of ``size`` rows as
+    it comes (``pipeline(microbatch_size=...)``), as Colossal-AI's schedule does."""
     bs = getattr(dataloader, "batch_size", None)
     if not isinstance(bs, int):
-        raise ConfigError(f"microbatch_size={size}: the number of microbatches is the per-rank "
-                          f"batch over microbatch_size; pass the dataloader to boost, or give "
-                          f"num_microbatches instead")
+        return dataclasses.replace(t, microbatch_size=size)
     if bs % size:
         raise ConfigError(f"microbatch_size={size} does not divide the per-rank batch {bs}; "
                           f"use a divisor of {bs}")
@@ -442,3 +449,33 @@ def _buffer_broadcast(model: nn.Module) -> None:
                 dist.broadcast(b, src=src, group=group)
 
     model.register_forward_pre_hook(hook)
+
+
+def _hf_outputs(model: nn.Module, out):
+    """The last stage's logits of the whole batch in a Hugging Face model's own output
+    (``['logits']``, ``.logits``), as Colossal-AI hands them back; anything else as it is."""
+    if not isinstance(out, torch.Tensor) or getattr(model, "config", None) is None or \
+            not callable(getattr(model, "loss_function", None)):
+        return out
+    from transformers.modeling_outputs import (CausalLMOutputWithPast,
+                                               SequenceClassifierOutputWithPast)
+
+    from ..transforms.pipeline._stage import pools
+
+    kind = SequenceClassifierOutputWithPast if pools(model) else CausalLMOutputWithPast
+    return kind(logits=out)
+
+
+def _classifier_criterion(model: nn.Module, criterion: Callable) -> Callable:
+    """A sequence classifier's ``criterion`` on the last stage: its pooled logits (the
+    stage pooled them as the model's forward does) in its own output, with the model's
+    own loss of ``labels`` (regression, single- or multi-label by its config)."""
+    from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+    def loss_fn(logits, batch):
+        labels = batch.get("labels")
+        own = None if labels is None else model.loss_function(
+            labels=labels, pooled_logits=logits, config=model.config)
+        return criterion(SequenceClassifierOutputWithPast(loss=own, logits=logits), batch)
+
+    return loss_fn

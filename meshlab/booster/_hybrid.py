@@ -41,8 +41,9 @@ def _hybrid_args(overlap_default: bool) -> tuple[Arg, ...]:
              "without a pipeline it has nothing to split and warns, as scripts pass it "
              "unconditionally)", With(8, (("pp_size", 2),))),
         maps("microbatch_size", None, "pipeline(microbatches=per-rank batch // "
-             "microbatch_size) (the batch size comes from the dataloader given to boost; "
-             "with pp_size 1 it warns and does nothing)",
+             "microbatch_size) with the dataloader given to boost, else "
+             "pipeline(microbatch_size=...): each batch cut into microbatches of that many "
+             "rows as it comes (with pp_size 1 it warns and does nothing)",
              With(1, (("num_microbatches", None), ("pp_size", 2)))),
     ) + scaler_args(2 ** 16) + (
         maps("max_norm", 0, "meshlab.optimizer(clip_grad_norm=max_norm): clipping by the "

@@ -21,6 +21,13 @@
   ``execute_pipeline`` on both), against the same model trained in one process on the same
   batches: weights to 1e-5 after two steps (the original compares to 1e-2, against a copy
   boosted the same way).
+* ``examples/language/gpt/hybridparallelism/finetune.py`` with ``--plugin
+  hybrid_parallel``: a GPT-2 sequence classifier (a pad id, rows padded at their end)
+  under ``HybridParallelPlugin(pp_size=2, microbatch_size=1, zero_stage=1)``, trained
+  through ``execute_pipeline`` with the script's criterion (``outputs.loss``) and
+  evaluated with ``return_outputs=True`` (``outputs['outputs']['logits']`` on the last
+  stage, argmax over the labels), against one process on the same batches: losses,
+  pooled logits and weights to 1e-5 (fp32 where the script runs fp16: exactness).
 """
 
 from __future__ import annotations
@@ -222,9 +229,75 @@ def case_pipeline_grad_accumulation(rank, world):
                                    msg=lambda m, n=n: f"{n}: {m}")
 
 
+def case_pipeline_sequence_classifier(rank, world):
+    import copy
+
+    import transformers as T
+
+    from meshlab.booster import Booster
+    from meshlab.booster.plugin import HybridParallelPlugin
+
+    torch.manual_seed(0)
+    cfg = T.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=128, n_positions=64,
+                       attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, num_labels=2,
+                       pad_token_id=0, attn_implementation="eager")
+    model = T.GPT2ForSequenceClassification(cfg)
+    origin = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    origin_opt = torch.optim.AdamW(origin.parameters(), lr=1e-3)
+    plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=None,
+                                  microbatch_size=1, zero_stage=1, precision="fp32")
+    booster = Booster(plugin=plugin)
+    criterion = lambda x: x.loss                                       # noqa: E731
+
+    def _criterion(outputs, inputs):
+        return criterion(outputs)
+
+    model, optimizer, _criterion, *_ = booster.boost(model, optimizer, criterion=_criterion)
+    torch.manual_seed(1)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(1, 128, (4, 16))
+        ids[1, -5:] = 0                               # padded rows pool earlier tokens
+        ids[3, -1:] = 0
+        batches.append({"input_ids": ids, "attention_mask": (ids != 0).long(),
+                        "labels": torch.randint(0, 2, (4,))})
+    losses = []
+    for batch in batches[:2]:
+        want = origin(**batch).loss
+        want.backward()
+        origin_opt.step()
+        origin_opt.zero_grad()
+        out = booster.execute_pipeline(iter([batch]), model, _criterion, optimizer,
+                                       return_loss=True)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append((float(out["loss"]), float(want)))
+    last = plugin.stage_manager.is_last_stage()
+    out = booster.execute_pipeline(iter([batches[2]]), model, _criterion,
+                                   return_loss=True, return_outputs=True)
+    with torch.no_grad():
+        ref = origin(**batches[2])
+    for got, want in losses + [(float(out["loss"]), float(ref.loss))]:
+        assert abs(got - want) <= 1e-5, losses
+    if last:
+        logits = out["outputs"]["logits"]
+        torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(torch.argmax(logits, axis=1), torch.argmax(ref.logits, axis=1))
+    else:
+        assert out["outputs"] is None
+    want = dict(origin.named_parameters())
+    got = dict(model.unwrap().named_parameters())
+    assert got, "this stage holds no parameters"
+    for n, p in got.items():
+        torch.testing.assert_close(p.detach(), want[n].detach(), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("case", [case_ddp, case_no_sync, case_dp_plugin_base,
                                   case_zero2_grad_norm, case_fp16_configure,
-                                  case_pipeline_grad_accumulation])
+                                  case_pipeline_grad_accumulation,
+                                  case_pipeline_sequence_classifier])
 def test_colossal_plugin_cases(world2, case):
     world2.run(case)
 

@@ -38,7 +38,9 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zero_bubble": 2, "zbv": 2
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline(Transform):
-    """Pipeline parallelism over ``axis`` with ``schedule`` and ``microbatches``."""
+    """Pipeline parallelism over ``axis`` with ``schedule`` and ``microbatches``; with
+    ``microbatch_size``, each batch is cut into microbatches of that many rows as it
+    comes (``microbatches`` then the count the plan's estimates take)."""
 
     kind: ClassVar[str] = "pipeline"
     phase: ClassVar[Phase] = Phase.SCHEDULE
@@ -49,12 +51,16 @@ class Pipeline(Transform):
     virtual_stages: int | None = None
     layers_per_stage: tuple[int, ...] | None = None
     blocks: str | tuple[str, ...] | None = None
+    microbatch_size: int | None = None
 
     def __post_init__(self):
         check_name(self.axis, "pipeline", "axis", example="pp")
         check_choice(self.schedule, "pipeline", "schedule", tuple(SCHEDULES))
         object.__setattr__(self, "microbatches", check_int(
             self.microbatches, "pipeline", "microbatches", example=4))
+        if self.microbatch_size is not None:
+            object.__setattr__(self, "microbatch_size", check_int(
+                self.microbatch_size, "pipeline", "microbatch_size", example=1))
         if self.virtual_stages is not None:
             object.__setattr__(self, "virtual_stages", check_int(
                 self.virtual_stages, "pipeline", "virtual_stages", example=2))
@@ -173,11 +179,14 @@ class Pipeline(Transform):
         mask and positions from them as the model's forward does, so padded and packed
         batches train as one process) and ``labels`` (the loss): a batch with any other
         key is refused by name before the step's first collective. A model with declared
-        ``blocks`` gets every key its forward takes, and masks as it does."""
-        if self.blocks is None:
-            from ._runtime import check_keys
+        ``blocks`` gets every key its forward takes, and masks as it does. Under
+        ``microbatch_size`` a batch it does not cut into one microbatch per stage or more
+        is refused there too."""
+        from ._runtime import check_keys, microbatch_count
 
+        if self.blocks is None:
             check_keys(batch)
+        microbatch_count(self, plan.mesh_shape[self.axis], batch)
 
     def install(self, ctx):
         from ._runtime import PipelineSetup
@@ -188,8 +197,11 @@ class Pipeline(Transform):
         layers = ("" if self.layers_per_stage is None
                   else f", layers_per_stage={self.layers_per_stage!r}")
         blocks = "" if self.blocks is None else f", blocks={self.blocks!r}"
+        size = "" if self.microbatch_size is None else \
+            f", microbatch_size={self.microbatch_size}"
         return (f"pipeline({self.axis!r}, schedule={self.schedule!r}, "
-                f"microbatches={self.microbatches}, virtual_stages={self.v}{layers}{blocks})")
+                f"microbatches={self.microbatches}, virtual_stages={self.v}{layers}{blocks}"
+                f"{size})")
 
 
 def _check_split_backward(t: Pipeline, plan: Plan) -> None:
@@ -235,8 +247,13 @@ def _layers(value) -> tuple[int, ...]:
 def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
              virtual_stages: int | None = None,
              layers_per_stage: tuple[int, ...] | list[int] | None = None,
-             blocks: str | tuple[str, ...] | list[str] | None = None) -> Pipeline:
+             blocks: str | tuple[str, ...] | list[str] | None = None,
+             microbatch_size: int | None = None) -> Pipeline:
     """Split the model's blocks into pipeline stages over mesh axis ``axis``.
+
+    ``microbatch_size`` cuts each batch into microbatches of that many rows, however
+    many rows it has (Colossal-AI's ``microbatch_size``); ``microbatches`` is then the
+    count the plan's estimates take.
 
     ``blocks`` declares them for any model: the name of a ``ModuleList``/``ModuleDict``
     attribute, or a list of module names. The model's own forward then runs on every
@@ -249,7 +266,8 @@ def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,
     >>> pipeline('pp', blocks='layers')
     pipeline('pp', schedule='1f1b', microbatches=4, virtual_stages=1, blocks='layers')
     """
-    return Pipeline(axis, schedule, microbatches, virtual_stages, layers_per_stage, blocks)
+    return Pipeline(axis, schedule, microbatches, virtual_stages, layers_per_stage, blocks,
+                    microbatch_size)
 
 
 def stages(plan: Plan) -> list[Stage]:

@@ -118,20 +118,24 @@ def own_feed(batch, m: int, sig: Signature) -> Feed:
 DECODER_KEYS = ("attention_mask", "position_ids")   # what every decoder stage reads by name
 
 
-def decoder_feed(batch, m: int, x: torch.Tensor) -> Feed:
+def decoder_feed(batch, m: int, x: torch.Tensor, ids: bool = False) -> Feed:
     """The inputs of meshlab's stages of a Hugging Face decoder: ``x`` (the input ids,
     ``_pipeline_batch`` checked the batch) for the first stage; the batch's
     ``attention_mask`` and ``position_ids`` to every stage by name, in the form
     ``meshlab.step`` gives a Hugging Face model (``_packing.as_packed``: where rows pack
     several samples, the mask folded into the position ids), so each stage builds the
     mask and positions the model's forward builds for its microbatch; the loss reads the
-    microbatches of the whole batch (of ``{'input_ids': x}`` for a tensor)."""
+    microbatches of the whole batch (of ``{'input_ids': x}`` for a tensor). With ``ids``
+    (a sequence classifier) the input ids go to every stage by name too: the last pools
+    each row at its last token that is not padding."""
     from .._packing import as_packed
 
     whole = dict(batch) if isinstance(batch, Mapping) else {"input_ids": x}
     _check_rows(whole, m)
     packed = as_packed(whole, ("position_ids", "use_cache"))
     kwargs = {k: packed[k] for k in DECODER_KEYS if packed.get(k) is not None}
+    if ids:
+        kwargs["input_ids"] = x
     return Feed((x,), kwargs, _rows(whole, m), torch.arange(m), whole)
 
 

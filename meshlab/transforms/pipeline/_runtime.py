@@ -20,7 +20,7 @@ from .._protocol import Part
 from ._feed import Feed, decoder_feed, microbatch, own_feed, signature_of
 from ._guard import StageFailures, guarded_loss
 from ._schedule import PipelineStages, stages, torch_actions
-from ._stage import DecoderStage, model_layout, prune, seq_split
+from ._stage import DecoderStage, head_name, model_layout, pools, prune, seq_split
 
 
 class PipelineSetup:
@@ -57,7 +57,7 @@ class PipelineSetup:
                 setattr(base, part, elsewhere())
         if not self.last:
             setattr(base, lay.norm, elsewhere())
-            model.lm_head = elsewhere()
+            setattr(model, head_name(model), elsewhere())
 
     def build(self, ctx) -> "PipelinePart":
         from torch.distributed.pipelining import PipelineStage
@@ -72,7 +72,9 @@ class PipelineSetup:
         _refuse_generate(ctx.model)
         sig = None if self.t.blocks is None else signature_of(ctx.model)
         return PipelinePart(self.t, group, built, self.kept, self.first, self.last,
-                            failures=failures, signature=sig, tied=tied)
+                            failures=failures, signature=sig, tied=tied,
+                            classifier=ctx.model.config if sig is None and pools(ctx.model)
+                            else None)
 
     def _tied_head(self, ctx, group) -> "TiedHead | None":
         """A head tied to the token embeddings, run on another rank than the first stage's
@@ -278,6 +280,42 @@ def _pipeline_batch(batch, microbatches: int):
     return x, target
 
 
+def microbatch_count(t, ranks: int, batch) -> int:
+    """How many microbatches ``batch`` is cut into over ``ranks`` pipeline ranks:
+    ``pipeline(microbatches=...)``, or with ``microbatch_size`` its rows over that size
+    (refused by name where the size does not divide them, or leaves fewer microbatches
+    than the schedule runs stages), the same on every rank (their shapes agree)."""
+    from ...core.errors import ConfigError
+
+    size = t.microbatch_size
+    if size is None:
+        return t.microbatches
+    first = batch if isinstance(batch, torch.Tensor) else next(
+        (v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+        None) if isinstance(batch, Mapping) else None
+    rows = 0 if first is None else first.shape[0]
+    stages = ranks * t.v
+    if rows == 0 or rows % size or rows // size < stages:
+        raise ConfigError(f"pipeline(microbatch_size={size}) cuts each batch into "
+                          f"microbatches of {size} rows, at least {stages} of them (one per "
+                          f"stage); this batch has {rows} rows per data-parallel rank. Use "
+                          f"a batch of a multiple of {size} rows, at least {stages * size}")
+    return rows // size
+
+
+def _check_pooled(config, rows: int) -> None:
+    """A sequence classifier pools each row at its last token that is not padding, which
+    a config without a pad id defines for rows of one only (its forward refuses more):
+    refused on every rank before the schedule's first send (shapes agree on every rank)."""
+    from ...core.errors import ConfigError
+
+    if config.pad_token_id is None and rows > 1:
+        raise ConfigError(f"pipeline: a sequence classifier pools each row's last token that "
+                          f"is not padding, and its config names no pad_token_id; set "
+                          f"model.config.pad_token_id (e.g. to the tokenizer's eos_token_id), "
+                          f"or use microbatches of one row (these have {rows})")
+
+
 @dataclasses.dataclass
 class PipelinePart(Part):
     """Runs the step through the schedule; the gradient norm is summed over the stages."""
@@ -295,6 +333,8 @@ class PipelinePart(Part):
     signature: Any = None
     _schedules: dict = dataclasses.field(default_factory=dict)
     tied: TiedHead | None = None     # the LM head tied to the embeddings across ranks
+    classifier: Any = None           # a sequence classifier's config: its last stage pools
+    _m: int = 0                      # this call's microbatches (``feed``)
     _scale: float = 1.0
     _weight: float = 1.0
     _feed: Feed | None = None
@@ -314,9 +354,9 @@ class PipelinePart(Part):
         computed and waits for a receive only where its input is used."""
         from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
-        key = id(loss_fn)
+        m = self._m
+        key = (id(loss_fn), m)
         if key not in self._schedules:
-            m = self.t.microbatches
 
             # The loss is the caller's, of the microbatch the schedule's target names
             # (``_feed``). Each microbatch's loss is weighed here (``_weight``: divided by
@@ -343,7 +383,7 @@ class PipelinePart(Part):
                                              loss_fn=guarded_loss(stage_loss, self.failures),
                                              scale_grads=False)
             sched._prepare_schedule_with_comms(torch_actions(
-                self.t.schedule, self.group.size(), self.t.microbatches, self.t.v))
+                self.t.schedule, self.group.size(), m, self.t.v))
             self._schedules[key] = sched
         return self._schedules[key]
 
@@ -385,15 +425,18 @@ class PipelinePart(Part):
         data-parallel size, which undoes the data ranks' average of the gradients and of
         the loss (``_run``), as ``step`` does without a pipeline."""
         if reduction is None or reduction.reduction == "mean":
-            return 1.0 / self.t.microbatches
+            return 1.0 / self._m
         return reduction.factor * reduction.backward_scale
 
     def feed(self, batch) -> Feed:
         """The schedule's inputs for ``batch`` (``_feed``), checked before any send."""
-        m = self.t.microbatches
+        m = self._m = microbatch_count(self.t, self.group.size(), batch)
         if self.signature is not None:
             return own_feed(batch, m, self.signature)
-        return decoder_feed(batch, m, _pipeline_batch(batch, m)[0])
+        x = _pipeline_batch(batch, m)[0]
+        if self.classifier is not None:
+            _check_pooled(self.classifier, x.shape[0] // m)
+        return decoder_feed(batch, m, x, ids=self.classifier is not None)
 
     def _run(self, rt, batch, loss_fn, train: bool, return_outputs: bool, scale: float,
              reduction=None):

@@ -80,6 +80,44 @@ LAYOUTS = (
 )
 
 
+def head_name(model_or_cls) -> str:
+    """The last stage's head: ``lm_head`` (a causal LM), or ``score`` for a sequence
+    classifier (``*ForSequenceClassification``: the head on every position, then the row's
+    last token that is not padding pooled, as its forward does)."""
+    return "score" if pools(model_or_cls) else "lm_head"
+
+
+def pools(model_or_cls) -> bool:
+    """Whether the model is a sequence classifier whose logits are pooled from its last
+    token that is not padding."""
+    x = model_or_cls
+    name = x if isinstance(x, str) else x.__name__ if isinstance(x, type) else type(x).__name__
+    return name.endswith("ForSequenceClassification")
+
+
+def pool_last_token(logits: torch.Tensor, input_ids: torch.Tensor | None,
+                    pad_token_id: int | None) -> torch.Tensor:
+    """Each row's logits at its last token that is not ``pad_token_id`` (the last
+    position with no pad id), as Hugging Face's sequence classifiers pool them. Without a
+    pad id only rows of one are defined; more are refused by name."""
+    rows = logits.shape[0]
+    if pad_token_id is None:
+        if rows != 1:
+            raise ConfigError(f"pipeline: a sequence classifier pools each row's last token "
+                              f"that is not padding, and its config names no pad_token_id; "
+                              f"set model.config.pad_token_id (e.g. to the tokenizer's "
+                              f"eos_token_id), or use microbatches of one row (this one has "
+                              f"{rows})")
+        return logits[:, -1]
+    if input_ids is None:
+        raise ConfigError("pipeline: a sequence classifier's last stage pools each row by its "
+                          "input_ids, and the schedule handed it none")
+    keep = (input_ids != pad_token_id).to(device=logits.device, dtype=torch.int32)
+    where = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+    last = (where * keep).argmax(-1)
+    return logits[torch.arange(rows, device=logits.device), last]
+
+
 def layout_of(has) -> Layout | None:
     """The first of ``LAYOUTS`` whose parts ``has(name)`` finds under the base model."""
     return next((lay for lay in LAYOUTS if all(has(n) for n in lay.needs)), None)
@@ -160,11 +198,16 @@ def _probe(cls, values: dict) -> str | None:
     ids = torch.randint(0, min(VOCAB, cfg.vocab_size), (2, 8), generator=g)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
+    if pools(cls):        # a sequence classifier: the second row ends in two pad ids
+        if cfg.pad_token_id is None:
+            cfg.pad_token_id = tiny.config.pad_token_id = 0
+        ids[1, -2:] = cfg.pad_token_id
+        mask[1, -2:] = 0
     n = len(getattr(getattr(tiny, tiny.base_model_prefix), model_layout(tiny).layers))
     with torch.no_grad():
         want = tiny(input_ids=ids, attention_mask=mask).logits
         h = DecoderStage(tiny, list(range(n // 2)), True, False)(ids, mask)
-        got = DecoderStage(tiny, list(range(n // 2, n)), False, True)(h, mask)
+        got = DecoderStage(tiny, list(range(n // 2, n)), False, True)(h, mask, input_ids=ids)
     worst = float((got - want).abs().max()) if got.shape == want.shape else float("inf")
     if worst <= 1e-9 * max(1.0, float(want.abs().max())):
         return None
@@ -207,7 +250,8 @@ class DecoderStage(nn.Module):
         self.positions = getattr(base, lay.positions) if first and lay.positions else None
         self.dropout = getattr(base, lay.dropout, None) if first and lay.dropout else None
         self.norm = getattr(base, lay.norm) if last else None
-        self.head = model.lm_head if last else None
+        self.head = getattr(model, head_name(model)) if last else None
+        self.pools = last and pools(model)
         self.layer_ids, self.first, self.last = list(layer_ids), first, last
         self.failures = failures        # ``_guard.StageFailures``: where an exception goes
         # how many parts the sequence is cut into between the blocks (sequence parallelism:
@@ -215,16 +259,18 @@ class DecoderStage(nn.Module):
         self.seq_split = seq_split
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The stage's blocks on ``x``, with the microbatch's ``attention_mask`` and
         ``position_ids`` where the batch has them (the schedule hands every stage its
-        microbatch's slice of them by name); under a schedule, an exception is recorded
+        microbatch's slice of them by name), and its ``input_ids`` where a sequence
+        classifier's last stage pools by them; under a schedule, an exception is recorded
         and a stand-in handed on, so the other stages do not wait for this one
         (``_guard``)."""
         if self.failures is None:
-            return self._blocks(x, attention_mask, position_ids)
+            return self._blocks(x, attention_mask, position_ids, input_ids)
         try:
-            return self._blocks(x, attention_mask, position_ids)
+            return self._blocks(x, attention_mask, position_ids, input_ids)
         except Exception as e:     # raised on every rank once the schedule is done
             self.failures.record(e)
             config = getattr(self._model[0], "config", None)
@@ -233,7 +279,8 @@ class DecoderStage(nn.Module):
             self.failures.stand_ins.add(id(out))
             return out
 
-    def _blocks(self, x: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
+    def _blocks(self, x: torch.Tensor, attention_mask=None, position_ids=None,
+                input_ids=None) -> torch.Tensor:
         from transformers.masking_utils import (create_causal_mask,
                                                 create_sliding_window_causal_mask)
 
@@ -281,6 +328,8 @@ class DecoderStage(nn.Module):
             # the schedule's loss runs the head (``runs_head``), the logits never exist
             if not fused_loss_of(model):
                 h = self.head(h)                                # (B, S, V)
+            if self.pools:                                      # (B, labels)
+                h = pool_last_token(h, input_ids, base.config.pad_token_id)
         return h
 
 
@@ -322,11 +371,12 @@ def check_layout(plan) -> None:
     prefix = plan.model.base_prefix
     names = {m.fqn for m in plan.model.modules}
     if layout_of(lambda n: (f"{prefix}.{n}" if prefix else n) in names) is not None:
-        if "lm_head" not in names:
-            raise ConfigError(f"pipeline: {plan.model.cls or 'the model'} has no lm_head; "
-                              f"meshlab's decoder stages end in a causal-LM head (a "
-                              f"classification head that pools the last token is not yet "
-                              f"staged); parallelize it without pipeline()")
+        head = head_name(plan.model.cls or "")
+        if head not in names:
+            raise ConfigError(f"pipeline: {plan.model.cls or 'the model'} has no {head}; "
+                              f"meshlab's decoder stages end in a causal-LM head (lm_head) "
+                              f"or a sequence classifier's (score, pooled at each row's last "
+                              f"token); parallelize it without pipeline()")
         config = getattr(plan.source, "config", None)
         if config is not None:
             check_staged(config, plan.model.cls or "the model")

@@ -19,9 +19,19 @@ is refused by name, with the fix, before anything runs.
 * Sliding-window attention: each block gets the mask the model's own forward gives it
   (Mistral: every block sliding; Qwen2 with ``use_sliding_window``: per ``layer_types``),
   a window of 4 over 8 positions, pp=2 through ``meshlab.verify`` in float64.
-* Refused at plan on a fake mesh (no process group): Cohere's logit scale and Gemma 2's logit soft-capping (transforms of
-  the logits the stages do not apply), a GPT-2 sequence classifier (no causal-LM head),
-  BERT (laid out as no decoder meshlab stages) and T5 (an encoder-decoder).
+* Sequence classifiers (GPT-2's and Llama's ``*ForSequenceClassification``): the last
+  stage runs the ``score`` head and pools each row at its last token that is not padding,
+  reading the microbatch's input ids as the model's forward does; rows padded at their
+  end, pp=2 (and GPT-2 at dp=2 x pp=2) through ``meshlab.verify`` in float64 with a
+  cross-entropy of the pooled logits. Without a pad id, microbatches of more than one
+  row are refused on every rank, as the model's forward refuses such batches.
+* ``pipeline(microbatch_size=...)``: each batch cut into microbatches of that many rows
+  as it comes, as one process trains; a batch it does not divide, or too short for one
+  microbatch per stage, refused on every rank.
+* Refused at plan on a fake mesh (no process group): Cohere's logit scale and Gemma 2's
+  logit soft-capping (transforms of the logits the stages do not apply), a GPT-2 token
+  classifier (neither a causal-LM head nor a pooled one), BERT (laid out as no decoder
+  meshlab stages) and T5 (an encoder-decoder).
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ def _refused():
         "gemma2": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
             hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, vocab_size=64)), "final_logit_softcapping"),
-        "gpt2_classifier": (lambda: T.GPT2ForSequenceClassification(T.GPT2Config(
+        "gpt2_token_classifier": (lambda: T.GPT2ForTokenClassification(T.GPT2Config(
             n_embd=32, n_layer=4, n_head=4, vocab_size=64, n_positions=64, pad_token_id=0)),
             "has no lm_head"),
         "bert": (lambda: T.BertForMaskedLM(T.BertConfig(
@@ -128,6 +138,105 @@ def test_gpt2_untied_trains_as_one_process(world2):
 def test_gpt2_untied_with_tensor_parallelism(world4):
     for ok, text in world4.run(case_gpt2, tp=True):
         assert ok, text
+
+
+def _classifier(family: str, pad: int | None = 0):
+    import transformers as T
+
+    if family == "gpt2":
+        cfg = T.GPT2Config(n_embd=32, n_layer=4, n_head=4, vocab_size=64, n_positions=64,
+                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                           attn_implementation="sdpa", num_labels=3, pad_token_id=pad)
+        cls = T.GPT2ForSequenceClassification
+    else:
+        cfg = T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                            attn_implementation="sdpa", num_labels=3, pad_token_id=pad)
+        cls = T.LlamaForSequenceClassification
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def _pooled_loss(out, batch):
+    logits = out.logits if hasattr(out, "logits") else out
+    return torch.nn.functional.cross_entropy(logits, batch["labels"])
+
+
+def _labelled_batches(pad: int = 0):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(2):
+        ids = torch.randint(1, 64, (8, 8), generator=g)
+        ids[1, -3:] = pad                     # rows that end in padding: pooled earlier
+        ids[6, -1:] = pad
+        out.append({"input_ids": ids, "attention_mask": (ids != pad).long(),
+                    "labels": torch.randint(0, 3, (8,), generator=g)})
+    return out
+
+
+def case_classifier(rank, world, family: str, dp: int = 1):
+    spec, axes = ml.pipeline("pp", microbatches=2), {"pp": 2}
+    if dp > 1:
+        spec, axes = ml.data_parallel("dp") | spec, {"dp": dp, **axes}
+    report = ml.verify(_classifier(family), spec, ml.Mesh(**axes), _labelled_batches(),
+                       loss_fn=_pooled_loss, dtype=torch.float64, atol=1e-9, rtol=1e-7)
+    return report.ok, str(report)
+
+
+def case_classifier_without_pad(rank, world):
+    model = ml.parallelize(_classifier("gpt2", pad=None), ml.pipeline("pp", microbatches=2),
+                           ml.Mesh(pp=2), seed=0)
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    batch = {k: v for k, v in _labelled_batches()[0].items() if k != "attention_mask"}
+    try:
+        ml.step(model, opt, batch, loss_fn=_pooled_loss)
+    except ml.ConfigError as e:          # on every rank, before the schedule's first send
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_sequence_classifier_pools_on_the_last_stage(world2, family):
+    for ok, text in world2.run(case_classifier, family=family):
+        assert ok, text
+
+
+def test_sequence_classifier_beside_data_parallelism(world4):
+    for ok, text in world4.run(case_classifier, family="gpt2", dp=2):
+        assert ok, text
+
+
+def test_sequence_classifier_without_a_pad_id_is_refused_on_every_rank(world2):
+    for said in world2.run(case_classifier_without_pad):
+        assert said is not None and "names no pad_token_id" in said, said
+
+
+def case_microbatch_size(rank, world):
+    """``pipeline(microbatch_size=2)``: each batch of 8 rows runs as 4 microbatches
+    (Colossal-AI's ``microbatch_size``), as one process trains; a batch its size does not
+    divide, or one of fewer microbatches than stages, is refused on every rank."""
+    spec = ml.pipeline("pp", microbatch_size=2)
+    report = ml.verify(_classifier("gpt2"), spec, ml.Mesh(pp=2), _labelled_batches(),
+                       loss_fn=_pooled_loss, dtype=torch.float64, atol=1e-9, rtol=1e-7)
+    model = ml.parallelize(_classifier("llama"), ml.pipeline("pp", microbatch_size=4),
+                           ml.Mesh(pp=2), seed=0)
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    said = []
+    for rows in (6, 4):
+        batch = {k: v[:rows] for k, v in _labelled_batches()[0].items()}
+        try:
+            ml.step(model, opt, batch, loss_fn=_pooled_loss)
+            said.append(None)
+        except ml.ConfigError as e:
+            said.append(str(e))
+    return report.ok, str(report), said
+
+
+def test_microbatch_size_cuts_each_batch_as_it_comes(world2):
+    for ok, text, said in world2.run(case_microbatch_size):
+        assert ok, text
+        assert all(s is not None and "microbatch_size=4" in s for s in said), said
+        assert "6 rows" in said[0] and "at least 8" in said[1], said
 
 
 def test_tied_head_across_stages_trains_as_one_process(world2):
