@@ -126,8 +126,11 @@ class Plugin:
 
     @property
     def pg_mesh(self):
-        """The mesh over the launched ranks (Colossal-AI's ``ProcessGroupMesh``)."""
-        return self.mesh
+        """The mesh over the launched ranks as Colossal-AI's ``ProcessGroupMesh``
+        (``.mesh`` is meshlab's)."""
+        from .cluster import ProcessGroupMesh
+
+        return ProcessGroupMesh(self.mesh)
 
     @property
     def dp_group(self):

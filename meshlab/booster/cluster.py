@@ -87,3 +87,33 @@ class DistCoordinator:
                 return func(*args, **kwargs) if self.is_master(process_group) else None
             return wrapper
         return decorator
+
+
+class ProcessGroupMesh:
+    """Colossal-AI's ``ProcessGroupMesh`` as a script reads it (``plugin.pg_mesh``): the
+    launched ranks laid out on the plugin's mesh. ``get_ranks_in_group(group)`` are the
+    global ranks of one of its groups (``plugin.pp_group``, ``plugin.dp_group``, ...);
+    ``shape``, ``rank`` and ``coordinate()`` are the mesh's. The meshlab mesh itself is
+    ``mesh``."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.mesh.shape_tuple
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def coordinate(self, dim: int | None = None):
+        """This rank's index on every mesh dimension, or on dimension ``dim``."""
+        where = self.mesh.coordinate(dist.get_rank())
+        coord = tuple(where[a] for a in self.mesh.axis_names)
+        return coord if dim is None else coord[dim]
+
+    @staticmethod
+    def get_ranks_in_group(group) -> list[int]:
+        """The global ranks of ``group``, in its order."""
+        return dist.get_process_group_ranks(group)

@@ -14,7 +14,8 @@ from typing import Any, Iterable
 from ..core.errors import ConfigError
 
 
-def _names(entry: Any, by_id: dict, by_name: dict, i: int) -> list[str]:
+def _names(entry: Any, by_id: dict, by_name: dict, i: int,
+           elsewhere: frozenset = frozenset()) -> list[str]:
     raw = entry.get("params") if isinstance(entry, dict) else None
     if raw is None:
         raise ConfigError(f"optimizer(param_groups=...): group {i} is {entry!r}; each group is "
@@ -24,6 +25,8 @@ def _names(entry: Any, by_id: dict, by_name: dict, i: int) -> list[str]:
     out = []
     for x in items:
         name = x if isinstance(x, str) else by_id.get(id(x))
+        if name in elsewhere:          # another pipeline rank's: its optimizer steps it
+            continue
         if name is None or name not in by_name:
             what = repr(x) if isinstance(x, str) else f"a {type(x).__name__} {tuple(x.shape)}" \
                 if hasattr(x, "shape") else repr(x)
@@ -34,10 +37,13 @@ def _names(entry: Any, by_id: dict, by_name: dict, i: int) -> list[str]:
     return out
 
 
-def group_layout(params: list, param_groups) -> tuple[dict[int, int], list[dict]]:
+def group_layout(params: list, param_groups, elsewhere: frozenset = frozenset()
+                 ) -> tuple[dict[int, int], list[dict]]:
     """``({id(parameter): group index}, [each group's options])`` for ``params``
     (``[(fqn, parameter)]``, the trainable ones); ``param_groups=None`` is one group.
-    Every trainable parameter must be in exactly one group."""
+    Every trainable parameter must be in exactly one group. Names in ``elsewhere`` (the
+    model's parameters other pipeline ranks hold) are passed over: groups written for
+    the whole model serve every stage."""
     if param_groups is None:
         return {id(p): 0 for _, p in params}, [{}]
     groups = list(param_groups)
@@ -48,7 +54,7 @@ def group_layout(params: list, param_groups) -> tuple[dict[int, int], list[dict]
     group_of: dict[int, int] = {}
     options: list[dict] = []
     for i, g in enumerate(groups):
-        for name in _names(g, by_id, by_name, i):
+        for name in _names(g, by_id, by_name, i, elsewhere):
             p = by_name[name]
             if id(p) in group_of:
                 raise ConfigError(f"optimizer(param_groups=...): {name} is in groups "

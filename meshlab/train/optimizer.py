@@ -127,7 +127,10 @@ class MeshOptimizer(torch.optim.Optimizer):
                 self.params.append((n, p))
         prec = self.rt.part(PrecisionPart)
         self.scaler = prec.scaler() if prec is not None else None
-        self._group_of, options = group_layout(self.params, param_groups)
+        held = {n for n, _ in model.named_parameters()}
+        elsewhere = frozenset(e.fqn for e in self.rt.plan.params) - held \
+            if self.rt.roles.pp is not None else frozenset()
+        self._group_of, options = group_layout(self.params, param_groups, elsewhere)
         self._options = options
         tensors = self._inner_params(cls, kwargs)
         _refuse_on_dtensors(cls, [p for _, p in self.params])

@@ -23,11 +23,15 @@
   boosted the same way).
 * ``examples/language/gpt/hybridparallelism/finetune.py`` with ``--plugin
   hybrid_parallel``: a GPT-2 sequence classifier (a pad id, rows padded at their end)
-  under ``HybridParallelPlugin(pp_size=2, microbatch_size=1, zero_stage=1)``, trained
-  through ``execute_pipeline`` with the script's criterion (``outputs.loss``) and
-  evaluated with ``return_outputs=True`` (``outputs['outputs']['logits']`` on the last
-  stage, argmax over the labels), against one process on the same batches: losses,
-  pooled logits and weights to 1e-5 (fp32 where the script runs fp16: exactness).
+  under ``HybridParallelPlugin(pp_size=2, microbatch_size=1, enable_all_optimization=True,
+  zero_stage=1)`` boosted without its dataloader, ``HybridAdam`` over the script's two
+  parameter groups (no decay for biases and norms, every stage's parameters named in
+  them), trained through ``execute_pipeline`` with the script's criterion
+  (``outputs.loss``) and evaluated with ``return_outputs=True``
+  (``outputs['outputs']['logits']`` on the last stage, argmax over the labels, the
+  stage's ranks from ``plugin.pg_mesh.get_ranks_in_group(plugin.pp_group)``), against one
+  process on the same batches: losses, pooled logits and weights to 1e-5 (fp32 where the
+  script runs fp16: exactness).
 """
 
 from __future__ import annotations
@@ -235,6 +239,7 @@ def case_pipeline_sequence_classifier(rank, world):
     import transformers as T
 
     from meshlab.booster import Booster
+    from meshlab.booster.nn.optimizer import HybridAdam
     from meshlab.booster.plugin import HybridParallelPlugin
 
     torch.manual_seed(0)
@@ -243,10 +248,19 @@ def case_pipeline_sequence_classifier(rank, world):
                        pad_token_id=0, attn_implementation="eager")
     model = T.GPT2ForSequenceClassification(cfg)
     origin = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    origin_opt = torch.optim.AdamW(origin.parameters(), lr=1e-3)
+
+    def grouped(m):                 # the script's groups: no decay for biases and norms
+        no_decay = ["bias", "LayerNorm.weight", "ln_"]
+        return [{"params": [p for n, p in m.named_parameters()
+                            if not any(nd in n for nd in no_decay)], "weight_decay": 0.1},
+                {"params": [p for n, p in m.named_parameters()
+                            if any(nd in n for nd in no_decay)], "weight_decay": 0.0}]
+
+    optimizer = HybridAdam(grouped(model), lr=1e-3, eps=1e-8)
+    origin_opt = HybridAdam(grouped(origin), lr=1e-3, eps=1e-8)
     plugin = HybridParallelPlugin(tp_size=1, pp_size=2, num_microbatches=None,
-                                  microbatch_size=1, zero_stage=1, precision="fp32")
+                                  microbatch_size=1, enable_all_optimization=True,
+                                  zero_stage=1, precision="fp32")
     booster = Booster(plugin=plugin)
     criterion = lambda x: x.loss                                       # noqa: E731
 
@@ -274,6 +288,7 @@ def case_pipeline_sequence_classifier(rank, world):
         optimizer.zero_grad()
         losses.append((float(out["loss"]), float(want)))
     last = plugin.stage_manager.is_last_stage()
+    assert plugin.pg_mesh.get_ranks_in_group(plugin.pp_group) == [0, 1]
     out = booster.execute_pipeline(iter([batches[2]]), model, _criterion,
                                    return_loss=True, return_outputs=True)
     with torch.no_grad():

@@ -419,13 +419,29 @@ def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
 
 # ------------------------------------------------------------------------ attention
 
+# Config attributes that name an attention-probability dropout, by family (Llama-like,
+# GPT-2, BERT, Falcon-like).
+_ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
+                      "attn_dropout")
+
+
 def _find_attention(model: nn.Module) -> list:
-    """The model's ``set_attn_implementation``, refused where it has none."""
+    """The model's ``set_attn_implementation``, refused where it has none; nothing to
+    route where its attention drops probabilities out in training (meshlab's attention
+    has no dropout: the model keeps its own)."""
     setter = getattr(model, "set_attn_implementation", None)
     if setter is None:
         raise ConfigError(f"fuse(ops=('attention',)): {type(model).__name__} is not a "
                           f"transformers model with set_attn_implementation; leave "
                           f"'attention' out")
+    config = getattr(model, "config", None)
+    drop = next(((a, v) for a in _ATTENTION_DROPOUT
+                 if isinstance(v := getattr(config, a, None), (int, float)) and v > 0), None)
+    if drop is not None:
+        raise NothingToRoute(f"fuse(ops=('attention',)): {type(model).__name__}'s attention "
+                             f"drops probabilities out in training ({drop[0]}={drop[1]}), "
+                             f"which meshlab's fused attention does not; leave 'attention' "
+                             f"out, or set {drop[0]}=0.0")
     return [setter]
 
 
@@ -453,8 +469,9 @@ def _op_names(ops) -> tuple[str, ...]:
 
 
 class NothingToRoute(ConfigError):
-    """An op finds no module of the model to route (``fuse()`` leaves it out, an op named
-    in ``fuse(...)`` is refused)."""
+    """An op finds no module of the model to route, or none it computes as the model
+    does (attention with dropout): ``fuse()`` leaves it out, an op named in ``fuse(...)``
+    is refused."""
 
 
 def _find(model: nn.Module, op: str) -> list:

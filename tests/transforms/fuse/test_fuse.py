@@ -464,6 +464,33 @@ def test_fuse_leaves_what_the_model_lacks_and_says_so():
     assert ml.plan(llama, ml.fuse(), ml.Mesh(dp=1, fake=True)).decision(FuseLeft) is None
 
 
+def test_attention_with_dropout_is_left_to_the_model():
+    """meshlab's fused attention has no dropout: a model whose attention drops
+    probabilities out in training (GPT-2's default attn_pdrop=0.1) keeps its own under
+    ``fuse()`` (left, with the reason, in the plan), and ``fuse('attention')`` is refused
+    at plan, where the forward would otherwise raise mid-step. Without dropout it routes."""
+    import transformers as T
+
+    import meshlab as ml
+    from meshlab.transforms.fuse import FuseLeft
+
+    def gpt2(pdrop):
+        with torch.device("meta"):
+            return T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_layer=2, n_head=4,
+                                                  vocab_size=64, attn_pdrop=pdrop))
+
+    mesh = ml.Mesh(dp=1, fake=True)
+    plan = ml.plan(gpt2(0.1), ml.fuse(), mesh)
+    fuse = next(t for t in plan.rooms if t.kind == "fuse")
+    left = dict(plan.decision(FuseLeft).left)
+    assert "attention" not in fuse.routed(plan) and "attn_pdrop=0.1" in left["attention"]
+    with pytest.raises(ml.ConfigError, match=r"drops probabilities out in training "
+                                             r"\(attn_pdrop=0.1\).*set attn_pdrop=0.0"):
+        ml.plan(gpt2(0.1), ml.fuse("attention"), mesh)
+    plan = ml.plan(gpt2(0.0), ml.fuse(), mesh)
+    assert "attention" in next(t for t in plan.rooms if t.kind == "fuse").routed(plan)
+
+
 def fuse_case(rank, world, spec_name, ops):
     import torch.distributed as dist
 
