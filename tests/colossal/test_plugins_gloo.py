@@ -190,6 +190,16 @@ def case_launch_and_groups(rank, world, port):
     assert sm.is_first_stage() == (rank == 0) and sm.is_last_stage() == (rank == 1)
 
 
+def _stage_matches(model, origin) -> None:
+    """This pipeline rank's parameters equal the one-process model's, to 1e-5."""
+    want = dict(origin.named_parameters())
+    got = dict(model.unwrap().named_parameters())
+    assert got, "this stage holds no parameters"
+    for n, p in got.items():
+        torch.testing.assert_close(p.detach(), want[n].detach(), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, n=n: f"{n}: {m}")
+
+
 def case_pipeline_grad_accumulation(rank, world):
     import copy
 
@@ -225,12 +235,7 @@ def case_pipeline_grad_accumulation(rank, world):
             origin_opt.zero_grad()
             optimizer.step()
             optimizer.zero_grad()
-    want = dict(origin.named_parameters())
-    got = dict(model.unwrap().named_parameters())
-    assert got, "this stage holds no parameters"
-    for n, p in got.items():
-        torch.testing.assert_close(p.detach(), want[n].detach(), atol=1e-5, rtol=1e-5,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+    _stage_matches(model, origin)
 
 
 def case_pipeline_sequence_classifier(rank, world):
@@ -301,12 +306,7 @@ def case_pipeline_sequence_classifier(rank, world):
         assert torch.equal(torch.argmax(logits, axis=1), torch.argmax(ref.logits, axis=1))
     else:
         assert out["outputs"] is None
-    want = dict(origin.named_parameters())
-    got = dict(model.unwrap().named_parameters())
-    assert got, "this stage holds no parameters"
-    for n, p in got.items():
-        torch.testing.assert_close(p.detach(), want[n].detach(), atol=1e-5, rtol=1e-5,
-                                   msg=lambda m, n=n: f"{n}: {m}")
+    _stage_matches(model, origin)
 
 
 @pytest.mark.parametrize("case", [case_ddp, case_no_sync, case_dp_plugin_base,
