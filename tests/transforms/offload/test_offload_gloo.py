@@ -12,7 +12,8 @@
 * Checkpoints saved at one fraction resume at another, bitwise (ZeRO-3, and ZeRO-1 with
   parameters on the host or not).
 * ZeRO-1 with parameters on the host runs its slices over FSDP2 units (the parameters
-  resting where FSDP2 keeps them), and the plan counts its traffic as it runs.
+  resting where FSDP2 keeps them), and the plan counts its traffic as it runs; beside
+  hybrid sharding and tensor parallelism it trains as one process (``meshlab.verify``).
 """
 
 from __future__ import annotations
@@ -164,6 +165,32 @@ def test_fractions_on_4_ranks(world4):
     cases = [(1, "optimizer", 0.5), (3, "optimizer", 1.0), (3, "params", 0.5)]
     for results in world4.run(matrix_case, cases=cases):
         _check(results, bitwise=False, tol=1e-5)
+
+
+def zero1_beside_case(rank, world, which):
+    """ZeRO-1 with its parameters on the host beside hybrid sharding or tensor
+    parallelism, against one process (``meshlab.verify``, AdamW with eps=1 so an update is
+    about lr times its gradient, float32)."""
+    import meshlab as ml
+
+    off = ml.offload(params=1.0, grads=1.0, optimizer=1.0)
+    spec, mesh = {
+        "hybrid": (ml.data_parallel("rep") | ml.zero_shard(1, "dp") | off,
+                   dict(rep=2, dp=2)),
+        "tp": (ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)) | ml.zero_shard(1, "dp")
+               | off, dict(dp=2, tp=2)),
+    }[which]
+    data = [{"input_ids": b} for b in M.batches(2, batch=8, seq=8)]
+    report = ml.verify(M.build("llama"), spec, ml.Mesh(**mesh), data,
+                       optimizer=torch.optim.AdamW, lr=0.1, optimizer_options=dict(eps=1.0),
+                       dtype=torch.float32, atol=1e-5, rtol=1e-4)
+    return report.ok, str(report)
+
+
+@pytest.mark.parametrize("which", ["hybrid", "tp"])
+def test_zero1_host_parameters_beside_hybrid_sharding_and_tp(world4, which):
+    for ok, text in world4.run(zero1_beside_case, which=which):
+        assert ok, text
 
 
 # -- checkpoints across fractions ---------------------------------------------------------
