@@ -149,15 +149,9 @@ class Zero1Buffers:
         if unused:
             raise unused_refusal(unused)
         for b, shard in zip(self.buckets, self.shards):
-            lo, hi, off = self.rank * b.per, (self.rank + 1) * b.per, 0
-            g = torch.zeros(b.per, dtype=shard.dtype, device=shard.device)
-            for p, n in zip(b.params, b.numels):
-                a, z = max(lo, off), min(hi, off + n)
-                if a < z:
-                    src = _local(p.grad).reshape(-1)[a - off:z - off]
-                    g[a - lo:z - lo] = src.to(device=shard.device, dtype=shard.dtype)
-                off += n
-            shard.grad = g
+            flat = self._flat(b.params, b.numels, b.per, shard.dtype, lambda p: p.grad)
+            shard.grad = flat[self.rank * b.per:(self.rank + 1) * b.per].to(
+                shard.device, copy=True)
 
     def gather(self) -> None:
         """All-gather the updated slices back into the parameters."""
