@@ -290,15 +290,14 @@ class Booster:
         is passed as its forward returned it."""
         key = id(criterion)
         if key not in self._criteria:
-            config = getattr(model, "config", None)
-            if config is None or not callable(getattr(model, "loss_function", None)):
+            if not _hugging_face(model):
                 self._criteria[key] = criterion
                 return criterion
             from transformers.modeling_outputs import CausalLMOutputWithPast
 
             from ..transforms.pipeline._stage import pools
 
-            vocab = config.vocab_size
+            vocab = model.config.vocab_size
             if pools(model):
                 self._criteria[key] = _classifier_criterion(model, criterion)
                 return self._criteria[key]
@@ -451,11 +450,17 @@ def _buffer_broadcast(model: nn.Module) -> None:
     model.register_forward_pre_hook(hook)
 
 
+def _hugging_face(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model whose own loss and output the pipeline's
+    criterion and outputs take (a config and a ``loss_function``)."""
+    return getattr(model, "config", None) is not None and \
+        callable(getattr(model, "loss_function", None))
+
+
 def _hf_outputs(model: nn.Module, out):
     """The last stage's logits of the whole batch in a Hugging Face model's own output
     (``['logits']``, ``.logits``), as Colossal-AI hands them back; anything else as it is."""
-    if not isinstance(out, torch.Tensor) or getattr(model, "config", None) is None or \
-            not callable(getattr(model, "loss_function", None)):
+    if not isinstance(out, torch.Tensor) or not _hugging_face(model):
         return out
     from transformers.modeling_outputs import (CausalLMOutputWithPast,
                                                SequenceClassifierOutputWithPast)

@@ -98,14 +98,10 @@ def _write_flat_optimizer(state: dict, path: str) -> None:
     the metadata (Colossal-AI pickles them into byte tensors; meshlab reads no pickles)."""
     from safetensors.torch import save_file
 
-    tensors, other = {}, {}
-    for idx, st in state["state"].items():
-        for k, v in st.items():
-            key = f"state.{idx}.{k}"
-            if torch.is_tensor(v):
-                tensors[key] = v.detach().cpu().contiguous()
-            else:
-                other[key] = v
+    from ..utils.safetensors import flatten_state
+
+    tensors, other = flatten_state(state["state"], sep=".")
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     try:
         meta = {"format": "pt", "meshlab": _FLAT_FORMAT,
                 "param_groups": json.dumps(state["param_groups"]),
@@ -124,6 +120,7 @@ def _read_flat_optimizer(path: str, optimizer) -> dict:
     from safetensors import safe_open
 
     from ...checkpoint._state import restored
+    from ..utils.safetensors import nest_state
 
     with safe_open(path, framework="pt") as f:
         meta = f.metadata() or {}
@@ -136,10 +133,7 @@ def _read_flat_optimizer(path: str, optimizer) -> dict:
                               f"to a .bin name")
         flat = {k: f.get_tensor(k) for k in f.keys()}
     flat.update(json.loads(meta["other_state"]))
-    state: dict = {}
-    for key, v in flat.items():
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = v
+    state = nest_state(flat, ".", f"load_optimizer({path!r})")
     groups = json.loads(meta["param_groups"])
     own = optimizer.state_dict()["param_groups"]
     if len(groups) == len(own):

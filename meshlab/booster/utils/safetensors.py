@@ -142,7 +142,7 @@ def save(path: str, state_dict: dict, metadata: dict | None = None) -> AsyncWrit
     return AsyncWriter(path, _untied(_host(state_dict)), _metadata(metadata))
 
 
-def _flatten(state_dict: dict, sep: str = "-") -> tuple[dict, dict]:
+def flatten_state(state_dict: dict, sep: str = "-") -> tuple[dict, dict]:
     """(tensors, other values) of a nested optimizer state, keyed ``state-<i>-<name>``
     (and ``param_groups``)."""
     states = state_dict["state"] if "state" in state_dict else state_dict
@@ -159,7 +159,7 @@ def _flatten(state_dict: dict, sep: str = "-") -> tuple[dict, dict]:
 def save_nested(path: str, state_dict: dict) -> AsyncWriter:
     """Write an optimizer's nested state (or its ``state`` alone) to ``path`` in the
     background, flattened (see the module doc)."""
-    tensors, objects = _flatten(state_dict)
+    tensors, objects = flatten_state(state_dict)
     from .._files import _untied
 
     return AsyncWriter(path, _untied(_host(tensors)), _metadata(None, objects))
@@ -215,16 +215,20 @@ def load_flat(checkpoint_path: str, seperator: str = "-") -> dict:
     out: dict = {}
     if "param_groups" in flat:
         out["param_groups"] = flat.pop("param_groups")
-        out["state"] = {}
-        states = out["state"]
-    else:
-        states = out
+        out["state"] = nest_state(flat, seperator, f"load_flat({checkpoint_path!r})")
+        return out
+    return nest_state(flat, seperator, f"load_flat({checkpoint_path!r})")
+
+
+def nest_state(flat: dict, sep: str, where: str) -> dict:
+    """``{index: {name: value}}`` from ``state<sep><index><sep><name>`` keys (``flatten_state``'s
+    inverse; an index that is a number comes back as an int)."""
+    states: dict = {}
     for key, v in flat.items():
-        parts = key.split(seperator)
+        parts = key.split(sep, 2)
         if len(parts) != 3 or parts[0] != "state":
-            raise ConfigError(f"load_flat({checkpoint_path!r}): {key!r} is not "
-                              f"state{seperator}<index>{seperator}<name>; give the "
-                              f"seperator the file was written with")
+            raise ConfigError(f"{where}: {key!r} is not state{sep}<index>{sep}<name>; give "
+                              f"the separator the file was written with")
         idx = int(parts[1]) if parts[1].lstrip("-").isdigit() else parts[1]
         states.setdefault(idx, {})[parts[2]] = v
-    return out
+    return states

@@ -20,7 +20,8 @@ from .._protocol import Part
 from ._feed import Feed, decoder_feed, microbatch, own_feed, signature_of
 from ._guard import StageFailures, guarded_loss
 from ._schedule import PipelineStages, stages, torch_actions
-from ._stage import DecoderStage, head_name, model_layout, pools, prune, seq_split
+from ._stage import (DecoderStage, check_pooled_rows, head_name, model_layout, pools,
+                     prune, seq_split)
 
 
 class PipelineSetup:
@@ -290,10 +291,10 @@ def microbatch_count(t, ranks: int, batch) -> int:
     size = t.microbatch_size
     if size is None:
         return t.microbatches
-    first = batch if isinstance(batch, torch.Tensor) else next(
-        (v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
-        None) if isinstance(batch, Mapping) else None
-    rows = 0 if first is None else first.shape[0]
+    tensors = [batch] if isinstance(batch, torch.Tensor) else \
+        [v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() > 0] \
+        if isinstance(batch, Mapping) else []
+    rows = tensors[0].shape[0] if tensors else 0
     stages = ranks * t.v
     if rows == 0 or rows % size or rows // size < stages:
         raise ConfigError(f"pipeline(microbatch_size={size}) cuts each batch into "
@@ -301,19 +302,6 @@ def microbatch_count(t, ranks: int, batch) -> int:
                           f"stage); this batch has {rows} rows per data-parallel rank. Use "
                           f"a batch of a multiple of {size} rows, at least {stages * size}")
     return rows // size
-
-
-def _check_pooled(config, rows: int) -> None:
-    """A sequence classifier pools each row at its last token that is not padding, which
-    a config without a pad id defines for rows of one only (its forward refuses more):
-    refused on every rank before the schedule's first send (shapes agree on every rank)."""
-    from ...core.errors import ConfigError
-
-    if config.pad_token_id is None and rows > 1:
-        raise ConfigError(f"pipeline: a sequence classifier pools each row's last token that "
-                          f"is not padding, and its config names no pad_token_id; set "
-                          f"model.config.pad_token_id (e.g. to the tokenizer's eos_token_id), "
-                          f"or use microbatches of one row (these have {rows})")
 
 
 @dataclasses.dataclass
@@ -434,8 +422,8 @@ class PipelinePart(Part):
         if self.signature is not None:
             return own_feed(batch, m, self.signature)
         x = _pipeline_batch(batch, m)[0]
-        if self.classifier is not None:
-            _check_pooled(self.classifier, x.shape[0] // m)
+        if self.classifier is not None:     # refused on every rank before the first send
+            check_pooled_rows(self.classifier.pad_token_id, x.shape[0] // m)
         return decoder_feed(batch, m, x, ids=self.classifier is not None)
 
     def _run(self, rt, batch, loss_fn, train: bool, return_outputs: bool, scale: float,

@@ -95,19 +95,24 @@ def pools(model_or_cls) -> bool:
     return name.endswith("ForSequenceClassification")
 
 
+def check_pooled_rows(pad_token_id: int | None, rows: int) -> None:
+    """A sequence classifier pools each row at its last token that is not padding, which
+    a config without a pad id defines for rows of one only (its forward refuses more)."""
+    if pad_token_id is None and rows > 1:
+        raise ConfigError(f"pipeline: a sequence classifier pools each row's last token that "
+                          f"is not padding, and its config names no pad_token_id; set "
+                          f"model.config.pad_token_id (e.g. to the tokenizer's eos_token_id), "
+                          f"or use microbatches of one row (these have {rows})")
+
+
 def pool_last_token(logits: torch.Tensor, input_ids: torch.Tensor | None,
                     pad_token_id: int | None) -> torch.Tensor:
     """Each row's logits at its last token that is not ``pad_token_id`` (the last
     position with no pad id), as Hugging Face's sequence classifiers pool them. Without a
     pad id only rows of one are defined; more are refused by name."""
     rows = logits.shape[0]
+    check_pooled_rows(pad_token_id, rows)
     if pad_token_id is None:
-        if rows != 1:
-            raise ConfigError(f"pipeline: a sequence classifier pools each row's last token "
-                              f"that is not padding, and its config names no pad_token_id; "
-                              f"set model.config.pad_token_id (e.g. to the tokenizer's "
-                              f"eos_token_id), or use microbatches of one row (this one has "
-                              f"{rows})")
         return logits[:, -1]
     if input_ids is None:
         raise ConfigError("pipeline: a sequence classifier's last stage pools each row by its "
