@@ -21,24 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-
-def _equal(a, b):
-    """Nested state dicts equal exactly; a tuple stays a tuple (a dict may come back as
-    an OrderedDict, as torch.load gives it)."""
-    assert isinstance(a, dict) == isinstance(b, dict) and (isinstance(a, dict) or
-                                                          type(a) is type(b)), (a, b)
-    if isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _equal(x, y)
-    elif torch.is_tensor(a):
-        assert torch.equal(a, b)
-    else:
-        assert a == b
+from tests.colossal._compare import equal_state
 
 
 def test_the_accelerator_places_a_model_on_this_machines_device():
@@ -92,14 +75,14 @@ def test_an_unsharded_checkpoint_is_a_file_torch_load_reads(tmp_path, use_safete
     io._sync_d2h(); io._sync_io()
     assert path.is_file()
     if not use_safetensors:
-        _equal(torch.load(path, weights_only=True), model.state_dict())
+        equal_state(torch.load(path, weights_only=True), model.state_dict())
     new, new_opt = _fresh()
     new_sched = CosineAnnealingWarmupLR(new_opt, total_steps=10)
     io.load_model(new, path)
     io.load_optimizer(new_opt, tmp_path / "optim")
     io.load_lr_scheduler(new_sched, tmp_path / "sched")
-    _equal(new.state_dict(), model.state_dict())
-    _equal(new_opt.state_dict(), opt.state_dict())          # betas stay a tuple
+    equal_state(new.state_dict(), model.state_dict())
+    equal_state(new_opt.state_dict(), opt.state_dict())          # betas stay a tuple
     assert new_sched.state_dict() == sched.state_dict()
 
 
@@ -127,7 +110,7 @@ def test_an_optimizer_under_a_safetensors_name_is_a_safetensors_file(tmp_path, u
     assert json.loads(meta["param_groups"])[1]["lr"] == 2e-3
     new, new_opt = _fresh(groups=True)
     io.load_optimizer(new_opt, path)
-    _equal(new_opt.state_dict(), opt.state_dict())
+    equal_state(new_opt.state_dict(), opt.state_dict())
     # Colossal-AI's own file of this name holds pickles; meshlab does not unpickle them
     from safetensors.torch import save_file
 
@@ -156,8 +139,8 @@ def test_a_sharded_checkpoint_is_shards_of_size_per_shard_with_an_index(tmp_path
     new, new_opt = _fresh()
     io.load_model(new, str(tmp_path / "m"), strict=True)
     io.load_optimizer(new_opt, str(tmp_path / "o"))
-    _equal(new.state_dict(), model.state_dict())
-    _equal(new_opt.state_dict(), opt.state_dict())
+    equal_state(new.state_dict(), model.state_dict())
+    equal_state(new_opt.state_dict(), opt.state_dict())
 
 
 def test_sharded_optimizer_state_of_several_groups_round_trips(tmp_path):
@@ -168,7 +151,7 @@ def test_sharded_optimizer_state_of_several_groups_round_trips(tmp_path):
     io.save_optimizer(opt, tmp_path / "o", shard=True, size_per_shard=10)
     new, new_opt = _fresh(groups=True)
     io.load_optimizer(new_opt, str(tmp_path / "o"))
-    _equal(new_opt.state_dict(), opt.state_dict())
+    equal_state(new_opt.state_dict(), opt.state_dict())
     assert [g["lr"] for g in new_opt.param_groups] == [1e-3, 2e-3]
 
 
@@ -183,7 +166,7 @@ def test_a_sharded_hugging_face_checkpoint_loads_with_from_pretrained(tmp_path):
     model = LlamaForCausalLM(cfg)
     GeneralCheckpointIO().save_model(model, tmp_path / "hf", shard=True, size_per_shard=1)
     again = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
-    _equal(again.state_dict(), model.state_dict())
+    equal_state(again.state_dict(), model.state_dict())
 
 
 def _colossal_cosine_warmup(t, total, warmup, base, eta_min=0.0):

@@ -21,6 +21,8 @@ from meshlab.booster.utils import get_current_device
 from meshlab.booster.utils.safetensors import load_flat, move_and_save, save, save_nested
 from meshlab.core.errors import ConfigError
 
+from tests.colossal._compare import equal_state
+
 _GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -36,23 +38,6 @@ def _model_state():
     return {f"module.weight{i}": torch.rand(1024, 1024) for i in range(3)}
 
 
-def _same(a, b):
-    """Equal exactly, a tuple still a tuple, an index still an int."""
-    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), (a, b)
-    if isinstance(a, dict):
-        assert list(a) == list(b) or set(a) == set(b), (list(a), list(b))
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
-    else:
-        assert a == b
-
-
 def _written(writer):
     writer.sync_before_step()
     writer.synchronize()
@@ -62,22 +47,22 @@ def test_save_load(tmp_path):
     state = _optim_state()
     path = tmp_path / "save_optimizer.safetensors"
     _written(save_nested(path, state))
-    _same(load_flat(path), state)
+    equal_state(load_flat(path), state)
 
     shard = tmp_path / "save_optimizer_shard.safetensors"       # the state alone, a shard
     _written(save_nested(shard, state["state"]))
-    _same(load_flat(shard), state["state"])
+    equal_state(load_flat(shard), state["state"])
 
     model = _model_state()
     path = tmp_path / "save_model.safetensors"
     _written(save(path, model))
-    _same(load_file(path), model)
+    equal_state(load_file(path), model)
 
     # move_and_save from the device (this machine's: the CPU here), without pinned buffers
     on_device = {k: v.to(get_current_device()) for k, v in model.items()}
     path = tmp_path / "save_model_device.safetensors"
     _written(move_and_save(path, on_device))
-    _same(load_file(path), model)
+    equal_state(load_file(path), model)
 
 
 def test_numbers_beside_tensors_come_back_as_written(tmp_path):
@@ -86,7 +71,7 @@ def test_numbers_beside_tensors_come_back_as_written(tmp_path):
                                "params": [0], "name": "decay"}]}
     path = tmp_path / "o.safetensors"
     _written(save_nested(path, state))
-    _same(load_flat(path), state)
+    equal_state(load_flat(path), state)
 
 
 def test_a_pickled_file_is_refused(tmp_path):
@@ -149,4 +134,4 @@ def test_move_and_save_through_pinned_buffers(tmp_path):
     pinned = {k: torch.zeros_like(v).pin_memory() for k, v in model.items()}
     path = tmp_path / "save_model_cuda.safetensors"
     _written(move_and_save(path, on_device, pinned))
-    _same(load_file(path), model)
+    equal_state(load_file(path), model)
