@@ -420,9 +420,9 @@ def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
 # ------------------------------------------------------------------------ attention
 
 # Config attributes that name an attention-probability dropout, by family (Llama-like,
-# GPT-2, BERT, Falcon-like).
-_ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob",
-                      "attn_dropout")
+# GPT-2, BERT, Falcon-like), each with the value at which it does nothing.
+_ATTENTION_DROPOUT = dict.fromkeys(("attention_dropout", "attn_pdrop",
+                                    "attention_probs_dropout_prob", "attn_dropout"), 0.0)
 
 
 def _find_attention(model: nn.Module) -> list:
@@ -434,14 +434,11 @@ def _find_attention(model: nn.Module) -> list:
         raise ConfigError(f"fuse(ops=('attention',)): {type(model).__name__} is not a "
                           f"transformers model with set_attn_implementation; leave "
                           f"'attention' out")
-    config = getattr(model, "config", None)
-    drop = next(((a, v) for a in _ATTENTION_DROPOUT
-                 if isinstance(v := getattr(config, a, None), (int, float)) and v > 0), None)
-    if drop is not None:
+    for attr, v in set_extras(getattr(model, "config", None), _ATTENTION_DROPOUT)[:1]:
         raise NothingToRoute(f"fuse(ops=('attention',)): {type(model).__name__}'s attention "
-                             f"drops probabilities out in training ({drop[0]}={drop[1]}), "
-                             f"which meshlab's fused attention does not; leave 'attention' "
-                             f"out, or set {drop[0]}=0.0")
+                             f"drops probabilities out in training ({attr}={v}), which "
+                             f"meshlab's fused attention does not; leave 'attention' out, "
+                             f"or set {attr}=0.0")
     return [setter]
 
 
