@@ -161,10 +161,23 @@ class Handoff:
         self.held: dict[int, tuple[Tensor, Tensor]] = {}    # map -> (input, output)
 
     def install(self) -> None:
+        """Give the maps these calls as instance forwards, each map marked with
+        ``_meshlab_restore_forward`` (:meth:`uninstall`): a room that replaces a map with
+        another module (``precision('fp8')``'s float8 layers) gives every map its own
+        product back instead of losing the call."""
         first, *rest = self.mods
         first.forward = types.MethodType(lambda m, x: self.first(m, x), first)
         for i, m in enumerate(rest, 1):
             m.forward = types.MethodType(lambda m, x, i=i: self.take(i, m, x), m)
+        for m in self.mods:
+            m._meshlab_restore_forward = self.uninstall
+
+    def uninstall(self) -> None:
+        """Every map runs its class's forward again (its own product: the same math)."""
+        for m in self.mods:
+            for k in ("forward", "_meshlab_restore_forward"):
+                vars(m).pop(k, None)
+        self.held = {}
 
     def products(self, x: Tensor) -> tuple[Tensor, ...] | None:
         """Every map's output for ``x``, or None to run the first map's product alone."""

@@ -71,3 +71,33 @@ def test_the_swap_keeps_every_hook_and_refuses_a_replaced_forward():
     other[0].forward = lambda x: x
     with pytest.raises(ml.ConfigError, match="forward was replaced on the instance"):
         convert(other, Float8Layers("tensorwise", ("0",)))
+
+
+def test_projections_fuse_computes_as_one_product_are_swapped_each_with_its_own():
+    """fuse's decoder layers compute the query, key and value products in one call of the
+    query projection (instance forwards on the three maps). The float8 swap gives each map
+    its own forward back and swaps it: the model computes what a model swapped before fuse
+    routed it computes, where it was refused as a replaced forward before."""
+    import copy
+
+    import meshlab as ml
+    from meshlab.transforms.fuse import fuse_model
+
+    a = ml.init_weights(M.build("llama"), seed=0)
+    b = copy.deepcopy(a)
+    fuse_model(a)
+    attn = a.model.layers[0].self_attn
+    assert all("forward" in vars(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj"))
+    _install(a)
+    _install(b)
+    fuse_model(b)           # float8 maps are not plain ones: no shared product here
+    for m in (a, b):
+        attn = m.model.layers[0].self_attn
+        for n in ("q_proj", "k_proj", "v_proj"):
+            proj = getattr(attn, n)
+            assert type(proj).__name__ == "Float8Linear" and "forward" not in vars(proj)
+            assert not hasattr(proj, "_meshlab_restore_forward")
+    ids = torch.randint(0, 97, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        la, lb = a(input_ids=ids).logits, b(input_ids=ids).logits
+    torch.testing.assert_close(la, lb, rtol=0, atol=0)
