@@ -222,3 +222,28 @@ def runtime_of(model: nn.Module) -> Runtime:
         raise ConfigError("this model was not parallelized by meshlab; call "
                           "meshlab.parallelize(model, spec, mesh) first")
     return rt
+
+
+# A room that gives a module an instance ``forward`` computing the module's own math
+# another way (fuse's query projection computing the key and value products with its own)
+# says how to take it back; a room that must replace the module with another
+# (``precision('fp8')``'s float8 layers) then takes it back instead of losing the call.
+def restorable_forward(module: nn.Module, restore: Callable[[], None]) -> None:
+    """Mark ``module``'s instance ``forward`` as one ``restore()`` removes."""
+    module._meshlab_restore_forward = restore
+
+
+def forget_restore(module: nn.Module) -> None:
+    """Drop the mark :func:`restorable_forward` set (the forward was taken back)."""
+    vars(module).pop("_meshlab_restore_forward", None)
+
+
+def restore_forward(module: nn.Module) -> bool:
+    """Take back ``module``'s marked instance ``forward`` (every module its room changed
+    with it); False where none is marked."""
+    restore = vars(module).get("_meshlab_restore_forward")
+    if restore is None:
+        return False
+    restore()
+    return True
+

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
+from .._install import forget_restore, restorable_forward
 
 
 _LAYER = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
@@ -162,7 +163,7 @@ class Handoff:
 
     def install(self) -> None:
         """Give the maps these calls as instance forwards, each map marked with
-        ``_meshlab_restore_forward`` (:meth:`uninstall`): a room that replaces a map with
+        restorable (:meth:`uninstall`, ``transforms._install.restorable_forward``): a room that replaces a map with
         another module (``precision('fp8')``'s float8 layers) gives every map its own
         product back instead of losing the call."""
         first, *rest = self.mods
@@ -170,13 +171,13 @@ class Handoff:
         for i, m in enumerate(rest, 1):
             m.forward = types.MethodType(lambda m, x, i=i: self.take(i, m, x), m)
         for m in self.mods:
-            m._meshlab_restore_forward = self.uninstall
+            restorable_forward(m, self.uninstall)
 
     def uninstall(self) -> None:
         """Every map runs its class's forward again (its own product: the same math)."""
         for m in self.mods:
-            for k in ("forward", "_meshlab_restore_forward"):
-                vars(m).pop(k, None)
+            vars(m).pop("forward", None)
+            forget_restore(m)
         self.held = {}
 
     def products(self, x: Tensor) -> tuple[Tensor, ...] | None:

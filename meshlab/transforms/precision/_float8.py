@@ -17,6 +17,7 @@ from torch import nn
 
 from ...core.errors import ConfigError
 from ...core.log import require
+from .._install import restore_forward
 from ...planning.decisions import register_decision
 from ...planning.plan import Plan
 
@@ -102,12 +103,10 @@ def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
     policy's tensor-parallel regions run each module's forward on its local shards through
     them; backward; state-dict) and the attributes rooms set on the instance (their marks).
     A forward replaced on the instance would run on ``old``: refused by name, unless the
-    room that replaced it marked how to give it back (``_meshlab_restore_forward``: fuse's
-    query, key and value projections computed as one product, whose maps then each run
-    their own, in float8)."""
-    restore = vars(old).get("_meshlab_restore_forward")
-    if restore is not None:
-        restore()
+    room that replaced it marked how to give it back (``restore_forward``: fuse's query,
+    key and value projections computed as one product, whose maps then each run their
+    own, in float8)."""
+    restore_forward(old)
     if "forward" in vars(old):
         raise ConfigError(f"precision('fp8') would swap {old!r} for torchao's Float8Linear, "
                           f"but its forward was replaced on the instance, which the new "
