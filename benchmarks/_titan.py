@@ -30,6 +30,13 @@ config objects and builders, with the defaults of its ``Trainer.Config`` and of
   on by ``wrap_with_cuda_graph`` when ``cuda_graphs``, the Trainer's default on CUDA),
   ``clip_grad_norm_`` at ``training.max_norm`` (1.0), the optimizer and scheduler steps.
 
+Two torchtitan releases are driven, chosen by ``importlib.metadata.version("torchtitan")``:
+0.3.0, by the code here, and 0.2.x, by ``_titan02.titan_step`` (imported only then), which
+mirrors 0.2.2's ``Trainer`` (``torchtitan/train.py``: ``JobConfig``, ``TransformerModelArgs``,
+``parallelize_llama``, ``build_optimizers``; no FSDP at world 1 but ``torch.autocast``, no
+CUDA graphs). 0.3.0 follows torch's nightlies and needs torch 2.12 to train; 0.2.2 is
+written for released torch, so on the GPU machine's torch 2.11 the titan rows run 0.2.x.
+
 Every torchtitan import is inside the functions: the benchmark imports this module
 without torchtitan installed. On a torch older than torchtitan's (2.11), ``_torch_compat``
 stands in for the one name its modules import and a world of one never uses.
@@ -64,6 +71,18 @@ def _torch_compat() -> None:
                 "the benchmark's torchtitan step runs at data-parallel degree 1 only")
 
     fsdp.DataParallelMeshDims = DataParallelMeshDims
+
+
+def _titan_version() -> str:
+    """The installed torchtitan's version (its ``__version__`` where no metadata is found)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchtitan")
+    except PackageNotFoundError:
+        import torchtitan
+
+        return torchtitan.__version__
 
 
 def _process_group(device_type: str) -> None:
@@ -146,7 +165,15 @@ def titan_step(shape_cfg: dict, batch: int, seq: int, *, compile: bool, float8: 
     applies it (torchao; CUDA only). ``ids``: the token ids, ``batch`` x ``seq`` (random,
     seeded, if None); the model reads them all and predicts each next one (the last
     position's label is ignored). ``cuda_graphs``: the Trainer's
-    ``not training.disable_cuda_graphs`` (graphs only on CUDA)."""
+    ``not training.disable_cuda_graphs`` (graphs only on CUDA).
+    Under torchtitan 0.2.x, ``_titan02.titan_step`` with the same arguments."""
+    if _titan_version().startswith("0.2"):
+        import _titan02
+
+        return _titan02.titan_step(shape_cfg, batch, seq, compile=compile, float8=float8,
+                                   ac=ac, cuda_graphs=cuda_graphs,
+                                   attn_backend=attn_backend, device=device, ids=ids,
+                                   seed=seed, lr=lr)
     _torch_compat()
     import spmd_types as spmd
     from torchtitan.components.loss import IGNORE_INDEX, ChunkedLossWrapper, CrossEntropyLoss
@@ -292,8 +319,9 @@ def titan_step(shape_cfg: dict, batch: int, seq: int, *, compile: bool, float8: 
 
 
 def release() -> None:
-    """Drop the CUDA graphs torchtitan captured (its graph pool outlives the steps)."""
-    if torch.cuda.is_available():
+    """Drop the CUDA graphs torchtitan captured (its graph pool outlives the steps);
+    0.2.x captures none."""
+    if torch.cuda.is_available() and not _titan_version().startswith("0.2"):
         from torchtitan.distributed.cudagraph import cudagraph_teardown
 
         cudagraph_teardown()

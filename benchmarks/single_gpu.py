@@ -42,6 +42,13 @@ Rows (each from the same bf16 weights, on the same batch):
 * ``titan_<...>_sdpa``, ``titan_<...>_nocg`` -- a titan row with torchtitan's causal SDPA in
   place of FlexAttention, or without the CUDA graph (``training.disable_cuda_graphs``).
 
+  That is torchtitan 0.3.0 (torch 2.12 on). With torchtitan 0.2.x installed (for torch 2.11)
+  the rows run ``benchmarks/_titan02.py``, 0.2.2's ``Trainer`` instead: causal
+  SDPA in every row (its ``8B`` flavor's; ``_sdpa`` changes nothing), no FSDP at world 1
+  but ``torch.autocast`` to bf16 over the fp32 parameters, the plain summed cross-entropy
+  on full logits, no CUDA graphs (``_nocg`` changes nothing), per-op ``SelectiveAC``
+  (``llama3_8b.toml``), and float8 with 0.2.2's default tensorwise scales.
+
 torchtitan keeps fp32 master weights: its parameters, gradients and AdamW moments are fp32
 (16 bytes a parameter, about 120 GiB at llama3-8b, more than an H100 holds) and only the
 forward and backward run in bf16 copies, where every other row holds bf16 parameters and
