@@ -85,6 +85,21 @@ def _titan_version() -> str:
         return torchtitan.__version__
 
 
+def ids_and_labels(shape_cfg: dict, batch: int, seq: int, ids, device: str, seed: int,
+                   ignore_index: int):
+    """The step's token ids (``ids``, or random ones seeded with ``seed``) on ``device``
+    and their labels as torchtitan's data loader gives them: each position's next token,
+    the last position's ignored (``ignore_index``): one document a row."""
+    if ids is None:
+        g = torch.Generator(device=device).manual_seed(seed)
+        ids = torch.randint(0, shape_cfg["vocab_size"], (batch, seq), device=device,
+                            generator=g)
+    ids = ids.to(device)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = ignore_index
+    return ids, labels
+
+
 def _process_group(device_type: str) -> None:
     """A process group of world 1 (torchtitan's device meshes need one), if none is up."""
     import torch.distributed as dist
@@ -279,15 +294,8 @@ def titan_step(shape_cfg: dict, batch: int, seq: int, *, compile: bool, float8: 
     if not training.disable_cuda_graphs and device == "cuda":
         fwd_bwd = wrap_with_cuda_graph(fwd_bwd)
 
-    if ids is None:
-        g = torch.Generator(device=device).manual_seed(seed)
-        ids = torch.randint(0, shape_cfg["vocab_size"], (batch, seq), device=device,
-                            generator=g)
-    ids = ids.to(device)
-    # one document a row: the data loader's labels are the next tokens and its positions
-    # count from 0 at each document's start
-    labels = torch.roll(ids, -1, dims=1)
-    labels[:, -1] = IGNORE_INDEX
+    ids, labels = ids_and_labels(shape_cfg, batch, seq, ids, device, seed, IGNORE_INDEX)
+    # one document a row: its positions count from 0 at the document's start
     positions = torch.arange(seq, device=device).expand(batch, seq).contiguous()
     global_valid_tokens = (labels != IGNORE_INDEX).sum()
     params = list(model.parameters())

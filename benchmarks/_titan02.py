@@ -110,7 +110,7 @@ def titan_step(shape_cfg: dict, batch: int, seq: int, *, compile: bool, float8: 
     from torchtitan.protocols.model_converter import build_model_converters
     from torchtitan.tools import utils as tt_utils
 
-    from _titan import _process_group
+    from _titan import _process_group, ids_and_labels
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -176,15 +176,8 @@ def titan_step(shape_cfg: dict, batch: int, seq: int, *, compile: bool, float8: 
     maybe_enable_amp = dist_utils.maybe_enable_amp(
         parallel_dims, training.mixed_precision_param, device_type)
 
-    if ids is None:
-        g = torch.Generator(device=device).manual_seed(seed)
-        ids = torch.randint(0, shape_cfg["vocab_size"], (batch, seq), device=device,
-                            generator=g)
-    ids = ids.to(device)
-    # as _titan: the model reads all seq ids and predicts each next one, the last
-    # position's label ignored (0.2.2's text loader gives no positions for llama3)
-    labels = torch.roll(ids, -1, dims=1)
-    labels[:, -1] = IGNORE_INDEX
+    # as _titan (0.2.2's text loader gives no positions for llama3)
+    ids, labels = ids_and_labels(shape_cfg, batch, seq, ids, device, seed, IGNORE_INDEX)
     # train_step: the valid-token count, a float on the device when dp is off
     global_valid_tokens = (labels != IGNORE_INDEX).sum().to(device).float()
     params = [p for m in model_parts for p in m.parameters()]
