@@ -18,6 +18,7 @@ from torch import nn
 
 from ..core.digest import batch_entry, data_coords
 from ..core.errors import ConfigError, PlanError
+from ..core.log import get_logger
 from ..core.sections import section
 from ..core.mesh import Mesh
 from ..planning.plan import Plan
@@ -140,28 +141,52 @@ def _checksum(t: torch.Tensor) -> tuple[int, int]:
     return int(s1), int(s2)
 
 
-def _check_same_everywhere(model: nn.Module, group) -> None:
+def _digests(named: list, group):
+    """(this rank's digests, the indices of the tensors whose digest differs across
+    ``group``): each tensor's ``_checksum``, reduced with MIN and MAX."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([_checksum(t) for _, t in named] or [[0, 0]], dtype=torch.int64)
+    lo, hi = mine.clone(), mine.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    return mine, ((lo != hi).any(dim=1).nonzero().flatten().tolist() if named else [])
+
+
+def _check_same_everywhere(model: nn.Module, group, sync: bool = False) -> None:
     """Parameters built outside meshlab (or loaded from a ``state_dict``) must hold the
     same bytes on every rank before sharding: a digest of each parameter (``_checksum``)
     is reduced with MIN and MAX over the control group, and where they differ every rank
     raises ``RankMismatchError`` naming the first parameter that differs and which ranks
-    hold which value."""
+    hold which value. With ``sync`` (``parallelize(sync_module_states=True)``) the
+    parameters and buffers that differ take the group's first rank's values instead, as
+    torch's DDP does at construction, and a warning says how many did."""
     import torch.distributed as dist
 
     from ..core.errors import RankMismatchError
 
     named = list(model.named_parameters())
-    mine = torch.tensor([_checksum(p) for _, p in named] or [[0, 0]], dtype=torch.int64)
-    lo, hi = mine.clone(), mine.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    differ = (lo != hi).any(dim=1).nonzero().flatten().tolist()
-    if not differ or not named:
+    if sync:
+        named += list(model.named_buffers())
+    mine, differ = _digests(named, group)
+    if not differ:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    if sync:
+        with torch.no_grad():
+            for i in differ:
+                t = named[i][1]
+                buf = t.detach().cpu().contiguous()
+                dist.broadcast(buf, src=ranks[0], group=group)
+                t.copy_(buf)
+        get_logger("meshlab.apply").warning(
+            "parallelize(sync_module_states=True): %d of %d parameters and buffers differed "
+            "across ranks (first %s); every rank now holds rank %d's values",
+            len(differ), len(named), named[differ[0]][0], ranks[0])
         return
     i = differ[0]
     held = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
     dist.all_gather(held, mine[i].clone(), group=group)
-    ranks = dist.get_process_group_ranks(group)
     groups: dict = {}
     for r, h in zip(ranks, held):
         groups.setdefault(tuple(h.tolist()), []).append(r)
@@ -172,7 +197,8 @@ def _check_same_everywhere(model: nn.Module, group) -> None:
         f"{len(named)} parameters differ): data-parallel replicas would train different "
         f"models. Seed every rank the same before building the model and load the same "
         f"weights everywhere, or build it on the meta device and let parallelize "
-        f"initialize it (seed=...)")
+        f"initialize it (seed=...), or take rank {ranks[0]}'s values everywhere as DDP "
+        f"does (parallelize(..., sync_module_states=True))")
 
 
 def _to_device(model: nn.Module, device: torch.device) -> None:
@@ -208,7 +234,7 @@ def control_group():
 
 def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
                 state_dict: Mapping[str, torch.Tensor] | None = None,
-                ctrl_group=None) -> nn.Module:
+                ctrl_group=None, sync_module_states: bool = False) -> nn.Module:
     """Run the bound ``plan`` on ``model`` over the real ``mesh`` (see the module doc)."""
     if not isinstance(mesh, Mesh) or not plan.is_bound:
         raise ConfigError(f"materialize needs a plan bound to a real Mesh inside launched "
@@ -223,7 +249,7 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
         t.prepare(ctx)
     # 2. The weights, module by module from the seed (the single process's values); the
     #    whole model never exists on one rank.
-    _initialize(ctx, seed, state_dict)
+    _initialize(ctx, seed, state_dict, sync_module_states)
     # 3. The rooms that change the parameters themselves (adapters, tensor parallelism), on
     #    the CPU where the values were made.
     for t in [t for t in plan.rooms if t.phase <= Phase.SHARD]:
@@ -293,11 +319,12 @@ def _grad_sync(ctx: Install):
                     reduce_dtype=reduce_dtype(ctx.plan))
 
 
-def _initialize(ctx: Install, seed: int, state_dict) -> None:
+def _initialize(ctx: Install, seed: int, state_dict, sync: bool = False) -> None:
     """Meta parameters are initialized from ``seed`` (which ``parallelize`` agreed on; each
     room's ``on_module`` sees every module right after); ``state_dict`` then overrides.
     Values that did not come from the seed (real weights, a ``state_dict``) must hold the
-    same bytes on every rank (``_check_same_everywhere``)."""
+    same bytes on every rank, or with ``sync`` take the first rank's
+    (``_check_same_everywhere``)."""
     model = ctx.model
     seeded = _has_meta(model)
     if seeded:
@@ -313,6 +340,6 @@ def _initialize(ctx: Install, seed: int, state_dict) -> None:
     if state_dict is not None:
         _load_state(model, state_dict)
     if not seeded or state_dict is not None:
-        _check_same_everywhere(model, ctx.ctrl_group)
+        _check_same_everywhere(model, ctx.ctrl_group, sync)
     for fn in ctx.after_init:
         fn(model)

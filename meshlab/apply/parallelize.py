@@ -20,14 +20,17 @@ from ..transforms._protocol import Transform
 
 def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, seed: int = 0,
                 state_dict: Mapping[str, torch.Tensor] | None = None,
-                uneven: bool = False) -> nn.Module:
+                uneven: bool = False, sync_module_states: bool = False) -> nn.Module:
     """Run ``model`` as ``spec`` says on ``mesh``; returns the same module, mutated.
 
     A model on the meta device is initialized here, module by module with the RNG seeded
     to ``seed`` (the same values as ``meshlab.init_weights(model, seed)`` in one process),
     each tensor-parallel module sharded as soon as it exists; ``state_dict`` (full
     tensors) overrides the initial values. A model with real weights must hold the same
-    values on every rank. All checks run before the first collective, and the ranks agree
+    values on every rank (``RankMismatchError`` names the first that differs), or, with
+    ``sync_module_states=True``, the parameters and buffers that differ take rank 0's
+    values, as torch's DDP does at construction (a warning says how many differed). All
+    checks run before the first collective, and the ranks agree
     on a fingerprint of what they run (transforms, mesh, model config, parameter shapes,
     seed): a rank that differs, or fails a check alone, makes every rank raise one typed
     error (``RankMismatchError``, ``PeerError``) instead of hanging.
@@ -36,7 +39,10 @@ def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, 
     """
     from ..core.errors import check_int
 
+    from ..core.errors import check_bool
+
     check_int(seed, "parallelize", "seed", low=0, example=0)
+    check_bool(sync_module_states, "parallelize", "sync_module_states")
     if state_dict is not None and not isinstance(state_dict, Mapping):
         raise ConfigError(f"parallelize(state_dict=...): a mapping of parameter names to full "
                           f"tensors, got {type(state_dict).__name__}")
@@ -58,9 +64,10 @@ def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, 
     except MeshlabError as e:
         error = e
     # Every rank runs the same program, or every rank raises here (no collective ran yet).
-    agree(ctrl, "parallelize", _fingerprint(model, spec, mesh, seed, state_dict, uneven),
-          error)
-    out = materialize(model, bound, mesh, seed=seed, state_dict=state_dict, ctrl_group=ctrl)
+    agree(ctrl, "parallelize", {**_fingerprint(model, spec, mesh, seed, state_dict, uneven),
+                                "sync_module_states": sync_module_states}, error)
+    out = materialize(model, bound, mesh, seed=seed, state_dict=state_dict, ctrl_group=ctrl,
+                      sync_module_states=sync_module_states)
     log = get_logger("meshlab.apply")
     if log.isEnabledFor(logging.INFO):
         log.info("parallelized %s on %r: %s", type(model).__name__, mesh, bound)

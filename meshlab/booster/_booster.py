@@ -205,11 +205,10 @@ class Booster:
         if optimizer is not None:       # read before parallelize renews the parameters
             cls, kwargs = recipe(optimizer, model)
             made = cls, kwargs, groups(optimizer, model, kwargs)
-        if st.sync_module_states:
-            _broadcast_state(model)
         lo = getattr(model, "_meshlab_booster_lora", None)
         pretrained = pretrained_source(model)
-        model = wrap_model(parallelize(model, st.spec, self.plugin.mesh))
+        model = wrap_model(parallelize(model, st.spec, self.plugin.mesh,
+                                       sync_module_states=st.sync_module_states))
         if pretrained is not None:      # from_pretrained inside LazyInitContext
             from ..checkpoint import load_pretrained
 
@@ -416,16 +415,6 @@ def _microbatches(t, size: int, dataloader):
         raise ConfigError(f"microbatch_size={size} does not divide the per-rank batch {bs}; "
                           f"use a divisor of {bs}")
     return dataclasses.replace(t, microbatches=bs // size)
-
-
-def _broadcast_state(model: nn.Module) -> None:
-    """Rank 0's parameters and buffers on every rank (``sync_module_states``)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.device.type != "meta":
-                dist.broadcast(t.data, src=0)
 
 
 def _buffer_broadcast(model: nn.Module) -> None:

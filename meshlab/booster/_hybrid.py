@@ -179,9 +179,11 @@ class HybridParallelPlugin(Plugin):
         if prec is not None:
             spec = spec | prec
         data = ("dp", "ep") if ep > 1 else ("dp",)
+        # Colossal-AI wraps the model in torch's DDP, which takes rank 0's parameters and
+        # buffers when it is built, where neither ZeRO nor a pipeline runs
         return Stack({}, spec, data, clip_grad_norm=clip(v),
                      broadcast_buffers=v["broadcast_buffers"] and stage == 0,
-                     microbatch_size=mbs)
+                     sync_module_states=stage == 0 and pp == 1, microbatch_size=mbs)
 
 
 def _P():

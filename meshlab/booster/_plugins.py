@@ -27,8 +27,9 @@ class TorchDDPPlugin(Plugin):
     def _build(self, v: dict) -> Stack:
         from ..transforms import data_parallel
 
+        # torch's DDP takes rank 0's parameters and buffers when it is built
         return Stack({}, data_parallel("dp", bucket_mb=float(v["bucket_cap_mb"])), ("dp",),
-                     broadcast_buffers=v["broadcast_buffers"])
+                     broadcast_buffers=v["broadcast_buffers"], sync_module_states=True)
 
 
 def _fsdp(name: str):

@@ -21,6 +21,9 @@
   ``execute_pipeline`` on both), against the same model trained in one process on the same
   batches: weights to 1e-5 after two steps (the original compares to 1e-2, against a copy
   boosted the same way).
+  Its second boost, of a copy each rank trained on its own batches: where Colossal-AI
+  wraps the model in torch's DDP, rank 0's values on every rank (``sync_module_states``);
+  under ZeRO, which keeps each rank's own, ``RankMismatchError``.
 * ``examples/language/gpt/hybridparallelism/finetune.py`` with ``--plugin
   hybrid_parallel``: a GPT-2 sequence classifier (a pad id, rows padded at their end)
   under ``HybridParallelPlugin(pp_size=2, microbatch_size=1, enable_all_optimization=True,
@@ -309,10 +312,47 @@ def case_pipeline_sequence_classifier(rank, world):
     _stage_matches(model, origin)
 
 
+def case_replicas_take_rank_0s_values_under_ddp(rank, world):
+    """A model built from another seed on each rank: the plugins Colossal-AI runs through
+    torch's DDP (``TorchDDPPlugin``; ``HybridParallelPlugin`` without ZeRO or a pipeline)
+    take rank 0's values, as DDP does when it is built, and train as one process from
+    them; ``LowLevelZeroPlugin``, whose optimizer keeps each rank's own values, refuses
+    (``test_3d_plugin``'s second boost of replicas that each rank trained alone)."""
+    import meshlab as ml
+    from meshlab.booster import Booster, LowLevelZeroPlugin
+    from meshlab.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
+
+    torch.manual_seed(0)
+    first = _net()
+    for plugin in (TorchDDPPlugin(), HybridParallelPlugin(tp_size=1, pp_size=1,
+                                                          precision="fp32")):
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, optimizer, *_ = Booster(plugin=plugin).boost(model, optimizer)
+        for p, q in zip(model.parameters(), first.parameters()):
+            assert torch.equal(p.detach(), q.detach()), type(plugin).__name__
+        ref = _net()
+        torch.manual_seed(1)
+        data = torch.randn(world * 2, 8)
+        model(data[rank * 2:(rank + 1) * 2]).mean().backward()
+        optimizer.step()
+        ref(data).mean().backward()
+        torch.optim.SGD(ref.parameters(), lr=0.5).step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-6)
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    with pytest.raises(ml.RankMismatchError, match="differs across ranks"):
+        Booster(plugin=LowLevelZeroPlugin(stage=1, precision="fp32")).boost(
+            model, torch.optim.SGD(model.parameters(), lr=0.5))
+
+
 @pytest.mark.parametrize("case", [case_ddp, case_no_sync, case_dp_plugin_base,
                                   case_zero2_grad_norm, case_fp16_configure,
                                   case_pipeline_grad_accumulation,
-                                  case_pipeline_sequence_classifier])
+                                  case_pipeline_sequence_classifier,
+                                  case_replicas_take_rank_0s_values_under_ddp])
 def test_colossal_plugin_cases(world2, case):
     world2.run(case)
 

@@ -277,6 +277,50 @@ def test_replicas_that_differ_fail_on_every_rank(world4, what, words):
 
 
 
+def synced_case(rank, world):
+    """``sync_module_states=True``: replicas built from another seed on rank 3 all hold
+    rank 0's values after parallelize (parameters and buffers, as DDP broadcasts them),
+    and rank 0 warns how many differed; replicas that agree move nothing and warn nothing."""
+    import logging
+
+    import meshlab as ml
+
+    got = []
+    for seeds in ((1 if rank == 3 else 0), 0):
+        model = ml.init_weights(M.build("llama"), seed=seeds)
+        records: list = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = records.append
+        log = logging.getLogger("meshlab.apply")
+        log.addHandler(handler)
+        try:
+            model = ml.parallelize(model, ml.data_parallel("dp"), ml.Mesh(dp=world),
+                                   sync_module_states=True)
+        finally:
+            log.removeHandler(handler)
+        ref = ml.init_weights(M.build("llama"), seed=0)
+        mine = dict(model.named_parameters())
+        same = all(torch.equal(M.full(mine[n]).detach().cpu(), p.detach())
+                   for n, p in ref.named_parameters())
+        got.append((same, [r.getMessage() for r in records]))
+    return got
+
+
+def test_replicas_that_differ_take_rank_0s_values_when_asked(world4):
+    import meshlab as ml
+
+    out = world4.run(synced_case)
+    for rank, ((same, warned), (same_again, warned_again)) in enumerate(out):
+        assert same and same_again, rank
+        assert warned_again == [], warned_again
+        if rank == 0:
+            assert len(warned) == 1 and "differed across ranks" in warned[0] and \
+                "rank 0's values" in warned[0], warned
+    with pytest.raises(ml.ConfigError, match="sync_module_states must be True or False"):
+        ml.parallelize(M.build("llama"), ml.data_parallel("dp"), ml.Mesh(dp=1, fake=True),
+                       sync_module_states=1)
+
+
 # -- the label check takes the same path on every rank ----------------------------------------
 def labels_identity_case(rank, world, how, bad):
     """Rank 0 passes the input ids themselves as labels, the others a copy of them: the
