@@ -10,7 +10,8 @@ single-process result (4 gloo processes).
 * A NaN on one rank's loss (fp32, bf16, ZeRO-1, TP): every rank skips the step and warns,
   weights unchanged, finite and equal everywhere; or every rank raises ``NonFiniteError``.
 * Replicas that differ (another seed on one rank; a weight transposed on one rank, which
-  a sum cannot see) fail on every rank with ``RankMismatchError`` naming what differs.
+  a sum cannot see) fail on every rank with ``RankMismatchError`` naming what differs, or
+  with ``sync_module_states=True`` all take rank 0's values, with a warning.
 """
 
 from __future__ import annotations
