@@ -171,7 +171,8 @@ class Runtime(_Groups):
             "parameters belong to this model, and a copy would run them on the original's "
             "state. Keep a copy of its weights instead ({n: p.full_tensor() if hasattr(p, "
             "'full_tensor') else p.detach().clone() for n, p in model.named_parameters()}), "
-            "or build and parallelize a second model")
+            "deep-copy the model before parallelize (or boost), or build and parallelize "
+            "a second model")
 
     def part(self, cls: type):
         """The installed part of type ``cls``, or None."""
