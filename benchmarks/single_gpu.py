@@ -19,7 +19,8 @@ Rows (each from the same bf16 weights, on the same batch):
   compiled blocks with only ``fuse('attention', 'loss')`` or ``fuse('loss')``: inductor's
   own code for the norms, rotary and MLP instead of meshlab's ops;
 * ``meshlab_count<k>``  -- (8B) ``ml.fuse() | ml.remat('full', count=k)``: k of the 32
-  blocks checkpointed, spread evenly;
+  blocks checkpointed, spread evenly; ``meshlab_count<k>_off<m>`` adds ``offload=m``: the
+  saved activations of m of the other blocks wait in host memory;
 * ``<row>_sib``         -- a parallelize row with ``ml.step_in_backward()`` added: each
   block's parameters updated as their gradients complete, none held until the step;
 * ``meshlab_remat2``    -- (8B) ``ml.parallelize(model, ml.fuse() | ml.remat('full', every=2),
@@ -138,8 +139,10 @@ def _meshlab_spec(name: str):
     if name.endswith("_sib"):
         base = _meshlab_spec(name[:-len("_sib")])
         return None if base is None else base | ml.step_in_backward()
-    if name.startswith("meshlab_count") and name[len("meshlab_count"):].isdigit():
-        return ml.fuse() | ml.remat("full", count=int(name[len("meshlab_count"):]))
+    if name.startswith("meshlab_count"):
+        count, _, off = name[len("meshlab_count"):].partition("_off")
+        if count.isdigit() and (off == "" or off.isdigit()):
+            return ml.fuse() | ml.remat("full", count=int(count), offload=int(off or 0))
     return {"meshlab_step": ml.fuse(), "meshlab_noremat": ml.fuse(),
             "meshlab_blocks": ml.fuse() | ml.compile_blocks(),
             "meshlab_blocks_inductor": ml.fuse("attention", "loss") | ml.compile_blocks(),

@@ -91,6 +91,8 @@ ROWS: dict[str, Row] = {
     "expert_route": Row(_const(lambda: _ml().expert_route("ep")), ("ep",), order=10),
     "lora": Row(_const(lambda: _ml().lora(r=2, target_modules=["q_proj", "v_proj"])), order=5),
     "remat": Row(_const(lambda: _ml().remat()), order=40),
+    "remat(offload)": Row(_const(lambda: _ml().remat("full", count=0, offload=1)),
+                          also=("remat",), order=40),
     "precision('fp32')": Row(_const(lambda: _ml().precision("fp32")), order=40),
     "precision('bf16')": Row(_const(lambda: _ml().precision("bf16")), order=40),
     "precision('fp16')": Row(_const(lambda: _ml().precision("fp16", loss_scale=None)), order=40),
@@ -119,6 +121,8 @@ _ONE_VALUE: dict[frozenset, tuple[Callable, tuple[str, ...]]] = {
         (ROWS["offload(params)"].build, ("offload(grads)",)),
     frozenset({"offload(grads)", "offload(params)"}):
         (ROWS["offload(params)"].build, ("offload(optimizer)",)),
+    frozenset({"remat", "remat(offload)"}):
+        (_const(lambda: _ml().remat("full", count=1, offload=1)), ()),
     frozenset({"shard", "sequence('split_gather')"}):
         (lambda family, others: [_tp(seq=True)], ()),
     frozenset({"fuse", "fuse('attention')"}):
