@@ -103,6 +103,14 @@ def eager(*tensors) -> bool:
     if _DISPATCHER_ONLY or torch.compiler.is_compiling() or \
             torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
+    return plain(*tensors)
+
+
+def plain(*tensors) -> bool:
+    """Every tensor a plain CPU or CUDA ``Tensor``/``Parameter`` (not a DTensor, fake or
+    meta tensor)."""
+    import torch
+
     for t in tensors:
         if (type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter) or \
                 t.device.type not in _KERNEL_DTYPES:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Callable
 
 import torch
@@ -229,6 +230,19 @@ def runtime_of(model: nn.Module) -> Runtime:
 # another way (fuse's query projection computing the key and value products with its own)
 # says how to take it back; a room that must replace the module with another
 # (``precision('fp8')``'s float8 layers) then takes it back instead of losing the call.
+_CHECKPOINTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def mark_checkpointed(module: nn.Module) -> None:
+    """Record that ``module``'s forward runs under activation checkpointing (remat)."""
+    _CHECKPOINTED.add(module)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`mark_checkpointed` recorded ``module``."""
+    return module in _CHECKPOINTED
+
+
 def restorable_forward(module: nn.Module, restore: Callable[[], None]) -> None:
     """Mark ``module``'s instance ``forward`` as one ``restore()`` removes."""
     module._meshlab_restore_forward = restore

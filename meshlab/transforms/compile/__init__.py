@@ -35,7 +35,7 @@ import torch
 
 from ...core.errors import ConfigError, check_bool, check_choice
 from ...planning.plan import Plan
-from .._install import EagerModules
+from .._install import EagerModules, is_checkpointed, restore_forward
 from .._protocol import Part, Phase, Transform
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -109,6 +109,13 @@ class Compile(Transform):
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(cfg, name):
                 setattr(cfg, name, max(getattr(cfg, name), _COMPILED + 8))
+        # A checkpointed block's recompute is a higher-order op dynamo traces without side
+        # effects: maps that hand each other their products (fuse's query, key and value
+        # projections) run their own products there (the same math).
+        for b in blocks:
+            if is_checkpointed(mods[b]):
+                for m in mods[b].modules():
+                    restore_forward(m)
         for u in units:
             mods[u].compile(**kw)
         return GraphSteps() if self.mode in GRAPH_MODES else None

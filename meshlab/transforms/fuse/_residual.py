@@ -190,7 +190,7 @@ class Handoff:
 
     def first(self, m: nn.Linear, x: Tensor) -> Tensor:
         parts = self.products(x)
-        if parts is None:        # held untouched: compiling, nothing may change here
+        if parts is None:        # held untouched
             return F.linear(x, m.weight, m.bias)
         self.held = {i: (x, p) for i, p in enumerate(parts) if i}
         return parts[0]
@@ -204,9 +204,10 @@ class Handoff:
 
 
 class _Shared(Handoff):
-    """A training layer's query, key and value products as one :class:`_SharedInput`,
-    eagerly on plain tensors of the maps' dtype (compiling, under autocast, with DTensors or
-    once a map has hooks, each map runs its own product: the same math)."""
+    """A training layer's query, key and value products as one :class:`_SharedInput`, on
+    plain tensors of the maps' dtype, eagerly or traced into a compiled block (under
+    autocast, with DTensors, in a checkpointed compiled block or once a map has hooks, each
+    map runs its own product: the same math)."""
 
     def __init__(self, mods, where: str):
         super().__init__(mods)
@@ -217,7 +218,11 @@ class _Shared(Handoff):
 
         ms = self.mods
         dtype = ms[0].weight.dtype
-        if self.off or x.dtype != dtype or not _build.eager(x, *(m.weight for m in ms)) or \
+        # compiled, the products are traced into the block's graph (a checkpointed block's
+        # maps run their own: compile_blocks takes these forwards back there)
+        plain = _build.plain(x, *(m.weight for m in ms)) if torch.compiler.is_compiling() \
+            else _build.eager(x, *(m.weight for m in ms))
+        if self.off or x.dtype != dtype or not plain or \
                 torch.is_autocast_enabled(x.device.type) or \
                 not all(_bare_linear(m, dtype, bias=True) for m in ms):
             return None

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from ._forward import remat_forward as _remat_forward
 from ...core.errors import ConfigError, check_choice
+from .._install import mark_checkpointed
 from .._protocol import Phase, Transform
 
 POLICIES = ("none", "full", "selective")
@@ -113,6 +114,7 @@ class Remat(Transform):
         local = [b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped]
         for b in self.checkpointed(local):
             mods[b].forward = _remat_forward(mods[b].forward, self.policy)
+            mark_checkpointed(mods[b])
         if self.offload:
             from ._offload import HostActivations
 

@@ -211,6 +211,49 @@ def test_fused_checkpointed_blocks_compile_first_in_a_process(one_process):
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=2e-5, rtol=1e-5)
 
 
+def test_compiled_blocks_compute_the_shared_input_products(one_process):
+    """A compiled block's query projection computes the key and value products with its
+    own (fuse's ``_SharedInput``: the input-gradient sums inside the products), traced into
+    the block's graph as it runs eagerly; a checkpointed compiled block's projections run
+    their own products (a side effect dynamo refuses inside checkpointing's higher-order
+    op), and both train as the eager model."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import meshlab as ml
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([getattr(n.target, "__name__", "") for n in gm.graph.nodes
+                       if n.op == "call_function"])
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    if "meshlab_graphs_seen" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(backend, name="meshlab_graphs_seen")
+    else:   # registered by an earlier run in this process: record into this run's list
+        torch._dynamo.backends.registry._COMPILER_FNS["meshlab_graphs_seen"] = backend
+
+    torch._dynamo.reset()
+    counters.clear()
+    # (spec, blocks whose graph holds the products): a block's graph (a checkpointed
+    # block's outer graph holds none: its body is the higher-order op's) calls two
+    # autograd functions where the products are shared, the gated MLP's and theirs
+    for spec, shared in ((ml.fuse(), 2), (ml.fuse() | ml.remat("full", count=1), 1)):
+        _, eager = _train(spec, ml.Mesh(dp=1), steps=2)
+        graphs.clear()
+        model, compiled = _train(spec | ml.compile_blocks(backend="meshlab_graphs_seen"),
+                                 ml.Mesh(dp=1),
+                                 steps=2)
+        assert len(graphs) == 2
+        assert sum(g.count("autograd_function_apply") for g in graphs) == 2 * shared, spec
+        torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=2e-5,
+                                   rtol=1e-5)
+        kept = ["forward" in vars(layer.self_attn.k_proj) for layer in model.model.layers]
+        assert sum(kept) == shared
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 def test_a_block_with_eager_modules_is_compiled_around_them():
     """compile_blocks compiles a block whole, or, where another room runs some of its
     modules eagerly (the expert dispatch), each child that holds none of them."""
