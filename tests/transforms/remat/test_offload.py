@@ -31,20 +31,6 @@ def base():
     return ml.init_weights(presets.build("tiny-llama", num_hidden_layers=4), seed=0)
 
 
-@pytest.fixture
-def made(monkeypatch):
-    """Every ``HostActivations`` that parallelize builds while the test runs."""
-    out = []
-    init = _offload.HostActivations.__init__
-
-    def record(self, *a, **k):
-        init(self, *a, **k)
-        out.append(self)
-
-    monkeypatch.setattr(_offload.HostActivations, "__init__", record)
-    return out
-
-
 def _ids(seed):
     return torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(seed))
 
