@@ -163,6 +163,7 @@ def _check_same_everywhere(model: nn.Module, group, sync: bool = False) -> None:
     torch's DDP does at construction, and a warning says how many did."""
     import torch.distributed as dist
 
+    from ..core.agree import agree
     from ..core.errors import RankMismatchError
 
     named = list(model.named_parameters())
@@ -173,12 +174,25 @@ def _check_same_everywhere(model: nn.Module, group, sync: bool = False) -> None:
         return
     ranks = dist.get_process_group_ranks(group)
     if sync:
+        # Every rank holds the whole model here (before tensor parallelism slices it and a
+        # pipeline drops other stages' blocks), and parallelize's fingerprint agreed on the
+        # names, shapes and dtypes of its parameters and buffers: every rank broadcasts the
+        # same tensors in the same order. A rank that cannot take a value keeps
+        # broadcasting, and the agreement after the loop makes every rank raise.
+        error = None
         with torch.no_grad():
             for i in differ:
                 t = named[i][1]
                 buf = t.detach().cpu().contiguous()
                 dist.broadcast(buf, src=ranks[0], group=group)
-                t.copy_(buf)
+                if error is None:
+                    try:
+                        t.copy_(buf)
+                    except RuntimeError as e:
+                        error = ConfigError(f"parallelize(sync_module_states=True): rank "
+                                            f"{ranks[0]}'s {named[i][0]} could not be "
+                                            f"copied into this rank's: {e}")
+        agree(group, "parallelize(sync_module_states=True)", None, error)
         get_logger("meshlab.apply").warning(
             "parallelize(sync_module_states=True): %d of %d parameters and buffers differed "
             "across ranks (first %s); every rank now holds rank %d's values",

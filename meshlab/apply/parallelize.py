@@ -64,8 +64,13 @@ def parallelize(model: nn.Module, spec: Transform, mesh: Mesh | None = None, *, 
     except MeshlabError as e:
         error = e
     # Every rank runs the same program, or every rank raises here (no collective ran yet).
+    # With sync_module_states every rank broadcasts the buffers that differ as well: their
+    # names, shapes and dtypes must agree too.
     agree(ctrl, "parallelize", {**_fingerprint(model, spec, mesh, seed, state_dict, uneven),
-                                "sync_module_states": sync_module_states}, error)
+                                "sync_module_states": sync_module_states,
+                                "buffer shapes": [(n, list(b.shape), str(b.dtype))
+                                                  for n, b in model.named_buffers()]
+                                if sync_module_states else None}, error)
     out = materialize(model, bound, mesh, seed=seed, state_dict=state_dict, ctrl_group=ctrl,
                       sync_module_states=sync_module_states)
     log = get_logger("meshlab.apply")

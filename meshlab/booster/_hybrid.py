@@ -179,11 +179,13 @@ class HybridParallelPlugin(Plugin):
         if prec is not None:
             spec = spec | prec
         data = ("dp", "ep") if ep > 1 else ("dp",)
-        # Colossal-AI wraps the model in torch's DDP, which takes rank 0's parameters and
-        # buffers when it is built, where neither ZeRO nor a pipeline runs
+        # Replicas that differ take rank 0's parameters and buffers (with a warning), as
+        # torch's DDP does when it is built, under every configuration: the whole model is
+        # compared and broadcast before it is split into stages or sliced (where
+        # Colossal-AI runs ZeRO or a pipeline, it keeps each rank's own values instead)
         return Stack({}, spec, data, clip_grad_norm=clip(v),
                      broadcast_buffers=v["broadcast_buffers"] and stage == 0,
-                     sync_module_states=stage == 0 and pp == 1, microbatch_size=mbs)
+                     sync_module_states=True, microbatch_size=mbs)
 
 
 def _P():

@@ -73,8 +73,10 @@ class TorchFSDPPlugin(Plugin):
         only("param_init_fn", None, "a model on the meta device is initialized by "
              "parallelize, module by module", "build the model under torch.device('meta'); "
              "meshlab.parallelize(..., seed=) initializes it"),
-        maps("sync_module_states", False, "True: rank 0's parameters and buffers are "
-             "broadcast to every rank before the model is sharded", True),
+        maps("sync_module_states", False, "True: where replicas differ, rank 0's "
+             "parameters and buffers are broadcast to every rank before the model is "
+             "sharded, with a warning (as every other plugin does); False: replicas that "
+             "differ raise RankMismatchError", True),
         only("fp8_communication", False, FP8, "precision('bf16', reduce='bf16')"),
     )
 
@@ -194,7 +196,9 @@ class LowLevelZeroPlugin(Plugin):
             spec = spec | offload(optimizer=1.0)
         if prec is not None:
             spec = spec | prec
-        return Stack({}, spec, ("dp",), clip_grad_norm=clip(v), verbose=v["verbose"])
+        # replicas that differ take rank 0's values, as torch's DDP does when it is built
+        return Stack({}, spec, ("dp",), clip_grad_norm=clip(v), verbose=v["verbose"],
+                     sync_module_states=True)
 
 
 class GeminiPlugin(Plugin):
@@ -326,5 +330,6 @@ class GeminiPlugin(Plugin):
         prec = precision_of(self, v, ("fp16", "bf16", "fp32"))
         if prec is not None:
             spec = spec | prec
+        # replicas that differ take rank 0's values, as torch's DDP does when it is built
         return Stack({}, spec, ("rep", "dp") if replicas > 1 else ("dp",),
-                     clip_grad_norm=clip(v), verbose=v["verbose"])
+                     clip_grad_norm=clip(v), verbose=v["verbose"], sync_module_states=True)

@@ -21,9 +21,14 @@
   ``execute_pipeline`` on both), against the same model trained in one process on the same
   batches: weights to 1e-5 after two steps (the original compares to 1e-2, against a copy
   boosted the same way).
-  Its second boost, of a copy each rank trained on its own batches: where Colossal-AI
-  wraps the model in torch's DDP, rank 0's values on every rank (``sync_module_states``);
-  under ZeRO, which keeps each rank's own, ``RankMismatchError``.
+  Its second boost, of a copy each rank trained on its own batches: under each plugin
+  (DDP, ZeRO-1/2, Gemini, a pipeline at pp=2, tensor parallelism at tp=2) rank 0 warns
+  how many parameters differed and every rank holds rank 0's values whole (compared and
+  broadcast before the model is split into stages or sliced), as torch's DDP takes them
+  when it is built; one step then equals one process trained from rank 0's values (where
+  Colossal-AI, under ZeRO or a pipeline, keeps each rank's own values and its shards mix
+  them). A rank that cannot take the values, or whose buffers differ, makes every rank
+  raise.
 * ``examples/language/gpt/hybridparallelism/finetune.py`` with ``--plugin
   hybrid_parallel``: a GPT-2 sequence classifier (a pad id, rows padded at their end)
   under ``HybridParallelPlugin(pp_size=2, microbatch_size=1, enable_all_optimization=True,
@@ -193,14 +198,49 @@ def case_launch_and_groups(rank, world, port):
     assert sm.is_first_stage() == (rank == 0) and sm.is_last_stage() == (rank == 1)
 
 
-def _stage_matches(model, origin) -> None:
-    """This pipeline rank's parameters equal the one-process model's, to 1e-5."""
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter (a tensor-parallel or ZeRO DTensor gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def _stage_matches(model, origin, tol: float = 1e-5) -> None:
+    """This pipeline rank's parameters equal the one-process model's, to 1e-5 (``tol``;
+    0: bit for bit), tensor-parallel ones gathered whole."""
     want = dict(origin.named_parameters())
     got = dict(model.unwrap().named_parameters())
     assert got, "this stage holds no parameters"
     for n, p in got.items():
-        torch.testing.assert_close(p.detach(), want[n].detach(), atol=1e-5, rtol=1e-5,
+        torch.testing.assert_close(_full(p), want[n].detach(), atol=tol, rtol=tol,
                                    msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _boost_warned(booster, model, optimizer, **kw):
+    """``booster.boost(model, optimizer, **kw)`` and the warnings ``meshlab.apply`` logged
+    meanwhile (rank 0's: meshlab's logger passes only rank 0's records)."""
+    import logging
+
+    records: list = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    log = logging.getLogger("meshlab.apply")
+    log.addHandler(handler)
+    try:
+        out = booster.boost(model, optimizer, **kw)
+    finally:
+        log.removeHandler(handler)
+    return out, [r.getMessage() for r in records]
+
+
+def _took_rank_0s(rank, warned, count: str = "") -> None:
+    """Rank 0 warned once that replicas differed and every rank holds its values (and
+    how many differed: ``count``, e.g. '4 of 4'); the other ranks log nothing."""
+    if rank != 0:
+        assert warned == [], warned
+        return
+    assert len(warned) == 1 and "differed across ranks" in warned[0] and \
+        "every rank now holds rank 0's values" in warned[0] and count in warned[0], warned
 
 
 def case_pipeline_grad_accumulation(rank, world):
@@ -316,10 +356,8 @@ def case_replicas_take_rank_0s_values_under_ddp(rank, world):
     """A model built from another seed on each rank: the plugins Colossal-AI runs through
     torch's DDP (``TorchDDPPlugin``; ``HybridParallelPlugin`` without ZeRO or a pipeline)
     take rank 0's values, as DDP does when it is built, and train as one process from
-    them; ``LowLevelZeroPlugin``, whose optimizer keeps each rank's own values, refuses
-    (``test_3d_plugin``'s second boost of replicas that each rank trained alone)."""
-    import meshlab as ml
-    from meshlab.booster import Booster, LowLevelZeroPlugin
+    them (``test_3d_plugin``'s second boost of replicas that each rank trained alone)."""
+    from meshlab.booster import Booster
     from meshlab.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
 
     torch.manual_seed(0)
@@ -341,18 +379,147 @@ def case_replicas_take_rank_0s_values_under_ddp(rank, world):
         torch.optim.SGD(ref.parameters(), lr=0.5).step()
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-6)
+
+
+def case_replicas_take_rank_0s_values_under_zero(rank, world):
+    """The same under the plugins that shard the optimizer state, gradients or parameters
+    (``LowLevelZeroPlugin``, ``HybridParallelPlugin`` with ZeRO, ``GeminiPlugin``), where
+    Colossal-AI keeps each rank's own values and its shards mix them: ``boost`` warns how
+    many differed, every rank holds rank 0's values whole, and one step on the ranks'
+    halves of a batch equals one process trained from rank 0's values on all of it."""
+    from meshlab.booster import Booster, GeminiPlugin, LowLevelZeroPlugin
+    from meshlab.booster.plugin import HybridParallelPlugin
+
+    torch.manual_seed(0)
+    first = _net()
+    for plugin in (LowLevelZeroPlugin(stage=1, precision="fp32"),
+                   LowLevelZeroPlugin(stage=2, precision="fp32"),
+                   HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=1, precision="fp32"),
+                   HybridParallelPlugin(tp_size=1, pp_size=1, zero_stage=2, precision="fp32"),
+                   GeminiPlugin(precision="fp32")):
+        name = type(plugin).__name__
+        torch.manual_seed(rank)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        (model, optimizer, *_), warned = _boost_warned(Booster(plugin=plugin), model,
+                                                       optimizer)
+        _took_rank_0s(rank, warned, "4 of 4")
+        for p, q in zip(model.parameters(), first.parameters()):
+            assert torch.equal(_full(p), q.detach()), name
+        ref = _net()
+        torch.manual_seed(1)
+        data = torch.randn(world * 2, 8)
+        model(data[rank * 2:(rank + 1) * 2]).mean().backward()
+        optimizer.step()
+        ref(data).mean().backward()
+        torch.optim.SGD(ref.parameters(), lr=0.5).step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(_full(p), q.detach(), atol=1e-6, rtol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+
+
+def case_a_rank_that_cannot_take_rank_0s_values_fails_every_rank(rank, world):
+    """Rank 1's replica differs and cannot be written (built under inference mode): it
+    raises a ``ConfigError`` naming the parameter, and every other rank a ``PeerError``
+    naming it, instead of going on to shard a model rank 1 does not hold."""
+    import meshlab as ml
+    from meshlab.booster import Booster, LowLevelZeroPlugin
+
     torch.manual_seed(rank)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    with pytest.raises(ml.RankMismatchError, match="differs across ranks"):
+    with torch.inference_mode() if rank == 1 else nullcontext():
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    want = ml.ConfigError if rank == 1 else ml.PeerError
+    with pytest.raises(want, match="0.weight" if rank == 1 else "rank 1"):
         Booster(plugin=LowLevelZeroPlugin(stage=1, precision="fp32")).boost(
             model, torch.optim.SGD(model.parameters(), lr=0.5))
+
+
+def case_replicas_with_other_buffers_fail_every_rank(rank, world):
+    """Rank 1's replica holds a buffer the others lack: the ranks would broadcast different
+    lists of tensors, so every rank raises ``RankMismatchError`` naming the buffers before
+    any value is compared."""
+    import meshlab as ml
+    from meshlab.booster import Booster, LowLevelZeroPlugin
+
+    model = _net()
+    if rank == 1:
+        model[0].register_buffer("steps", torch.zeros(3))
+    with pytest.raises(ml.RankMismatchError, match="buffer shapes"):
+        Booster(plugin=LowLevelZeroPlugin(stage=1, precision="fp32")).boost(
+            model, torch.optim.SGD(model.parameters(), lr=0.5))
+
+
+def _gpt2_lm(seed: int):
+    """A small GPT-2 LM, its head tied to the embeddings, from ``seed``."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cfg = T.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=128, n_positions=64,
+                       attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0,
+                       tie_word_embeddings=True, attn_implementation="eager")
+    return T.GPT2LMHeadModel(cfg)
+
+
+def _one_step_from_rank_0s(rank, plugin, pipeline: bool) -> None:
+    """A GPT-2 LM built from another seed on each rank, boosted under ``plugin`` (every
+    rank reads the same batch: data parallelism of 1): rank 0 warns, every rank's part
+    (its stage, its tensor-parallel slices) holds rank 0's values bit for bit, and one
+    step equals one process trained from rank 0's model."""
+    from meshlab.booster import Booster
+    from meshlab.booster.nn.optimizer import HybridAdam
+
+    origin = _gpt2_lm(0)
+    origin_opt = HybridAdam(origin.parameters())
+    model = _gpt2_lm(rank)
+    booster = Booster(plugin=plugin)
+    (model, optimizer, *_), warned = _boost_warned(booster, model,
+                                                   HybridAdam(model.parameters()))
+    _took_rank_0s(rank, warned)
+    _stage_matches(model, origin, tol=0)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (4, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    origin(**batch)[0].backward()
+    origin_opt.step()
+    if pipeline:
+        booster.execute_pipeline(iter([batch]), model, criterion=lambda out, inputs: out[0],
+                                 optimizer=optimizer, return_loss=False)
+    else:
+        booster.backward(model(**batch)[0], optimizer)
+    optimizer.step()
+    _stage_matches(model, origin)
+
+
+def case_replicas_take_rank_0s_values_under_a_pipeline(rank, world):
+    """pp=2 with ZeRO-1: the ranks compare and take whole tensors before the model is
+    split into stages, so the last stage (rank 1) holds rank 0's values of the blocks and
+    tied head rank 0 drops."""
+    from meshlab.booster.plugin import HybridParallelPlugin
+
+    _one_step_from_rank_0s(rank, HybridParallelPlugin(tp_size=1, pp_size=2, zero_stage=1,
+                                                      num_microbatches=2, precision="fp32"),
+                           pipeline=True)
+
+
+def case_replicas_take_rank_0s_values_under_tensor_parallelism(rank, world):
+    """tp=2 with ZeRO-1: the ranks compare and take whole tensors before they are sliced,
+    so each rank's slice is the slice of rank 0's tensor."""
+    from meshlab.booster.plugin import HybridParallelPlugin
+
+    _one_step_from_rank_0s(rank, HybridParallelPlugin(tp_size=2, pp_size=1, zero_stage=1,
+                                                      precision="fp32"), pipeline=False)
 
 
 @pytest.mark.parametrize("case", [case_ddp, case_no_sync, case_dp_plugin_base,
                                   case_zero2_grad_norm, case_fp16_configure,
                                   case_pipeline_grad_accumulation,
                                   case_pipeline_sequence_classifier,
-                                  case_replicas_take_rank_0s_values_under_ddp])
+                                  case_replicas_take_rank_0s_values_under_ddp,
+                                  case_replicas_take_rank_0s_values_under_zero,
+                                  case_replicas_take_rank_0s_values_under_a_pipeline,
+                                  case_replicas_take_rank_0s_values_under_tensor_parallelism,
+                                  case_a_rank_that_cannot_take_rank_0s_values_fails_every_rank,
+                                  case_replicas_with_other_buffers_fail_every_rank])
 def test_colossal_plugin_cases(world2, case):
     world2.run(case)
 

@@ -54,3 +54,25 @@ def test_a_users_cross_entropy_on_split_logits_names_the_fix(world2):
         assert all("meshlab.losses.cross_entropy" in r and "full_tensor()" in r for r in refused)
         assert "split over the vocabulary" in refused[0] and "labels a plain tensor" in refused[0]
         assert ours == pytest.approx(whole, rel=1e-6)
+
+
+def loss_first_case(rank, world):
+    """``model(input_ids=x, labels=x)`` of a vocabulary-parallel head: meshlab computes the
+    loss and sets it on the output, which must hold it first, as transformers' own does
+    (``out[0]``, ``out.to_tuple()[0]``: what Colossal-AI's scripts backward)."""
+    import meshlab as ml
+
+    model = ml.parallelize(M.build("llama"), ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)),
+                           ml.Mesh(dp=1, tp=world), seed=0)
+    ref = ml.init_weights(M.build("llama"), seed=0)
+    x = M.batches(1)[0]
+    out, want = model(input_ids=x, labels=x), ref(input_ids=x, labels=x)
+    return (list(out.keys()), list(want.keys()), out[0] is out.loss,
+            out.to_tuple()[0] is out.loss, float(out.loss), float(want.loss))
+
+
+def test_the_loss_of_a_split_head_comes_first_in_the_output(world2):
+    for keys, want_keys, first, first_of_tuple, loss, want in world2.run(loss_first_case):
+        assert keys == want_keys and keys[0] == "loss", (keys, want_keys)
+        assert first and first_of_tuple
+        assert loss == pytest.approx(want, rel=1e-5)

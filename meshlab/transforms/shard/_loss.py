@@ -75,6 +75,10 @@ def install_loss(model: nn.Module) -> None:
             # load-balancing term), which taking the labels out of the call left out
             loss = loss + coef * aux.to(loss.device)
         out["loss"] = loss
+        if hasattr(out, "move_to_end"):
+            # the output had no loss, so setting it appended it last; transformers' own
+            # output holds it first, where out[0] and out.to_tuple()[0] read it
+            out.move_to_end("loss", last=False)
         return out
 
     model.register_forward_pre_hook(pre, with_kwargs=True)
