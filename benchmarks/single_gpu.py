@@ -305,8 +305,13 @@ def run_row(name: str, base, batch, steps: int, warmup: int, shape: dict) -> dic
         first = [float(step().detach()) for _ in range(min(3, warmup))]
         for _ in range(warmup - len(first)):
             step()
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         times = cuda_times(step, steps)
         peak = torch.cuda.max_memory_allocated() / 2 ** 30
+        # the caching allocator freeing its cache to retry an allocation (a device sync)
+        info["alloc_retries_timed"] = torch.cuda.memory_stats().get(
+            "num_alloc_retries", 0) - retries
+        info["reserved_GiB"] = torch.cuda.max_memory_reserved() / 2 ** 30
     finally:
         step = None
         _titan_release()

@@ -7,7 +7,7 @@ compute. Each tensor an offloaded block's forward saves for its backward (throug
 ``torch.autograd.graph.saved_tensors_hooks``) is copied into pinned host memory as it is
 saved, and its device memory is released once the copy is done (``record_stream``). The
 copies come back ahead of need: when the backward reaches the output of the block
-``lead`` blocks later in the forward (a hook on that output's gradient), so the transfer
+``lead`` (``LEAD``) blocks later in the forward (a hook on that output's gradient), so the transfer
 runs while those blocks' backward computes; a tensor asked for before then is fetched on
 the spot. What is kept on the device: parameters (and views of them), tensors under
 ``min_bytes`` (on CUDA), subclasses (DTensors) and tensors whose memory is not one dense block.
@@ -24,6 +24,9 @@ import functools
 import optree
 import torch
 from torch import Tensor
+
+
+LEAD = 3    # blocks of backward between a block's fetch and its own backward
 
 
 def _dense(t: Tensor) -> bool:
@@ -51,7 +54,7 @@ class HostActivations:
     """The offloaded blocks of one model: the pack and unpack hooks of their forwards, and
     the prefetch each schedules on a later block's output."""
 
-    def __init__(self, blocks: int, offloaded: set, lead: int = 3, min_bytes: int = 1 << 20):
+    def __init__(self, blocks: int, offloaded: set, lead: int = LEAD, min_bytes: int = 1 << 20):
         self.offloaded = set(offloaded)         # indices into blocks
         self.last = blocks - 1
         self.lead, self.min_bytes = lead, min_bytes
