@@ -16,6 +16,14 @@ names on the host between their uses. ZeRO-1 then steps its slices of those aver
 gradients (no reduce-scatter) and all-gathers the updated slices into the parameters,
 wherever they rest.
 
+Under a 16-bit ``precision`` FSDP2's mixed precision casts the parameters it manages to
+the compute dtype for the forward and reduces their gradients in the reduction dtype,
+keeping float32 shards for the optimizer. The parameters it leaves whole (``fsdp_ignored``:
+a packed q|k|v projection tensor parallelism already strides) get the same: they stay
+float32, each module that holds one reads it cast for its forward (``cast_whole``, a
+differentiable cast), and the backward averages their gradients over the data axes in
+that reduction dtype (``reductions``).
+
 Hybrid sharding (PyTorch's HSDP, torchtitan's ``dp_replicate`` x ``dp_shard``):
 ``data_parallel('rep') | zero_shard(s, 'dp')`` combine into one value,
 ``zero_shard(s, 'dp', replicate='rep')``: the batch is split over both axes, the state is
@@ -297,11 +305,11 @@ def _implied_dp(plan: Plan, roles) -> Any:
 
 
 def _check_mixed_precision(t, plan: Plan) -> None:
-    """FSDP2's mixed precision casts the parameters it shards to the 16-bit compute dtype
-    and nothing else: a BatchNorm's running statistics stay float32 (batch_norm refuses
-    the mix), and so do the parameters FSDP2 leaves whole (``fsdp_ignored``: a packed
-    tensor-parallel projection's), beside the cast ones they are computed with. Refused
-    by name before anything runs, where torch would raise inside the forward."""
+    """FSDP2's mixed precision casts the parameters it manages to the 16-bit compute dtype
+    (and meshlab casts the ones it leaves whole the same way, ``_install.cast_whole``), but
+    no buffer: a BatchNorm's running statistics stay float32, and batch_norm refuses the
+    mix. Refused by name before anything runs, where torch would raise inside the
+    forward."""
     from ..precision import Precision
 
     prec = plan.get(Precision)
@@ -316,13 +324,3 @@ def _check_mixed_precision(t, plan: Plan) -> None:
             f"statistics that FSDP2's mixed precision does not cast, beside the {short} "
             f"weights it does; not yet supported. Use zero_shard(1) or data_parallel (the "
             f"{short} compute then runs under autocast), or precision('fp32')")
-    kept = sorted(fsdp_ignored(plan))
-    if kept:
-        raise ConfigError(
-            f"{t!r} with precision({short!r}): FSDP2 leaves {kept[0]}"
-            f"{f' (and {len(kept) - 1} more)' if len(kept) > 1 else ''} whole (a packed "
-            f"tensor-parallel projection it cannot shard again), so it stays float32 beside "
-            f"the {short} parameters it is computed with; not yet supported. Use "
-            f"zero_shard(1) or data_parallel beside the tensor parallelism, or "
-            f"precision('fp32')")
-

@@ -308,6 +308,8 @@ def _fully_shard(t, ctx, roots: list) -> None:
     model, mods = ctx.model, dict(ctx.model.named_modules())
     names = fsdp_ignored(ctx.plan)
     ignored = {p for n, p in model.named_parameters() if n in names}
+    if ignored and mp.param_dtype is not None:
+        cast_whole(model, ignored, mp.param_dtype)
     placement = _by_spec(ctx) if ctx.roles.fsdp else None
     kw = dict(mesh=_fsdp_mesh(t, ctx), reshard_after_forward=t.stage == 3,
               mp_policy=mp, ignored_params=ignored or None)
@@ -346,6 +348,48 @@ def _fully_shard(t, ctx, roots: list) -> None:
         stages.wraps.append(root)
     else:
         root(model)
+
+
+def cast_whole(model, params, dtype) -> None:
+    """The parameters FSDP2 leaves whole (``ignored_params``: ``fsdp_ignored``) computed in
+    ``dtype`` as its mixed precision computes the ones it shards (``param_dtype``): each
+    stays a float32 parameter, which the optimizer steps and whose gradient the backward
+    averages over the data axes in the policy's ``reduce_dtype`` (``GradSync``, from
+    ``ZeroShard.reductions``); the forward of each module that holds one reads it cast to
+    ``dtype`` (a pre-hook, after tensor parallelism's, which shows the module its local
+    shard), and the cast is differentiable, so its gradient comes back through it in
+    float32. The cast is dropped again after the module's forward."""
+    ids = {id(p) for p in params if p.is_floating_point()}
+    for m in model.modules():
+        held = tuple(n for n, p in m._parameters.items() if p is not None and id(p) in ids)
+        if held:
+            pre, post = _cast_hooks(held, dtype)
+            m.register_forward_pre_hook(pre)
+            m.register_forward_hook(post)
+
+
+def _cast_hooks(names: tuple, dtype):
+    """A module's pre- and post-forward hooks that show it ``names`` cast to ``dtype``
+    (shadowing the attribute in its ``__dict__``, as tensor parallelism's local shards do)
+    and take the cast away again; a cast left by a forward that raised is dropped first."""
+    cast: dict = {}
+
+    def drop(mod) -> None:
+        for n in names:
+            if n in cast and mod.__dict__.get(n) is cast.pop(n):
+                del mod.__dict__[n]
+
+    def pre(mod, args):
+        drop(mod)
+        for n in names:
+            v = getattr(mod, n)       # tensor parallelism's local shard, else the parameter
+            if v is not None and v.is_floating_point() and v.dtype != dtype:
+                mod.__dict__[n] = cast[n] = v.to(dtype)
+
+    def post(mod, args, out):
+        drop(mod)
+
+    return pre, post
 
 
 def _fsdp_mesh(t, ctx):
