@@ -78,6 +78,21 @@ def test_remat_count_checkpoints_that_many_blocks_spread_evenly():
         ml.remat("full", count=-1)
 
 
+def test_remat_offload_takes_its_blocks_activations_off_the_device_at_no_work():
+    """remat('full', count=k, offload=m): each offloaded block's saved activations leave
+    the device's estimate as a checkpointed block's do, and its work stays that of a block
+    kept whole (the copies run beside the compute)."""
+    m = _llama(**SMALL)                        # 4 blocks
+    plan = lambda c, o: ml.plan(m, ml.remat("full", count=c, offload=o),  # noqa: E731
+                                ml.Mesh(dp=1, fake=True))
+    saved = {co: plan(*co).memory(batch=2, seq=256).activations.saved
+             for co in ((1, 0), (1, 1), (2, 0), (1, 2), (3, 0))}
+    step = {co: plan(*co).time(batch=2, seq=256).step for co in ((1, 0), (1, 2), (3, 0))}
+    assert saved[(1, 1)] == saved[(2, 0)] and saved[(1, 2)] == saved[(3, 0)]
+    assert saved[(1, 0)] > saved[(1, 1)] > saved[(1, 2)]
+    assert step[(1, 2)] == step[(1, 0)] < step[(3, 0)]
+
+
 def test_remat_count_trains_like_the_model_and_wraps_that_many_blocks(one_process):
     """On one process, remat('full', count=3) of a 4-block Llama wraps three blocks'
     forwards and gives the unwrapped model's losses and weights over two AdamW steps."""
