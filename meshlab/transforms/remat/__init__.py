@@ -11,7 +11,6 @@ from typing import ClassVar
 
 from ._forward import remat_forward as _remat_forward
 from ...core.errors import ConfigError, check_choice
-from ._offload import LEAD
 from .._install import mark_checkpointed
 from .._protocol import Phase, Transform
 
@@ -74,19 +73,12 @@ class Remat(Transform):
         return ("remat",) + (("remat(offload)",) if self.offload else ())
 
     def offloaded(self, blocks) -> list:
-        """The blocks of ``blocks`` whose saved activations wait in host memory:
-        ``offload`` of those not checkpointed, spread evenly over them (each block's copies
-        then leave while the blocks after it compute), the last ``LEAD + 1`` blocks left out
-        (their copies would come back as the backward starts, beside the step's peak)
-        while there are enough others."""
+        """The blocks of ``blocks`` whose saved activations wait in host memory: the first
+        ``offload`` of those not checkpointed (the earliest hold theirs longest, and their
+        copies come back last in the backward)."""
         blocks = list(blocks)
         ck = set(map(id, self.checkpointed(blocks)))
-        whole = [(i, b) for i, b in enumerate(blocks) if id(b) not in ck]
-        early = [b for i, b in whole if i < len(blocks) - LEAD - 1]
-        k = min(self.offload, len(whole))
-        if k <= len(early):
-            return [early[i * len(early) // k] for i in range(k)] if k else []
-        return [b for _, b in whole][:k]
+        return [b for b in blocks if id(b) not in ck][:self.offload]
 
     def checkpointed(self, blocks) -> list:
         """The blocks of ``blocks`` (in order) this remat checkpoints: every ``every``-th
@@ -198,8 +190,8 @@ def remat(policy="full", every: int = 1, count: int | None = None, offload: int 
     ['l0', 'l2', 'l4']
     >>> remat('full', count=3).checkpointed(['l0', 'l1', 'l2', 'l3', 'l4', 'l5', 'l6', 'l7'])
     ['l0', 'l2', 'l5']
-    >>> remat('full', count=3, offload=2).offloaded([f'l{i}' for i in range(12)])
-    ['l1', 'l5']
+    >>> remat('full', count=3, offload=2).offloaded(['l0', 'l1', 'l2', 'l3', 'l4', 'l5'])
+    ['l1', 'l3']
     """
     if callable(policy):
         if (every, count, offload) != (1, None, 0):
