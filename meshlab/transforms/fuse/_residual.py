@@ -166,11 +166,8 @@ class Handoff:
         restorable (:meth:`uninstall`, ``transforms._install.restorable_forward``): a room that replaces a map with
         another module (``precision('fp8')``'s float8 layers) gives every map its own
         product back instead of losing the call."""
-        first, *rest = self.mods
-        first.forward = types.MethodType(lambda m, x: self.first(m, x), first)
-        for i, m in enumerate(rest, 1):
-            m.forward = types.MethodType(lambda m, x, i=i: self.take(i, m, x), m)
-        for m in self.mods:
+        for i, m in enumerate(self.mods):
+            m.forward = _MapCall(self, i)
             restorable_forward(m, self.uninstall)
 
     def uninstall(self) -> None:
@@ -201,6 +198,20 @@ class Handoff:
             return got[1]
         self.missed(got is not None)
         return F.linear(x, m.weight, m.bias)
+
+
+class _MapCall:
+    """Map ``i``'s call through its :class:`Handoff`: a value that holds both (no closure),
+    so a ``copy.deepcopy`` of the model copies the Handoff with the copied maps, and the
+    copy's maps hand each other the copy's products, not the original's."""
+
+    def __init__(self, handoff: Handoff, i: int):
+        self.handoff, self.i = handoff, i
+
+    def __call__(self, x: Tensor) -> Tensor:
+        h = self.handoff
+        m = h.mods[self.i]
+        return h.first(m, x) if self.i == 0 else h.take(self.i, m, x)
 
 
 class _Shared(Handoff):

@@ -148,6 +148,33 @@ def _full_width_adds(model, batch) -> int:
                and e.input_shapes and list(e.input_shapes[0]) == shape)
 
 
+def test_a_deep_copy_of_a_fused_model_computes_with_its_own_weights():
+    """copy.deepcopy of a fused Llama (an EMA copy, a reference model) gets hand-offs of its
+    own: its query projection computes its own key and value products, so a copy whose
+    weights change computes with them (the copy once computed with the original's)."""
+    import meshlab as ml
+    from meshlab.transforms.fuse import fuse_model as fuse
+
+    ref = _model("llama")
+    model = copy.deepcopy(ref)
+    fuse(model, OPS)
+    twin, twin_ref = copy.deepcopy(model), copy.deepcopy(ref)
+    with torch.no_grad():
+        for t in (twin, twin_ref):
+            for p in t.parameters():
+                p.mul_(0.5)
+    ids = M.batches(1, batch=2, seq=9)[0]
+    for got, want in ((twin, twin_ref), (model, ref)):
+        torch.testing.assert_close(got(input_ids=ids).logits, want(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-4)
+        want_loss = ml.losses.causal_lm_loss(want(input_ids=ids), {"input_ids": ids})
+        got_loss = ml.losses.causal_lm_loss(got(input_ids=ids), {"input_ids": ids})
+        want_loss.backward()
+        got_loss.backward()
+        for (n, a), b in zip(got.named_parameters(), want.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
 def test_layer_sums_run_inside_norms_and_products():
     """A routed Llama layer adds its residual stream's gradient inside the first norm's
     backward and sums its query/key/value input gradient inside the products: of the six
