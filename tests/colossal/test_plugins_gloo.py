@@ -219,18 +219,11 @@ def _stage_matches(model, origin, tol: float = 1e-5) -> None:
 def _boost_warned(booster, model, optimizer, **kw):
     """``booster.boost(model, optimizer, **kw)`` and the warnings ``meshlab.apply`` logged
     meanwhile (rank 0's: meshlab's logger passes only rank 0's records)."""
-    import logging
+    from tests._logs import logged
 
-    records: list = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    log = logging.getLogger("meshlab.apply")
-    log.addHandler(handler)
-    try:
+    with logged() as warned:
         out = booster.boost(model, optimizer, **kw)
-    finally:
-        log.removeHandler(handler)
-    return out, [r.getMessage() for r in records]
+    return out, warned
 
 
 def _took_rank_0s(rank, warned, count: str = "") -> None:
@@ -370,15 +363,22 @@ def case_replicas_take_rank_0s_values_under_ddp(rank, world):
         model, optimizer, *_ = Booster(plugin=plugin).boost(model, optimizer)
         for p, q in zip(model.parameters(), first.parameters()):
             assert torch.equal(p.detach(), q.detach()), type(plugin).__name__
-        ref = _net()
-        torch.manual_seed(1)
-        data = torch.randn(world * 2, 8)
-        model(data[rank * 2:(rank + 1) * 2]).mean().backward()
-        optimizer.step()
-        ref(data).mean().backward()
-        torch.optim.SGD(ref.parameters(), lr=0.5).step()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-6)
+        _one_step_matches(model, optimizer, rank, world, type(plugin).__name__)
+
+
+def _one_step_matches(model, optimizer, rank, world, name: str) -> None:
+    """One SGD step (lr 0.5) on the ranks' halves of a batch equals one process trained
+    from rank 0's values (``_net()``) on all of it."""
+    ref = _net()
+    torch.manual_seed(1)
+    data = torch.randn(world * 2, 8)
+    model(data[rank * 2:(rank + 1) * 2]).mean().backward()
+    optimizer.step()
+    ref(data).mean().backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(_full(p), q.detach(), atol=1e-6, rtol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 def case_replicas_take_rank_0s_values_under_zero(rank, world):
@@ -406,16 +406,7 @@ def case_replicas_take_rank_0s_values_under_zero(rank, world):
         _took_rank_0s(rank, warned, "4 of 4")
         for p, q in zip(model.parameters(), first.parameters()):
             assert torch.equal(_full(p), q.detach()), name
-        ref = _net()
-        torch.manual_seed(1)
-        data = torch.randn(world * 2, 8)
-        model(data[rank * 2:(rank + 1) * 2]).mean().backward()
-        optimizer.step()
-        ref(data).mean().backward()
-        torch.optim.SGD(ref.parameters(), lr=0.5).step()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(_full(p), q.detach(), atol=1e-6, rtol=1e-6,
-                                       msg=lambda m: f"{name}: {m}")
+        _one_step_matches(model, optimizer, rank, world, name)
 
 
 def case_a_rank_that_cannot_take_rank_0s_values_fails_every_rank(rank, world):

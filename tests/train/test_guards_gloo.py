@@ -282,28 +282,20 @@ def synced_case(rank, world):
     """``sync_module_states=True``: replicas built from another seed on rank 3 all hold
     rank 0's values after parallelize (parameters and buffers, as DDP broadcasts them),
     and rank 0 warns how many differed; replicas that agree move nothing and warn nothing."""
-    import logging
-
     import meshlab as ml
+    from tests._logs import logged
 
     got = []
     for seeds in ((1 if rank == 3 else 0), 0):
         model = ml.init_weights(M.build("llama"), seed=seeds)
-        records: list = []
-        handler = logging.Handler(logging.WARNING)
-        handler.emit = records.append
-        log = logging.getLogger("meshlab.apply")
-        log.addHandler(handler)
-        try:
+        with logged() as warned:
             model = ml.parallelize(model, ml.data_parallel("dp"), ml.Mesh(dp=world),
                                    sync_module_states=True)
-        finally:
-            log.removeHandler(handler)
         ref = ml.init_weights(M.build("llama"), seed=0)
         mine = dict(model.named_parameters())
         same = all(torch.equal(M.full(mine[n]).detach().cpu(), p.detach())
                    for n, p in ref.named_parameters())
-        got.append((same, [r.getMessage() for r in records]))
+        got.append((same, warned))
     return got
 
 
