@@ -7,7 +7,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.11,<2.15" --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e ".[test,lora]"
+	$(PY) -m pip install -q -e ".[test,lora,qlora]"
 	# The C++ kernels, compiled once into ~/.cache/meshlab (else on first use); a machine
 	# without a compiler runs each op's PyTorch reference, and `meshlab check` says so.
 	$(VENV)/bin/meshlab build || echo "meshlab build failed (above): the ops run their references"

@@ -33,7 +33,7 @@ from .transforms import (Transform as Transform, shard as shard, zero_shard as z
                        data_parallel as data_parallel, precision as precision, remat as remat,
                        pipeline as pipeline, sequence as sequence, fuse as fuse,
                        offload as offload, expert_route as expert_route,
-                       lora as lora, compile_blocks as compile_blocks,
+                       lora as lora, Quantize as Quantize, compile_blocks as compile_blocks,
                        step_in_backward as step_in_backward)
 from .checkpoint.adapters import (save_adapter as save_adapter, load_adapter as load_adapter,
                             save_merged as save_merged, merge as merge_adapters,

@@ -20,11 +20,13 @@ _DTYPE_SHORT = {
 }
 
 
-def dtype_short(dtype: torch.dtype) -> str:
+def dtype_short(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, str):         # a type torch has no dtype for ('nf4')
+        return dtype
     return _DTYPE_SHORT.get(dtype, str(dtype).replace("torch.", ""))
 
 
-def type_string(shape: Sequence[int], dtype: torch.dtype, spec: P) -> str:
+def type_string(shape: Sequence[int], dtype: torch.dtype | str, spec: P) -> str:
     """``f32[8@dp,4@tp]``: the JAX sharding-in-types spelling of a sharded value."""
     dims = []
     for d, n in enumerate(shape):

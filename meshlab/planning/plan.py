@@ -28,13 +28,19 @@ from .decisions import decision_from_json, decision_to_json
 from .rows import OPTIMIZER_STATES
 
 
+# The tag of a parameter every room keeps whole and in its dtype: bitsandbytes' packed
+# 4-bit weights (``lora(quantize=...)``), which FSDP2 leaves unsharded and no cast touches.
+KEEP_WHOLE = "keep_whole"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ParamEntry:
     """One parameter: where it lives in the model and how it is laid out.
 
     ``spec`` is what the user or policy wrote (logical or mesh axes); ``mesh_spec`` is
     set by ``bind`` to the same spec in mesh axes. ``tags`` carry a policy's style
-    (``'colwise'``, ``'replicated_with_grad_allreduce'``, ...) for the materializer.
+    (``'colwise'``, ``'replicated_with_grad_allreduce'``, ...) for the materializer, and
+    ``KEEP_WHOLE`` for a parameter no room may split or cast (a 4-bit packed base weight).
     """
 
     fqn: str

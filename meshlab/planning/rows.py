@@ -51,7 +51,8 @@ class MemRow:
 
     @_kept
     def bytes(self) -> int:
-        return math.prod(self.shape) * dtype_bytes(self.dtype)
+        # whole bytes: a 4-bit tensor of an odd size still takes its last byte
+        return math.ceil(math.prod(self.shape) * dtype_bytes(self.dtype))
 
 
 @dataclasses.dataclass(frozen=True)

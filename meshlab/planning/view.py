@@ -41,10 +41,12 @@ def plan_cells(plan, *, collapse: bool = True, max_rows: int = 200):
         header += ["local shape", "bytes/rank"]
     rows = plan_rows(plan, collapse=collapse)
     held = _held(plan) if bound else {}
+    from ..core.units import PACKED_4BIT
     out = []
     for fqn, n, e in rows[:max_rows]:
         spec = e.mesh_spec if bound else e.spec
-        dtype = getattr(torch, e.dtype)
+        # a packed 4-bit base weight (lora(quantize=...)) has no torch dtype: its name
+        dtype = e.dtype if e.dtype in PACKED_4BIT else getattr(torch, e.dtype)
         shown_spec = repr(e.spec) if e.mesh_spec is None or e.spec == e.mesh_spec \
             else f"{e.spec!r} → {e.mesh_spec!r}"
         tied = f"  (tied to {e.tied_to})" if e.tied_to else ""
@@ -64,7 +66,11 @@ def _held(plan) -> dict:
     out: dict = {}
     for r in room_rows(plan, 0):
         if r.category == "params":
-            out[r.fqn] = (r.shape, r.bytes if r.where == "device" else 0)
+            nbytes = r.bytes if r.where == "device" else 0
+            if r.fqn in out:     # a second row of one parameter (a 4-bit weight's scales)
+                out[r.fqn] = (out[r.fqn][0], out[r.fqn][1] + nbytes)
+            else:
+                out[r.fqn] = (r.shape, nbytes)
     return out
 
 

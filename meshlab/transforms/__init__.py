@@ -19,7 +19,7 @@ from .pipeline import Pipeline as Pipeline, pipeline as pipeline
 from .sequence import Sequence as Sequence, sequence as sequence
 from .fuse import Fuse as Fuse, fuse as fuse
 from .offload import Offload as Offload, offload as offload
-from .lora import Lora as Lora, lora as lora
+from .lora import Lora as Lora, Quantize as Quantize, lora as lora
 from .compile import Compile as Compile, compile_blocks as compile_blocks
 from .step_in_backward import (StepInBackward as StepInBackward,
                                step_in_backward as step_in_backward)

@@ -90,6 +90,9 @@ ROWS: dict[str, Row] = {
     "sequence('ring')": Row(_const(lambda: _ml().sequence("sp", "ring")), ("sp",), order=20),
     "expert_route": Row(_const(lambda: _ml().expert_route("ep")), ("ep",), order=10),
     "lora": Row(_const(lambda: _ml().lora(r=2, target_modules=["q_proj", "v_proj"])), order=5),
+    "lora(quantize)": Row(_const(lambda: _ml().lora(
+        r=2, target_modules=["q_proj", "v_proj"],
+        quantize=_ml().Quantize(compute_dtype="float32"))), also=("lora",), order=5),
     "remat": Row(_const(lambda: _ml().remat()), order=40),
     "remat(offload)": Row(_const(lambda: _ml().remat("full", count=0, offload=1)),
                           also=("remat",), order=40),
@@ -125,6 +128,7 @@ _ONE_VALUE: dict[frozenset, tuple[Callable, tuple[str, ...]]] = {
         (_const(lambda: _ml().remat("full", count=1, offload=1)), ()),
     frozenset({"shard", "sequence('split_gather')"}):
         (lambda family, others: [_tp(seq=True)], ()),
+    frozenset({"lora", "lora(quantize)"}): (ROWS["lora(quantize)"].build, ()),
     frozenset({"fuse", "fuse('attention')"}):
         (_const(lambda: _ml().fuse("rms_norm", "attention")), ()),
     frozenset({"fuse", "fuse('loss')"}): (_const(lambda: _ml().fuse("rms_norm", "loss")), ()),

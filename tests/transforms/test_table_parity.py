@@ -85,8 +85,11 @@ def _slug(row: str) -> str:
     return row.replace("'", "")
 
 
+# The cells of a 4-bit base (``lora(quantize)``) are trained against one process that
+# quantizes the same layers with bitsandbytes by hand (the test each names, in
+# tests/transforms/lora/test_qlora_gloo.py); meshlab.verify has no such reference.
 CELLS = [(a, b) for (a, b), c in composition.table(declared=False).items()
-         if c.status == composition.COMPOSES]
+         if c.status == composition.COMPOSES and "lora(quantize)" not in (a, b)]
 
 
 _ZERO2 = "with zero_shard(2, 'dp')"

@@ -15,6 +15,16 @@ format live in ``meshlab.checkpoint.adapters``.
 Frozen parameters hold no gradient and no optimizer state: ``plan.memory()`` counts the
 adapters' share alone, the gradient reductions cover only them, and ZeRO-3 shards the
 base and the adapters alike.
+
+QLoRA (``lora(config, quantize=Quantize())``, ``_quant``): the base's Linear layers are
+held in 4 bits by bitsandbytes. The plan records each quantized weight as ``'nf4'`` (or
+``'fp4'``), frozen and kept whole, its scales in ``plan.memory()``; the install step,
+after the weights hold their values, quantizes them and then injects peft's adapters
+(peft's own ``Linear4bit`` adapter layer), so a ``state_dict`` given to ``parallelize``
+names the model's parameters before the adapters. The quantized base takes the
+composition table's ``lora(quantize)`` row besides ``lora``: it runs replicated
+(``data_parallel``, ``zero_shard(1)``, ``zero_shard(2)``, in ``precision('fp32')``), and
+the rows that would split, move or cast the base are refused there by name.
 """
 
 from __future__ import annotations
@@ -27,10 +37,11 @@ from ...planning.plan import ModuleInfo, ParamEntry, Plan
 from ...core.spec import P
 from .._protocol import Phase, Transform
 from ._peft import jsonable as _jsonable, peft_module as _peft, with_targets as with_targets
+from ._quant import KEEP_WHOLE, Quantize as Quantize, quantization, quantized_modules, scale_rows
 
 # Saving, loading and merging adapters are checkpoint work: meshlab.checkpoint.adapters
 # (meshlab.save_adapter, load_adapter, save_merged, merge_adapters, unmerge_adapters).
-__all__ = ["Lora", "lora"]
+__all__ = ["Lora", "Quantize", "lora"]
 
 
 def _targets(config, plan: Plan) -> list[ModuleInfo]:
@@ -152,45 +163,88 @@ class Lora(Transform):
     phase: ClassVar[Phase] = Phase.ADAPTERS
 
     config: Any
+    quantize: Quantize | None = None
 
     def apply(self, plan: Plan) -> Plan:
         if plan.is_bound:
             raise ConfigError("lora() rewrites the parameter table: apply it to an unbound "
                               "plan, as part of the spec given to plan/parallelize")
         config = with_targets(self.config, plan.model.config_get("model_type"))
-        return plan.replace(params=lora_entries(config, plan),
-                            model=dataclasses.replace(plan.model, modules=lora_modules(
-                                config, plan)))
+        params = lora_entries(config, plan)
+        modules = lora_modules(config, plan)
+        if self.quantize is not None:
+            params, modules = _quantized(self.quantize, config, plan, params, modules)
+        return plan.replace(params=params,
+                            model=dataclasses.replace(plan.model, modules=modules))
+
+    def rows(self, plan) -> tuple[str, ...]:
+        """``lora``, and with a quantized base ``lora(quantize)`` too: the rows it does not
+        compose with are those that would split, move or cast the 4-bit base."""
+        return ("lora", "lora(quantize)") if self.quantize is not None else ("lora",)
 
     def prepare(self, ctx) -> None:
-        from ._inject import inject
+        # A quantized base is made from the weights' values: its adapters go in at install,
+        # after the initialization (or the state_dict) has given the weights their values.
+        if self.quantize is None:
+            from ._inject import inject
 
-        inject(self, ctx)
+            inject(self, ctx)
+
+    def install(self, ctx):
+        if self.quantize is not None:
+            from ._inject import inject_quantized
+
+            inject_quantized(self, ctx)
+        return None
+
+    def memory(self, plan: Plan, rows: list) -> list:
+        """The scales of each 4-bit weight beside its packed bytes (``_quant.scale_rows``)."""
+        if self.quantize is None:
+            return rows
+        extra = [r for e in plan.params if KEEP_WHOLE in e.tags and e.dtype in ("nf4", "fp4")
+                 for r in scale_rows(self.quantize, e.fqn, e.numel)]
+        return list(rows) + extra
 
     # -- JSON: the config as peft writes it ------------------------------------------------
     def to_json(self) -> dict:
         d = self.config.to_dict()
-        return {"kind": self.kind, "config": _jsonable(d)}
+        out = {"kind": self.kind, "config": _jsonable(d)}
+        if self.quantize is not None:
+            out["quantize"] = self.quantize.to_json()
+        return out
 
     @classmethod
     def from_json(cls, d) -> "Lora":
         peft = _peft()
         cfg = dict(d["config"])
         cfg.pop("peft_type", None)
+        q = d.get("quantize")
         return cls(peft.LoraConfig(**{k: v for k, v in cfg.items()
-                                      if k in peft.LoraConfig.__dataclass_fields__}))
+                                      if k in peft.LoraConfig.__dataclass_fields__}),
+                   None if q is None else Quantize.from_json(q))
 
     def __repr__(self) -> str:
         c = self.config
         targets = sorted(c.target_modules) if c.target_modules else "peft's for the model type"
         return (f"lora(r={c.r}, alpha={c.lora_alpha}, targets={targets}"
                 + (f", modules_to_save={list(c.modules_to_save)}" if c.modules_to_save else "")
+                + (f", quantize={self.quantize!r}" if self.quantize is not None else "")
                 + ")")
 
 
-def lora(config=None, **kwargs) -> Lora:
+def lora(config=None, *, quantize=None, **kwargs) -> Lora:
     """LoRA through peft: ``lora(peft.LoraConfig(r=8, target_modules=['q_proj', 'v_proj']))``
-    or the same keywords (``lora(r=8, target_modules=[...])``)."""
+    or the same keywords (``lora(r=8, target_modules=[...])``).
+
+    ``quantize`` holds the base in 4 bits (QLoRA, bitsandbytes: the ``qlora`` extra): True
+    for Colossal-AI's defaults (nf4, double quantization, bfloat16 products), a
+    ``Quantize(...)``, or a ``transformers.BitsAndBytesConfig(load_in_4bit=True, ...)``;
+    every Linear but the output head is quantized (``Quantize`` says which)."""
+    q = quantization(quantize)
+    if q is not None:
+        from ._quant import bnb_module
+
+        bnb_module()
     peft = _peft()
     if config is None:
         try:
@@ -240,4 +294,27 @@ def lora(config=None, **kwargs) -> Lora:
             isinstance(m, str) and m for m in saved)):
         raise ConfigError(f"lora(modules_to_save={saved!r}): modules_to_save is a list of "
                           f"module names; pass e.g. modules_to_save=['lm_head']")
-    return Lora(config)
+    return Lora(config, q)
+
+
+def _quantized(q: Quantize, config, plan: Plan, params, modules):
+    """The parameter and module tables with the 4-bit base: each quantized Linear's weight
+    (its ``base_layer``'s where peft wraps it) becomes ``q.quant_type``, frozen and kept
+    whole; its module a ``Linear4bit``."""
+    names = set(quantized_modules(q, plan, _saved(config, plan)))
+    targets = {m.fqn for m in _targets(config, plan)}
+    held = {f"{m}.base_layer" if m in targets else m for m in names}
+    out = []
+    for e in params:
+        if e.module in held and e.fqn == f"{e.module}.weight":
+            if e.dtype not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"lora(quantize=...): {e.fqn} is {e.dtype}; bitsandbytes "
+                                  f"quantizes float32, bfloat16 and float16 weights: build "
+                                  f"the model in one of those (or keep the module in "
+                                  f"full precision with Quantize(skip_modules=[...]))")
+            e = dataclasses.replace(e, dtype=q.quant_type, requires_grad=False,
+                                    tags=e.tags + (KEEP_WHOLE,))
+        out.append(e)
+    mods = tuple(dataclasses.replace(m, cls="Linear4bit") if m.fqn in held else m
+                 for m in modules)
+    return tuple(out), mods

@@ -21,15 +21,7 @@ def inject(t, ctx) -> None:
     config = with_targets(t.config, ctx.plan.model.config_get("model_type"))
     with torch.device(device):
         peft.inject_adapter_in_model(config, model)
-    want = {e.fqn: e for e in ctx.plan.params}
-    got = dict(model.named_parameters())
-    if set(got) != set(want):
-        raise ConfigError(
-            f"{t!r}: peft wrapped other parameters than the plan predicted (in the model, not "
-            f"the plan: {sorted(set(got) - set(want))[:4]}; in the plan, not the model: "
-            f"{sorted(set(want) - set(got))[:4]}); narrow target_modules to Linear modules")
-    for n, p in got.items():
-        p.requires_grad_(want[n].requires_grad)
+    _check_and_freeze(t, ctx, model)
     if meta:     # right after each wrapper is initialized, before its block is sharded
         ctx.on_module.append(lambda _name, m: start(m))
     else:
@@ -56,3 +48,40 @@ def start(m, generator=None) -> None:
         elif isinstance(m, ModulesToSaveWrapper):
             for copy in m.modules_to_save.values():
                 copy.load_state_dict(m.original_module.state_dict())
+
+
+def inject_quantized(t, ctx) -> None:
+    """QLoRA's install, once the weights hold their values: the Linear layers the plan
+    records as 4-bit (``'nf4'``/``'fp4'`` entries) are quantized on the mesh's device, then
+    peft injects its adapters (its ``Linear4bit`` layer around each quantized target), and
+    the adapters start as ``start`` says, from a fixed generator (the same on every rank)."""
+    from ...core.units import PACKED_4BIT
+    from .._install import mesh_device
+    from ._peft import peft_module, with_targets
+    from ._quant import quantize_model
+
+    peft = peft_module()
+    model = ctx.model
+    # the plan names each weight as peft leaves it (``<module>.base_layer.weight``); before
+    # the injection the module is ``<module>``
+    names = [e.module.removesuffix(".base_layer") for e in ctx.plan.params
+             if e.dtype in PACKED_4BIT]
+    quantize_model(t.quantize, model, names, mesh_device(ctx.mesh))
+    config = with_targets(t.config, ctx.plan.model.config_get("model_type"))
+    peft.inject_adapter_in_model(config, model)
+    _check_and_freeze(t, ctx, model)
+    g = torch.Generator().manual_seed(0)
+    for m in model.modules():
+        start(m, generator=g)
+
+
+def _check_and_freeze(t, ctx, model) -> None:
+    want = {e.fqn: e for e in ctx.plan.params}
+    got = dict(model.named_parameters())
+    if set(got) != set(want):
+        raise ConfigError(
+            f"{t!r}: peft wrapped other parameters than the plan predicted (in the model, not "
+            f"the plan: {sorted(set(got) - set(want))[:4]}; in the plan, not the model: "
+            f"{sorted(set(want) - set(got))[:4]}); narrow target_modules to Linear modules")
+    for n, p in got.items():
+        p.requires_grad_(want[n].requires_grad)

@@ -30,7 +30,7 @@ from collections import defaultdict
 
 from ...core.names import ancestors
 from ...core.placement import local_shape
-from ...planning.plan import Plan, dtype_bytes
+from ...planning.plan import KEEP_WHOLE, Plan, dtype_bytes
 from .._protocol import CommOp
 from ..precision import Precision
 
@@ -76,8 +76,9 @@ def zero_memory(t, plan: Plan, rows: list) -> list:
     if plan.roles.fsdp:
         return rows                    # the specs split what FSDP splits
     n = math.prod(plan.mesh_shape[a] for a in t.axis)
-    if t.stage >= 2:
-        return [_split_row(r, n) for r in rows]
+    if t.stage >= 2:          # FSDP2 shards every parameter but those kept whole
+        whole = {e.fqn for e in plan.params if KEEP_WHOLE in e.tags}
+        return [r if r.fqn in whole else _split_row(r, n) for r in rows]
     if t.stage == 0 or n == 1:         # ZeRO-1 over one rank keeps no slices
         return rows
     out = []

@@ -425,7 +425,15 @@ def fsdp_ignored(plan) -> frozenset:
     """The parameters FSDP2 leaves replicated (their gradients are all-reduced instead):
     under 2-D specs, those whose spec keeps them whole on the data axis; otherwise those a
     packed tensor-parallel projection (q|k|v) already strides on dim 0, which FSDP2's
-    dim-0 sharding cannot split again."""
+    dim-0 sharding cannot split again; and always those tagged ``KEEP_WHOLE`` (a 4-bit
+    packed base weight, frozen)."""
+    from ...planning.plan import KEEP_WHOLE
+
+    whole = frozenset(e.fqn for e in plan.params if KEEP_WHOLE in e.tags)
+    return whole | _fsdp_ignored(plan)
+
+
+def _fsdp_ignored(plan) -> frozenset:
     if plan.roles.fsdp:
         fsdp = set(plan.roles.fsdp)
         return frozenset(e.fqn for e in plan.params if not any(
