@@ -63,6 +63,7 @@ def launch_from_torch(backend: str | None = None, seed: int = 1024, verbose: boo
 class _Lora:
     config: Any
     pretrained_dir: str | None
+    quantize: Any = None          # a meshlab Quantize: the base in 4 bits (QLoRA)
 
 
 class Booster:
@@ -154,7 +155,7 @@ class Booster:
             from ..transforms import lora
 
             at = next((i + 1 for i, t in enumerate(parts) if t.kind == "shard"), 0)
-            parts.insert(at, lora(lo.config))
+            parts.insert(at, lora(lo.config, quantize=lo.quantize))
         if st.microbatch_size is not None:
             parts = [_microbatches(t, st.microbatch_size, dataloader) if t.kind == "pipeline"
                      else t for t in parts]
@@ -331,17 +332,27 @@ class Booster:
                     lora_config=None, bnb_quantization_config=None, quantize: bool = False):
         """Mark ``model`` for LoRA: ``boost`` adds ``meshlab.lora(lora_config)`` after the
         plugin's ``shard`` and loads ``pretrained_dir``'s adapter into the sharded model.
-        Returns the model."""
+        ``quantize=True`` (or a ``bnb_quantization_config``) holds the base's Linear layers
+        but the head in 4 bits (``lora(config, quantize=...)``; Colossal-AI's defaults:
+        nf4, double quantization, bf16 products), on the plugins that keep it replicated
+        (TorchDDPPlugin, LowLevelZeroPlugin, HybridParallelPlugin without tensor or
+        pipeline parallelism). Returns the model."""
+        q = None
         if quantize or bnb_quantization_config is not None:
-            raise UnsupportedArgument("enable_lora", "quantize", quantize or
-                                      bnb_quantization_config, "quantized (QLoRA) bases are "
-                                      "not implemented", "meshlab.lora(config) on a bf16 base "
-                                      "(precision('bf16'))")
+            q = self._quantize(quantize, bnb_quantization_config)
         if runtime_or_none(model) is not None:
             raise ConfigError("enable_lora: call it before boost (the adapters are part of "
                               "the plan boost runs)")
         if not self.plugin.support_lora():
             raise ConfigError(f"enable_lora: {self.plugin!r} does not run LoRA")
+        if q is not None:
+            from .lazy.lazy_init import pretrained_source
+
+            if pretrained_source(model) is not None:
+                raise ConfigError("enable_lora(quantize=True): this model's weights are read "
+                                  "after boost (from_pretrained inside LazyInitContext), "
+                                  "but the base is quantized from its values at boost; load "
+                                  "it outside LazyInitContext (from_pretrained as usual)")
         if lora_config is None:
             if pretrained_dir is None:
                 raise ConfigError("enable_lora: give lora_config (peft.LoraConfig) or "
@@ -349,6 +360,32 @@ class Booster:
             from peft import LoraConfig
 
             lora_config = LoraConfig.from_pretrained(pretrained_dir)
+        model._meshlab_booster_lora = _Lora(lora_config, pretrained_dir, q)
+        return model
+
+    def _quantize(self, quantize, config):
+        """``enable_lora``'s quantization as a meshlab ``Quantize``: Colossal-AI's defaults
+        for ``quantize=True``, else the configuration's fields; the plugins whose layouts
+        split the base refuse it by name."""
+        from ..core.errors import check_bool
+        from ..transforms.lora._quant import Quantize, quantization
+        from .plugin import (HybridParallelPlugin, LowLevelZeroPlugin, MoeHybridParallelPlugin,
+                             TorchDDPPlugin)
+
+        check_bool(quantize, "enable_lora", "quantize")
+        if not isinstance(self.plugin, (TorchDDPPlugin, LowLevelZeroPlugin,
+                                        HybridParallelPlugin)) or \
+                isinstance(self.plugin, MoeHybridParallelPlugin):
+            raise UnsupportedArgument(
+                "enable_lora", "quantize", True, f"{type(self.plugin).__name__} shards or "
+                f"moves the base, and a 4-bit base runs replicated and frozen",
+                "TorchDDPPlugin() or LowLevelZeroPlugin(stage=1 or 2, precision='fp32') with "
+                "quantize=True, or LoRA on a full-precision base (quantize=False)")
+        q = Quantize() if config is None else quantization(config)
+        from ..transforms.lora._quant import bnb_module
+
+        bnb_module()
+        return q
         model._meshlab_booster_lora = _Lora(lora_config, pretrained_dir)
         return model
 

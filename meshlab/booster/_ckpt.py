@@ -83,9 +83,25 @@ SAVE_LORA = (
          "adapter_model.bin (tensors only: load_adapter reads it without running pickled "
          "code)", True),
 )
+ENABLE_LORA = (
+    maps("pretrained_dir", None, "a saved adapter: its LoraConfig, and meshlab.load_adapter "
+         "into the boosted model", "adapter"),
+    maps("lora_config", None, "meshlab.lora(config), after the plugin's shard", "config"),
+    maps("bnb_quantization_config", None, "lora(config, quantize=...): its load_in_4bit, "
+         "bnb_4bit_quant_type, bnb_4bit_use_double_quant, bnb_4bit_compute_dtype and "
+         "skip_modules (None: the output head) as a meshlab Quantize; given, the base is "
+         "quantized whatever quantize says, as Colossal-AI does; 8-bit and "
+         "keep_in_fp32_modules are refused", "fp4"),
+    maps("quantize", False, "lora(config, quantize=Quantize()): the Linear layers but the "
+         "head in 4 bits (nf4, double quantization, bf16 products, Colossal-AI's defaults), "
+         "frozen and replicated: TorchDDPPlugin, LowLevelZeroPlugin and "
+         "HybridParallelPlugin(tp_size=1, pp_size=1) in precision 'fp32'; the other plugins "
+         "and precisions are refused by name", True),
+)
 METHODS: dict[str, tuple[Arg, ...]] = {
     "save_model": SAVE_MODEL, "load_model": LOAD_MODEL, "save_optimizer": SAVE_OPTIMIZER,
     "load_optimizer": LOAD_OPTIMIZER, "save_lora_as_pretrained": SAVE_LORA,
+    "enable_lora": ENABLE_LORA,
 }
 
 

@@ -160,6 +160,20 @@ def _merged_names(model: nn.Module) -> list[tuple[str, str]]:
     return out
 
 
+def _full_precision_base(model: nn.Module, call: str) -> None:
+    """A merged export adds each delta to the base weight's values: a 4-bit base
+    (``lora(quantize=...)``) holds packed bytes, which are refused here by name."""
+    from ..core.errors import ConfigError
+    from ..core.units import PACKED_4BIT
+
+    four = [e.fqn for e in runtime_of(model).plan.params if e.dtype in PACKED_4BIT]
+    if four:
+        raise ConfigError(f"{call}: {len(four)} base weights (first {four[0]}) are held in 4 "
+                          f"bits (lora(quantize=...)); save the adapter (save_adapter) and "
+                          f"merge it into the full-precision base with peft "
+                          f"(PeftModel.from_pretrained(base, dir).merge_and_unload())")
+
+
 def _merger(model: nn.Module, cfg):
     """``(transform, adapters)``: the adapters of every LoRA layer gathered whole on rank 0
     (each small: r x features), and the function that merges them into a base weight as it
@@ -190,6 +204,7 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     peft, on rank 0 (empty elsewhere): the whole model in one process, for small models;
     ``save_merged`` streams it to files instead."""
     cfg = _lora_config(model)
+    _full_precision_base(model, "merged_state")
     transform, _ = _merger(model, cfg)
     full = _gathered(model, lambda n: True)
     if not _rank0():
@@ -205,6 +220,7 @@ def save_merged(directory, model: nn.Module, *, max_shard_size: int | str = "5GB
     from ._hf import _tensors, export_tensors
 
     cfg = _lora_config(model)
+    _full_precision_base(model, "save_merged")
     transform, _ = _merger(model, cfg)
     tensors = dict(_tensors(model))
     items = [(e, tensors[n]) for e, n in _merged_names(model)]

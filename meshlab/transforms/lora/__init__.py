@@ -300,12 +300,16 @@ def lora(config=None, *, quantize=None, **kwargs) -> Lora:
 def _quantized(q: Quantize, config, plan: Plan, params, modules):
     """The parameter and module tables with the 4-bit base: each quantized Linear's weight
     (its ``base_layer``'s where peft wraps it) becomes ``q.quant_type``, frozen and kept
-    whole; its module a ``Linear4bit``."""
+    whole; its module a ``Linear4bit``; the adapters peft puts beside a 4-bit base are
+    made in the base's compute dtype (peft's ``Linear4bit`` layer)."""
     names = set(quantized_modules(q, plan, _saved(config, plan)))
     targets = {m.fqn for m in _targets(config, plan)}
     held = {f"{m}.base_layer" if m in targets else m for m in names}
+    beside = {f"{m}.lora_{x}.default" for m in names & targets for x in "AB"}
     out = []
     for e in params:
+        if e.module in beside:
+            e = dataclasses.replace(e, dtype=q.compute_dtype)
         if e.module in held and e.fqn == f"{e.module}.weight":
             if e.dtype not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"lora(quantize=...): {e.fqn} is {e.dtype}; bitsandbytes "

@@ -127,7 +127,12 @@ def parity_case(rank, world, layout):
         torch.equal(x, y) and torch.equal(x, z)
         for n in base for x, y, z in zip(base[n], ref_base[n], start_base[n]))
     frozen_grads = sum(p.grad is not None for p in model.parameters() if not p.requires_grad)
-    return dict(got=got, want=want, adapters=adapters, same_base=same_base, n_base=len(base),
+    try:
+        ml.save_merged("/nonexistent/merged", model)
+        merged = "ran"
+    except ml.ConfigError as e:
+        merged = str(e)
+    return dict(merged=merged, got=got, want=want, adapters=adapters, same_base=same_base, n_base=len(base),
                 frozen_grads=frozen_grads,
                 cls={type(m).__module__ + "." + type(m).__name__
                      for n, m in model.named_modules() if n.endswith("q_proj")})
@@ -144,6 +149,7 @@ def test_qlora_matches_bitsandbytes_and_peft(world2, layout):
         # q/k/v/o, gate/up/down in each of the 2 blocks; the head stays in full precision
         assert r["n_base"] == 7 * LAYERS["num_hidden_layers"], r["n_base"]
         assert r["same_base"] and r["frozen_grads"] == 0
+        assert "held in 4 bits" in r["merged"] and "save_adapter" in r["merged"], r["merged"]
         assert r["cls"] == {"peft.tuners.lora.bnb.Linear4bit"}, r["cls"]
     # the adapters moved: a step that changed nothing would also agree with the reference
     moved = [n for n, (mine, _) in r["adapters"].items() if ".lora_B." in n
