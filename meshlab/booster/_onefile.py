@@ -43,11 +43,20 @@ def _tied_names(model) -> dict[str, str]:
 
 def save(model, path: str, safetensors: bool, extra: dict | None) -> None:
     from .. import checkpoint as ckpt
+    from ..checkpoint import CheckpointError, _fourbit
     from ..checkpoint._commit import resolve
     from ..checkpoint._hf import SINGLE, exported
     from ..checkpoint._ranks import agree, as_error, ctrl_group, rank
     from ._files import read_tensors, write_tensors
 
+    four = _fourbit.weights(model)     # the same on every rank: the plan decides them
+    if four:
+        raise CheckpointError(
+            f"Booster.save_model({path!r}): {len(four)} base weights (first {next(iter(four))}) "
+            f"are held in 4 bits (lora(quantize=...)), and one file holds tensors only, not "
+            f"the record of their quantization that a load checks; save to a directory: "
+            f"save_model(model, 'ckpt/model') (meshlab's checkpoint) or with "
+            f"use_safetensors=True (a safetensors export)")
     staging = path + ".meshlab-export"
     ckpt.save_pretrained(staging, model, max_shard_size=2 ** 62, extra=extra)
     err = None

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import _fourbit
 from . import _rng
 from . import _state
 from ._commit import base_names, commit, discard, recover, resolve, write_json
@@ -146,6 +147,9 @@ def _meta(model, scheduler, extra, dataloader) -> dict:
         meta["dataloader"] = _state._jsonable(dataloader.state_dict(), "dataloader.state_dict()")
     if extra is not None:
         meta["extra"] = extra
+    quantized = _fourbit.record(model)      # a 4-bit base's quantization, checked at load
+    if quantized:
+        meta["quantized"] = quantized
     return meta
 
 

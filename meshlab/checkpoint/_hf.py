@@ -24,7 +24,7 @@ import re
 import torch
 from torch import nn
 
-from . import _manifest, _names
+from . import _fourbit, _manifest, _names
 from ._commit import commit, discard, recover, resolve
 from ._load import LoadReport, held_anywhere
 from ._progress import bar, byte_bar, shown
@@ -49,10 +49,17 @@ def _parse_size(s: int | str) -> int:
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Parameters (first name of tied ones) and persistent buffers, in model order."""
-    out = list(model.named_parameters())
+    """Parameters (first name of tied ones) and persistent buffers, in model order; a
+    4-bit weight (``lora(quantize=...)``) as its packed bytes and each tensor of its quant
+    state, the model's own (``_fourbit.live``), in place of bitsandbytes' keys."""
+    four = _fourbit.weights(model)
+    out = []
+    for n, p in model.named_parameters():
+        out += list(_fourbit.live(n, p).items()) if n in four else [(n, p)]
     names = {n for n, _ in out}
     for n, b in model.state_dict().items():
+        if any(n.startswith(w + ".") for w in four):
+            continue                  # bitsandbytes' keys: ``live`` holds their tensors
         if n not in names and not any(n == x for x, _ in model.named_parameters(remove_duplicate=False)):
             if not isinstance(b, nn.Parameter):
                 out.append((n, b))
@@ -140,6 +147,12 @@ def export_tensors(directory, model: nn.Module, items: list, *, max_shard_size="
     show = shown()                       # MESHLAB_PROGRESS checked alike on every rank
     enter(what, directory, model, timeout)
     group, tmp, err = ctrl_group(model), directory + ".partial", None
+    quantized = None
+    try:                     # a 4-bit base's quantization, recorded in the manifest
+        quantized = _fourbit.record(model) or None
+    except CheckpointError as e:
+        err = as_error(e, what, directory)
+    agree(group, f"checkpoint.{what}: check", error=err)
     owners, metas = _owners(items, group)
     shards, sizes = _plan(metas, _parse_size(max_shard_size))
     if rank() == 0:
@@ -157,7 +170,7 @@ def export_tensors(directory, model: nn.Module, items: list, *, max_shard_size="
     if rank() == 0 and err is None:
         try:
             _finish_export(model, tmp, directory, weight_map, sum(sizes.values()),
-                           len(shards), extra)
+                           len(shards), extra, quantized)
         except Exception as e:      # the others wait in the agreement below
             err = as_error(e, what, directory)
             try:
@@ -248,7 +261,8 @@ def _write_error(e: Exception, directory: str, tmp: str, name: str):
 
 
 def _finish_export(model, tmp: str, directory: str, weight_map: dict, total_size: int,
-                   files: int, extra: dict | None = None) -> None:
+                   files: int, extra: dict | None = None, quantized: dict | None = None
+                   ) -> None:
     """Rank 0: the index, config and manifest, then the atomic replacement."""
     from ._commit import fsync_dir
 
@@ -261,7 +275,7 @@ def _finish_export(model, tmp: str, directory: str, weight_map: dict, total_size
     cfg = getattr(model, "config", None)
     if cfg is not None:
         cfg.save_pretrained(tmp)
-    _manifest.write(tmp, extra)
+    _manifest.write(tmp, extra, quantized)
     fsync_dir(tmp)
     commit(tmp, directory)
 
@@ -390,9 +404,10 @@ def _check_import(d: str, model: nn.Module, items: list, handles: dict, group):
     """The report, and the open slice of every parameter that fits. The exchange of which
     names some rank holds runs on every rank, even one whose files failed to open."""
     all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-    wmap, err = {}, None
+    wmap, err, doc = {}, None, None
     try:
-        wmap = _index(d, _manifest.check(d, _share(group)))
+        doc = _manifest.check(d, _share(group))
+        wmap = _index(d, doc)
     except CheckpointError as e:
         err = e
     keys = sorted(wmap) if err is None else []
@@ -420,6 +435,8 @@ def _check_import(d: str, model: nn.Module, items: list, handles: dict, group):
             mism.append((n, saved, tuple(t.shape), str(sl.get_dtype()), str(t.dtype)))
             continue
         slices[n] = (sl, handles[wmap[key]], key)
+    # a 4-bit weight loads whole, from one quantized as the model's (the manifest's record)
+    _fourbit.check((doc or {}).get("quantized"), model, al.source, d)
     return LoadReport(al.missing, unexpected, mism), slices
 
 

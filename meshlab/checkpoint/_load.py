@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _fourbit
 from . import _names
 from . import _opt
 from . import _rng
@@ -211,6 +212,7 @@ def _fit(src: _Source, model, optimizer, scheduler, dataloader, strict: bool, gr
         if weights:
             mine = set(keys)
             _names.check(al, [k for k in unexpected if k in mine], src.directory)
+            _fourbit.check(src.meta.get("quantized"), model, al.source, src.directory)
         if strict and not report.ok:
             mesh = src.meta.get("mesh")
             raise CheckpointError(f"{src.directory} (saved on mesh {mesh}, "

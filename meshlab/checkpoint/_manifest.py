@@ -22,14 +22,17 @@ MANIFEST = "meshlab.manifest.json"
 FORMAT = "meshlab.manifest/1"
 
 
-def write(directory: str, extra: dict | None = None) -> None:
-    """List every file of ``directory`` (but the manifest) with its checksum."""
+def write(directory: str, extra: dict | None = None, quantized: dict | None = None) -> None:
+    """List every file of ``directory`` (but the manifest) with its checksum, and a 4-bit
+    base's quantization (``_fourbit.record``) where the export holds one."""
     files = {n: entry(os.path.join(directory, n)) for n in sorted(os.listdir(directory))
              if n != MANIFEST and not n.endswith(".tmp")
              and os.path.isfile(os.path.join(directory, n))}
     doc = {"format": FORMAT, "files": files}
     if extra is not None:
         doc["extra"] = extra
+    if quantized:
+        doc["quantized"] = quantized
     write_json(os.path.join(directory, MANIFEST), seal(doc))
 
 
@@ -54,8 +57,9 @@ def read(directory: str) -> dict | None:
             and isinstance(e.get("bytes"), int) for n, e in files.items()):
         raise CheckpointError(f"{where} is damaged: its file list is not names inside "
                               f"{directory} with sizes and SHA-256s; export again")
-    if doc.get("extra") is not None and not isinstance(doc["extra"], dict):
-        raise CheckpointError(f"{where} is damaged: extra is not an object; export again")
+    for key in ("extra", "quantized"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            raise CheckpointError(f"{where} is damaged: {key} is not an object; export again")
     return doc
 
 

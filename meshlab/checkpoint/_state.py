@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _fourbit
 from ._safe import CheckpointError
 from ..core.tensors import local as _local
 from ..transforms._install import runtime_or_none
@@ -43,8 +44,9 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
         params = dict(model.named_parameters())
         for fqn, master in _masters(model).items():      # offload's fp32 masters
             sd[fqn] = _like(params[fqn], master)
-        return sd
-    return {k: v for k, v in model.state_dict().items()}
+        return _fourbit.canonical(model, sd)
+    # a 4-bit base's weights by their own tensors (``_fourbit``), not bitsandbytes' keys
+    return _fourbit.canonical(model, dict(model.state_dict()))
 
 
 def _parts_of(model: nn.Module) -> tuple:
@@ -71,6 +73,10 @@ def refresh_masters(model: nn.Module) -> None:
 def set_model_state(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    # a 4-bit weight's quant state was read into its own tensors (``_fourbit.live``);
+    # load_state_dict knows none of those names
+    aux = _fourbit.aux(model)
+    sd = {k: v for k, v in sd.items() if k not in aux} if aux else sd
     if runtime_or_none(model) is not None and dist.is_initialized():
         masters = _masters(model)
         set_model_state_dict(model, {k: v for k, v in sd.items() if k not in masters},

@@ -340,13 +340,35 @@ def merge(model: nn.Module) -> int:
     """Merge every adapter into its base weight in place, on the sharded model (peft's
     own ``merge`` on each LoRA layer: its arithmetic runs on the DTensors, which
     communicate what they need); the forward then skips the adapters. Returns the layers
-    merged."""
+    merged. A 4-bit base (``lora(quantize=...)``) is refused (``_in_place``)."""
+    _in_place(model, "merge_adapters")
     return _each_layer(model, lambda m: m.merge())
 
 
 def unmerge(model: nn.Module) -> int:
     """Undo ``merge``: the base weights again, the adapters in the forward."""
+    _in_place(model, "unmerge_adapters")
     return _each_layer(model, lambda m: m.unmerge())
+
+
+def _in_place(model: nn.Module, call: str) -> None:
+    """peft merges an adapter into a 4-bit base by dequantizing it, adding the delta and
+    quantizing the sum again: the merged base rounds the delta to 4 bits, and unmerging
+    subtracts it and quantizes once more, which does not give the base's bytes back. Both
+    are refused by name, before any layer changes."""
+    from ..core.errors import ConfigError
+    from ..core.units import PACKED_4BIT
+
+    _lora_config(model)
+    four = [e.fqn for e in runtime_of(model).plan.params if e.dtype in PACKED_4BIT]
+    if four:
+        raise ConfigError(f"{call}: {len(four)} base weights (first {four[0]}) are held in 4 "
+                          f"bits (lora(quantize=...)); merging into them quantizes the sum "
+                          f"again (lossy), and unmerging would not restore their bytes. "
+                          f"Keep the adapters beside the base (they compute the same), or "
+                          f"save the adapter (save_adapter) and merge it into the "
+                          f"full-precision base with peft "
+                          f"(PeftModel.from_pretrained(base, dir).merge_and_unload())")
 
 
 def _each_layer(model: nn.Module, fn) -> int:

@@ -17,7 +17,10 @@ The install step (``quantize_model``) runs once the weights hold their values (a
 seeded initialization, a ``state_dict``, or ``sync_module_states``' broadcast), before
 peft's adapters are injected: each chosen Linear becomes a ``bitsandbytes.nn.Linear4bit``
 whose weight is quantized from the Linear's values on the mesh's device, so peft wraps it
-with its own ``Linear4bit`` adapter layer, as it does for a model loaded in 4 bits.
+with its own ``Linear4bit`` adapter layer, as it does for a model loaded in 4 bits. The
+layer never takes bitsandbytes' CPU inference layout (which an eval-mode forward would
+put in place of the quantized bytes, its scales in bfloat16): an evaluation leaves the
+base as it was quantized.
 """
 
 from __future__ import annotations
@@ -207,6 +210,10 @@ def quantize_model(q: Quantize, model: torch.nn.Module, names, device) -> None:
         new.weight = weight.to(device)        # bitsandbytes quantizes as it moves the data
         if lin.bias is not None:
             new.bias = torch.nn.Parameter(lin.bias.detach().to(device), requires_grad=False)
+        # bitsandbytes repacks a weight in place on its first eval-mode forward without
+        # gradients on a CPU with AVX512-BF16, its scales rounded to bfloat16: the frozen
+        # base would change with an evaluation. It keeps the layout it was quantized in.
+        new.support_avx512bf16_for_cpu = False
         new.train(lin.training)
         setattr(parent, attr, new)
     # transformers' mark of a model loaded in 4 bits: peft reads it to wrap each Linear4bit
