@@ -147,6 +147,12 @@ def _meshlab_spec(name: str):
             "meshlab_blocks": ml.fuse() | ml.compile_blocks(),
             "meshlab_blocks_inductor": ml.fuse("attention", "loss") | ml.compile_blocks(),
             "meshlab_blocks_sdpa": ml.fuse("loss") | ml.compile_blocks(),
+            # inductor's autotuned products (its Triton templates beside cuBLAS), which
+            # may take the elementwise work after a product into the product's epilogue
+            "meshlab_blocks_autotune": ml.fuse()
+            | ml.compile_blocks(mode="max-autotune-no-cudagraphs"),
+            "meshlab_blocks_inductor_autotune": ml.fuse("attention", "loss")
+            | ml.compile_blocks(mode="max-autotune-no-cudagraphs"),
             "meshlab_graphs_inductor": ml.fuse("attention", "loss")
             | ml.compile_blocks(mode="reduce-overhead"),
             "meshlab_graphs": ml.fuse() | ml.compile_blocks(mode="reduce-overhead"),
