@@ -36,9 +36,14 @@ def _worker(rank: int, world: int, port: int, paths: list, inq, outq, env: dict)
     os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import faulthandler
+    import signal
+
     import torch
     import torch.distributed as dist
 
+    # a rank that hangs prints where each of its threads stands when the harness asks
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=90))
@@ -109,14 +114,25 @@ class World:
                 raise AssertionError(f"{fn.__name__}: ranks {dead} died (the others "
                                      f"reported); world torn down")
             if time.monotonic() >= deadline:
+                self._dump_stacks(missing)
                 self.close(force=True)
                 raise AssertionError(f"{fn.__name__}: ranks {missing} did not finish within "
-                                     f"{timeout}s (hang); world torn down")
+                                     f"{timeout}s (hang; their stacks are in the captured "
+                                     f"stderr); world torn down")
         bad = {r: out for r, (ok, out) in results.items() if not ok}
         if bad:
             raise AssertionError(f"{fn.__name__} failed on ranks {sorted(bad)}:\n" +
                                  "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(bad.items())))
         return [results[r][1] for r in range(self.n)]
+
+    def _dump_stacks(self, ranks: list) -> None:
+        """Ask each hung rank for its threads' stacks (faulthandler, on its stderr)."""
+        import signal
+
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(2.0)
 
     def close(self, force: bool = False) -> None:
         if not force:
