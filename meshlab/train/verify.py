@@ -28,6 +28,7 @@ from ..core.agree import agree
 from ..core.digest import batch_entry
 from ..core.errors import ConfigError, MeshlabError, check_int
 from ..transforms._install import runtime_of
+from ..transforms.lora import Lora
 from ..transforms.precision import Precision
 from ..transforms.precision._float8 import Float8Layers, convert as convert_float8
 from . import _watch
@@ -174,8 +175,15 @@ def _reference(reference, model, dtype, seed, rt, optimizer, lr, options, lay):
     kind = f"{'float64 ' if dtype == torch.float64 else ''}"
     if reference is None:
         _check_fits(model, rt, optimizer, options, dtype)
-        ref = init_weights(_copy(model, dtype), seed, device=str(rt.device)) \
-            if _on_meta(model) else _copy(model, dtype).to(rt.device)
+
+        def init(m, on_module=None):
+            return init_weights(m, seed, device=str(rt.device), on_module=on_module) \
+                if _on_meta(m) else m.to(rt.device)
+
+        adapters = rt.plan.get(Lora)
+        # with adapters, the one process trains the same adapters on the same base
+        ref = adapters.single_process(rt.plan, _copy(model, dtype), init) \
+            if adapters is not None else init(_copy(model, dtype))
         prec = rt.plan.get(Precision)
         if prec is not None and prec.float8 is not None:    # the same layers in float8
             convert_float8(ref, rt.plan.decision(Float8Layers))

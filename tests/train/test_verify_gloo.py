@@ -6,6 +6,9 @@
   be: one skips the data-parallel reduction of one parameter's gradient (verify names that
   parameter, and no other, at the first step), one replaces one layer's forward with a
   wrong one (verify names that module as the first whose output diverges).
+* A layout with LoRA adapters (and with a 4-bit QLoRA base) is checked against one process
+  with the same adapters on the same base, not against the model without them (which
+  reported every base weight as off and the adapters as "not compared").
 * Bad input is refused by name before anything runs.
 """
 
@@ -179,3 +182,29 @@ def test_a_reference_too_large_for_one_process_is_refused(monkeypatch):
     monkeypatch.setattr(V, "_free_bytes", lambda device: 1024)
     with pytest.raises(ml.ConfigError, match=r"pass reference=\(spec, smaller_mesh\)"):
         V._check_fits(M.build("llama"), _Rt(), torch.optim.SGD, {}, torch.float64)
+
+
+def adapters_case(rank, world, quantize):
+    """``verify`` with its own reference of a spec with adapters: q/v adapters (and the
+    base in 4 bits) under data parallelism over 4 ranks, float32 for the 4-bit base
+    (bitsandbytes quantizes no float64), float64 otherwise."""
+    q = ml.Quantize(compute_dtype="float32") if quantize else None
+    spec = ml.lora(r=2, target_modules=["q_proj", "v_proj"], quantize=q) | ml.data_parallel("dp")
+    report = ml.verify(M.build("llama"), spec, ml.Mesh(dp=4), _batches(),
+                       dtype=torch.float32 if quantize else torch.float64)
+    return dict(ok=report.ok, text=str(report), start=[d.name for d in report.start],
+                grads=[d.name for d in report.steps[0].grads], notes=report.notes,
+                moved=max((d.scale for d in report.steps[-1].weights
+                           if ".lora_B." in d.name), default=0.0))
+
+
+@pytest.mark.parametrize("quantize", [False, True], ids=["lora", "qlora"])
+def test_a_layout_with_adapters_is_checked_against_the_same_adapters(world4, quantize):
+    if quantize:
+        pytest.importorskip("bitsandbytes")
+    r = world4.run(adapters_case, quantize=quantize)[0]
+    assert r["ok"], r["text"]
+    assert not any("not compared" in n for n in r["notes"]), r["notes"]
+    # the adapters are among the compared tensors, and they trained
+    assert any(".lora_A." in n for n in r["start"]) and any(".lora_B." in n for n in r["grads"])
+    assert r["moved"] > 0, r["text"]

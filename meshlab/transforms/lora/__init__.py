@@ -197,6 +197,13 @@ class Lora(Transform):
             inject_quantized(self, ctx)
         return None
 
+    def single_process(self, plan: Plan, model, init):
+        """``model`` with these adapters as one process trains them (``_inject``'s
+        ``single_process``): the reference ``meshlab.verify`` checks a layout against."""
+        from ._inject import single_process
+
+        return single_process(self, plan, model, init)
+
     def memory(self, plan: Plan, rows: list) -> list:
         """The scales of each 4-bit weight beside its packed bytes (``_quant.scale_rows``)."""
         if self.quantize is None:

@@ -75,8 +75,45 @@ def inject_quantized(t, ctx) -> None:
         start(m, generator=g)
 
 
+def single_process(t, plan, model, init) -> torch.nn.Module:
+    """``model`` (a copy the caller owns) as one process trains this plan's adapters,
+    started as the room starts them: what a layout with adapters is checked against
+    (``meshlab.verify``). ``init(model, on_module)`` gives the weights their values (a
+    model on the meta device is initialized from the layout's seed, ``on_module(m)`` run
+    right after each module; a model with values keeps them) and returns the model."""
+    from ...core.units import PACKED_4BIT
+    from ._peft import peft_module, with_targets
+    from ._quant import quantize_model
+
+    peft = peft_module()
+    config = with_targets(t.config, plan.model.config_get("model_type"))
+    meta = any(p.is_meta for p in model.parameters())
+    g = torch.Generator().manual_seed(0)
+    if t.quantize is None:
+        peft.inject_adapter_in_model(config, model)
+        model = init(model, start if meta else None)
+        if not meta:
+            for m in model.modules():
+                start(m, generator=g)
+    else:
+        model = init(model, None)
+        names = [e.module.removesuffix(".base_layer") for e in plan.params
+                 if e.dtype in PACKED_4BIT]
+        device = next(model.parameters()).device
+        quantize_model(t.quantize, model, names, device)
+        peft.inject_adapter_in_model(config, model)
+        for m in model.modules():
+            start(m, generator=g)
+    _freeze_as_planned(t, plan, model)
+    return model
+
+
 def _check_and_freeze(t, ctx, model) -> None:
-    want = {e.fqn: e for e in ctx.plan.params}
+    _freeze_as_planned(t, ctx.plan, model)
+
+
+def _freeze_as_planned(t, plan, model) -> None:
+    want = {e.fqn: e for e in plan.params}
     got = dict(model.named_parameters())
     if set(got) != set(want):
         raise ConfigError(
