@@ -24,7 +24,6 @@ import torch
 
 from tests import _models as M
 from tests._world import World
-from tests.transforms.test_table_parity import _peft_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -45,9 +44,9 @@ def lora_zero3_offload_case(rank, world):
     lora = ml.lora(r=2, target_modules=["q_proj", "v_proj"])
     spec = lora | ml.zero_shard(3, "dp") | ml.offload(params=1.0, grads=1.0, optimizer=1.0)
     model = M.build("llama")
-    ref = _peft_reference(model, lora, torch.float32)
+    # verify's own reference: one process with the same adapters
     report = _verify(model, spec, ml.Mesh(dp=2), dtype=torch.float32,
-                     optimizer=torch.optim.AdamW, options=dict(eps=1.0), reference=ref,
+                     optimizer=torch.optim.AdamW, options=dict(eps=1.0),
                      atol=1e-5, rtol=1e-4)
     from meshlab.transforms.offload import Choice
 
