@@ -131,7 +131,7 @@ _FUSES = ("fuse", "fuse('attention')", "fuse('loss')")
 _FP8 = "precision('fp8')"
 from ._cell_notes import (_AOT, _FP8_BLOCKS, _FP8_EXACT, _FP8_OFF, _FP8_TP_NOTE,  # noqa: E402
                           _OFFACT, _OFFACT_BITS, _OFFACT_NOT, _OFFACT_NOTE, _OFFACT_T,
-                          _TP_COMPILE)
+                          _TP_COMPILE, _QL, _QLORA, _qlora_refused)
 
 _PARITY = "tests/transforms/test_table_parity.py::test_cell"
 
@@ -164,33 +164,6 @@ def _trained(row: str, others: str) -> list:
 
 def _t(test: str, note: str = "") -> Cell:
     return composes(test, note)
-
-
-_QL = "lora(quantize)"
-_QLORA = "tests/transforms/lora/test_qlora_gloo.py::test_qlora_matches_bitsandbytes_and_peft"
-_QL_FIX = ("the 4-bit base runs replicated and frozen, beside data_parallel, zero_shard(1) or "
-           "zero_shard(2) in precision('fp32') (its products in quantize's compute dtype); "
-           "drop {what}, or drop quantize from lora(...) to train the adapters on a "
-           "full-precision base")
-_QL_WHY = {
-    "shard": "tensor parallelism would split the 4-bit base, whose packed bytes and "
-             "per-block scales bitsandbytes keeps whole",
-    "zero_shard(3)": "ZeRO-3 would shard the 4-bit base's packed bytes between its uses",
-    "offload(params)": "the 4-bit base's packed bytes and scales would move to the host",
-    "pipeline": "a pipeline's stages are not yet shown with a 4-bit base",
-    "precision('fp8')": "float8 products would replace the 4-bit base's Linear layers",
-    "fuse": "fused kernels over the 4-bit base's projections are not written",
-    "fuse('attention')": "fused kernels over the 4-bit base's projections are not written",
-    "fuse('loss')": "the fused head and loss is not yet shown beside a 4-bit base",
-}
-
-
-def _qlora_refused(row: str) -> Cell:
-    """``lora(quantize)`` beside ``row``: not yet (plan raises), naming the fix."""
-    why = _QL_WHY.get(row, f"{row} is not yet shown to train with a 4-bit base against "
-                           f"one process")
-    fix = _QL_FIX.format(what=row if row != "lora(quantize)" else "it")
-    return not_yet(why, message="{a} with {b}: " + why + "; " + fix)
 
 
 # Every unordered pair of ROWS once, as (a, b, cell): ``_index`` refuses a pair given twice.
