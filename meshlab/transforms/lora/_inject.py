@@ -21,7 +21,7 @@ def inject(t, ctx) -> None:
     config = with_targets(t.config, ctx.plan.model.config_get("model_type"))
     with torch.device(device):
         peft.inject_adapter_in_model(config, model)
-    _check_and_freeze(t, ctx, model)
+    _freeze_as_planned(t, ctx.plan, model)
     if meta:     # right after each wrapper is initialized, before its block is sharded
         ctx.on_module.append(lambda _name, m: start(m))
     else:
@@ -51,25 +51,31 @@ def start(m, generator=None) -> None:
 
 
 def inject_quantized(t, ctx) -> None:
-    """QLoRA's install, once the weights hold their values: the Linear layers the plan
-    records as 4-bit (``'nf4'``/``'fp4'`` entries) are quantized on the mesh's device, then
-    peft injects its adapters (its ``Linear4bit`` layer around each quantized target), and
-    the adapters start as ``start`` says, from a fixed generator (the same on every rank)."""
-    from ...core.units import PACKED_4BIT
+    """QLoRA's install, once the weights hold their values (``quantized_with_adapters`` on
+    the mesh's device)."""
     from .._install import mesh_device
+
+    quantized_with_adapters(t, ctx.plan, ctx.model, mesh_device(ctx.mesh))
+
+
+def quantized_with_adapters(t, plan, model, device) -> None:
+    """The Linear layers ``plan`` records as 4-bit (``'nf4'``/``'fp4'`` entries) quantized
+    on ``device``, then peft's adapters injected (its ``Linear4bit`` layer around each
+    quantized target), frozen as planned, and started as ``start`` says from a fixed
+    generator (the same on every rank)."""
+    from ...core.units import PACKED_4BIT
     from ._peft import peft_module, with_targets
     from ._quant import quantize_model
 
     peft = peft_module()
-    model = ctx.model
     # the plan names each weight as peft leaves it (``<module>.base_layer.weight``); before
     # the injection the module is ``<module>``
-    names = [e.module.removesuffix(".base_layer") for e in ctx.plan.params
+    names = [e.module.removesuffix(".base_layer") for e in plan.params
              if e.dtype in PACKED_4BIT]
-    quantize_model(t.quantize, model, names, mesh_device(ctx.mesh))
-    config = with_targets(t.config, ctx.plan.model.config_get("model_type"))
-    peft.inject_adapter_in_model(config, model)
-    _check_and_freeze(t, ctx, model)
+    quantize_model(t.quantize, model, names, device)
+    peft.inject_adapter_in_model(with_targets(t.config, plan.model.config_get("model_type")),
+                                 model)
+    _freeze_as_planned(t, plan, model)
     g = torch.Generator().manual_seed(0)
     for m in model.modules():
         start(m, generator=g)
@@ -81,35 +87,22 @@ def single_process(t, plan, model, init) -> torch.nn.Module:
     (``meshlab.verify``). ``init(model, on_module)`` gives the weights their values (a
     model on the meta device is initialized from the layout's seed, ``on_module(m)`` run
     right after each module; a model with values keeps them) and returns the model."""
-    from ...core.units import PACKED_4BIT
     from ._peft import peft_module, with_targets
-    from ._quant import quantize_model
 
-    peft = peft_module()
-    config = with_targets(t.config, plan.model.config_get("model_type"))
-    meta = any(p.is_meta for p in model.parameters())
-    g = torch.Generator().manual_seed(0)
-    if t.quantize is None:
-        peft.inject_adapter_in_model(config, model)
-        model = init(model, start if meta else None)
-        if not meta:
-            for m in model.modules():
-                start(m, generator=g)
-    else:
+    if t.quantize is not None:
         model = init(model, None)
-        names = [e.module.removesuffix(".base_layer") for e in plan.params
-                 if e.dtype in PACKED_4BIT]
-        device = next(model.parameters()).device
-        quantize_model(t.quantize, model, names, device)
-        peft.inject_adapter_in_model(config, model)
+        quantized_with_adapters(t, plan, model, next(model.parameters()).device)
+        return model
+    meta = any(p.is_meta for p in model.parameters())
+    peft_module().inject_adapter_in_model(
+        with_targets(t.config, plan.model.config_get("model_type")), model)
+    model = init(model, start if meta else None)
+    if not meta:
+        g = torch.Generator().manual_seed(0)
         for m in model.modules():
             start(m, generator=g)
     _freeze_as_planned(t, plan, model)
     return model
-
-
-def _check_and_freeze(t, ctx, model) -> None:
-    _freeze_as_planned(t, ctx.plan, model)
 
 
 def _freeze_as_planned(t, plan, model) -> None:
