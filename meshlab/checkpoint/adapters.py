@@ -160,17 +160,18 @@ def _merged_names(model: nn.Module) -> list[tuple[str, str]]:
     return out
 
 
-def _full_precision_base(model: nn.Module, call: str) -> None:
-    """A merged export adds each delta to the base weight's values: a 4-bit base
-    (``lora(quantize=...)``) holds packed bytes, which are refused here by name."""
+def _full_precision_base(model: nn.Module, call: str, why: str = "") -> None:
+    """A merge adds each delta to the base weight's values: a 4-bit base
+    (``lora(quantize=...)``) holds packed bytes, and is refused here by name (``why``: what
+    merging into it would do, for the calls that would)."""
     from ..core.errors import ConfigError
     from ..core.units import PACKED_4BIT
 
     four = [e.fqn for e in runtime_of(model).plan.params if e.dtype in PACKED_4BIT]
     if four:
         raise ConfigError(f"{call}: {len(four)} base weights (first {four[0]}) are held in 4 "
-                          f"bits (lora(quantize=...)); save the adapter (save_adapter) and "
-                          f"merge it into the full-precision base with peft "
+                          f"bits (lora(quantize=...)){why}; save the adapter (save_adapter) "
+                          f"and merge it into the full-precision base with peft "
                           f"(PeftModel.from_pretrained(base, dir).merge_and_unload())")
 
 
@@ -356,19 +357,10 @@ def _in_place(model: nn.Module, call: str) -> None:
     quantizing the sum again: the merged base rounds the delta to 4 bits, and unmerging
     subtracts it and quantizes once more, which does not give the base's bytes back. Both
     are refused by name, before any layer changes."""
-    from ..core.errors import ConfigError
-    from ..core.units import PACKED_4BIT
-
     _lora_config(model)
-    four = [e.fqn for e in runtime_of(model).plan.params if e.dtype in PACKED_4BIT]
-    if four:
-        raise ConfigError(f"{call}: {len(four)} base weights (first {four[0]}) are held in 4 "
-                          f"bits (lora(quantize=...)); merging into them quantizes the sum "
-                          f"again (lossy), and unmerging would not restore their bytes. "
-                          f"Keep the adapters beside the base (they compute the same), or "
-                          f"save the adapter (save_adapter) and merge it into the "
-                          f"full-precision base with peft "
-                          f"(PeftModel.from_pretrained(base, dir).merge_and_unload())")
+    _full_precision_base(model, call, ": merging into them quantizes the sum again (lossy), "
+                         "and unmerging would not restore their bytes; keep the adapters "
+                         "beside the base (they compute the same)")
 
 
 def _each_layer(model: nn.Module, fn) -> int:
