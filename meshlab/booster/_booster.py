@@ -379,15 +379,13 @@ class Booster:
             raise UnsupportedArgument(
                 "enable_lora", "quantize", True, f"{type(self.plugin).__name__} shards or "
                 f"moves the base, and a 4-bit base runs replicated and frozen",
-                "TorchDDPPlugin() or LowLevelZeroPlugin(stage=1 or 2, precision='fp32') with "
-                "quantize=True, or LoRA on a full-precision base (quantize=False)")
+                "TorchDDPPlugin() or LowLevelZeroPlugin() with quantize=True, or LoRA on a "
+                "full-precision base (quantize=False)")
         q = Quantize() if config is None else quantization(config)
         from ..transforms.lora._quant import bnb_module
 
         bnb_module()
         return q
-        model._meshlab_booster_lora = _Lora(lora_config, pretrained_dir)
-        return model
 
     def _optimizer_of(self, model: nn.Module):
         """The optimizer ``boost`` built for ``model`` (None if it built none)."""

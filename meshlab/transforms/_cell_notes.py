@@ -66,7 +66,8 @@ _FP8_TP_NOTE = "each tensor-parallel module runs torchao's float8 layer on its l
 _QL = "lora(quantize)"
 _QLORA = "tests/transforms/lora/test_qlora_gloo.py::test_qlora_matches_bitsandbytes_and_peft"
 _QL_FIX = ("the 4-bit base runs replicated and frozen, beside data_parallel, zero_shard(1) or "
-           "zero_shard(2) in precision('fp32') (its products in quantize's compute dtype); "
+           "zero_shard(2), remat, and precision in fp32, bf16 or fp16 (its products in "
+           "quantize's compute dtype); "
            "drop {what}, or drop quantize from lora(...) to train the adapters on a "
            "full-precision base")
 _QL_WHY = {

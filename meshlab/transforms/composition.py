@@ -128,6 +128,9 @@ _SEQS = ("sequence('split_gather')", "sequence('all_to_all')", "sequence('ring')
 _PRECS = ("precision('fp32')", "precision('bf16')", "precision('fp16')",
           "precision(reduce='bf16')", "precision(reduce='fp16')", "precision(loss_scale)")
 _FUSES = ("fuse", "fuse('attention')", "fuse('loss')")
+# the rows beside a 4-bit base that leave it whole and in place: its products are cast by
+# autocast or run in quantize's compute dtype, only the adapters' gradients are reduced
+_QL_TRAINED = "remat " + " ".join(r for r in _PRECS if r != "precision('fp32')")
 _FP8 = "precision('fp8')"
 from ._cell_notes import (_AOT, _FP8_BLOCKS, _FP8_EXACT, _FP8_OFF, _FP8_TP_NOTE,  # noqa: E402
                           _OFFACT, _OFFACT_BITS, _OFFACT_NOT, _OFFACT_NOTE, _OFFACT_T,
@@ -340,13 +343,15 @@ _LISTED: list[tuple[str, str, Cell]] = [
                        "precision(reduce='fp16') precision(loss_scale) fuse "
                        "fuse('attention') fuse('loss')"),
     # lora(quantize): the 4-bit base runs replicated and frozen; what would split, move or
-    # cast it is refused by name
+    # replace it is refused by name
     ("lora", _QL, _t(f"{_QLORA}[dp]", "one value takes both rows")),
     *[(r, _QL, _t(f"{_QLORA}[{case}]")) for r, case in (
         ("data_parallel", "dp"), ("zero_shard(1)", "zero1"), ("zero_shard(2)", "zero2"),
         ("precision('fp32')", "dp_fp32"))],
+    *_trained(_QL, _QL_TRAINED),
     *[(r, _QL, _qlora_refused(r)) for r in ROWS if r not in (
-        "lora", _QL, "data_parallel", "zero_shard(1)", "zero_shard(2)", "precision('fp32')")],
+        "lora", _QL, "data_parallel", "zero_shard(1)", "zero_shard(2)", "precision('fp32')")
+      and r not in _QL_TRAINED.split()],
     # remat
     ("remat", "compile_blocks", _t(f"{_COMP}[remat]", _VS_EAGER)),
     ("remat", "step_in_backward", _t(f"{_SIB}[AdamW-fuse_remat]", _VS_STEP)),

@@ -17,11 +17,13 @@ quantization, bf16 products) under ``TorchDDPPlugin()`` and ``LowLevelZeroPlugin
 Differences from the original: meshlab's ``enable_lora`` marks the model and ``boost``
 injects the adapters, so the parameters are compared by meshlab's names (peft's, without
 ``PeftModel``'s ``base_model.model.`` prefix) rather than by position; the optimizer is
-built over the model it steps (the original builds it over another one); ZeRO runs in
-float32 (``LowLevelZeroPlugin(precision='fp32')``), since a 4-bit base is not yet shown
-beside fp16's loss scaling, and the plugin's default precision with ``quantize=True`` is
-checked to be refused by name; GeminiPlugin's refusal of a quantized base too (Colossal-AI's
-GeminiPlugin takes no quantization configuration).
+built over the model it steps (the original builds it over another one); ZeRO runs both
+as the original runs it (``LowLevelZeroPlugin()``: stage 1, fp16, a loss scale from
+2**32 whose first steps overflow and are skipped, so the step is repeated until one is
+taken) and in float32 at stage 2; GeminiPlugin's refusal of a quantized base is checked
+(Colossal-AI's GeminiPlugin takes no quantization configuration), and tensor
+parallelism's. Parity in 16 bits against one process is
+``tests/transforms/lora/test_qlora_gloo.py::test_qlora_in_sixteen_bits_matches_autocast``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def _plugin(name: str):
     from meshlab.booster.plugin import LowLevelZeroPlugin, TorchDDPPlugin
 
     return {"ddp": lambda: TorchDDPPlugin(),
-            "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32")}[name]()
+            "zero2": lambda: LowLevelZeroPlugin(stage=2, precision="fp32"),
+            "zero": lambda: LowLevelZeroPlugin()}[name]()
 
 
 def _held(model) -> dict:
@@ -90,10 +93,18 @@ def fwd_bwd_case(rank, world, plugin, quantize, directory):
 
     before = _held(model_load)
     ids = M.batches(1, batch=2, seed=7 + rank)[0]
-    out = model_load(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
-    booster2.backward(out.loss, opt2)
-    opt2.clip_grad_by_norm(1.0)
-    opt2.step()
+    # under fp16 a step whose gradients overflow is skipped and the scale backed off
+    # (LowLevelZeroPlugin starts at 2**32, past fp16's range): step until one is taken
+    scaler, skipped = opt2.scaler, 0
+    for _ in range(80):
+        out = model_load(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+        booster2.backward(out.loss, opt2)
+        opt2.clip_grad_by_norm(1.0)
+        opt2.step()
+        opt2.zero_grad()
+        if scaler is None or scaler.skipped == skipped:
+            break
+        skipped = scaler.skipped
     after = _held(model_load)
     moved, kept, trainable = [], [], []
     dtypes = {str(p.dtype) for n, p in model_load.named_parameters() if ".lora_" in n}
@@ -109,16 +120,19 @@ def fwd_bwd_case(rank, world, plugin, quantize, directory):
     four_bit = sum(1 for n in after if len(after[n]) > 1)
     frozen = sum(1 for p in model_load.parameters() if not p.requires_grad)
     return dict(size=size, same_after_load=same_after_load, trainable=trainable, moved=moved,
+                skipped=skipped, scaled=scaler is not None,
                 dtypes=dtypes, planned=planned,
                 kept=len(kept), frozen=frozen, four_bit=four_bit)
 
 
 @pytest.mark.parametrize("quantize", [False, True])
-@pytest.mark.parametrize("plugin", ["ddp", "zero2"])
+@pytest.mark.parametrize("plugin", ["ddp", "zero2", "zero"])
 def test_lora_checkpoint_and_step(world2, tmp_path, plugin, quantize):
     for r in world2.run(fwd_bwd_case, plugin=plugin, quantize=quantize,
                         directory=str(tmp_path)):
         assert r["size"] < 1, r                                # the adapter alone
+        # fp16's first steps overflow at Colossal-AI's initial scale and are skipped
+        assert r["scaled"] == (plugin == "zero") and (r["skipped"] > 0) == r["scaled"], r
         assert r["same_after_load"], r
         # peft's defaults for Llama: q_proj and v_proj of both blocks, A and B each
         assert len(r["trainable"]) == 2 * 2 * 2 and all(".lora_" in n for n in r["trainable"])
@@ -132,22 +146,27 @@ def test_lora_checkpoint_and_step(world2, tmp_path, plugin, quantize):
 
 
 def test_quantize_refusals_name_the_fix():
-    """No process group: GeminiPlugin refuses at enable_lora, LowLevelZeroPlugin's default
-    fp16 when its plan is made (before any collective)."""
+    """No process group: GeminiPlugin refuses at enable_lora, tensor parallelism when its
+    plan is made (before any collective); LowLevelZeroPlugin's default fp16 plans."""
     from peft import LoraConfig
 
     import meshlab as ml
     from meshlab.booster import Booster, UnsupportedArgument
-    from meshlab.booster.plugin import GeminiPlugin, LowLevelZeroPlugin
+    from meshlab.booster.plugin import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin
 
     cfg = LoraConfig(r=8, lora_alpha=32)
     with pytest.raises(UnsupportedArgument, match="LowLevelZeroPlugin") as e:
         Booster(plugin=GeminiPlugin()).enable_lora(_model(), lora_config=cfg, quantize=True)
     assert e.value.argument == "quantize"
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32"))
+    model = booster.enable_lora(M.build("llama"), lora_config=cfg, quantize=True)
+    with pytest.raises(ml.ConfigError, match=r"split the 4-bit base.*drop quantize"):
+        booster.plan(model, world_size=2)
+    # the plugin's default fp16 (Colossal-AI's test runs it) plans the 4-bit base
     booster = Booster(plugin=LowLevelZeroPlugin())
     model = booster.enable_lora(M.build("llama"), lora_config=cfg, quantize=True)
-    with pytest.raises(ml.ConfigError, match=r"precision\('fp16'\).*drop quantize"):
-        booster.plan(model, world_size=2)
+    plan = booster.plan(model, world_size=2)
+    assert {e.dtype for e in plan.params if "keep_whole" in e.tags} == {"nf4"}
     p = Booster(plugin=LowLevelZeroPlugin(precision="fp32")).enable_lora(
         M.build("llama"), lora_config=cfg, bnb_quantization_config=ml.Quantize("fp4"))
     plan = Booster(plugin=LowLevelZeroPlugin(precision="fp32")).plan(p, world_size=2)

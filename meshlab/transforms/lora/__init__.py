@@ -23,8 +23,9 @@ after the weights hold their values, quantizes them and then injects peft's adap
 (peft's own ``Linear4bit`` adapter layer), so a ``state_dict`` given to ``parallelize``
 names the model's parameters before the adapters. The quantized base takes the
 composition table's ``lora(quantize)`` row besides ``lora``: it runs replicated
-(``data_parallel``, ``zero_shard(1)``, ``zero_shard(2)``, in ``precision('fp32')``), and
-the rows that would split, move or cast the base are refused there by name.
+(``data_parallel``, ``zero_shard(1)``, ``zero_shard(2)``, with ``remat`` and
+``precision`` in fp32, bf16 or fp16, its products in ``Quantize.compute_dtype``), and the
+rows that would split, move or replace the base are refused there by name.
 """
 
 from __future__ import annotations

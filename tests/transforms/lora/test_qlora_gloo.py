@@ -8,6 +8,10 @@
   same config with peft and trains on the whole global batch (compute dtype float32); the
   4-bit base holds the same bytes and scales as that reference, before and after, and no
   gradient.
+* 16 bits: Colossal-AI's defaults (bf16 products, adapters in bf16) under
+  ``precision('bf16')`` and ``precision('fp16')`` (its dynamic loss scale) beside
+  ``data_parallel``, ``zero_shard(1)`` and ``zero_shard(2)``, against the same reference
+  under the same autocast (torch's ``GradScaler`` for fp16), to bf16's rounding.
 * Replicas: a base whose weights differ across ranks is refused, and with
   ``sync_module_states=True`` every rank quantizes rank 0's values.
 * Refusals (plan time, no process group): ``zero_shard(3)``, tensor parallelism and a
@@ -49,9 +53,10 @@ def _spec(layout: str):
             "dp_fp32": lo | ml.data_parallel("dp") | ml.precision("fp32")}[layout]
 
 
-def reference():
+def reference(compute=torch.float32):
     """One process, by hand: the seeded model, every Linear but the head replaced by a
-    bitsandbytes Linear4bit (nf4, double quantization, blocks of 64, float32 products),
+    bitsandbytes Linear4bit (nf4, double quantization, blocks of 64, products in
+    ``compute``),
     peft's adapters injected, A drawn from a generator seeded 0 in module order, B zero."""
     import bitsandbytes as bnb
     from peft import inject_adapter_in_model
@@ -65,7 +70,7 @@ def reference():
             if type(lin) is not torch.nn.Linear or child == "lm_head":
                 continue
             q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=False,
-                                  compute_dtype=torch.float32, compress_statistics=True,
+                                  compute_dtype=compute, compress_statistics=True,
                                   quant_type="nf4")
             q.weight = bnb.nn.Params4bit(lin.weight.data.clone(), requires_grad=False,
                                          blocksize=64, compress_statistics=True,
@@ -153,6 +158,92 @@ def test_qlora_matches_bitsandbytes_and_peft(world2, layout):
         assert r["cls"] == {"peft.tuners.lora.bnb.Linear4bit"}, r["cls"]
     # the adapters moved: a step that changed nothing would also agree with the reference
     moved = [n for n, (mine, _) in r["adapters"].items() if ".lora_B." in n
+             and mine.abs().max() > 0]
+    assert len(moved) == len(TARGETS) * LAYERS["num_hidden_layers"]
+
+
+# 16-bit precisions with Colossal-AI's defaults (nf4, double quantization, bf16 products):
+# layout -> (autocast dtype, the reference's loss scale, (atol, rtol)). The adapters and
+# their gradients are bf16 (peft makes them in the base's compute dtype, 8 bits of
+# mantissa), so a gradient summed in two halves and averaged rounds apart from the whole
+# batch's: measured, 1 to 2 of bf16's ulps of the adapters (at most 9.8e-4, 2% of the
+# largest) and 1.5e-4 of the loss. A term missing or doubled moves B, started at zero, by
+# all of its value.
+_SIXTEEN = {
+    "dp_bf16": ("bfloat16", None, (2e-3, 4 * 2 ** -8)),
+    "zero2_bf16": ("bfloat16", None, (2e-3, 4 * 2 ** -8)),
+    "dp_fp16": ("float16", 2.0 ** 16, (2e-3, 4 * 2 ** -8)),
+    "zero1_fp16": ("float16", 2.0 ** 16, (2e-3, 4 * 2 ** -8)),
+}
+
+
+def _sixteen_spec(layout: str):
+    import meshlab as ml
+
+    lo = ml.lora(_config(), quantize=True)
+    axis, prec = layout.split("_")
+    zero = {"dp": ml.data_parallel("dp"), "zero1": ml.zero_shard(1, "dp"),
+            "zero2": ml.zero_shard(2, "dp")}[axis]
+    return lo | zero | ml.precision(prec)       # fp16: a dynamic loss scale from 2**16
+
+
+def sixteen_case(rank, world, layout):
+    import torch.distributed as dist
+
+    import meshlab as ml
+
+    dtype, scale, _ = _SIXTEEN[layout]
+    dtype = getattr(torch, dtype)
+    model = ml.parallelize(M.build("llama", **LAYERS), _sixteen_spec(layout), ml.Mesh(dp=2),
+                           seed=0)
+    ref = reference(torch.bfloat16)
+    start_base = _packed(model)
+    opt = ml.optimizer(model, torch.optim.SGD, lr=LR)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
+    rt = model._meshlab
+    r = dist.get_rank(rt.dp_group)
+    got, want = [], []
+    for b in M.batches(3, batch=4):
+        got.append(ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[r]}))
+        with torch.autocast("cpu", dtype=dtype):
+            loss = M.loss_fn("llama")(ref(input_ids=b), {"input_ids": b, "labels": b})
+        if scaler is None:
+            loss.backward()
+            ref_opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(ref_opt)
+            scaler.update()
+        ref_opt.zero_grad()
+        want.append(float(loss.detach()))
+    refp = dict(ref.named_parameters())
+    adapters = {n: (M.full(p).detach().float().clone(), refp[n].detach().float().clone(),
+                    str(p.dtype), str(refp[n].dtype))
+                for n, p in model.named_parameters() if p.requires_grad}
+    base, ref_base = _packed(model), _packed(ref)
+    same_base = set(base) == set(ref_base) == set(start_base) and all(
+        torch.equal(x, y) and torch.equal(x, z)
+        for n in base for x, y, z in zip(base[n], ref_base[n], start_base[n]))
+    return dict(got=got, want=want, adapters=adapters, same_base=same_base,
+                n_base=len(base))
+
+
+@pytest.mark.parametrize("layout", list(_SIXTEEN))
+def test_qlora_in_sixteen_bits_matches_autocast(world2, layout):
+    """Colossal-AI's QLoRA defaults under ``precision('bf16')`` and ``precision('fp16')``
+    (its dynamic loss scale): one process under the same autocast, with torch's
+    ``GradScaler`` for fp16."""
+    atol, rtol = _SIXTEEN[layout][2]
+    for r in world2.run(sixteen_case, layout=layout):
+        torch.testing.assert_close(r["got"], r["want"], atol=atol, rtol=rtol)
+        assert r["adapters"] and r["same_base"]
+        assert r["n_base"] == 7 * LAYERS["num_hidden_layers"], r["n_base"]
+        for n, (mine, theirs, dt, ref_dt) in r["adapters"].items():
+            assert dt == ref_dt, (n, dt, ref_dt)
+            torch.testing.assert_close(mine, theirs, atol=atol, rtol=rtol,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+    moved = [n for n, (mine, *_) in r["adapters"].items() if ".lora_B." in n
              and mine.abs().max() > 0]
     assert len(moved) == len(TARGETS) * LAYERS["num_hidden_layers"]
 
