@@ -90,13 +90,16 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("meshlab::rms_norm_backward", mutates_args=())
-def rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    """dy, x: (..., H), weight: (H,), rstd: (...,) -> (dx (..., H), dweight (H,))."""
-    return _backward_impl(dy, x, weight, rstd)
+def rms_norm_backward(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor,
+                      ds: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """dy, x: (..., H), weight: (H,), rstd: (...,) -> (dx (..., H), dweight (H,)); ``ds``
+    (..., H), a gradient reaching ``x`` besides through the norm, added into ``dx`` by the
+    kernel."""
+    return _backward_impl(dy, x, weight, rstd, ds)
 
 
 @rms_norm_backward.register_fake
-def _(dy, x, weight, rstd):
+def _(dy, x, weight, rstd, ds=None):
     return x.new_empty(x.shape), weight.new_empty(weight.shape)
 
 
@@ -162,12 +165,31 @@ class _EagerFork(torch.autograd.Function):
         return dx, dw, None
 
 
+class _TracedFork(torch.autograd.Function):
+    """:func:`rms_norm_fork` under ``torch.compile``: the same backward through the custom
+    ops, which dynamo traces into the block's graph (the residual stream's gradient added
+    by the norm's backward kernel there too, not by a separate add)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, rstd = torch.ops.meshlab.rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y, x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy, dx_through):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = torch.ops.meshlab.rms_norm_backward(dy, x, weight, rstd, dx_through)
+        return dx, dw, None
+
+
 def rms_norm_fork(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
     """``(rms_norm(x, weight, eps), x)`` for a pre-norm block, whose input goes both into
     its norm and around the block on the residual stream: the returned ``x`` (a view) is
     the one to add the block's output to, and the gradient reaching it is added inside the
-    norm's backward kernel instead of by autograd's separate accumulation. Eagerly on plain
-    tensors; otherwise (compiling, DTensors) the same math as ``rms_norm`` and ``x`` apart.
+    norm's backward kernel instead of by autograd's separate accumulation, eagerly and under
+    ``torch.compile`` on plain tensors; on DTensors, the same math as ``rms_norm`` and ``x``
+    apart.
 
     >>> import torch
     >>> from meshlab.ops.rms_norm import rms_norm, rms_norm_fork
@@ -181,6 +203,8 @@ def rms_norm_fork(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor,
     """
     if _build.eager(x, weight):
         return _EagerFork.apply(x, weight, eps)
+    if torch.compiler.is_compiling() and _build.plain(x, weight):
+        return _TracedFork.apply(x, weight, eps)
     return rms_norm(x, weight, eps), x
 
 

@@ -264,6 +264,51 @@ def test_rms_norm_fork_adds_the_residual_gradient_inside_the_norm(dtype):
         assert _build.LAST_PATH[("rms_norm_backward", "cpu")].native
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fork_compiled_adds_the_residual_gradient_inside_the_norm(dtype):
+    """Under ``torch.compile`` the fork's backward is the custom op's with the residual
+    stream's gradient passed in (one kernel, as eager runs it), not the norm's backward and
+    a separate add; outputs and gradients equal the eager fork's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from meshlab.ops.rms_norm import rms_norm_fork
+
+    x, _, w, dy, ds = _add_norm_case(dtype)
+    w2 = torch.randn(x.shape[-1], x.shape[-1], generator=torch.Generator().manual_seed(1))
+    w2 = w2.to(dtype)
+
+    def block(a, b):
+        y, through = rms_norm_fork(a, b)
+        return through + (y @ w2).tanh()
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, dy))
+
+    compiled = torch.compile(block, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    got, want = run(compiled), run(block)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    backward = graphs[-1].graph
+    calls = [n for n in backward.nodes
+             if n.target is torch.ops.meshlab.rms_norm_backward.default]
+    assert len(calls) == 1 and len(calls[0].args) == 5 and calls[0].args[4] is not None
+    adds = [n for n in backward.nodes if n.target in (torch.ops.aten.add.Tensor,
+                                                       torch.ops.aten.add_.Tensor)]
+    assert not adds, backward
+    torch.library.opcheck(torch.ops.meshlab.rms_norm_backward.default,
+                          (dy, x, w, torch.ops.meshlab.rms_norm(x, w, 1e-6)[1], ds))
+
+
 def test_add_rms_norm_opcheck():
     from meshlab.ops.rms_norm import add_rms_norm
 

@@ -138,10 +138,12 @@ def test_cache_write_is_one_launch_and_equals_index_copy():
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_fork_triton(dtype):
-    """The residual stream's gradient added inside the norm's Triton backward: what
-    autograd gives the norm and the identity used apart."""
+def test_rms_norm_fork_triton(dtype, compiled):
+    """The residual stream's gradient added inside the norm's Triton backward, eagerly and
+    inside a graph inductor compiled: what autograd gives the norm and the identity used
+    apart."""
     pytest.importorskip("triton")
     from meshlab.ops import _build
     from meshlab.ops.rms_norm import rms_norm, rms_norm_fork
@@ -156,7 +158,8 @@ def test_rms_norm_fork_triton(dtype):
         y, through = fn(*leaves)
         return torch.autograd.grad((y, through), leaves, (dy, ds))
 
-    got = grads(rms_norm_fork)
+    _build.LAST_PATH.clear()
+    got = grads(torch.compile(rms_norm_fork, fullgraph=True) if compiled else rms_norm_fork)
     assert _build.LAST_PATH[("rms_norm_backward", "cuda")].reason.startswith("Triton")
     want = grads(lambda a, b: (rms_norm(a, b), a * 1))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
