@@ -1,7 +1,9 @@
 """A 4-bit base (``lora(quantize=...)``) through every checkpoint path, on two gloo ranks.
 
 * Resume: a QLoRA model trained two AdamW steps is saved (``checkpoint.save`` with its
-  optimizer, under ``data_parallel`` and ``zero_shard(2)``; the Booster's ``save_model`` as meshlab's checkpoint, ``shard=True`` and
+  optimizer, under ``data_parallel`` and ``zero_shard(2)``, in float32, under
+  ``zero_shard(2) | precision('bf16')`` and ``data_parallel | precision('fp16')`` (its loss
+  scale) with bf16 products; the Booster's ``save_model`` as meshlab's checkpoint, ``shard=True`` and
   ``use_safetensors=True`` exports, with ``save_optimizer``) and loaded into a model built
   from other values (another seed: other base bytes, scales, offsets, adapters). After the
   load every parameter, every tensor of each 4-bit weight's quant state (packed bytes,
@@ -36,10 +38,15 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _spec(quant_type: str = "nf4", layout: str = "dp"):
+    """``dp`` or ``zero2``, with ``_bf16``/``_fp16`` the precision (then the base's products
+    in bf16, Colossal-AI's default; float32 otherwise)."""
     import meshlab as ml
 
-    lo = ml.lora(_config(), quantize=ml.Quantize(quant_type, compute_dtype="float32"))
-    return lo | (ml.data_parallel("dp") if layout == "dp" else ml.zero_shard(2, "dp"))
+    axis, _, prec = layout.partition("_")
+    lo = ml.lora(_config(), quantize=ml.Quantize(
+        quant_type, compute_dtype="bfloat16" if prec else "float32"))
+    spec = lo | (ml.data_parallel("dp") if axis == "dp" else ml.zero_shard(2, "dp"))
+    return spec | ml.precision(prec) if prec else spec
 
 
 def _model(seed: int, quant_type: str = "nf4", layout: str = "dp"):
@@ -118,7 +125,7 @@ def _dcp_keys(path: str) -> list[str]:
     return list(FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
-@pytest.mark.parametrize("layout", ["dp", "zero2"])
+@pytest.mark.parametrize("layout", ["dp", "zero2", "zero2_bf16", "dp_fp16"])
 def test_checkpoint_save_load_resumes_exactly(world2, tmp_path, layout):
     for r in world2.run(resume_case, directory=str(tmp_path), layout=layout):
         four = [n for n in r["differed"] if ".lora_" not in n and "proj" in n]
