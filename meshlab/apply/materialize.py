@@ -277,9 +277,38 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     rt = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl,
                  grad_sync=_grad_sync(ctx))
     attach_runtime(model, rt)
+    _no_cache_in_training(model)
     _forward_in_context(model, rt)
     _check_vocabulary(model, rt)
     return model
+
+
+def _no_cache_in_training(model: nn.Module) -> None:
+    """A training forward (the module in training mode, gradients on) of a model whose
+    forward takes ``use_cache`` (a Hugging Face model's, whose config defaults it to True)
+    runs with ``use_cache=False`` unless the call passes ``use_cache`` or
+    ``past_key_values``, however it is called (``step``, a plain loop, a boosted model):
+    a cache built there copies every layer's keys and values and holds them until the
+    loss, and compiled blocks would guard each block's graph on its state. Evaluation and
+    ``generate`` (which passes ``use_cache`` itself) keep the model's behaviour."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    names = [p.name for p in params]
+    if "use_cache" not in names:
+        return
+    position = names.index("use_cache")
+
+    def no_cache(module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and len(args) <= position and \
+                "use_cache" not in kwargs and "past_key_values" not in kwargs:
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    model.register_forward_pre_hook(no_cache, with_kwargs=True)
 
 
 def _check_vocabulary(model: nn.Module, rt: Runtime) -> None:

@@ -308,8 +308,8 @@ def _prepared(model, rt, batch, mbs: list, inputs) -> list:
     several samples (positions that start again inside a row) a 2-D ``attention_mask`` is
     folded into the position ids and dropped (``transforms._packing.as_packed``):
     transformers masks packed samples only so, and each sample then attends to itself
-    alone, as run one by one. Such a forward runs without a KV cache (``use_cache=False``)
-    unless the batch says."""
+    alone, as run one by one. A training forward runs without a KV cache unless the batch
+    asks for one (``apply.materialize._no_cache_in_training``)."""
     checks = [t.check_batch for t in rt.plan.rooms or rt.plan.options
               if isinstance(t, Transform) and type(t).check_batch is not Transform.check_batch]
     if checks:
@@ -319,14 +319,7 @@ def _prepared(model, rt, batch, mbs: list, inputs) -> list:
     if inputs is not None:               # the caller says how the model is called
         return mbs
     names, _ = _forward_params(model)
-    mbs = [as_packed(mb, names) for mb in mbs]
-    if "use_cache" in names:
-        # a training forward has no use for a KV cache (a model's config.use_cache defaults
-        # to True): building one copies every layer's keys and values and holds them until
-        # the loss, and under compiled blocks its state is guarded per block
-        mbs = [{**mb, "use_cache": False} if isinstance(mb, Mapping) and "use_cache" not in mb
-               else mb for mb in mbs]
-    return mbs
+    return [as_packed(mb, names) for mb in mbs]
 
 
 _REDUCTIONS = ("mean", "sum", "tokens")
