@@ -104,41 +104,63 @@ def _packed(model) -> dict:
     return out
 
 
-def parity_case(rank, world, layout):
+def _beside_reference(spec, compute=torch.float32, autocast=None, scale=None) -> tuple:
+    """Three SGD steps of ``spec`` on two ranks beside ``reference(compute)`` trained on the
+    whole batch (under ``autocast``'s dtype, with torch's ``GradScaler`` at ``scale``):
+    (the model, the losses of both, each adapter of both with its dtypes, whether the
+    4-bit bytes and scales equal the reference's and their start, how many 4-bit
+    weights)."""
+    import contextlib
+
     import torch.distributed as dist
 
     import meshlab as ml
 
-    model = ml.parallelize(M.build("llama", **LAYERS), _spec(layout), ml.Mesh(dp=2), seed=0)
-    ref = reference()
+    model = ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(dp=2), seed=0)
+    ref = reference(compute)
     start_base = _packed(model)
     opt = ml.optimizer(model, torch.optim.SGD, lr=LR)
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
     rt = model._meshlab
     r = dist.get_rank(rt.dp_group)
     got, want = [], []
     for b in M.batches(3, batch=4):
         got.append(ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[r]}))
-        loss = M.loss_fn("llama")(ref(input_ids=b), {"input_ids": b, "labels": b})
-        loss.backward()
-        ref_opt.step()
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            loss = M.loss_fn("llama")(ref(input_ids=b), {"input_ids": b, "labels": b})
+        if scaler is None:
+            loss.backward()
+            ref_opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(ref_opt)
+            scaler.update()
         ref_opt.zero_grad()
         want.append(float(loss.detach()))
     refp = dict(ref.named_parameters())
-    adapters = {n: (M.full(p).detach().clone(), refp[n].detach().clone())
+    adapters = {n: (M.full(p).detach().float().clone(), refp[n].detach().float().clone(),
+                    str(p.dtype), str(refp[n].dtype))
                 for n, p in model.named_parameters() if p.requires_grad}
     base, ref_base = _packed(model), _packed(ref)
     same_base = set(base) == set(ref_base) == set(start_base) and all(
         torch.equal(x, y) and torch.equal(x, z)
         for n in base for x, y, z in zip(base[n], ref_base[n], start_base[n]))
+    return model, dict(got=got, want=want, adapters=adapters, same_base=same_base,
+                       n_base=len(base))
+
+
+def parity_case(rank, world, layout):
+    import meshlab as ml
+
+    model, out = _beside_reference(_spec(layout))
     frozen_grads = sum(p.grad is not None for p in model.parameters() if not p.requires_grad)
     try:
         ml.save_merged("/nonexistent/merged", model)
         merged = "ran"
     except ml.ConfigError as e:
         merged = str(e)
-    return dict(merged=merged, got=got, want=want, adapters=adapters, same_base=same_base, n_base=len(base),
-                frozen_grads=frozen_grads,
+    return dict(out, merged=merged, frozen_grads=frozen_grads,
                 cls={type(m).__module__ + "." + type(m).__name__
                      for n, m in model.named_modules() if n.endswith("q_proj")})
 
@@ -148,7 +170,7 @@ def test_qlora_matches_bitsandbytes_and_peft(world2, layout):
     for r in world2.run(parity_case, layout=layout):
         torch.testing.assert_close(r["got"], r["want"], atol=1e-6, rtol=1e-6)
         assert r["adapters"] and all(".lora_" in n for n in r["adapters"])
-        for n, (mine, theirs) in r["adapters"].items():
+        for n, (mine, theirs, *_) in r["adapters"].items():
             torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-6,
                                        msg=lambda m, n=n: f"{n}: {m}")
         # q/k/v/o, gate/up/down in each of the 2 blocks; the head stays in full precision
@@ -157,7 +179,7 @@ def test_qlora_matches_bitsandbytes_and_peft(world2, layout):
         assert "held in 4 bits" in r["merged"] and "save_adapter" in r["merged"], r["merged"]
         assert r["cls"] == {"peft.tuners.lora.bnb.Linear4bit"}, r["cls"]
     # the adapters moved: a step that changed nothing would also agree with the reference
-    moved = [n for n, (mine, _) in r["adapters"].items() if ".lora_B." in n
+    moved = [n for n, (mine, *_) in r["adapters"].items() if ".lora_B." in n
              and mine.abs().max() > 0]
     assert len(moved) == len(TARGETS) * LAYERS["num_hidden_layers"]
 
@@ -188,45 +210,10 @@ def _sixteen_spec(layout: str):
 
 
 def sixteen_case(rank, world, layout):
-    import torch.distributed as dist
-
-    import meshlab as ml
-
     dtype, scale, _ = _SIXTEEN[layout]
-    dtype = getattr(torch, dtype)
-    model = ml.parallelize(M.build("llama", **LAYERS), _sixteen_spec(layout), ml.Mesh(dp=2),
-                           seed=0)
-    ref = reference(torch.bfloat16)
-    start_base = _packed(model)
-    opt = ml.optimizer(model, torch.optim.SGD, lr=LR)
-    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=LR)
-    scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
-    rt = model._meshlab
-    r = dist.get_rank(rt.dp_group)
-    got, want = [], []
-    for b in M.batches(3, batch=4):
-        got.append(ml.step(model, opt, {"input_ids": b.chunk(rt.dp_size)[r]}))
-        with torch.autocast("cpu", dtype=dtype):
-            loss = M.loss_fn("llama")(ref(input_ids=b), {"input_ids": b, "labels": b})
-        if scaler is None:
-            loss.backward()
-            ref_opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(ref_opt)
-            scaler.update()
-        ref_opt.zero_grad()
-        want.append(float(loss.detach()))
-    refp = dict(ref.named_parameters())
-    adapters = {n: (M.full(p).detach().float().clone(), refp[n].detach().float().clone(),
-                    str(p.dtype), str(refp[n].dtype))
-                for n, p in model.named_parameters() if p.requires_grad}
-    base, ref_base = _packed(model), _packed(ref)
-    same_base = set(base) == set(ref_base) == set(start_base) and all(
-        torch.equal(x, y) and torch.equal(x, z)
-        for n in base for x, y, z in zip(base[n], ref_base[n], start_base[n]))
-    return dict(got=got, want=want, adapters=adapters, same_base=same_base,
-                n_base=len(base))
+    _, out = _beside_reference(_sixteen_spec(layout), torch.bfloat16, getattr(torch, dtype),
+                               scale)
+    return out
 
 
 @pytest.mark.parametrize("layout", list(_SIXTEEN))
