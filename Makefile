@@ -20,7 +20,9 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -x --timeout=600 --durations=20 --doctest-modules meshlab tests
-	$(PY) -m pytest -q -n 2 --nbmake --nbmake-timeout=600 notebooks
+	# One kernel at a time: kernels started side by side can draw the same port and die at
+	# start ("Kernel died before replying to kernel_info"); in series they take as long.
+	$(PY) -m pytest -q --nbmake --nbmake-timeout=600 notebooks
 
 # The fast tier, for edits: every test recorded under half a second in tests/durations.json
 # that starts no processes (about 1,200 of the suite's 1,700 tests; 85 s on 2 cores).
