@@ -18,6 +18,8 @@ Rows (each from the same bf16 weights, on the same batch):
 * ``meshlab_blocks_inductor``, ``meshlab_blocks_sdpa``, ``meshlab_graphs_inductor`` --
   compiled blocks with only ``fuse('attention', 'loss')`` or ``fuse('loss')``: inductor's
   own code for the norms, rotary and MLP instead of meshlab's ops;
+* ``meshlab_blocks_pwcat``, ``meshlab_graphs_pwcat`` -- ``meshlab_blocks`` and
+  ``meshlab_graphs`` with inductor's ``force_pointwise_cat``;
 * ``meshlab_count<k>``  -- (8B) ``ml.fuse() | ml.remat('full', count=k)``: k of the 32
   blocks checkpointed, spread evenly; ``meshlab_count<k>_off<m>`` adds ``offload=m``: the
   saved activations of m of the other blocks wait in host memory;
@@ -156,6 +158,12 @@ def _meshlab_spec(name: str):
             "meshlab_graphs_inductor": ml.fuse("attention", "loss")
             | ml.compile_blocks(mode="reduce-overhead"),
             "meshlab_graphs": ml.fuse() | ml.compile_blocks(mode="reduce-overhead"),
+            # a concatenation of extern outputs (the key and value gradients) as one
+            # Triton kernel, where inductor otherwise copies each part into place
+            "meshlab_blocks_pwcat": ml.fuse()
+            | ml.compile_blocks(options={"force_pointwise_cat": True}),
+            "meshlab_graphs_pwcat": ml.fuse()
+            | ml.compile_blocks(mode="reduce-overhead", options={"force_pointwise_cat": True}),
             "meshlab_remat2": ml.fuse() | ml.remat("full", every=2),
             "meshlab_count19_blocks": ml.fuse() | ml.remat("full", count=19)
             | ml.compile_blocks(),

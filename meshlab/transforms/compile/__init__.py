@@ -18,12 +18,16 @@ graphs (torch's CUDA graph trees): a step then costs the host a replay per block
 of a launch per kernel, which is what a small batch is bound by. ``meshlab.step`` marks
 the start of each step for the graph trees (the runtime part below), so the outputs of
 one step are never taken for another's. Modes are inductor's: another ``backend`` with a
-``mode`` is refused.
+``mode`` is refused. ``options`` are inductor's configuration, as ``torch.compile``'s, on
+top of the mode's own (torch takes a mode or options; here they add up), each name checked
+against ``torch._inductor.config`` when the plan is made.
 
 >>> compile_blocks()
 compile_blocks(fullgraph=True)
 >>> compile_blocks(mode="reduce-overhead")
 compile_blocks(fullgraph=True, mode='reduce-overhead')
+>>> compile_blocks(options={"force_pointwise_cat": True})
+compile_blocks(fullgraph=True, options={'force_pointwise_cat': True})
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class Compile(Transform):
     mode: str | None = None
     dynamic: bool | None = False
     backend: str = "inductor"
+    options: tuple = ()              # inductor's (name, value) pairs, sorted by name
 
     def __post_init__(self):
         check_bool(self.fullgraph, "compile_blocks", "fullgraph")
@@ -77,6 +82,7 @@ class Compile(Transform):
         if self.mode is not None and self.backend != "inductor":
             raise ConfigError(f"compile_blocks(mode={self.mode!r}, backend={self.backend!r}): "
                               f"modes are inductor's; leave mode out or use backend='inductor'")
+        object.__setattr__(self, "options", _inductor_options(self.options, self.backend))
 
     def rows(self, plan: Plan | None) -> tuple[str, ...]:
         """Its row, as users spell it: ``compile_blocks``."""
@@ -92,7 +98,12 @@ class Compile(Transform):
 
         mods = dict(ctx.model.named_modules())
         kw = {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
-        if self.mode is not None:
+        if self.options:
+            from torch._inductor import list_mode_options
+
+            kw["options"] = {**list_mode_options(self.mode or "default", self.dynamic),
+                             **dict(self.options)}
+        elif self.mode is not None:
             kw["mode"] = self.mode
         blocks = [b for b in ctx.plan.model.blocks if b in mods and b not in ctx.dropped]
         eager = ctx.kept(EagerModules)
@@ -132,8 +143,10 @@ class Compile(Transform):
             w, fused=0, hooked=0, hooked_fused=0, replayed=w.ops, graphs=graphs)}
 
     def __repr__(self) -> str:
-        extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:]
+        extra = "".join(f", {f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)[1:-1]
                         if getattr(self, f.name) != f.default)
+        if self.options:
+            extra += f", options={dict(self.options)!r}"
         return f"compile_blocks(fullgraph={self.fullgraph!r}{extra})"
 
 
@@ -152,8 +165,35 @@ def compiled_units(block: str, mods: dict, eager: frozenset) -> list[str]:
     return out
 
 
+def _inductor_options(options, backend: str) -> tuple:
+    """``options`` (a mapping, or the pairs a plan holds) as sorted pairs, each name one of
+    ``torch._inductor.config``'s; refused for a backend other than inductor."""
+    items = options.items() if isinstance(options, dict) else options
+    try:
+        pairs = tuple(sorted((str(k), v) for k, v in items))
+    except (TypeError, ValueError):
+        raise ConfigError(f"compile_blocks(options={options!r}): a dict of inductor's "
+                          f"configuration names and values") from None
+    if not pairs:
+        return ()
+    if backend != "inductor":
+        raise ConfigError(f"compile_blocks(options=..., backend={backend!r}): options are "
+                          f"inductor's; leave them out or use backend='inductor'")
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    unknown = [k for k, _ in pairs if k not in known]
+    if unknown:
+        raise ConfigError(f"compile_blocks(options=...): {unknown} not in torch._inductor.config "
+                          f"(torch {torch.__version__}); names are its, e.g. "
+                          f"'force_pointwise_cat' or 'triton.cudagraphs'")
+    return pairs
+
+
 def compile_blocks(fullgraph: bool = True, mode: str | None = None,
-                   dynamic: bool | None = False, backend: str = "inductor") -> Compile:
+                   dynamic: bool | None = False, backend: str = "inductor",
+                   options: dict | None = None) -> Compile:
     """Compile each repeated block with ``torch.compile`` (see the module doc); ``backend``
-    as torch.compile's (``'aot_eager'`` runs the traced graphs without generating code)."""
-    return Compile(fullgraph, mode, dynamic, backend)
+    as torch.compile's (``'aot_eager'`` runs the traced graphs without generating code);
+    ``options``, inductor's configuration on top of ``mode``'s."""
+    return Compile(fullgraph, mode, dynamic, backend, options or ())

@@ -308,3 +308,37 @@ def test_experts_on_one_rank_compile_with_their_block(one_process):
     assert stats.routed == 5 * len(layers) * 2 * 16 * k, stats.routed
     _, eager, _ = train(ml.expert_route("ep"))
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), atol=1e-5, rtol=0)
+
+
+def test_inductor_options_add_to_the_mode(one_process, monkeypatch):
+    """``options`` are inductor's configuration on top of the mode's own (torch.compile
+    takes one or the other): each block is compiled with the two merged and no ``mode``;
+    a name inductor lacks, or options for another backend, are refused when the plan is
+    made."""
+    import meshlab as ml
+    from meshlab.policies import presets
+
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append(kw))
+    ml.parallelize(presets.build("tiny-llama", num_hidden_layers=2),
+                   ml.fuse() | ml.compile_blocks(mode="reduce-overhead",
+                                                 options={"force_pointwise_cat": True}),
+                   ml.Mesh(dp=1), seed=0)
+    assert seen == [{"fullgraph": True, "dynamic": False, "backend": "inductor",
+                     "options": {"triton.cudagraphs": True, "force_pointwise_cat": True}}] * 2
+    seen.clear()
+    ml.parallelize(presets.build("tiny-llama", num_hidden_layers=2), ml.compile_blocks(),
+                   ml.Mesh(dp=1), seed=0)
+    assert [kw.get("options") for kw in seen] == [None, None]
+
+    c = ml.compile_blocks(options={"force_pointwise_cat": True, "max_autotune": False})
+    assert c.options == (("force_pointwise_cat", True), ("max_autotune", False))
+    assert hash(c) == hash(ml.compile_blocks(options={"max_autotune": False,
+                                                      "force_pointwise_cat": True}))
+    with pytest.raises(ml.ConfigError, match=r"\['force_pointwise_concat'\] not in "
+                                             r"torch._inductor.config"):
+        ml.compile_blocks(options={"force_pointwise_concat": True})
+    with pytest.raises(ml.ConfigError, match="options are inductor's"):
+        ml.compile_blocks(options={"force_pointwise_cat": True}, backend="aot_eager")
+    with pytest.raises(ml.ConfigError, match="a dict of inductor's"):
+        ml.compile_blocks(options=["force_pointwise_cat"])
