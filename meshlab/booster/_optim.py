@@ -93,10 +93,25 @@ def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, di
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigTypeError(f"boost(optimizer=...): a torch.optim.Optimizer, got "
                               f"{type(opt).__name__}")
-    mine = {id(p) for g in opt.param_groups for p in g["params"]}
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    held = [p for g in opt.param_groups for p in g["params"]]
+    mine = {id(p) for p in held}
+    ours = {id(p) for p in model.parameters()}
+    foreign = [p for p in held if id(p) not in ours]
+    if foreign:
+        # boost rebuilds the optimizer over the model's parameters: one holding others'
+        # would train what it was not built over, and leave those it was untrained
+        what = ("none of the model's parameters (it was built over another model?)"
+                if len(foreign) == len(held) else
+                f"{len(foreign)} parameters that are not the model's "
+                f"(shapes {[tuple(p.shape) for p in foreign[:3]]}"
+                f"{'...' if len(foreign) > 3 else ''})")
+        raise ConfigError(f"boost(optimizer=...): the optimizer holds {what}; boost trains "
+                          f"the model's parameters only: build it over model.parameters() "
+                          f"of the model passed to boost, and give another module's "
+                          f"parameters an optimizer of their own or make that module part "
+                          f"of the model")
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in mine]
-    if missing and len(missing) != len(trainable):
+    if missing:
         raise ConfigError(f"boost(optimizer=...): the optimizer leaves out trainable "
                           f"parameters {missing[:3]}{'...' if len(missing) > 3 else ''}; "
                           f"build it over model.parameters(), or freeze those "

@@ -271,6 +271,30 @@ def test_optimizers_rebuild_from_their_arguments():
     torch.testing.assert_close(m.weight, ref.weight, atol=0, rtol=0)
 
 
+def test_an_optimizer_over_other_parameters_is_refused_before_boost_runs():
+    """boost rebuilds the optimizer over the model's parameters. An optimizer built over
+    another model (Colossal-AI's ``test_lora`` builds one so), or holding a parameter the
+    model lacks (a learnable loss), would then train what it was not built over and leave
+    what it was built over as it is: refused by name, before any process group is needed;
+    one that leaves out some of the model's trainable parameters too."""
+    from meshlab import ConfigError
+
+    m, other, temp = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Parameter(torch.ones(()))
+    booster = Booster(plugin=TorchDDPPlugin())
+    with pytest.raises(ConfigError, match=r"holds none of the model's parameters \(it was "
+                                          r"built over another model\?\).*model.parameters\(\)"):
+        booster.boost(m, torch.optim.SGD(other.parameters(), lr=0.1))
+    with pytest.raises(ConfigError, match=r"holds 1 parameters that are not the model's "
+                                          r"\(shapes \[\(\)\]\)"):
+        booster.boost(m, torch.optim.SGD([*m.parameters(), temp], lr=0.1))
+    with pytest.raises(ConfigError, match=r"leaves out trainable parameters \['bias'\]"):
+        booster.boost(m, torch.optim.SGD([m.weight], lr=0.1))
+    m.bias.requires_grad_(False)            # a frozen parameter left out is not trained
+    from meshlab.booster._optim import recipe
+
+    assert recipe(torch.optim.SGD([m.weight], lr=0.1), m)[0] is torch.optim.SGD
+
+
 def test_scheduler_follows_the_rebuilt_optimizer():
     from meshlab.booster._optim import rebind_scheduler
 
