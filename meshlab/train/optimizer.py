@@ -41,6 +41,7 @@ from ..transforms._gradsync import mark_mesh_optimizer
 from ..transforms._install import runtime_of
 from ..transforms.precision import PrecisionPart
 from ._groups import group_layout, torch_groups
+from ._state_moves import fit_to, placed, portable
 from ._whole import WholeTensors
 from ._content import CHECK_EVERY, agree_hyperparameters, check_replicas as _check_replicas
 # which optimizers take slices and which are stepped whole (public names re-exported here,
@@ -125,6 +126,7 @@ class MeshOptimizer(torch.optim.Optimizer):
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self.params.append((n, p))
+        self._held = frozenset(seen)
         prec = self.rt.part(PrecisionPart)
         self.scaler = prec.scaler() if prec is not None else None
         held = {n for n, _ in model.named_parameters()}
@@ -268,6 +270,19 @@ class MeshOptimizer(torch.optim.Optimizer):
         finally:
             self._agreed = False
 
+    def _check_trainable(self) -> None:
+        """Refuses a parameter made trainable after this optimizer was built (torch's
+        optimizer over ``model.parameters()`` would train it once unfrozen; this one holds
+        the parameters trainable when it was built, and would leave it as it is)."""
+        late = [n for n, p in self.model.named_parameters()
+                if p.requires_grad and id(p) not in self._held]
+        if late:
+            raise ConfigError(
+                f"meshlab.optimizer step: {late[:3]}{'...' if len(late) > 3 else ''} "
+                f"became trainable after the optimizer was built, which holds the "
+                f"parameters trainable then; set requires_grad before parallelize (or "
+                f"boost) and build the optimizer after it")
+
     def _sync_grads(self) -> None:
         """What the backward could not do (ZeRO-1's reduce-scatter; once per step)."""
         if self._synced:
@@ -315,6 +330,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise ConfigError("meshlab.optimizer's step takes no closure (optimizers that "
                               "re-evaluate the loss, such as LBFGS, are not supported)")
+        self._check_trainable()
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         if not self._agreed:        # before the step's first collective (ZeRO-1's)
@@ -462,13 +478,13 @@ class MeshOptimizer(torch.optim.Optimizer):
                 st = None
                 if t is not None:       # this rank's data rank owns it (or no ZeRO-1)
                     h = self._whole.holder(t) if self._whole is not None else t
-                    st = _portable(self.inner.state.get(h)) if h is not None else None
+                    st = portable(self.inner.state.get(h)) if h is not None else None
                     if self._whole is not None:
                         st = self._whole.share(t, st)
                 if z is not None:
                     st = z.buffers.share(p, st)
                 if st:
-                    out[i] = _placed(p, st)
+                    out[i] = placed(p, st)
                 i += 1
         return {"state": out, "param_groups": groups}
 
@@ -497,54 +513,8 @@ class MeshOptimizer(torch.optim.Optimizer):
                 h = self._holder(p)
                 st = states.get(k)
                 if h is not None and st:
-                    state[index[id(h)]] = {key: _fit_to(h, v) for key, v in st.items()}
+                    state[index[id(h)]] = {key: fit_to(h, v) for key, v in st.items()}
         return {"state": state, "param_groups": groups}
-
-
-class _Block:
-    """A DTensor's local block on its way between ranks (a DTensor is not sent whole)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-
-def _portable(st):
-    """An optimizer state dict that pickles across ranks: tensors detached onto the host,
-    DTensors as their local blocks."""
-    from torch.distributed.tensor import DTensor
-
-    if st is None:
-        return None
-    return {k: _Block(v.to_local().detach().cpu().clone()) if isinstance(v, DTensor) else
-            v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
-            for k, v in st.items()}
-
-
-def _placed(p, st: dict) -> dict:
-    """``_portable``'s blocks back as DTensors laid out as ``p`` (state shaped like it)."""
-    from torch.distributed.tensor import DTensor
-
-    def one(v):
-        if not isinstance(v, _Block):
-            return v
-        if isinstance(p, DTensor) and tuple(v.t.shape) == tuple(_local(p).shape):
-            return DTensor.from_local(v.t, p.device_mesh, p.placements, run_check=False,
-                                      shape=p.shape, stride=p.stride())
-        return v.t
-
-    return {k: one(v) for k, v in st.items()}
-
-
-def _fit_to(h, v):
-    """A saved state value for the tensor ``h`` the inner optimizer steps: a full plain
-    tensor of a DTensor's shape becomes its local block (torch casts the rest)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(h, DTensor) and isinstance(v, torch.Tensor) and \
-            not isinstance(v, DTensor) and tuple(v.shape) == tuple(h.shape) and v.dim() > 0:
-        return distribute_tensor(v.to(_local(h).device), h.device_mesh, h.placements,
-                                 src_data_rank=None)
-    return v
 
 
 def optimizer(model: nn.Module, cls: type = torch.optim.AdamW, *,

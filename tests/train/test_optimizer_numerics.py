@@ -204,3 +204,25 @@ def test_step_hooks_register_run_and_remove():
     h = opt.register_load_state_dict_post_hook(lambda o: None)
     h.remove()
 
+
+
+def test_a_parameter_unfrozen_after_the_optimizer_is_built_is_refused():
+    """torch's optimizer over ``model.parameters()`` trains a frozen parameter once it is
+    unfrozen; ``meshlab.optimizer`` holds the parameters trainable when it was built, so a
+    step after ``requires_grad_(True)`` would leave the unfrozen one as it is: refused by
+    name, before the step changes anything."""
+    torch.manual_seed(0)
+    base = _Deep(depth=3)
+    base.layers[0].weight.requires_grad_(False)
+    model = ml.parallelize(base, ml.precision("fp32"), ml.Mesh(dp=1))
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1, check_replicas=0)
+    model.layers[0].weight.requires_grad_(True)
+    model(torch.randn(2, 8)).pow(2).mean().backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ml.ConfigError, match=r"\['layers.0.weight'\] became trainable after "
+                                             r"the optimizer was built"):
+        opt.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    model.layers[0].weight.requires_grad_(False)      # frozen again: the step runs
+    assert opt.step() is True
+    assert not torch.equal(model.layers[1].weight, before["layers.1.weight"])
