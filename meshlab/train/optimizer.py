@@ -279,9 +279,10 @@ class MeshOptimizer(torch.optim.Optimizer):
         if late:
             raise ConfigError(
                 f"meshlab.optimizer step: {late[:3]}{'...' if len(late) > 3 else ''} "
-                f"became trainable after the optimizer was built, which holds the "
-                f"parameters trainable then; set requires_grad before parallelize (or "
-                f"boost) and build the optimizer after it")
+                f"became trainable after the optimizer was built (or were replaced, "
+                f"e.g. by load_state_dict(assign=True)), and it holds the parameters "
+                f"trainable then; set requires_grad before parallelize (or boost) and "
+                f"build the optimizer after it")
 
     def _sync_grads(self) -> None:
         """What the backward could not do (ZeRO-1's reduce-scatter; once per step)."""
