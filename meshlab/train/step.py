@@ -21,6 +21,7 @@ from ..transforms._install import runtime_of
 from ..transforms.fuse import fused_loss_of
 from ..transforms._packing import as_packed, layout_of
 from ..transforms._protocol import Transform
+from ..transforms.zero._batchnorm import refuse_in_microbatches
 
 
 def _split(batch, k: int) -> list:
@@ -196,6 +197,11 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
                               "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
                               "'loss' out of fuse() to pass one")
         mbs = _prepared(model, rt, batch, _split(batch, microbatches), inputs)
+        if len(mbs) > 1:
+            refuse_in_microbatches(model, f"step(microbatches={microbatches})",
+                                   "use microbatches=1, or evaluation mode for the "
+                                   "BatchNorm (module.eval()), which normalizes with its "
+                                   "running statistics")
         _check_reduction(reduction, num_tokens, rt)
         if not isinstance(pause_gc, bool):
             raise ConfigError(f"step(pause_gc={pause_gc!r}): pass True (pause Python's "

@@ -167,6 +167,7 @@ class Pipeline(Transform):
             check_layout(plan)
         check_untied(plan, _schedule.stages(plan, self), self.blocks is not None)
         _check_split_backward(self, plan)
+        _check_batch_norms(self, plan)
 
     def prepare(self, ctx) -> None:
         from ._runtime import PipelineSetup
@@ -242,6 +243,20 @@ def _layers(value) -> tuple[int, ...]:
                           f"stage, e.g. layers_per_stage=(3, 3, 2), or None to balance them")
     return tuple(check_int(n, "pipeline", f"layers_per_stage[{i}]", example=2)
                  for i, n in enumerate(value))
+
+
+def _check_batch_norms(t: Pipeline, plan: Plan) -> None:
+    """A stage's BatchNorm would normalize each microbatch with its own statistics, where
+    the step over the whole batch normalizes with the batch's: refused by name."""
+    from ..zero._batchnorm import batch_norms
+
+    bn = next(iter(batch_norms(plan)), None)
+    if bn is not None and (t.microbatches > 1 or t.microbatch_size is not None):
+        raise ConfigError(f"{t!r}: {bn.fqn} ({bn.cls}) would normalize each microbatch "
+                          f"with its own statistics, where one step over the whole batch "
+                          f"normalizes with the batch's; pipeline a model without "
+                          f"BatchNorm (GroupNorm or LayerNorm normalize each sample), or "
+                          f"use data parallelism, whose BatchNorms see the whole batch")
 
 
 def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,

@@ -36,13 +36,13 @@ into its slices over ``dp``. Either way each gradient is the mean over the globa
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, ClassVar
 
 from ...core.errors import ConfigError, NotRunnable, check_int, check_names, check_number
 from ...planning.plan import Plan
 from ...planning.roles import implied_room
 from .._protocol import Phase, Transform
+from ._batchnorm import BatchStatistics, batch_norms, choose as choose_batch_statistics
 from ._estimates import zero_comm, zero_memory, zero_transients
 from .._gradsync import BUCKET_MB, Reduction
 from ._install import (HostResidency as HostResidency, HostUnits as HostUnits, fsdp_ignored,
@@ -126,6 +126,11 @@ class ZeroShard(Transform):
                               f"data-parallel room; give bucket_mb to one of them")
         return ZeroShard(zero.stage, zero.axis, mb.pop() if mb else BUCKET_MB, dp.axis,
                          zero.reshard)
+
+    def decide(self, plan: Plan) -> BatchStatistics | None:
+        """The BatchNorm modules whose statistics are the whole batch's, over the data
+        axes (``_batchnorm``), or None where the model has none or the batch is whole."""
+        return choose_batch_statistics(plan)
 
     def check(self, plan: Plan) -> None:
         for a in self.axis + self.replicate:
@@ -316,8 +321,7 @@ def _check_mixed_precision(t, plan: Plan) -> None:
     if prec is None or prec.compute == "float32":
         return
     short = {"bfloat16": "bf16", "float16": "fp16"}.get(prec.compute, prec.compute)
-    bn = next((m for m in plan.model.modules
-               if re.fullmatch(r"(Lazy)?BatchNorm[123]d|SyncBatchNorm", m.cls)), None)
+    bn = next(iter(batch_norms(plan)), None)
     if bn is not None:
         raise ConfigError(
             f"{t!r} with precision({short!r}): {bn.fqn} ({bn.cls}) keeps float32 running "

@@ -11,6 +11,7 @@ from .._gradsync import reduce_dtype, require_mesh_optimizer
 from .._install import StageRoots
 from .._protocol import Part
 from ..precision import Precision
+from ._batchnorm import BatchStatistics, install as install_batch_statistics
 from ._owned import Zero1Whole
 from ._zero1 import Zero1Buffers
 
@@ -275,6 +276,9 @@ def _no_checkpoint():
 
 
 def install_zero(t, ctx) -> Part:
+    stats = ctx.plan.decision(BatchStatistics)
+    if stats is not None:
+        install_batch_statistics(ctx.model, stats, ctx.group(*stats.axes), ctx.dropped)
     group, size = ctx.group(*t.axis), ctx.size(*t.axis)
     if t.stage == 1:
         if size > 1:

@@ -1,0 +1,138 @@
+"""Batch statistics over the data axes.
+
+A BatchNorm normalizes with the mean and variance of the batch it is given. Where the
+batch is split over data-parallel ranks, each rank's share alone would give other
+statistics than the single process's, another output, other gradients and other running
+statistics on each rank. The data-parallel room therefore decides, at bind time, which
+BatchNorm modules compute their statistics over the data axes (``BatchStatistics``, in
+the plan's decisions) and, at install, gives each a forward that does: every rank's
+(mean, biased variance, count) of its share, gathered by one differentiable all-reduce,
+combined as the whole batch's (the spread of the shares' means added to their
+variances), so the output, the gradients (through the gathered statistics, every rank's
+loss reaches every rank's inputs, as torch's ``SyncBatchNorm`` arranges) and the running
+statistics (the unbiased variance of the whole batch, ``momentum`` or the cumulative
+average as torch's) are the single process's, the same on every rank. Evaluation with
+running statistics runs the module's own forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import types
+
+import torch
+from torch import nn
+
+from ...core.errors import ConfigError
+from ...planning.decisions import register_decision
+
+BATCH_NORM = re.compile(r"(Lazy)?BatchNorm[123]d|SyncBatchNorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchStatistics:
+    """The BatchNorm modules whose statistics are the whole batch's, over ``axes``."""
+
+    modules: tuple[str, ...]
+    axes: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"modules": list(self.modules), "axes": list(self.axes)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "BatchStatistics":
+        return cls(tuple(d["modules"]), tuple(d["axes"]))
+
+
+register_decision("zero.batch_statistics", BatchStatistics)
+
+
+def batch_norms(plan) -> list:
+    """The plan's model's BatchNorm modules (``ModuleInfo``), in order."""
+    return [m for m in plan.model.modules if BATCH_NORM.fullmatch(m.cls)]
+
+
+def choose(plan) -> BatchStatistics | None:
+    """The model's BatchNorm modules, where the batch is split over more than one rank."""
+    axes = plan.roles.data
+    if math.prod(plan.mesh_shape[a] for a in axes) <= 1:
+        return None
+    mods = tuple(m.fqn for m in batch_norms(plan))
+    return BatchStatistics(mods, axes) if mods else None
+
+
+def refuse_in_microbatches(model: nn.Module, where: str, fix: str) -> None:
+    """A BatchNorm of ``model`` normalizing with batch statistics (training, or no running
+    statistics) sees each microbatch alone, where the step it stands for sees the batch:
+    refused by name."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and \
+                (m.training or not m.track_running_stats):
+            raise ConfigError(f"{where}: {name} ({type(m).__name__}) would normalize each "
+                              f"microbatch with its own statistics, where one step over "
+                              f"the whole batch normalizes with the batch's; {fix}")
+
+
+def install(model: nn.Module, stats: BatchStatistics, group, dropped=()) -> None:
+    """Each of ``stats.modules`` this rank holds computes its batch statistics over
+    ``group``."""
+    import torch.distributed as dist
+
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    mods = dict(model.named_modules())
+    for name in stats.modules:
+        if name in mods and name not in dropped:
+            bn = mods[name]
+            bn.forward = types.MethodType(_forward_over(group, size, rank), bn)
+
+
+def _forward_over(group, size: int, rank: int):
+    own = nn.modules.batchnorm._BatchNorm.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training and self.running_mean is not None:
+            return own(self, x)             # evaluation with running statistics
+        self._check_input_dim(x)
+        mean, var, n = _whole_batch(x, group, size, rank)
+        if self.training and self.track_running_stats and self.running_mean is not None:
+            self.num_batches_tracked.add_(1)
+            f = 1.0 / float(self.num_batches_tracked) if self.momentum is None \
+                else self.momentum
+            with torch.no_grad():
+                unbiased = var.detach() * n / (n - 1).clamp(min=1)
+                self.running_mean.mul_(1 - f).add_(mean.detach().to(self.running_mean.dtype),
+                                                  alpha=f)
+                self.running_var.mul_(1 - f).add_(unbiased.to(self.running_var.dtype),
+                                                 alpha=f)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        y = (x.to(mean.dtype) - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
+        if self.weight is not None:
+            y = y * self.weight.to(y.dtype).view(shape) + self.bias.to(y.dtype).view(shape)
+        return y.to(x.dtype)
+
+    return forward
+
+
+def _whole_batch(x: torch.Tensor, group, size: int, rank: int):
+    """(mean, biased variance, count) of the whole batch, as tensors the host does not
+    read, from each rank's share: one all-reduce of a table whose row r rank r fills,
+    differentiable (its backward sums every rank's gradient of its row)."""
+    from torch.distributed.nn.functional import all_reduce
+
+    dims = [0, *range(2, x.dim())]
+    xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    n = xf.numel() // max(xf.shape[1], 1)
+    mean = xf.sum(dims) / max(n, 1)
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    var = (xf - mean.view(shape)).square().sum(dims) / max(n, 1)
+    row = torch.cat([mean, var, mean.new_full((1,), float(n))])
+    table = torch.stack([row if r == rank else torch.zeros_like(row) for r in range(size)])
+    table = all_reduce(table, group=group)
+    c = x.shape[1]
+    means, variances, counts = table[:, :c], table[:, c:2 * c], table[:, 2 * c:]
+    total = counts.sum()
+    whole = (counts * means).sum(0) / total
+    spread = (counts * (variances + (means - whole).square())).sum(0) / total
+    return whole, spread, total.detach()
