@@ -197,11 +197,6 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
                               "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
                               "'loss' out of fuse() to pass one")
         mbs = _prepared(model, rt, batch, _split(batch, microbatches), inputs)
-        if len(mbs) > 1:
-            refuse_in_microbatches(model, f"step(microbatches={microbatches})",
-                                   "use microbatches=1, or evaluation mode for the "
-                                   "BatchNorm (module.eval()), which normalizes with its "
-                                   "running statistics")
         _check_reduction(reduction, num_tokens, rt)
         if not isinstance(pause_gc, bool):
             raise ConfigError(f"step(pause_gc={pause_gc!r}): pass True (pause Python's "
@@ -315,7 +310,12 @@ def _prepared(model, rt, batch, mbs: list, inputs) -> list:
     folded into the position ids and dropped (``transforms._packing.as_packed``):
     transformers masks packed samples only so, and each sample then attends to itself
     alone, as run one by one. A training forward runs without a KV cache unless the batch
-    asks for one (``apply.materialize._no_cache_in_training``)."""
+    asks for one (``apply.materialize._no_cache_in_training``). A BatchNorm that would
+    normalize each microbatch alone is refused (``zero._batchnorm.refuse_in_microbatches``)."""
+    if len(mbs) > 1:
+        refuse_in_microbatches(model, f"step(microbatches={len(mbs)})",
+                               "use microbatches=1, or evaluation mode for the BatchNorm "
+                               "(module.eval()), which normalizes with its running statistics")
     checks = [t.check_batch for t in rt.plan.rooms or rt.plan.options
               if isinstance(t, Transform) and type(t).check_batch is not Transform.check_batch]
     if checks:
