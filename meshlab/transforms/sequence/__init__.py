@@ -152,10 +152,17 @@ class Sequence(Transform):
                          width=cfg("hidden_size") or cfg("n_embd"))
 
     def check(self, plan: Plan) -> None:
+        from ..zero._batchnorm import batch_norms
+
         sizes = plan.mesh_shape
         for a in (self.axis,) + ((self.ring,) if self.ring else ()):
             if a not in sizes:
                 raise ConfigError(f"sequence axis {a!r} is not a mesh axis {tuple(sizes)}")
+        bn = next(iter(batch_norms(plan)), None)
+        if bn is not None:
+            raise ConfigError(f"{self!r}: {bn.fqn} ({bn.cls}) would normalize with the "
+                              f"statistics of this rank's part of the sequence, where one "
+                              f"process normalizes with the whole batch's; not supported")
         if self.mode == "split_gather":
             if plan.roles.tp != self.axis:
                 raise ConfigError(

@@ -191,3 +191,17 @@ def test_a_pipeline_of_batch_norms_is_refused_at_plan():
                                              r"each microbatch with its own statistics"):
         ml.plan(Blocks(), ml.pipeline("pp", microbatches=2, blocks="layers"),
                 ml.Mesh(pp=2, fake=True))
+
+
+def test_sequence_parallelism_over_a_batch_norm_is_refused_at_plan():
+    """Sequence parallelism cuts each row's tokens over ranks: a BatchNorm there would see
+    part of every sample, where the statistics must be the whole batch's."""
+    import meshlab as ml
+
+    with torch.device("meta"):
+        model = M.build("llama")
+    model.model.layers[1].mlp.add_module("bn", nn.BatchNorm1d(8))     # a conformer's place
+    with pytest.raises(ml.ConfigError, match=r"model.layers.1.mlp.bn \(BatchNorm1d\) would "
+                                             r"normalize with the statistics of this rank's "
+                                             r"part of the sequence"):
+        ml.plan(model, ml.sequence("sp"), ml.Mesh(sp=2, fake=True))
