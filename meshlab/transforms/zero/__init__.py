@@ -42,7 +42,7 @@ from ...core.errors import ConfigError, NotRunnable, check_int, check_names, che
 from ...planning.plan import Plan
 from ...planning.roles import implied_room
 from .._protocol import Phase, Transform
-from ._batchnorm import BatchStatistics, batch_norms, choose as choose_batch_statistics
+from ._batchnorm import BatchStatistics, choose as choose_batch_statistics
 from ._estimates import zero_comm, zero_memory, zero_transients
 from .._gradsync import BUCKET_MB, Reduction
 from ._install import (HostResidency as HostResidency, HostUnits as HostUnits, fsdp_ignored,
@@ -130,7 +130,11 @@ class ZeroShard(Transform):
     def decide(self, plan: Plan) -> BatchStatistics | None:
         """The BatchNorm modules whose statistics are the whole batch's, over the data
         axes (``_batchnorm``), or None where the model has none or the batch is whole."""
-        return choose_batch_statistics(plan)
+        from ..precision import Precision
+
+        prec = plan.get(Precision)
+        cast = self.fsdp(plan) and prec is not None and prec.compute != "float32"
+        return choose_batch_statistics(plan, cast)
 
     def check(self, plan: Plan) -> None:
         for a in self.axis + self.replicate:
@@ -148,8 +152,6 @@ class ZeroShard(Transform):
                 f"map that logical axis to None in Rules")
         if fsdp:
             _check_fsdp_specs(plan, fsdp)
-        if self.fsdp(plan):
-            _check_mixed_precision(self, plan)
 
     def fsdp(self, plan: Plan) -> bool:
         """Whether FSDP2 runs this room: stages 2 and 3, and plain data parallelism or
@@ -309,22 +311,3 @@ def _implied_dp(plan: Plan, roles) -> Any:
     return ZeroShard(3 if roles.fsdp else 0, roles.dp)
 
 
-def _check_mixed_precision(t, plan: Plan) -> None:
-    """FSDP2's mixed precision casts the parameters it manages to the 16-bit compute dtype
-    (and meshlab casts the ones it leaves whole the same way, ``_install.cast_whole``), but
-    no buffer: a BatchNorm's running statistics stay float32, and batch_norm refuses the
-    mix. Refused by name before anything runs, where torch would raise inside the
-    forward."""
-    from ..precision import Precision
-
-    prec = plan.get(Precision)
-    if prec is None or prec.compute == "float32":
-        return
-    short = {"bfloat16": "bf16", "float16": "fp16"}.get(prec.compute, prec.compute)
-    bn = next(iter(batch_norms(plan)), None)
-    if bn is not None:
-        raise ConfigError(
-            f"{t!r} with precision({short!r}): {bn.fqn} ({bn.cls}) keeps float32 running "
-            f"statistics that FSDP2's mixed precision does not cast, beside the {short} "
-            f"weights it does; not yet supported. Use zero_shard(1) or data_parallel (the "
-            f"{short} compute then runs under autocast), or precision('fp32')")

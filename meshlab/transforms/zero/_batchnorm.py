@@ -12,7 +12,10 @@ variances), so the output, the gradients (through the gathered statistics, every
 loss reaches every rank's inputs, as torch's ``SyncBatchNorm`` arranges) and the running
 statistics (the unbiased variance of the whole batch, ``momentum`` or the cumulative
 average as torch's) are the single process's, the same on every rank. Evaluation with
-running statistics runs the module's own forward.
+running statistics runs the module's own forward. Under FSDP2's mixed precision, which
+casts a BatchNorm's weights to 16 bits but not its float32 running statistics (a mix
+``batch_norm`` refuses), the same forward runs on any number of data ranks, with the
+statistics and the normalization in float32 and the output in the input's dtype.
 """
 
 from __future__ import annotations
@@ -54,10 +57,12 @@ def batch_norms(plan) -> list:
     return [m for m in plan.model.modules if BATCH_NORM.fullmatch(m.cls)]
 
 
-def choose(plan) -> BatchStatistics | None:
-    """The model's BatchNorm modules, where the batch is split over more than one rank."""
+def choose(plan, cast: bool = False) -> BatchStatistics | None:
+    """The model's BatchNorm modules, where the batch is split over more than one rank or
+    (``cast``: FSDP2's mixed precision) their weights are cast to 16 bits beside float32
+    running statistics, which ``batch_norm`` does not take together."""
     axes = plan.roles.data
-    if math.prod(plan.mesh_shape[a] for a in axes) <= 1:
+    if math.prod(plan.mesh_shape[a] for a in axes) <= 1 and not cast:
         return None
     mods = tuple(m.fqn for m in batch_norms(plan))
     return BatchStatistics(mods, axes) if mods else None
@@ -93,7 +98,11 @@ def _forward_over(group, size: int, rank: int):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training and self.running_mean is not None:
-            return own(self, x)             # evaluation with running statistics
+            if x.dtype == self.running_mean.dtype and (
+                    self.weight is None or self.weight.dtype == x.dtype):
+                return own(self, x)         # evaluation with running statistics
+            self._check_input_dim(x)        # the same, from 16-bit weights or input
+            return _normalized(self, x, self.running_mean, self.running_var)
         self._check_input_dim(x)
         mean, var, n = _whole_batch(x, group, size, rank)
         if self.training and self.track_running_stats and self.running_mean is not None:
@@ -106,13 +115,20 @@ def _forward_over(group, size: int, rank: int):
                                                   alpha=f)
                 self.running_var.mul_(1 - f).add_(unbiased.to(self.running_var.dtype),
                                                  alpha=f)
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        y = (x.to(mean.dtype) - mean.view(shape)) * torch.rsqrt(var + self.eps).view(shape)
-        if self.weight is not None:
-            y = y * self.weight.to(y.dtype).view(shape) + self.bias.to(y.dtype).view(shape)
-        return y.to(x.dtype)
+        return _normalized(self, x, mean, var)
 
     return forward
+
+
+def _normalized(bn, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+    """``x`` normalized with ``mean`` and ``var`` and scaled by ``bn``'s weight and bias,
+    in the statistics' precision (float32 at least), returned in ``x``'s dtype."""
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    dt = torch.promote_types(mean.dtype, torch.float32)
+    y = (x.to(dt) - mean.to(dt).view(shape)) * torch.rsqrt(var.to(dt) + bn.eps).view(shape)
+    if bn.weight is not None:
+        y = y * bn.weight.to(dt).view(shape) + bn.bias.to(dt).view(shape)
+    return y.to(x.dtype)
 
 
 def _whole_batch(x: torch.Tensor, group, size: int, rank: int):
@@ -127,6 +143,8 @@ def _whole_batch(x: torch.Tensor, group, size: int, rank: int):
     mean = xf.sum(dims) / max(n, 1)
     shape = (1, -1) + (1,) * (x.dim() - 2)
     var = (xf - mean.view(shape)).square().sum(dims) / max(n, 1)
+    if size == 1:
+        return mean, var, mean.new_full((), float(n))
     row = torch.cat([mean, var, mean.new_full((1,), float(n))])
     table = torch.stack([row if r == rank else torch.zeros_like(row) for r in range(size)])
     table = all_reduce(table, group=group)
