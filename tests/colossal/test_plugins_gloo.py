@@ -10,6 +10,9 @@
 * ``tests/test_booster/test_plugin/test_low_level_zero_plugin.py``: ZeRO-2 with
   ``max_norm=1.0``: ``get_grad_norm()`` is a float after the step (and equals one
   process's norm).
+* The same file's BatchNorm models: under ``LowLevelZeroPlugin(stage=2, precision='fp16')``
+  a BatchNorm trains (its fp16 weights beside float32 running statistics), with the whole
+  batch's statistics, equal on both ranks.
 * ``tests/test_booster/test_mixed_precision/test_fp16_torch.py``:
   ``FP16TorchMixedPrecision().configure(model, optimizer, criterion)`` then
   ``optimizer.backward``, ``clip_grad_by_norm``, ``step``.
@@ -501,6 +504,41 @@ def case_replicas_take_rank_0s_values_under_tensor_parallelism(rank, world):
                                                       precision="fp32"), pipeline=False)
 
 
+def case_batch_norm_under_zero2_fp16(rank, world):
+    """A BatchNorm under ``LowLevelZeroPlugin(stage=2, precision='fp16')`` (Colossal-AI's
+    own zoo boosts its BatchNorm models so): FSDP2 casts its weights to fp16 beside the
+    float32 running statistics, which torch's batch_norm refused; it trains, its
+    statistics the whole batch's (the running means equal one process's under autocast
+    to fp16 rounding, and equal on both ranks)."""
+    import torch.distributed as dist
+
+    from meshlab.booster import Booster
+    from meshlab.booster.plugin import LowLevelZeroPlugin
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=2, precision="fp16",
+                                                initial_scale=2 ** 8))
+    model, ref = net(), net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    torch.manual_seed(1)
+    data = torch.randn(world * 4, 8)
+    loss = model(data[rank * 4:(rank + 1) * 4]).float().square().mean()
+    booster.backward(loss, optimizer)
+    optimizer.step()
+    with torch.autocast("cpu", dtype=torch.float16):
+        ref(data)
+    mean = model[1].running_mean
+    got = [torch.empty_like(mean) for _ in range(world)]
+    dist.all_gather(got, mean)
+    assert torch.equal(got[0], got[1])
+    torch.testing.assert_close(mean, ref[1].running_mean, atol=2e-3, rtol=2e-3)
+    assert not torch.equal(mean, torch.zeros_like(mean))
+
+
 @pytest.mark.parametrize("case", [case_ddp, case_no_sync, case_dp_plugin_base,
                                   case_zero2_grad_norm, case_fp16_configure,
                                   case_pipeline_grad_accumulation,
@@ -510,7 +548,8 @@ def case_replicas_take_rank_0s_values_under_tensor_parallelism(rank, world):
                                   case_replicas_take_rank_0s_values_under_a_pipeline,
                                   case_replicas_take_rank_0s_values_under_tensor_parallelism,
                                   case_a_rank_that_cannot_take_rank_0s_values_fails_every_rank,
-                                  case_replicas_with_other_buffers_fail_every_rank])
+                                  case_replicas_with_other_buffers_fail_every_rank,
+                                  case_batch_norm_under_zero2_fp16])
 def test_colossal_plugin_cases(world2, case):
     world2.run(case)
 
