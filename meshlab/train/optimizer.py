@@ -126,7 +126,7 @@ class MeshOptimizer(torch.optim.Optimizer):
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self.params.append((n, p))
-        self._held = frozenset(seen)
+        self._held_ids = frozenset(seen)
         prec = self.rt.part(PrecisionPart)
         self.scaler = prec.scaler() if prec is not None else None
         held = {n for n, _ in model.named_parameters()}
@@ -275,7 +275,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         optimizer over ``model.parameters()`` would train it once unfrozen; this one holds
         the parameters trainable when it was built, and would leave it as it is)."""
         late = [n for n, p in self.model.named_parameters()
-                if p.requires_grad and id(p) not in self._held]
+                if p.requires_grad and id(p) not in self._held_ids]
         if late:
             raise ConfigError(
                 f"meshlab.optimizer step: {late[:3]}{'...' if len(late) > 3 else ''} "
