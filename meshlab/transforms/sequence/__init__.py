@@ -158,11 +158,12 @@ class Sequence(Transform):
         for a in (self.axis,) + ((self.ring,) if self.ring else ()):
             if a not in sizes:
                 raise ConfigError(f"sequence axis {a!r} is not a mesh axis {tuple(sizes)}")
-        bn = next(iter(batch_norms(plan)), None)
+        bn = next(iter(batch_norms(plan, instance=True)), None)
         if bn is not None:
             raise ConfigError(f"{self!r}: {bn.fqn} ({bn.cls}) would normalize with the "
                               f"statistics of this rank's part of the sequence, where one "
-                              f"process normalizes with the whole batch's; not supported")
+                              f"process normalizes with the whole sample's or batch's; not "
+                              f"supported")
         if self.mode == "split_gather":
             if plan.roles.tp != self.axis:
                 raise ConfigError(

@@ -32,6 +32,7 @@ from ...core.errors import ConfigError
 from ...planning.decisions import register_decision
 
 BATCH_NORM = re.compile(r"(Lazy)?BatchNorm[123]d|SyncBatchNorm")
+INSTANCE_NORM = re.compile(r"(Lazy)?InstanceNorm[123]d")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +53,11 @@ class BatchStatistics:
 register_decision("zero.batch_statistics", BatchStatistics)
 
 
-def batch_norms(plan) -> list:
-    """The plan's model's BatchNorm modules (``ModuleInfo``), in order."""
-    return [m for m in plan.model.modules if BATCH_NORM.fullmatch(m.cls)]
+def batch_norms(plan, instance: bool = False) -> list:
+    """The plan's model's BatchNorm modules (``ModuleInfo``), in order; its InstanceNorm
+    modules too with ``instance``."""
+    return [m for m in plan.model.modules if BATCH_NORM.fullmatch(m.cls) or
+            (instance and INSTANCE_NORM.fullmatch(m.cls))]
 
 
 def choose(plan, cast: bool = False) -> BatchStatistics | None:
@@ -64,7 +67,9 @@ def choose(plan, cast: bool = False) -> BatchStatistics | None:
     axes = plan.roles.data
     if math.prod(plan.mesh_shape[a] for a in axes) <= 1 and not cast:
         return None
-    mods = tuple(m.fqn for m in batch_norms(plan))
+    split = math.prod(plan.mesh_shape[a] for a in axes) > 1
+    mods = tuple(m.fqn for m in plan.model.modules
+                 if BATCH_NORM.fullmatch(m.cls) or (split and INSTANCE_NORM.fullmatch(m.cls)))
     return BatchStatistics(mods, axes) if mods else None
 
 
@@ -78,6 +83,11 @@ def refuse_in_microbatches(model: nn.Module, where: str, fix: str) -> None:
             raise ConfigError(f"{where}: {name} ({type(m).__name__}) would normalize each "
                               f"microbatch with its own statistics, where one step over "
                               f"the whole batch normalizes with the batch's; {fix}")
+        if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and \
+                m.track_running_stats:
+            raise ConfigError(f"{where}: {name} ({type(m).__name__}) would update its running "
+                              f"statistics once per microbatch, where one step over the "
+                              f"whole batch updates them once; {fix}")
 
 
 def install(model: nn.Module, stats: BatchStatistics, group, dropped=()) -> None:
@@ -88,9 +98,28 @@ def install(model: nn.Module, stats: BatchStatistics, group, dropped=()) -> None
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     mods = dict(model.named_modules())
     for name in stats.modules:
-        if name in mods and name not in dropped:
-            bn = mods[name]
-            bn.forward = types.MethodType(_forward_over(group, size, rank), bn)
+        m = mods.get(name) if name not in dropped else None
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.forward = types.MethodType(_forward_over(group, size, rank), m)
+        elif isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats:
+            m.register_forward_hook(_running_mean_over(group, size))
+
+
+def _running_mean_over(group, size: int):
+    """An InstanceNorm's running statistics are the batch's mean of its instances'; each
+    rank's update, averaged over the (equal) shares, is the whole batch's (the update is
+    linear in the mean)."""
+    import torch.distributed as dist
+
+    def hook(module, args, out):
+        if module.training:
+            with torch.no_grad():
+                for buf in (module.running_mean, module.running_var):
+                    dist.all_reduce(buf, group=group)
+                    buf.div_(size)
+        return None
+
+    return hook
 
 
 def _forward_over(group, size: int, rank: int):

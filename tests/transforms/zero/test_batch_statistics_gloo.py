@@ -4,7 +4,8 @@ Each rank holds a share of the batch; a BatchNorm normalizing with its share's s
 alone gave other outputs, gradients and running statistics than the single process (0.19
 off in a weight after three SGD steps at dp=2), and ranks whose running statistics
 differed. The data-parallel room now computes every BatchNorm's statistics over the data
-axes: a small convolutional net (``BatchNorm2d``, then ``BatchNorm1d`` with
+axes: a small convolutional net (``BatchNorm2d``, an ``InstanceNorm2d`` keeping running
+statistics, each rank's update averaged over the data ranks, then ``BatchNorm1d`` with
 ``momentum=None``, the cumulative average, and one with ``track_running_stats=False``) in
 float64 trains to the single process's losses, weights, running statistics and
 evaluation outputs within 1e-12, under plain data parallelism and ZeRO 1, 2 and 3; under
@@ -25,23 +26,25 @@ STEPS, LR = 3, 0.1
 
 
 class _Net(nn.Module):
-    def __init__(self):
+    def __init__(self, instance: bool = False):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3)
         self.bn = nn.BatchNorm2d(4)
+        self.inorm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True) \
+            if instance else nn.Identity()
         self.fc = nn.Linear(4 * 4 * 4, 8)
         self.bn1 = nn.BatchNorm1d(8, momentum=None)
         self.bn2 = nn.BatchNorm1d(8, track_running_stats=False)
         self.out = nn.Linear(8, 1)
 
     def forward(self, x):
-        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        h = self.inorm(torch.relu(self.bn(self.conv(x)))).flatten(1)
         return self.out(self.bn2(torch.tanh(self.bn1(self.fc(h)))))
 
 
-def _net():
+def _net(instance: bool = False):
     torch.manual_seed(0)
-    return _Net().double()
+    return _Net(instance).double()
 
 
 def _data():
@@ -66,9 +69,9 @@ def _state(model, probe) -> dict:
     return out
 
 
-def _reference():
+def _reference(instance: bool = False):
     xs, ys, probe = _data()
-    model = _net()
+    model = _net(instance)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for x, y in zip(xs, ys):
@@ -89,13 +92,13 @@ def dp_case(rank, world, spec_name):
     spec = {"dp": ml.data_parallel("dp"), "zero1": ml.zero_shard(1, "dp"),
             "zero2": ml.zero_shard(2, "dp"), "zero3": ml.zero_shard(3, "dp")}[spec_name]
     xs, ys, probe = _data()
-    model = ml.parallelize(_net(), spec, ml.Mesh(dp=world))
+    model = ml.parallelize(_net(instance=True), spec, ml.Mesh(dp=world))
     decided = model._meshlab.plan.decision(BatchStatistics)
     opt = ml.optimizer(model, torch.optim.SGD, lr=LR)
     r = dist.get_rank()
     losses = [ml.step(model, opt, {"x": x.chunk(world)[r], "y": y.chunk(world)[r]},
                       _loss, inputs=["x"]) for x, y in zip(xs, ys)]
-    ref_losses, ref = _reference()
+    ref_losses, ref = _reference(instance=True)
     got = _state(model, probe)
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
     return dict(losses=losses, ref_losses=ref_losses, worst=worst, keys=sorted(got) == sorted(ref),
@@ -105,7 +108,7 @@ def dp_case(rank, world, spec_name):
 @pytest.mark.parametrize("spec_name", ["dp", "zero1", "zero2", "zero3"])
 def test_batch_norm_trains_as_one_process_on_two_ranks(world2, spec_name):
     for r in world2.run(dp_case, spec_name=spec_name):
-        assert r["decided"] == (("bn", "bn1", "bn2"), ("dp",)), r
+        assert r["decided"] == (("bn", "inorm", "bn1", "bn2"), ("dp",)), r
         assert r["keys"], r
         torch.testing.assert_close(r["losses"], r["ref_losses"], atol=1e-12, rtol=0)
         assert r["worst"] < 1e-12, r
@@ -131,6 +134,23 @@ def test_the_plan_records_which_batch_norms_see_the_whole_batch():
         BatchStatistics) is None
     assert ml.plan(nn.Sequential(nn.Linear(2, 2)), ml.data_parallel("dp"),
                    ml.Mesh(dp=4, fake=True)).decision(BatchStatistics) is None
+    p = ml.plan(_net(instance=True), ml.data_parallel("dp"), ml.Mesh(dp=4, fake=True))
+    assert p.decision(BatchStatistics).modules == ("bn", "inorm", "bn1", "bn2")
+
+
+def test_an_instance_norm_keeping_running_statistics_refuses_microbatches():
+    """Its running statistics would move once per microbatch, where a step over the
+    whole batch moves them once; without running statistics it normalizes each sample
+    alone, and microbatches change nothing."""
+    import meshlab as ml
+    from meshlab.transforms.zero._batchnorm import refuse_in_microbatches
+
+    kept = nn.Sequential(nn.InstanceNorm1d(4, track_running_stats=True))
+    with pytest.raises(ml.ConfigError, match=r"step: 0 \(InstanceNorm1d\) would update its "
+                                             r"running statistics once per microbatch"):
+        refuse_in_microbatches(kept, "step", "fix")
+    refuse_in_microbatches(nn.Sequential(nn.InstanceNorm1d(4)), "step", "fix")
+    refuse_in_microbatches(kept.eval(), "step", "fix")
 
 
 def microbatch_case(rank, world):
