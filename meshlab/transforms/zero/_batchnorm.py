@@ -61,15 +61,15 @@ def batch_norms(plan, instance: bool = False) -> list:
 
 
 def choose(plan, cast: bool = False) -> BatchStatistics | None:
-    """The model's BatchNorm modules, where the batch is split over more than one rank or
-    (``cast``: FSDP2's mixed precision) their weights are cast to 16 bits beside float32
-    running statistics, which ``batch_norm`` does not take together."""
+    """The model's BatchNorm modules (and InstanceNorm ones, whose running statistics are
+    averaged), where the batch is split over more than one rank; its BatchNorm modules
+    alone where (``cast``: FSDP2's mixed precision) their weights are cast to 16 bits
+    beside float32 running statistics, which ``batch_norm`` does not take together."""
     axes = plan.roles.data
-    if math.prod(plan.mesh_shape[a] for a in axes) <= 1 and not cast:
-        return None
     split = math.prod(plan.mesh_shape[a] for a in axes) > 1
-    mods = tuple(m.fqn for m in plan.model.modules
-                 if BATCH_NORM.fullmatch(m.cls) or (split and INSTANCE_NORM.fullmatch(m.cls)))
+    if not split and not cast:
+        return None
+    mods = tuple(m.fqn for m in batch_norms(plan, instance=split))
     return BatchStatistics(mods, axes) if mods else None
 
 
