@@ -74,6 +74,8 @@ def _modules(model: nn.Module) -> tuple[ModuleInfo, ...]:
             src = vars(sys.modules.get(type(m).__module__) or types)
             ints += (("is_causal", int(m.is_causal)),      # and whether it dispatches
                      ("attention_interface", int("ALL_ATTENTION_FUNCTIONS" in src)))
+        if isinstance(getattr(m, "track_running_stats", None), bool):   # a norm's
+            ints += (("track_running_stats", int(m.track_running_stats)),)  # running stats
         if hasattr(type(m), "_apply_gate"):       # transformers' ExpertsInterface layout
             ints += (("experts_interface", 1),) + tuple(
                 (k, int(getattr(m, k))) for k in ("has_gate", "has_bias", "is_transposed",

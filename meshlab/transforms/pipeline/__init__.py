@@ -246,17 +246,28 @@ def _layers(value) -> tuple[int, ...]:
 
 
 def _check_batch_norms(t: Pipeline, plan: Plan) -> None:
-    """A stage's BatchNorm would normalize each microbatch with its own statistics, where
-    the step over the whole batch normalizes with the batch's: refused by name."""
-    from ..zero._batchnorm import batch_norms
+    """A stage's BatchNorm would normalize each microbatch with its own statistics, and an
+    InstanceNorm keeping running statistics would update them once per microbatch, where
+    the step over the whole batch normalizes with the batch's and updates once: refused
+    by name."""
+    from ..zero._batchnorm import BATCH_NORM, batch_norms
 
-    bn = next(iter(batch_norms(plan)), None)
-    if bn is not None and (t.microbatches > 1 or t.microbatch_size is not None):
-        raise ConfigError(f"{t!r}: {bn.fqn} ({bn.cls}) would normalize each microbatch "
-                          f"with its own statistics, where one step over the whole batch "
-                          f"normalizes with the batch's; pipeline a model without "
-                          f"BatchNorm (GroupNorm or LayerNorm normalize each sample), or "
-                          f"use data parallelism, whose BatchNorms see the whole batch")
+    if t.microbatches <= 1 and t.microbatch_size is None:
+        return
+    for m in batch_norms(plan, instance=True):
+        if BATCH_NORM.fullmatch(m.cls):
+            raise ConfigError(f"{t!r}: {m.fqn} ({m.cls}) would normalize each microbatch "
+                              f"with its own statistics, where one step over the whole "
+                              f"batch normalizes with the batch's; pipeline a model without "
+                              f"BatchNorm (GroupNorm or LayerNorm normalize each sample), "
+                              f"or use data parallelism, whose BatchNorms see the whole "
+                              f"batch")
+        if m.get("track_running_stats"):
+            raise ConfigError(f"{t!r}: {m.fqn} ({m.cls}) would update its running "
+                              f"statistics once per microbatch, where one step over the "
+                              f"whole batch updates them once; build it with "
+                              f"track_running_stats=False, or use data parallelism, which "
+                              f"averages each rank's update")
 
 
 def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,

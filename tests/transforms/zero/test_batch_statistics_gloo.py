@@ -215,6 +215,36 @@ def test_a_pipeline_of_batch_norms_is_refused_at_plan():
                 ml.Mesh(pp=2, fake=True))
 
 
+@pytest.mark.parametrize("running", [True, False])
+def test_a_pipeline_of_instance_norms_keeping_running_statistics_is_refused_at_plan(
+        running):
+    """Each microbatch through a stage would update an InstanceNorm's running statistics
+    once more (momentum applied per microbatch), where the step over the whole batch
+    updates them once; one that keeps none normalizes each sample alone and pipelines."""
+    import meshlab as ml
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(
+                nn.Sequential(nn.Conv1d(4, 4, 3, padding=1),
+                              nn.InstanceNorm1d(4, track_running_stats=running))
+                for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    spec, mesh = ml.pipeline("pp", microbatches=2, blocks="layers"), ml.Mesh(pp=2, fake=True)
+    if not running:
+        assert ml.plan(Blocks(), spec, mesh) is not None
+        return
+    with pytest.raises(ml.ConfigError, match=r"layers.0.1 \(InstanceNorm1d\) would update "
+                                             r"its running statistics once per microbatch"):
+        ml.plan(Blocks(), spec, mesh)
+
+
 def test_sequence_parallelism_over_a_batch_norm_is_refused_at_plan():
     """Sequence parallelism cuts each row's tokens over ranks: a BatchNorm there would see
     part of every sample, where the statistics must be the whole batch's."""
