@@ -73,6 +73,29 @@ def choose(plan, cast: bool = False) -> BatchStatistics | None:
     return BatchStatistics(mods, axes) if mods else None
 
 
+def comm(plan) -> list:
+    """The collectives ``install`` adds to a training step (``plan.comm()``): a BatchNorm's
+    all-reduce of the ranks' (mean, variance, count) table in its forward and again in its
+    backward, an InstanceNorm's of its two running statistics; float32 tables (float64
+    for float64 weights)."""
+    from ...planning.rows import CommOp
+
+    axes = plan.roles.data
+    size = math.prod(plan.mesh_shape[a] for a in axes)
+    if size == 1:
+        return []
+    wide = {e.fqn.rpartition(".")[0] for e in plan.params if str(e.dtype) == "float64"}
+    ops = []
+    for m in batch_norms(plan, instance=True):
+        c, nbytes = m.get("num_features") or 0, 8 if m.fqn in wide else 4
+        if BATCH_NORM.fullmatch(m.cls):
+            ops.append(CommOp("all_reduce", "_".join(axes), 2,
+                              2 * size * (2 * c + 1) * nbytes))
+        elif m.get("track_running_stats"):
+            ops.append(CommOp("all_reduce", "_".join(axes), 2, 2 * c * nbytes))
+    return ops
+
+
 def refuse_in_microbatches(model: nn.Module, where: str, fix: str) -> None:
     """A BatchNorm of ``model`` normalizing with batch statistics (training, or no running
     statistics) sees each microbatch alone, where the step it stands for sees the batch:

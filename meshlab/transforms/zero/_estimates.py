@@ -135,7 +135,8 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
         ops += [CommOp("all_reduce", data, 1, n * gbytes) for n in whole.values()]
     if fsdp:                # FSDP2: which parameters some data rank had a gradient for
         ops.append(CommOp("all_reduce", data, 1, 4 * sum(counts.values())))
-    return ops + [CommOp("all_reduce", data, 1, 8)]      # the step's loss
+    from ._batchnorm import comm as batch_statistics
+    return ops + batch_statistics(plan) + [CommOp("all_reduce", data, 1, 8)]  # + the loss
 
 
 def _stage_ops(stage, name, dp, buckets, units, prec, counts, freed,

@@ -101,13 +101,24 @@ def dp_case(rank, world, spec_name):
     ref_losses, ref = _reference(instance=True)
     got = _state(model, probe)
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    from meshlab.estimate.comm import CommCounter
+
+    with CommCounter(per_module=False) as cc:       # one more step, its collectives counted
+        ml.step(model, opt, {"x": xs[0].chunk(world)[r], "y": ys[0].chunk(world)[r]}, _loss,
+                inputs=["x"])
+    est = model._meshlab.plan.comm()
     return dict(losses=losses, ref_losses=ref_losses, worst=worst, keys=sorted(got) == sorted(ref),
-                decided=(decided.modules, decided.axes) if decided else None)
+                decided=(decided.modules, decided.axes) if decided else None,
+                ran=[(k, b) for k, _, b in cc.calls if k == "all_reduce"],
+                said=(est.count("all_reduce"), est.bytes("all_reduce")))
 
 
 @pytest.mark.parametrize("spec_name", ["dp", "zero1", "zero2", "zero3"])
 def test_batch_norm_trains_as_one_process_on_two_ranks(world2, spec_name):
     for r in world2.run(dp_case, spec_name=spec_name):
+        # plan.comm() counts the norms' all-reduces as the step runs them, bytes and all
+        assert (len(r["ran"]), sum(b for _, b in r["ran"])) == r["said"], r
+        assert (144, 32) in {(b, b2) for (_, b), (_, b2) in zip(r["ran"], r["ran"][1:])}, r
         assert r["decided"] == (("bn", "inorm", "bn1", "bn2"), ("dp",)), r
         assert r["keys"], r
         torch.testing.assert_close(r["losses"], r["ref_losses"], atol=1e-12, rtol=0)
@@ -116,6 +127,7 @@ def test_batch_norm_trains_as_one_process_on_two_ranks(world2, spec_name):
 
 def test_batch_norm_trains_as_one_process_on_four_ranks(world4):
     for r in world4.run(dp_case, spec_name="dp"):
+        assert (len(r["ran"]), sum(b for _, b in r["ran"])) == r["said"], r
         torch.testing.assert_close(r["losses"], r["ref_losses"], atol=1e-12, rtol=0)
         assert r["worst"] < 1e-12, r
 
