@@ -236,7 +236,13 @@ class CommCounter:
                 "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_":
                 "reduce_scatter", "allgather_": "all_gather", "reduce_scatter_": "reduce_scatter",
                 "broadcast_": "broadcast", "alltoall_base_": "all_to_all",
-                "send": "send", "recv_": "recv"}.get(name)
+                "send": "send", "recv_": "recv",
+                # torch's functional collectives (``_c10d_functional``), autograd's too
+                "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor":
+                "reduce_scatter", "all_reduce": "all_reduce"}.get(name)
+        if kind is not None and func.namespace in ("_c10d_functional",
+                                                   "_c10d_functional_autograd"):
+            return self._record_functional(kind, func, args)
         if kind is None:
             return
         from ..core.agree import active
@@ -271,6 +277,19 @@ class CommCounter:
         except (AttributeError, RuntimeError, TypeError):
             size = -1
         self.calls.append((kind, size, b))
+
+    def _record_functional(self, kind: str, func, args) -> None:
+        """A functional collective: ``all_gather_into_tensor(input, group_size, group)``
+        (bytes of its output), ``reduce_scatter_tensor(input, op, group_size, group)``,
+        ``all_reduce(input, op, group)``; the autograd variants are counted once, as the
+        functional op they run."""
+        if func.namespace == "_c10d_functional_autograd":
+            return
+        x = args[0]
+        b = x.numel() * x.element_size()
+        size = args[1] if kind == "all_gather" else args[2] if kind == "reduce_scatter" \
+            else -1
+        self.calls.append((kind, size, b * size if kind == "all_gather" else b))
 
     def __enter__(self) -> "CommCounter":
         self._mode.__enter__()

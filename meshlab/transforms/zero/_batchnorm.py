@@ -75,9 +75,9 @@ def choose(plan, cast: bool = False) -> BatchStatistics | None:
 
 def comm(plan) -> list:
     """The collectives ``install`` adds to a training step (``plan.comm()``): a BatchNorm's
-    all-reduce of the ranks' (mean, variance, count) table in its forward and again in its
-    backward, an InstanceNorm's of its two running statistics; float32 tables (float64
-    for float64 weights)."""
+    all-gather of the ranks' (mean, variance, count) rows in its forward and the
+    reduce-scatter of their gradients in its backward, an InstanceNorm's all-reduce of its
+    two running statistics; float32 (float64 for float64 weights)."""
     from ...planning.rows import CommOp
 
     axes = plan.roles.data
@@ -89,8 +89,9 @@ def comm(plan) -> list:
     for m in batch_norms(plan, instance=True):
         c, nbytes = m.get("num_features") or 0, 8 if m.fqn in wide else 4
         if BATCH_NORM.fullmatch(m.cls):
-            ops.append(CommOp("all_reduce", "_".join(axes), 2,
-                              2 * size * (2 * c + 1) * nbytes))
+            table = size * (2 * c + 1) * nbytes
+            ops += [CommOp("all_gather", "_".join(axes), 1, table),
+                    CommOp("reduce_scatter", "_".join(axes), 1, table)]
         elif m.get("track_running_stats"):
             ops.append(CommOp("all_reduce", "_".join(axes), 2, 2 * c * nbytes))
     return ops
@@ -118,12 +119,12 @@ def install(model: nn.Module, stats: BatchStatistics, group, dropped=()) -> None
     ``group``."""
     import torch.distributed as dist
 
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    size = dist.get_world_size(group)
     mods = dict(model.named_modules())
     for name in stats.modules:
         m = mods.get(name) if name not in dropped else None
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.forward = types.MethodType(_forward_over(group, size, rank), m)
+            m.forward = types.MethodType(_forward_over(group, size), m)
         elif isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats:
             m.register_forward_hook(_running_mean_over(group, size))
 
@@ -145,7 +146,7 @@ def _running_mean_over(group, size: int):
     return hook
 
 
-def _forward_over(group, size: int, rank: int):
+def _forward_over(group, size: int):
     own = nn.modules.batchnorm._BatchNorm.forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +157,7 @@ def _forward_over(group, size: int, rank: int):
             self._check_input_dim(x)        # the same, from 16-bit weights or input
             return _normalized(self, x, self.running_mean, self.running_var)
         self._check_input_dim(x)
-        mean, var, n = _whole_batch(x, group, size, rank)
+        mean, var, n = _whole_batch(x, group, size)
         if self.training and self.track_running_stats and self.running_mean is not None:
             self.num_batches_tracked.add_(1)
             f = 1.0 / float(self.num_batches_tracked) if self.momentum is None \
@@ -183,11 +184,12 @@ def _normalized(bn, x: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> t
     return y.to(x.dtype)
 
 
-def _whole_batch(x: torch.Tensor, group, size: int, rank: int):
+def _whole_batch(x: torch.Tensor, group, size: int):
     """(mean, biased variance, count) of the whole batch, as tensors the host does not
-    read, from each rank's share: one all-reduce of a table whose row r rank r fills,
-    differentiable (its backward sums every rank's gradient of its row)."""
-    from torch.distributed.nn.functional import all_reduce
+    read, from each rank's share: one all-gather of the ranks' rows into a table,
+    differentiable (its backward reduce-scatters: each rank gets the sum of every rank's
+    gradient of its row)."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
 
     dims = [0, *range(2, x.dim())]
     xf = x if x.dtype in (torch.float32, torch.float64) else x.float()
@@ -198,8 +200,7 @@ def _whole_batch(x: torch.Tensor, group, size: int, rank: int):
     if size == 1:
         return mean, var, mean.new_full((), float(n))
     row = torch.cat([mean, var, mean.new_full((1,), float(n))])
-    table = torch.stack([row if r == rank else torch.zeros_like(row) for r in range(size)])
-    table = all_reduce(table, group=group)
+    table = all_gather_single_autograd(row[None], 0, group)
     c = x.shape[1]
     means, variances, counts = table[:, :c], table[:, c:2 * c], table[:, 2 * c:]
     total = counts.sum()
