@@ -18,6 +18,9 @@ Rows (each from the same bf16 weights, on the same batch):
 * ``meshlab_blocks_inductor``, ``meshlab_blocks_sdpa``, ``meshlab_graphs_inductor`` --
   compiled blocks with only ``fuse('attention', 'loss')`` or ``fuse('loss')``: inductor's
   own code for the norms, rotary and MLP instead of meshlab's ops;
+* ``meshlab_fuse_dw_apart`` -- ``meshlab_fuse`` with the MLP's gate and up weight
+  gradients as two products (before its gated backward wrote their input gradients side
+  by side, so that one product gives both);
 * ``meshlab_blocks_pwcat``, ``meshlab_graphs_pwcat`` -- ``meshlab_blocks`` and
   ``meshlab_graphs`` with inductor's ``force_pointwise_cat``;
 * ``meshlab_count<k>``  -- (8B) ``ml.fuse() | ml.remat('full', count=k)``: k of the 32
@@ -258,7 +261,25 @@ def _step_fn(name: str, model, batch, shape: dict | None = None):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
+    if name == "meshlab_fuse_dw_apart":
+        return _without_side_by_side(step)
     return step
+
+
+def _without_side_by_side(step):
+    """``step`` with the fused MLP's gate and up weight gradients as two products, as
+    before its gated pass wrote their input gradients side by side (row
+    ``meshlab_fuse_dw_apart``, the comparison for that one change)."""
+    from meshlab.ops import swiglu as _  # noqa: F401 -- the module, loaded
+    S = sys.modules["meshlab.ops.swiglu"]
+
+    def apart():
+        kept, S._backward_side_by_side = S._backward_side_by_side, lambda *a: None
+        try:
+            return step()
+        finally:
+            S._backward_side_by_side = kept
+    return apart
 
 
 def build(shape: dict):

@@ -394,18 +394,25 @@ def _swiglu_fwd(A, B, Y, n, COLS, SA, SB, BLOCK: tl.constexpr, STRIDED: tl.const
 
 
 @triton.jit
-def _swiglu_bwd(DY, A, B, DA, DB, Y, n, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr,
-                ACT: tl.constexpr):
+def _swiglu_bwd(DY, A, B, DA, DB, Y, n, COLS, SD, BLOCK: tl.constexpr, WRITE_Y: tl.constexpr,
+                ACT: tl.constexpr, SIDE_BY_SIDE: tl.constexpr):
     # WRITE_Y: also rebuild y = silu(a) * b from the a and b read anyway, for a caller that
     # did not keep y (the fused MLP's down projection needs it for its weight's gradient).
+    # SIDE_BY_SIDE: da and db are the halves of rows of SD = 2 * COLS (one buffer, whose
+    # transpose times x is both weights' gradients in one product); else contiguous.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
     act = _gate(a, ACT)
-    tl.store(DA + offs, (g * b * _gate_grad(a, ACT)).to(DA.dtype.element_ty), mask=mask)
-    tl.store(DB + offs, (g * act).to(DB.dtype.element_ty), mask=mask)
+    if SIDE_BY_SIDE:
+        row = offs // COLS
+        out = row * SD + (offs - row * COLS)
+    else:
+        out = offs
+    tl.store(DA + out, (g * b * _gate_grad(a, ACT)).to(DA.dtype.element_ty), mask=mask)
+    tl.store(DB + out, (g * act).to(DB.dtype.element_ty), mask=mask)
     if WRITE_Y:
         tl.store(Y + offs, (act * b).to(Y.dtype.element_ty), mask=mask)
 
@@ -434,13 +441,20 @@ def swiglu_fwd(a, b, act=0):
     return y
 
 
-def _swiglu_backward(dy, a, b, write_y: bool, act: int):
-    da = torch.empty_like(a, memory_format=torch.contiguous_format)
-    db = torch.empty_like(b, memory_format=torch.contiguous_format)
+def _swiglu_backward(dy, a, b, write_y: bool, act: int, side_by_side: bool = False):
+    n, cols = a.numel(), a.shape[-1]
+    if side_by_side:
+        both = torch.empty(n // cols, 2 * cols, dtype=a.dtype, device=a.device)
+        da, db = both[:, :cols], both[:, cols:]
+    else:
+        da = torch.empty_like(a, memory_format=torch.contiguous_format)
+        db = torch.empty_like(b, memory_format=torch.contiguous_format)
     y = torch.empty_like(a, memory_format=torch.contiguous_format) if write_y else da
-    n = a.numel()
-    _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, y, n, BLOCK=_EW_BLOCK,
-                                              WRITE_Y=write_y, ACT=act, num_warps=8)
+    _swiglu_bwd[(triton.cdiv(n, _EW_BLOCK),)](dy, a, b, da, db, y, n, cols, 2 * cols,
+                                              BLOCK=_EW_BLOCK, WRITE_Y=write_y, ACT=act,
+                                              SIDE_BY_SIDE=side_by_side, num_warps=8)
+    if side_by_side:
+        return both, y
     return (da, db, y) if write_y else (da, db)
 
 
@@ -450,6 +464,12 @@ def swiglu_bwd(dy, a, b, act=0):
 
 def swiglu_bwd_y(dy, a, b, act=0):
     return _swiglu_backward(dy, a, b, True, act)
+
+
+def swiglu_bwd_y_side_by_side(dy, a, b, act=0):
+    """(dab, y): the gradients of a and b as the two halves of each row of one
+    (rows, 2 * cols) buffer, and y rebuilt. a, b, dy contiguous, of one shape."""
+    return _swiglu_backward(dy, a, b, True, act, side_by_side=True)
 
 
 # ------------------------------------------------------------------ cross-entropy gradient

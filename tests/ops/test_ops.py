@@ -489,3 +489,44 @@ def test_rotary_keeps_only_the_angles_for_backward():
         want = torch.autograd.grad(rotary_reference(x, cos, sin).sum(), x)[0]
         torch.testing.assert_close(x.grad, want, atol=1e-5, rtol=1e-5)
         x.grad = None
+
+
+def test_mlp_weight_gradients_come_from_one_product_of_side_by_side_gradients(monkeypatch):
+    """Where the kernels write the gate's and the up projection's gradients as the halves
+    of one buffer's rows (the Triton path, stood in for here by its math in torch), the
+    fused MLP takes both weights' gradients from one product over that buffer: they are
+    the halves of one tensor, and every gradient is the unfused MLP's in float64."""
+    import importlib
+    import types
+
+    S = importlib.import_module("meshlab.ops.swiglu")
+
+    calls = []
+
+    def side_by_side(dy, a, b, act=0):
+        calls.append(tuple(a.shape))
+        sig = torch.sigmoid(a)
+        da, db = dy * b * sig * (1 + a * (1 - sig)), dy * a * sig
+        cols = a.shape[-1]
+        both = torch.empty(a.numel() // cols, 2 * cols, dtype=a.dtype)
+        both[:, :cols], both[:, cols:] = da.reshape(-1, cols), db.reshape(-1, cols)
+        return both, a * sig * b
+
+    stand_in = types.SimpleNamespace(swiglu_bwd_y_side_by_side=side_by_side)
+    real = _build.kernels
+    monkeypatch.setattr(_build, "kernels", lambda op, x: stand_in if op == "swiglu_backward_y"
+                        else real(op, x))
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu, wd = (torch.randn(s, generator=g, dtype=torch.float64) * 0.5 for s in
+                     ((3, 5, 8), (12, 8), (12, 8), (8, 12)))
+    ins = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    ref = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    dout = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
+    S.swiglu_mlp(*ins).backward(dout)
+    ((torch.nn.functional.silu(ref[0] @ ref[1].T) * (ref[0] @ ref[2].T)) @ ref[3].T).backward(
+        dout)
+    assert calls == [(3, 5, 12)]
+    for a, b, name in zip(ins, ref, ("x", "w_gate", "w_up", "w_down")):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=name)
+    assert ins[1].grad.untyped_storage().data_ptr() == \
+        ins[2].grad.untyped_storage().data_ptr()            # one product's two halves

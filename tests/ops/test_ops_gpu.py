@@ -74,6 +74,8 @@ def test_swiglu_mlp_matches_the_module_calls(dtype):
     torch.testing.assert_close(out.float(), want, **tol)
     for a, b, name in zip(ins, ref, ("x", "w_gate", "w_up", "w_down")):
         torch.testing.assert_close(a.grad.float(), b.grad, msg=name, **tol)
+    # the gated pass wrote the two gradients side by side: one product gave both weights'
+    assert ins[1].grad.untyped_storage().data_ptr() == ins[2].grad.untyped_storage().data_ptr()
 
 
 def test_forwards_read_merged_parts_in_place():
