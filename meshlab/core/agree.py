@@ -49,8 +49,8 @@ def digest(value: Any) -> str:
 
 
 def _entry(what: str, fields: Mapping[str, Any], error: BaseException | None,
-           peers: Mapping[str, tuple[Any, Any]]) -> bytes:
-    out = {"what": what,
+           peers: Mapping[str, tuple[Any, Any]], shared: Any = None) -> bytes:
+    out = {"what": what, "shared": shared,
            "fields": {k: [digest(v), _short(v)] for k, v in fields.items()},
            "peers": {k: [digest(p[0]), _short(p[0]), digest(p[1]), _short(p[1])]
                      for k, p in peers.items()},
@@ -123,18 +123,21 @@ def alone(group) -> bool:
 
 def agree(group, what: str, fields: Mapping[str, Any] | None = None,
           error: BaseException | None = None, *, timeout: float | None = None,
-          peers: Mapping[str, tuple] | None = None) -> None:
+          peers: Mapping[str, tuple] | None = None, shared: Any = None) -> list:
     """Every rank of ``group`` enters section ``what`` with equal ``fields``, and none
     failed (``error``): or every rank raises (see the module doc). ``peers``: name ->
     (key, value) or (key, value, fix), equal among the ranks that give the same key (the
     message names the first that differs and ends with ``fix``). ``timeout`` bounds the
-    wait for the other ranks (default: the group's own timeout)."""
+    wait for the other ranks (default: the group's own timeout). ``shared``: a JSON value
+    each rank hands the others, not compared; returned, every rank's in rank order (this
+    rank's alone where nothing is exchanged)."""
     if alone(group):
         if error is not None:
             raise error
-        return
+        return [shared]
     try:
-        table = _exchange(_entry(what, fields or {}, error, peers or {}), group, timeout)
+        table = _exchange(_entry(what, fields or {}, error, peers or {}, shared), group,
+                          timeout)
     except RuntimeError as e:        # gloo's timeout or a peer that exited
         within = f"within {timeout:g} s" if timeout is not None else \
             "within the control group's timeout"
@@ -149,6 +152,7 @@ def agree(group, what: str, fields: Mapping[str, Any] | None = None,
         _raise_peers(table, ranks, what, peers or {})
     except BaseException as e:       # marked, then raised as it is
         raise _mark(e)
+    return [e.get("shared") for e in table]
 
 
 def _raise_failed(table, ranks, what, error) -> None:

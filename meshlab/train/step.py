@@ -151,7 +151,11 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
 
     * ``'mean'`` (the default): ``loss_fn`` returns the mean over its microbatch; the step's
       loss is the mean of those over microbatches and data-parallel ranks (equal to the
-      global mean when every microbatch counts alike);
+      global mean when every microbatch counts alike). The default loss is the mean over
+      the global batch's labelled tokens, as one process takes it: where rows hold
+      different numbers of labels (padding, prompts masked with -100) and the step cuts
+      the batch (data-parallel ranks, microbatches, a pipeline's), it runs as
+      ``'tokens'``;
     * ``'sum'``: ``loss_fn`` returns the sum over its microbatch; the step's loss is the sum
       over the global batch (data-parallel gradients are summed, not averaged);
     * ``'tokens'``: ``loss_fn`` returns the sum over its microbatch's tokens; the step's
@@ -209,8 +213,14 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     # wrong.
     peers = {**batch_peers(rt, batch), **(hyperparameters(opt) if train else {})} \
         if error is None and not alone(rt.ctrl_group) else None
-    agree(rt.ctrl_group, "step", {"batch": _shapes(batch), "microbatches": microbatches,
-                                  "reduction": reduction}, error, peers=peers)
+    spread = _labelled_per_row(batch) if error is None and reduction == "mean" and \
+        loss_fn is None and _splits(rt, microbatches) else None
+    spreads = agree(rt.ctrl_group, "step", {"batch": _shapes(batch),
+                                            "microbatches": microbatches,
+                                            "reduction": reduction}, error, peers=peers,
+                    shared=spread)
+    if spread is not None and len({n for s in spreads for n in s}) > 1:
+        reduction = "tokens"        # the default loss's mean over the whole batch's tokens
     agreed = opt.agreed_by_caller() if isinstance(opt, MeshOptimizer) else \
         contextlib.nullcontext()
     run = _run if train else _evaluate
@@ -329,6 +339,28 @@ def _prepared(model, rt, batch, mbs: list, inputs) -> list:
 
 
 _REDUCTIONS = ("mean", "sum", "tokens")
+
+
+def _splits(rt, microbatches) -> bool:
+    """Whether the step cuts the global batch: over data-parallel ranks, into microbatches,
+    or by a room that runs its own microbatches (the pipeline's schedule)."""
+    return rt.dp_size > 1 or microbatches != 1 or any(
+        getattr(part, "runs_step", False) for part in rt.parts)
+
+
+def _labelled_per_row(batch) -> list[int] | None:
+    """The least and the most labelled next-token positions of this rank's rows, for the
+    default loss under ``reduction='mean'``: where rows of the global batch hold
+    different numbers, the mean of the parts' means is not the batch's mean over its
+    tokens, which one process takes, and the step weighs the parts by their tokens
+    (``'tokens'``). None for a batch the default loss does not read."""
+    if not isinstance(batch, Mapping) or not ({"input_ids", "labels"} & set(batch)):
+        return None
+    labels = batch.get("labels", batch.get("input_ids"))
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        return None
+    rows = (labels[:, 1:] != -100).sum(1)
+    return [int(rows.min()), int(rows.max())] if rows.numel() else None
 
 
 def _check_reduction(reduction, num_tokens, rt) -> None:

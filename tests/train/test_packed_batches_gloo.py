@@ -130,7 +130,13 @@ def build(attention: str = "sdpa"):
     return model
 
 
-def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1):
+def _reduction(reduction):
+    """``step``'s keyword: ``reduction='tokens'``, or none for the default ``'mean'``."""
+    return {} if reduction is None else {"reduction": reduction}
+
+
+def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1,
+                reduction="tokens"):
     import torch.distributed as dist
 
     import meshlab as ml
@@ -165,7 +171,7 @@ def parity_case(rank, world, layout, dtype="float64", mask=True, microbatches=1)
         r = dist.get_rank(rt.dp_group) if rt.dp_group is not None else 0
         batch = _rows(packed_batch(mask), r, rt.dp_size)
         opt = Grads(list(model.named_parameters()))
-        loss = ml.step(model, opt, batch, reduction="tokens", microbatches=microbatches)
+        loss = ml.step(model, opt, batch, microbatches=microbatches, **_reduction(reduction))
         return _check(loss, opt.seen, ref_loss, _held(model, ref_grads), tol)
     finally:
         torch.set_default_dtype(torch.float32)
@@ -183,7 +189,7 @@ def _held(model, ref_grads):
     return {n: g for n, g in ref_grads.items() if n in held}
 
 
-def tokens_case(rank, world, schedule):
+def tokens_case(rank, world, schedule, reduction="tokens"):
     """``reduction='tokens'`` through the pipeline on rows of one sample each, without
     padding, whose labels are -100 on 2 and on 7 tokens: one row a microbatch, so the
     mean of the microbatches' means (9 and 4 labelled tokens) is not the token-weighted
@@ -207,7 +213,8 @@ def tokens_case(rank, world, schedule):
         model = ml.parallelize(build(), ml.pipeline("pp", schedule=schedule, microbatches=2),
                                ml.Mesh(pp=2), seed=0)
         opt = Grads(list(model.named_parameters()))
-        loss = ml.step(model, opt, {"input_ids": ids, "labels": labels}, reduction="tokens")
+        loss = ml.step(model, opt, {"input_ids": ids, "labels": labels},
+                       **_reduction(reduction))
         return _check(loss, opt.seen, float(ref_loss), _held(model, ref_grads), 1e-10)
     finally:
         torch.set_default_dtype(torch.float32)
@@ -374,6 +381,23 @@ def test_pipeline_trains_as_the_samples_one_by_one(world2, layout):
 def test_pipeline_weighs_tokens_across_microbatches(world2, schedule):
     # unpadded: 9 and 4 labelled tokens in the two microbatches
     world2.run(tokens_case, schedule=schedule)
+
+
+# The default reduction, 'mean', with the default loss: the mean over the global batch's
+# labelled tokens, as one process takes it, where the rows hold different numbers of them.
+# It was the mean of the parts' means (each data rank's, microbatch's or pipeline
+# microbatch's), which no error reported.
+
+def test_the_default_mean_is_the_token_mean_under_data_parallelism(world2):
+    world2.run(parity_case, layout="dp", reduction=None)
+
+
+def test_the_default_mean_is_the_token_mean_over_microbatches(world2):
+    world2.run(parity_case, layout="tp", microbatches=2, reduction=None)
+
+
+def test_the_default_mean_is_the_token_mean_through_the_pipeline(world2):
+    world2.run(tokens_case, schedule="1f1b", reduction=None)
 
 
 def test_a_token_masked_inside_a_packed_sample_is_refused(world2):
