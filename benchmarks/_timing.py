@@ -20,3 +20,25 @@ def cuda_times(fn, n: int) -> list[float]:
         b.synchronize()
         out.append(a.elapsed_time(b))
     return out
+
+
+def median_ms(fn, sets, reps: int, warmup: int) -> float:
+    """Median milliseconds of ``reps`` calls of ``fn`` (CUDA events), after ``warmup``
+    calls; call ``i`` gets the arguments ``sets[i % len(sets)]``, so that inputs rotate
+    and no call reads the last one's cache."""
+    import statistics
+
+    import torch
+
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(*sets[i % len(sets)])
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _results  # noqa: E402
+import _timing  # noqa: E402
 
 SHAPES = [  # name, query heads, kv heads, head dim, batch, sequence
     ("tinyllama", 32, 4, 64, 8, 2048), ("tinyllama", 32, 4, 64, 2, 8192),
@@ -75,18 +75,7 @@ def _inputs(b, s, hq, hkv, d, layout, gen):
 
 
 def _time(fn, sets, reps: int) -> float:
-    for i in range(10):
-        fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*sets[i % len(sets)])
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return _timing.median_ms(fn, sets, reps, warmup=10)
 
 
 def _fwd_bwd(fn):

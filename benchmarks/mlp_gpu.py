@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _results  # noqa: E402
+import _timing  # noqa: E402
 
 SHAPES = [("tinyllama", 2048, 5632, 16384), ("llama3-8b", 4096, 14336, 8192)]
 
@@ -66,18 +66,7 @@ def _quack(cat_each_call: bool, tuned: bool):
 
 
 def _time(fn, sets, reps: int) -> float:
-    for i in range(5):
-        fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
-    times = []
-    for i in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn(*sets[i % len(sets)])
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return _timing.median_ms(fn, sets, reps, warmup=5)
 
 
 def _inputs(h, i, t, gen):
