@@ -207,20 +207,8 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
                               f"garbage collection for the step) or False")
     except MeshlabError as e:
         error = e
-    # The ranks agree on the step before its first collective (one small exchange): its
-    # shape, and what must be equal beyond shapes (the batch among the ranks that read it
-    # together, the optimizer's hyper-parameters), which would otherwise train silently
-    # wrong.
-    peers = {**batch_peers(rt, batch), **(hyperparameters(opt) if train else {})} \
-        if error is None and not alone(rt.ctrl_group) else None
-    spread = _labelled_per_row(batch) if error is None and reduction == "mean" and \
-        loss_fn is None and _splits(rt, microbatches) else None
-    spreads = agree(rt.ctrl_group, "step", {"batch": _shapes(batch),
-                                            "microbatches": microbatches,
-                                            "reduction": reduction}, error, peers=peers,
-                    shared=spread)
-    if spread is not None and len({n for s in spreads for n in s}) > 1:
-        reduction = "tokens"        # the default loss's mean over the whole batch's tokens
+    reduction = _agreed(rt, opt, batch, microbatches, reduction, loss_fn is None, train,
+                        error)
     agreed = opt.agreed_by_caller() if isinstance(opt, MeshOptimizer) else \
         contextlib.nullcontext()
     run = _run if train else _evaluate
@@ -230,6 +218,27 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     # Read after the collection on the way out of the pause: it then runs while the device
     # still works through the optimizer, not while it waits for the next step.
     return float(loss)
+
+
+def _agreed(rt, opt, batch, microbatches: int, reduction: str, default_loss: bool,
+            train: bool, error) -> str:
+    """The ranks agree on the step before its first collective (one small exchange): its
+    shape, and what must be equal beyond shapes (the batch among the ranks that read it
+    together, the optimizer's hyper-parameters), which would otherwise train silently
+    wrong. Returns the reduction the step runs: ``'tokens'`` in place of ``'mean'`` for
+    the default loss where the global batch's rows hold different numbers of labels
+    (``_labelled_per_row``, which the exchange carries)."""
+    peers = {**batch_peers(rt, batch), **(hyperparameters(opt) if train else {})} \
+        if error is None and not alone(rt.ctrl_group) else None
+    spread = _labelled_per_row(batch) if error is None and reduction == "mean" and \
+        default_loss and _splits(rt, microbatches) else None
+    spreads = agree(rt.ctrl_group, "step", {"batch": _shapes(batch),
+                                            "microbatches": microbatches,
+                                            "reduction": reduction}, error, peers=peers,
+                    shared=spread)
+    if spread is not None and len({n for s in spreads for n in s}) > 1:
+        return "tokens"
+    return reduction
 
 
 def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
