@@ -107,6 +107,7 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
     counts: dict = defaultdict(int)       # (dtype, tp-sharded?) -> parameters
     units: dict = defaultdict(int)        # FSDP unit -> padded elements
     whole: dict = defaultdict(int)        # FSDP unit -> elements
+    width: dict = defaultdict(int)        # FSDP unit -> bytes of an element (its widest)
     from ...planning.rows import rank_params
 
     blocks = plan.model.blocks
@@ -121,18 +122,19 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
         unit = unit_of(e.fqn)
         units[unit] += (-(-ls[0] // dp) * dp * math.prod(ls[1:])) if ls else 1
         whole[unit] += math.prod(ls)
+        width[unit] = max(width[unit], dtype_bytes(e.dtype))
     fsdp = t.fsdp(plan)
     data = "_".join(t.claims(plan)["dp"])
     whole_units = fsdp and t.stage < 2      # FSDP2 over a size-1 shard dimension
     ops = _stage_ops(t.stage, name, dp, buckets, units, prec, counts,
-                     t.resharded(blocks), whole_units) if dp > 1 else []
+                     t.resharded(blocks), whole_units, width) if dp > 1 else []
+    # gradients travel in precision(reduce=...)'s dtype, else in the parameters' own
+    gbytes = (lambda u: dtype_bytes(prec.reduce)) if prec else (lambda u: width[u])
     if rep > 1 and t.stage >= 2:      # HSDP: each unit's gradient shard over the replicas
-        gbytes = dtype_bytes(prec.reduce if prec else "float32")
-        ops += [CommOp("all_reduce", "_".join(t.replicate), 1, n // dp * gbytes)
-                for n in units.values()]
+        ops += [CommOp("all_reduce", "_".join(t.replicate), 1, n // dp * gbytes(u))
+                for u, n in units.items()]
     if whole_units:         # each unit's whole gradient, over every data axis
-        gbytes = dtype_bytes(prec.reduce if prec else "float32")
-        ops += [CommOp("all_reduce", data, 1, n * gbytes) for n in whole.values()]
+        ops += [CommOp("all_reduce", data, 1, n * gbytes(u)) for u, n in whole.items()]
     if fsdp:                # FSDP2: which parameters some data rank had a gradient for
         ops.append(CommOp("all_reduce", data, 1, 4 * sum(counts.values())))
     from ._batchnorm import comm as batch_statistics
@@ -140,27 +142,30 @@ def zero_comm(t, plan: Plan, coord) -> list[CommOp]:
 
 
 def _stage_ops(stage, name, dp, buckets, units, prec, counts, freed,
-               whole_units: bool = False) -> list[CommOp]:
+               whole_units: bool = False, width=None) -> list[CommOp]:
+    """Stage 1: per bucket ((dtype, tp-sharded?) -> elements, the dtype the gradients'
+    own), the gradients reduce-scattered (in precision's reduce dtype, else the masters')
+    and the master slices gathered (float32, or the parameters' dtype where wider);
+    stages 2 and 3: per FSDP unit, its parameters gathered and its gradient
+    reduce-scattered, in precision's dtypes or else the parameters' own (``width``: a
+    unit's bytes an element)."""
     if stage == 0:
         return []          # the backward's all-reduces: ``_gradsync.estimate``
-    if stage == 1 and whole_units:
-        # FSDP2 averaged the gradients (``zero_comm``): the fp32 slices gathered only
-        return [CommOp("all_gather", name, 1, -(-n // dp) * dp * 4) for n in buckets.values()]
     if stage == 1:
-        # gradients reduce-scattered in precision(reduce=...)'s dtype (float32 without it),
-        # the fp32 master slices gathered
-        rs = dtype_bytes(prec.reduce) if prec is not None else 4
         ops = []
         for key, n in buckets.items():
-            padded = -(-n // dp) * dp
-            # each rank's part ends with one count per parameter of the bucket
-            ops += [CommOp("reduce_scatter", name, 1, (padded + dp * counts[key]) * rs),
-                    CommOp("all_gather", name, 1, padded * 4)]
+            padded, own = -(-n // dp) * dp, dtype_bytes(key[0])
+            master = 4 if prec is not None else max(4, own)
+            if not whole_units:   # else FSDP2 averaged the gradients (``zero_comm``)
+                # each rank's part ends with one count per parameter of the bucket
+                ops.append(CommOp("reduce_scatter", name, 1, (padded + dp * counts[key]) *
+                                  (dtype_bytes(prec.reduce) if prec is not None else master)))
+            ops.append(CommOp("all_gather", name, 1, padded * master))
         return ops
-    pbytes = dtype_bytes(prec.compute if prec else "float32")
-    gbytes = dtype_bytes(prec.reduce if prec else "float32")
     ops = []
     for unit, n in units.items():
+        pbytes = dtype_bytes(prec.compute) if prec else width[unit]
+        gbytes = dtype_bytes(prec.reduce) if prec else width[unit]
         ops += [CommOp("all_gather", name, 1, n * pbytes),
                 CommOp("reduce_scatter", name, 1, n * gbytes)]
         if unit in freed:              # re-gathered for backward (the root too)
@@ -184,14 +189,16 @@ def zero_transients(t, plan: Plan) -> list:
     sizes = plan.mesh_shape
     units: dict = defaultdict(int)
     unit_of = _units(plan.model.blocks)
+    own = 1                  # the widest parameter's bytes: what FSDP2 gathers without precision
     for e in rank_params(plan):
         if e.tied_to is not None:
             continue
         ls = local_shape(e.shape, e.mesh_spec, sizes)
         unit = unit_of(e.fqn)
         units[unit] += math.prod(ls)
-    pb = dtype_bytes(prec.compute) if prec else 4
-    gb = dtype_bytes(prec.reduce) if prec else 4
+        own = max(own, dtype_bytes(e.dtype))
+    pb = dtype_bytes(prec.compute) if prec else own
+    gb = dtype_bytes(prec.reduce) if prec else own
     # the units kept gathered from forward to backward (every one at stage 2, those past
     # ``reshard`` at stage 3), and of those freed after the forward the two largest
     freed = t.resharded(plan.model.blocks)
