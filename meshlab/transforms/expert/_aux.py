@@ -6,7 +6,7 @@ router probability) reads the batch it is given. Under expert (and data) paralle
 rank holds part of the batch, so the same function would compute a different, local
 loss. Inside a parallelized forward, meshlab's version sums the two statistics and the
 row count over the data axes first (the probabilities through a differentiable
-all-reduce), so every rank gets the loss of the whole batch: what the single process
+all-gather), so every rank gets the loss of the whole batch: what the single process
 computes. Outside it (any other model in the process) the family's function runs as is.
 """
 
@@ -24,7 +24,7 @@ _GROUP: contextvars.ContextVar = contextvars.ContextVar("meshlab_aux_group", def
 
 def global_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None,
                                *, group, grad_scale: float = 1.0):
-    from torch.distributed.nn.functional import all_reduce
+    from torch.distributed._functional_collectives import all_gather_single_autograd
 
     if gate_logits is None or not isinstance(gate_logits, tuple):
         return 0
@@ -47,7 +47,9 @@ def global_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention
         probs = probs * grad_scale + probs.detach() * (1.0 - grad_scale)
     stats = torch.cat([counts, rows.reshape(1)]).detach()
     torch.distributed.all_reduce(stats, group=group)
-    probs = all_reduce(probs, group=group)
+    # the ranks' sums gathered and added (differentiable: the backward hands each rank
+    # the sum over the ranks of its row's gradient, as an all-reduce's backward does)
+    probs = all_gather_single_autograd(probs[None], 0, group).sum(0)
     counts, rows = stats[:-1], stats[-1]
     return torch.sum((counts / rows) * (probs / rows)) * num_experts
 
