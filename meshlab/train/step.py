@@ -15,6 +15,7 @@ from torch import nn
 from ..core.agree import agree, alone
 from ..core.errors import ConfigError, MeshlabError, check_bool, check_int
 from ..core.sections import section
+from ._buffers import watch as watch_buffers
 from ._content import batch_peers, hyperparameters
 from .optimizer import MeshOptimizer
 from ..transforms._install import runtime_of
@@ -254,10 +255,13 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
     # each backward would stop the host there, and the GPU would then wait for the host to
     # launch the optimizer and the next step's first kernels.
     total, done = None, False
+    watch = watch_buffers(model, rt, len(mbs))     # the first step that cuts the batch
     try:
         for i, mb in enumerate(mbs):
             rt.set_gradient_sync(model, i == len(mbs) - 1)
             loss = _forward(model, rt, mb, loss_fn, inputs, fused, red)
+            if watch is not None and i < 2:
+                watch.check(rt, i)
             # the data-parallel reduction averages gradients: ``backward_scale`` undoes it
             # where the global loss is a sum over the ranks
             scale = red.backward_scale * (scaler.scale if scaler is not None else 1.0)

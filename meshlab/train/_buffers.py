@@ -1,0 +1,84 @@
+"""Buffers a training forward changes, where the step cuts the batch.
+
+A module that updates a buffer from its input in the training forward (a running mean of
+its own, a counter of the batches seen) updates it, on one process, once a step from the
+whole batch. Cut over data-parallel ranks, each rank updates it from its share: the
+replicas' buffers then differ from each other and from the single process, and every
+later output with them, without an error. Cut into microbatches, it is updated once per
+microbatch. meshlab computes BatchNorm's statistics over the whole batch and averages an
+InstanceNorm's running statistics (``transforms.zero._batchnorm``); it cannot know how to
+do that for a module of its own.
+
+So on a model's first training step that cuts the batch, the step watches its buffers:
+after the first microbatch's forward, each buffer that changed (in place, or replaced) is
+compared among the ranks that hold the same copy of it (``agree``'s ``peers``, a digest
+each); after the second microbatch's, against its value after the first. A buffer that
+differs between replicas, or changes again in the next microbatch, stops every rank with
+an error naming it, before the step's first backward. A buffer every rank updates alike
+and once (transformers' dynamic rotary frequencies, which follow the sequence length)
+trains on. Later steps are not watched: the first shows how the forward treats them.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..core.agree import agree, alone
+from ..core.digest import digests, shard_key
+from ..core.errors import ConfigError
+
+_REPLICA_FIX = ("each data-parallel rank updated it from its own share of the batch, where "
+                "one process updates it from the whole batch; update it from the whole "
+                "batch (its statistics all-reduced over the data axes, as meshlab does for "
+                "BatchNorm), or outside the training forward, or run the module in "
+                "evaluation mode (module.eval())")
+
+
+class BufferWatch:
+    """The model's buffers before a training step's first forward (identity and version
+    of each), and their digests after it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.before = {n: (id(b), b._version) for n, b in model.named_buffers()}
+        self.first: dict[str, str] = {}
+
+    def changed(self) -> list:
+        """(name, buffer) of each buffer the forward changed since the watch began."""
+        return [(n, b) for n, b in self.model.named_buffers()
+                if self.before.get(n) != (id(b), b._version)]
+
+    def check(self, rt, index: int) -> None:
+        """After microbatch ``index``'s forward (0 or 1): every rank raises, naming the
+        buffer, where one differs between replicas (after the first) or changed again
+        (after the second). Collective over the control group: every rank calls it."""
+        changed = self.changed()
+        error = None
+        if index == 0:
+            self.first = dict(zip((n for n, _ in changed), digests(b for _, b in changed)))
+        else:
+            now = dict(zip((n for n, _ in changed), digests(b for _, b in changed)))
+            again = [n for n, d in now.items() if self.first.get(n, d) != d]
+            if again:
+                error = ConfigError(
+                    f"step(microbatches=...): buffer {again[0]!r} changed again in the "
+                    f"second microbatch's forward: it is updated once per microbatch, where "
+                    f"one step over the whole batch updates it once; use microbatches=1, or "
+                    f"update it outside the training forward")
+        peers = {f"buffer {n}": (shard_key(b), self.first[n], _REPLICA_FIX)
+                 for n, b in changed if n in self.first} if index == 0 else {}
+        if alone(rt.ctrl_group):
+            if error is not None:
+                raise error
+            return
+        agree(rt.ctrl_group, f"step: buffers after microbatch {index}'s forward",
+              error=error, peers=peers)
+
+
+def watch(model: nn.Module, rt, microbatches: int) -> BufferWatch | None:
+    """A watch for this training step: the model's first that cuts the batch (over more
+    than one data-parallel rank, or into microbatches), once; else None."""
+    if getattr(rt, "_buffers_watched", False) or (rt.dp_size <= 1 and microbatches <= 1):
+        return None
+    rt._buffers_watched = True
+    return BufferWatch(model)
