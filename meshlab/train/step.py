@@ -357,8 +357,7 @@ _REDUCTIONS = ("mean", "sum", "tokens")
 def _splits(rt, microbatches) -> bool:
     """Whether the step cuts the global batch: over data-parallel ranks, into microbatches,
     or by a room that runs its own microbatches (the pipeline's schedule)."""
-    return rt.dp_size > 1 or microbatches != 1 or any(
-        getattr(part, "runs_step", False) for part in rt.parts)
+    return rt.dp_size > 1 or microbatches != 1 or any(part.runs_step for part in rt.parts)
 
 
 def _labelled_per_row(batch) -> list[int] | None:
@@ -367,13 +366,23 @@ def _labelled_per_row(batch) -> list[int] | None:
     different numbers, the mean of the parts' means is not the batch's mean over its
     tokens, which one process takes, and the step weighs the parts by their tokens
     (``'tokens'``). None for a batch the default loss does not read."""
+    mask = _label_mask(batch)
+    if mask is None or not mask.numel():
+        return None
+    rows = mask.sum(1)
+    return [int(rows.min()), int(rows.max())]
+
+
+def _label_mask(batch) -> torch.Tensor | None:
+    """Which next-token positions of a batch the default loss counts (a label not -100,
+    from ``batch['labels']``, else ``batch['input_ids']``, as (rows, positions)); None for
+    a batch without them."""
     if not isinstance(batch, Mapping) or not ({"input_ids", "labels"} & set(batch)):
         return None
     labels = batch.get("labels", batch.get("input_ids"))
     if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
         return None
-    rows = (labels[:, 1:] != -100).sum(1)
-    return [int(rows.min()), int(rows.max())] if rows.numel() else None
+    return labels[:, 1:] != -100
 
 
 def _check_reduction(reduction, num_tokens, rt) -> None:
@@ -388,12 +397,12 @@ def _check_reduction(reduction, num_tokens, rt) -> None:
 
 def _labelled(mb) -> torch.Tensor:
     """The default count of a microbatch's tokens: next-token positions with a label."""
-    if not isinstance(mb, Mapping) or not ({"input_ids", "labels"} & set(mb)):
+    mask = _label_mask(mb)
+    if mask is None:
         raise ConfigError("step(reduction='tokens'): the default token count reads "
                           "batch['labels'] (or batch['input_ids']); pass num_tokens=fn for "
                           "this batch")
-    labels = mb.get("labels", mb.get("input_ids"))
-    return (labels[:, 1:] != -100).sum()
+    return mask.sum()
 
 
 class _Reduce:

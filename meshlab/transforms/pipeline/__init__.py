@@ -250,24 +250,20 @@ def _check_batch_norms(t: Pipeline, plan: Plan) -> None:
     InstanceNorm keeping running statistics would update them once per microbatch, where
     the step over the whole batch normalizes with the batch's and updates once: refused
     by name."""
-    from ..zero._batchnorm import BATCH_NORM, batch_norms
+    from ..zero._batchnorm import BATCH_NORM, batch_norms, microbatch_error
 
     if t.microbatches <= 1 and t.microbatch_size is None:
         return
     for m in batch_norms(plan, instance=True):
         if BATCH_NORM.fullmatch(m.cls):
-            raise ConfigError(f"{t!r}: {m.fqn} ({m.cls}) would normalize each microbatch "
-                              f"with its own statistics, where one step over the whole "
-                              f"batch normalizes with the batch's; pipeline a model without "
-                              f"BatchNorm (GroupNorm or LayerNorm normalize each sample), "
-                              f"or use data parallelism, whose BatchNorms see the whole "
-                              f"batch")
+            raise microbatch_error(repr(t), m.fqn, m.cls, False,
+                                   "pipeline a model without BatchNorm (GroupNorm or "
+                                   "LayerNorm normalize each sample), or use data "
+                                   "parallelism, whose BatchNorms see the whole batch")
         if m.get("track_running_stats"):
-            raise ConfigError(f"{t!r}: {m.fqn} ({m.cls}) would update its running "
-                              f"statistics once per microbatch, where one step over the "
-                              f"whole batch updates them once; build it with "
-                              f"track_running_stats=False, or use data parallelism, which "
-                              f"averages each rank's update")
+            raise microbatch_error(repr(t), m.fqn, m.cls, True,
+                                   "build it with track_running_stats=False, or use data "
+                                   "parallelism, which averages each rank's update")
 
 
 def pipeline(axis: str = "pp", *, schedule: str = "1f1b", microbatches: int = 4,

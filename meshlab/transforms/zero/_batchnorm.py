@@ -104,14 +104,21 @@ def refuse_in_microbatches(model: nn.Module, where: str, fix: str) -> None:
     for name, m in model.named_modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and \
                 (m.training or not m.track_running_stats):
-            raise ConfigError(f"{where}: {name} ({type(m).__name__}) would normalize each "
-                              f"microbatch with its own statistics, where one step over "
-                              f"the whole batch normalizes with the batch's; {fix}")
+            raise microbatch_error(where, name, type(m).__name__, False, fix)
         if isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.training and \
                 m.track_running_stats:
-            raise ConfigError(f"{where}: {name} ({type(m).__name__}) would update its running "
-                              f"statistics once per microbatch, where one step over the "
-                              f"whole batch updates them once; {fix}")
+            raise microbatch_error(where, name, type(m).__name__, True, fix)
+
+
+def microbatch_error(where: str, name: str, cls: str, running: bool,
+                     fix: str) -> ConfigError:
+    """The refusal of a norm that microbatches would see one at a time: a BatchNorm
+    normalizing with each one's statistics, or (``running``) an InstanceNorm updating its
+    running statistics once per microbatch."""
+    what = "update its running statistics once per microbatch, where one step over the " \
+        "whole batch updates them once" if running else "normalize each microbatch with " \
+        "its own statistics, where one step over the whole batch normalizes with the batch's"
+    return ConfigError(f"{where}: {name} ({cls}) would {what}; {fix}")
 
 
 def install(model: nn.Module, stats: BatchStatistics, group, dropped=()) -> None:
