@@ -131,11 +131,18 @@ def _prepared(fn: str, x, axis_name):
     return r, axes, pvary(x, axes, r), vma(x, r) | frozenset(axes)
 
 
+def _counted(x: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as int32, as ``lax.psum`` sums it: the count of ranks holding True
+    (an all-reduce of bools would compute their OR)."""
+    return x.to(torch.int32) if x.dtype == torch.bool else x
+
+
 def psum(x: torch.Tensor, axis_name) -> torch.Tensor:
-    """The sum of ``x`` over the ranks of ``axis_name`` (JAX's ``lax.psum``)."""
+    """The sum of ``x`` over the ranks of ``axis_name`` (JAX's ``lax.psum``; a bool
+    ``x`` is summed as int32, counting the ranks that hold True)."""
     if _alone("psum", axis_name):
-        return _tensor("psum", x)
-    r, axes, x, before = _prepared("psum", x, axis_name)
+        return _counted(_tensor("psum", x))
+    r, axes, x, before = _prepared("psum", _counted(_tensor("psum", x)), axis_name)
     with suspended():
         out = _PSum.apply(x, _groups(r, axes))
     return mark(out, before - frozenset(axes), r)
@@ -143,8 +150,9 @@ def psum(x: torch.Tensor, axis_name) -> torch.Tensor:
 
 def pmean(x: torch.Tensor, axis_name) -> torch.Tensor:
     """The mean of ``x`` over the ranks of ``axis_name`` (``lax.pmean``)."""
-    if _alone("pmean", axis_name):
-        return _tensor("pmean", x)
+    if _alone("pmean", axis_name):          # a mean of integers is a float, as in JAX
+        x = _counted(_tensor("pmean", x))
+        return x if x.is_floating_point() or x.is_complex() else x / 1
     r, axes = _region("pmean", axis_name)
     n = math.prod(r.size(a) for a in axes)
     out = psum(x, axes)
@@ -247,6 +255,10 @@ def psum_scatter(x: torch.Tensor, axis_name, *, scatter_dimension: int = 0,
     ``scatter_dimension`` (whose size must be the axis size, and is dropped, or with
     ``tiled`` divisible by it), as ``lax.psum_scatter``."""
     alone = _alone("psum_scatter", axis_name)
+    if _tensor("psum_scatter", x).dtype == torch.bool:
+        raise ConfigError(f"psum_scatter(..., {axis_name!r}): x is a bool tensor, which "
+                          f"lax.psum_scatter refuses too (it adds); cast it first, e.g. "
+                          f"psum_scatter(x.int(), ...) to count the ranks holding True")
     if alone:
         x, n = _tensor("psum_scatter", x), 1
     else:
@@ -285,8 +297,10 @@ def _permute(x: torch.Tensor, group, perm) -> torch.Tensor:
     ranks = dist.get_process_group_ranks(group)
     x = x.contiguous()
     out = torch.zeros_like(x)
-    ops = [dist.P2POp(dist.isend, x, ranks[d], group) for s, d in perm if s == me]
-    ops += [dist.P2POp(dist.irecv, out, ranks[s], group) for s, d in perm if d == me]
+    if (me, me) in perm:          # a rank that sends to itself keeps its block: no message
+        out.copy_(x)
+    ops = [dist.P2POp(dist.isend, x, ranks[d], group) for s, d in perm if s == me != d]
+    ops += [dist.P2POp(dist.irecv, out, ranks[s], group) for s, d in perm if d == me != s]
     if ops:
         for w in dist.batch_isend_irecv(ops):
             w.wait()

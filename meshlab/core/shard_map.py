@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -32,7 +33,8 @@ from .mesh import Mesh
 from .placement import from_placements, to_placements
 from .rules import Rules
 from .spec import P
-from .varying import current_region, mark, on_one_device, one_device, pvary, reenter, region
+from .varying import (current_region, mark, on_one_device, one_device, pvary, reenter,
+                      region, vma)
 
 
 class _Target:
@@ -201,6 +203,88 @@ def _plain(args, specs) -> list:
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and s is not None]
 
 
+def _not_nested(name: str) -> None:
+    """JAX refuses a ``shard_map`` nested over mesh axes that are manual already; here the
+    outer function is manual over every axis, and an inner call would read this rank's
+    block as the global value."""
+    r = current_region()
+    if r is not None:
+        raise SpecError(
+            f"shard_map({name}) is called inside the function of shard_map({r.name}), which "
+            f"already runs on this rank's blocks over every mesh axis {r.axes}: the inner "
+            f"call would read a block as the global value (JAX refuses a shard_map nested "
+            f"over axes already manual too). Call its function directly there, with the "
+            f"collectives by axis name (ml.psum, ...), or call shard_map({name}) outside")
+
+
+def _check_even(tgt: _Target, args, specs, name: str) -> None:
+    """An argument whose split dimension does not divide over the ranks splitting it is
+    refused, as JAX's ``shard_map`` refuses it: every rank's block has one shape."""
+    for i, (x, s) in enumerate(zip(args, specs)):
+        if not isinstance(x, torch.Tensor) or s is None:
+            continue
+        for d in range(min(len(s), x.dim())):
+            axes = s.dim_axes(d)
+            k = math.prod(tgt.dm.size(tgt.axes.index(a)) for a in axes)
+            if x.shape[d] % k:
+                raise SpecError(
+                    f"shard_map({name}) argument {i} has shape {tuple(x.shape)}: in_specs[{i}] "
+                    f"{s!r} splits dim {d} (size {x.shape[d]}) over {axes} ({k} ranks), and "
+                    f"{x.shape[d]} is not a multiple of {k} (JAX's shard_map refuses uneven "
+                    f"blocks too). Pad dim {d} to a multiple of {k} and mask the padding, or "
+                    f"leave dim {d} unsplit in in_specs[{i}]")
+
+
+def _unmapped(tgt: _Target, r, flat, outs) -> list:
+    """(index, spec, axes) of each output that varies along tracked axes its out_spec
+    neither splits it over nor declares pending (JAX's ``check_vma``)."""
+    bad = []
+    for j, (o, s) in enumerate(zip(flat, outs)):
+        if isinstance(o, torch.Tensor) and s is not None:
+            extra = (vma(o, r) & r.tracked) - frozenset(s.axes) - frozenset(s.partial)
+            if extra:
+                bad.append((j, s, tuple(a for a in tgt.axes if a in extra)))
+    return bad
+
+
+def _refuse_unmapped(bad: list, name: str) -> None:
+    if bad:
+        j, s, axes = bad[0]
+        raise SpecError(
+            f"shard_map({name}) output {j} varies along {axes} (it is computed from blocks "
+            f"that differ there: an input split over them, or all_gather, ppermute, "
+            f"psum_scatter, all_to_all or axis_index over them), but out_specs[{j}] {s!r} "
+            f"leaves {axes} out, which declares it the same on every rank there; its "
+            f"gradient would be counted once per rank (JAX's shard_map refuses this too). "
+            f"Name the axis in out_specs[{j}] (P(..., {axes[0]!r})) or reduce over it "
+            f"inside the function (ml.psum, ml.pmean, ml.pmax); check=False turns the "
+            f"checks off")
+
+
+def _call(tgt: _Target, fn: Callable, args, specs_given, single: bool, name: str,
+          pending: list, check: bool) -> list:
+    """One call of the wrapped function: checked, localized, run, laid out."""
+    specs, outs = _resolved(tgt, specs_given[0], specs_given[1], args, name)
+    if pending[0] and tgt.plain_global:       # before any redistribution
+        check_global(tgt, _plain(args, specs), name)
+    if tgt.plain_global:
+        _check_even(tgt, args, specs, name)
+    local, blocks, _ = _localize(tgt, args, specs, name)
+    if pending[0]:
+        check_blocks(tgt, blocks, name)
+    with local_region(), region(tgt.dm, tgt.tracked, unmarked_varying=tgt.local_model,
+                                name=name) as r:
+        flat = _outputs(tgt, r, fn(*_seed(tgt, r, local, specs)), single, outs, name)
+        bad = _unmapped(tgt, r, flat, outs) if check and not tgt.local_model else []
+    if pending[0]:
+        check_blocks(tgt, [(f"output {j}", o, s) for j, (o, s) in
+                           enumerate(zip(flat, outs)) if isinstance(o, torch.Tensor)
+                           and s is not None], name, outputs=True)
+        pending[0] = False
+    _refuse_unmapped(bad, name)
+    return _wrap(tgt, flat, outs, name)
+
+
 def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: Sequence[P] | P,
               *, mesh: Mesh | None = None, rules: Rules | None = None,
               check: bool = True) -> Callable:
@@ -244,7 +328,15 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
       axis size).
 
     Partial axes are not compared (pending sums). The check costs one round of tiny
-    collectives once per wrapped function; ``check=False`` skips it.
+    collectives once per wrapped function; ``check=False`` skips it. With ``check`` on,
+    every call also refuses, as JAX's ``check_vma`` does, an output that varies along an
+    axis its out_spec neither names nor declares pending (computed from blocks split over
+    it, or by ``all_gather``, ``ppermute``, ... over it), even where its blocks happen to
+    be equal: its gradient would be counted once per rank of that axis.
+
+    As in JAX, a plain or DTensor argument outside a model whose split dimension does not
+    divide over its ranks is refused before anything is sent, and so is a ``shard_map``
+    called inside another's function (that function is manual over every axis already).
     """
     name = _check_shard_map(fn, in_specs, out_specs, mesh, rules, check)
     single = isinstance(out_specs, P)
@@ -257,25 +349,12 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
         if ins is not None and len(ins) != len(args):
             raise SpecError(f"shard_map({name}): {len(ins)} in_specs for {len(args)} "
                             f"positional arguments; give one spec (or None) per argument")
+        _not_nested(name)
         tgt = _target(mesh, rules, args, name)
         if tgt is None:
             with one_device(name):        # every named axis has one rank: same code, one process
                 return fn(*args)
-        specs, outs = _resolved(tgt, ins, outs_given, args, name)
-        if pending[0] and tgt.plain_global:       # before any redistribution
-            check_global(tgt, _plain(args, specs), name)
-        local, blocks, _ = _localize(tgt, args, specs, name)
-        if pending[0]:
-            check_blocks(tgt, blocks, name)
-        with local_region(), region(tgt.dm, tgt.tracked, unmarked_varying=tgt.local_model,
-                                    name=name) as r:
-            flat = _outputs(tgt, r, fn(*_seed(tgt, r, local, specs)), single, outs, name)
-        if pending[0]:
-            check_blocks(tgt, [(f"output {j}", o, s) for j, (o, s) in
-                               enumerate(zip(flat, outs)) if isinstance(o, torch.Tensor)
-                               and s is not None], name, outputs=True)
-            pending[0] = False
-        res = _wrap(tgt, flat, outs, name)
+        res = _call(tgt, fn, args, (ins, outs_given), single, name, pending, bool(check))
         return res[0] if single else tuple(res)
 
     return wrapped
