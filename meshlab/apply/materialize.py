@@ -55,10 +55,34 @@ def _init_fn(model: nn.Module):
         return lambda m: owner.get(id(m), hf)(m)
 
     def plain(m: nn.Module) -> None:
+        # a BatchNorm without affine weights has no parameters: its reset sets its statistics
         reset = getattr(m, "reset_parameters", None)
-        if reset is not None and any(True for _ in m.parameters(recurse=False)):
+        if reset is not None and any(True for _ in (*m.parameters(recurse=False),
+                                                    *m.buffers(recurse=False))):
             reset()
     return plain
+
+
+def _unset_buffers(m: nn.Module, before: dict) -> list[str]:
+    """The buffers of ``m`` that were on the meta device and that its initialization
+    neither wrote nor replaced (``before``: name -> (identity, version) after
+    ``to_empty``): their memory holds whatever was there."""
+    return [n for n, b in m.named_buffers(recurse=False)
+            if n in before and before[n] == (id(b), b._version)]
+
+
+def _unset_error(model: nn.Module, m: nn.Module, names: list[str]) -> ConfigError:
+    path = next((k for k, v in model.named_modules() if v is m), "?")
+    full = ", ".join(repr(f"{path}.{n}" if path else n) for n in names)
+    one = len(names) == 1
+    return ConfigError(
+        f"init_weights: {'buffer' if one else 'buffers'} {full} of {type(m).__name__} "
+        f"{'was' if one else 'were'} built on the meta device, which keeps no values, and "
+        f"nothing set {'it' if one else 'them'} when the model was initialized (the memory "
+        f"would hold whatever was there); set {'it' if one else 'them'} in the module's "
+        f"reset_parameters() (or the model's _init_weights), or build the module off the "
+        f"meta device (`with torch.device('cpu'):` inside the meta block) to keep the "
+        f"values its constructor gave")
 
 
 def init_weights(model: nn.Module, seed: int = 0, *, device: str = "cpu",
@@ -85,13 +109,23 @@ def init_weights(model: nn.Module, seed: int = 0, *, device: str = "cpu",
     torch.manual_seed(seed)
     try:
         for m in _post_order(model):
+            metas = {n for n, b in m.named_buffers(recurse=False) if b.is_meta}
             if any(t.is_meta for t in list(m.parameters(recurse=False)) +
                    list(m.buffers(recurse=False))):
+                # to_empty empties every tensor of the module: a buffer built with values
+                # (off the meta device) keeps them
+                kept = {n: b for n, b in m.named_buffers(recurse=False) if not b.is_meta}
                 m.to_empty(device=device, recurse=False)
+                m._buffers.update({n: b.to(device) for n, b in kept.items()})
                 if hasattr(m, "_is_hf_initialized"):
                     del m._is_hf_initialized
+            fresh = {n: (id(b), b._version) for n, b in m.named_buffers(recurse=False)
+                     if n in metas}
             with torch.no_grad():
                 fn(m)
+            unset = _unset_buffers(m, fresh)
+            if unset:
+                raise _unset_error(model, m, unset)
             if on_module is not None:
                 on_module(m)
     finally:

@@ -368,3 +368,45 @@ def test_init_weights_refuses_a_model_not_on_meta():
     so instead of handing the model back unchanged."""
     with pytest.raises(ml.ConfigError, match="holds no meta tensors.*torch.device\\('meta'\\)"):
         ml.init_weights(torch.nn.Linear(2, 2), seed=0)
+
+
+class _ZeroBuffer(torch.nn.Module):
+    """A module of one's own whose constructor fills a buffer (zeros) and has no
+    initializer for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("total", torch.zeros(3))
+
+
+def test_init_weights_refuses_a_buffer_the_meta_device_emptied():
+    """A buffer built on the meta device has no values; init_weights used to hand it back
+    holding whatever memory ``to_empty`` gave it, and training read that. Now it names the
+    buffer and the fix; a buffer built off the meta device keeps its constructor's values."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), _ZeroBuffer())
+    with pytest.raises(ml.ConfigError, match="buffer '1.total' of _ZeroBuffer was built on "
+                                             "the meta device.*reset_parameters"):
+        ml.init_weights(model, seed=0)
+
+    class Kept(_ZeroBuffer):
+        def __init__(self):
+            super().__init__()
+            with torch.device("cpu"):
+                self.register_buffer("total", torch.arange(3.0))
+    with torch.device("meta"):
+        kept = ml.init_weights(torch.nn.Sequential(Kept()), seed=0)
+    assert torch.equal(kept[0].total, torch.arange(3.0))
+
+
+def test_init_weights_sets_the_statistics_of_a_batch_norm_without_weights():
+    """BatchNorm without affine weights has no parameters, so its reset was not called and
+    its running variance and batch count were left as empty memory; they are now 1 and 0,
+    as its constructor makes them."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4, affine=False))
+    ml.init_weights(model, seed=0)
+    assert torch.equal(model[1].running_var, torch.ones(4))
+    assert torch.equal(model[1].running_mean, torch.zeros(4))
+    assert int(model[1].num_batches_tracked) == 0
