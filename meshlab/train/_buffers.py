@@ -17,6 +17,9 @@ differs between replicas, or changes again in the next microbatch, stops every r
 an error naming it, before the step's first backward. A buffer every rank updates alike
 and once (transformers' dynamic rotary frequencies, which follow the sequence length)
 trains on. Later steps are not watched: the first shows how the forward treats them.
+
+A room whose own schedule runs the microbatches' forwards (the pipeline's) cannot stop
+between them: it watches with ``transforms._buffers.ForwardWatch`` instead.
 """
 
 from __future__ import annotations
@@ -26,12 +29,8 @@ from torch import nn
 from ..core.agree import agree, alone
 from ..core.digest import digests, shard_key
 from ..core.errors import ConfigError
+from ..transforms._buffers import REPLICA_FIX as _REPLICA_FIX
 
-_REPLICA_FIX = ("each data-parallel rank updated it from its own share of the batch, where "
-                "one process updates it from the whole batch; update it from the whole "
-                "batch (its statistics all-reduced over the data axes, as meshlab does for "
-                "BatchNorm), or outside the training forward, or run the module in "
-                "evaluation mode (module.eval())")
 
 
 class BufferWatch:
@@ -82,3 +81,4 @@ def watch(model: nn.Module, rt, microbatches: int) -> BufferWatch | None:
         return None
     rt._buffers_watched = True
     return BufferWatch(model)
+

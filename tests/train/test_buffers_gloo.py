@@ -95,3 +95,120 @@ def test_a_buffer_every_rank_updates_alike_trains(world2, microbatches):
     for kind, msg, _ in world2.run(case, module="seen_length", split=True,
                                    microbatches=microbatches):
         assert kind == "trained", msg
+
+
+# -- the pipeline's own schedule runs the microbatches' forwards ---------------------------
+class CountedBlock(nn.Module):
+    """Wraps a pipeline block with a buffer its training forward updates: ``running``, a
+    running mean of the block's output (updated in every forward); ``once``, the mean of
+    the first output it sees (a data-dependent initialization, set in the first forward
+    only); ``width``, the feature count (the same in every forward)."""
+
+    def __init__(self, block: nn.Module, kind: str):
+        super().__init__()
+        self.block, self.kind = block, kind
+        self.register_buffer("seen", torch.zeros(block.o.out_features))
+
+    def reset_parameters(self):        # built on the meta device: init_weights calls it
+        self.seen.zero_()
+
+    def forward(self, h, attention_mask=None):
+        out = self.block(h, attention_mask)
+        if self.training:
+            with torch.no_grad():
+                if self.kind == "running":
+                    self.seen.mul_(0.5).add_(out.detach().mean((0, 1)), alpha=0.5)
+                elif self.kind == "once":
+                    if not self.seen.any():
+                        self.seen.copy_(out.detach().mean((0, 1)))
+                else:
+                    self.seen.fill_(out.shape[-1])
+        return out if self.kind == "width" else out - self.seen
+
+
+def pipeline_case(rank, world, kind, mesh_text):
+    import meshlab as ml
+    from tests import _models as M
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        base = M.build_staged()
+        with torch.device("meta"):
+            base.layers["2"] = CountedBlock(base.layers["2"], kind)
+        mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
+        spec = ml.pipeline("pp", microbatches=4, blocks="layers")
+        if "dp" in mesh.shape:
+            spec = spec | ml.data_parallel("dp")
+        model = ml.parallelize(base, spec, mesh, seed=0)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        rt = model._meshlab
+        dp_rank = torch.distributed.get_rank(rt.dp_group) if rt.dp_group is not None else 0
+        seen = None
+        try:
+            for s in range(2):
+                batch = M.padded_batch(batch=8 * rt.dp_size, seed=s)
+                ml.step(model, opt, {k: v.chunk(rt.dp_size)[dp_rank] for k, v in batch.items()},
+                        M.staged_loss)
+                buffers = dict(model.named_buffers())
+                if seen is None and "layers.2.seen" in buffers:
+                    seen = buffers["layers.2.seen"].clone()
+        except ml.MeshlabError as e:
+            unchanged = all(torch.equal(p.detach(), before[n])
+                            for n, p in model.named_parameters())
+            return type(e).__name__, str(e), unchanged
+        return "trained", None, seen
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_pipeline_stage_buffer_updated_once_per_microbatch_is_refused(world2):
+    """A pipeline's schedule ran every microbatch's forward through the stage: the running
+    mean was updated four times a step, where one process updates it once, silently."""
+    out = world2.run(pipeline_case, kind="running", mesh_text="pp=2")
+    for kind, msg, unchanged in out:
+        assert kind in ("ConfigError", "PeerError"), (kind, msg)
+        assert unchanged, msg
+    assert any(k == "ConfigError" and "'layers.2.seen'" in m and "microbatch" in m
+               for k, m, _ in out), out
+
+
+def test_a_pipeline_stage_buffer_updated_alike_trains(world2):
+    for kind, msg, _ in world2.run(pipeline_case, kind="width", mesh_text="pp=2"):
+        assert kind == "trained", msg
+
+
+def test_a_pipeline_stage_buffer_each_replica_sets_from_its_share_is_refused(world4):
+    """Two data-parallel replicas of a two-stage pipeline: the buffer set once from the
+    first microbatch each replica sees differs between them."""
+    out = world4.run(pipeline_case, kind="once", mesh_text="dp=2,pp=2")
+    for kind, msg, unchanged in out:
+        assert kind == "RankMismatchError", (kind, msg)
+        assert "buffer layers.2.seen differs among ranks" in msg, msg
+        assert unchanged, msg
+    # the second stage's ranks (1 and 3, which hold layers 2 and 3) say how to fix it
+    assert all("whole batch" in out[r][1] for r in (1, 3)), out
+
+
+def test_a_pipeline_stage_buffer_set_in_its_first_forward_is_set_from_the_data(world2):
+    """torch's schedule sets its stages up with one more forward of each stage, the later
+    stage's on uninitialized tensors: a buffer set from the first output a block sees
+    (a data-dependent initialization) took its value from that memory, where one process
+    sets it from the first microbatch. It now holds the first microbatch's value."""
+    import meshlab as ml
+    from tests import _models as M
+
+    out = world2.run(pipeline_case, kind="once", mesh_text="pp=2")
+    assert [k for k, _, _ in out] == ["trained", "trained"], out
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = M.build_staged()
+        with torch.device("meta"):
+            ref.layers["2"] = CountedBlock(ref.layers["2"], "once")
+        ref = ml.init_weights(ref, seed=0)
+        first = {k: v[:2] for k, v in M.padded_batch(batch=8, seed=0).items()}   # microbatch 0
+        ref(first["ids"], first["attention_mask"], first["position_ids"])
+    finally:
+        torch.set_default_dtype(torch.float32)
+    got = out[1][2]                            # the second stage holds layers 2 and 3
+    torch.testing.assert_close(got, ref.layers["2"].seen, rtol=1e-12, atol=1e-12)

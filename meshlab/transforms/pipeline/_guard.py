@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ...core.digest import local
+
 
 class StageFailures:
     """The first exception a stage of this rank raised in the schedule running now."""
@@ -56,3 +58,45 @@ def guarded_loss(loss_fn, failures: StageFailures):
             failures.record(e)
             return out.sum() * 0
     return loss
+
+
+class UndoSetupForward:
+    """Where torch's schedule sets its stages up (``_runtime._sets_up``), it runs each
+    stage's forward once more before the microbatches' own, on the first microbatch's
+    inputs or, past the first stage, on uninitialized tensors of the activations' shapes.
+    A buffer that forward updates (a running statistic, a data-dependent initialization)
+    would keep that extra update, drawn from no data at all past the first stage, where
+    one process never runs it. This puts each stage's buffers back as they were before
+    that forward: their values, and the tensors themselves where it replaced one."""
+
+    def __init__(self, stages) -> None:
+        self._saved: dict[int, list] = {}
+        self._done: set[int] = set()
+        self._hooks = []
+        for st in stages:
+            m = st.submod
+            self._hooks += [m.register_forward_pre_hook(self._pre),
+                            m.register_forward_hook(self._post)]
+
+    def _pre(self, module, args) -> None:
+        if id(module) not in self._saved:
+            self._saved[id(module)] = [(n, b, b._version, local(b).detach().clone())
+                                       for n, b in module.named_buffers()]
+
+    def _post(self, module, args, out) -> None:
+        if id(module) in self._done:
+            return
+        self._done.add(id(module))
+        with torch.no_grad():
+            for name, tensor, version, value in self._saved.pop(id(module), []):
+                owner, _, leaf = name.rpartition(".")
+                holder = module.get_submodule(owner) if owner else module
+                if holder._buffers.get(leaf) is not tensor:
+                    holder._buffers[leaf] = tensor       # the forward replaced it
+                elif tensor._version == version:
+                    continue         # untouched (and perhaps saved for the backward)
+                local(tensor).copy_(value)      # this rank's part: no collective
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()

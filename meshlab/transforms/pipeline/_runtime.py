@@ -18,7 +18,7 @@ from .._head import elsewhere, fused_loss_of
 from .._install import StageRoots
 from .._protocol import Part
 from ._feed import Feed, decoder_feed, microbatch, own_feed, signature_of
-from ._guard import StageFailures, guarded_loss
+from ._guard import StageFailures, UndoSetupForward, guarded_loss
 from ._schedule import PipelineStages, stages, torch_actions
 from ._stage import (DecoderStage, check_pooled_rows, head_name, model_layout, pools,
                      prune, seq_split)
@@ -75,7 +75,7 @@ class PipelineSetup:
         return PipelinePart(self.t, group, built, self.kept, self.first, self.last,
                             failures=failures, signature=sig, tied=tied,
                             classifier=ctx.model.config if sig is None and pools(ctx.model)
-                            else None)
+                            else None, model=ctx.model)
 
     def _tied_head(self, ctx, group) -> "TiedHead | None":
         """A head tied to the token embeddings, run on another rank than the first stage's
@@ -326,6 +326,8 @@ class PipelinePart(Part):
     _scale: float = 1.0
     _weight: float = 1.0
     _feed: Feed | None = None
+    model: Any = dataclasses.field(default=None, repr=False)    # the names of its buffers
+    _buffers_watched: bool = False
 
     def norm_groups(self) -> tuple:
         return (self.group,)
@@ -440,6 +442,9 @@ class PipelinePart(Part):
         out = None
         call = sched.step if train else sched.eval
         held = self._hold_grads(sched, train)
+        setup = _sets_up(sched, train)
+        undo = UndoSetupForward(self.stages) if setup else None
+        watch = self._watch(train, setup)
         try:
             with rt.autocast():
                 args = feed.args if self.first else ()
@@ -452,7 +457,12 @@ class PipelinePart(Part):
             self._feed = None
             if sync is not None:
                 sync.enabled = True
-        self._settle(rt, feed.batch)
+        if undo is not None:
+            undo.remove()
+        found, peers = watch.finish("pipeline") if watch is not None else (None, {})
+        if found is not None:
+            self.failures.record(found)
+        self._settle(rt, feed.batch, peers)
         if train and self.tied is not None:
             self.tied.sum_grads()
         if sync is not None:
@@ -482,9 +492,7 @@ class PipelinePart(Part):
 
         if not any(isinstance(st.submod, FSDPModule) for st in self.stages):
             return []
-        fwd = getattr(sched, "_stages_forward_initialized", None)
-        bwd = getattr(sched, "_stages_backward_initialized", None)
-        if fwd is True and bwd is not None and bwd == train:
+        if not _sets_up(sched, train):
             return []                  # set up for this kind of call already: no setup
         held = []
         for st in self.stages:
@@ -494,14 +502,29 @@ class PipelinePart(Part):
                     p.grad = None
         return held
 
-    def _settle(self, rt, batch) -> None:
+    def _watch(self, train: bool, setup: bool):
+        """On the first training schedule, a watch of the buffers each stage's forward
+        changes (``train._buffers.ForwardWatch``; ``setup``: each stage's first forward is
+        the schedule's setup, not counted); else None."""
+        if not train or self._buffers_watched:
+            return None
+        from .._buffers import ForwardWatch
+
+        self._buffers_watched = True
+        names = {id(b): n for n, b in self.model.named_buffers()} if self.model is not None \
+            else {}
+        return ForwardWatch([(f"stage {st.stage_index}", st.submod) for st in self.stages],
+                            names, skip_first=setup)
+
+    def _settle(self, rt, batch, buffers=None) -> None:
         """Every rank agrees the schedule went through, on the batch the stages read
-        together: or every rank drops the step's gradients and raises (the rank whose
-        stage failed its own error, the others ``PeerError``; ``_guard``)."""
+        together (and on ``buffers``, ``ForwardWatch``'s peers): or every rank drops the
+        step's gradients and raises (the rank whose stage failed its own error, the others
+        ``PeerError``; ``_guard``)."""
         error = self.failures.take()
         # a batch on the device was compared by ``step``: not read again here
-        peers = None if alone(rt.ctrl_group) else batch_entry(batch, data_coords(rt),
-                                                              device_reads=False)
+        peers = None if alone(rt.ctrl_group) else {
+            **batch_entry(batch, data_coords(rt), device_reads=False), **(buffers or {})}
         agreed = False
         try:
             agree(rt.ctrl_group, "pipeline schedule", error=error, peers=peers)
@@ -510,3 +533,13 @@ class PipelinePart(Part):
             if not agreed:
                 for st in self.stages:
                     st.submod.zero_grad(set_to_none=True)
+
+
+def _sets_up(sched, train: bool) -> bool:
+    """Whether torch's schedule sets its stages up on this call (its first, or a switch
+    between training and evaluation): a forward of each stage on the first microbatch's
+    inputs (later stages on uninitialized tensors of their shapes) before the schedule's
+    own, and a backward for the gradients' metadata."""
+    fwd = getattr(sched, "_stages_forward_initialized", None)
+    bwd = getattr(sched, "_stages_backward_initialized", None)
+    return not (fwd is True and bwd is not None and bwd == train)
