@@ -9,6 +9,8 @@ Face's modules hold them (gate, up and down apart):
 * ``torch``          -- ``F.linear(silu(F.linear(x, g)) * F.linear(x, u), d)``;
 * ``meshlab``        -- ``meshlab.ops.swiglu_mlp`` (cuBLAS products, the activation and its
   backward in Triton kernels, the input gradient summed inside the second product);
+* ``meshlab_quack``  -- ``swiglu_mlp`` with its quack-kernels route on (``QUACK_MLP``): the
+  ``quack_cat`` call behind meshlab's function;
 * ``quack``          -- ``quack.mlp.mlp_func(..., activation='swiglu', concat_layout=True)``:
   the gate and up products as one GEMM whose epilogue writes the activation, the down
   product's input-gradient GEMM whose epilogue writes the activation's gradient; the
@@ -54,6 +56,20 @@ def _meshlab():
     from meshlab.ops.swiglu import swiglu_mlp
 
     return swiglu_mlp
+
+
+def _meshlab_quack():
+    """``swiglu_mlp`` with its quack-kernels route turned on (``QUACK_MLP``)."""
+    from meshlab.ops import swiglu as _  # noqa: F401 -- the module, loaded
+    S = sys.modules["meshlab.ops.swiglu"]
+
+    def fn(x, g, u, d):
+        S.QUACK_MLP = True
+        try:
+            return S.swiglu_mlp(x, g, u, d)
+        finally:
+            S.QUACK_MLP = False
+    return fn
 
 
 def _quack(cat_each_call: bool, tuned: bool):
@@ -170,7 +186,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="tinyllama,llama3-8b")
     args = ap.parse_args()
     variants = {"torch": (lambda x, g, u, d: _torch(x, g, u, d), False),
-                "meshlab": (_meshlab(), False)}
+                "meshlab": (_meshlab(), False), "meshlab_quack": (_meshlab_quack(), False)}
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda}
     try:
         import quack

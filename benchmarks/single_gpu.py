@@ -21,6 +21,9 @@ Rows (each from the same bf16 weights, on the same batch):
 * ``meshlab_fuse_dw_apart`` -- ``meshlab_fuse`` with the MLP's gate and up weight
   gradients as two products (before its gated backward wrote their input gradients side
   by side, so that one product gives both);
+* ``meshlab_fuse_quack_mlp`` -- ``meshlab_fuse`` with the MLP on quack-kernels' gated GEMMs
+  (the activation in the products' epilogues; ``meshlab.ops.swiglu.QUACK_MLP``) where it
+  is installed on a Hopper card, in place of cuBLAS products and Triton activation passes;
 * ``meshlab_blocks_pwcat``, ``meshlab_graphs_pwcat`` -- ``meshlab_blocks`` and
   ``meshlab_graphs`` with inductor's ``force_pointwise_cat``;
 * ``meshlab_count<k>``  -- (8B) ``ml.fuse() | ml.remat('full', count=k)``: k of the 32
@@ -261,25 +264,27 @@ def _step_fn(name: str, model, batch, shape: dict | None = None):
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    if name == "meshlab_fuse_dw_apart":
-        return _without_side_by_side(step)
+    if name == "meshlab_fuse_dw_apart":     # the gate and up weight gradients two products
+        return _patched(step, "_backward_side_by_side", lambda *a: None)
+    if name == "meshlab_fuse_quack_mlp":    # the MLP on quack-kernels' gated GEMMs
+        return _patched(step, "QUACK_MLP", True)
     return step
 
 
-def _without_side_by_side(step):
-    """``step`` with the fused MLP's gate and up weight gradients as two products, as
-    before its gated pass wrote their input gradients side by side (row
-    ``meshlab_fuse_dw_apart``, the comparison for that one change)."""
+def _patched(step, attr: str, value):
+    """``step`` run with ``meshlab.ops.swiglu.<attr>`` set to ``value`` (the comparison
+    rows for one change to the fused MLP)."""
     from meshlab.ops import swiglu as _  # noqa: F401 -- the module, loaded
     S = sys.modules["meshlab.ops.swiglu"]
 
-    def apart():
-        kept, S._backward_side_by_side = S._backward_side_by_side, lambda *a: None
+    def run():
+        kept = getattr(S, attr)
+        setattr(S, attr, value)
         try:
             return step()
         finally:
-            S._backward_side_by_side = kept
-    return apart
+            setattr(S, attr, kept)
+    return run
 
 
 def build(shape: dict):
@@ -378,6 +383,17 @@ def run_pair(a: str, b: str, base, batch, steps: int, warmup: int, shape: dict) 
                                     "max": max(ratios)}}
 
 
+_KERNEL_PKGS = ("flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl")
+
+
+def _paths() -> dict:
+    """The path each meshlab op took at its last call (which kernels ran)."""
+    from meshlab.ops import _build
+
+    return {f"{op}/{dev}": ("native " if p.native else "fallback ") + p.reason
+            for (op, dev), p in _build.LAST_PATH.items()}
+
+
 def _versions(*pkgs) -> dict:
     """{package with '-' as '_': its installed version, or None}."""
     import importlib.metadata as md
@@ -419,7 +435,7 @@ def main() -> None:
               flush=True)
         dev = torch.cuda.get_device_properties(0)
         out = {"card": dev.name, "torch": torch.__version__,
-               "transformers": transformers.__version__, **_versions("torchtitan", "torchao"),
+               "transformers": transformers.__version__, **_versions("torchtitan", "torchao", *_KERNEL_PKGS), "paths": _paths(),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "shape": args.shape, "batch": shape["batch"], "seq": shape["seq"],
                "method": f"{args.steps} steps of each row interleaved (CUDA events) after "
@@ -450,7 +466,8 @@ def main() -> None:
     dev = torch.cuda.get_device_properties(0)
     ok = {k: v for k, v in results.items() if "tokens_per_s" in v}
     out = {"card": dev.name, "torch": torch.__version__, "transformers": transformers.__version__,
-           **_versions("liger-kernel", "triton", "torchtitan", "torchao"),
+           **_versions("liger-kernel", "triton", "torchtitan", "torchao", *_KERNEL_PKGS),
+           "paths": _paths(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "shape": args.shape, "model": shape["cfg"], "batch": shape["batch"],
            "seq": shape["seq"], "gradient_checkpointing": shape["checkpointing"],

@@ -21,6 +21,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -231,7 +232,61 @@ def _mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: str) -> 
         raise ValueError(f"{name}_mlp: x {tuple(x.shape)}, w_gate {tuple(w_gate.shape)}, w_up "
                          f"{tuple(w_up.shape)}, w_down {tuple(w_down.shape)}: expected (..., h), "
                          f"(i, h), (i, h), (h, i)")
+    quack = _quack_route(x, w_gate, w_up, w_down, name)
+    if quack is not None:
+        # The products with the activation in their epilogues; the gate and up weights as
+        # one (2 * intermediate, hidden) operand, whose gradient autograd splits back.
+        return quack(x, torch.cat([w_gate, w_up]), w_down, activation=name, tuned=True,
+                     concat_layout=True)
     return _MLP.apply(x, w_gate, w_up, w_down, name)
+
+
+# Whether a Hopper card with quack-kernels installed runs the MLP on its gated GEMMs (see
+# :func:`_quack_route`). Off until a whole training step on it is measured faster than on
+# meshlab's own MLP: the benchmarks' ``meshlab_fuse_quack_mlp`` row turns it on.
+QUACK_MLP = False
+
+
+@functools.cache
+def _quack_mlp():
+    """``(quack.mlp.mlp_func, version)`` where quack-kernels is installed and this is a
+    Hopper card, else None. An installed one that fails to import raises."""
+    import importlib.util
+
+    if importlib.util.find_spec("quack") is None or not torch.cuda.is_available() or \
+            torch.cuda.get_device_capability() != (9, 0):
+        return None
+    try:
+        from quack.mlp import mlp_func
+    except ImportError as e:
+        raise ImportError(f"quack-kernels is installed but cannot be imported ({e}); install "
+                          f"its CuTe DSL libraries (nvidia-cutlass-dsl), or uninstall "
+                          f"quack-kernels (the MLP then runs on cuBLAS and meshlab's "
+                          f"kernels)") from e
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("quack-kernels")
+    except PackageNotFoundError:
+        ver = "?"
+    return mlp_func, ver
+
+
+def _quack_route(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: str):
+    """quack-kernels' ``mlp_func`` for this call, or None: SwiGLU only (its GeGLU is not
+    Gemma's tanh GELU), eager plain CUDA tensors in bf16 or fp16 that need a gradient, the
+    feature sizes multiples of 8 (its TMA alignment) and x's rows contiguous."""
+    if not QUACK_MLP or name != "swiglu" or not x.is_cuda or \
+            x.dtype not in (torch.bfloat16, torch.float16) or not torch.is_grad_enabled() or \
+            not any(t.requires_grad for t in (x, w_gate, w_up, w_down)) or \
+            not _build.eager(x, w_gate, w_up, w_down) or x.stride(-1) != 1 or \
+            w_gate.shape[0] % 8 or w_gate.shape[1] % 8:
+        return None
+    found = _quack_mlp()
+    if found is None:
+        return None
+    _build.record("swiglu_mlp", "cuda", True, f"quack-kernels {found[1]} gated GEMMs")
+    return found[0]
 
 
 def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:

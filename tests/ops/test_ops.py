@@ -530,3 +530,55 @@ def test_mlp_weight_gradients_come_from_one_product_of_side_by_side_gradients(mo
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=name)
     assert ins[1].grad.untyped_storage().data_ptr() == \
         ins[2].grad.untyped_storage().data_ptr()            # one product's two halves
+
+
+def _quack_stand_in(calls):
+    """quack-kernels' ``mlp_func`` contract with ``concat_layout=True`` (``w1`` the gate's
+    rows above the up projection's, one ``(2 * intermediate, hidden)`` operand), in torch."""
+    def mlp_func(x, w1, w2, activation, tuned=True, concat_layout=False):
+        calls.append((tuple(w1.shape), activation, concat_layout))
+        g, u = w1.chunk(2)
+        return (torch.nn.functional.silu(x @ g.T) * (x @ u.T)) @ w2.T
+    return mlp_func
+
+
+def test_mlp_routes_to_quack_with_the_gate_and_up_weights_as_one_operand(monkeypatch):
+    """Where quack-kernels takes the MLP (a Hopper card, stood in for here), it gets the
+    gate and up weights concatenated in its concat layout, and autograd hands each weight
+    its own half of the gradient: every output and gradient is the unfused MLP's in
+    float64. With the route turned off the same call runs meshlab's own MLP."""
+    import importlib
+
+    S = importlib.import_module("meshlab.ops.swiglu")
+    calls = []
+    monkeypatch.setattr(S, "_quack_route", lambda *a: _quack_stand_in(calls))
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu, wd = (torch.randn(s, generator=g, dtype=torch.float64) * 0.5 for s in
+                     ((3, 5, 8), (16, 8), (16, 8), (8, 16)))
+    ins = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    ref = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    dout = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
+    out = S.swiglu_mlp(*ins)
+    out.backward(dout)
+    want = (torch.nn.functional.silu(ref[0] @ ref[1].T) * (ref[0] @ ref[2].T)) @ ref[3].T
+    want.backward(dout)
+    assert calls == [((32, 8), "swiglu", True)]
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    for a, b, name in zip(ins, ref, ("x", "w_gate", "w_up", "w_down")):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_quack_route_takes_only_what_its_kernels_take(monkeypatch):
+    """The route needs eager CUDA tensors in bf16/fp16 that want a gradient, SwiGLU, sizes
+    in multiples of 8 and the switch on; anything else runs meshlab's own MLP (here on the
+    CPU: no route whatever is installed)."""
+    import importlib
+
+    S = importlib.import_module("meshlab.ops.swiglu")
+    monkeypatch.setattr(S, "_quack_mlp", lambda: (_quack_stand_in([]), "stand-in"))
+    x, wg, wu, wd = torch.randn(2, 8), torch.randn(16, 8), torch.randn(16, 8), torch.randn(8, 16)
+    wg.requires_grad_()
+    assert S.QUACK_MLP is False                 # off until a training step is measured on it
+    assert S._quack_route(x, wg, wu, wd, "swiglu") is None
+    monkeypatch.setattr(S, "QUACK_MLP", True)
+    assert S._quack_route(x, wg, wu, wd, "swiglu") is None          # a CPU tensor

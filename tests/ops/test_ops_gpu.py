@@ -78,6 +78,36 @@ def test_swiglu_mlp_matches_the_module_calls(dtype):
     assert ins[1].grad.untyped_storage().data_ptr() == ins[2].grad.untyped_storage().data_ptr()
 
 
+def test_swiglu_mlp_on_quack_matches_the_module_calls(monkeypatch):
+    """With its route on, where quack-kernels is installed on a Hopper card, the MLP runs
+    on its gated GEMMs (the route says so): output and the four gradients against float32
+    autograd."""
+    import importlib
+
+    from meshlab.ops import _build, swiglu_mlp
+
+    S = importlib.import_module("meshlab.ops.swiglu")
+    monkeypatch.setattr(S, "QUACK_MLP", True)
+    if S._quack_mlp() is None:
+        pytest.skip("quack-kernels is not installed, or this is not a Hopper card")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(3, 128, 256, device="cuda", generator=g) * 0.5
+    wg, wu = (torch.randn(704, 256, device="cuda", generator=g) * 256 ** -0.5 for _ in "gu")
+    wd = torch.randn(256, 704, device="cuda", generator=g) * 704 ** -0.5
+    dout = torch.randn(3, 128, 256, device="cuda", generator=g)
+    ins = [t.bfloat16().requires_grad_() for t in (x, wg, wu, wd)]
+    ref = [t.detach().float().requires_grad_() for t in ins]
+    out = swiglu_mlp(*ins)
+    out.backward(dout.bfloat16())
+    assert "quack-kernels" in _build.LAST_PATH[("swiglu_mlp", "cuda")].reason
+    want = (torch.nn.functional.silu(ref[0] @ ref[1].T) * (ref[0] @ ref[2].T)) @ ref[3].T
+    want.backward(dout)
+    for got, exp, name in zip([out] + [t.grad for t in ins], [want] + [t.grad for t in ref],
+                              ("out", "x", "w_gate", "w_up", "w_down")):
+        err = float((got.float() - exp).norm() / exp.norm())
+        assert err < 1e-2, (name, err)
+
+
 def test_forwards_read_merged_parts_in_place():
     """The parts of a merged projection's product (rows holding every part) go into the
     rotary and swiglu forwards as strided views, read in place, and so do the rotary's
