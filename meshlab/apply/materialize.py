@@ -97,7 +97,10 @@ def init_weights(model: nn.Module, seed: int = 0, *, device: str = "cpu",
 
     A model with no meta tensor is refused (``ConfigError``): its values were drawn when
     it was built, from whatever the global RNG held, and handing it back as if ``seed``
-    had made them would be a silent no-op.
+    had made them would be a silent no-op. So is a buffer built on the meta device that
+    nothing sets (the module's ``reset_parameters``, the model's ``_init_weights``): the
+    meta device kept none of its constructor's values. A buffer built off the meta device
+    keeps its values.
     """
     if not _has_meta(model):
         raise ConfigError(f"init_weights: {type(model).__name__} holds no meta tensors, so "
