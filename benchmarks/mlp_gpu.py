@@ -27,7 +27,9 @@ float32. Writes ``benchmarks/results/mlp_<card>.json``.
     python benchmarks/mlp_gpu.py [--copy-to DIR] [--reps N]
 
 quack-kernels installed with ``pip install --target DIR`` needs the directory its ``.pth``
-file would add: ``PYTHONPATH=DIR/nvidia_cutlass_dsl/dsl_packages:DIR:.``.
+file would add: ``PYTHONPATH=DIR/nvidia_cutlass_dsl/python_packages:DIR:.`` for
+nvidia-cutlass-dsl 4.5.3 (``dsl_packages`` for 4.6 on, whose wheels lack the CuTe DSL's
+Python package; see ``NOTES.md``).
 """
 
 from __future__ import annotations
