@@ -75,7 +75,9 @@ class LazyInitContext:
     """``with LazyInitContext(): model = build()`` builds ``model`` on the meta device.
     ``boost`` initializes it (each module's own initializer, seeded alike on every rank),
     so the values are those of a model built from ``parallelize``'s seed, not of the
-    global generator at build time. ``LazyInitContext.materialize(model)`` initializes it
+    global generator at build time. An initialization the constructor does by hand, past
+    its modules' own (``nn.init.zeros_(self.out.weight)`` in ``__init__``), is not
+    replayed: the meta device records none; put it in the module's ``reset_parameters``. ``LazyInitContext.materialize(model)`` initializes it
     whole, without parallelizing. ``default_device`` may be left out or be this process's
     device (``get_current_device()``): boost places the model there either way; another
     device is refused."""
