@@ -28,9 +28,7 @@ from torch import nn
 
 from ..core.agree import agree, alone
 from ..core.digest import digests, shard_key
-from ..core.errors import ConfigError
-from ..transforms._buffers import REPLICA_FIX as _REPLICA_FIX
-
+from ..transforms._buffers import REPLICA_FIX, again_error, changed, versions
 
 
 class BufferWatch:
@@ -39,33 +37,27 @@ class BufferWatch:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.before = {n: (id(b), b._version) for n, b in model.named_buffers()}
+        self.before = versions(model)
         self.first: dict[str, str] = {}
-
-    def changed(self) -> list:
-        """(name, buffer) of each buffer the forward changed since the watch began."""
-        return [(n, b) for n, b in self.model.named_buffers()
-                if self.before.get(n) != (id(b), b._version)]
 
     def check(self, rt, index: int) -> None:
         """After microbatch ``index``'s forward (0 or 1): every rank raises, naming the
         buffer, where one differs between replicas (after the first) or changed again
         (after the second). Collective over the control group: every rank calls it."""
-        changed = self.changed()
+        now = changed(self.model, self.before)
         error = None
         if index == 0:
-            self.first = dict(zip((n for n, _ in changed), digests(b for _, b in changed)))
+            self.first = dict(zip((n for n, _ in now), digests(b for _, b in now)))
         else:
-            now = dict(zip((n for n, _ in changed), digests(b for _, b in changed)))
-            again = [n for n, d in now.items() if self.first.get(n, d) != d]
+            again = [n for (n, _), d in zip(now, digests(b for _, b in now))
+                     if self.first.get(n, d) != d]
             if again:
-                error = ConfigError(
-                    f"step(microbatches=...): buffer {again[0]!r} changed again in the "
-                    f"second microbatch's forward: it is updated once per microbatch, where "
-                    f"one step over the whole batch updates it once; use microbatches=1, or "
-                    f"update it outside the training forward")
-        peers = {f"buffer {n}": (shard_key(b), self.first[n], _REPLICA_FIX)
-                 for n, b in changed if n in self.first} if index == 0 else {}
+                error = again_error("step(microbatches=...)", again[0],
+                                    "the second microbatch's forward",
+                                    "use microbatches=1, or update it outside the training "
+                                    "forward")
+        peers = {f"buffer {n}": (shard_key(b), self.first[n], REPLICA_FIX)
+                 for n, b in now if n in self.first} if index == 0 else {}
         if alone(rt.ctrl_group):
             if error is not None:
                 raise error

@@ -23,6 +23,25 @@ REPLICA_FIX = ("each data-parallel rank updated it from its own share of the bat
                "evaluation mode (module.eval())")
 
 
+def versions(module) -> dict:
+    """Each buffer of ``module`` by name: (its identity, its version counter)."""
+    return {n: (id(b), b._version) for n, b in module.named_buffers()}
+
+
+def changed(module, before: dict) -> list:
+    """(name, buffer) of each buffer of ``module`` written or replaced since ``before``
+    (:func:`versions`)."""
+    return [(n, b) for n, b in module.named_buffers() if before.get(n) != (id(b), b._version)]
+
+
+def again_error(what: str, name: str, when: str, fix: str) -> ConfigError:
+    """A buffer updated in more than one microbatch's forward (again in ``when``), where
+    one process's step over the whole batch updates it once."""
+    return ConfigError(f"{what}: buffer {name!r} changed again in {when}: it is updated once "
+                       f"per microbatch, where one step over the whole batch updates it "
+                       f"once; {fix}")
+
+
 class ForwardWatch:
     """The buffers each forward of some modules changes, for a schedule that runs the
     microbatches' forwards itself: ``modules`` is ``(where, module)`` pairs (``where``, a
@@ -44,16 +63,15 @@ class ForwardWatch:
     def _pre(self, where, module, args) -> None:
         if where in self._skip:
             return
-        self._before[where] = {n: (id(b), b._version) for n, b in module.named_buffers()}
+        self._before[where] = versions(module)
 
     def _post(self, where, module, args, out) -> None:
         if where in self._skip:         # the schedule's setup forward, undone by its room
             self._skip.discard(where)
             return
-        before = self._before.pop(where, {})
-        changed = [(self.names.get(id(b), n), b) for n, b in module.named_buffers()
-                   if before.get(n) != (id(b), b._version)]
-        for (n, b), d in zip(changed, digests(b for _, b in changed)):
+        now = [(self.names.get(id(b), n), b)
+               for n, b in changed(module, self._before.pop(where, {}))]
+        for (n, b), d in zip(now, digests(b for _, b in now)):
             if n not in self.first:
                 self.first[n] = (where, b, d)
             elif self.first[n][2] != d and n not in self.again:
@@ -65,12 +83,10 @@ class ForwardWatch:
         hooks removed."""
         for h in self._hooks:
             h.remove()
-        error = None if not self.again else ConfigError(
-            f"{what}: buffer {self.again[0]!r} changed again in a later microbatch's "
-            f"forward: the schedule runs each microbatch's forward, so it is updated once "
-            f"per microbatch, where one step over the whole batch updates it once; update "
-            f"it outside the training forward, or run its module in evaluation mode "
-            f"(module.eval())")
+        error = None if not self.again else again_error(
+            what, self.again[0], "a later microbatch's forward",
+            "update it outside the training forward, or run its module in evaluation mode "
+            "(module.eval())")
         peers = {f"buffer {n}": (f"{where}, {shard_key(b)}", d, REPLICA_FIX)
                  for n, (where, b, d) in self.first.items()}
         return error, peers

@@ -491,6 +491,23 @@ def test_rotary_keeps_only_the_angles_for_backward():
         x.grad = None
 
 
+def _mlp_against_unfused(mlp, inter: int):
+    """``mlp`` and the unfused SwiGLU MLP on the same float64 inputs (3 x 5 tokens, hidden
+    8), each backward from the same output gradient: (out, want, ins, ref), ``ins`` and
+    ``ref`` the two sides' leaves (x, w_gate, w_up, w_down) holding their gradients."""
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu, wd = (torch.randn(s, generator=g, dtype=torch.float64) * 0.5 for s in
+                     ((3, 5, 8), (inter, 8), (inter, 8), (8, inter)))
+    ins = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    ref = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    dout = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
+    out = mlp(*ins)
+    out.backward(dout)
+    want = (torch.nn.functional.silu(ref[0] @ ref[1].T) * (ref[0] @ ref[2].T)) @ ref[3].T
+    want.backward(dout)
+    return out, want, ins, ref
+
+
 def test_mlp_weight_gradients_come_from_one_product_of_side_by_side_gradients(monkeypatch):
     """Where the kernels write the gate's and the up projection's gradients as the halves
     of one buffer's rows (the Triton path, stood in for here by its math in torch), the
@@ -516,15 +533,7 @@ def test_mlp_weight_gradients_come_from_one_product_of_side_by_side_gradients(mo
     real = _build.kernels
     monkeypatch.setattr(_build, "kernels", lambda op, x: stand_in if op == "swiglu_backward_y"
                         else real(op, x))
-    g = torch.Generator().manual_seed(0)
-    x, wg, wu, wd = (torch.randn(s, generator=g, dtype=torch.float64) * 0.5 for s in
-                     ((3, 5, 8), (12, 8), (12, 8), (8, 12)))
-    ins = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
-    ref = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
-    dout = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
-    S.swiglu_mlp(*ins).backward(dout)
-    ((torch.nn.functional.silu(ref[0] @ ref[1].T) * (ref[0] @ ref[2].T)) @ ref[3].T).backward(
-        dout)
+    _, _, ins, ref = _mlp_against_unfused(S.swiglu_mlp, 12)
     assert calls == [(3, 5, 12)]
     for a, b, name in zip(ins, ref, ("x", "w_gate", "w_up", "w_down")):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, msg=name)
@@ -552,16 +561,7 @@ def test_mlp_routes_to_quack_with_the_gate_and_up_weights_as_one_operand(monkeyp
     S = importlib.import_module("meshlab.ops.swiglu")
     calls = []
     monkeypatch.setattr(S, "_quack_route", lambda *a: _quack_stand_in(calls))
-    g = torch.Generator().manual_seed(0)
-    x, wg, wu, wd = (torch.randn(s, generator=g, dtype=torch.float64) * 0.5 for s in
-                     ((3, 5, 8), (16, 8), (16, 8), (8, 16)))
-    ins = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
-    ref = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
-    dout = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
-    out = S.swiglu_mlp(*ins)
-    out.backward(dout)
-    want = (torch.nn.functional.silu(ref[0] @ ref[1].T) * (ref[0] @ ref[2].T)) @ ref[3].T
-    want.backward(dout)
+    out, want, ins, ref = _mlp_against_unfused(S.swiglu_mlp, 16)
     assert calls == [((32, 8), "swiglu", True)]
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     for a, b, name in zip(ins, ref, ("x", "w_gate", "w_up", "w_down")):
