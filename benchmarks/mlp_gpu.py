@@ -149,6 +149,9 @@ def _run_shape(shape, variants, reps: int) -> dict:
         except Exception as e:            # noqa: BLE001 -- a variant that cannot run says why
             row["variants"][vname] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         torch.cuda.empty_cache()
+        r = row["variants"][vname]          # as each variant ends (autotuning can be long)
+        print(name, vname, {k: r[k] for k in r if k != "rel_err_vs_fp32"},
+              r.get("rel_err_vs_fp32"), flush=True)
     return row
 
 
@@ -186,6 +189,7 @@ def main() -> None:
     ap.add_argument("--copy-to", default=None)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", default="tinyllama,llama3-8b")
+    ap.add_argument("--variants", default=None, help="default: all; in the order given")
     args = ap.parse_args()
     variants = {"torch": (lambda x, g, u, d: _torch(x, g, u, d), False),
                 "meshlab": (_meshlab(), False), "meshlab_quack": (_meshlab_quack(), False)}
@@ -200,13 +204,12 @@ def main() -> None:
         missing = None
     except ImportError as e:
         missing = f"quack-kernels not importable: {e}"
+    if args.variants:
+        variants = {v: variants[v] for v in args.variants.split(",") if v in variants}
     rows = []
     for shape in SHAPES:
         if shape[0] in args.shapes.split(","):
             rows.append(_run_shape(shape, variants, args.reps))
-            for v, r in rows[-1]["variants"].items():
-                print(shape[0], v, {k: r[k] for k in r if k != "rel_err_vs_fp32"},
-                      r.get("rel_err_vs_fp32"), flush=True)
     products = [_products(shape, args.reps) for shape in SHAPES
                 if shape[0] in args.shapes.split(",")]
     for p in products:

@@ -24,6 +24,8 @@ Rows (each from the same bf16 weights, on the same batch):
 * ``meshlab_fuse_quack_mlp`` -- ``meshlab_fuse`` with the MLP on quack-kernels' gated GEMMs
   (the activation in the products' epilogues; ``meshlab.ops.swiglu.QUACK_MLP``) where it
   is installed on a Hopper card, in place of cuBLAS products and Triton activation passes;
+* ``meshlab_fuse_quack_mlp_untuned`` -- the same in quack's default tile configurations
+  (``QUACK_TUNED`` off: no autotuning at the first call);
 * ``meshlab_blocks_pwcat``, ``meshlab_graphs_pwcat`` -- ``meshlab_blocks`` and
   ``meshlab_graphs`` with inductor's ``force_pointwise_cat``;
 * ``meshlab_count<k>``  -- (8B) ``ml.fuse() | ml.remat('full', count=k)``: k of the 32
@@ -268,6 +270,8 @@ def _step_fn(name: str, model, batch, shape: dict | None = None):
         return _patched(step, "_backward_side_by_side", lambda *a: None)
     if name == "meshlab_fuse_quack_mlp":    # the MLP on quack-kernels' gated GEMMs
         return _patched(step, "QUACK_MLP", True)
+    if name == "meshlab_fuse_quack_mlp_untuned":    # ... in their default tile configuration
+        return _patched(_patched(step, "QUACK_TUNED", False), "QUACK_MLP", True)
     return step
 
 

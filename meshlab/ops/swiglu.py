@@ -236,8 +236,8 @@ def _mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: str) -> 
     if quack is not None:
         # The products with the activation in their epilogues; the gate and up weights as
         # one (2 * intermediate, hidden) operand, whose gradient autograd splits back.
-        return quack(x, torch.cat([w_gate, w_up]), w_down, activation=name, tuned=True,
-                     concat_layout=True)
+        return quack(x, torch.cat([w_gate, w_up]), w_down, activation=name,
+                     tuned=QUACK_TUNED, concat_layout=True)
     return _MLP.apply(x, w_gate, w_up, w_down, name)
 
 
@@ -245,6 +245,9 @@ def _mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: str) -> 
 # :func:`_quack_route`). Off until a whole training step on it is measured faster than on
 # meshlab's own MLP: the benchmarks' ``meshlab_fuse_quack_mlp`` row turns it on.
 QUACK_MLP = False
+# Whether that route autotunes quack's tile configurations (each GEMM shape compiled and
+# timed over its candidates at its first call) or takes its default configuration.
+QUACK_TUNED = True
 
 
 @functools.cache
