@@ -18,6 +18,16 @@ an error naming it, before the step's first backward. A buffer every rank update
 and once (transformers' dynamic rotary frequencies, which follow the sequence length)
 trains on. Later steps are not watched: the first shows how the forward treats them.
 
+A parameter that the training forward writes (a data-dependent initialization, as Glow's
+ActNorm sets its scale from the first batch's statistics) is refused on that step: each
+replica would set it from its own share of the batch and the replicas then train apart,
+and under ``zero_shard`` the forward writes the gathered copy, which FSDP drops after the
+forward, so the write is lost. Neither says so. The parameters this rank holds are
+compared before and after the first microbatch's forward (their identity and version
+counter), and each module that holds a parameter directly is hooked for that forward, so
+that a write to a gathered copy is seen before the copy is dropped; a module inside a
+compiled block is not hooked (its hooks would be compiled with it).
+
 A room whose own schedule runs the microbatches' forwards (the pipeline's) cannot stop
 between them: it watches with ``transforms._buffers.ForwardWatch`` instead.
 """
@@ -28,8 +38,7 @@ from torch import nn
 
 from ..core.agree import agree, alone
 from ..core.digest import digests, shard_key
-from ..transforms._buffers import REPLICA_FIX, again_error, changed, versions
-
+from ..transforms._buffers import REPLICA_FIX, ParamWrites, again_error, changed, versions
 
 class BufferWatch:
     """The model's buffers before a training step's first forward (identity and version
@@ -39,6 +48,12 @@ class BufferWatch:
         self.model = model
         self.before = versions(model)
         self.first: dict[str, str] = {}
+        self.params: ParamWrites | None = ParamWrites(model)
+
+    def close(self) -> None:
+        """The parameter hooks removed (a forward that raised leaves them)."""
+        if self.params is not None:
+            self.params.close()
 
     def check(self, rt, index: int) -> None:
         """After microbatch ``index``'s forward (0 or 1): every rank raises, naming the
@@ -46,12 +61,17 @@ class BufferWatch:
         (after the second). Collective over the control group: every rank calls it."""
         now = changed(self.model, self.before)
         error = None
+        if self.params is not None:
+            error, self.params = self.params.done(
+                "step", "of a step that cuts the batch: each data-parallel rank (or each "
+                "microbatch) sets it from its own share, where one process sets it from "
+                "the whole batch"), None
         if index == 0:
             self.first = dict(zip((n for n, _ in now), digests(b for _, b in now)))
         else:
             again = [n for (n, _), d in zip(now, digests(b for _, b in now))
                      if self.first.get(n, d) != d]
-            if again:
+            if again and error is None:
                 error = again_error("step(microbatches=...)", again[0],
                                     "the second microbatch's forward",
                                     "use microbatches=1, or update it outside the training "

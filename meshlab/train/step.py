@@ -270,6 +270,8 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
             total = part if total is None else total + part
         done = True
     finally:
+        if watch is not None:
+            watch.close()
         if not done:     # the earlier microbatches' gradients must not reach the next step
             rt.set_gradient_sync(model, True)
             opt.zero_grad()

@@ -7,11 +7,17 @@ forward that changes it with its value after the first; the room raises what it 
 every rank once the schedule is done, before the optimizer's step: a buffer updated once
 per microbatch (where one process updates it once a step), or one whose copies differ
 between data-parallel replicas (each updated from its own share of the batch).
+
+:class:`ParamWrites` finds the parameters a forward writes in place, for the step's watch
+and this one: where the batch is cut, such a write is never the single process's, so it
+is refused (``PIPELINE_WHY`` says why for a pipeline, ``train._buffers`` for the step).
 """
 
 from __future__ import annotations
 
 import functools
+
+from torch import nn
 
 from ..core.digest import digests, shard_key
 from ..core.errors import ConfigError
@@ -42,11 +48,82 @@ def again_error(what: str, name: str, when: str, fix: str) -> ConfigError:
                        f"once; {fix}")
 
 
+PARAM_FIX = ("initialize it before ml.parallelize (run its data-dependent initialization "
+             "on one process, e.g. one forward over a batch, then parallelize), or "
+             "compute it outside the training forward")
+
+
+PIPELINE_WHY = ("of a pipeline stage: each microbatch's forward writes it (and the schedule's "
+                "setup forward, past the first stage on uninitialized tensors), where one "
+                "process writes it from the whole batch")
+
+
+class ParamWrites:
+    """The parameters written in place by one forward of ``model``: each one this rank
+    holds, by identity and version before and after (see :meth:`done`), and, through
+    hooks on every module that holds a parameter directly (outside compiled blocks), the
+    gathered copies FSDP registers for the forward's time. A module's pre-hook runs after
+    FSDP's (which gathers) and its post-hook before FSDP's (which drops the copy)."""
+
+    def __init__(self, model: nn.Module, names=None) -> None:
+        self.model = model
+        self.names = names or {}     # id(parameter) -> its name in the model
+        self.before = {n: (id(p), p._version) for n, p in model.named_parameters()}
+        self.gathered: list[str] = []
+        self._seen: dict[str, dict] = {}
+        self._hooks = []
+        compiled = [m for m in model.modules()
+                    if getattr(m, "_compiled_call_impl", None) is not None]
+        inside = {id(c) for m in compiled for c in m.modules()}
+        for name, m in model.named_modules():
+            if m._parameters and id(m) not in inside:
+                self._hooks += [
+                    m.register_forward_pre_hook(functools.partial(self._pre, name)),
+                    m.register_forward_hook(functools.partial(self._post, name),
+                                            prepend=True)]
+
+    def _pre(self, name, module, args) -> None:
+        self._seen[name] = {k: (id(p), p._version) for k, p in module._parameters.items()
+                            if p is not None}
+
+    def _post(self, name, module, args, out) -> None:
+        before = self._seen.pop(name, {})
+        for k, p in module._parameters.items():
+            was = before.get(k)
+            if p is not None and was is not None and was[0] == id(p) and p._version != was[1]:
+                full = self.names.get(id(p), f"{name}.{k}" if name else k)
+                if full not in self.gathered:
+                    self.gathered.append(full)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def done(self, what: str, why: str) -> ConfigError | None:
+        """The hooks removed; the error naming the first parameter the forward wrote
+        (``why`` says why a parameter written in place is not exact there), or None."""
+        self.close()
+        written = [self.names.get(id(p), n) for n, p in self.model.named_parameters()
+                   if self.before.get(n, (id(p), p._version)) != (id(p), p._version)]
+        lost = [n for n in self.gathered if n not in written]
+        if lost:
+            return ConfigError(
+                f"{what}: parameter {lost[0]!r} is written in the training forward, to the "
+                f"copy zero_shard (FSDP) gathers for the forward and drops after it: the "
+                f"write is lost, where one process keeps it; {PARAM_FIX}")
+        if written:
+            return ConfigError(f"{what}: parameter {written[0]!r} is written in the "
+                               f"training forward {why}; {PARAM_FIX}")
+        return None
+
+
 class ForwardWatch:
     """The buffers each forward of some modules changes, for a schedule that runs the
     microbatches' forwards itself: ``modules`` is ``(where, module)`` pairs (``where``, a
     pipeline stage's name, tells apart the copies of a buffer that the ranks compare);
-    ``names`` the model's name of each buffer by identity (else the module's own name);
+    ``names`` the model's name of each buffer and parameter by identity (else the
+    module's own name);
     ``skip_first``: each module's first forward is not counted (a schedule's setup)."""
 
     def __init__(self, modules, names=None, skip_first: bool = False) -> None:
@@ -56,6 +133,7 @@ class ForwardWatch:
         self.again: list[str] = []
         self._before: dict[str, dict] = {}
         self._hooks = []
+        self.params = [ParamWrites(m, self.names) for _, m in modules]
         for where, m in modules:
             self._hooks += [m.register_forward_pre_hook(functools.partial(self._pre, where)),
                             m.register_forward_hook(functools.partial(self._post, where))]
@@ -83,10 +161,13 @@ class ForwardWatch:
         hooks removed."""
         for h in self._hooks:
             h.remove()
-        error = None if not self.again else again_error(
-            what, self.again[0], "a later microbatch's forward",
-            "update it outside the training forward, or run its module in evaluation mode "
-            "(module.eval())")
+        written = [w.done(what, PIPELINE_WHY) for w in self.params]
+        error = next((e for e in written if e is not None), None)
+        if error is None and self.again:
+            error = again_error(
+                what, self.again[0], "a later microbatch's forward",
+                "update it outside the training forward, or run its module in evaluation "
+                "mode (module.eval())")
         peers = {f"buffer {n}": (f"{where}, {shard_key(b)}", d, REPLICA_FIX)
                  for n, (where, b, d) in self.first.items()}
         return error, peers

@@ -97,6 +97,96 @@ def test_a_buffer_every_rank_updates_alike_trains(world2, microbatches):
         assert kind == "trained", msg
 
 
+# -- parameters the training forward writes ------------------------------------------------
+class ActNorm(nn.Module):
+    """Glow's activation normalization: its scale is set from the first training batch's
+    statistics (a data-dependent initialization), in the forward."""
+
+    def __init__(self, n: int, ready: bool = False):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(n, dtype=torch.float64))
+        self.register_buffer("ready", torch.tensor(ready))
+
+    def forward(self, x):
+        if self.training and not bool(self.ready):
+            with torch.no_grad():
+                self.scale.copy_(1 / (x.std(0) + 1e-6))
+                self.ready.fill_(True)
+        return x * self.scale
+
+
+def actnorm_case(rank, world, layout, ready, microbatches=1):
+    import meshlab as ml
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), ActNorm(4, ready), nn.Linear(4, 1)).double()
+    spec = {"dp": ml.data_parallel("dp"), "zero1": ml.zero_shard(1),
+            "zero3": ml.zero_shard(3)}[layout]
+    model = ml.parallelize(net, spec, ml.Mesh(dp=world))
+    before = {n: _full(p).clone() for n, p in model.named_parameters()}
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 1, generator=g, dtype=torch.float64)
+    batch = {"x": x.chunk(world)[rank], "y": y.chunk(world)[rank]}
+    try:
+        for _ in range(2):
+            ml.step(model, opt, batch, _loss, inputs=["x"], microbatches=microbatches)
+    except ml.MeshlabError as e:
+        # the optimizer did not run: only what the forward itself wrote differs
+        unchanged = all(torch.equal(_full(p), before[n]) for n, p in model.named_parameters()
+                        if n != "1.scale")
+        return type(e).__name__, str(e), unchanged
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), ActNorm(4, ready), nn.Linear(4, 1)).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        _loss(ref(x), {"y": y}).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    err = max(float((_full(p) - q).abs().max()) for p, q in
+              zip(model.parameters(), ref.parameters()))
+    return "trained", err, None
+
+
+def _full(p):
+    t = p.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero1"])
+def test_a_parameter_each_rank_sets_from_its_share_in_the_forward_is_refused(world2, layout):
+    """Before: under data parallelism each replica set ActNorm's scale from its half of
+    the batch, and the replicas trained apart from each other and from one process."""
+    for kind, msg, unchanged in world2.run(actnorm_case, layout=layout, ready=False):
+        assert kind == "ConfigError", (kind, msg)
+        assert "parameter '1.scale' is written in the training forward" in msg, msg
+        assert "initialize it before ml.parallelize" in msg, msg
+        assert unchanged
+
+
+def test_a_parameter_set_in_the_forward_under_zero3_is_refused(world2):
+    """Before: under ZeRO-3 the forward wrote FSDP's gathered copy, dropped after it: the
+    scale trained on from 1 where one process set it from the data."""
+    for kind, msg, unchanged in world2.run(actnorm_case, layout="zero3", ready=False):
+        assert kind == "ConfigError", (kind, msg)
+        assert "parameter '1.scale' is written in the training forward, to the copy " \
+            "zero_shard (FSDP) gathers" in msg, msg
+        assert unchanged
+
+
+def test_a_parameter_set_in_the_forward_over_microbatches_is_refused(world2):
+    for kind, msg, _ in world2.run(actnorm_case, layout="dp", ready=False, microbatches=2):
+        assert kind == "ConfigError" and "'1.scale'" in msg, (kind, msg)
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero3"])
+def test_a_parameter_initialized_before_parallelize_trains_as_one_process(world2, layout):
+    for kind, err, _ in world2.run(actnorm_case, layout=layout, ready=True):
+        assert kind == "trained", err
+        assert err < 1e-12, err
+
+
 # -- the pipeline's own schedule runs the microbatches' forwards ---------------------------
 class CountedBlock(nn.Module):
     """Wraps a pipeline block with a buffer its training forward updates: ``running``, a
@@ -126,6 +216,27 @@ class CountedBlock(nn.Module):
         return out if self.kind == "width" else out - self.seen
 
 
+class GainBlock(nn.Module):
+    """Wraps a pipeline block with a parameter set from the first output it sees (an
+    ActNorm-style data-dependent initialization, in the training forward)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+        self.gain = nn.Parameter(torch.empty(block.o.out_features))
+
+    def reset_parameters(self):        # built on the meta device: init_weights calls it
+        with torch.no_grad():
+            self.gain.fill_(1.0)
+
+    def forward(self, h, attention_mask=None):
+        out = self.block(h, attention_mask)
+        if self.training and bool((self.gain == 1).all()):
+            with torch.no_grad():
+                self.gain.copy_(1 / (out.detach().std((0, 1)) + 1e-6))
+        return out * self.gain
+
+
 def pipeline_case(rank, world, kind, mesh_text):
     import meshlab as ml
     from tests import _models as M
@@ -134,7 +245,8 @@ def pipeline_case(rank, world, kind, mesh_text):
     try:
         base = M.build_staged()
         with torch.device("meta"):
-            base.layers["2"] = CountedBlock(base.layers["2"], kind)
+            base.layers["2"] = GainBlock(base.layers["2"]) if kind == "gain" else \
+                CountedBlock(base.layers["2"], kind)
         mesh = ml.Mesh(ml.Mesh.parse(mesh_text).shape)
         spec = ml.pipeline("pp", microbatches=4, blocks="layers")
         if "dp" in mesh.shape:
@@ -171,6 +283,17 @@ def test_a_pipeline_stage_buffer_updated_once_per_microbatch_is_refused(world2):
         assert unchanged, msg
     assert any(k == "ConfigError" and "'layers.2.seen'" in m and "microbatch" in m
                for k, m, _ in out), out
+
+
+def test_a_pipeline_stage_parameter_set_in_its_forward_is_refused(world2):
+    """Before: the stage's gain was set in the schedule's setup forward from uninitialized
+    tensors (then kept, as every later forward saw it set), where one process sets it
+    from the data."""
+    out = world2.run(pipeline_case, kind="gain", mesh_text="pp=2")
+    for kind, msg, unchanged in out:
+        assert kind in ("ConfigError", "PeerError"), (kind, msg)
+    assert any(k == "ConfigError" and "parameter 'layers.2.gain' is written in the training "
+               "forward of a pipeline stage" in m for k, m, _ in out), out
 
 
 def test_a_pipeline_stage_buffer_updated_alike_trains(world2):

@@ -511,8 +511,9 @@ class PipelinePart(Part):
         from .._buffers import ForwardWatch
 
         self._buffers_watched = True
-        names = {id(b): n for n, b in self.model.named_buffers()} if self.model is not None \
-            else {}
+        names = {id(t): n for n, t in (*self.model.named_buffers(),
+                                        *self.model.named_parameters())} \
+            if self.model is not None else {}
         return ForwardWatch([(f"stage {st.stage_index}", st.submod) for st in self.stages],
                             names, skip_first=setup)
 
