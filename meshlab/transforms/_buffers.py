@@ -104,8 +104,11 @@ class ParamWrites:
         """The hooks removed; the error naming the first parameter the forward wrote
         (``why`` says why a parameter written in place is not exact there), or None."""
         self.close()
+        # the same tensor with a later version (FSDP2 without resharding after the forward
+        # leaves its gathered copies registered: another tensor, not a write)
         written = [self.names.get(id(p), n) for n, p in self.model.named_parameters()
-                   if self.before.get(n, (id(p), p._version)) != (id(p), p._version)]
+                   if self.before.get(n, (None, 0))[0] == id(p) and
+                   self.before[n][1] != p._version]
         lost = [n for n in self.gathered if n not in written]
         if lost:
             return ConfigError(
