@@ -61,11 +61,16 @@ PIPELINE_WHY = ("of a pipeline stage: each microbatch's forward writes it (and t
 class ParamWrites:
     """The parameters written in place by one forward of ``model``: each one this rank
     holds, by identity and version before and after (see :meth:`done`), and, through
-    hooks on every module that holds a parameter directly (outside compiled blocks), the
-    gathered copies FSDP registers for the forward's time. A module's pre-hook runs after
-    FSDP's (which gathers) and its post-hook before FSDP's (which drops the copy)."""
+    hooks on each FSDP2 unit (outside compiled blocks), the gathered copies FSDP registers
+    for the unit's forward. The unit's pre-hook runs after FSDP's (which gathers) and its
+    post-hook before FSDP's (which drops the copies). Only FSDP units are hooked: fused
+    projections take their fused path only on modules without hooks
+    (``fuse._residual``), and a checkpointed block recomputed on the other path would not
+    save the same tensors."""
 
     def __init__(self, model: nn.Module, names=None) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
         self.model = model
         self.names = names or {}     # id(parameter) -> its name in the model
         self.before = {n: (id(p), p._version) for n, p in model.named_parameters()}
@@ -76,21 +81,20 @@ class ParamWrites:
                     if getattr(m, "_compiled_call_impl", None) is not None]
         inside = {id(c) for m in compiled for c in m.modules()}
         for name, m in model.named_modules():
-            if m._parameters and id(m) not in inside:
+            if isinstance(m, FSDPModule) and id(m) not in inside:
                 self._hooks += [
                     m.register_forward_pre_hook(functools.partial(self._pre, name)),
                     m.register_forward_hook(functools.partial(self._post, name),
                                             prepend=True)]
 
     def _pre(self, name, module, args) -> None:
-        self._seen[name] = {k: (id(p), p._version) for k, p in module._parameters.items()
-                            if p is not None}
+        self._seen[name] = {k: (id(p), p._version) for k, p in module.named_parameters()}
 
     def _post(self, name, module, args, out) -> None:
         before = self._seen.pop(name, {})
-        for k, p in module._parameters.items():
+        for k, p in module.named_parameters():
             was = before.get(k)
-            if p is not None and was is not None and was[0] == id(p) and p._version != was[1]:
+            if was is not None and was[0] == id(p) and p._version != was[1]:
                 full = self.names.get(id(p), f"{name}.{k}" if name else k)
                 if full not in self.gathered:
                     self.gathered.append(full)
