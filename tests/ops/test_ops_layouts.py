@@ -181,6 +181,16 @@ def _gated(layout: str, name: str = "swiglu") -> list[Case]:
                  lambda dy, a, b: (*_vjp(ref, (a, b), (0, 1), dy), ref(a, b)))]
 
 
+def _mm_sum(layout: str) -> list[Case]:
+    """Two products summed (the gradient reaching one input through two linear maps)."""
+    def mat(m, n):
+        return {"contiguous": lambda: _r(m, n), "transposed": lambda: _r(n, m).t(),
+                "sliced": lambda: _r(m, 2 * n)[:, :n]}[layout]()
+    a, b, c, d = mat(6, 4), mat(4, 5), mat(6, 3), mat(3, 5)
+    return [Case(torch.ops.meshlab.mm_sum.default, ([a, c], [b, d]), (),
+                 lambda x, y: (x[0] @ y[0] + x[1] @ y[1],))]
+
+
 # ---------------------------------------------------------------------------- attention
 
 def _qkv(layout: str):
@@ -342,7 +352,8 @@ BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_table
             "linear_cross_entropy": (_linear_cross_entropy, ("contiguous", "transposed",
                                                              "sliced", "expanded")),
             "paged_attention": (_paged_attention, ("contiguous", "transposed", "decode")),
-            "paged_decode": (_paged_decode, ("contiguous", "strided"))}
+            "paged_decode": (_paged_decode, ("contiguous", "strided")),
+            "mm_sum": (_mm_sum, ("contiguous", "transposed", "sliced"))}
 PARAMS = [(op, layout) for op, (_, layouts) in BUILDERS.items() for layout in layouts]
 
 
@@ -354,8 +365,11 @@ def _cases(op: str, layout: str) -> list[Case]:
 def _fake_run(op, args):
     """``op`` on fake copies of ``args`` (same sizes, strides and offsets): the fake kernel."""
     with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        return op(*fake)
+        def fake(a):
+            if isinstance(a, (list, tuple)):        # a Tensor[] argument
+                return type(a)(fake(x) for x in a)
+            return mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+        return op(*[fake(a) for a in args])
 
 
 def _outs(res) -> tuple:

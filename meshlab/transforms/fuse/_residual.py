@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...core.errors import ConfigError
+from ...ops.matmul import mm_sum
 from .._install import forget_restore, restorable_forward
 
 
@@ -118,13 +119,14 @@ class _SharedInput(torch.autograd.Function):
         grads: list = [None] * (2 * len(ws))
         rest = [i for i in range(1, len(ws)) if dys[i] is not None]
         parts = ([[0]] if dys[0] is not None else []) + ([rest] if rest else [])
-        dx = None
+        dx_parts: tuple[list, list] = ([], [])
         for part in parts:
             ds = [dys[i].reshape(-1, dys[i].shape[-1]) for i in part]
             d = ds[0] if len(ds) == 1 else torch.cat(ds, -1)
             if need[0]:
                 w = ws[part[0]] if len(part) == 1 else torch.cat([ws[i] for i in part])
-                dx = d @ w if dx is None else dx.addmm_(d, w)
+                dx_parts[0].append(d)
+                dx_parts[1].append(w)
             widths = [t.shape[-1] for t in ds]
             if any(need[1 + 2 * i] for i in part):
                 for i, g in zip(part, (d.t() @ flat).split(widths)):
@@ -132,7 +134,8 @@ class _SharedInput(torch.autograd.Function):
             if any(ctx.biased[i] and need[2 + 2 * i] for i in part):
                 for i, g in zip(part, d.sum(0).split(widths)):
                     grads[2 * i + 1] = g if ctx.biased[i] and need[2 + 2 * i] else None
-        return (None if dx is None else dx.view(x.shape), *grads)
+        dx = mm_sum(*dx_parts).view(x.shape) if dx_parts[0] else None
+        return (dx, *grads)
 
 
 def _is_dtensor(t) -> bool:
