@@ -369,6 +369,14 @@ def kernels(op: str, x):
     return cpu_kernels(op) if dev == "cpu" else triton_kernels(op)
 
 
+def stat_dtype(x):
+    """The dtype of the per-row statistics a norm keeps for its backward: float32, float64
+    for float64 inputs (which only the PyTorch reference math takes)."""
+    import torch
+
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def upcast(t):
     """``t`` in float32, or float64 if it already is: references compute at least in float32,
     and in float64 when handed float64 (so tests can compare against a higher precision)."""

@@ -202,7 +202,7 @@ def _fwd_torch(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     lse = torch.logsumexp(s, dim=-1)                                        # (B, Hq, S)
     p = _probs(s, seen, lse)
     out = p @ _expand(_build.upcast(v), q.shape[1] // k.shape[1])
-    return out.to(q.dtype), lse.float()
+    return out.to(q.dtype), lse.to(_build.stat_dtype(q))
 
 
 def _bwd_torch(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -279,8 +279,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
                  kv_segments: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q (B, Hq, S, D), k, v (B, Hkv, Skv, D), optional integer segment ids (B, S) and
     (B, Skv) -> (out (B, Hq, S, D) in q.dtype, laid out as ``_layout`` says; lse (B, Hq, S)
-    float32, contiguous, the log-sum-exp of each row of scaled, masked scores, -inf on a
-    row that sees no key)."""
+    float32 (float64 for float64 q), contiguous, the log-sum-exp of each row of scaled,
+    masked scores, -inf on a row that sees no key)."""
     _check(q, k, v, causal)
     qseg, kseg = _segments(q, k, segments, kv_segments)
     out, lse = _forward(q, k, v, causal, scale, qseg, kseg)
@@ -291,7 +291,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
 def _(q, k, v, causal, scale, segments=None, kv_segments=None):
     _check(q, k, v, causal)
     _segments(q, k, segments, kv_segments)
-    return _empty(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return _empty(q), q.new_empty(q.shape[:-1], dtype=_build.stat_dtype(q))
 
 
 @torch.library.custom_op("meshlab::attention_backward", mutates_args=())

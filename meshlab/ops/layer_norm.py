@@ -1,4 +1,5 @@
-"""LayerNorm over the last dim, fused forward and backward, with float32 statistics.
+"""LayerNorm over the last dim, fused forward and backward, with float32 statistics
+(float64 for float64 inputs).
 
 ``y = (x - mean) / sqrt(var + eps) * weight + bias``, registered as ``meshlab::layer_norm``
 (returns ``y`` and the per-row ``mean`` and ``rstd`` the backward needs) and
@@ -31,20 +32,22 @@ def layer_norm_reference(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1
 
 
 def _fwd_torch(x: Tensor, weight: Tensor, bias: Tensor, eps: float):
-    xf = x.float()
+    up = _build.upcast
+    xf = up(x)
     mean = xf.mean(-1)                                                   # (...,)
     rstd = torch.rsqrt((xf - mean[..., None]).pow(2).mean(-1) + eps)
-    y = (xf - mean[..., None]) * rstd[..., None] * weight.float() + bias.float()
+    y = (xf - mean[..., None]) * rstd[..., None] * up(weight) + up(bias)
     return y.to(x.dtype), mean, rstd
 
 
 def _bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor):
     h = x.shape[-1]
-    xhat = (x.float() - mean[..., None]) * rstd[..., None]
-    g = dy.float() * weight.float()
+    up = _build.upcast
+    xhat = (up(x) - mean[..., None]) * rstd[..., None]
+    g = up(dy) * up(weight)
     dx = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd[..., None]
-    dw = (dy.float() * xhat).reshape(-1, h).sum(0)
-    db = dy.float().reshape(-1, h).sum(0)
+    dw = (up(dy) * xhat).reshape(-1, h).sum(0)
+    db = up(dy).reshape(-1, h).sum(0)
     return dx.to(x.dtype), dw.to(weight.dtype), db.to(weight.dtype)
 
 
@@ -62,14 +65,15 @@ def _forward(x: Tensor, weight: Tensor, bias: Tensor, eps: float):
 @torch.library.custom_op("meshlab::layer_norm", mutates_args=())
 def layer_norm_op(x: Tensor, weight: Tensor, bias: Tensor,
                   eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """x: (..., H), weight, bias: (H,) -> (y (..., H), mean (...,), rstd (...,)), stats float32."""
+    """x: (..., H), weight, bias: (H,) -> (y (..., H), mean (...,), rstd (...,)), stats float32
+    (float64 for float64 x)."""
     return _forward(x, weight, bias, eps)
 
 
 @layer_norm_op.register_fake
 def _(x, weight, bias, eps):
     # Contiguous outputs whatever x's strides, as the kernels and the fallback return them.
-    stat = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    stat = x.new_empty(x.shape[:-1], dtype=_build.stat_dtype(x))
     return x.new_empty(x.shape), stat, torch.empty_like(stat)
 
 

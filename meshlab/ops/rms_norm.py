@@ -3,8 +3,9 @@
 Registered as ``meshlab::rms_norm`` (returns ``y`` and the per-row ``rstd`` the backward
 needs) and ``meshlab::rms_norm_backward``. CPU tensors run the C++ kernel in
 ``csrc/ops_cpu.cpp``, CUDA tensors the Triton kernel in ``_triton.py``; anything else, or a
-missing build, runs :func:`rms_norm_reference`'s math. Arithmetic is float32 whatever the
-input dtype; ``y`` comes back in ``x.dtype``.
+missing build, runs :func:`rms_norm_reference`'s math. Arithmetic is float32 (float64 for
+float64 inputs, which only that math takes), as is ``rstd``; ``y`` comes back in
+``x.dtype``.
 
 DTensor: ``x`` may be sharded on any leading dim (batch, sequence) with ``weight``
 replicated; the weight gradient is then a partial sum, which DTensor reduces when asked.
@@ -36,16 +37,17 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def _fwd_torch(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    xf = x.float()
+    xf = _build.upcast(x)
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)                        # (...,)
-    return (xf * rstd[..., None] * weight.float()).to(x.dtype), rstd
+    return (xf * rstd[..., None] * _build.upcast(weight)).to(x.dtype), rstd
 
 
 def _bwd_torch(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    xhat = x.float() * rstd[..., None]                                  # (..., H)
-    g = dy.float() * weight.float()
+    up = _build.upcast
+    xhat = up(x) * rstd[..., None]                                      # (..., H)
+    g = up(dy) * up(weight)
     dx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd[..., None]
-    dw = (dy.float() * xhat).reshape(-1, x.shape[-1]).sum(0)
+    dw = (up(dy) * xhat).reshape(-1, x.shape[-1]).sum(0)
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 
@@ -67,7 +69,7 @@ def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor,
     if k is None:
         dx, dw = _bwd_torch(dy, x, weight, rstd)
         if ds is not None:
-            dx = (dx.float() + ds.float()).to(x.dtype)
+            dx = (_build.upcast(dx) + _build.upcast(ds)).to(x.dtype)
         return _build.contiguous(dx), _build.contiguous(dw)
     h = x.shape[-1]
     dx, dw = k.rms_norm_bwd(dy.to(x.dtype).reshape(-1, h).contiguous(),
@@ -79,14 +81,15 @@ def _backward_impl(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor,
 
 @torch.library.custom_op("meshlab::rms_norm", mutates_args=())
 def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """x: (..., H), weight: (H,) -> (y (..., H) in x.dtype, rstd (...,) float32)."""
+    """x: (..., H), weight: (H,) -> (y (..., H) in x.dtype, rstd (...,) float32, float64
+    for float64 x)."""
     return _forward(x, weight, eps)
 
 
 @rms_norm_op.register_fake
 def _(x, weight, eps):
     # Contiguous outputs whatever x's strides, as the kernels and the fallback return them.
-    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=_build.stat_dtype(x))
 
 
 @torch.library.custom_op("meshlab::rms_norm_backward", mutates_args=())
@@ -234,7 +237,7 @@ def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor,
 @add_rms_norm_op.register_fake
 def _(x, residual, weight, eps):
     return x.new_empty(x.shape), x.new_empty(x.shape), \
-        x.new_empty(x.shape[:-1], dtype=torch.float32)
+        x.new_empty(x.shape[:-1], dtype=_build.stat_dtype(x))
 
 
 @torch.library.custom_op("meshlab::add_rms_norm_backward", mutates_args=())

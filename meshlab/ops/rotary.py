@@ -90,8 +90,9 @@ def _backward(ctx, dy):
     dcos = dsin = None
     if x is not None and (ctx.needs_input_grad[1] or ctx.needs_input_grad[2]):
         half = x.shape[-1] // 2
-        x1, x2 = x.float()[..., :half], x.float()[..., half:]
-        g1, g2 = dy.float()[..., :half], dy.float()[..., half:]
+        xf, gf = _build.upcast(x), _build.upcast(dy)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        g1, g2 = gf[..., :half], gf[..., half:]
         dcos = (g1 * x1 + g2 * x2).sum(dim=(0, 2)).to(ctx.cos_dtype)   # (S, D/2)
         dsin = (g2 * x1 - g1 * x2).sum(dim=(0, 2)).to(ctx.sin_dtype)
     return dx, dcos, dsin

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _build
+from .matmul import mm_sum
 
 # Activation codes the kernels take: 0 SiLU, 1 tanh-approximated GELU.
 _ACT = {"swiglu": 0, "geglu": 1}
@@ -48,7 +49,8 @@ _REFERENCE = {"swiglu": swiglu_reference, "geglu": geglu_reference}
 
 
 def _bwd_torch(dy: Tensor, a: Tensor, b: Tensor, name: str) -> tuple[Tensor, Tensor]:
-    af, g = a.float(), dy.float()
+    up = _build.upcast                   # float32, float64 for float64 inputs
+    af, g = up(a), up(dy)
     if name == "swiglu":
         sig = torch.sigmoid(af)
         act, grad = af * sig, sig * (1 + af * (1 - sig))
@@ -57,7 +59,7 @@ def _bwd_torch(dy: Tensor, a: Tensor, b: Tensor, name: str) -> tuple[Tensor, Ten
         t = torch.tanh(k * (af + 0.044715 * af ** 3))
         act = 0.5 * af * (1 + t)
         grad = 0.5 * (1 + t) + 0.5 * af * (1 - t * t) * k * (1 + 3 * 0.044715 * af * af)
-    return (g * b.float() * grad).to(a.dtype), (g * act).to(b.dtype)
+    return (g * up(b) * grad).to(a.dtype), (g * act).to(b.dtype)
 
 
 def _check(a: Tensor, b: Tensor, name: str) -> None:
@@ -203,9 +205,7 @@ class _MLP(torch.autograd.Function):
             da, db, y = getattr(torch.ops.meshlab, f"{ctx.name}_backward_y")(dy, a, b)
         dx = dwg = dwu = dwd = None
         if ctx.needs_input_grad[0]:
-            dx = flat(da) @ w_gate
-            dx.addmm_(flat(db), w_up)
-            dx = dx.view(x.shape)
+            dx = mm_sum([flat(da), flat(db)], [w_gate, w_up]).view(x.shape)
         if both is not None:                           # both weights' gradients at once
             dwg, dwu = (dab.t() @ flat(x)).split(a.shape[-1])
         if ctx.needs_input_grad[1] and dwg is None:
