@@ -73,18 +73,18 @@ class _Holder:
         self.grad = grad
 
 
-def _norm32(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of ``grads`` as one float32 scalar: ``get_total_norm`` over fp32 (and
-    wider) ones, and fp16/bf16 ones through per-tensor norms accumulated and returned in
-    float32 (``get_total_norm`` would round each to its dtype)."""
+def _norm(grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The L2 norm of ``grads`` as one scalar of ``dtype`` (float32 or wider):
+    ``get_total_norm`` over fp32 (and wider) ones, and fp16/bf16 ones through per-tensor
+    norms accumulated in float32 (``get_total_norm`` would round each to its dtype)."""
     wide = [g for g in grads if g.dtype.itemsize >= 4]
-    parts = [get_total_norm(wide).float()] if wide else []
+    parts = [get_total_norm(wide).to(dtype)] if wide else []
     narrow: dict = {}
     for g in grads:
         if g.dtype.itemsize < 4:
             narrow.setdefault(g.device, []).append(g)
     for gs in narrow.values():
-        parts += torch._foreach_norm(gs, 2.0, dtype=torch.float32)
+        parts += [n.to(dtype) for n in torch._foreach_norm(gs, 2.0, dtype=torch.float32)]
     return parts[0] if len(parts) == 1 else get_total_norm(parts)
 
 
@@ -305,21 +305,27 @@ class MeshOptimizer(torch.optim.Optimizer):
         return float(self._global_norm(self._grad_items()))
 
     def _global_norm(self, items: list) -> torch.Tensor:
-        """The global L2 norm of ``items``' gradients as a float32 scalar tensor, read by
-        no one here: ``get_total_norm`` per group of gradients split alike (fp32 results,
-        no copies), each group's square summed over the groups it is split over, then
-        over each part's ``norm_groups`` (pipeline stages hold other parameters)."""
+        """The global L2 norm of ``items``' gradients as a scalar tensor, read by no one
+        here: ``get_total_norm`` per group of gradients split alike (no copies), each
+        group's square summed over the groups it is split over, then over each part's
+        ``norm_groups`` (pipeline stages hold other parameters, perhaps of other dtypes:
+        that sum is float64). float32, float64 where a gradient is float64 (in float32 a
+        float64 model's clipping was off one process's ``clip_grad_norm_`` by about 1e-10
+        relative); the ranks of a group hold parameters of the same dtypes."""
         alike: dict[tuple, tuple] = {}
         for g, groups in items:
             alike.setdefault(tuple(id(x) for x in groups), (groups, []))[1].append(g.detach())
-        total = torch.zeros((), dtype=torch.float32, device=self.rt.device)
+        wide = any(g.dtype == torch.float64 for g, _ in items)
+        dtype = torch.float64 if wide else torch.float32
+        total = torch.zeros((), dtype=dtype, device=self.rt.device)
         for groups, grads in alike.values():
-            s = _norm32(grads).square()
+            s = _norm(grads, dtype).square()
             for grp in groups:
                 dist.all_reduce(s, group=grp)
             total += s.to(total.device)
         for part in self.rt.parts:
             for grp in part.norm_groups():
+                total = total.double()
                 dist.all_reduce(total, group=grp)
         return total.sqrt()
 

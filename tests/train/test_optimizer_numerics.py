@@ -171,13 +171,22 @@ def test_the_norm_is_fp64s_within_1e6_and_makes_no_fp64_copy():
     assert torch.float64 not in seen, seen
 
 
+def test_a_float64_models_norm_is_float64():
+    """It was float32, and clipping a float64 model was off one process's by 1e-10."""
+    model = _model().double()
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1, nonfinite="skip", check_replicas=0)
+    model(torch.randn(16, 8, dtype=torch.float64)).pow(2).sum().backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    assert math.isclose(opt.grad_norm(), float(want), rel_tol=1e-15)
+
+
 def test_a_low_precision_gradients_norm_is_accumulated_in_fp32():
-    from meshlab.train.optimizer import _norm32
+    from meshlab.train.optimizer import _norm
 
     gs = [torch.randn(1000, generator=torch.Generator().manual_seed(i)).bfloat16() * 100
           for i in range(3)]
     want = math.sqrt(sum(g.double().pow(2).sum().item() for g in gs))
-    got = _norm32(gs)
+    got = _norm(gs, torch.float32)
     assert got.dtype == torch.float32
     assert math.isclose(float(got), want, rel_tol=1e-6)
     # torch's own would round each norm to bfloat16 (about 3 significant digits)
