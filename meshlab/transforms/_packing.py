@@ -140,3 +140,28 @@ def as_packed(batch: Mapping, takes) -> Mapping:
     out["position_ids"] = torch.where(real, pos, pad_pos)
     del out["attention_mask"]
     return out
+
+
+def check_labels_after_padding(batch: Mapping, layout: Layout, what: str, fix: str) -> None:
+    """Refuse a padded batch whose loss would read a padding token's output: a label other
+    than -100 right after a token with ``attention_mask`` 0. meshlab's attention over
+    causal segments (``ops._attention_hf.causal_segments``: each padding token a segment of
+    its own) computes every other token exactly as transformers masks it, but a padding
+    token sees itself alone, where transformers' masked row sees otherwise; no sample run
+    alone has such a label either. ``what`` names the room, ``fix`` its way out."""
+    if not layout.padded:
+        return
+    mask, labels = batch.get("attention_mask"), batch.get("labels")
+    if not isinstance(mask, Tensor) or not isinstance(labels, Tensor) or \
+            mask.dim() != 2 or tuple(labels.shape) != tuple(mask.shape):
+        return
+    reads = (mask[:, :-1] == 0) & (labels[:, 1:].to(mask.device) != -100)
+    if bool(reads.any()):
+        row, col = (int(x) for x in reads.nonzero()[0])
+        raise ConfigError(
+            f"{what}: row {row} of this batch labels column {col + 1} (not -100) after a "
+            f"padding token (attention_mask 0 at column {col}), so the loss reads that "
+            f"padding token's output, which meshlab's attention over segments (a padding "
+            f"token attends to itself alone) does not compute as transformers' attention "
+            f"does. Label the token after padding -100 (a sample run alone has no token "
+            f"before its first), or {fix}")

@@ -406,6 +406,46 @@ def test_a_token_masked_inside_a_packed_sample_is_refused(world2):
     assert peer == "PeerError" and mine[:300] in theirs, theirs
 
 
+def label_after_padding_case(rank, world, layout):
+    """Row 0's first token after its left padding labelled (not -100): the loss reads the
+    padding token's output, which attention over segments does not compute as
+    transformers does. Every rank refuses the step by name; the weights stay."""
+    import meshlab as ml
+
+    spec, mesh = {"ring": (ml.sequence("sp", "ring"), ml.Mesh(sp=2)),
+                  "fuse": (ml.fuse("attention") | ml.data_parallel("dp"), ml.Mesh(dp=2)),
+                  "all_to_all": (ml.sequence("sp", "all_to_all"), ml.Mesh(sp=2))}[layout]
+    model = ml.parallelize(build(), spec, mesh, seed=0)
+    before = {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    batch = packed_batch()
+    k = int((batch["attention_mask"][0] == 0).sum())
+    batch["labels"][0, k] = batch["input_ids"][0, k]
+    try:
+        loss = ml.step(model, opt, batch, reduction="tokens")
+    except ml.ConfigError as e:
+        unchanged = all(torch.equal(M.full(p).detach(), before[n])
+                        for n, p in model.named_parameters())
+        return "ConfigError", str(e), unchanged, k
+    return "trained", float(loss), None, k
+
+
+@pytest.mark.parametrize("layout", ["ring", "fuse"])
+def test_a_label_after_padding_is_refused_where_attention_runs_over_segments(world2, layout):
+    """Before, ring attention trained on it silently: the loss was 9.4e-3 off one process
+    in float64, the gradients 8.2e-2 (fuse('attention') refused it already)."""
+    for kind, msg, unchanged, k in world2.run(label_after_padding_case, layout=layout):
+        assert kind == "ConfigError", (kind, msg)
+        assert f"labels column {k} (not -100) after a padding token" in msg, msg
+        assert unchanged
+
+
+def test_a_label_after_padding_trains_under_ulysses(world2):
+    """Ulysses runs transformers' own mask over the whole sequence: nothing to refuse."""
+    for kind, _, _, _ in world2.run(label_after_padding_case, layout="all_to_all"):
+        assert kind == "trained"
+
+
 def test_lora_trains_as_the_samples_one_by_one(world2):
     pytest.importorskip("peft")
     world2.run(lora_case)

@@ -19,6 +19,7 @@ from torch import Tensor
 from ...core.errors import ConfigError, check_choice
 from ...planning.decisions import register_decision
 from ...planning.plan import Plan
+from .._packing import check_labels_after_padding
 from .._protocol import Phase, Transform
 from ._hf import FUSABLE as FUSABLE, NORMS as NORMS, causal_lm_loss as causal_lm_loss
 from ._hf import fuse as fuse_model, fused_labels as fused_labels, findings
@@ -116,22 +117,9 @@ class Fuse(Transform):
         (it sees itself alone), so a batch whose labels would read it (a label other than
         -100 right after a token with ``attention_mask`` 0) is refused before the step's
         first collective; no sample run alone has such a label either."""
-        if "attention" not in self.routed(plan) or not layout.padded:
-            return
-        mask, labels = batch.get("attention_mask"), batch.get("labels")
-        if not isinstance(mask, Tensor) or not isinstance(labels, Tensor) or \
-                mask.dim() != 2 or tuple(labels.shape) != tuple(mask.shape):
-            return
-        reads = (mask[:, :-1] == 0) & (labels[:, 1:].to(mask.device) != -100)
-        if bool(reads.any()):
-            row, col = (int(x) for x in reads.nonzero()[0])
-            raise ConfigError(
-                f"fuse('attention'): row {row} of this batch labels column {col + 1} (not "
-                f"-100) after a padding token (attention_mask 0 at column {col}), so the "
-                f"loss reads that padding token's output, which meshlab's fused attention "
-                f"(a padding token attends to itself alone) does not compute as transformers' "
-                f"attention does. Label the token after padding -100 (a sample run alone "
-                f"has no token before its first), or leave 'attention' out of fuse()")
+        if "attention" in self.routed(plan):
+            check_labels_after_padding(batch, layout, "fuse('attention')",
+                                       "leave 'attention' out of fuse()")
 
     def install(self, ctx) -> None:
         ops = self.routed(ctx.plan)

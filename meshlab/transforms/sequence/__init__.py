@@ -45,6 +45,7 @@ from ...core.errors import ConfigError, check_choice, check_name
 from ...planning.plan import Plan
 from ...core.rules import Rules
 from .._gradsync import Reduction
+from .._packing import check_labels_after_padding
 from .._protocol import Part, Phase, Transform
 
 MODES = ("split_gather", "all_to_all", "ring")
@@ -182,6 +183,14 @@ class Sequence(Transform):
         if self.mode == "all_to_all" and heads % n:
             raise ConfigError(f"sequence(all_to_all): {heads} attention heads do not divide over "
                               f"{n} ranks; use a sequence axis size that divides {heads}")
+
+    def check_batch(self, plan: Plan, batch, layout) -> None:
+        """Ring attention reads a padded batch as causal segments, as ``fuse('attention')``
+        does: a batch whose loss would read a padding token's output is refused as there
+        (Ulysses runs transformers' own mask and takes it)."""
+        if self.mode == "ring" or self.ring:
+            check_labels_after_padding(batch, layout, repr(self),
+                                       "use sequence(..., 'all_to_all')")
 
     def install(self, ctx) -> Part | None:
         if self.mode == "split_gather":
