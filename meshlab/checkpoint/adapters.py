@@ -192,10 +192,12 @@ def _merger(model: nn.Module, cfg):
         a = adapters.get(f"{mod}.lora_A.default.weight")
         if a is None:
             return w
-        delta = adapters[f"{mod}.lora_B.default.weight"].float() @ a.float()
+        # float32 at least, float64 for a float64 model (float32 rounded its export)
+        acc = torch.promote_types(w.dtype, torch.float32)
+        delta = adapters[f"{mod}.lora_B.default.weight"].to(acc) @ a.to(acc)
         if cfg.fan_in_fan_out:
             delta = delta.T
-        return (w.float() + scale * delta).to(w.dtype)
+        return (w.to(acc) + scale * delta).to(w.dtype)
 
     return transform, adapters
 
