@@ -218,7 +218,8 @@ def _fit(src: _Source, model, optimizer, scheduler, dataloader, strict: bool, gr
             raise CheckpointError(f"{src.directory} (saved on mesh {mesh}, "
                                   f"{src.meta.get('world_size')} ranks) does not fit:\n{report}")
         if of is not None and of.saved:
-            _state.check_optimizer(optimizer, src.meta.get("optimizer") or {}, src.directory)
+            _state.check_optimizer(optimizer, src.meta.get("optimizer") or {}, src.directory,
+                                   model)
             final = _opt.final_state(of, strict)
             _opt.check_buckets(optimizer, model, final, src.directory)
         for name, obj in (("scheduler", scheduler), ("dataloader", dataloader)):

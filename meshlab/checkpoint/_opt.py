@@ -187,7 +187,8 @@ def set_state(opt, model, values: dict[str, dict[str, torch.Tensor]], rest: dict
                 inner.state[t] = {**{k: _cast(t, k, v, groups) for k, v in
                                      values.get(n, {}).items()}, **numbers.get(n, {})}
     if rest.get("param_groups") is not None:     # check_optimizer made sure they fit
-        for g, saved in zip(groups, rest["param_groups"]):
+        sources = _state.group_sources(opt, model, rest, "the checkpoint")
+        for g, saved in zip(groups, (rest["param_groups"][i] for i in sources)):
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v
                       for k, v in saved.items()})
     if getattr(opt, "scaler", None) is not None and "scaler" in rest:

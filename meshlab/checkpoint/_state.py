@@ -117,7 +117,41 @@ def has_state(opt) -> bool:
     return any(bool(v) for v in getattr(opt, "inner", opt).state.values())
 
 
-def check_optimizer(opt, rest: dict[str, Any], where: str) -> None:
+def group_names(opt, model: nn.Module | None = None) -> list[list[str]]:
+    """The FQNs of the parameters in each of the optimizer's param groups, in its order."""
+    if hasattr(opt, "_torch_order"):          # MeshOptimizer: its groups as one process's
+        names = {id(p): n for n, p in opt.params}
+        return [sorted(names[id(p)] for p in ps) for ps in opt._torch_order()]
+    names = {id(p): n for n, p in _params(opt, model)}
+    return [sorted(names[id(p)] for p in g["params"]) for g in opt.param_groups]
+
+
+def group_sources(opt, model: nn.Module | None, rest: dict[str, Any], where: str) -> list[int]:
+    """For each of ``opt``'s param groups, the saved group whose options it takes: the
+    one that held its parameters, by name (a group's options copied by position gave
+    each group the other's learning rate and weight decay where the groups were built in
+    another order); its own position where the checkpoint names none of them (one saved
+    before groups were named, or another pipeline stage's)."""
+    n = len(getattr(opt, "inner", opt).param_groups)
+    saved = rest.get("group_names")
+    if not isinstance(saved, list):
+        return list(range(n))
+    held = {name: i for i, names in enumerate(saved) if isinstance(names, list)
+            for name in names}
+    out = []
+    for j, names in enumerate(group_names(opt, model)):
+        found = sorted({held[x] for x in names if x in held})
+        if len(found) > 1:
+            raise CheckpointError(
+                f"{where}: this optimizer's param group {j} holds parameters the saved run "
+                f"kept in groups {found} ({names[0]}, ...); build the param groups as the "
+                f"saved run did, or load without the optimizer (optimizer=None)")
+        out.append(found[0] if found else j)
+    return out
+
+
+def check_optimizer(opt, rest: dict[str, Any], where: str,
+                    model: nn.Module | None = None) -> None:
     """What ``_opt.set_state`` will need from the checkpoint, checked before the
     load writes anything."""
     inner = getattr(opt, "inner", opt)
@@ -133,8 +167,12 @@ def check_optimizer(opt, rest: dict[str, Any], where: str) -> None:
     if getattr(opt, "scaler", None) is not None and rest.get("scaler") is not None and \
             not isinstance(rest["scaler"], dict):
         raise CheckpointError(f"{where}: the loss scaler's state is damaged")
-    for saved, own in zip(groups or (), inner.param_groups):
-        differs = same_shape(saved, {k: v for k, v in own.items() if k != "params"},
+    sources = group_sources(opt, model, rest, where) if groups is not None else []
+    if any(not 0 <= i < len(groups) for i in sources):
+        raise CheckpointError(f"{where}: the optimizer's group names are damaged; load an "
+                              f"older checkpoint")
+    for i, own in zip(sources, inner.param_groups):
+        differs = same_shape(groups[i], {k: v for k, v in own.items() if k != "params"},
                              "param_groups", common_only=True)
         if differs:
             raise CheckpointError(f"{where}: the optimizer's {differs}; build the optimizer as "
@@ -289,7 +327,8 @@ def optimizer_state(opt, model: nn.Module | None = None
                         f"bool). Keep it as a tensor in the optimizer, or save without the "
                         f"optimizer (optimizer=None) and rebuild it")
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
-    rest: dict[str, Any] = {"param_groups": _jsonable(groups, "optimizer param_groups")}
+    rest: dict[str, Any] = {"param_groups": _jsonable(groups, "optimizer param_groups"),
+                            "group_names": group_names(opt, model)}
     if numbers:
         rest["state_numbers"] = numbers
     if getattr(opt, "scaler", None) is not None:
