@@ -123,8 +123,9 @@ def as_packed(batch: Mapping, takes) -> Mapping:
     starts, holes = _starts(pos, real)
     if not bool((starts.sum(1) > 1).any()):
         return out                       # one sample a row: transformers reads the mask
-    if bool(holes.any()):
-        row, col = (int(v) for v in holes.nonzero()[0])
+    first = _first(holes)
+    if first is not None:
+        row, col = first
         raise ConfigError(
             f"step: a row of the batch (row {row} of this microbatch) packs samples "
             f"(position_ids start again inside it) and masks tokens inside one of them "
@@ -142,6 +143,14 @@ def as_packed(batch: Mapping, takes) -> Mapping:
     return out
 
 
+def _first(flags: Tensor) -> tuple[int, int] | None:
+    """(row, column) of the first True of a 2-d bool tensor, or None."""
+    if not bool(flags.any()):
+        return None
+    row, col = (int(v) for v in flags.nonzero()[0])
+    return row, col
+
+
 def check_labels_after_padding(batch: Mapping, layout: Layout, what: str, fix: str) -> None:
     """Refuse a padded batch whose loss would read a padding token's output: a label other
     than -100 right after a token with ``attention_mask`` 0. meshlab's attention over
@@ -155,9 +164,9 @@ def check_labels_after_padding(batch: Mapping, layout: Layout, what: str, fix: s
     if not isinstance(mask, Tensor) or not isinstance(labels, Tensor) or \
             mask.dim() != 2 or tuple(labels.shape) != tuple(mask.shape):
         return
-    reads = (mask[:, :-1] == 0) & (labels[:, 1:].to(mask.device) != -100)
-    if bool(reads.any()):
-        row, col = (int(x) for x in reads.nonzero()[0])
+    first = _first((mask[:, :-1] == 0) & (labels[:, 1:].to(mask.device) != -100))
+    if first is not None:
+        row, col = first
         raise ConfigError(
             f"{what}: row {row} of this batch labels column {col + 1} (not -100) after a "
             f"padding token (attention_mask 0 at column {col}), so the loss reads that "
