@@ -369,6 +369,34 @@ def kernels(op: str, x):
     return cpu_kernels(op) if dev == "cpu" else triton_kernels(op)
 
 
+def hopper_package(module: str, dist: str, name: str, without: str):
+    """``(module.name, dist's version)`` where ``module`` is installed and this is a Hopper
+    card (the CuTe-DSL kernels of flash-attn-4 and quack-kernels), else None. One that is
+    installed but fails to import raises, naming ``without`` (what runs in its place):
+    it would otherwise be skipped without a word."""
+    import importlib
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    if importlib.util.find_spec(module.split(".")[0]) is None or \
+            not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    try:                      # (finding a submodule imports its package)
+        if importlib.util.find_spec(module) is None:
+            return None       # another distribution of the package (flash-attn 2's)
+        found = getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise ImportError(f"{dist} is installed but cannot be imported ({e}); install its "
+                          f"CuTe DSL libraries (nvidia-cutlass-dsl), or uninstall {dist} "
+                          f"({without})") from e
+    try:
+        return found, version(dist)
+    except PackageNotFoundError:
+        return found, "?"
+
+
 def stat_dtype(x):
     """The dtype of the per-row statistics a norm keeps for its backward: float32, float64
     for float64 inputs (which only the PyTorch reference math takes)."""

@@ -375,26 +375,8 @@ def _flash_attn():
 def _flash_attn_4():
     """``(flash_attn.cute.flash_attn_func, version)`` where flash-attn-4 is installed and
     this is a Hopper card, else ``None``. An installed one that fails to import raises."""
-    import importlib.util
-
-    if importlib.util.find_spec("flash_attn") is None or \
-            importlib.util.find_spec("flash_attn.cute") is None:
-        return None
-    if torch.cuda.get_device_capability() != (9, 0):
-        return None
-    try:
-        from flash_attn.cute import flash_attn_func
-    except ImportError as e:
-        raise ImportError(f"flash-attn-4 is installed but cannot be imported ({e}); install "
-                          f"its CuTe DSL libraries (nvidia-cutlass-dsl), or uninstall "
-                          f"flash-attn-4 (attention then runs on cuDNN)") from e
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ver = version("flash-attn-4")
-    except PackageNotFoundError:
-        ver = "?"
-    return flash_attn_func, ver
+    return _build.hopper_package("flash_attn.cute", "flash-attn-4", "flash_attn_func",
+                                 "attention then runs on cuDNN")
 
 
 # flash-attn-4 takes the training pass (forward and backward) at these head dims: measured

@@ -254,25 +254,8 @@ QUACK_TUNED = True
 def _quack_mlp():
     """``(quack.mlp.mlp_func, version)`` where quack-kernels is installed and this is a
     Hopper card, else None. An installed one that fails to import raises."""
-    import importlib.util
-
-    if importlib.util.find_spec("quack") is None or not torch.cuda.is_available() or \
-            torch.cuda.get_device_capability() != (9, 0):
-        return None
-    try:
-        from quack.mlp import mlp_func
-    except ImportError as e:
-        raise ImportError(f"quack-kernels is installed but cannot be imported ({e}); install "
-                          f"its CuTe DSL libraries (nvidia-cutlass-dsl), or uninstall "
-                          f"quack-kernels (the MLP then runs on cuBLAS and meshlab's "
-                          f"kernels)") from e
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ver = version("quack-kernels")
-    except PackageNotFoundError:
-        ver = "?"
-    return mlp_func, ver
+    return _build.hopper_package("quack.mlp", "quack-kernels", "mlp_func",
+                                 "the MLP then runs on cuBLAS and meshlab's kernels")
 
 
 def _quack_route(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: str):

@@ -24,9 +24,9 @@ replica would set it from its own share of the batch and the replicas then train
 and under ``zero_shard`` the forward writes the gathered copy, which FSDP drops after the
 forward, so the write is lost. Neither says so. The parameters this rank holds are
 compared before and after the first microbatch's forward (their identity and version
-counter), and each module that holds a parameter directly is hooked for that forward, so
-that a write to a gathered copy is seen before the copy is dropped; a module inside a
-compiled block is not hooked (its hooks would be compiled with it).
+counter), and each FSDP2 unit is hooked for that forward, so that a write to a gathered
+copy is seen before the copy is dropped (``transforms._buffers.ParamWrites``; a unit
+inside a compiled block is not hooked, its hooks would be compiled with it).
 
 A room whose own schedule runs the microbatches' forwards (the pipeline's) cannot stop
 between them: it watches with ``transforms._buffers.ForwardWatch`` instead.
@@ -39,6 +39,7 @@ from torch import nn
 from ..core.agree import agree, alone
 from ..core.digest import digests, shard_key
 from ..transforms._buffers import REPLICA_FIX, ParamWrites, again_error, changed, versions
+
 
 class BufferWatch:
     """The model's buffers before a training step's first forward (identity and version
@@ -93,4 +94,3 @@ def watch(model: nn.Module, rt, microbatches: int) -> BufferWatch | None:
         return None
     rt._buffers_watched = True
     return BufferWatch(model)
-

@@ -323,10 +323,11 @@ class MeshOptimizer(torch.optim.Optimizer):
             for grp in groups:
                 dist.all_reduce(s, group=grp)
             total += s.to(total.device)
-        for part in self.rt.parts:
-            for grp in part.norm_groups():
-                total = total.double()
-                dist.all_reduce(total, group=grp)
+        stages = [grp for part in self.rt.parts for grp in part.norm_groups()]
+        if stages:
+            total = total.double()
+        for grp in stages:
+            dist.all_reduce(total, group=grp)
         return total.sqrt()
 
     @torch.no_grad()

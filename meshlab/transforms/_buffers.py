@@ -58,6 +58,19 @@ PIPELINE_WHY = ("of a pipeline stage: each microbatch's forward writes it (and t
                 "process writes it from the whole batch")
 
 
+def _written(before: dict, named) -> list:
+    """(name, tensor) of each of ``named`` that is the tensor ``before`` holds for its
+    name ((identity, version)) at a later version: written in place. Another tensor under
+    the name is not a write (FSDP2 registers its gathered copies for the forward, and
+    without resharding after it leaves them registered)."""
+    out = []
+    for n, p in named:
+        was = before.get(n)
+        if was is not None and was[0] == id(p) and was[1] != p._version:
+            out.append((n, p))
+    return out
+
+
 class ParamWrites:
     """The parameters written in place by one forward of ``model``: each one this rank
     holds, by identity and version before and after (see :meth:`done`), and, through
@@ -91,13 +104,10 @@ class ParamWrites:
         self._seen[name] = {k: (id(p), p._version) for k, p in module.named_parameters()}
 
     def _post(self, name, module, args, out) -> None:
-        before = self._seen.pop(name, {})
-        for k, p in module.named_parameters():
-            was = before.get(k)
-            if was is not None and was[0] == id(p) and p._version != was[1]:
-                full = self.names.get(id(p), f"{name}.{k}" if name else k)
-                if full not in self.gathered:
-                    self.gathered.append(full)
+        for k, p in _written(self._seen.pop(name, {}), module.named_parameters()):
+            full = self.names.get(id(p), f"{name}.{k}" if name else k)
+            if full not in self.gathered:
+                self.gathered.append(full)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -108,11 +118,8 @@ class ParamWrites:
         """The hooks removed; the error naming the first parameter the forward wrote
         (``why`` says why a parameter written in place is not exact there), or None."""
         self.close()
-        # the same tensor with a later version (FSDP2 without resharding after the forward
-        # leaves its gathered copies registered: another tensor, not a write)
-        written = [self.names.get(id(p), n) for n, p in self.model.named_parameters()
-                   if self.before.get(n, (None, 0))[0] == id(p) and
-                   self.before[n][1] != p._version]
+        written = [self.names.get(id(p), n)
+                   for n, p in _written(self.before, self.model.named_parameters())]
         lost = [n for n in self.gathered if n not in written]
         if lost:
             return ConfigError(
@@ -130,11 +137,11 @@ class ForwardWatch:
     microbatches' forwards itself: ``modules`` is ``(where, module)`` pairs (``where``, a
     pipeline stage's name, tells apart the copies of a buffer that the ranks compare);
     ``names`` the model's name of each buffer and parameter by identity (else the
-    module's own name);
-    ``skip_first``: each module's first forward is not counted (a schedule's setup)."""
+    module's own name); ``skip_first``: each module's first forward is not counted (a
+    schedule's setup)."""
 
     def __init__(self, modules, names=None, skip_first: bool = False) -> None:
-        self.names = names or {}     # id(buffer) -> its name in the model
+        self.names = names or {}     # id(buffer or parameter) -> its name in the model
         self._skip = {where for where, _ in modules} if skip_first else set()
         self.first: dict[str, tuple] = {}     # name -> (where, buffer, digest)
         self.again: list[str] = []

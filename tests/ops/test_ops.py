@@ -653,3 +653,30 @@ def test_float64_inputs_compute_in_float64():
         for i, (a, e) in enumerate(zip(got, want)):
             torch.testing.assert_close(a, e, rtol=1e-11, atol=1e-11,
                                        msg=lambda m: f"{name} gradient {i}: {m}")
+
+
+def test_hopper_package_takes_what_imports_and_names_what_does_not(tmp_path, monkeypatch):
+    """flash-attn-4's and quack-kernels' loader (``_build.hopper_package``): a package
+    that imports gives its object, one without the submodule (flash-attn 2's
+    ``flash_attn``) gives None, and one that fails to import raises naming the fix."""
+    import sys
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    for pkg, files in {"okpkg": {"__init__.py": "", "cute.py": "fn = 7\n"},
+                       "nocute": {"__init__.py": ""},
+                       "badpkg": {"__init__.py": "", "cute.py": "import no_such_dsl\n"}}.items():
+        (tmp_path / pkg).mkdir()
+        for name, text in files.items():
+            (tmp_path / pkg / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert _build.hopper_package("okpkg.cute", "okpkg", "fn", "x") == (7, "?")
+        assert _build.hopper_package("nocute.cute", "nocute", "fn", "x") is None
+        assert _build.hopper_package("absent_pkg.cute", "absent", "fn", "x") is None
+        with pytest.raises(ImportError, match=r"badpkg is installed but cannot be imported"
+                                              r".*uninstall badpkg \(attention runs"):
+            _build.hopper_package("badpkg.cute", "badpkg", "fn", "attention runs on cuDNN")
+    finally:
+        for m in [m for m in sys.modules if m.split(".")[0] in ("okpkg", "nocute", "badpkg")]:
+            del sys.modules[m]
