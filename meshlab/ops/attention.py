@@ -21,6 +21,11 @@ head. Paths, each recorded in ``_build.LAST_PATH[("attention", device)]``:
 * CPU, float32 or bfloat16: the C++ kernel in ``csrc/attention_cpu.cpp`` (tiles of 64
   queries x 64 keys, online softmax, float32 accumulation, OpenMP; with segments, tile
   pairs whose segment ids cannot meet are skipped).
+* CUDA, the training pass (a graph recorded for the backward) of :func:`attention` on
+  plain float16/bfloat16 tensors at head dim 64 or 128 where flash-attn-4 runs (a Hopper
+  card): flash-attn-4's ``flash_attn_func``, eagerly with its own autograd; under
+  ``torch.compile`` through ``meshlab::flash_attention_4`` and its backward, ops that hold
+  the same two kernels where a graph cannot trace flash-attn-4's Python entry point.
 * CUDA, :func:`attention` on plain tensors in float16/bfloat16 with ``D <= 256`` and the
   ``flash_attn`` package importable: ``flash_attn.flash_attn_func`` (its own autograd);
   with segments, flash-attn-4's or FlashAttention-2's ``flash_attn_varlen_func`` where
@@ -419,11 +424,101 @@ def _varlen(segments: Tensor, kv_segments: Tensor | None) -> tuple[Tensor, int] 
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+def _training_pass(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether this call is one flash-attn-4 takes: a head dim it was measured faster at,
+    and a graph recorded for the backward."""
+    return q.shape[-1] in _FA4_HEAD_DIMS and torch.is_grad_enabled() and \
+        any(t.requires_grad for t in (q, k, v))
+
+
 def _fa4_for(q: Tensor, k: Tensor, v: Tensor):
-    if q.shape[-1] not in _FA4_HEAD_DIMS or not torch.is_grad_enabled() or \
-            not any(t.requires_grad for t in (q, k, v)):
+    return _flash_attn_4() if _training_pass(q, k, v) else None
+
+
+@functools.cache
+def _flash_attn_4_backward():
+    """flash-attn-4's backward entry (``flash_attn.cute.interface._flash_attn_bwd``, which
+    its own autograd calls: ``(dq, dk, dv)`` of ``(q, k, v, out, dout, lse, scale, causal)``
+    in its (B, S, H, D) layout) where :func:`_flash_attn_4` runs and this version has it,
+    else None."""
+    if _flash_attn_4() is None:
         return None
-    return _flash_attn_4()
+    from flash_attn.cute import interface
+
+    return getattr(interface, "_flash_attn_bwd", None)
+
+
+@torch.compiler.assume_constant_result
+def _fa4_compiles() -> bool:
+    """Whether ``meshlab::flash_attention_4`` can run here (flash-attn-4 with its backward
+    entry, on Hopper): read once, a constant to ``torch.compile``, which would otherwise
+    trace the import."""
+    return _flash_attn_4_backward() is not None
+
+
+def _t(x: Tensor) -> Tensor:
+    return x.transpose(1, 2)
+
+
+@torch.library.custom_op("meshlab::flash_attention_4", mutates_args=())
+def flash_attention_4(q: Tensor, k: Tensor, v: Tensor, causal: bool,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    """flash-attn-4's forward as an op a compiled graph can hold (its Python entry point
+    cannot be traced): q (B, Hq, S, D), k, v (B, Hkv, Skv, D) -> (out laid out as
+    ``_layout`` says, lse (B, Hq, S) as ``meshlab::attention``'s). The training pass of
+    :func:`attention` under ``torch.compile``, where the eager pass calls flash-attn-4
+    itself. Where flash-attn-4 does not run, the same math on ``meshlab::attention``'s
+    kernels (its forward and backward both, the path recorded)."""
+    if _flash_attn_4_backward() is None:
+        out, lse = _forward(q, k, v, causal, scale)
+        return _layout(out, q), _build.contiguous(lse)
+    fn, ver = _flash_attn_4()
+    _build.record("attention", "cuda", True, f"flash-attn-4 {ver} (training pass, compiled)")
+    out, lse = fn(_t(q), _t(k), _t(v), softmax_scale=scale, causal=causal, return_lse=True)
+    return _layout(_t(out), q), _build.contiguous(lse)
+
+
+@flash_attention_4.register_fake
+def _(q, k, v, causal, scale):
+    _check(q, k, v, causal)
+    return _empty(q), q.new_empty(q.shape[:-1], dtype=_build.stat_dtype(q))
+
+
+@torch.library.custom_op("meshlab::flash_attention_4_backward", mutates_args=())
+def flash_attention_4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                               lse: Tensor, causal: bool,
+                               scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """flash-attn-4's backward of :func:`flash_attention_4` -> (dq, dk, dv), each laid out
+    as ``_layout`` says for q, k and v."""
+    bwd = _flash_attn_4_backward()
+    if bwd is None:
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, causal, scale)
+        return _layout(dq, q), _layout(dk, k), _layout(dv, v)
+    dq, dk, dv = bwd(_t(q), _t(k), _t(v), _t(out), _t(dout), lse, scale, causal)
+    return _layout(_t(dq), q), _layout(_t(dk), k), _layout(_t(dv), v)
+
+
+@flash_attention_4_backward.register_fake
+def _(dout, q, k, v, out, lse, causal, scale):
+    return _empty(q), _empty(k), _empty(v)
+
+
+def _fa4_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _fa4_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.meshlab.flash_attention_4_backward(dout, q, k, v, out, lse,
+                                                              ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+flash_attention_4.register_autograd(_fa4_backward, setup_context=_fa4_setup_context)
 
 
 def _is_plain(t: Tensor) -> bool:
@@ -461,6 +556,19 @@ def _varlen_attention(q, k, v, causal, scale, segments, kv_segments) -> Tensor |
     return out.view(b, s, h, d).transpose(1, 2)
 
 
+def _cuda_half(q: Tensor) -> bool:
+    return q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _compiled_fa4(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a call traced by ``torch.compile`` takes ``meshlab::flash_attention_4``: the
+    training pass of plain half-precision CUDA tensors where flash-attn-4 runs, as the
+    eager pass would call flash-attn-4 itself."""
+    return (torch.compiler.is_compiling() and _cuda_half(q) and _fa4_compiles()
+            and _build.native_disabled_reason() is None
+            and all(_is_plain(t) for t in (q, k, v)) and _training_pass(q, k, v))
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
               scale: float | None = None, segments: Tensor | None = None,
               kv_segments: Tensor | None = None) -> Tensor:
@@ -478,16 +586,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
     scale = _default_scale(q, scale)
     # Under torch.compile the custom op runs (its fake kernel is what the graph needs);
     # flash-attn's Python entry point cannot be traced, and importing it breaks the graph.
-    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
+    if (_cuda_half(q) and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
             and _build.native_disabled_reason() is None
             and all(_is_plain(t) for t in (q, k, v)) and segments is not None
             and _is_plain(segments) and _is_plain(kv_segments)):
         out = _varlen_attention(q, k, v, causal, scale, segments, kv_segments)
         if out is not None:
             return out
-    elif (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
+    elif (_cuda_half(q) and q.shape[-1] <= 256 and not torch.compiler.is_compiling()
             and _build.native_disabled_reason() is None
             and all(_is_plain(t) for t in (q, k, v)) and segments is None):
         fa4 = _fa4_for(q, k, v)
@@ -507,6 +613,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
             out = fa.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                      dropout_p=0.0, softmax_scale=scale, causal=causal)
             return out.transpose(1, 2)
+    elif segments is None and _compiled_fa4(q, k, v):
+        return torch.ops.meshlab.flash_attention_4(q, k, v, causal, scale)[0]
     if _build.eager(q, k, v):
         return _Eager.apply(q, k, v, causal, scale, segments, kv_segments)
     return torch.ops.meshlab.attention(q, k, v, causal, scale, segments, kv_segments)[0]

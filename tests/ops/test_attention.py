@@ -213,6 +213,80 @@ def test_cuda_calls_fit_the_aten_schemas():
     torch.testing.assert_close(cuda_mod._reduce(big, 3), kv * 3)
 
 
+def _stand_in_fa4(monkeypatch, calls):
+    """flash-attn-4's two entry points as the op calls them, in its (B, S, H, D) layout and
+    contiguous as it returns them, computed by the reference math (the layouts and the
+    autograd wiring of ``meshlab::flash_attention_4`` are what a CPU can test)."""
+    def fwd(q, k, v, softmax_scale, causal, return_lse):
+        assert return_lse and q.shape[1] == k.shape[1]               # (B, S, H, D)
+        calls.append("fwd")
+        t = lambda x: x.transpose(1, 2)                                # noqa: E731
+        out, lse = attn_mod._fwd_torch(t(q), t(k), t(v), causal, softmax_scale)
+        return t(out).contiguous(), lse.float()                  # float32, as its lse
+
+    def bwd(q, k, v, out, dout, lse, scale, causal):
+        calls.append("bwd")
+        t = lambda x: x.transpose(1, 2)                                # noqa: E731
+        return [t(g).contiguous() for g in
+                attn_mod._bwd_torch(t(dout), t(q), t(k), t(v), t(out), lse, causal, scale)]
+
+    monkeypatch.setattr(attn_mod, "_flash_attn_4", lambda: (fwd, "stand-in"))
+    monkeypatch.setattr(attn_mod, "_flash_attn_4_backward", lambda: bwd)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "hugging_face"])
+def test_flash_attention_4_op_matches_reference(monkeypatch, layout):
+    """``meshlab::flash_attention_4`` (flash-attn-4 inside a compiled graph) hands its inputs
+    over transposed to (B, S, H, D), returns the output and gradients in the layouts its
+    fake kernels promise, and its autograd gives the reference's gradients, grouped-query
+    heads summed by the kernel."""
+    calls = []
+    _stand_in_fa4(monkeypatch, calls)
+    b, hq, hkv, s, d = 2, 4, 2, 37, 64
+    g = torch.Generator().manual_seed(3)
+    if layout == "contiguous":
+        q, k, v = (torch.randn(b, h, s, d, generator=g) for h in (hq, hkv, hkv))
+    else:                           # projections viewed as (B, S, H, D), then transposed
+        q, k, v = (torch.randn(b, s, h, d, generator=g).transpose(1, 2)
+                   for h in (hq, hkv, hkv))
+    got, gout = _fwd_bwd(lambda *a: torch.ops.meshlab.flash_attention_4(*a, True, 0.125)[0],
+                         q, k, v)
+    want, _ = _fwd_bwd(attention_reference, q, k, v, gout, causal=True, scale=0.125)
+    assert calls == ["fwd", "bwd"]
+    for a, e, ref in zip(got, want, (q, q, k, v)):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+        assert a.stride() == attn_mod._empty(ref).stride()        # what the fakes promise
+    torch.library.opcheck(torch.ops.meshlab.flash_attention_4.default, (q, k, v, True, 0.125),
+                          test_utils=("test_schema", "test_faketensor"))
+    out, lse = torch.ops.meshlab.flash_attention_4(q, k, v, True, 0.125)
+    torch.library.opcheck(torch.ops.meshlab.flash_attention_4_backward.default,
+                          (gout, q, k, v, out, lse, True, 0.125),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiled_training_pass_takes_flash_attention_4_where_it_runs(monkeypatch):
+    """Under ``torch.compile`` the training pass at head dims 64 and 128 takes
+    ``meshlab::flash_attention_4`` where flash-attn-4 runs (the eager pass calls
+    flash-attn-4 itself); inference, other head dims, a machine without it and native
+    kernels turned off keep ``meshlab::attention``. (The device and compile state are
+    posed: a CPU has neither.)"""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(attn_mod, "_cuda_half", lambda q: True)
+
+    def takes(d=64, grad=True, fa4=True):
+        monkeypatch.setattr(attn_mod, "_fa4_compiles", lambda: fa4)
+        q, k, v = (torch.empty(2, h, 16, d, dtype=torch.bfloat16).requires_grad_(grad)
+                   for h in (4, 2, 2))
+        return attn_mod._compiled_fa4(q, k, v)
+
+    assert takes() and takes(d=128)
+    assert not takes(d=96) and not takes(grad=False) and not takes(fa4=False)
+    with torch.no_grad():
+        assert not takes()
+    monkeypatch.setenv("MESHLAB_OPS_NATIVE", "0")
+    assert not takes()
+
+
 # ---------------------------------------------------------------------------- DTensor
 
 def case_dtensor_attention(rank, world):

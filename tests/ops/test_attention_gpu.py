@@ -119,6 +119,31 @@ def test_flash_attn_4_takes_the_training_pass(d, causal):
     assert not _build.LAST_PATH[("attention", "cuda")].reason.startswith("flash-attn-4")
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_compiled_training_pass_takes_flash_attn_4(d, causal):
+    """Under ``torch.compile`` the training pass runs flash-attn-4 through
+    ``meshlab::flash_attention_4`` (no graph break), with Hugging Face's (B, S, H, D)
+    projections transposed: forward and gradients within bf16 rounding of the float32
+    reference, and within flash-attn-4's own eager pass's to its run-to-run spread."""
+    from meshlab.ops import _build, attention
+
+    if _mod()._flash_attn_4_backward() is None:
+        pytest.skip("flash-attn-4 is not installed, or this is not a Hopper card")
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)     # (B, S, H, D) memory
+               for t in _inputs(2, 8, 2, 256, d, torch.bfloat16))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, causal: attention(q, k, v, causal=causal),
+                             fullgraph=True)
+    _compare(compiled, q, k, v, causal)
+    assert _build.LAST_PATH[("attention", "cuda")].reason.endswith("(training pass, compiled)"), \
+        _build.LAST_PATH[("attention", "cuda")]
+    got, gout = _fwd_bwd(compiled, q, k, v, causal=causal)
+    want, _ = _fwd_bwd(attention, q, k, v, gout, causal=causal)
+    errs = {n: _rel(a, e) for n, a, e in zip(("out", "dq", "dk", "dv"), got, want)}
+    assert all(e < 1e-3 for e in errs.values()), errs
+
+
 def test_lse_matches_reference():
     mod = _mod()
     for dtype in (torch.bfloat16, torch.float32):

@@ -226,7 +226,7 @@ def _segment_ids(layout: str):
     return seg
 
 
-def _attention(layout: str) -> list[Case]:
+def _attention(layout: str, name: str = "attention") -> list[Case]:
     q, k, v, causal = _qkv("contiguous" if layout == "segments" else
                            "transposed" if layout == "segments_strided" else layout)
     seg = _segment_ids(layout)
@@ -249,10 +249,9 @@ def _attention(layout: str) -> list[Case]:
         return _vjp(lambda q, k, v: attention_reference(q, k, v, causal, scale, *segs),
                     (q, k, v), (0, 1, 2), dout)
 
-    return [Case(torch.ops.meshlab.attention.default, (q, k, v, causal, scale, *segs),
-                 (0, 1, 2), want_fwd),
-            Case(torch.ops.meshlab.attention_backward.default,
-                 (dout, q, k, v, out, lse, causal, scale, *segs), (), want_bwd)]
+    fwd, bwd = getattr(torch.ops.meshlab, name), getattr(torch.ops.meshlab, f"{name}_backward")
+    return [Case(fwd.default, (q, k, v, causal, scale, *segs), (0, 1, 2), want_fwd),
+            Case(bwd.default, (dout, q, k, v, out, lse, causal, scale, *segs), (), want_bwd)]
 
 
 # ---------------------------------------------------------------------------- loss head
@@ -349,6 +348,10 @@ BUILDERS = {"rotary": (_rotary, ("contiguous", "transposed", "sliced", "hf_table
                       ("contiguous", "transposed", "sliced", "expanded")),
             "attention": (_attention, ("contiguous", "transposed", "sliced", "expanded",
                                        "decode", "segments", "segments_strided")),
+            # flash-attn-4's ops, where it does not run: the same math on meshlab's kernels
+            "flash_attention_4": (lambda layout: _attention(layout, "flash_attention_4"),
+                                  ("contiguous", "transposed", "sliced", "expanded",
+                                   "decode")),
             "linear_cross_entropy": (_linear_cross_entropy, ("contiguous", "transposed",
                                                              "sliced", "expanded")),
             "paged_attention": (_paged_attention, ("contiguous", "transposed", "decode")),

@@ -27,7 +27,8 @@ def remat_forward(forward, policy: str, seen: list | None = None):
                 torch.ops.aten._scaled_dot_product_efficient_attention.default,
                 torch.ops.aten._scaled_dot_product_cudnn_attention.default,
                 torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-                torch.ops.meshlab.attention.default}
+                torch.ops.meshlab.attention.default,
+                torch.ops.meshlab.flash_attention_4.default}
 
         def policy_fn(ctx, op, *args, **kwargs):
             if seen is not None:
