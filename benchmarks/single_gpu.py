@@ -26,6 +26,8 @@ Rows (each from the same bf16 weights, on the same batch):
   is installed on a Hopper card, in place of cuBLAS products and Triton activation passes;
 * ``meshlab_fuse_quack_mlp_untuned`` -- the same in quack's default tile configurations
   (``QUACK_TUNED`` off: no autotuning at the first call);
+* ``meshlab_fuse_add_apart`` -- ``meshlab_fuse`` with each layer's last residual add a
+  pass of its own after the MLP, not inside its down product (the comparison for that);
 * ``meshlab_blocks_pwcat``, ``meshlab_graphs_pwcat`` -- ``meshlab_blocks`` and
   ``meshlab_graphs`` with inductor's ``force_pointwise_cat``;
 * ``meshlab_count<k>``  -- (8B) ``ml.fuse() | ml.remat('full', count=k)``: k of the 32
@@ -270,16 +272,20 @@ def _step_fn(name: str, model, batch, shape: dict | None = None):
         return _patched(step, "_backward_side_by_side", lambda *a: None)
     if name == "meshlab_fuse_quack_mlp":    # the MLP on quack-kernels' gated GEMMs
         return _patched(step, "QUACK_MLP", True)
+    if name == "meshlab_fuse_add_apart":    # the last residual add after the MLP
+        return _patched(step, "_bare_call", lambda m, f: False,
+                        "meshlab.transforms.fuse._residual")
     if name == "meshlab_fuse_quack_mlp_untuned":    # ... in their default tile configuration
         return _patched(_patched(step, "QUACK_TUNED", False), "QUACK_MLP", True)
     return step
 
 
-def _patched(step, attr: str, value):
-    """``step`` run with ``meshlab.ops.swiglu.<attr>`` set to ``value`` (the comparison
-    rows for one change to the fused MLP)."""
-    from meshlab.ops import swiglu as _  # noqa: F401 -- the module, loaded
-    S = sys.modules["meshlab.ops.swiglu"]
+def _patched(step, attr: str, value, module: str = "meshlab.ops.swiglu"):
+    """``step`` run with ``<module>.<attr>`` set to ``value`` (the comparison rows for one
+    change to the fused MLP)."""
+    import importlib
+
+    S = importlib.import_module(module)
 
     def run():
         kept = getattr(S, attr)

@@ -460,47 +460,66 @@ def _t(x: Tensor) -> Tensor:
     return x.transpose(1, 2)
 
 
+def _bshd(t: Tensor) -> Tensor:
+    """On CUDA, (B, H, S, D) ``t`` in (B, S, H, D) memory, the layout flash-attn-4 writes its
+    output and gradients in and Hugging Face's projections hand over: so returned from it
+    as they are, no copy (a promise of ``q``'s layout copied each of them where ``q`` came
+    (B, H, S, D)-contiguous, as a compiled rotary hands it over). On the CPU contiguous, as
+    every op's outputs there."""
+    return _t(_build.contiguous(_t(t))) if t.device.type == "cuda" else _build.contiguous(t)
+
+
+def _bshd_empty(ref: Tensor) -> Tensor:
+    if ref.device.type != "cuda":
+        return ref.new_empty(ref.shape)
+    b, h, s, d = ref.shape
+    return _t(ref.new_empty(b, s, h, d))
+
+
 @torch.library.custom_op("meshlab::flash_attention_4", mutates_args=())
 def flash_attention_4(q: Tensor, k: Tensor, v: Tensor, causal: bool,
                       scale: float) -> tuple[Tensor, Tensor]:
     """flash-attn-4's forward as an op a compiled graph can hold (its Python entry point
-    cannot be traced): q (B, Hq, S, D), k, v (B, Hkv, Skv, D) -> (out laid out as
-    ``_layout`` says, lse (B, Hq, S) as ``meshlab::attention``'s). The training pass of
+    cannot be traced): q (B, Hq, S, D), k, v (B, Hkv, Skv, D) -> (out (B, Hq, S, D) in
+    (B, S, Hq, D) memory (:func:`_bshd`), lse (B, Hq, S) as ``meshlab::attention``'s). The training pass of
     :func:`attention` under ``torch.compile``, where the eager pass calls flash-attn-4
     itself. Where flash-attn-4 does not run, the same math on ``meshlab::attention``'s
     kernels (its forward and backward both, the path recorded)."""
     if _flash_attn_4_backward() is None:
         out, lse = _forward(q, k, v, causal, scale)
-        return _layout(out, q), _build.contiguous(lse)
-    fn, ver = _flash_attn_4()
-    _build.record("attention", "cuda", True, f"flash-attn-4 {ver} (training pass, compiled)")
-    out, lse = fn(_t(q), _t(k), _t(v), softmax_scale=scale, causal=causal, return_lse=True)
-    return _layout(_t(out), q), _build.contiguous(lse)
+    else:
+        fn, ver = _flash_attn_4()
+        _build.record("attention", "cuda", True,
+                      f"flash-attn-4 {ver} (training pass, compiled)")
+        out, lse = fn(_t(q), _t(k), _t(v), softmax_scale=scale, causal=causal,
+                      return_lse=True)
+        out = _t(out)
+    return _bshd(out), _build.contiguous(lse)
 
 
 @flash_attention_4.register_fake
 def _(q, k, v, causal, scale):
     _check(q, k, v, causal)
-    return _empty(q), q.new_empty(q.shape[:-1], dtype=_build.stat_dtype(q))
+    return _bshd_empty(q), q.new_empty(q.shape[:-1], dtype=_build.stat_dtype(q))
 
 
 @torch.library.custom_op("meshlab::flash_attention_4_backward", mutates_args=())
 def flash_attention_4_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                                lse: Tensor, causal: bool,
                                scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """flash-attn-4's backward of :func:`flash_attention_4` -> (dq, dk, dv), each laid out
-    as ``_layout`` says for q, k and v."""
+    """flash-attn-4's backward of :func:`flash_attention_4` -> (dq, dk, dv), each in
+    (B, S, H, D) memory (:func:`_bshd`)."""
     bwd = _flash_attn_4_backward()
     if bwd is None:
-        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, causal, scale)
-        return _layout(dq, q), _layout(dk, k), _layout(dv, v)
-    dq, dk, dv = bwd(_t(q), _t(k), _t(v), _t(out), _t(dout), lse, scale, causal)
-    return _layout(_t(dq), q), _layout(_t(dk), k), _layout(_t(dv), v)
+        grads = _backward_impl(dout, q, k, v, out, lse, causal, scale)
+    else:
+        grads = map(_t, bwd(_t(q), _t(k), _t(v), _t(out), _t(dout), lse, scale, causal))
+    return tuple(_bshd(g) for g in grads)
 
 
 @flash_attention_4_backward.register_fake
 def _(dout, q, k, v, out, lse, causal, scale):
-    return _empty(q), _empty(k), _empty(v)
+    return _bshd_empty(q), _bshd_empty(k), _bshd_empty(v)
 
 
 def _fa4_setup_context(ctx, inputs, output):

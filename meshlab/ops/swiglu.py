@@ -181,11 +181,17 @@ class _MLP(torch.autograd.Function):
     (``benchmarks/results/mlp_nvidia_h100_80gb_hbm3.json``, ``dw_one``/``dw_two``)."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, name):
+    def forward(ctx, x, w_gate, w_up, w_down, name, residual=None):
         a, b = F.linear(x, w_gate), F.linear(x, w_up)
         ctx.save_for_backward(x, a, b, w_gate, w_up, w_down)
         ctx.name = name
-        return F.linear(_gated(a, b, name), w_down)
+        y = _gated(a, b, name)
+        if residual is None:
+            return F.linear(y, w_down)
+        # the residual stream added inside the down product (cuBLAS's beta = 1 epilogue),
+        # not by a pass of its own over a (tokens, hidden) tensor
+        flat = residual.reshape(-1, residual.shape[-1])
+        return torch.addmm(flat, y.reshape(-1, y.shape[-1]), w_down.t()).view(residual.shape)
 
     @staticmethod
     def backward(ctx, dout):
@@ -214,7 +220,7 @@ class _MLP(torch.autograd.Function):
             dwu = flat(db).t() @ flat(x)
         if ctx.needs_input_grad[3]:
             dwd = flat(dout).t() @ flat(y)
-        return dx, dwg, dwu, dwd, None
+        return dx, dwg, dwu, dwd, None, dout if ctx.needs_input_grad[5] else None
 
 
 def _gated(a: Tensor, b: Tensor, name: str) -> Tensor:
@@ -223,7 +229,8 @@ def _gated(a: Tensor, b: Tensor, name: str) -> Tensor:
     return getattr(torch.ops.meshlab, name)(a, b)
 
 
-def _mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: str) -> Tensor:
+def _mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: str,
+         residual: Tensor | None = None) -> Tensor:
     if not (x.dtype == w_gate.dtype == w_up.dtype == w_down.dtype):
         raise TypeError(f"{name}_mlp: x {x.dtype}, w_gate {w_gate.dtype}, w_up {w_up.dtype} and "
                         f"w_down {w_down.dtype} must share one dtype; cast the weights")
@@ -232,13 +239,17 @@ def _mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: str) -> 
         raise ValueError(f"{name}_mlp: x {tuple(x.shape)}, w_gate {tuple(w_gate.shape)}, w_up "
                          f"{tuple(w_up.shape)}, w_down {tuple(w_down.shape)}: expected (..., h), "
                          f"(i, h), (i, h), (h, i)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"{name}_mlp: residual {tuple(residual.shape)} {residual.dtype} must "
+                         f"have x's shape and dtype, {tuple(x.shape)} {x.dtype}")
     quack = _quack_route(x, w_gate, w_up, w_down, name)
     if quack is not None:
         # The products with the activation in their epilogues; the gate and up weights as
         # one (2 * intermediate, hidden) operand, whose gradient autograd splits back.
-        return quack(x, torch.cat([w_gate, w_up]), w_down, activation=name,
-                     tuned=QUACK_TUNED, concat_layout=True)
-    return _MLP.apply(x, w_gate, w_up, w_down, name)
+        out = quack(x, torch.cat([w_gate, w_up]), w_down, activation=name,
+                    tuned=QUACK_TUNED, concat_layout=True)
+        return out if residual is None else residual + out
+    return _MLP.apply(x, w_gate, w_up, w_down, name, residual)
 
 
 # Whether a Hopper card with quack-kernels installed runs the MLP on its gated GEMMs (see
@@ -275,11 +286,13 @@ def _quack_route(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor, name: 
     return found[0]
 
 
-def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+               residual: Tensor | None = None) -> Tensor:
     """A gated MLP without biases, ``(silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T``, that
     keeps for the backward what a fused kernel needs and not the gate's output: per token
     ``2 * intermediate`` values saved, where ``down(swiglu(gate(x), up(x)))`` keeps 3 and
-    the unfused MLP 4.
+    the unfused MLP 4. With ``residual`` (x's shape and dtype), ``residual + mlp(x)``,
+    the sum taken inside the down product (a decoder layer's residual stream).
 
     x: (..., hidden); w_gate, w_up: (intermediate, hidden); w_down: (hidden, intermediate),
     all of one dtype. Plain tensors only (a DTensor's layout belongs to its modules' hooks).
@@ -290,12 +303,13 @@ def swiglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tenso
     >>> torch.allclose(swiglu_mlp(x, g, u, d), ref, atol=1e-4)
     True
     """
-    return _mlp(x, w_gate, w_up, w_down, "swiglu")
+    return _mlp(x, w_gate, w_up, w_down, "swiglu", residual)
 
 
-def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+def geglu_mlp(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+              residual: Tensor | None = None) -> Tensor:
     """:func:`swiglu_mlp` with the tanh GELU as the gate's activation (Gemma's MLP)."""
-    return _mlp(x, w_gate, w_up, w_down, "geglu")
+    return _mlp(x, w_gate, w_up, w_down, "geglu", residual)
 
 
 def swiglu(a: Tensor, b: Tensor) -> Tensor:

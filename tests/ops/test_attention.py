@@ -255,7 +255,7 @@ def test_flash_attention_4_op_matches_reference(monkeypatch, layout):
     assert calls == ["fwd", "bwd"]
     for a, e, ref in zip(got, want, (q, q, k, v)):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-        assert a.stride() == attn_mod._empty(ref).stride()        # what the fakes promise
+        assert a.stride() == attn_mod._bshd_empty(ref).stride()   # as the fakes promise
     torch.library.opcheck(torch.ops.meshlab.flash_attention_4.default, (q, k, v, True, 0.125),
                           test_utils=("test_schema", "test_faketensor"))
     out, lse = torch.ops.meshlab.flash_attention_4(q, k, v, True, 0.125)

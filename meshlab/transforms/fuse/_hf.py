@@ -206,23 +206,34 @@ def _saved_tensors_hooked() -> bool:
 
 
 def _fused_mlp_forward(self, x: Tensor) -> Tensor:
+    return fused_mlp(self, x)
+
+
+def fused_mlp(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    """A routed gated MLP's output for ``x``, plus ``residual`` where given (a decoder
+    layer's residual stream: the fused layer's last add, taken inside the down product
+    where ``meshlab.ops.swiglu_mlp`` runs, else after the MLP as the layer adds it)."""
     from ...ops.swiglu import geglu, geglu_mlp, swiglu, swiglu_mlp
 
     gate, mlp = (swiglu, swiglu_mlp) if _gate_kind(self) == "swiglu" else (geglu, geglu_mlp)
     if not hasattr(self, "gate_proj"):     # one gate_up_proj: its halves, read in place
         a, b = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(gate(a, b))
+        out = self.down_proj(gate(a, b))
+        return out if residual is None else residual + out
     projs = (self.gate_proj, self.up_proj, self.down_proj)
     # Compiled, the function traces as one (its backward keeps what it keeps eagerly);
     # saved-tensor hooks are then the compiler's, not read from here.
     if not _is_dtensor(x) and not torch.is_autocast_enabled(x.device.type) and \
             (torch.compiler.is_compiling() or not _saved_tensors_hooked()) and \
-            all(_bare_linear(m, x.dtype) for m in projs):
-        return mlp(x, *(m.weight for m in projs))
+            all(_bare_linear(m, x.dtype) for m in projs) and \
+            (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+                                  and not _is_dtensor(residual))):
+        return mlp(x, *(m.weight for m in projs), residual=residual)
     a, b = self.gate_proj(x), self.up_proj(x)
     if a.dtype != b.dtype:                 # autocast leaves both in its dtype; be exact
         b = b.to(a.dtype)
-    return self.down_proj(gate(a, b))
+    out = self.down_proj(gate(a, b))
+    return out if residual is None else residual + out
 
 
 @in_float32

@@ -177,10 +177,11 @@ def test_a_deep_copy_of_a_fused_model_computes_with_its_own_weights():
 
 def test_layer_sums_run_inside_norms_and_products():
     """A routed Llama layer adds its residual stream's gradient inside the first norm's
-    backward and sums its query/key/value input gradient inside the products: of the six
-    full-width adds a layer's own forward and its backward run on routed norms (two
-    residual adds, the input-gradient sums of the three projections, the residual stream's
-    gradient at the layer's two norms), one is left: the last residual add. The query
+    backward, sums its query/key/value input gradient inside the products and adds the
+    residual stream inside the MLP's down product: of the six full-width adds a layer's
+    own forward and its backward run on routed norms (two residual adds, the
+    input-gradient sums of the three projections, the residual stream's gradient at the
+    layer's two norms), none is left. The query
     projection computes the three products for whatever input it is handed, so an attention
     that changes its input first keeps them, with the same gradients."""
     import meshlab as ml
@@ -198,7 +199,7 @@ def test_layer_sums_run_inside_norms_and_products():
     assert _full_width_adds(model, batch) == 6 * layers      # the modules' own forwards
     for m, forward in zip(routed, own):
         m.forward = forward
-    assert _full_width_adds(model, batch) == layers
+    assert _full_width_adds(model, batch) == 0
 
     for layer in model.model.layers:
         attn_forward = layer.self_attn.forward
@@ -209,7 +210,7 @@ def test_layer_sums_run_inside_norms_and_products():
             p.grad = None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _full_width_adds(model, batch) == layers
+        assert _full_width_adds(model, batch) == 0
     want = ml.losses.causal_lm_loss(ref(input_ids=ids), batch)
     want.backward()
     for p in model.parameters():

@@ -1,6 +1,9 @@
-"""A Llama built in bfloat16 (the GPU default) routes every op under ``fuse()`` and trains
-as the float32-built one does: the same ops reach their native kernels in both, and the
-mean loss of steps 15-20 is within 2% of the float32 run's on the same data."""
+"""A Llama built in bfloat16 (the GPU default) routes every op under ``fuse()`` as the
+float32-built one does, each to its native kernel, and trains as the same bfloat16 model
+unfused does: the mean loss of steps 15-20 within 0.5% of that run's on the same data.
+(Against the float32 run the comparison measures bfloat16 weights, not the fused ops: at
+this learning rate they learn about 7% slower whatever runs them, and at 1e-2 runs a
+seed apart differ by up to 30%, fused or not.)"""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_process")]
 STEPS = 20
 
 
-def _run(dtype):
+def _run(dtype, fused=True):
     import transformers
 
     import meshlab as ml
@@ -23,9 +26,12 @@ def _run(dtype):
                                    num_key_value_heads=2)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(dtype)
-    model = ml.parallelize(model, ml.fuse(), ml.Mesh(dp=1))
+    if fused:
+        model = ml.parallelize(model, ml.fuse(), ml.Mesh(dp=1))
+        opt = ml.optimizer(model, torch.optim.AdamW, lr=3e-3)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     assert next(model.parameters()).dtype == dtype
-    opt = ml.optimizer(model, torch.optim.AdamW, lr=1e-2)
     g = torch.Generator().manual_seed(1)
     starts = torch.randint(0, 64, (STEPS, 4, 1), generator=g)
     _build.LAST_PATH.clear()
@@ -45,15 +51,16 @@ def test_a_bf16_built_llama_routes_every_op_and_trains_as_fp32():
 
     if _build.native_disabled_reason() or _build._compiler_missing():
         pytest.skip("the C++ kernels are off or cannot be built here")
-    ref, ref_paths = _run(torch.float32)
+    _, fp32_paths = _run(torch.float32)
     got, paths = _run(torch.bfloat16)
-    assert ref_paths.keys() == paths.keys()
+    ref, _ = _run(torch.bfloat16, fused=False)
+    assert fp32_paths.keys() == paths.keys()
     assert {"rms_norm", "rotary", "swiglu", "attention"} <= {op for op, _ in paths}
     not_native = {k: p.reason for k, p in paths.items() if not p.native}
     assert not not_native, not_native
     assert ref[-1] < 0.7 * ref[0] and got[-1] < 0.7 * got[0], (ref, got)   # it learns
     mean = lambda xs: sum(xs[14:]) / len(xs[14:])    # noqa: E731
-    assert abs(mean(got) - mean(ref)) <= 0.02 * mean(ref), (mean(got), mean(ref))
+    assert abs(mean(got) - mean(ref)) <= 0.005 * mean(ref), (mean(got), mean(ref))
 
 
 def test_a_llama_built_under_a_bf16_default_dtype_routes_every_op():
