@@ -183,6 +183,17 @@ def _stateful(src: _Source, name: str, obj) -> str | None:
             f"{name} the saved run used, or load without it ({name}=None)") if differs else None
 
 
+def _scheduler_sources(src: _Source, scheduler, optimizer, model) -> list[int] | None:
+    """Each param group's saved group (``_state.group_sources``) of the optimizer the
+    scheduler drives, where the checkpoint names the saved groups' parameters; else None."""
+    opt = optimizer if optimizer is not None else getattr(scheduler, "optimizer", None)
+    rest = src.meta.get("optimizer") or {}
+    if opt is None or not isinstance(rest.get("group_names"), list) or \
+            len(rest["group_names"]) != len(getattr(opt, "inner", opt).param_groups):
+        return None
+    return _state.group_sources(opt, model, rest, src.directory)
+
+
 def _is_lr_scheduler(obj) -> bool:
     from torch.optim import lr_scheduler as L
 
@@ -222,6 +233,10 @@ def _fit(src: _Source, model, optimizer, scheduler, dataloader, strict: bool, gr
                                    model)
             final = _opt.final_state(of, strict)
             _opt.check_buckets(optimizer, model, final, src.directory)
+        if scheduler is not None and "scheduler" in src.meta:
+            src.meta["scheduler"] = _state.scheduler_by_groups(
+                src.meta["scheduler"], _scheduler_sources(src, scheduler, optimizer, model),
+                src.directory)
         for name, obj in (("scheduler", scheduler), ("dataloader", dataloader)):
             why = _stateful(src, name, obj)
             if why:

@@ -150,6 +150,37 @@ def group_sources(opt, model: nn.Module | None, rest: dict[str, Any], where: str
     return out
 
 
+# The per-group lists torch's LR schedulers keep in their state, one entry a param group.
+_SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs",
+                        "base_momentums", "max_momentums")
+
+
+def scheduler_by_groups(saved: Any, sources: list[int] | None, where: str) -> Any:
+    """A saved LR scheduler's state with its per-group lists in this optimizer's group
+    order (``sources``: :func:`group_sources`, each group's saved group); the lists of
+    schedulers chained in ``_schedulers`` likewise. Loaded by position, a scheduler whose
+    rates come from ``base_lrs`` gave each group the other's where the groups were built
+    in another order. A list of one entry a group under a name not known to be per group
+    is refused: it could not be put in order."""
+    if sources is None or sources == list(range(len(sources))) or not isinstance(saved, dict):
+        return saved
+    out = {}
+    for k, v in saved.items():
+        if k == "_schedulers" and isinstance(v, list):
+            out[k] = [scheduler_by_groups(x, sources, where) for x in v]
+        elif isinstance(v, list) and len(v) == len(sources):
+            if k not in _SCHEDULER_PER_GROUP:
+                raise CheckpointError(
+                    f"{where}: the scheduler's {k!r} has one entry a param group, and this "
+                    f"optimizer lists its groups in another order than the saved run; build "
+                    f"the param groups in the saved order, or load without the scheduler "
+                    f"(scheduler=None)")
+            out[k] = [v[i] for i in sources]
+        else:
+            out[k] = v
+    return out
+
+
 def check_optimizer(opt, rest: dict[str, Any], where: str,
                     model: nn.Module | None = None) -> None:
     """What ``_opt.set_state`` will need from the checkpoint, checked before the

@@ -341,10 +341,11 @@ def test_loaded_optimizer_state_equals_torchs_state_dict(tmp_path, spec_name):
 
 def groups_order_case(rank, world, directory):
     """AdamW with two param groups (the norms without weight decay at one rate, the rest
-    with it at another): 2 steps under ZeRO-3, saved; loaded into an optimizer whose
-    groups are listed in the other order, under data parallelism, 1 step more. Returns
-    the largest weight difference from one process's 3 steps, and each loaded group's
-    (lr, weight decay)."""
+    with it at another) and a LambdaLR decaying both from their base rates: 2 steps under
+    ZeRO-3, saved; loaded into an optimizer and scheduler whose groups are listed in the
+    other order, under data parallelism, 1 step more. Returns the largest weight
+    difference from one process's 3 steps, each loaded group's (lr, weight decay) and the
+    loaded scheduler's base rates."""
     import meshlab as ml
 
     torch.set_default_dtype(torch.float64)
@@ -356,33 +357,41 @@ def groups_order_case(rank, world, directory):
                           "weight_decay": 0.3}}
         data = M.batches(3, batch=4)
 
+        def decay(opt):
+            return torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0 / (1 + e))
+
         def make(spec, order):
             model = ml.parallelize(M.build("llama"), spec, ml.Mesh(dp=2), seed=0)
-            return model, ml.optimizer(model, torch.optim.AdamW,
-                                       param_groups=[dict(kinds[k]) for k in order])
+            opt = ml.optimizer(model, torch.optim.AdamW,
+                               param_groups=[dict(kinds[k]) for k in order])
+            return model, opt, decay(opt)
 
-        def steps(model, opt, batches):
+        def steps(model, opt, sched, batches):
             for b in batches:
                 ml.step(model, opt, {"input_ids": b.chunk(2)[rank]})
+                sched.step()
 
-        model, opt = make(ml.zero_shard(3, "dp"), ("norms", "rest"))
-        steps(model, opt, data[:2])
-        ml.checkpoint.save(directory, model, opt, extra={"step": 2})
-        model, opt = make(ml.data_parallel("dp"), ("rest", "norms"))
-        ml.checkpoint.load(directory, model, opt)
-        loaded = [(g["lr"], g["weight_decay"]) for g in opt.param_groups]
-        steps(model, opt, data[2:])
+        model, opt, sched = make(ml.zero_shard(3, "dp"), ("norms", "rest"))
+        steps(model, opt, sched, data[:2])
+        ml.checkpoint.save(directory, model, opt, sched, extra={"step": 2})
+        model, opt, sched = make(ml.data_parallel("dp"), ("rest", "norms"))
+        ml.checkpoint.load(directory, model, opt, sched)
+        loaded = [(g["lr"] * 3, g["weight_decay"]) for g in opt.param_groups]   # 1/3 of base
+        bases = list(sched.base_lrs)
+        steps(model, opt, sched, data[2:])
         ref = ml.init_weights(M.build("llama"), seed=0)
         own = dict(ref.named_parameters())
         ref_opt = torch.optim.AdamW([{**g, "params": [own[n] for n in g["params"]]}
                                      for g in kinds.values()])
+        ref_sched = decay(ref_opt)
         for b in data:
             M.loss_fn("llama")(ref(input_ids=b), {"input_ids": b, "labels": b}).backward()
             ref_opt.step()
             ref_opt.zero_grad()
+            ref_sched.step()
         worst = max(float((M.full(p).detach() - own[n].detach()).abs().max())
                     for n, p in model.named_parameters())
-        return worst, loaded
+        return worst, loaded, bases
     finally:
         torch.set_default_dtype(torch.float32)
 
@@ -391,12 +400,16 @@ def test_param_groups_load_by_what_they_hold(tmp_path):
     """Before, a load copied the saved groups' options by position: with the groups listed
     in the other order the norms took the other group's learning rate and weight decay,
     and the weights went 7.7e-3 off one process. A group now takes the options of the
-    saved group that held its parameters."""
+    saved group that held its parameters. The scheduler's base rates were loaded by
+    position as well (each group decayed from the other's rate after the load, weights
+    2e-3 off in a dp run); they now follow the groups."""
     w = World(2)
     try:
         out = w.run(groups_order_case, directory=str(tmp_path / "groups"))
     finally:
         w.close()
-    for worst, loaded in out:
-        assert loaded == [(1e-2, 0.3), (3e-2, 0.0)], loaded
+    for worst, loaded, bases in out:
+        assert [x for g in loaded for x in g] == pytest.approx([1e-2, 0.3, 3e-2, 0.0],
+                                                                rel=1e-12), loaded
+        assert bases == [1e-2, 3e-2], bases
         assert worst < 1e-10, worst

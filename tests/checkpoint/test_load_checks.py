@@ -454,3 +454,20 @@ def test_a_partial_load_that_hides_a_renamed_weight_is_refused(tmp_path):
     with pytest.raises(CheckpointNamingError, match=r"the model's 'head.weight' is the file's "
                        r"'extra.head.weight'"):
         ml.checkpoint.load_pretrained(tmp_path / "r", plain, strict=False)
+
+
+def test_a_schedulers_per_group_lists_follow_the_groups():
+    """A saved scheduler's per-group lists are put in the loading optimizer's group order,
+    chained schedulers' too; one of one entry a group under a name not known to be per
+    group is refused when the order differs (it could not be put in order)."""
+    from meshlab.checkpoint import _state
+
+    saved = {"base_lrs": [0.1, 0.2], "_last_lr": [0.05, 0.1], "last_epoch": 3,
+             "_schedulers": [{"base_lrs": [1, 2], "lr_lambdas": [None, {"k": 1}]}]}
+    assert _state.scheduler_by_groups(saved, [0, 1], "ck") is saved
+    assert _state.scheduler_by_groups(saved, None, "ck") is saved
+    got = _state.scheduler_by_groups(saved, [1, 0], "ck")
+    assert got == {"base_lrs": [0.2, 0.1], "_last_lr": [0.1, 0.05], "last_epoch": 3,
+                   "_schedulers": [{"base_lrs": [2, 1], "lr_lambdas": [{"k": 1}, None]}]}
+    with pytest.raises(CheckpointError, match="'my_rates' has one entry a param group"):
+        _state.scheduler_by_groups({"my_rates": [1, 2]}, [1, 0], "ck")
