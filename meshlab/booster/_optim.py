@@ -88,8 +88,10 @@ _GROUP_KEYS = ("params", "initial_lr", "param_names")
 
 def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, dict]:
     """(class, keyword arguments) that rebuild ``opt`` over ``model``'s parameters: the
-    class and the hyper-parameters of its first group (their current values: a scheduler
-    built on it may have set the learning rate). ``groups`` gives the rest."""
+    class and the hyper-parameters of its first group that holds a trainable parameter
+    (their current values: a scheduler built on it may have set the learning rate; a
+    group of frozen parameters only is left out of the rebuilt optimizer, and its options
+    had become the trainable group's). ``groups`` gives the rest."""
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigTypeError(f"boost(optimizer=...): a torch.optim.Optimizer, got "
                               f"{type(opt).__name__}")
@@ -117,7 +119,7 @@ def recipe(opt: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[type, di
                           f"build it over model.parameters(), or freeze those "
                           f"(requires_grad=False)")
     cls = getattr(opt, "meshlab_class", type(opt))
-    first = opt.param_groups[0]
+    first = opt.param_groups[(trained_groups(opt) or [0])[0]]
     if getattr(opt, "meshlab_kwargs", None) is not None:
         kwargs = dict(opt.meshlab_kwargs)
         kwargs["lr"] = first["lr"]
@@ -157,6 +159,13 @@ def groups(opt: torch.optim.Optimizer, model: torch.nn.Module, kwargs: dict) -> 
     return out if len(out) > 1 or carried else None
 
 
+def trained_groups(opt: torch.optim.Optimizer) -> list[int]:
+    """The positions of ``opt``'s groups that hold a trainable parameter: the groups of the
+    optimizer boost rebuilds (``groups``), in order."""
+    return [i for i, g in enumerate(opt.param_groups)
+            if any(p.requires_grad for p in g["params"])]
+
+
 def _with_inner(sched) -> list:
     """``sched`` and the schedulers it steps: a warm-up scheduler's ``after_scheduler``,
     torch's ``SequentialLR`` and ``ChainedScheduler``'s ``_schedulers``."""
@@ -168,20 +177,37 @@ def _with_inner(sched) -> list:
 
 
 def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Point ``sched`` (built on ``old``) at ``new``: the groups' learning rates and
-    ``initial_lr`` carried over, ``new.step`` counted as torch's schedulers count it."""
+    """Point ``sched`` (built on ``old``) at ``new``: each new group takes from the old
+    group it was built from (``trained_groups``: a group of frozen parameters only is
+    gone) the learning rate and what schedulers keep in a group (``initial_lr``,
+    OneCycleLR's ``max_lr``, ...), and the schedulers' per-group lists follow the groups;
+    ``new.step`` is counted as torch's schedulers count it."""
     import functools
+
+    from ..checkpoint._state import SCHEDULER_PER_GROUP
 
     if getattr(sched, "optimizer", None) is not old:
         raise ConfigError("boost(lr_scheduler=...): the scheduler was built on another "
                           "optimizer than the one passed to boost; build it on that one")
-    for g_old, g_new in zip(old.param_groups, new.param_groups):
-        for k in ("lr", "initial_lr"):
-            if k in g_old:
-                g_new[k] = g_old[k]
+    kept = trained_groups(old)
+    if len(kept) != len(new.param_groups):
+        raise ConfigError(f"boost(lr_scheduler=...): the rebuilt optimizer has "
+                          f"{len(new.param_groups)} param groups for the {len(kept)} of the "
+                          f"optimizer passed that hold trainable parameters; build the "
+                          f"scheduler after boost, on the optimizer it returns")
+    for i, g_new in zip(kept, new.param_groups):
+        g_old = old.param_groups[i]
+        for k, v in g_old.items():
+            if k == "lr" or (k != "params" and k not in g_new):
+                g_new[k] = v
+    n = len(old.param_groups)
     for s in _with_inner(sched):          # a phased scheduler steps the one inside it
         if getattr(s, "optimizer", None) is old:
             s.optimizer = new
+            for k in SCHEDULER_PER_GROUP:
+                v = getattr(s, k, None)
+                if isinstance(v, list) and len(v) == n and kept != list(range(n)):
+                    setattr(s, k, [v[i] for i in kept])
     step = new.step
     if not hasattr(step, "_wrapped_by_lr_sched"):
         ref = weakref.ref(new)

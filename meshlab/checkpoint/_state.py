@@ -151,7 +151,7 @@ def group_sources(opt, model: nn.Module | None, rest: dict[str, Any], where: str
 
 
 # The per-group lists torch's LR schedulers keep in their state, one entry a param group.
-_SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs",
+SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs",
                         "base_momentums", "max_momentums")
 
 
@@ -169,7 +169,7 @@ def scheduler_by_groups(saved: Any, sources: list[int] | None, where: str) -> An
         if k == "_schedulers" and isinstance(v, list):
             out[k] = [scheduler_by_groups(x, sources, where) for x in v]
         elif isinstance(v, list) and len(v) == len(sources):
-            if k not in _SCHEDULER_PER_GROUP:
+            if k not in SCHEDULER_PER_GROUP:
                 raise CheckpointError(
                     f"{where}: the scheduler's {k!r} has one entry a param group, and this "
                     f"optimizer lists its groups in another order than the saved run; build "

@@ -514,3 +514,69 @@ def dropped_key_case(rank, world):
 def test_pipeline_refuses_keys_it_would_drop(world):
     assert all("batch key(s) ['token_type_ids'] would be dropped" in m
                for m in world.run(dropped_key_case))
+
+
+def groups_case(rank, world):
+    """Optimizers with a first param group of frozen parameters only (its own rate and
+    weight decay), boosted with a scheduler built before ``boost``: LambdaLR over three
+    groups, OneCycleLR (which keeps ``max_lr`` and its momentum cycle in the groups) over
+    two. Returns, for each, the largest weight difference from one process on the global
+    batches, and the boosted and single-process rates at the end."""
+    from torch import nn
+    from torch.optim import lr_scheduler as L
+
+    from meshlab.booster import Booster, TorchDDPPlugin
+
+    g = torch.Generator().manual_seed(1)
+    xs, ys = torch.randn(4, 8, 4, generator=g, dtype=torch.float64), \
+        torch.randn(4, 8, 2, generator=g, dtype=torch.float64)
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 2)).double()
+        m[0].requires_grad_(False)                    # frozen, as embeddings often are
+        return m
+
+    cases = {
+        "lambda": (lambda m: [{"params": m[0].parameters(), "lr": 0.5, "weight_decay": 0.3},
+                              {"params": m[2].parameters(), "lr": 0.05},
+                              {"params": m[4].parameters(), "lr": 0.01}],
+                   lambda o: L.LambdaLR(o, lambda e: 1.0 / (1 + e))),
+        "onecycle": (lambda m: [{"params": m[0].parameters(), "lr": 0.5, "weight_decay": 0.3},
+                                {"params": [*m[2].parameters(), *m[4].parameters()]}],
+                     lambda o: L.OneCycleLR(o, max_lr=0.2, total_steps=4))}
+    out = {}
+    for name, (groups, sched) in cases.items():
+        finals, rates = [], []
+        for boosted in (False, True):
+            m = build()
+            opt = torch.optim.SGD(groups(m), lr=0.1, momentum=0.9)
+            s = sched(opt)
+            n, r = (world, rank) if boosted else (1, 0)
+            if boosted:
+                m, opt, _, _, s = Booster(plugin=TorchDDPPlugin()).boost(m, opt,
+                                                                         lr_scheduler=s)
+            for x, y in zip(xs, ys):
+                ((m(x.chunk(n)[r]) - y.chunk(n)[r]) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                s.step()
+            finals.append({k.removeprefix("module."): v.detach().clone()
+                           for k, v in m.state_dict().items()})
+            rates.append([gr["lr"] for gr in opt.param_groups])
+        out[name] = (max(float((finals[1][k] - v).abs().max()) for k, v in finals[0].items()),
+                     rates[1], rates[0][1:])
+    return out
+
+
+def test_a_frozen_first_group_and_a_scheduler_boost_as_built(world):
+    """Before, ``boost`` rebuilt the optimizer from its first group's options, the frozen
+    group's (rate 0.5, weight decay 0.3, weights 0.42 off one process); the scheduler's
+    rates moved by position onto the next group, and OneCycleLR failed with KeyError
+    'max_lr'. The rebuilt groups now take the options of the groups they were built from,
+    and the scheduler's per-group state follows them."""
+    for out in world.run(groups_case):
+        for name, (worst, got, want) in out.items():
+            assert worst < 1e-12, (name, worst)
+            assert got == pytest.approx(want, rel=1e-12), (name, got, want)
