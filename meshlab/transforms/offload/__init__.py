@@ -5,7 +5,7 @@ which tensors, largest first, nested kinds), its checks, its install (``_install
 host masters and moments, the CPU AdamW, the copies on their own streams), its memory
 rows and the predicted cost of a step (``_estimates``).
 
-* ``optimizer=f``: AdamW's moments and an fp32 master copy of the selected parameters
+* ``optimizer=f``: AdamW's moments and an fp32 master copy (fp64 for fp64 parameters) of the selected parameters
   live in (pinned) host memory and are updated by ``meshlab.ops.CPUAdamW``'s C++ loop;
   the rest by the optimizer the user named, on the device. On one rank under
   ``precision('bf16')`` the device copy of an offloaded parameter is kept in bf16.

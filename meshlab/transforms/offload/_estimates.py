@@ -38,6 +38,11 @@ PROFILE_FILE = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / 
     "offload_profile_h200.json"
 
 
+def _master(dtype: str) -> str:
+    """The host master's dtype for a parameter of ``dtype``: float32, float64 kept."""
+    return "float64" if dtype == "float64" else "float32"
+
+
 def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: list,
                    chunk: int) -> list:
     out, seen_grad = [], set()
@@ -48,7 +53,7 @@ def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: lis
             out.append(r)
             continue
         if r.category == "optimizer":    # moments of the fp32 master (ZeRO-1: already)
-            out.append(dataclasses.replace(r, where="host", dtype="float32"))
+            out.append(dataclasses.replace(r, where="host", dtype=_master(r.dtype)))
         elif r.category == "grads":
             first = f not in seen_grad
             seen_grad.add(f)
@@ -67,8 +72,8 @@ def offload_memory(choice, cast: frozenset, compute: str, zero1: bool, rows: lis
                 continue
             out.append(dataclasses.replace(r, dtype=compute) if f in cast else r)
             if not zero1:
-                out.append(dataclasses.replace(r, category="optimizer", dtype="float32",
-                                               where="host"))
+                out.append(dataclasses.replace(r, category="optimizer",
+                                               dtype=_master(r.dtype), where="host"))
         else:
             out.append(r)
     if staged and not zero1:

@@ -115,7 +115,9 @@ class OffloadPart(Part):
             device_dtype = self.compute if cast else loc.dtype
             out = torch.bfloat16 if device_dtype == torch.bfloat16 else None
             # Pinned only where the device copy is sent from it (fp32 device copies).
-            e = Entry(fqn, p, self._host(loc, torch.float32, pin=out is None), out_dtype=out,
+            # float32 masters (float64 for a float64 model, which float32 would round)
+            master = torch.promote_types(loc.dtype, torch.float32)
+            e = Entry(fqn, p, self._host(loc, master, pin=out is None), out_dtype=out,
                       cast=cast, streamed=fqn in self.choice.grads)
             if cast:
                 p.data = p.data.to(self.compute)

@@ -147,6 +147,23 @@ def test_fractions_match_no_offload_bitwise_on_2_ranks(world2):
         _check(results, bitwise=True)
 
 
+def float64_case(rank, world):
+    torch.set_default_dtype(torch.float64)
+    try:
+        return matrix_case(rank, world, cases=[(3, "optimizer", 1.0), (3, "grads", 1.0),
+                                               (0, "params", 1.0)])
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_a_float64_model_keeps_float64_masters(world2):
+    """The host masters of a float64 model are float64 (they were float32, whatever the
+    model: its weights ended 1e-7 off one process where ZeRO-1's own slices matched to
+    1e-16), and the plan counts them so."""
+    for results in world2.run(float64_case):
+        _check(results, bitwise=True)
+
+
 def test_native_cpu_adam_within_float32_rounding(world2):
     cases = [(1, "optimizer", 1.0), (3, "grads", 1.0), (3, "params", 0.5)]
     for results in world2.run(matrix_case, cases=cases, native=True):
