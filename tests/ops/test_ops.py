@@ -584,6 +584,31 @@ def test_quack_route_takes_only_what_its_kernels_take(monkeypatch):
     assert S._quack_route(x, wg, wu, wd, "swiglu") is None          # a CPU tensor
 
 
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_mlp_with_a_residual_adds_it_inside_the_down_product(name):
+    """``swiglu_mlp(..., residual=r)`` is ``r + swiglu_mlp(...)`` in float64 to rounding,
+    forward and every gradient (the residual's is the output's), with no add of its own
+    over the output (``addmm`` takes it); a residual of another shape is refused."""
+    from meshlab.ops import geglu_mlp, swiglu_mlp
+
+    fn = swiglu_mlp if name == "swiglu" else geglu_mlp
+    g = torch.Generator().manual_seed(0)
+    x, r, wg, wu, wd = (torch.randn(*s, generator=g, dtype=torch.float64).requires_grad_()
+                        for s in ((2, 9, 16), (2, 9, 16), (32, 16), (32, 16), (16, 32)))
+    gout = torch.randn(2, 9, 16, generator=g, dtype=torch.float64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = fn(x, wg, wu, wd, residual=r)
+    assert not [e for e in prof.events() if e.name in ("aten::add", "aten::add_")]
+    gots = torch.autograd.grad(got, (x, r, wg, wu, wd), gout)
+    want = r + fn(x, wg, wu, wd)
+    wants = torch.autograd.grad(want, (x, r, wg, wu, wd), gout)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, e in zip(gots, wants):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="residual"):
+        fn(x, wg, wu, wd, residual=r[:, :3])
+
+
 def test_compiled_mlp_backward_sums_the_input_gradient_in_one_op():
     """Compiled, the MLP's input gradient ``da @ w_gate + db @ w_up`` was an out-of-place
     ``addmm``, which cuBLAS runs as a copy of the first product and then the second (one

@@ -52,10 +52,12 @@ def test_norm_backward_bands(tokens):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_mlp_matches_the_module_calls(dtype):
+def test_swiglu_mlp_matches_the_module_calls(dtype, residual):
     """The fused MLP function (Triton backward that rebuilds the product) against the
-    unfused math in float32 autograd: output and the four gradients."""
+    unfused math in float32 autograd: output and the four gradients; with a residual
+    added inside the down product, its gradient too."""
     pytest.importorskip("triton")
     from meshlab.ops import swiglu_mlp
 
@@ -64,16 +66,18 @@ def test_swiglu_mlp_matches_the_module_calls(dtype):
                  ((3, 37, 64), (176, 64), (176, 64)))
     wd = torch.randn(64, 176, device="cuda", generator=g) * 0.5
     dout = torch.randn(3, 37, 64, device="cuda", generator=g)
-    ins = [t.to(dtype).requires_grad_() for t in (x, wg, wu, wd)]
+    r = torch.randn(3, 37, 64, device="cuda", generator=g)
+    ins = [t.to(dtype).requires_grad_() for t in (x, wg, wu, wd, r)]
     ref = [t.detach().float().requires_grad_() for t in ins]
-    out = swiglu_mlp(*ins)
+    out = swiglu_mlp(*ins[:4], residual=ins[4] if residual else None)
     out.backward(dout.to(dtype))
     want = (torch.nn.functional.silu(ref[0] @ ref[1].T) * (ref[0] @ ref[2].T)) @ ref[3].T
-    want.backward(dout)
+    (want + ref[4] if residual else want).backward(dout)
     tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=0.5, rtol=3e-2)
-    torch.testing.assert_close(out.float(), want, **tol)
-    for a, b, name in zip(ins, ref, ("x", "w_gate", "w_up", "w_down")):
-        torch.testing.assert_close(a.grad.float(), b.grad, msg=name, **tol)
+    torch.testing.assert_close(out.float(), want + ref[4] if residual else want, **tol)
+    for a, b, name in zip(ins, ref, ("x", "w_gate", "w_up", "w_down", "residual")):
+        if name != "residual" or residual:
+            torch.testing.assert_close(a.grad.float(), b.grad, msg=name, **tol)
     # the gated pass wrote the two gradients side by side: one product gave both weights'
     assert ins[1].grad.untyped_storage().data_ptr() == ins[2].grad.untyped_storage().data_ptr()
 
