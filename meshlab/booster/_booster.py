@@ -190,7 +190,7 @@ class Booster:
         parameters (same class and hyper-parameters, ``meshlab.optimizer`` around it, with
         the plugin's clipping); a scheduler built on it is pointed at the new one."""
         from ..apply.parallelize import parallelize
-        from ._optim import groups, rebind_scheduler, recipe
+        from ._optim import groups, rebind_scheduler, recipe, trained_groups
         from .interface import OptimizerWrapper, wrap_model
         from .lazy.lazy_init import pretrained_source
 
@@ -205,7 +205,9 @@ class Booster:
         made = None
         if optimizer is not None:       # read before parallelize renews the parameters
             cls, kwargs = recipe(optimizer, model)
-            made = cls, kwargs, groups(optimizer, model, kwargs)
+            by_name, kept = groups(optimizer, model, kwargs), trained_groups(optimizer)
+            # the old groups the new ones are built from (one: recipe's first trained one)
+            made = cls, kwargs, by_name, kept if by_name is not None else (kept or [0])[:1]
         lo = getattr(model, "_meshlab_booster_lora", None)
         pretrained = pretrained_source(model)
         model = wrap_model(parallelize(model, st.spec, self.plugin.mesh,
@@ -222,13 +224,13 @@ class Booster:
             _buffer_broadcast(model)
         new_opt = None
         if made is not None:
-            cls, kwargs, by_name = made
+            cls, kwargs, by_name, kept = made
             new_opt = OptimizerWrapper(model, cls, clip_grad_norm=st.clip_grad_norm,
                                        param_groups=by_name, **kwargs)
             self._owner[id(new_opt)] = weakref.ref(model)
             self._optimizers[id(model)] = weakref.ref(new_opt)
             if lr_scheduler is not None:
-                rebind_scheduler(lr_scheduler, optimizer, new_opt)
+                rebind_scheduler(lr_scheduler, optimizer, new_opt, kept)
         if st.verbose and (not dist.is_initialized() or dist.get_rank() == 0):
             from rich.console import Console
 

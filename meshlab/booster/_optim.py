@@ -176,9 +176,11 @@ def _with_inner(sched) -> list:
     return out
 
 
-def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimizer,
+                     kept: list[int]) -> None:
     """Point ``sched`` (built on ``old``) at ``new``: each new group takes from the old
-    group it was built from (``trained_groups``: a group of frozen parameters only is
+    group it was built from (``kept[j]`` for new group ``j``: ``trained_groups`` read
+    before ``parallelize`` renewed the parameters; a group of frozen parameters only is
     gone) the learning rate and what schedulers keep in a group (``initial_lr``,
     OneCycleLR's ``max_lr``, ...), and the schedulers' per-group lists follow the groups;
     ``new.step`` is counted as torch's schedulers count it."""
@@ -189,7 +191,6 @@ def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimiz
     if getattr(sched, "optimizer", None) is not old:
         raise ConfigError("boost(lr_scheduler=...): the scheduler was built on another "
                           "optimizer than the one passed to boost; build it on that one")
-    kept = trained_groups(old)
     if len(kept) != len(new.param_groups):
         raise ConfigError(f"boost(lr_scheduler=...): the rebuilt optimizer has "
                           f"{len(new.param_groups)} param groups for the {len(kept)} of the "

@@ -304,7 +304,7 @@ def test_scheduler_follows_the_rebuilt_optimizer():
     old.step()
     sched.step()
     new = torch.optim.AdamW(m.parameters(), lr=123.0)
-    rebind_scheduler(sched, old, new)
+    rebind_scheduler(sched, old, new, [0])
     assert new.param_groups[0]["lr"] == 0.5 and new.param_groups[0]["initial_lr"] == 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")              # no "step() before optimizer.step()"
