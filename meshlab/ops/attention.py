@@ -24,8 +24,9 @@ head. Paths, each recorded in ``_build.LAST_PATH[("attention", device)]``:
 * CUDA, the training pass (a graph recorded for the backward) of :func:`attention` on
   plain float16/bfloat16 tensors at head dim 64 or 128 where flash-attn-4 runs (a Hopper
   card): flash-attn-4's ``flash_attn_func``, eagerly with its own autograd; under
-  ``torch.compile`` through ``meshlab::flash_attention_4`` and its backward, ops that hold
-  the same two kernels where a graph cannot trace flash-attn-4's Python entry point.
+  ``torch.compile``, where ``FA4_COMPILED`` is set, through ``meshlab::flash_attention_4``
+  and its backward, ops that hold the same two kernels where a graph cannot trace
+  flash-attn-4's Python entry point.
 * CUDA, :func:`attention` on plain tensors in float16/bfloat16 with ``D <= 256`` and the
   ``flash_attn`` package importable: ``flash_attn.flash_attn_func`` (its own autograd);
   with segments, flash-attn-4's or FlashAttention-2's ``flash_attn_varlen_func`` where
@@ -448,12 +449,18 @@ def _flash_attn_4_backward():
     return getattr(interface, "_flash_attn_bwd", None)
 
 
+# Whether compiled graphs take flash-attn-4 (``meshlab::flash_attention_4``) where it runs.
+# Off until tests/ops/test_attention_gpu.py::test_compiled_training_pass_takes_flash_attn_4
+# passes on a Hopper card with it installed; compiled blocks keep cuDNN until then.
+FA4_COMPILED = False
+
+
 @torch.compiler.assume_constant_result
 def _fa4_compiles() -> bool:
     """Whether ``meshlab::flash_attention_4`` can run here (flash-attn-4 with its backward
-    entry, on Hopper): read once, a constant to ``torch.compile``, which would otherwise
-    trace the import."""
-    return _flash_attn_4_backward() is not None
+    entry, on Hopper) and compiled graphs take it (``FA4_COMPILED``): read once, a
+    constant to ``torch.compile``, which would otherwise trace the import."""
+    return FA4_COMPILED and _flash_attn_4_backward() is not None
 
 
 def _t(x: Tensor) -> Tensor:

@@ -272,9 +272,11 @@ def test_compiled_training_pass_takes_flash_attention_4_where_it_runs(monkeypatc
     posed: a CPU has neither.)"""
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(attn_mod, "_cuda_half", lambda q: True)
+    monkeypatch.setattr(attn_mod, "FA4_COMPILED", True)
+    monkeypatch.setattr(attn_mod, "_flash_attn_4_backward", lambda: True)
 
     def takes(d=64, grad=True, fa4=True):
-        monkeypatch.setattr(attn_mod, "_fa4_compiles", lambda: fa4)
+        monkeypatch.setattr(attn_mod, "_flash_attn_4_backward", lambda: True if fa4 else None)
         q, k, v = (torch.empty(2, h, 16, d, dtype=torch.bfloat16).requires_grad_(grad)
                    for h in (4, 2, 2))
         return attn_mod._compiled_fa4(q, k, v)
@@ -283,6 +285,9 @@ def test_compiled_training_pass_takes_flash_attention_4_where_it_runs(monkeypatc
     assert not takes(d=96) and not takes(grad=False) and not takes(fa4=False)
     with torch.no_grad():
         assert not takes()
+    monkeypatch.setattr(attn_mod, "FA4_COMPILED", False)     # until shown on a Hopper card
+    assert not takes()
+    monkeypatch.setattr(attn_mod, "FA4_COMPILED", True)
     monkeypatch.setenv("MESHLAB_OPS_NATIVE", "0")
     assert not takes()
 

@@ -121,7 +121,7 @@ def test_flash_attn_4_takes_the_training_pass(d, causal):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_compiled_training_pass_takes_flash_attn_4(d, causal):
+def test_compiled_training_pass_takes_flash_attn_4(d, causal, monkeypatch):
     """Under ``torch.compile`` the training pass runs flash-attn-4 through
     ``meshlab::flash_attention_4`` (no graph break), with Hugging Face's (B, S, H, D)
     projections transposed: forward and gradients within bf16 rounding of the float32
@@ -130,6 +130,7 @@ def test_compiled_training_pass_takes_flash_attn_4(d, causal):
 
     if _mod()._flash_attn_4_backward() is None:
         pytest.skip("flash-attn-4 is not installed, or this is not a Hopper card")
+    monkeypatch.setattr(_mod(), "FA4_COMPILED", True)
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)     # (B, S, H, D) memory
                for t in _inputs(2, 8, 2, 256, d, torch.bfloat16))
     torch._dynamo.reset()
