@@ -279,7 +279,7 @@ def _step_fn(name: str, model, batch, shape: dict | None = None):
     if name == "meshlab_fuse_quack_mlp":    # the MLP on quack-kernels' gated GEMMs
         return _patched(step, "QUACK_MLP", True)
     if name == "meshlab_fuse_add_apart":    # the last residual add after the MLP
-        return _patched(step, "_bare_call", lambda m, f: False,
+        return _patched(step, "_bare_call", lambda m: False,
                         "meshlab.transforms.fuse._residual")
     if name == "meshlab_fuse_quack_mlp_untuned":    # ... in their default tile configuration
         return _patched(_patched(step, "QUACK_TUNED", False), "QUACK_MLP", True)

@@ -205,11 +205,7 @@ def _saved_tensors_hooked() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
-def _fused_mlp_forward(self, x: Tensor) -> Tensor:
-    return fused_mlp(self, x)
-
-
-def fused_mlp(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+def _fused_mlp_forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
     """A routed gated MLP's output for ``x``, plus ``residual`` where given (a decoder
     layer's residual stream: the fused layer's last add, taken inside the down product
     where ``meshlab.ops.swiglu_mlp`` runs, else after the MLP as the layer adds it)."""
@@ -234,6 +230,9 @@ def fused_mlp(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         b = b.to(a.dtype)
     out = self.down_proj(gate(a, b))
     return out if residual is None else residual + out
+
+
+_fused_mlp_forward.takes_residual = True    # (read by the fused layer forward, _residual)
 
 
 @in_float32

@@ -280,21 +280,20 @@ def _fused_layer_forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor
         normed = norm(hidden)
     else:
         normed, hidden = add_rms_norm(h, residual, norm.weight, norm_eps(norm))
-    from ._hf import _fused_mlp_forward, fused_mlp
-
-    if _bare_call(self.mlp, _fused_mlp_forward):
-        return fused_mlp(self.mlp, normed, residual=hidden)
+    if _bare_call(self.mlp):
+        return self.mlp.forward(normed, residual=hidden)
     return hidden + self.mlp(normed)
 
 
-def _bare_call(m: nn.Module, forward) -> bool:
-    """Whether calling ``m`` is calling its instance ``forward`` (fuse's gated MLP) and
-    nothing else: no hooks of its own or global ones, which could see or change an output
-    that would then hold the residual added inside it."""
+def _bare_call(m: nn.Module) -> bool:
+    """Whether calling ``m`` is calling its instance forward, one that takes a residual to
+    add inside (fuse's gated MLP, marked ``takes_residual``), and nothing else: no hooks
+    of its own or global ones, which could see or change an output that would then hold
+    the residual."""
     from torch.nn.modules import module as _m
 
     own = vars(m).get("forward")
-    return getattr(own, "__func__", None) is forward and \
+    return getattr(getattr(own, "__func__", None), "takes_residual", False) and \
         not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or
              m._backward_pre_hooks or _m._global_forward_hooks or
              _m._global_forward_pre_hooks or _m._global_backward_hooks or
