@@ -32,7 +32,10 @@ CHECK_EVERY = 50
 
 
 _HYPER_FIX = ("every rank must step with the same hyper-parameters, or the replicas drift "
-              "apart; set them alike on every rank (a learning-rate schedule included)")
+              "apart; set them alike on every rank (a learning-rate schedule included: "
+              "one fed a value, as ReduceLROnPlateau is, needs a value every rank shares, "
+              "such as the loss ml.step returns or the loss averaged over the ranks, not "
+              "one rank's own)")
 _REPLICA_FIX = ("the replicas have diverged (a rank stepped with other hyper-parameters or "
                 "data, or code changed one rank's weights); load the last checkpoint")
 
