@@ -205,9 +205,9 @@ class Booster:
         made = None
         if optimizer is not None:       # read before parallelize renews the parameters
             cls, kwargs = recipe(optimizer, model)
-            by_name, kept = groups(optimizer, model, kwargs), trained_groups(optimizer)
+            by_name, kept = groups(optimizer, model, kwargs), trained_groups(optimizer) or [0]
             # the old groups the new ones are built from (one: recipe's first trained one)
-            made = cls, kwargs, by_name, kept if by_name is not None else (kept or [0])[:1]
+            made = cls, kwargs, by_name, kept if by_name is not None else kept[:1]
         lo = getattr(model, "_meshlab_booster_lora", None)
         pretrained = pretrained_source(model)
         model = wrap_model(parallelize(model, st.spec, self.plugin.mesh,

@@ -186,7 +186,7 @@ def rebind_scheduler(sched, old: torch.optim.Optimizer, new: torch.optim.Optimiz
     ``new.step`` is counted as torch's schedulers count it."""
     import functools
 
-    from ..checkpoint._state import SCHEDULER_PER_GROUP
+    from ..train._groups import SCHEDULER_PER_GROUP
 
     if getattr(sched, "optimizer", None) is not old:
         raise ConfigError("boost(lr_scheduler=...): the scheduler was built on another "

@@ -22,6 +22,7 @@ from . import _fourbit
 from ._safe import CheckpointError
 from ..core.tensors import local as _local
 from ..transforms._install import runtime_or_none
+from ..train._groups import SCHEDULER_PER_GROUP
 
 OPT_PREFIX = "optim."
 
@@ -148,11 +149,6 @@ def group_sources(opt, model: nn.Module | None, rest: dict[str, Any], where: str
                 f"saved run did, or load without the optimizer (optimizer=None)")
         out.append(found[0] if found else j)
     return out
-
-
-# The per-group lists torch's LR schedulers keep in their state, one entry a param group.
-SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs",
-                        "base_momentums", "max_momentums")
 
 
 def scheduler_by_groups(saved: Any, sources: list[int] | None, where: str) -> Any:

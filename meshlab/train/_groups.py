@@ -14,6 +14,12 @@ from typing import Any, Iterable
 from ..core.errors import ConfigError
 
 
+# The lists torch's LR schedulers keep one entry a param group in (their state and their
+# attributes), which follow the groups where a load or a rebuilt optimizer orders them anew.
+SCHEDULER_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "min_lrs", "max_lrs",
+                       "base_momentums", "max_momentums")
+
+
 def _names(entry: Any, by_id: dict, by_name: dict, i: int,
            elsewhere: frozenset = frozenset()) -> list[str]:
     raw = entry.get("params") if isinstance(entry, dict) else None
