@@ -19,7 +19,7 @@ from torch import nn
 from ..core.digest import batch_entry, data_coords
 from ..core.errors import ConfigError, PlanError
 from ..core.log import get_logger
-from ..core.sections import section
+from ..core.sections import inside, section
 from ..core.mesh import Mesh
 from ..planning.plan import Plan
 from ..core.tensors import local as _local
@@ -368,13 +368,17 @@ def _forward_in_context(model: nn.Module, rt: Runtime) -> None:
     reductions, and the ranks that read one batch agree on its contents there (``step``
     agrees on both itself; the forward inside it does not again). An evaluation under
     ``torch.no_grad()`` may run on one rank alone, and is left as it is."""
-    from ..core.agree import alone
+    from ..core.agree import agree, alone
+    from ..transforms._buffers import FirstForward
 
     plain = isinstance(rt.autocast(), contextlib.nullcontext)
     if plain and alone(rt.ctrl_group):
         return
     inner = model.forward
     what = f"{type(model).__name__}.forward"
+    # The first training forward called by hand over data-parallel ranks is watched, as
+    # ``step`` watches its own (a forward inside its section is not watched here again).
+    unwatched = [rt.dp_size > 1 and rt.roles.pp is None]
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
@@ -382,9 +386,22 @@ def _forward_in_context(model: nn.Module, rt: Runtime) -> None:
         # forward would wait for the device here
         peers = lambda: batch_entry({"args": list(args), **kwargs}, data_coords(rt),
                                     "the forward's inputs", device_reads=False)
-        with section(rt.ctrl_group, what, active=torch.is_grad_enabled(), peers=peers), \
-                rt.autocast():
-            return inner(*args, **kwargs)
+        watch = None
+        if unwatched[0] and model.training and torch.is_grad_enabled() and not inside():
+            unwatched[0] = False
+            watch = FirstForward(model)
+        try:
+            with section(rt.ctrl_group, what, active=torch.is_grad_enabled(), peers=peers), \
+                    rt.autocast():
+                out = inner(*args, **kwargs)
+                if watch is not None:     # every rank, before the backward reduces
+                    error, changed = watch.finish(f"{what} (the first training forward)")
+                    agree(rt.ctrl_group, f"{what}: buffers after the first training forward",
+                          error=error, peers=changed)
+                return out
+        finally:
+            if watch is not None:
+                watch.close()
 
     model.forward = forward
 

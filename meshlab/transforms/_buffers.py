@@ -11,6 +11,10 @@ between data-parallel replicas (each updated from its own share of the batch).
 :class:`ParamWrites` finds the parameters a forward writes in place, for the step's watch
 and this one: where the batch is cut, such a write is never the single process's, so it
 is refused (``PIPELINE_WHY`` says why for a pipeline, ``train._buffers`` for the step).
+
+:class:`FirstForward` watches the first training forward of a whole model called by hand
+over data-parallel ranks (a plain loop, a boosted model's ``model(**batch)``), where no
+step cuts the batch: ``apply.materialize`` has the ranks compare what it found.
 """
 
 from __future__ import annotations
@@ -130,6 +134,35 @@ class ParamWrites:
             return ConfigError(f"{what}: parameter {written[0]!r} is written in the "
                                f"training forward {why}; {PARAM_FIX}")
         return None
+
+
+DP_WHY = ("over data-parallel ranks: each rank sets it from its own share of the batch, "
+          "where one process sets it from the whole batch")
+
+
+class FirstForward:
+    """One training forward of a whole parallelized model, called by hand over
+    data-parallel ranks: the buffers it changed and the parameters it wrote
+    (:meth:`finish`). A step (``train._buffers``) and a pipeline (:class:`ForwardWatch`)
+    watch their own forwards."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.before = versions(model)
+        self.params = ParamWrites(model)
+
+    def close(self) -> None:
+        self.params.close()
+
+    def finish(self, what: str) -> tuple:
+        """(the error of a parameter the forward wrote, or None; ``agree``'s ``peers``
+        comparing each buffer it changed among the ranks that hold the same copy); the
+        hooks removed."""
+        error = self.params.done(what, DP_WHY)
+        now = changed(self.model, self.before)
+        peers = {f"buffer {n}": (shard_key(b), d, REPLICA_FIX)
+                 for (n, b), d in zip(now, digests(b for _, b in now))}
+        return error, peers
 
 
 class ForwardWatch:

@@ -337,3 +337,90 @@ def test_a_pipeline_stage_buffer_set_in_its_first_forward_is_set_from_the_data(w
         torch.set_default_dtype(torch.float32)
     got = out[1][2]                            # the second stage holds layers 2 and 3
     torch.testing.assert_close(got, ref.layers["2"].seen, rtol=1e-12, atol=1e-12)
+
+
+# -- a forward called by hand (a plain loop, a boosted model) ------------------------------
+def by_hand_case(rank, world, module, layout, split=True):
+    """Two steps of a plain loop (or the Booster's) over a model whose buffer or
+    parameter the training forward updates: what the ranks raised, or the largest
+    difference from one process on the whole batch."""
+    import meshlab as ml
+
+    def build():
+        torch.manual_seed(0)
+        made = {"running_mean": lambda: RunningMean(4), "seen_length": SeenLength,
+                "actnorm": lambda: ActNorm(4)}[module]()
+        return nn.Sequential(nn.Linear(4, 4), made, nn.Linear(4, 1)).double()
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 1, generator=g, dtype=torch.float64)
+    xs, ys = (x.chunk(world)[rank], y.chunk(world)[rank]) if split else (x, y)
+    if layout == "booster":
+        from meshlab.booster import Booster, TorchDDPPlugin
+
+        net = build()
+        model, opt, *_ = Booster(plugin=TorchDDPPlugin()).boost(
+            net, torch.optim.SGD(net.parameters(), lr=0.1))
+    else:
+        spec = {"dp": ml.data_parallel("dp"), "zero3": ml.zero_shard(3)}[layout]
+        model = ml.parallelize(build(), spec, ml.Mesh(dp=world))
+        opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    before = {n: _full(p).clone() for n, p in model.named_parameters()}
+    try:
+        for _ in range(2):
+            loss = _loss(model(xs), {"y": ys})
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except ml.MeshlabError as e:
+        # raised before the first backward: no weight moved (the forward's own write aside)
+        unchanged = all(torch.equal(_full(p), before[n]) for n, p in model.named_parameters()
+                        if n != "1.scale")
+        return type(e).__name__, str(e), unchanged
+    ref = build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        _loss(ref(x), {"y": y}).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    err = max(float((_full(p) - q).abs().max()) for p, q in
+              zip(model.parameters(), ref.parameters()))
+    return "trained", err, None
+
+
+@pytest.mark.parametrize("layout", ["dp", "booster"])
+def test_a_buffer_each_rank_updates_in_a_forward_called_by_hand_is_refused(world2, layout):
+    """Before: ``model(x)`` in a plain loop (or a boosted model's) updated each replica's
+    running mean from its own half of the batch and trained on, the replicas apart from
+    each other and from one process, without an error."""
+    for kind, msg, unchanged in world2.run(by_hand_case, module="running_mean",
+                                           layout=layout):
+        assert kind == "RankMismatchError", (kind, msg)
+        assert "buffer 1.mean differs among ranks" in msg and "whole batch" in msg, msg
+        assert "the first training forward" in msg, msg
+        assert unchanged
+
+
+@pytest.mark.parametrize("layout", ["dp", "zero3"])
+def test_a_parameter_set_in_a_forward_called_by_hand_is_refused(world2, layout):
+    for kind, msg, unchanged in world2.run(by_hand_case, module="actnorm", layout=layout):
+        assert kind == "ConfigError", (kind, msg)
+        assert "parameter '1.scale' is written in the training forward" in msg, msg
+        assert unchanged
+
+
+@pytest.mark.parametrize("layout", ["dp", "booster"])
+def test_a_buffer_every_rank_updates_alike_trains_by_hand(world2, layout):
+    for kind, err, _ in world2.run(by_hand_case, module="seen_length", layout=layout):
+        assert kind == "trained", err
+        assert err < 1e-12, err
+
+
+def test_the_same_batch_on_every_rank_trains_by_hand(world2):
+    """Every replica given the whole batch updates the running mean alike: nothing is
+    refused, and the weights are one process's."""
+    for kind, err, _ in world2.run(by_hand_case, module="running_mean", layout="dp",
+                                   split=False):
+        assert kind == "trained", err
+        assert err < 1e-12, err
