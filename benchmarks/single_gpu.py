@@ -26,8 +26,9 @@ Rows (each from the same bf16 weights, on the same batch):
   is installed on a Hopper card, in place of cuBLAS products and Triton activation passes;
 * ``meshlab_fuse_quack_mlp_untuned`` -- the same in quack's default tile configurations
   (``QUACK_TUNED`` off: no autotuning at the first call);
-* ``meshlab_blocks_fa4`` -- ``meshlab_blocks`` with ``meshlab.ops.attention.FA4_COMPILED``
-  on: the compiled blocks' attention on flash-attn-4 where it is installed;
+* ``meshlab_blocks_cudnn`` -- ``meshlab_blocks`` with ``meshlab.ops.attention.FA4_COMPILED``
+  off: the compiled blocks' attention on cuDNN where flash-attn-4 would take it (the
+  comparison for it);
 * ``meshlab_fuse_add_apart`` -- ``meshlab_fuse`` with each layer's last residual add a
   pass of its own after the MLP, not inside its down product (the comparison for that);
 * ``meshlab_blocks_pwcat``, ``meshlab_graphs_pwcat`` -- ``meshlab_blocks`` and
@@ -159,7 +160,7 @@ def _meshlab_spec(name: str):
             return ml.fuse() | ml.remat("full", count=int(count), offload=int(off or 0))
     return {"meshlab_step": ml.fuse(), "meshlab_noremat": ml.fuse(),
             "meshlab_blocks": ml.fuse() | ml.compile_blocks(),
-            "meshlab_blocks_fa4": ml.fuse() | ml.compile_blocks(),
+            "meshlab_blocks_cudnn": ml.fuse() | ml.compile_blocks(),
             "meshlab_blocks_inductor": ml.fuse("attention", "loss") | ml.compile_blocks(),
             "meshlab_blocks_sdpa": ml.fuse("loss") | ml.compile_blocks(),
             # inductor's autotuned products (its Triton templates beside cuBLAS), which
@@ -256,8 +257,8 @@ def _step_fn(name: str, model, batch, shape: dict | None = None):
         model = ml.parallelize(model, spec, ml.Mesh(dp=1))
         opt = ml.optimizer(model, FusedAdamW, lr=1e-5)
         step = lambda: torch.tensor(ml.step(model, opt, batch))    # noqa: E731
-        if name == "meshlab_blocks_fa4":     # compiled blocks on flash-attn-4
-            return _patched(step, "FA4_COMPILED", True, "meshlab.ops.attention")
+        if name == "meshlab_blocks_cudnn":     # compiled blocks on cuDNN's attention
+            return _patched(step, "FA4_COMPILED", False, "meshlab.ops.attention")
         return step
     fuse_model(model)
     if name == "meshlab_fuse_sums_apart":

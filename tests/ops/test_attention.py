@@ -285,7 +285,7 @@ def test_compiled_training_pass_takes_flash_attention_4_where_it_runs(monkeypatc
     assert not takes(d=96) and not takes(grad=False) and not takes(fa4=False)
     with torch.no_grad():
         assert not takes()
-    monkeypatch.setattr(attn_mod, "FA4_COMPILED", False)     # until shown on a Hopper card
+    monkeypatch.setattr(attn_mod, "FA4_COMPILED", False)     # compiled blocks kept on cuDNN
     assert not takes()
     monkeypatch.setattr(attn_mod, "FA4_COMPILED", True)
     monkeypatch.setenv("MESHLAB_OPS_NATIVE", "0")

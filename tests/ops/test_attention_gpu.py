@@ -134,19 +134,23 @@ def test_compiled_training_pass_takes_flash_attn_4(d, causal, monkeypatch):
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)     # (B, S, H, D) memory
                for t in _inputs(2, 8, 2, 256, d, torch.bfloat16))
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v, causal: attention(q, k, v, causal=causal),
-                             fullgraph=True)
+    compiled = torch.compile(lambda q, k, v, causal, scale=None:
+                             attention(q, k, v, causal=causal, scale=scale), fullgraph=True)
     _compare(compiled, q, k, v, causal)
     assert _build.LAST_PATH[("attention", "cuda")].reason.endswith("(training pass, compiled)"), \
         _build.LAST_PATH[("attention", "cuda")]
     got, gout = _fwd_bwd(compiled, q, k, v, causal=causal)
     want, _ = _fwd_bwd(attention, q, k, v, gout, causal=causal)
+    again, _ = _fwd_bwd(attention, q, k, v, gout, causal=causal)
     errs = {n: _rel(a, e) for n, a, e in zip(("out", "dq", "dk", "dv"), got, want)}
-    print("compiled against eager flash-attn-4:", errs)
-    assert all(e < 1e-3 for e in errs.values()), errs
+    # flash-attn-4's backward accumulates dq (and grouped dk, dv) with atomics: its own
+    # eager pass differs from run to run by rounding, the bound the compiled pass gets too
+    spread = {n: _rel(a, e) for n, a, e in zip(("out", "dq", "dk", "dv"), again, want)}
+    print("compiled against eager flash-attn-4:", errs, "eager against itself:", spread)
+    assert all(errs[n] <= max(1e-3, 4 * spread[n]) for n in errs), (errs, spread)
     # flash-attn-4's layout, (B, S, H, D) memory, is what comes back: nothing copied
     bshd = [t.transpose(1, 2).is_contiguous() for t in got]
-    assert all(bshd), bshd
+    assert all(bshd), [(t.shape, t.stride()) for t in got]
 
 
 def test_lse_matches_reference():
