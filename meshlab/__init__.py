@@ -24,7 +24,7 @@ from .core.shard_map import shard_map as shard_map
 from .core.named import (psum as psum, pmean as pmean, pmax as pmax, pmin as pmin,
                          all_gather as all_gather, psum_scatter as psum_scatter,
                          ppermute as ppermute, all_to_all as all_to_all,
-                         axis_index as axis_index, axis_size as axis_size)
+                         axis_index as axis_index, axis_size as axis_size, pcast as pcast)
 from .core.visualize import visualize as visualize, typeof as typeof, type_string as type_string
 from .planning.plan import Plan as Plan, ParamEntry as ParamEntry, ActivationEntry as ActivationEntry
 from .planning.trace import trace as trace

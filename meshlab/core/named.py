@@ -125,9 +125,30 @@ class _NoGrad(torch.autograd.Function):
                           f"reduction such as psum of a logsumexp")
 
 
-def _prepared(fn: str, x, axis_name):
+def _one_state(fn: str, x: torch.Tensor, r: Region, axes, axis_name) -> None:
+    """A sum (``psum``, ``pmean``, ``psum_scatter``) over axes some of which ``x`` varies
+    along and some not is refused, as JAX refuses it."""
+    have = vma(x, r)
+    tracked = [a for a in axes if a in r.tracked]
+    varying = [a for a in tracked if a in have]
+    if varying and len(varying) != len(tracked):
+        same = tuple(a for a in tracked if a not in have)
+        raise SpecError(
+            f"{fn}(..., {axis_name!r}) in shard_map({r.name}): x varies along "
+            f"{tuple(varying)} and is the same on every rank of {same}; a sum over axes in "
+            f"both states is refused, as JAX's lax.{fn} refuses it (its sum over {same} "
+            f"would count each rank's copy). Sum over {tuple(varying)!r} alone, or make x "
+            f"vary along all of them first: {fn}(ml.pcast(x, {same!r}, to='varying'), "
+            f"{axis_name!r})")
+
+
+def _prepared(fn: str, x, axis_name, *, one_state: bool = False):
+    """(region, axes, ``x`` broadcast over the axes it does not vary along, the axes it
+    varies along then); ``one_state``: see :func:`_one_state`."""
     x = _tensor(fn, x)
     r, axes = _region(fn, axis_name)
+    if one_state:
+        _one_state(fn, x, r, axes, axis_name)
     return r, axes, pvary(x, axes, r), vma(x, r) | frozenset(axes)
 
 
@@ -142,7 +163,8 @@ def psum(x: torch.Tensor, axis_name) -> torch.Tensor:
     ``x`` is summed as int32, counting the ranks that hold True)."""
     if _alone("psum", axis_name):
         return _counted(_tensor("psum", x))
-    r, axes, x, before = _prepared("psum", _counted(_tensor("psum", x)), axis_name)
+    r, axes, x, before = _prepared("psum", _counted(_tensor("psum", x)), axis_name,
+                                   one_state=True)
     with suspended():
         out = _PSum.apply(x, _groups(r, axes))
     return mark(out, before - frozenset(axes), r)
@@ -155,6 +177,7 @@ def pmean(x: torch.Tensor, axis_name) -> torch.Tensor:
         return x if x.is_floating_point() or x.is_complex() else x / 1
     r, axes = _region("pmean", axis_name)
     n = math.prod(r.size(a) for a in axes)
+    _one_state("pmean", _tensor("pmean", x), r, axes, axis_name)
     out = psum(x, axes)
     with suspended():
         res = out / n
@@ -262,7 +285,7 @@ def psum_scatter(x: torch.Tensor, axis_name, *, scatter_dimension: int = 0,
     if alone:
         x, n = _tensor("psum_scatter", x), 1
     else:
-        r, axes, x, before = _prepared("psum_scatter", x, axis_name)
+        r, axes, x, before = _prepared("psum_scatter", x, axis_name, one_state=True)
         n = math.prod(r.size(a) for a in axes)
     d = _dim("psum_scatter", x, scatter_dimension)
     size = x.shape[d]
@@ -414,3 +437,18 @@ def axis_size(axis_name) -> int:
         return 1
     r, axes = _region("axis_size", axis_name)
     return math.prod(r.size(a) for a in axes)
+
+
+def pcast(x: torch.Tensor, axis_name, *, to: str) -> torch.Tensor:
+    """``x`` cast to vary along ``axis_name`` (``lax.pcast(x, axes, to='varying')``, once
+    ``lax.pvary``): the same values, and a gradient summed over those axes. Where ``x``
+    is the same on every rank of them, the values it is combined with then may differ
+    there, in place too."""
+    if to != "varying":
+        raise ConfigError(f"pcast(..., to={to!r}): only to='varying' is implemented (a value "
+                          f"becomes invariant through psum, pmean or all_gather)")
+    if _alone("pcast", axis_name):
+        return _tensor("pcast", x)
+    x = _tensor("pcast", x)
+    r, axes = _region("pcast", axis_name)
+    return pvary(x, axes, r)

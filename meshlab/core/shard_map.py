@@ -21,6 +21,7 @@ import functools
 import math
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -113,6 +114,12 @@ def _localize(tgt: _Target, args, specs, name: str):
     for i, (x, s, pl) in enumerate(zip(args, specs, pls)):
         if pl is not None and not isinstance(x, DTensor) and (tgt.layout is not None or
                                                                tgt.plain_global):
+            if s.partial:
+                raise SpecError(
+                    f"{what} is a plain tensor, the whole value, but in_specs[{i}] {s!r} "
+                    f"declares a pending sum over {tuple(s.partial)}: a whole value has no "
+                    f"pending sum. Give it a spec without partial=, or pass a DTensor that "
+                    f"holds one (ml.distribute(...) of a Partial layout)")
             # a plain tensor is the whole value: replicated in DTensor mode, the global
             # array outside a model (JAX's reading)
             if tgt.plain_global:
@@ -203,6 +210,26 @@ def _plain(args, specs) -> list:
             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and s is not None]
 
 
+def _arrays(args, ins, name: str) -> tuple:
+    """A numpy array with a spec as the tensor it holds (JAX's shard_map takes arrays);
+    any other non-tensor argument whose spec splits it or leaves a sum pending is
+    refused: it has no blocks to give each rank."""
+    if ins is None:
+        return tuple(args)
+    out = []
+    for i, (x, s) in enumerate(zip(args, ins)):
+        if isinstance(x, np.ndarray) and s is not None:
+            x = torch.from_numpy(np.ascontiguousarray(x))
+        elif not isinstance(x, torch.Tensor) and isinstance(s, P) and (s.axes or s.partial):
+            raise SpecError(
+                f"shard_map({name}) argument {i} is a {type(x).__name__}, not a tensor, but "
+                f"in_specs[{i}] {s!r} splits it over mesh axes: only a tensor (or numpy "
+                f"array) has blocks to give each rank (JAX refuses to split a Python "
+                f"scalar too). Pass torch.as_tensor(...) of it, or give it P() or None")
+        out.append(x)
+    return tuple(out)
+
+
 def _not_nested(name: str) -> None:
     """JAX refuses a ``shard_map`` nested over mesh axes that are manual already; here the
     outer function is manual over every axis, and an inner call would read this rank's
@@ -247,6 +274,32 @@ def _unmapped(tgt: _Target, r, flat, outs) -> list:
     return bad
 
 
+class _Once(torch.autograd.Function):
+    """The identity, whose cotangent is divided by ``n``."""
+
+    @staticmethod
+    def forward(ctx, x, n):
+        ctx.n = n
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.n, None
+
+
+def _counted_once(tgt: _Target, flat, bad: list) -> tuple:
+    """With ``check=False`` an output that varies along axes its out_spec leaves out is
+    taken at its word, the same on every rank there: its cotangent is divided by those
+    axes' sizes, so the gradient each rank's copy sends back is counted once, as JAX's
+    ``check_vma=False`` transpose divides it."""
+    flat = list(flat)
+    for j, _, axes in bad:
+        n = math.prod(tgt.dm.size(tgt.axes.index(a)) for a in axes)
+        if flat[j].requires_grad and torch.is_grad_enabled():
+            flat[j] = _Once.apply(flat[j], n)
+    return tuple(flat)
+
+
 def _refuse_unmapped(bad: list, name: str) -> None:
     if bad:
         j, s, axes = bad[0]
@@ -275,7 +328,9 @@ def _call(tgt: _Target, fn: Callable, args, specs_given, single: bool, name: str
     with local_region(), region(tgt.dm, tgt.tracked, unmarked_varying=tgt.local_model,
                                 name=name) as r:
         flat = _outputs(tgt, r, fn(*_seed(tgt, r, local, specs)), single, outs, name)
-        bad = _unmapped(tgt, r, flat, outs) if check and not tgt.local_model else []
+        bad = _unmapped(tgt, r, flat, outs) if not tgt.local_model else []
+        if not check:
+            flat, bad = _counted_once(tgt, flat, bad), []
     if pending[0]:
         check_blocks(tgt, [(f"output {j}", o, s) for j, (o, s) in
                            enumerate(zip(flat, outs)) if isinstance(o, torch.Tensor)
@@ -350,6 +405,7 @@ def shard_map(fn: Callable, in_specs: Sequence[P | None] | P | None, out_specs: 
             raise SpecError(f"shard_map({name}): {len(ins)} in_specs for {len(args)} "
                             f"positional arguments; give one spec (or None) per argument")
         _not_nested(name)
+        args = _arrays(args, ins, name)
         tgt = _target(mesh, rules, args, name)
         if tgt is None:
             with one_device(name):        # every named axis has one rank: same code, one process

@@ -77,16 +77,24 @@ def current_region() -> Region | None:
     return _REGION.get()
 
 
+def _marked(t: torch.Tensor, region: Region) -> frozenset | None:
+    got = getattr(t, _VMA, None)
+    return got[1] if got is not None and got[0] == region.token else None
+
+
 def vma(t: torch.Tensor, region: Region | None = None) -> frozenset:
     """The axes ``t`` varies along in the running function (``region``'s default for a
-    tensor it never saw)."""
+    tensor it never saw). A view varies along what its base does too: a write into the
+    base (or through another view of it) after the view was taken reaches it."""
     region = region or current_region()
     if region is None:
         return frozenset()
-    got = getattr(t, _VMA, None)
-    if got is not None and got[0] == region.token:
-        return got[1]
-    return region.unmarked
+    own = _marked(t, region)
+    own = region.unmarked if own is None else own
+    base = getattr(t, "_base", None)
+    if base is not None:
+        own = own | (_marked(base, region) or frozenset())
+    return own
 
 
 def mark(t: Any, axes: frozenset, region: Region | None = None) -> Any:
@@ -156,10 +164,54 @@ _PASS = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor._
          torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__}
 
 
+# Python's in-place operators and item assignment: they write their first operand.
+_IN_PLACE = {f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow",
+                                     "matmul", "and", "or", "xor", "lshift", "rshift")} | \
+    {"__setitem__"}
+
+
+def _written(func, args, kwargs) -> torch.Tensor | None:
+    """The tensor an op writes in place (``add_``, ``x += y``, ``x[i] = y``, ``out=``), or
+    None for an op that writes nothing."""
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return out
+    name = getattr(func, "__name__", "")
+    if (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE:
+        first = args[0] if args else None
+        return first if isinstance(first, torch.Tensor) else None
+    return None
+
+
+def _mark_written(t: torch.Tensor, axes: frozenset, region: Region) -> None:
+    """``t`` written with values varying along ``axes``: it and every base it views vary
+    along them from now on (a view's axes include its base's, see :func:`vma`)."""
+    while t is not None:
+        mark(t, vma(t, region) | axes, region)
+        t = getattr(t, "_base", None)
+
+
+def _refuse_invariant_write(target: torch.Tensor, new: frozenset, region: Region,
+                            name: str) -> None:
+    from .errors import SpecError
+
+    axes = tuple(a for a in region.axes if a in new)
+    raise SpecError(
+        f"shard_map({region.name}): {name} writes values that vary along {axes} in place "
+        f"into a tensor that is the same on every rank there and needs a gradient: its "
+        f"gradient would not be summed over {axes} (JAX has no in-place writes; its "
+        f"functional form sums it). Write it out of place (y = y + x, y = y.index_put(...), "
+        f"torch.where(...)), or make the tensor vary first (y = ml.pcast(y, {axes!r}, to='varying'))")
+
+
 class VaryingMode(TorchFunctionMode):
     """Active while ``shard_map``'s function runs: every op's tensor outputs are marked
     with the union of its operands' axes, and an operand that needs a gradient and lacks
-    some of them goes through ``pvary`` first (see the module doc)."""
+    some of them goes through ``pvary`` first (see the module doc). An op that writes a
+    tensor in place (``add_``, ``x[i] = y``, ``out=``) marks that tensor, and the bases it
+    views, with the union; its other operands get ``pvary`` as any op's do, and a written
+    tensor that needs a gradient and lacks some of the axes is refused (its own gradient
+    could not be summed)."""
 
     def __init__(self, region: Region):
         super().__init__()
@@ -175,20 +227,67 @@ class VaryingMode(TorchFunctionMode):
             return func(*args, **kwargs)
         axes = [vma(t, region) for t in leaves]
         union = frozenset().union(*axes) & region.tracked
-        name = getattr(func, "__name__", "")
-        inplace = name.endswith("_") or name == "__setitem__" or "out" in kwargs
+        written = _written(func, args, kwargs)
+        grad = torch.is_grad_enabled()
+        if union and grad and written is not None and written.requires_grad and \
+                not isinstance(written, DTensor) and union - vma(written, region):
+            _refuse_invariant_write(written, union - vma(written, region), region,
+                                    getattr(func, "__name__", str(func)))
         lacking = [t for t, a in zip(leaves, axes) if a != union and t.requires_grad
-                   and not isinstance(t, DTensor)]
-        if union and not inplace and torch.is_grad_enabled() and lacking:
+                   and t is not written and not isinstance(t, DTensor)]
+        if union and grad and lacking:
             swap = {id(t): pvary(t, union, region) for t in lacking}
             args, kwargs = tree_map(lambda v: swap.get(id(v), v) if isinstance(
                 v, torch.Tensor) else v, (args, kwargs))
         out = func(*args, **kwargs)
+        if written is not None:
+            _mark_written(written, union, region)
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                mark(t, union | (vma(t, region) if t is leaves[0] and inplace else frozenset()),
-                     region)
+            if isinstance(t, torch.Tensor) and t is not written:
+                mark(t, union, region)
         return out
+
+
+_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+_PATCHED = [0]        # regions that have torch.autograd.Function.apply patched
+
+
+def _apply(cls, *args, **kwargs):
+    """``torch.autograd.Function.apply`` while a region runs: a custom autograd function
+    is one op to the rule, its operands that need a gradient and lack some of the others'
+    axes go through ``pvary`` (its forward runs without gradients, where the mode would
+    insert none), and its outputs are marked with the union."""
+    region = current_region()
+    if region is None or region.suspended or not torch.is_grad_enabled():
+        return _APPLY(cls, *args, **kwargs)
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    union = frozenset().union(*(vma(t, region) for t in leaves)) & region.tracked
+    lacking = [t for t in leaves if union - vma(t, region) and t.requires_grad
+               and not isinstance(t, DTensor)]
+    if lacking:
+        swap = {id(t): pvary(t, union, region) for t in lacking}
+        args, kwargs = tree_map(lambda v: swap.get(id(v), v) if isinstance(
+            v, torch.Tensor) else v, (args, kwargs))
+    out = _APPLY(cls, *args, **kwargs)
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            mark(t, union | vma(t, region), region)
+    return out
+
+
+@contextlib.contextmanager
+def _custom_functions():
+    """``torch.autograd.Function.apply`` follows the rule while a region runs (a
+    ``TorchFunctionMode`` does not see it); put back when the last region ends."""
+    if _PATCHED[0] == 0:
+        torch.autograd.Function.apply = classmethod(_apply)
+    _PATCHED[0] += 1
+    try:
+        yield
+    finally:
+        _PATCHED[0] -= 1
+        if _PATCHED[0] == 0:
+            torch.autograd.Function.apply = classmethod(_APPLY)
 
 
 _ONE_DEVICE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -219,7 +318,7 @@ def reenter(r: Region):
     the marks (and the pvary calls) of the first run."""
     token = _REGION.set(r)
     try:
-        with VaryingMode(r):
+        with _custom_functions(), VaryingMode(r):
             yield r
     finally:
         _REGION.reset(token)
