@@ -26,6 +26,7 @@ from ..core.tensors import local as _local
 from ..transforms._gradsync import GradSync, bucket_mb, plan_reductions, reduce_dtype
 from ..transforms._install import Install, Runtime, attach_runtime, mesh_device
 from ..transforms._protocol import Phase
+from ..transforms.expert._aux import scope_router_loss
 
 
 def _post_order(m: nn.Module) -> Iterator[nn.Module]:
@@ -311,6 +312,8 @@ def materialize(model: nn.Module, plan: Plan, mesh: Mesh, *, seed: int = 0,
     for t in [t for t in plan.rooms if t.phase > Phase.SHARD]:
         ctx.parts.append(t.install(ctx))
     ctx.parts[:] = [p for p in ctx.parts if p is not None]
+    # 6. A mixture of experts' router loss over the whole step's tokens, whatever cut them.
+    scope_router_loss(ctx)
     rt = Runtime(plan=plan, mesh=mesh, parts=tuple(ctx.parts), ctrl_group=ctrl,
                  grad_sync=_grad_sync(ctx))
     attach_runtime(model, rt)

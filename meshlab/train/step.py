@@ -98,6 +98,52 @@ def _loss(loss_fn, out, mb):
     return causal_lm_loss(out, mb)
 
 
+def _router_aux(model: nn.Module, mb) -> float:
+    """The weight of a mixture of experts' router load-balancing loss in the model's own
+    loss (``router_aux_loss_coef``, where the forward returns the router's logits:
+    ``output_router_logits`` in the batch or the config), else 0."""
+    cfg = getattr(model, "config", None)
+    coef = getattr(model, "router_aux_loss_coef", getattr(cfg, "router_aux_loss_coef", None))
+    given = mb.get("output_router_logits") if isinstance(mb, Mapping) else None
+    on = given if given is not None else getattr(cfg, "output_router_logits", False)
+    return float(coef) if coef and on else 0.0
+
+
+def _router_term(model: nn.Module, out, mb):
+    """``router_aux_loss_coef * output.aux_loss``, what the model's own loss adds to the
+    causal-LM loss, or None where it adds nothing."""
+    coef = _router_aux(model, mb)
+    if not coef:
+        return None
+    aux = getattr(out, "aux_loss", None) if not isinstance(out, Mapping) else out.get("aux_loss")
+    if aux is None:
+        raise ConfigError(f"step: {type(model).__name__} returns the router's logits "
+                          f"(output_router_logits) and weighs its load-balancing loss by "
+                          f"router_aux_loss_coef={coef}, but its output has no aux_loss to "
+                          f"add to the default loss; pass loss_fn=... to compute the loss "
+                          f"yourself")
+    return coef * aux
+
+
+def _check_router_aux(model: nn.Module, rt, batch, microbatches: int, loss_fn) -> None:
+    """The default loss adds the router's load-balancing loss as the model's own loss
+    does, from the global batch's statistics; a batch cut into microbatches (or a
+    pipeline's) runs its forwards apart, and the loss of their statistics is not the
+    whole batch's, so that is refused."""
+    if loss_fn is not None or not _router_aux(model, batch):
+        return
+    where = "a pipeline's microbatches" if rt.roles.pp is not None else \
+        f"microbatches={microbatches}" if microbatches > 1 else None
+    if where is not None:
+        raise ConfigError(
+            f"step: {type(model).__name__}'s loss adds the router's load-balancing loss "
+            f"(router_aux_loss_coef={_router_aux(model, batch)}), a statistic of the whole "
+            f"batch's routing, and {where} run the forward on parts of it apart: their "
+            f"losses would not be the whole batch's. Use microbatches=1 without a pipeline, "
+            f"or set output_router_logits=False (or router_aux_loss_coef=0) to train "
+            f"without it, or pass loss_fn=... that computes it as you intend")
+
+
 def _check_mode(train, opt, inputs, rt) -> None:
     """``train`` is a bool, the optimizer one ``step`` can step (evaluation needs none),
     and ``inputs`` is not given to a pipeline, whose stages read the batch by its keys."""
@@ -171,7 +217,10 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     by name (``model(input_ids=...)``: labels go to ``loss_fn``, not to the model, which
     would otherwise compute a second loss), and ``loss_fn(output, batch)`` defaults to the
     causal-LM loss of ``batch['labels']`` (or ``batch['input_ids']``) against
-    ``output.logits``. A tensor ``batch`` is passed positionally. For any other model,
+    ``output.logits``, plus ``router_aux_loss_coef * output.aux_loss`` for a mixture of
+    experts that returns its router's logits, as its own loss adds it (refused with
+    microbatches or a pipeline: that term is a statistic of the whole batch's routing).
+    A tensor ``batch`` is passed positionally. For any other model,
     say how to call it: ``inputs=['idx']`` calls ``model(batch['idx'])``; ``inputs=fn``
     calls ``model(*fn(batch))``. A key the forward does not take, or a batch the default
     loss cannot read, raises ``ConfigError`` naming the keys. Padded and packed batches:
@@ -203,6 +252,7 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
                               "'loss' out of fuse() to pass one")
         mbs = _prepared(model, rt, batch, _split(batch, microbatches), inputs)
         _check_reduction(reduction, num_tokens, rt)
+        _check_router_aux(model, rt, batch, microbatches, loss_fn)
         if not isinstance(pause_gc, bool):
             raise ConfigError(f"step(pause_gc={pause_gc!r}): pass True (pause Python's "
                               f"garbage collection for the step) or False")
@@ -312,12 +362,19 @@ def _forward(model, rt, mb, loss_fn, inputs, fused, red):
         if fused:
             from ..transforms.fuse import causal_lm_loss as fused_causal_lm_loss
 
-            raw = red.default(fused_causal_lm_loss(model, mb), mb)
+            mean, out = fused_causal_lm_loss(model, mb, with_output=True)
+            raw = red.default(mean, mb)
         elif loss_fn is None:
-            raw = red.default(_loss(None, _call(model, mb, inputs), mb), mb)
+            out = _call(model, mb, inputs)
+            raw = red.default(_loss(None, out, mb), mb)
         else:
-            raw = _loss(loss_fn, _call(model, mb, inputs), mb)
-        return raw * red.factor
+            return _loss(loss_fn, _call(model, mb, inputs), mb) * red.factor
+        loss = raw * red.factor
+        aux = _router_term(model, out, mb)
+        # the router's load-balancing loss is the global batch's on every rank (computed
+        # over the data axes, ``transforms.expert._aux``), added once to the global loss:
+        # the backward's scale and the data-parallel average leave it as it is
+        return loss if aux is None else loss + aux.to(loss.dtype) / red.backward_scale
 
 
 def _prepared(model, rt, batch, mbs: list, inputs) -> list:

@@ -29,17 +29,20 @@ def global_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention
     if gate_logits is None or not isinstance(gate_logits, tuple):
         return 0
     dev = gate_logits[0].device
-    counts = torch.zeros(num_experts, dtype=torch.float32, device=dev)
-    probs = torch.zeros(num_experts, dtype=torch.float32, device=dev)
-    rows = torch.zeros((), dtype=torch.float32, device=dev)
+    # float32 at least, and float64 for a float64 model, as the family's own function
+    # computes in the logits' dtype
+    acc = torch.promote_types(gate_logits[0].dtype, torch.float32)
+    counts = torch.zeros(num_experts, dtype=acc, device=dev)
+    probs = torch.zeros(num_experts, dtype=acc, device=dev)
+    rows = torch.zeros((), dtype=acc, device=dev)
     mask = None if attention_mask is None else \
-        attention_mask.reshape(-1).to(device=dev, dtype=torch.float32)
+        attention_mask.reshape(-1).to(device=dev, dtype=acc)
     for layer in gate_logits:
         w = F.softmax(layer.to(dev), dim=-1)
         _, sel = torch.topk(w, top_k, dim=-1)
-        m = torch.ones(w.shape[0], dtype=torch.float32, device=dev) if mask is None else mask
+        m = torch.ones(w.shape[0], dtype=acc, device=dev) if mask is None else mask
         counts = counts.scatter_add(0, sel.reshape(-1), m.repeat_interleave(top_k))
-        probs = probs + (w.float() * m.unsqueeze(-1)).sum(0)
+        probs = probs + (w.to(acc) * m.unsqueeze(-1)).sum(0)
         rows = rows + m.sum()
     if grad_scale != 1.0:
         # the same value; the gradient scaled (the all-reduce's backward sums it over every
@@ -93,3 +96,22 @@ def scope_forward(model, group, grad_scale: float = 1.0) -> None:
 
     model.register_forward_pre_hook(pre)
     model.register_forward_hook(post, always_call=True)
+    model._meshlab_router_loss_scoped = True
+
+
+def scope_router_loss(ctx) -> None:
+    """Any layout that cuts the batch (data parallelism, ZeRO, Megatron sequence
+    parallelism; ``expert_route`` scopes its own): a mixture of experts' router
+    load-balancing loss is taken over every token of the step, as one process takes it,
+    where each rank would take it over its own. Nothing for a model whose modeling file
+    has no ``load_balancing_loss_func``."""
+    from ...planning.roles import block_sequence_axes
+
+    # the model's own class: ZeRO's FSDP2 gives it a subclass of its own module
+    if getattr(ctx.model, "_meshlab_router_loss_scoped", False) or \
+            not any(patch_family(c) for c in type(ctx.model).__mro__[:-1]):
+        return
+    seq = tuple(a for a in block_sequence_axes(ctx.plan) if a not in ctx.roles.data)
+    axes = tuple(a for a in ctx.plan.mesh_shape if a in ctx.roles.data + seq)   # mesh order
+    if axes and ctx.size(*axes) > 1:
+        scope_forward(ctx.model, ctx.group(*axes), 1.0 / ctx.size(*seq) if seq else 1.0)

@@ -213,6 +213,11 @@ def ep_experts_forward(self, hidden_states, top_k_index, top_k_weights):
                                         recv_mat.reshape(-1))
     lo = torch.argsort(local_ids, stable=True)
     y = _run_local(self, st, x[lo], local_ids[lo], L)
+    if x.requires_grad and not y.requires_grad:
+        # no row came here (an implementation that loops over the experts hit then never
+        # reads x): the exchanges stay in the graph, so this rank's backward runs their
+        # all-to-alls with the others' and its own rows sent away get their gradients
+        y = y + x[lo] * 0
     y = y.new_zeros(y.shape).index_copy(0, lo, y)          # back to the order received
     y = _AllToAll.apply(y, send, recv, st)
     y = y * w.unsqueeze(-1).to(y.dtype)

@@ -407,11 +407,13 @@ def head_loss(head: nn.Module, hidden_states: Tensor, labels: Tensor,
         return head(hidden_states)
 
 
-def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
+def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100, *,
+                   with_output: bool = False):
     """Next-token loss of ``model`` on ``batch`` (``input_ids``, optional ``labels``,
     other model inputs) through the fused head: ``batch['labels']`` (or ``input_ids``)
     shifted by one, ``ignore_index`` not counted. Equal to meshlab.transforms.losses.causal_lm_loss
-    of the unfused model's output."""
+    of the unfused model's output. ``with_output``: ``(loss, the model's output)``, whose
+    other fields (a router's ``aux_loss``) the caller reads."""
     if not fused_loss_of(model):
         raise ConfigError(f"{type(model).__name__} has no fused loss; call "
                           f"meshlab.transforms.fuse.fuse_model(model, ops=('loss',)) first")
@@ -424,7 +426,7 @@ def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100) -> Tensor:
     if not isinstance(loss, Tensor) or loss.ndim != 0:
         raise ConfigError(f"fused loss: {type(model).__name__}'s forward did not return the "
                           f"head's output as logits; leave 'loss' out of fuse(ops=...)")
-    return loss
+    return (loss, out) if with_output else loss
 
 
 # ------------------------------------------------------------------------ attention

@@ -54,6 +54,9 @@ def _spec(layout: str):
                   # Megatron SP: each tp rank routes its own part of the sequence
                   "ep2_tp2_sp": (ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)
                                           | ml.Rules(seq="tp")) | ep, dict(ep=2, tp=2)),
+                  # no expert parallelism: the batch cut by data parallelism alone
+                  "dp2": (ml.data_parallel("dp"), dict(dp=2)),
+                  "zero3_dp2": (ml.zero_shard(3), dict(dp=2)),
                   # no expert parallelism: the experts replicated over tp, as the plan says
                   "tp2_dp2": (ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)),
                               dict(dp=2, tp=2))}[layout]
@@ -156,6 +159,62 @@ def test_router_aux_loss_is_the_whole_batch_loss(world2):
         res = world2.run(parity_case, family=family, layout="ep2", aux=True)
         _check(res)
         assert all(r["aux"] for r in res)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "zero3_dp2"])
+def test_router_aux_loss_is_the_whole_batch_loss_without_expert_route(world2, layout):
+    """Data parallelism or ZeRO alone cut the batch too: each rank took the router's
+    load-balancing loss over its own half (weights after three steps 8e-3 off under
+    data_parallel, no error); it is now taken over the whole batch there as well."""
+    res = world2.run(parity_case, family="mixtral", layout=layout, aux=True)
+    _check(res)
+    assert all(r["aux"] for r in res)
+
+
+def step_aux_case(rank, world, family, layout, microbatches=1):
+    """``ml.step``'s default loss on a model that returns its router's logits: the
+    causal-LM loss plus ``router_aux_loss_coef * aux_loss``, as the model's own loss of
+    the whole batch (two SGD steps against one process's ``model(ids, labels=ids).loss``)."""
+    import meshlab as ml
+
+    over = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+    data = M.batches(2, batch=4)
+    ref = ml.init_weights(M.build(family, **over), seed=0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    spec, mesh = _spec(layout)
+    model = ml.parallelize(M.build(family, **over), spec, mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    r, n = _data_rank(model)
+    got, want = [], []
+    for b in data:
+        try:
+            got.append(ml.step(model, opt, {"input_ids": b.chunk(n)[r]},
+                               microbatches=microbatches))
+        except ml.MeshlabError as e:
+            return type(e).__name__, str(e)
+        out = ref(input_ids=b, labels=b)
+        out.loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        want.append(float(out.loss))
+    M.assert_weights_match(model, ref, atol=1e-6, rtol=1e-5)
+    return got, want
+
+
+@pytest.mark.parametrize("layout", ["ep2", "dp2", "zero3_dp2"])
+def test_step_default_loss_adds_the_router_aux_loss(world2, layout):
+    """Before: ``ml.step``'s default loss was the causal-LM loss alone, where the model's
+    own loss adds ``router_aux_loss_coef * aux_loss``: the router trained without its
+    load-balancing term (weights 1e-2 off after one step), no error."""
+    for got, want in world2.run(step_aux_case, family="mixtral", layout=layout):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_step_default_loss_with_the_router_aux_loss_refuses_microbatches(world2):
+    for kind, msg in world2.run(step_aux_case, family="mixtral", layout="dp2",
+                                microbatches=2):
+        assert kind == "ConfigError", (kind, msg)
+        assert "router's load-balancing loss" in msg and "microbatches=1" in msg, msg
 
 
 @pytest.mark.parametrize("family,layout", [("mixtral", "ep4"), ("qwen2_moe", "ep4"),
@@ -406,3 +465,45 @@ def pipeline_case(rank, world, family, schedule):
 def test_pipeline_with_expert_parallelism(world4, family, schedule):
     owned = world4.run(pipeline_case, family=family, schedule=schedule)
     assert owned[0] != owned[2] and owned[0] == owned[1]       # pp stages hold different layers
+
+
+def empty_rank_case(rank, world, layout):
+    """Every token routed to expert 0 (the post-attention norms zeroed: all router logits
+    0, top-1 the first expert), which lives on ep rank 0: rank 1 receives no row. The
+    experts' "eager" implementation loops over the experts hit, so on rank 1 it never
+    read the exchanged rows, the exchanges fell out of that rank's graph, and its
+    backward skipped their all-to-alls while rank 0 waited in them (a hang); its own
+    tokens, sent to rank 0, got no gradient through the experts. One SGD step in float64
+    against one process."""
+    import meshlab as ml
+
+    def build():
+        m = M.build("mixtral", num_experts_per_tok=1).to(torch.float64)
+        m.config._experts_implementation = "eager"
+        return m
+
+    def zero_norms(m):
+        with torch.no_grad():
+            for layer in m.model.layers:
+                layer.post_attention_layernorm.weight.zero_()
+
+    x = M.batches(1, batch=4)[0]
+    ref = ml.init_weights(build(), seed=0)
+    zero_norms(ref)
+    ref(input_ids=x, labels=x).loss.backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+    spec, mesh = _spec(layout)
+    model = ml.parallelize(build(), spec, mesh, seed=0)
+    zero_norms(model)
+    r, n = _data_rank(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(input_ids=x.chunk(n)[r], labels=x.chunk(n)[r]).loss.backward()
+    opt.step()
+    M.assert_weights_match(model, ref, atol=1e-12, rtol=1e-12)
+    return model._meshlab.part(ExpertPart).stats.routed
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_receives_no_rows_trains_as_one_process(world2):
+    assert all(routed > 0 for routed in world2.run(empty_rank_case, layout="ep2",
+                                                     timeout=90))
