@@ -19,15 +19,39 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from ...planning.roles import block_sequence_axes
+
 _GROUP: contextvars.ContextVar = contextvars.ContextVar("meshlab_aux_group", default=None)
 
 
+def _local_mask(mask: torch.Tensor, rows: int, seq) -> torch.Tensor:
+    """``mask`` (B, S) cut to the tokens this rank's router saw: under Megatron sequence
+    parallelism (``seq``: this rank's position and the ranks along the sequence) each
+    holds one contiguous part of every row's sequence."""
+    if mask.numel() == rows or seq is None or mask.dim() != 2:
+        return mask
+    pos, n = seq
+    s = mask.shape[1]
+    if s % n or mask.numel() != rows * n:
+        return mask
+    return mask[:, pos * (s // n):(pos + 1) * (s // n)]
+
+
 def global_load_balancing_loss(gate_logits, num_experts=None, top_k=2, attention_mask=None,
-                               *, group, grad_scale: float = 1.0):
+                               *, group, grad_scale: float = 1.0, seq=None):
     from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    from ...core.errors import ConfigError
 
     if gate_logits is None or not isinstance(gate_logits, tuple):
         return 0
+    if attention_mask is not None:
+        attention_mask = _local_mask(attention_mask, gate_logits[0].shape[0], seq)
+        if attention_mask.numel() != gate_logits[0].shape[0]:
+            raise ConfigError(
+                f"the router's load-balancing loss: attention_mask holds "
+                f"{attention_mask.numel()} tokens and the router saw {gate_logits[0].shape[0]} "
+                f"on this rank; pass the mask of this rank's batch (B, S), or no mask")
     dev = gate_logits[0].device
     # float32 at least, and float64 for a float64 model, as the family's own function
     # computes in the logits' dtype
@@ -72,23 +96,25 @@ def patch_family(module_cls: type) -> bool:
         scope = _GROUP.get()
         if scope is None:
             return fn(*args, **kwargs)
-        group, scale = scope
-        return global_load_balancing_loss(*args, **kwargs, group=group, grad_scale=scale)
+        group, scale, seq = scope
+        return global_load_balancing_loss(*args, **kwargs, group=group, grad_scale=scale,
+                                          seq=seq)
 
     dispatch._meshlab_global = True
     mod.load_balancing_loss_func = dispatch
     return True
 
 
-def scope_forward(model, group, grad_scale: float = 1.0) -> None:
+def scope_forward(model, group, grad_scale: float = 1.0, seq=None) -> None:
     """The model's forward computes the loss over every token of ``group`` (set for the
     call). ``grad_scale``: the data ranks' share of the group (1 / the tensor-parallel size
     under Megatron sequence parallelism, whose ranks hold other tokens but do not average
-    their gradients)."""
+    their gradients); ``seq``: (this rank's position, the ranks) along that sequence
+    split, whose part of the attention mask is this rank's."""
     tokens = []
 
     def pre(_m, _args):
-        tokens.append(_GROUP.set((group, grad_scale)))
+        tokens.append(_GROUP.set((group, grad_scale, seq)))
 
     def post(_m, _args, _out):
         if tokens:
@@ -105,13 +131,22 @@ def scope_router_loss(ctx) -> None:
     load-balancing loss is taken over every token of the step, as one process takes it,
     where each rank would take it over its own. Nothing for a model whose modeling file
     has no ``load_balancing_loss_func``."""
-    from ...planning.roles import block_sequence_axes
-
     # the model's own class: ZeRO's FSDP2 gives it a subclass of its own module
     if getattr(ctx.model, "_meshlab_router_loss_scoped", False) or \
             not any(patch_family(c) for c in type(ctx.model).__mro__[:-1]):
         return
+    scope_over_tokens(ctx)
+
+
+def scope_over_tokens(ctx) -> None:
+    """The router's load-balancing loss taken over every token of the step: those of the
+    data ranks, and under Megatron sequence parallelism those of the tensor-parallel ranks,
+    each of which routes its own part of the sequence."""
     seq = tuple(a for a in block_sequence_axes(ctx.plan) if a not in ctx.roles.data)
     axes = tuple(a for a in ctx.plan.mesh_shape if a in ctx.roles.data + seq)   # mesh order
     if axes and ctx.size(*axes) > 1:
-        scope_forward(ctx.model, ctx.group(*axes), 1.0 / ctx.size(*seq) if seq else 1.0)
+        pos = 0
+        for a in (a for a in ctx.plan.mesh_shape if a in seq):       # the first major
+            pos = pos * ctx.size(a) + ctx.coordinate(a)
+        scope_forward(ctx.model, ctx.group(*axes), 1.0 / ctx.size(*seq) if seq else 1.0,
+                      (pos, ctx.size(*seq)) if seq else None)

@@ -7,10 +7,9 @@ import torch
 from torch import nn
 
 from ...core.errors import ConfigError
-from ...planning.roles import block_sequence_axes
 from .._install import EagerModules, mesh_device
 from .._protocol import Part
-from ._aux import patch_family, scope_forward
+from ._aux import patch_family, scope_over_tokens
 from ._layout import placement
 from ._dispatch import IMPL, EPState, EPStats, attach_state, ep_experts_forward
 
@@ -71,13 +70,8 @@ def install_experts(t, ctx):
                                 t.capacity_factor, stats))
         m.config._experts_implementation = IMPL
         aux = patch_family(type(m)) or aux
-    # the router's load-balancing loss is taken over every token of the step: those of the
-    # data ranks, and under Megatron sequence parallelism those of the tensor-parallel ranks,
-    # each of which routes its own part of the sequence
-    seq = tuple(a for a in block_sequence_axes(ctx.plan) if a not in ctx.roles.data)
-    axes = tuple(a for a in ctx.plan.mesh_shape if a in ctx.roles.data + seq)   # mesh order
-    if aux and axes and ctx.size(*axes) > 1:
-        scope_forward(ctx.model, ctx.group(*axes), 1.0 / ctx.size(*seq) if seq else 1.0)
+    if aux:       # the router's load-balancing loss over every token of the step
+        scope_over_tokens(ctx)
     if n > 1 or t.capacity_factor is not None:
         ctx.keep(EagerModules(frozenset(x.fqn for x in layouts),
                               "the expert dispatch reads its all-to-all's split sizes (or "

@@ -507,3 +507,44 @@ def empty_rank_case(rank, world, layout):
 def test_a_rank_that_receives_no_rows_trains_as_one_process(world2):
     assert all(routed > 0 for routed in world2.run(empty_rank_case, layout="ep2",
                                                      timeout=90))
+
+
+def masked_aux_case(rank, world, layout):
+    """The router's load-balancing loss of a padded batch (its attention mask counts only
+    real tokens): under Megatron SP each tp rank routes its own part of every row's
+    sequence, so its part of the mask is the one that counts (the whole mask met a
+    quarter of the rows there: an untyped RuntimeError). Two AdamW steps against one
+    process: the aux loss and the weights."""
+    import meshlab as ml
+
+    over = dict(output_router_logits=True)
+    ref = ml.init_weights(M.build("mixtral", **over), seed=0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    spec, mesh = _spec(layout)
+    model = ml.parallelize(M.build("mixtral", **over), spec, mesh, seed=0)
+    opt = ml.optimizer(model, torch.optim.AdamW, lr=LR)
+    r, n = _data_rank(model)
+    auxes = []
+    for b in M.batches(2, batch=4):
+        mask = torch.ones_like(b)
+        mask[1, :3] = 0                      # left padding in one row
+        mask[2, :1] = 0
+        out = model(input_ids=b.chunk(n)[r], attention_mask=mask.chunk(n)[r],
+                    labels=b.chunk(n)[r])
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want = ref(input_ids=b, attention_mask=mask, labels=b)
+        want.loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        auxes.append((float(out.aux_loss), float(want.aux_loss)))
+    M.assert_weights_match(model, ref)
+    return auxes
+
+
+@pytest.mark.parametrize("layout", ["ep2_tp2_sp", "ep2_tp2"])
+def test_router_aux_loss_of_a_padded_batch_under_sequence_parallelism(world4, layout):
+    for auxes in world4.run(masked_aux_case, layout=layout):
+        for a, w in auxes:
+            assert abs(a - w) <= 1e-5 * max(1.0, abs(w)), auxes
