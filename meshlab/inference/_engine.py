@@ -95,6 +95,7 @@ class InferenceEngine:
                               f"stages; parallelize the model with pipeline(), or leave "
                               f"micro_batch_size=1")
         self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
+        _unread_generation_config(self.model, cfg)
         self.device = next(p for p in self.model.parameters()).device
         self.spec = None                     # the drafter, under speculative decoding
         self.window = window_blocks(cfg)     # blocks a decoding request holds (StreamingLLM)
@@ -220,7 +221,20 @@ class InferenceEngine:
                               f"string prompts; this one is token ids: give the text, or "
                               f"apply the template before tokenizing")
         if isinstance(prompt, torch.Tensor):
+            if prompt.dim() > 2 or (prompt.dim() == 2 and prompt.shape[0] != 1) or \
+                    prompt.is_floating_point() or prompt.dtype == torch.bool:
+                raise ConfigError(
+                    f"a prompt is one sequence of token ids: a 1-d integer tensor (or one "
+                    f"row, (1, S)); got a {prompt.dtype} tensor of shape {tuple(prompt.shape)}. "
+                    f"Queue each row with its own add_request, or pass the rows to "
+                    f"generate(prompts=...), which takes a batch")
             prompt = prompt.flatten().tolist()
+        if not all(isinstance(t, int) or (hasattr(t, "__index__") and not isinstance(t, bool))
+                   for t in prompt):
+            raise ConfigError(f"a prompt is one sequence of token ids (ints); got "
+                              f"{type(prompt).__name__} holding "
+                              f"{sorted({type(t).__name__ for t in prompt})}: queue each "
+                              f"sequence with its own add_request")
         tokens = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         if not tokens or len(tokens) > self.config.max_input_len:
@@ -460,6 +474,43 @@ def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+# The decoding settings of a model's generation_config that model.generate() reads and
+# the engine takes from its InferenceConfig instead (the config's field of the same name):
+# each with transformers' default, at which the two decode alike.
+_DECODING = (("do_sample", False), ("temperature", 1.0), ("top_k", 50), ("top_p", 1.0),
+             ("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0))
+_UNREAD = (("max_new_tokens", None, "give max_new_tokens to generate() or add_request"),
+           ("min_new_tokens", None, "the engine has no minimum length"),
+           ("min_length", 0, "the engine has no minimum length"),
+           ("num_beams", 1, "beam search is InferenceConfig(beam_width=...)"))
+
+
+def _unread_generation_config(model: nn.Module, cfg: InferenceConfig) -> None:
+    """Warn, naming each, about the decoding settings of ``model.generation_config`` that
+    ``model.generate()`` would apply and the engine does not: it decodes as its
+    ``InferenceConfig`` says (Colossal-AI's engine does too) and reads only the EOS ids
+    there, so its tokens would differ from ``generate()``'s without a word."""
+    import warnings
+
+    gc = getattr(model, "generation_config", None)
+    if gc is None:
+        return
+    differ = [f"{name}={getattr(gc, name)!r}" for name, default in _DECODING
+              if getattr(gc, name, default) not in (default, None)
+              and getattr(gc, name) != getattr(cfg, name)]
+    unread = [(f"{name}={getattr(gc, name)!r}", fix) for name, default, fix in _UNREAD
+              if getattr(gc, name, default) not in (default, None)]
+    if not differ and not unread:
+        return
+    fixes = ([f"pass InferenceConfig({', '.join(differ)}) to decode as generate() does"]
+             if differ else []) + list(dict.fromkeys(fix for _, fix in unread))
+    warnings.warn(
+        f"InferenceEngine: {type(model).__name__}.generation_config sets "
+        f"{', '.join(differ + [n for n, _ in unread])}, which model.generate() applies and "
+        f"the engine does not read (it decodes as its InferenceConfig says): "
+        f"{'; '.join(fixes)}", UserWarning, stacklevel=3)
 
 
 def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -100,6 +101,45 @@ def test_engine_greedy_equals_generate_alone(family):
             .tolist() for p in prompts]
     got = _engine(_tiny(family)).generate(prompts=prompts, max_new_tokens=8)
     assert got == want
+
+
+def test_generation_config_settings_the_engine_does_not_read_are_named():
+    """model.generate() applies the model's generation_config (a checkpoint's sampling
+    settings, a repetition penalty); the engine decodes as its InferenceConfig says and
+    read only the EOS ids there, so its tokens differed from generate()'s without a word.
+    It now warns, naming each setting and the InferenceConfig field that applies it; with
+    that field set, the tokens are generate()'s."""
+    def model():
+        m = _tiny()
+        m.generation_config.repetition_penalty = 1.5
+        m.generation_config.max_new_tokens = 5
+        return m
+
+    with pytest.warns(UserWarning, match=r"repetition_penalty=1\.5, max_new_tokens=5.*"
+                                         r"InferenceConfig\(repetition_penalty=1\.5\)"):
+        _engine(model())
+    p = _prompts()[2]
+    want = model().generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+    plain = _tiny().generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p):]
+    assert want.tolist() != plain.tolist()        # the penalty changes these tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # the penalty given: only the length left
+        warnings.filterwarnings("ignore", message=".*max_new_tokens=5")
+        got = _engine(model(), repetition_penalty=1.5).generate(prompts=[p], max_new_tokens=8)
+    assert got == [want.tolist()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # transformers' defaults: nothing to say
+        _engine(_tiny())
+
+
+def test_add_request_takes_one_prompt():
+    """A (2, 4) tensor was flattened into one prompt of 8 tokens; generate(prompts=...)
+    reads the same tensor as 2 prompts."""
+    engine = _engine(_tiny())
+    for bad in (torch.arange(8).view(2, 4), torch.arange(4.0), [[1, 2], [3, 4]]):
+        with pytest.raises(ml.ConfigError, match="one sequence of token ids"):
+            engine.add_request(bad)
+    assert engine.add_request(torch.arange(4).view(1, 4)) == 0
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
