@@ -217,10 +217,8 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     by name (``model(input_ids=...)``: labels go to ``loss_fn``, not to the model, which
     would otherwise compute a second loss), and ``loss_fn(output, batch)`` defaults to the
     causal-LM loss of ``batch['labels']`` (or ``batch['input_ids']``) against
-    ``output.logits``, plus ``router_aux_loss_coef * output.aux_loss`` for a mixture of
-    experts that returns its router's logits, as its own loss adds it (refused with
-    microbatches or a pipeline: that term is a statistic of the whole batch's routing).
-    A tensor ``batch`` is passed positionally. For any other model,
+    ``output.logits`` (plus a mixture of experts' router loss, ``_router_term``). A
+    tensor ``batch`` is passed positionally. For any other model,
     say how to call it: ``inputs=['idx']`` calls ``model(batch['idx'])``; ``inputs=fn``
     calls ``model(*fn(batch))``. A key the forward does not take, or a batch the default
     loss cannot read, raises ``ConfigError`` naming the keys. Padded and packed batches:
