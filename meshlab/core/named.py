@@ -80,6 +80,12 @@ def _alone(fn: str, axis_name) -> bool:
     return True
 
 
+def _no_axes(axis_name) -> bool:
+    """``axis_name`` is ``()``: JAX's ``psum``, ``pmean``, ``all_gather``,
+    ``psum_scatter`` and ``axis_index`` over no axis return their input (0)."""
+    return isinstance(axis_name, (tuple, list)) and len(axis_name) == 0
+
+
 def _groups(r: Region, axes) -> tuple:
     return tuple(r.group(a) for a in axes)
 
@@ -161,7 +167,7 @@ def _counted(x: torch.Tensor) -> torch.Tensor:
 def psum(x: torch.Tensor, axis_name) -> torch.Tensor:
     """The sum of ``x`` over the ranks of ``axis_name`` (JAX's ``lax.psum``; a bool
     ``x`` is summed as int32, counting the ranks that hold True)."""
-    if _alone("psum", axis_name):
+    if _no_axes(axis_name) or _alone("psum", axis_name):
         return _counted(_tensor("psum", x))
     r, axes, x, before = _prepared("psum", _counted(_tensor("psum", x)), axis_name,
                                    one_state=True)
@@ -172,7 +178,7 @@ def psum(x: torch.Tensor, axis_name) -> torch.Tensor:
 
 def pmean(x: torch.Tensor, axis_name) -> torch.Tensor:
     """The mean of ``x`` over the ranks of ``axis_name`` (``lax.pmean``)."""
-    if _alone("pmean", axis_name):          # a mean of integers is a float, as in JAX
+    if _no_axes(axis_name) or _alone("pmean", axis_name):   # a mean of ints is a float
         x = _counted(_tensor("pmean", x))
         return x if x.is_floating_point() or x.is_complex() else x / 1
     r, axes = _region("pmean", axis_name)
@@ -259,6 +265,8 @@ def _dim(fn: str, x: torch.Tensor, d: int, extra: int = 0) -> int:
 def all_gather(x: torch.Tensor, axis_name, *, axis: int = 0, tiled: bool = False):
     """Every rank's block of ``axis_name``, stacked on a new dimension ``axis`` (or, with
     ``tiled``, concatenated along ``axis``), as ``lax.all_gather``."""
+    if _no_axes(axis_name):
+        return _tensor("all_gather", x)
     if _alone("all_gather", axis_name):
         x = _tensor("all_gather", x)
         return x if tiled else x.unsqueeze(_dim("all_gather", x, axis, 1))
@@ -277,11 +285,13 @@ def psum_scatter(x: torch.Tensor, axis_name, *, scatter_dimension: int = 0,
     """This rank's block of the sum over ``axis_name``: split along
     ``scatter_dimension`` (whose size must be the axis size, and is dropped, or with
     ``tiled`` divisible by it), as ``lax.psum_scatter``."""
-    alone = _alone("psum_scatter", axis_name)
     if _tensor("psum_scatter", x).dtype == torch.bool:
         raise ConfigError(f"psum_scatter(..., {axis_name!r}): x is a bool tensor, which "
                           f"lax.psum_scatter refuses too (it adds); cast it first, e.g. "
                           f"psum_scatter(x.int(), ...) to count the ranks holding True")
+    if _no_axes(axis_name):
+        return x
+    alone = _alone("psum_scatter", axis_name)
     if alone:
         x, n = _tensor("psum_scatter", x), 1
     else:
@@ -418,7 +428,7 @@ def all_to_all(x: torch.Tensor, axis_name: str, split_axis: int, concat_axis: in
 def axis_index(axis_name) -> torch.Tensor:
     """This rank's position on ``axis_name`` (on several axes: the flattened position,
     the first axis major), an int32 scalar varying along them (``lax.axis_index``)."""
-    if _alone("axis_index", axis_name):
+    if _no_axes(axis_name) or _alone("axis_index", axis_name):
         return torch.tensor(0, dtype=torch.int32)
     r, axes = _region("axis_index", axis_name)
     i = 0

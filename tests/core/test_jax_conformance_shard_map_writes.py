@@ -293,3 +293,32 @@ def test_unchecked_output_gradient_is_counted_once(world4, jx):
                      mesh=jax_mesh(jx, (4,), ("i",)), in_specs=JP("i"), out_specs=JP(),
                      check_vma=False)
     compare(got, jax_value_and_grads(jx, f, (data(8),)))
+
+
+# -- collectives over no axis: JAX returns the input ----------------------------------------
+def no_axes(lax):
+    return [("psum", lambda x: lax.psum(x, ())), ("pmean", lambda x: lax.pmean(x, ())),
+            ("all_gather", lambda x: lax.all_gather(x, ())),
+            ("all_gather_tiled", lambda x: lax.all_gather(x, (), tiled=True)),
+            ("psum_scatter", lambda x: lax.psum_scatter(x, (), tiled=True)),
+            ("axis_index", lambda x: x * (1 + lax.axis_index(())))]
+
+
+def case_no_axes(rank, world):
+    import meshlab as ml
+    from meshlab import P
+
+    return {name: ml_value_and_grads(ml.shard_map(fn, in_specs=P("i"), out_specs=P("i"),
+                                                  mesh=ml.Mesh(i=4)), (data(8),))
+            for name, fn in no_axes(ml)}
+
+
+def test_collectives_over_no_axis(world4, jx):
+    from jax.sharding import PartitionSpec as JP
+
+    got = same_on_every_rank(world4.run(case_no_axes))
+    mesh = jax_mesh(jx, (4,), ("i",))
+    for name, fn in no_axes(jx.lax):
+        with _case(name):
+            sm = jx.shard_map(fn, mesh=mesh, in_specs=JP("i"), out_specs=JP("i"))
+            compare(got[name], jax_value_and_grads(jx, sm, (data(8),)))
