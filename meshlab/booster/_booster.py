@@ -244,8 +244,7 @@ class Booster:
         """``loss.backward()``, scaled by the optimizer's loss scale under fp16 (its step
         unscales, and skips the step on every rank if any gradient overflowed)."""
         self._model_of(optimizer, "backward")
-        scaler = getattr(optimizer, "scaler", None)
-        (loss * scaler.scale if scaler is not None else loss).backward()
+        (optimizer.scale(loss) if hasattr(optimizer, "scale") else loss).backward()
 
     def execute_pipeline(self, data_iter: Iterator, model: nn.Module, criterion: Callable,
                          optimizer: torch.optim.Optimizer | None = None,
@@ -277,9 +276,9 @@ class Booster:
         if optimizer is None:
             loss, out = part.forward_only(rt, batch, loss_fn, return_outputs=return_outputs)
         else:
-            scaler = getattr(optimizer, "scaler", None)
+            scale = optimizer.loss_scale() if hasattr(optimizer, "loss_scale") else 1.0
             loss, out = part.forward_backward(rt, batch, loss_fn, return_outputs=return_outputs,
-                                              scale=scaler.scale if scaler is not None else 1.0)
+                                              scale=scale)
         return {"loss": torch.tensor(loss) if return_loss else None,
                 "outputs": _hf_outputs(model, out) if return_outputs else None}
 

@@ -56,11 +56,10 @@ class OptimizerWrapper(MeshOptimizer):
 
     def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
         """``loss.backward()``, scaled by the loss scale under fp16."""
-        (loss * self.scaler.scale if self.scaler is not None else loss).backward(*args, **kwargs)
+        self.scale(loss).backward(*args, **kwargs)
 
     def backward_by_grad(self, tensor: torch.Tensor, grad: torch.Tensor, *args, **kwargs):
-        torch.autograd.backward(tensor, grad * self.scaler.scale if self.scaler is not None
-                                else grad, *args, **kwargs)
+        torch.autograd.backward(tensor, self.scale(grad), *args, **kwargs)
 
     def get_grad_norm(self, norm_type: float = 2.0, **kwargs) -> float | None:
         """The global gradient norm of the last step (None where the step computed none:

@@ -129,6 +129,7 @@ class MeshOptimizer(torch.optim.Optimizer):
         self._held_ids = frozenset(seen)
         prec = self.rt.part(PrecisionPart)
         self.scaler = prec.scaler() if prec is not None else None
+        self._scaled = False        # a backward of this step ran on the scaled loss
         held = {n for n, _ in model.named_parameters()}
         elsewhere = frozenset(e.fqn for e in self.rt.plan.params) - held \
             if self.rt.roles.pp is not None else frozenset()
@@ -339,6 +340,14 @@ class MeshOptimizer(torch.optim.Optimizer):
             raise ConfigError("meshlab.optimizer's step takes no closure (optimizers that "
                               "re-evaluate the loss, such as LBFGS, are not supported)")
         self._check_trainable()
+        if self.scaler is not None and not self._scaled:
+            raise ConfigError(
+                "meshlab.optimizer step under precision('fp16'): no backward of this step ran "
+                "on the scaled loss, and the step divides the gradients by the loss scale "
+                f"({self.scaler.scale:g}), which would shrink the update as much. In a loop "
+                "of your own call opt.scale(loss).backward() (as torch's GradScaler.scale), "
+                "or use ml.step / booster.backward(loss, optimizer)")
+        self._scaled = False
         for hook in list(self._optimizer_step_pre_hooks.values()):
             hook(self, (), {})
         if not self._agreed:        # before the step's first collective (ZeRO-1's)
@@ -395,6 +404,19 @@ class MeshOptimizer(torch.optim.Optimizer):
         """Multiply the gradients by ``min(clip / (norm + 1e-6), 1)``, computed where the
         norm lies and read by no one (no host sync)."""
         clip_grads_with_norm_([_Holder(g) for g, _ in items], self.clip, norm)
+
+    def loss_scale(self) -> float:
+        """What this step's loss is multiplied by before its backward: the fp16 loss
+        scale (1.0 without fp16). ``step``, the Booster and a pipeline's schedule read it
+        here, which notes that the gradients the step will divide by it are scaled."""
+        self._scaled = True
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, as ``torch.amp.GradScaler.scale``: under
+        ``precision('fp16')`` a loop of your own runs ``opt.scale(loss).backward()`` before
+        ``opt.step()``, which divides the gradients by it (the loss itself without fp16)."""
+        return loss * self.loss_scale() if self.scaler is not None else loss
 
     def _unscale(self, items: list) -> bool:
         """Divide the gradients by the loss scale and agree on an overflow (the scaler's

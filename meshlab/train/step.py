@@ -312,7 +312,7 @@ def _run(model, rt, opt, mbs, batch, loss_fn, inputs, fused, red: "_Reduce"):
                 watch.check(rt, i)
             # the data-parallel reduction averages gradients: ``backward_scale`` undoes it
             # where the global loss is a sum over the ranks
-            scale = red.backward_scale * (scaler.scale if scaler is not None else 1.0)
+            scale = red.backward_scale * (opt.loss_scale() if scaler is not None else 1.0)
             (loss * scale if scale != 1.0 else loss).backward()
             part = _whole(loss.detach()).to(torch.float64)
             total = part if total is None else total + part

@@ -182,7 +182,7 @@ def overflow_case(rank, world, spec_name):
     before = {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
     b = data[1].chunk(rt.dp_size)[dp_rank]
     loss = M.loss_fn("llama")(model(input_ids=b), {"input_ids": b})
-    (loss * opt.scaler.scale).backward()
+    opt.scale(loss).backward()
     if rank == 1:     # an overflow on one rank only
         p = next(p for p in model.parameters() if p.grad is not None)
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad

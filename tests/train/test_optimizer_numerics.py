@@ -107,7 +107,7 @@ def _model(seed: int = 0):
 
 def _backward(model, opt, x, blow_up: bool = False):
     loss = model(x).pow(2).mean() * 1e-2
-    (loss * opt.scaler.scale).backward()
+    opt.scale(loss).backward()
     if blow_up:
         next(model.parameters()).grad[0, 0] = float("inf")
 

@@ -379,9 +379,8 @@ class PipelinePart(Part):
 
     def run_step(self, rt, opt, batch, loss_fn, reduction=None) -> float:
         """The schedule runs the microbatches; the loss comes from the last stage."""
-        scaler = getattr(opt, "scaler", None)
-        loss, _ = self.forward_backward(rt, batch, loss_fn, reduction=reduction,
-                                        scale=scaler.scale if scaler is not None else 1.0)
+        scale = opt.loss_scale() if hasattr(opt, "loss_scale") else 1.0
+        loss, _ = self.forward_backward(rt, batch, loss_fn, reduction=reduction, scale=scale)
         opt.step()
         opt.zero_grad()
         return loss
