@@ -26,7 +26,9 @@ import os
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from ..core.errors import ConfigError
 from ..transforms._install import runtime_of
 
 ADAPTER = "adapter_model.safetensors"
@@ -369,10 +371,17 @@ def _each_layer(model: nn.Module, fn) -> int:
     from peft.tuners.lora import LoraLayer
 
     _lora_config(model)
-    n = 0
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
+    for name, m in layers:       # all checked before any layer changes
+        kinds = {isinstance(p, DTensor) for p in m.parameters()}
+        if len(kinds) > 1:
+            raise ConfigError(
+                f"merge_adapters / unmerge_adapters: {name} holds its base weight and its "
+                f"adapters in different layouts (tensor parallelism splits the base and "
+                f"one of A, B; peft's merge multiplies them as plain tensors). Write the "
+                f"merged weights with ml.save_merged(model, dir), which gathers them, or "
+                f"merge on a layout without tensor parallelism")
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LoraLayer):
-                fn(m)
-                n += 1
-    return n
+        for _, m in layers:
+            fn(m)
+    return len(layers)

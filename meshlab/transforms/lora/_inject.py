@@ -21,6 +21,7 @@ def inject(t, ctx) -> None:
     config = with_targets(t.config, ctx.plan.model.config_get("model_type"))
     with torch.device(device):
         peft.inject_adapter_in_model(config, model)
+    _base_dtype(model)
     _freeze_as_planned(t, ctx.plan, model)
     if meta:     # right after each wrapper is initialized, before its block is sharded
         ctx.on_module.append(lambda _name, m: start(m))
@@ -28,6 +29,22 @@ def inject(t, ctx) -> None:
         g = torch.Generator().manual_seed(0)
         for m in model.modules():
             start(m, generator=g)
+
+
+def _base_dtype(model) -> None:
+    """Each adapter in its base weight's floating dtype, as the plan lists it (peft makes
+    them in torch's default dtype on the meta device: float32 adapters on a float64
+    model)."""
+    from peft.tuners.lora import LoraLayer
+
+    for m in model.modules():
+        if isinstance(m, LoraLayer):
+            dt = getattr(m.get_base_layer(), "weight", None)
+            dt = dt.dtype if dt is not None else None
+            if dt is not None and dt.is_floating_point:
+                for adapters in (m.lora_A, m.lora_B):
+                    for a in adapters.values():
+                        a.to(dt)
 
 
 def start(m, generator=None) -> None:

@@ -445,3 +445,75 @@ def test_merged_state_of_a_float64_model_is_float64(world2):
     """It went through float32 (6e-9 off peft's merge_and_unload in float64)."""
     worst, _ = world2.run(merged_float64_case)
     assert worst < 1e-14, worst
+
+
+def tp_merge_case(rank, world):
+    """Under tensor parallelism peft's merge multiplied a plain A by a split B (or the
+    other way round): torch's untyped "mixed torch.Tensor and DTensor" error. Now refused
+    by name, before any layer changes, naming save_merged; save_merged itself gathers."""
+    import meshlab as ml
+
+    spec, mesh = _spec("tp2", _config(False))
+    model = ml.parallelize(M.build("llama", **LAYERS), spec, ml.Mesh(**mesh), seed=0)
+    before = {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+    try:
+        ml.merge_adapters(model)
+    except ml.MeshlabError as e:
+        same = all(torch.equal(M.full(p).detach(), before[n]) for n, p in model.named_parameters())
+        return type(e).__name__, str(e), same
+    return None
+
+
+def test_merge_under_tensor_parallelism_is_refused_by_name(world2):
+    for kind, msg, same in world2.run(tp_merge_case):
+        assert kind == "ConfigError" and "ml.save_merged" in msg, (kind, msg)
+        assert same
+
+
+def float64_adapters_case(rank, world, layout):
+    """peft made the adapters of a float64 model in float32 on the meta device, where the
+    plan lists them as float64 (and peft in one process makes them float64): gradients
+    1e-8 off peft's. Now float64, and one step's gradients match peft's to float64
+    rounding (B set off zero first, the same on both sides)."""
+    import torch.distributed as dist
+    from peft import get_peft_model
+
+    import meshlab as ml
+
+    def build():
+        return M.build("llama", **LAYERS).to(torch.float64)
+
+    spec, mesh = _spec(layout, _config(False))
+    model = ml.parallelize(build(), spec, ml.Mesh(**mesh), seed=0)
+    dtypes = {str(p.dtype) for n, p in model.named_parameters() if "lora_" in n}
+    planned = {e.dtype for e in model._meshlab.plan.params if "lora_" in e.fqn}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.05)
+    ref = get_peft_model(ml.init_weights(build(), seed=0), _config(False))
+    own = dict(ref.base_model.model.named_parameters())
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            own[n].copy_(M.full(p))
+    x = M.batches(1, batch=4)[0]
+    n_dp = world if layout == "dp" else 1
+    xs = x.chunk(n_dp)[rank % n_dp]
+    M.loss_fn("llama")(model(input_ids=xs), {"input_ids": xs}).backward()
+    M.loss_fn("llama")(ref(input_ids=x), {"input_ids": x}).backward()
+    err = 0.0
+    for n, p in model.named_parameters():
+        if p.grad is not None and "lora_" in n:
+            g = M.full(p.grad).clone()
+            if n_dp > 1:
+                dist.all_reduce(g)
+                g /= n_dp
+            err = max(err, float((g - own[n].grad).abs().max()))
+    return dtypes, planned, err
+
+
+@pytest.mark.parametrize("layout", ["dp", "tp2"])
+def test_adapters_of_a_float64_model_are_float64(world2, layout):
+    for dtypes, planned, err in world2.run(float64_adapters_case, layout=layout):
+        assert dtypes == {"torch.float64"} and planned == {"float64"}, (dtypes, planned)
+        assert err < 1e-12, err
