@@ -173,7 +173,8 @@ def precision(compute: str = "bf16", reduce: str = "fp32", loss_scale: str | flo
     default, or ``'rowwise'``), the output head, the layers float8 cannot take and every
     other op in bf16 (``_float8``'s doc).
 
-    The dynamic scale starts at ``init_scale``; an overflowing step is skipped, and after
+    The dynamic scale starts at ``init_scale`` (within ``min_scale`` and ``max_scale``); an
+    overflowing step is skipped, and after
     ``hysteresis`` overflows the scale is multiplied by ``backoff_factor`` (never below
     ``min_scale``); after ``growth_interval`` clean steps it is multiplied by
     ``growth_factor`` (never above ``max_scale``).
@@ -220,7 +221,11 @@ class PrecisionPart(Part):
         ls = self.value.loss_scale
         if ls == "dynamic":
             v = self.value
-            return LossScaler(scale=v.init_scale, growth=v.growth_factor,
+            # the bounds hold from the first step (an init_scale outside them stayed there,
+            # halving on overflows, until a growth step first clamped it)
+            start = min(v.init_scale, v.max_scale) if v.max_scale is not None else v.init_scale
+            start = max(start, v.min_scale) if v.min_scale is not None else start
+            return LossScaler(scale=start, growth=v.growth_factor,
                               backoff=v.backoff_factor, growth_interval=v.growth_interval,
                               hysteresis=v.hysteresis, min_scale=v.min_scale,
                               max_scale=v.max_scale)
