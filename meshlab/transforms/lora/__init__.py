@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from ...core.errors import ConfigError
+from ...core.errors import ConfigError, NotRunnable
 from ...planning.plan import ModuleInfo, ParamEntry, Plan
 from ...core.spec import P
 from .._protocol import Phase, Transform
@@ -177,6 +177,20 @@ class Lora(Transform):
             params, modules = _quantized(self.quantize, config, plan, params, modules)
         return plan.replace(params=params,
                             model=dataclasses.replace(plan.model, modules=modules))
+
+    def check(self, plan: Plan) -> None:
+        """Adapter dropout under tensor parallelism is not drawn as one process draws it:
+        peft drops the adapter's input inside the split module, where each tp rank draws
+        from its own stream (a replicated input there gets another mask on each rank and
+        another than one process's), so that is not runnable."""
+        drop = float(getattr(self.config, "lora_dropout", 0.0) or 0.0)
+        tp = plan.roles.tp
+        if drop > 0 and tp is not None and plan.mesh_shape.get(tp, 1) > 1:
+            raise NotRunnable(
+                f"lora(lora_dropout={drop}) under tensor parallelism over {tp!r}: the "
+                f"adapters' dropout runs inside the split modules, where each tp rank draws "
+                f"its own mask, not one process's; train with lora_dropout=0.0 there, or "
+                f"without tensor parallelism")
 
     def rows(self, plan) -> tuple[str, ...]:
         """``lora``, and with a quantized base ``lora(quantize)`` too: the rows it does not
