@@ -93,10 +93,12 @@ def as_error(e: BaseException, what: str, path: str, where: str | None = None
         return e
     where = where or path
     if isinstance(e, CheckpointException):
+        errors = [exc for _, (exc, _) in sorted(e.failures.items())]
         parts = [_describe(exc, r, where) for r, (exc, _) in sorted(e.failures.items())]
     else:
-        parts = [_describe(e, rank(), where)]
-    out = CheckpointError(f"{what} {path} failed: " + "; ".join(parts) + _fix(what))
+        errors, parts = [e], [_describe(e, rank(), where)]
+    disk = any(isinstance(x, OSError) for x in errors)
+    out = CheckpointError(f"{what} {path} failed: " + "; ".join(parts) + _fix(what, disk))
     out.__cause__ = e
     return out
 
@@ -112,9 +114,16 @@ def _describe(exc: BaseException, r: int, where: str) -> str:
     return f"rank {r}: {type(exc).__name__}: {exc}"
 
 
-def _fix(what: str) -> str:
+def _fix(what: str, disk: bool = True) -> str:
     if "save" not in what:
         return ("; the checkpoint cannot be read as it is: load an older one "
                 "(meshlab.checkpoint.latest lists the valid ones)")
-    return ("; nothing was committed (the previous checkpoint, if any, is unchanged and "
-            "what this save wrote was removed). Free space or save elsewhere, then retry")
+    done = ("; nothing was committed (the previous checkpoint, if any, is unchanged and "
+            "what this save wrote was removed). ")
+    if disk:
+        return done + "Free space or save elsewhere, then retry"
+    # not the disk: torch's checkpoint writer refused what it was given (a layout its
+    # planner cannot express, as GPT-2's fused c_attn split by heads)
+    return done + ("This is not a disk fault: the writer refused the tensors as they are "
+                   "laid out. meshlab.checkpoint.save_pretrained writes whole tensors and "
+                   "takes such a layout")

@@ -384,3 +384,19 @@ def test_numbers_in_optimizer_state_survive_a_resume(tmp_path):
     _count_steps(m3, bad, xs[:1])
     with pytest.raises(CheckpointError, match="'extra' of 0.weight is a list"):
         ml.checkpoint.save(tmp_path / "t", m3, bad)
+
+
+def test_a_save_that_fails_off_the_disk_does_not_advise_freeing_space():
+    """torch's checkpoint writer refusing a layout (GPT-2's fused c_attn split by heads
+    under tensor parallelism: "overlapping chunks") was reported with the disk's advice,
+    free space or save elsewhere; only a failure of the disk gets that advice now."""
+    import errno
+
+    from meshlab.checkpoint._ranks import as_error
+
+    planner = as_error(ValueError("Failed to validate global plan: overlapping chunks"),
+                       "save", "/ckpt")
+    assert "not a disk fault" in str(planner) and "Free space" not in str(planner)
+    assert "save_pretrained" in str(planner)
+    full = as_error(OSError(errno.ENOSPC, "No space left on device", "/ckpt/x"), "save", "/ckpt")
+    assert "ran out of space" in str(full) and "Free space" in str(full)
