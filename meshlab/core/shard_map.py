@@ -34,6 +34,7 @@ from .mesh import Mesh
 from .placement import from_placements, to_placements
 from .rules import Rules
 from .spec import P
+from .tensors import scale_grad
 from .varying import (current_region, mark, on_one_device, one_device, pvary, reenter,
                       region, vma)
 
@@ -274,19 +275,6 @@ def _unmapped(tgt: _Target, r, flat, outs) -> list:
     return bad
 
 
-class _Once(torch.autograd.Function):
-    """The identity, whose cotangent is divided by ``n``."""
-
-    @staticmethod
-    def forward(ctx, x, n):
-        ctx.n = n
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g / ctx.n, None
-
-
 def _counted_once(tgt: _Target, flat, bad: list) -> tuple:
     """With ``check=False`` an output that varies along axes its out_spec leaves out is
     taken at its word, the same on every rank there: its cotangent is divided by those
@@ -296,7 +284,7 @@ def _counted_once(tgt: _Target, flat, bad: list) -> tuple:
     for j, _, axes in bad:
         n = math.prod(tgt.dm.size(tgt.axes.index(a)) for a in axes)
         if flat[j].requires_grad and torch.is_grad_enabled():
-            flat[j] = _Once.apply(flat[j], n)
+            flat[j] = scale_grad(flat[j], 1.0 / n)
     return tuple(flat)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 def local(t):
     """The local shard of a DTensor; any other tensor as it is. Decided by type, not by
@@ -23,3 +25,19 @@ def shard_groups(t) -> tuple:
     mesh = t.device_mesh
     return tuple(mesh.get_group(i) for i, pl in enumerate(t.placements)
                  if isinstance(pl, (Shard, _StridedShard)) and mesh.size(i) > 1)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def scale_grad(x, factor: float):
+    """``x`` as it is, its gradient multiplied by ``factor``."""
+    return _ScaleGrad.apply(x, factor)

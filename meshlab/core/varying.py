@@ -204,6 +204,18 @@ def _refuse_invariant_write(target: torch.Tensor, new: frozenset, region: Region
         f"torch.where(...)), or make the tensor vary first (y = ml.pcast(y, {axes!r}, to='varying'))")
 
 
+def _broadcast(args, kwargs, leaves, union: frozenset, region: Region, written=None):
+    """``(args, kwargs)`` with each operand that needs a gradient and lacks some of
+    ``union`` through ``pvary`` (the tensor an op writes in place, and DTensors, kept)."""
+    lacking = [t for t in leaves if union - vma(t, region) and t.requires_grad
+               and t is not written and not isinstance(t, DTensor)]
+    if not lacking:
+        return args, kwargs
+    swap = {id(t): pvary(t, union, region) for t in lacking}
+    return tree_map(lambda v: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v,
+                    (args, kwargs))
+
+
 class VaryingMode(TorchFunctionMode):
     """Active while ``shard_map``'s function runs: every op's tensor outputs are marked
     with the union of its operands' axes, and an operand that needs a gradient and lacks
@@ -233,12 +245,8 @@ class VaryingMode(TorchFunctionMode):
                 not isinstance(written, DTensor) and union - vma(written, region):
             _refuse_invariant_write(written, union - vma(written, region), region,
                                     getattr(func, "__name__", str(func)))
-        lacking = [t for t, a in zip(leaves, axes) if a != union and t.requires_grad
-                   and t is not written and not isinstance(t, DTensor)]
-        if union and grad and lacking:
-            swap = {id(t): pvary(t, union, region) for t in lacking}
-            args, kwargs = tree_map(lambda v: swap.get(id(v), v) if isinstance(
-                v, torch.Tensor) else v, (args, kwargs))
+        if union and grad:
+            args, kwargs = _broadcast(args, kwargs, leaves, union, region, written)
         out = func(*args, **kwargs)
         if written is not None:
             _mark_written(written, union, region)
@@ -262,12 +270,7 @@ def _apply(cls, *args, **kwargs):
         return _APPLY(cls, *args, **kwargs)
     leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
     union = frozenset().union(*(vma(t, region) for t in leaves)) & region.tracked
-    lacking = [t for t in leaves if union - vma(t, region) and t.requires_grad
-               and not isinstance(t, DTensor)]
-    if lacking:
-        swap = {id(t): pvary(t, union, region) for t in lacking}
-        args, kwargs = tree_map(lambda v: swap.get(id(v), v) if isinstance(
-            v, torch.Tensor) else v, (args, kwargs))
+    args, kwargs = _broadcast(args, kwargs, leaves, union, region)
     out = _APPLY(cls, *args, **kwargs)
     for t in tree_flatten(out)[0]:
         if isinstance(t, torch.Tensor):

@@ -36,6 +36,7 @@ from ..core.errors import ConfigError, ConfigTypeError
 from ..core.placement import mesh_repr
 from ..ops.paged_attention import layout
 from ..transforms._install import runtime_of, runtime_or_none
+from ._generation import eos_ids, unread_generation_config
 from ._load import load_pretrained
 from ._agree import StepAgreement, agreed_step
 from ._config import InferenceConfig, check_vocab, window_blocks
@@ -94,8 +95,8 @@ class InferenceEngine:
                               f"model that is not pipelined: micro-batches overlap pipeline "
                               f"stages; parallelize the model with pipeline(), or leave "
                               f"micro_batch_size=1")
-        self.eos = set() if cfg.ignore_eos else _eos_ids(self.model, tokenizer)
-        _unread_generation_config(self.model, cfg)
+        self.eos = set() if cfg.ignore_eos else eos_ids(self.model, tokenizer)
+        unread_generation_config(self.model, cfg)
         self.device = next(p for p in self.model.parameters()).device
         self.spec = None                     # the drafter, under speculative decoding
         self.window = window_blocks(cfg)     # blocks a decoding request holds (StreamingLLM)
@@ -464,53 +465,6 @@ def _progress(total: int, verbose: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="requests", unit="req", disable=not verbose)
-
-
-def _eos_ids(model: nn.Module, tokenizer) -> set[int]:
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    return set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
-
-
-# The decoding settings of a model's generation_config that model.generate() reads and
-# the engine takes from its InferenceConfig instead (the config's field of the same name):
-# each with transformers' default, at which the two decode alike.
-_DECODING = (("do_sample", False), ("temperature", 1.0), ("top_k", 50), ("top_p", 1.0),
-             ("repetition_penalty", 1.0), ("no_repeat_ngram_size", 0))
-_UNREAD = (("max_new_tokens", None, "give max_new_tokens to generate() or add_request"),
-           ("min_new_tokens", None, "the engine has no minimum length"),
-           ("min_length", 0, "the engine has no minimum length"),
-           ("num_beams", 1, "beam search is InferenceConfig(beam_width=...)"))
-
-
-def _unread_generation_config(model: nn.Module, cfg: InferenceConfig) -> None:
-    """Warn, naming each, about the decoding settings of ``model.generation_config`` that
-    ``model.generate()`` would apply and the engine does not: it decodes as its
-    ``InferenceConfig`` says (Colossal-AI's engine does too) and reads only the EOS ids
-    there, so its tokens would differ from ``generate()``'s without a word."""
-    import warnings
-
-    gc = getattr(model, "generation_config", None)
-    if gc is None:
-        return
-    differ = [f"{name}={getattr(gc, name)!r}" for name, default in _DECODING
-              if getattr(gc, name, default) not in (default, None)
-              and getattr(gc, name) != getattr(cfg, name)]
-    unread = [(f"{name}={getattr(gc, name)!r}", fix) for name, default, fix in _UNREAD
-              if getattr(gc, name, default) not in (default, None)]
-    if not differ and not unread:
-        return
-    fixes = ([f"pass InferenceConfig({', '.join(differ)}) to decode as generate() does"]
-             if differ else []) + list(dict.fromkeys(fix for _, fix in unread))
-    warnings.warn(
-        f"InferenceEngine: {type(model).__name__}.generation_config sets "
-        f"{', '.join(differ + [n for n, _ in unread])}, which model.generate() applies and "
-        f"the engine does not read (it decodes as its InferenceConfig says): "
-        f"{'; '.join(fixes)}", UserWarning, stacklevel=3)
 
 
 def _prepare(model: nn.Module, cfg: InferenceConfig, policy) -> nn.Module:

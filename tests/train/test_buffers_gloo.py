@@ -139,14 +139,19 @@ def actnorm_case(rank, world, layout, ready, microbatches=1):
         return type(e).__name__, str(e), unchanged
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 4), ActNorm(4, ready), nn.Linear(4, 1)).double()
+    return "trained", _distance_after_two_steps(model, ref, x, y), None
+
+
+def _distance_after_two_steps(model, ref, x, y) -> float:
+    """The largest difference between ``model``'s weights and ``ref``'s after two SGD
+    steps of one process on the whole batch."""
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):
         _loss(ref(x), {"y": y}).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    err = max(float((_full(p) - q).abs().max()) for p, q in
-              zip(model.parameters(), ref.parameters()))
-    return "trained", err, None
+    return max(float((_full(p) - q).abs().max()) for p, q in
+               zip(model.parameters(), ref.parameters()))
 
 
 def _full(p):
@@ -378,15 +383,7 @@ def by_hand_case(rank, world, module, layout, split=True):
         unchanged = all(torch.equal(_full(p), before[n]) for n, p in model.named_parameters()
                         if n != "1.scale")
         return type(e).__name__, str(e), unchanged
-    ref = build()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(2):
-        _loss(ref(x), {"y": y}).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    err = max(float((_full(p) - q).abs().max()) for p, q in
-              zip(model.parameters(), ref.parameters()))
-    return "trained", err, None
+    return "trained", _distance_after_two_steps(model, build(), x, y), None
 
 
 @pytest.mark.parametrize("layout", ["dp", "booster"])

@@ -122,26 +122,19 @@ def scope_forward(model, group, grad_scale: float = 1.0, seq=None) -> None:
 
     model.register_forward_pre_hook(pre)
     model.register_forward_hook(post, always_call=True)
-    model._meshlab_router_loss_scoped = True
 
 
 def scope_router_loss(ctx) -> None:
-    """Any layout that cuts the batch (data parallelism, ZeRO, Megatron sequence
-    parallelism; ``expert_route`` scopes its own): a mixture of experts' router
-    load-balancing loss is taken over every token of the step, as one process takes it,
-    where each rank would take it over its own. Nothing for a model whose modeling file
-    has no ``load_balancing_loss_func``."""
-    # the model's own class: ZeRO's FSDP2 gives it a subclass of its own module
-    if getattr(ctx.model, "_meshlab_router_loss_scoped", False) or \
-            not any(patch_family(c) for c in type(ctx.model).__mro__[:-1]):
+    """Any layout that cuts the batch (data parallelism, ZeRO, ``expert_route``, Megatron
+    sequence parallelism): a mixture of experts' router load-balancing loss is taken over
+    every token of the step, as one process takes it, where each rank would take it over
+    its own: those of the data ranks, and under Megatron sequence parallelism those of the
+    tensor-parallel ranks, each of which routes its own part of the sequence. Nothing for
+    a model whose modeling files have no ``load_balancing_loss_func``."""
+    # each module's own class (ZeRO's FSDP2 gives a module a subclass of its own module)
+    classes = {c for m in ctx.model.modules() for c in type(m).__mro__[:-1]}
+    if not [c for c in classes if patch_family(c)]:     # every file patched, not the first
         return
-    scope_over_tokens(ctx)
-
-
-def scope_over_tokens(ctx) -> None:
-    """The router's load-balancing loss taken over every token of the step: those of the
-    data ranks, and under Megatron sequence parallelism those of the tensor-parallel ranks,
-    each of which routes its own part of the sequence."""
     seq = tuple(a for a in block_sequence_axes(ctx.plan) if a not in ctx.roles.data)
     axes = tuple(a for a in ctx.plan.mesh_shape if a in ctx.roles.data + seq)   # mesh order
     if axes and ctx.size(*axes) > 1:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...core.sections import boundary
+from ...core.tensors import scale_grad
 
 IMPL = "meshlab_ep"
 _EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias",
@@ -122,17 +123,6 @@ def _exchange(x, out_splits, in_splits, st):
     return out
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
-
-
 class _Local:
     """The experts module seen with this rank's slice of the weights: attributes the
     implementation reads come from the module unless overridden here."""
@@ -155,7 +145,7 @@ def _local_weights(module: nn.Module, n: int) -> dict:
         if p is None:
             continue
         loc = p.to_local() if hasattr(p, "to_local") else p
-        out[name] = _ScaleGrad.apply(loc, 1.0 / n) if n > 1 else loc
+        out[name] = scale_grad(loc, 1.0 / n) if n > 1 else loc
     return out
 
 

@@ -9,7 +9,6 @@ from torch import nn
 from ...core.errors import ConfigError
 from .._install import EagerModules, mesh_device
 from .._protocol import Part
-from ._aux import patch_family, scope_over_tokens
 from ._layout import placement
 from ._dispatch import IMPL, EPState, EPStats, attach_state, ep_experts_forward
 
@@ -47,7 +46,6 @@ def install_experts(t, ctx):
     group = ctx.group(t.axis)
     stats = EPStats(routed_on_device=torch.zeros((), dtype=torch.int64,
                                                  device=mesh_device(ctx.mesh)))
-    aux = False
     mods = dict(ctx.model.named_modules())
     where = placement(ctx.plan, t)
     # The experts of this rank's pipeline stage (the others' modules are gone).
@@ -69,9 +67,6 @@ def install_experts(t, ctx):
         attach_state(m, EPState(group, n, rank, None if prev == IMPL else prev,
                                 t.capacity_factor, stats))
         m.config._experts_implementation = IMPL
-        aux = patch_family(type(m)) or aux
-    if aux:       # the router's load-balancing loss over every token of the step
-        scope_over_tokens(ctx)
     if n > 1 or t.capacity_factor is not None:
         ctx.keep(EagerModules(frozenset(x.fqn for x in layouts),
                               "the expert dispatch reads its all-to-all's split sizes (or "
