@@ -97,11 +97,13 @@ some comparisons ask about. Writes ``single_gpu_<shape>_pair_<A>_<B>_<card>.json
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
 import statistics
 import sys
+import time
 import traceback
 import types
 from pathlib import Path
@@ -381,23 +383,33 @@ def run_row(name: str, base, batch, steps: int, warmup: int, shape: dict) -> dic
             "peak_GiB": peak, "step_ms": times}
 
 
-def run_pair(a: str, b: str, base, batch, steps: int, warmup: int, shape: dict) -> dict:
-    """Rows ``a`` and ``b`` interleaved step by step (module docstring)."""
+def run_pair(a: str, b: str, base, batch, steps: int, warmup: int, shape: dict,
+             clocks: bool = False) -> dict:
+    """Rows ``a`` and ``b`` interleaved step by step (module docstring); ``clocks``: the
+    SM clock and power each row's steps ran at (``_clocks.py``)."""
+    import _clocks
+
     fns = {}
     for name in (a, b):
         fns[name] = _row(name, base, batch, shape)[0]
         for _ in range(warmup):
             fns[name]()
     times = {a: [], b: []}
-    for _ in range(steps):
-        for name in (a, b):
-            times[name] += cuda_times(fns[name], 1)
+    sampler = _clocks.Sampler() if clocks else None
+    with sampler or contextlib.nullcontext():
+        for _ in range(steps):
+            for name in (a, b):
+                t0 = time.time()
+                times[name] += cuda_times(fns[name], 1)
+                if sampler:
+                    sampler.mark(name, t0, time.time())
+    extra = {"clocks": sampler.by_row()} if sampler else {}
     ratios = [y / x for x, y in zip(times[a], times[b])]
     tokens = batch["input_ids"].numel()
     return {"rows": [a, b], "step_ms": times,
             "tokens_per_s": {k: tokens / (statistics.median(v) * 1e-3) for k, v in times.items()},
             "time_ratio_b_over_a": {"median": statistics.median(ratios), "min": min(ratios),
-                                    "max": max(ratios)}}
+                                    "max": max(ratios)}, **extra}
 
 
 _KERNEL_PKGS = ("flash-attn-4", "quack-kernels", "nvidia-cutlass-dsl")
@@ -435,6 +447,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="appended to the JSON's name")
     ap.add_argument("--copy-to", default=None)
     ap.add_argument("--pair", default=None, help="A,B: two rows timed interleaved")
+    ap.add_argument("--clocks", action="store_true",
+                    help="with --pair: sample the SM clock and power of each row's steps")
     args = ap.parse_args()
     import transformers
 
@@ -445,11 +459,13 @@ def main() -> None:
     fpt = _flops_per_token(cfg, shape["seq"])
     if args.pair:
         a, b = args.pair.split(",")
-        r = run_pair(a, b, base, batch, args.steps, args.warmup, shape)
+        r = run_pair(a, b, base, batch, args.steps, args.warmup, shape, args.clocks)
         print(f"{b} / {a} step time: median {r['time_ratio_b_over_a']['median']:.4f} "
               f"(min {r['time_ratio_b_over_a']['min']:.4f}, max "
               f"{r['time_ratio_b_over_a']['max']:.4f}); tokens/s {r['tokens_per_s']}",
               flush=True)
+        if "clocks" in r:
+            print(f"clocks: {r['clocks']}", flush=True)
         dev = torch.cuda.get_device_properties(0)
         out = {"card": dev.name, "torch": torch.__version__,
                "transformers": transformers.__version__, **_versions("torchtitan", "torchao", *_KERNEL_PKGS), "paths": _paths(),
