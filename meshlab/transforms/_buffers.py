@@ -78,12 +78,16 @@ def _written(before: dict, named) -> list:
 class ParamWrites:
     """The parameters written in place by one forward of ``model``: each one this rank
     holds, by identity and version before and after (see :meth:`done`), and, through
-    hooks on each FSDP2 unit (outside compiled blocks), the gathered copies FSDP registers
-    for the unit's forward. The unit's pre-hook runs after FSDP's (which gathers) and its
-    post-hook before FSDP's (which drops the copies). Only FSDP units are hooked: fused
-    projections take their fused path only on modules without hooks
-    (``fuse._residual``), and a checkpointed block recomputed on the other path would not
-    save the same tensors."""
+    hooks on each FSDP2 unit, the gathered copies FSDP registers for the unit's forward.
+    The unit's pre-hook runs after FSDP's (which gathers) and its post-hook before FSDP's
+    (which drops the copies). Only FSDP units are hooked: fused projections take their
+    fused path only on modules without hooks (``fuse._residual``), and a checkpointed
+    block recomputed on the other path would not save the same tensors.
+
+    A compiled block (``compile_blocks``) runs this one forward eagerly, its compiled call
+    put back by :meth:`close`: a graph traces a write to FSDP's gathered copy as any other
+    and no hook runs inside it, so the write would be lost unseen. The block compiles at
+    the next forward."""
 
     def __init__(self, model: nn.Module, names=None) -> None:
         from torch.distributed.fsdp import FSDPModule
@@ -94,11 +98,12 @@ class ParamWrites:
         self.gathered: list[str] = []
         self._seen: dict[str, dict] = {}
         self._hooks = []
-        compiled = [m for m in model.modules()
-                    if getattr(m, "_compiled_call_impl", None) is not None]
-        inside = {id(c) for m in compiled for c in m.modules()}
+        self._compiled = [(m, m._compiled_call_impl) for m in model.modules()
+                          if getattr(m, "_compiled_call_impl", None) is not None]
+        for m, _ in self._compiled:
+            m._compiled_call_impl = None
         for name, m in model.named_modules():
-            if isinstance(m, FSDPModule) and id(m) not in inside:
+            if isinstance(m, FSDPModule):
                 self._hooks += [
                     m.register_forward_pre_hook(functools.partial(self._pre, name)),
                     m.register_forward_hook(functools.partial(self._post, name),
@@ -117,6 +122,9 @@ class ParamWrites:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for m, call in self._compiled:
+            m._compiled_call_impl = call
+        self._compiled = []
 
     def done(self, what: str, why: str) -> ConfigError | None:
         """The hooks removed; the error naming the first parameter the forward wrote

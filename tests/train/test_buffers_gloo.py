@@ -194,6 +194,78 @@ def test_a_parameter_initialized_before_parallelize_trains_as_one_process(world2
         assert err < 1e-12, err
 
 
+# -- compiled blocks ------------------------------------------------------------------------
+class TracedActNorm(nn.Module):
+    """ActNorm as a graph can hold it (no branch on the data): in training its scale is
+    written every forward, from the batch until it is set, with itself after."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(n, dtype=torch.float64))
+        self.register_buffer("ready", torch.tensor(False))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.scale.copy_(torch.where(self.ready, self.scale, 1 / (x.std(0) + 1e-6)))
+                self.ready.fill_(True)
+        return x * self.scale
+
+
+class NormedStack(nn.Module):
+    """Two repeated blocks (what compile_blocks compiles), each a map then an ActNorm."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(4, 4), TracedActNorm(4)) for _ in range(2))
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def compiled_actnorm_case(rank, world, layout, by_hand):
+    import meshlab as ml
+
+    torch.manual_seed(0)
+    spec = {"dp": ml.data_parallel("dp"), "zero3": ml.zero_shard(3)}[layout]
+    model = ml.parallelize(NormedStack().double(),
+                           spec | ml.compile_blocks(backend="aot_eager"), ml.Mesh(dp=world))
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64).chunk(world)[rank]
+    y = torch.randn(8, 1, generator=g, dtype=torch.float64).chunk(world)[rank]
+    try:
+        for _ in range(2):
+            if by_hand:
+                _loss(model(x), {"y": y}).backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                ml.step(model, opt, {"x": x, "y": y}, _loss, inputs=["x"])
+    except ml.MeshlabError as e:
+        compiled = [m for m in model.modules()
+                    if getattr(m, "_compiled_call_impl", None) is not None]
+        return type(e).__name__, str(e), len(compiled)
+    return "trained", None, None
+
+
+@pytest.mark.parametrize("layout,by_hand", [("zero3", False), ("zero3", True), ("dp", False)])
+def test_a_parameter_set_in_a_compiled_block_is_refused(world2, layout, by_hand):
+    """Before: under ZeRO-3 a compiled block's graph wrote FSDP's gathered copy with no
+    hook to see it, and the scales trained on from 1 where one process set them from the
+    data. The first training forward now runs the blocks eagerly under the watch; the
+    blocks are compiled again after it."""
+    for kind, msg, compiled in world2.run(compiled_actnorm_case, layout=layout,
+                                          by_hand=by_hand):
+        assert kind == "ConfigError", (kind, msg)
+        assert "parameter 'layers.0.1.scale' is written in the training forward" in msg, msg
+        assert compiled == 2, compiled
+
+
 # -- the pipeline's own schedule runs the microbatches' forwards ---------------------------
 class CountedBlock(nn.Module):
     """Wraps a pipeline block with a buffer its training forward updates: ``running``, a
