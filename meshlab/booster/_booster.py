@@ -279,7 +279,9 @@ class Booster:
             scale = optimizer.loss_scale() if hasattr(optimizer, "loss_scale") else 1.0
             loss, out = part.forward_backward(rt, batch, loss_fn, return_outputs=return_outputs,
                                               scale=scale)
-        return {"loss": torch.tensor(loss) if return_loss else None,
+        # float64 holds the schedule's loss as it was summed (a Python float): a float64
+        # model's loss keeps its digits, as one process's does
+        return {"loss": torch.tensor(loss, dtype=torch.float64) if return_loss else None,
                 "outputs": _hf_outputs(model, out) if return_outputs else None}
 
     def _criterion(self, model: nn.Module, criterion: Callable) -> Callable:
