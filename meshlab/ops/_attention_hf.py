@@ -12,8 +12,28 @@ from torch import Tensor
 from ..core.errors import ConfigError
 from .attention import HF_NAME, attention
 
-# Keyword arguments of transformers' attention interface that ask for math this op lacks.
-_HF_UNSUPPORTED = ("softcap", "s_aux", "position_bias")
+# Keyword arguments of transformers' attention interface that ask for math this op lacks:
+# soft-capping, attention sinks, a relative position bias, a sparse attention's chosen keys
+# (DeepSeek-V3.2's indexer, MiniMax-M3's blocks).
+_HF_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias", "indices", "block_indices")
+# Those that ask for none (the packed batch's positions and lengths, which the mask also
+# gives; the cache's position; flags). Any other tensor or float is refused by name: an
+# argument this op does not read would otherwise be ignored without an error.
+_HF_READ_ELSEWHERE = frozenset((
+    "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "cache_position", "sliding_window",
+    "max_length_q", "max_length_k", "is_causal", "output_attentions", "use_cache",
+    "deterministic", "layer_idx"))
+
+
+def _unread(kwargs: dict) -> str | None:
+    """The first keyword argument that asks for math this op lacks, or None."""
+    for name, value in kwargs.items():
+        if value is None or value is False:
+            continue
+        if name in _HF_UNSUPPORTED or (name not in _HF_READ_ELSEWHERE
+                                       and isinstance(value, (Tensor, float))):
+            return name
+    return None
 
 
 def _attended(mask: Tensor):
@@ -142,11 +162,11 @@ def hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
         raise ConfigError(f"meshlab attention has no dropout, got dropout={dropout} from "
                           f"{type(module).__name__}; set the config's attention_dropout to 0, "
                           f"or use attn_implementation='sdpa'")
-    for name in _HF_UNSUPPORTED:
-        if kwargs.get(name) is not None:
-            raise ConfigError(f"meshlab attention does not support {name!r} (asked by "
-                              f"{type(module).__name__}); use attn_implementation='sdpa' or "
-                              f"'eager' for this model")
+    name = _unread(kwargs)
+    if name is not None:
+        raise ConfigError(f"meshlab attention does not support {name!r} (asked by "
+                          f"{type(module).__name__}); use attn_implementation='sdpa' or "
+                          f"'eager' for this model")
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     s, skv = query.shape[2], key.shape[2]

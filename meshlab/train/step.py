@@ -248,7 +248,8 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
             raise ConfigError("this model's loss is fused (fuse('loss')): its head returns "
                               "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
                               "'loss' out of fuse() to pass one")
-        mbs = _prepared(model, rt, batch, _split(batch, microbatches), inputs)
+        mbs = _prepared(model, rt, batch, _split(batch, microbatches), inputs,
+                        loss_fn is None)
         _check_reduction(reduction, num_tokens, rt)
         _check_router_aux(model, rt, batch, microbatches, loss_fn)
         if not isinstance(pause_gc, bool):
@@ -358,9 +359,10 @@ def _forward(model, rt, mb, loss_fn, inputs, fused, red):
     backward's reductions, and every rank raises together (``core.sections``)."""
     with section(rt.ctrl_group, "step: forward and loss"), rt.autocast():
         if fused:
-            from ..transforms.fuse import causal_lm_loss as fused_causal_lm_loss
+            from ..transforms.fuse._hf import step_loss
 
-            mean, out = fused_causal_lm_loss(model, mb, with_output=True)
+            labels = mb["labels"] if "labels" in mb else mb["input_ids"]
+            mean, out = step_loss(model, mb, labels, with_output=True)
             raw = red.default(mean, mb)
         elif loss_fn is None:
             out = _call(model, mb, inputs)
@@ -375,7 +377,7 @@ def _forward(model, rt, mb, loss_fn, inputs, fused, red):
         return loss if aux is None else loss + aux.to(loss.dtype) / red.backward_scale
 
 
-def _prepared(model, rt, batch, mbs: list, inputs) -> list:
+def _prepared(model, rt, batch, mbs: list, inputs, default_loss: bool) -> list:
     """The microbatches as the forward gets them, checked before the step's first
     collective (an error here reaches every rank through the step's agreement).
 
@@ -400,12 +402,29 @@ def _prepared(model, rt, batch, mbs: list, inputs) -> list:
               if isinstance(t, Transform) and type(t).check_batch is not Transform.check_batch]
     if checks:
         layout = layout_of(batch)
+        seen = _default_labels(batch) if default_loss else batch
         for check in checks:
-            check(rt.plan, batch, layout)
+            try:
+                check(rt.plan, seen, layout)
+            except ConfigError as e:
+                if seen is batch:
+                    raise
+                raise ConfigError(f"{e} (this batch has no 'labels': the default loss takes "
+                                  f"its input_ids as labels, padding tokens included; pass "
+                                  f"labels, -100 at padding)") from None
     if inputs is not None:               # the caller says how the model is called
         return mbs
     names, _ = _forward_params(model)
     return [as_packed(mb, names) for mb in mbs]
+
+
+def _default_labels(batch):
+    """``batch`` as the default loss reads it: a dict without ``labels`` labelled by its
+    ``input_ids``."""
+    if isinstance(batch, dict) and "labels" not in batch and \
+            isinstance(batch.get("input_ids"), torch.Tensor):
+        return {**batch, "labels": batch["input_ids"]}
+    return batch
 
 
 _REDUCTIONS = ("mean", "sum", "tokens")

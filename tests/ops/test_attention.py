@@ -411,6 +411,21 @@ def test_hf_refuses_what_it_cannot_do():
         hf_attention(mod, q, k, v, None, dropout=0.1)
     with pytest.raises(ConfigError, match="softcap"):
         hf_attention(mod, q, k, v, None, softcap=30.0)
+    # Sparse attention's chosen keys and attention sinks were ignored (MiniMax-M3's
+    # block_indices: logits 0.41 off transformers', no error); so would any other tensor
+    # or float the op does not read be.
+    for name, value in (("block_indices", torch.zeros(2, 4, 1, dtype=torch.long)),
+                        ("indices", torch.zeros(2, 7, 2, dtype=torch.long)),
+                        ("sinks", torch.zeros(4)), ("some_new_bias", torch.zeros(2, 4, 7, 7)),
+                        ("logit_scale", 0.5)):
+        with pytest.raises(ConfigError, match=f"does not support '{name}'"):
+            hf_attention(mod, q, k, v, None, **{name: value})
+    # What transformers passes beside that asks for nothing more (positions of a packed
+    # batch, a flash kernel's lengths, flags) is accepted.
+    out, _ = hf_attention(mod, q, k, v, None, position_ids=torch.arange(7)[None],
+                          cu_seq_lens_q=torch.tensor([0, 7]), max_length_q=7,
+                          output_attentions=False, sliding_window=None, block_indices=None)
+    torch.testing.assert_close(out, attention(q, k, v, causal=True).transpose(1, 2))
     # A materialized mask that is exactly causal (bool, or additive float) is accepted.
     want = attention(q, k, v, causal=True).transpose(1, 2)
     tril = torch.ones(7, 7, dtype=torch.bool).tril().expand(2, 1, 7, 7)

@@ -406,7 +406,7 @@ def test_a_token_masked_inside_a_packed_sample_is_refused(world2):
     assert peer == "PeerError" and mine[:300] in theirs, theirs
 
 
-def label_after_padding_case(rank, world, layout):
+def label_after_padding_case(rank, world, layout, labels=True):
     """Row 0's first token after its left padding labelled (not -100): the loss reads the
     padding token's output, which attention over segments does not compute as
     transformers does. Every rank refuses the step by name; the weights stay."""
@@ -421,6 +421,8 @@ def label_after_padding_case(rank, world, layout):
     batch = packed_batch()
     k = int((batch["attention_mask"][0] == 0).sum())
     batch["labels"][0, k] = batch["input_ids"][0, k]
+    if not labels:      # the default loss takes the ids as labels, padding included
+        del batch["labels"]
     try:
         loss = ml.step(model, opt, batch, reduction="tokens")
     except ml.ConfigError as e:
@@ -437,6 +439,19 @@ def test_a_label_after_padding_is_refused_where_attention_runs_over_segments(wor
     for kind, msg, unchanged, k in world2.run(label_after_padding_case, layout=layout):
         assert kind == "ConfigError", (kind, msg)
         assert f"labels column {k} (not -100) after a padding token" in msg, msg
+        assert unchanged
+
+
+@pytest.mark.parametrize("layout", ["ring", "fuse"])
+def test_a_padded_batch_without_labels_is_refused_where_attention_runs_over_segments(
+        world2, layout):
+    """Before, the check read only ``batch['labels']``: without them the default loss took
+    the ids as labels, read the padding tokens' outputs, and trained 1.7e-2 off one
+    process's loss, no error."""
+    for kind, msg, unchanged, k in world2.run(label_after_padding_case, layout=layout,
+                                              labels=False):
+        assert kind == "ConfigError", (kind, msg)
+        assert "after a padding token" in msg and "this batch has no 'labels'" in msg, msg
         assert unchanged
 
 

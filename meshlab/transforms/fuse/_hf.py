@@ -413,13 +413,38 @@ def causal_lm_loss(model: nn.Module, batch, ignore_index: int = -100, *,
     other model inputs) through the fused head: ``batch['labels']`` (or ``input_ids``)
     shifted by one, ``ignore_index`` not counted. Equal to meshlab.transforms.losses.causal_lm_loss
     of the unfused model's output. ``with_output``: ``(loss, the model's output)``, whose
-    other fields (a router's ``aux_loss``) the caller reads."""
+    other fields (a router's ``aux_loss``) the caller reads. Under meshlab's attention, a
+    padded batch whose loss would read a padding token's output (a label other than -100
+    right after a token with ``attention_mask`` 0) raises ``ConfigError``, as in
+    ``ml.step``."""
+    labels = batch["labels"] if "labels" in batch else batch.get("input_ids")
+    if not isinstance(labels, Tensor):
+        raise ConfigError(f"causal_lm_loss: the batch has neither 'labels' nor 'input_ids' "
+                          f"(keys {sorted(batch)}); pass the labels as batch['labels']")
+    _check_padding(model, {**batch, "labels": labels})
+    return step_loss(model, batch, labels, ignore_index, with_output)
+
+
+def _check_padding(model: nn.Module, batch) -> None:
+    """Under meshlab's attention, a padded batch whose loss would read a padding token's
+    output is refused, as ``ml.step`` refuses it (``_packing.check_labels_after_padding``)."""
+    from ...ops.attention import HF_NAME
+    from .._packing import check_labels_after_padding, layout_of
+
+    if "attention_mask" in batch and \
+            getattr(getattr(model, "config", None), "_attn_implementation", None) == HF_NAME:
+        check_labels_after_padding(batch, layout_of(batch), "causal_lm_loss",
+                                   "leave 'attention' out of fuse_model(ops=...)")
+
+
+def step_loss(model: nn.Module, batch, labels: Tensor, ignore_index: int = -100,
+              with_output: bool = False):
+    """:func:`causal_lm_loss` of a batch its caller checked (``ml.step``'s rooms)."""
     if not fused_loss_of(model):
         raise ConfigError(f"{type(model).__name__} has no fused loss; call "
                           f"meshlab.transforms.fuse.fuse_model(model, ops=('loss',)) first")
     from ..losses import guard_of_model
 
-    labels = batch.get("labels", batch["input_ids"])
     with fused_labels(labels, ignore_index, guard_of_model(model)):
         out = model(**{k: v for k, v in batch.items() if k != "labels"})
     loss = out.logits if hasattr(out, "logits") else out

@@ -135,6 +135,37 @@ def test_fused_equals_unfused(family):
                                ref(input_ids=batch["input_ids"]).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_causal_lm_loss_reads_labels_beside_inputs_embeds_and_refuses_a_padding_read():
+    """``causal_lm_loss`` on a batch of ``inputs_embeds`` and ``labels`` raised a bare
+    KeyError ('input_ids'); on a left-padded batch labelled -100 at the padding (the usual
+    transformers labelling), the first real token's label was predicted from the last
+    padding token's output, which meshlab's attention computes otherwise: the loss 2.3e-3
+    off transformers', no error (``ml.step`` refused it; this function did not)."""
+    import meshlab as ml
+    from meshlab.transforms.fuse import causal_lm_loss, fuse_model
+
+    ref = _model("llama")
+    model = copy.deepcopy(ref)
+    fuse_model(model, OPS)
+    ids = M.batches(1, batch=2, seq=9)[0]
+    embeds = ref.get_input_embeddings()(ids).detach()
+    want = ml.losses.causal_lm_loss(ref(inputs_embeds=embeds), {"labels": ids})
+    got = causal_lm_loss(model, {"inputs_embeds": embeds, "labels": ids})
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ml.ConfigError, match="neither 'labels' nor 'input_ids'"):
+        causal_lm_loss(model, {"inputs_embeds": embeds})
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    with pytest.raises(ml.ConfigError, match="causal_lm_loss: row 1 .* column 3 .*"
+                                             "after a padding token"):
+        causal_lm_loss(model, {"input_ids": ids, "attention_mask": mask, "labels": labels})
+    labels[1, 3] = -100                # the first real token unlabelled: as one process
+    want = ml.losses.causal_lm_loss(ref(input_ids=ids, attention_mask=mask), {"labels": labels})
+    got = causal_lm_loss(model, {"input_ids": ids, "attention_mask": mask, "labels": labels})
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def _full_width_adds(model, batch) -> int:
     """The (batch, seq, hidden) adds one forward and backward of ``model`` runs outside
     meshlab's kernels (autograd's accumulations included)."""
