@@ -41,6 +41,10 @@ class _Scan:
     modules: list = dataclasses.field(default_factory=list)
     grad_reduce: list = dataclasses.field(default_factory=list)
     kv_attn: dict = dataclasses.field(default_factory=dict)
+    # (module, its entries) marked 'replicated_with_grad_allreduce': summed over tp where
+    # the module sees this rank's share, known once the regions that split nothing are
+    # dropped (``_sum_partial``)
+    partial: list = dataclasses.field(default_factory=list)
 
     def in_region(self, fqn: str) -> bool:
         """Whether ``fqn`` lies under one of the regions (its ancestors looked up)."""
@@ -113,6 +117,7 @@ def _tp_layout(plan: Plan, rank: int = 0) -> tuple[TPLayout | None, list[str]]:
     if not scan.modules:
         return None, []
     _drop_empty_regions(scan)
+    _sum_partial(scan)
     _refuse_mixed_regions(scan)
     _refuse_unpaired_rows(scan)
     _refuse_sp_outside_regions(scan)
@@ -147,6 +152,21 @@ def _drop_empty_regions(scan: "_Scan") -> None:
         scan.__dict__.pop("_gathered", None)
 
 
+def _sum_partial(scan: "_Scan") -> None:
+    """A module marked 'replicated_with_grad_allreduce' has its gradient summed over tp
+    where it sees this rank's share of the features: inside a region that splits them,
+    unless the region gathers its outputs. In a region left whole (a policy's heads
+    mapped to None) it sees them all, and a sum would count its gradient tp times."""
+    for mname, es in scan.partial:
+        if _split_region(scan, mname) and not _in_gathered(scan, mname):
+            scan.grad_reduce.extend(e.fqn for e in es)
+
+
+def _split_region(scan: "_Scan", mname: str) -> bool:
+    """Whether ``mname`` is, or lies in, a region that splits something."""
+    return mname in scan.regions or scan.in_region(mname)
+
+
 def _info(scan: "_Scan", mname: str) -> ModuleInfo:
     return scan.infos.get(mname) or ModuleInfo(mname, "?")
 
@@ -158,10 +178,10 @@ def _classify(scan: _Scan, mname: str, es: list, tied: set) -> None:
         _kv_replicated(scan, m, es)
         return
     if not any(scan.axis in (e.mesh_spec or P()).axes for e in es):
-        whole = _in_gathered(scan, mname)       # it sees all features: its gradient is whole
-        if ("replicated_with_grad_allreduce" in styles and not whole) or (
-                scan.sp and "sequence_parallel" in styles):
+        if scan.sp and "sequence_parallel" in styles:
             scan.grad_reduce.extend(e.fqn for e in es)
+        elif "replicated_with_grad_allreduce" in styles:
+            scan.partial.append((mname, es))
         return
     w = next((e for e in es if e.fqn.endswith(".weight") or e.fqn == "weight"), None)
     if w is None and all(e.fqn in tied for e in es):
@@ -486,6 +506,8 @@ def _head_args(scan: _Scan) -> list:
 
     out = []
     for a in scan.plan.activations:
+        if not _split_region(scan, a.module):
+            continue
         for tag in a.tags:
             parsed = parse_head_arg(tag)
             if parsed is None:
@@ -530,6 +552,8 @@ def _attrs(scan: _Scan) -> list:
     """Module attributes that hold global sizes and must hold this rank's share."""
     n, out = scan.n, []
     for a in scan.plan.activations:
+        if not _split_region(scan, a.module):    # its projections run whole
+            continue
         for attr in a.local_attrs:
             v = _info(scan, a.module).get(attr)
             if v is None:
