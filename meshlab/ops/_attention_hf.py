@@ -25,15 +25,17 @@ _HF_READ_ELSEWHERE = frozenset((
     "deterministic", "layer_idx"))
 
 
-def _unread(kwargs: dict) -> str | None:
-    """The first keyword argument that asks for math this op lacks, or None."""
+def refuse_unread(module, kwargs: dict, what: str = "meshlab attention",
+                  fix: str = "use attn_implementation='sdpa' or 'eager' for this model") -> None:
+    """Raise ``ConfigError`` naming the first keyword argument of transformers' attention
+    call that asks for math ``what`` lacks."""
     for name, value in kwargs.items():
         if value is None or value is False:
             continue
         if name in _HF_UNSUPPORTED or (name not in _HF_READ_ELSEWHERE
                                        and isinstance(value, (Tensor, float))):
-            return name
-    return None
+            raise ConfigError(f"{what} does not support {name!r} (asked by "
+                              f"{type(module).__name__}); {fix}")
 
 
 def _attended(mask: Tensor):
@@ -162,11 +164,7 @@ def hf_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Ten
         raise ConfigError(f"meshlab attention has no dropout, got dropout={dropout} from "
                           f"{type(module).__name__}; set the config's attention_dropout to 0, "
                           f"or use attn_implementation='sdpa'")
-    name = _unread(kwargs)
-    if name is not None:
-        raise ConfigError(f"meshlab attention does not support {name!r} (asked by "
-                          f"{type(module).__name__}); use attn_implementation='sdpa' or "
-                          f"'eager' for this model")
+    refuse_unread(module, kwargs)
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     s, skv = query.shape[2], key.shape[2]

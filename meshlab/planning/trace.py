@@ -29,6 +29,9 @@ def _config_subset(config: Any) -> tuple:
             except TypeError:
                 continue
             out.append((k, v))
+    impl = getattr(config, "_attn_implementation", None)     # the model's own attention
+    if isinstance(impl, str):
+        out.append(("attn_implementation", impl))
     return tuple(out)
 
 

@@ -151,13 +151,19 @@ def _first(flags: Tensor) -> tuple[int, int] | None:
     return row, col
 
 
-def check_labels_after_padding(batch: Mapping, layout: Layout, what: str, fix: str) -> None:
+SEGMENTS_WHY = ("meshlab's attention over segments (a padding token attends to itself "
+                "alone) does not compute as transformers' attention does")
+
+
+def check_labels_after_padding(batch: Mapping, layout: Layout, what: str, fix: str,
+                               why: str = SEGMENTS_WHY) -> None:
     """Refuse a padded batch whose loss would read a padding token's output: a label other
     than -100 right after a token with ``attention_mask`` 0. meshlab's attention over
     causal segments (``ops._attention_hf.causal_segments``: each padding token a segment of
     its own) computes every other token exactly as transformers masks it, but a padding
     token sees itself alone, where transformers' masked row sees otherwise; no sample run
-    alone has such a label either. ``what`` names the room, ``fix`` its way out."""
+    alone has such a label either. ``what`` names the room, ``fix`` its way out, ``why``
+    why the room's padding outputs differ."""
     if not layout.padded:
         return
     mask, labels = batch.get("attention_mask"), batch.get("labels")
@@ -170,7 +176,5 @@ def check_labels_after_padding(batch: Mapping, layout: Layout, what: str, fix: s
         raise ConfigError(
             f"{what}: row {row} of this batch labels column {col + 1} (not -100) after a "
             f"padding token (attention_mask 0 at column {col}), so the loss reads that "
-            f"padding token's output, which meshlab's attention over segments (a padding "
-            f"token attends to itself alone) does not compute as transformers' attention "
-            f"does. Label the token after padding -100 (a sample run alone has no token "
-            f"before its first), or {fix}")
+            f"padding token's output, which {why}. Label the token after padding -100 (a "
+            f"sample run alone has no token before its first), or {fix}")

@@ -458,3 +458,17 @@ def test_causal_mask_check_compiles_without_a_graph_break():
     padded[..., 0] = torch.finfo(torch.float32).min
     with pytest.raises(RuntimeError, match="not the plain causal"):
         fn(padded)
+
+
+def test_ulysses_attention_refuses_what_its_sdpa_does_not_read():
+    """Ulysses' SDPA took every keyword argument and read none but the mask, scale and
+    dropout: an attention sink or a sparse attention's indices were dropped unseen."""
+    from meshlab.transforms.sequence import _ulysses
+
+    q, k, v = _inputs(2, 4, 2, 7, 7, 8, torch.float32)
+    mod = types.SimpleNamespace(is_causal=True)
+    for name, value in (("s_aux", torch.zeros(4)), ("indices", torch.zeros(2, 7, 2)),
+                        ("softcap", 30.0)):
+        with pytest.raises(ConfigError, match=f"all_to_all.*does not support '{name}'.*"
+                                              f"Megatron SP"):
+            _ulysses.attention(mod, q, k, v, None, **{name: value})

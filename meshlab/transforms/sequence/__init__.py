@@ -186,11 +186,20 @@ class Sequence(Transform):
 
     def check_batch(self, plan: Plan, batch, layout) -> None:
         """Ring attention reads a padded batch as causal segments, as ``fuse('attention')``
-        does: a batch whose loss would read a padding token's output is refused as there
-        (Ulysses runs transformers' own mask and takes it)."""
+        does: a batch whose loss would read a padding token's output is refused as there.
+        Ulysses runs SDPA over transformers' own mask: the same outputs as the model's
+        SDPA attention, padding tokens' included; a model on another attention (eager's
+        fully masked rows, flash-attention's dropped padding) computes a padding token's
+        output otherwise, so the same batch is refused there."""
         if self.mode == "ring" or self.ring:
             check_labels_after_padding(batch, layout, repr(self),
                                        "use sequence(..., 'all_to_all')")
+            return
+        own = plan.model.config_get("attn_implementation")
+        if self.mode == "all_to_all" and own not in (None, "sdpa"):
+            check_labels_after_padding(
+                batch, layout, repr(self), "load the model with attn_implementation='sdpa'",
+                f"Ulysses' SDPA does not compute as the model's {own!r} attention does")
 
     def install(self, ctx) -> Part | None:
         if self.mode == "split_gather":

@@ -56,6 +56,10 @@ def sp_group(module: nn.Module):
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """(B, H, S/n, D) per rank -> heads split, whole sequence -> causal SDPA (with the
     model's whole-sequence mask where it builds one: padded or packed rows) -> back."""
+    from ...ops._attention_hf import refuse_unread
+
+    refuse_unread(module, kwargs, "sequence(all_to_all)'s attention (SDPA)",
+                  "split the sequence with tensor parallelism's Megatron SP instead")
     group = sp_group(module)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:                                   # GQA: one K/V per query head
