@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...core.digest import local
+from ...core.errors import ConfigError
 
 
 class StageFailures:
@@ -48,16 +49,38 @@ def stand_in(x: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
 
 def guarded_loss(loss_fn, failures: StageFailures):
     """``loss_fn`` on the last stage: zero (joined to the output, so the backward runs)
-    for a stand-in output or where ``loss_fn`` raises (recorded)."""
+    for a stand-in output, where ``loss_fn`` raises, or where what it returns is no loss
+    the schedule's backward can start from (recorded: :func:`_not_a_loss`)."""
     def loss(out, target):
         if id(out) in failures.stand_ins:
             return out.sum() * 0
         try:
-            return loss_fn(out, target)
+            value = loss_fn(out, target)
+            problem = _not_a_loss(value)
+            if problem is not None:
+                raise ConfigError(f"pipeline: the loss function {problem}")
+            return value
         except Exception as e:      # recorded; raised on every rank after the schedule
             failures.record(e)
             return out.sum() * 0
     return loss
+
+
+def _not_a_loss(value) -> str | None:
+    """Why ``value`` cannot be a microbatch's loss (torch's backward would raise inside
+    the schedule, past the point where the other stages can be told), or None."""
+    if not isinstance(value, torch.Tensor):
+        return (f"returned {type(value).__name__}, not a tensor; return the microbatch's "
+                f"loss as a tensor")
+    if value.numel() != 1:
+        return (f"returned a tensor of shape {tuple(value.shape)}, not one number; reduce "
+                f"it to the microbatch's loss (e.g. .mean() or .sum())")
+    if not value.is_floating_point():
+        return f"returned a {value.dtype} tensor; return a floating-point loss"
+    if torch.is_grad_enabled() and not value.requires_grad:
+        return ("returned a tensor that does not depend on the model's output (no "
+                "gradient); compute the loss from the output it is given")
+    return None
 
 
 class UndoSetupForward:

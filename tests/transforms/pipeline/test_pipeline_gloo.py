@@ -86,6 +86,42 @@ def test_a_callers_loss_on_a_fused_loss_pipeline_is_refused_on_every_rank(world2
     assert out[0][0] == "PeerError", out[0]
 
 
+def bad_loss_case(rank, world, kind):
+    """A loss function whose value torch's backward cannot start from, on the last stage:
+    every rank raises, none waits, and the weights stay as they were."""
+    import meshlab as ml
+
+    model = ml.parallelize(M.build("llama", **LAYERS), ml.pipeline("pp", microbatches=2),
+                           ml.Mesh(pp=world), seed=0)
+    before = {n: M.full(p).detach().clone() for n, p in model.named_parameters()}
+    opt = ml.optimizer(model, torch.optim.SGD, lr=0.1)
+    ids = M.batches(1, batch=8)[0]
+
+    def loss_fn(out, mb):
+        logits = out if torch.is_tensor(out) else out.logits
+        per_row = logits.logsumexp(-1).mean(-1)
+        return {"rows": per_row, "detached": per_row.mean().detach(),
+                "count": (per_row > 0).sum()}[kind]
+    with pytest.raises(ml.MeshlabError) as e:
+        ml.step(model, opt, {"input_ids": ids}, loss_fn)
+    unchanged = all(torch.equal(M.full(p).detach(), before[n])
+                    for n, p in model.named_parameters())
+    return type(e.value).__name__, str(e.value), unchanged
+
+
+@pytest.mark.parametrize("kind,says", [
+    ("rows", "returned a tensor of shape (4,), not one number"),
+    ("detached", "does not depend on the model's output"),
+    ("count", "does not depend on the model's output")])
+def test_a_loss_the_backward_cannot_start_from_fails_every_stage(world2, kind, says):
+    """Before, a loss of one value per row hung every rank: the last stage failed inside
+    torch's backward, the first waited for its gradient for good."""
+    out = world2.run(bad_loss_case, kind=kind)
+    assert out[1][0] == "ConfigError" and says in out[1][1], out[1]
+    assert out[0][0] == "PeerError" and says in out[0][1], out[0]
+    assert out[0][2] and out[1][2]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
 def test_pp2_qwen2(world2, schedule):
     out = world2.run(pp_case, schedule=schedule, mesh_text="pp=2", family="qwen2")
