@@ -97,7 +97,7 @@ class Booster:
         self._optimizers: dict[int, weakref.ref] = {}  # id(model) -> its optimizer
         # id(model) -> (its optimizer's step count then, {part: (step, path) loaded})
         self._resume: dict[int, tuple] = {}
-        self._criteria: dict[int, Callable] = {}
+        self._criteria: dict[tuple, Callable] = {}
 
     def _mixed(self, mixed):
         from ..transforms import Precision, precision
@@ -291,7 +291,9 @@ class Booster:
         labels (the ids where the batch has none; a sequence classifier's pooled logits
         with its loss of the batch's labels, none without them); any other model's output
         is passed as its forward returned it."""
-        key = id(criterion)
+        key = (id(model), id(criterion))    # two models' adapters of one criterion differ
+        if len(self._criteria) > 8:      # a new lambda each step: keep the latest few
+            self._criteria.pop(next(iter(self._criteria)))
         if key not in self._criteria:
             if not _hugging_face(model):
                 self._criteria[key] = criterion

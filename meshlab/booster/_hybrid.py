@@ -153,17 +153,8 @@ class HybridParallelPlugin(Plugin):
         mbs = None
         if pp > 1:
             spec, mbs = _pipeline(owner, v, spec, pp)
-        elif v["num_microbatches"] is not None or v["microbatch_size"] is not None:
-            # Colossal-AI scripts pass these whatever pp_size is; without a pipeline there
-            # is nothing to split, which is said, not silently ignored.
-            import warnings
-
-            from ._args import NoEffectWarning
-
-            warnings.warn(f"{owner}(num_microbatches={v['num_microbatches']!r}, microbatch_size="
-                          f"{v['microbatch_size']!r}) has no effect with pp_size=1: microbatches "
-                          f"are the pipeline's (accumulate with booster.no_sync)",
-                          NoEffectWarning, stacklevel=4)
+        else:
+            _no_pipeline(owner, v)
         remat = _remat(owner, v["gradient_checkpoint_config"])
         if remat is not None:
             spec = spec | remat
@@ -240,6 +231,23 @@ def _sequence(owner: str, v: dict, tp: int, sp: int):
                       f"'ring', 'all_to_all', 'ring_attn'")
 
 
+def _no_pipeline(owner: str, v: dict) -> None:
+    """The pipeline's options given with pp_size=1 (Colossal-AI scripts pass them whatever
+    pp_size is): without a pipeline they do nothing, which is said, not silently ignored."""
+    import warnings
+
+    from ._args import NoEffectWarning
+
+    given = {k: v[k] for k, default in (("num_microbatches", None), ("microbatch_size", None),
+                                        ("pp_style", "1f1b"), ("num_model_chunks", 1),
+                                        ("num_layers_per_stage", None)) if v[k] != default}
+    if given:
+        what = ", ".join(f"{k}={x!r}" for k, x in given.items())
+        warnings.warn(f"{owner}({what}) has no effect with pp_size=1: these are the "
+                      f"pipeline's (microbatches: accumulate with booster.no_sync)",
+                      NoEffectWarning, stacklevel=5)
+
+
 def _pipeline(owner: str, v: dict, spec, pp: int):
     from ..transforms import pipeline
 
@@ -252,6 +260,10 @@ def _pipeline(owner: str, v: dict, spec, pp: int):
     if schedule is None:
         raise ConfigError(f"{owner}(pp_style={style!r}): '1f1b', 'interleaved' or 'zbv'")
     chunks = v["num_model_chunks"]
+    if schedule == "interleaved" and chunks < 2:
+        raise ConfigError(f"{owner}(pp_style='interleaved', num_model_chunks={chunks}): an "
+                          f"interleaved schedule runs several chunks per stage; give "
+                          f"num_model_chunks > 1, or pp_style='1f1b'")
     if schedule == "1f1b" and chunks != 1:
         raise ConfigError(f"{owner}(num_model_chunks={chunks}): several chunks per stage "
                           f"need pp_style='interleaved' or 'zbv'")

@@ -15,11 +15,24 @@ from __future__ import annotations
 from torch import nn
 
 
+class Elsewhere(nn.Module):
+    """A stand-in for a part of the model another pipeline stage runs: called (the
+    model's own forward run by hand), it says how a pipelined model is run."""
+
+    _meshlab_elsewhere = True
+
+    def forward(self, *args, **kwargs):
+        from ..core.errors import ConfigError
+
+        raise ConfigError("this model is split into pipeline stages and this rank holds "
+                          "only its own: run it through its schedule, with "
+                          "ml.step(model, opt, batch) (train=False to evaluate) or "
+                          "booster.execute_pipeline(...), not model(...)")
+
+
 def elsewhere() -> nn.Module:
     """A stand-in for a part of the model another pipeline stage runs."""
-    m = nn.Module()
-    m._meshlab_elsewhere = True
-    return m
+    return Elsewhere()
 
 
 def is_elsewhere(module) -> bool:

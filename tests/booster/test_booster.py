@@ -392,3 +392,19 @@ def test_shardformer_switches_route_what_the_model_has():
     fuse = next(t for t in plan.rooms if t.kind == "fuse")
     assert fuse.routed(plan) == ("rms_norm", "rotary", "attention")
     assert [op for op, _ in plan.decision(FuseLeft).left] == ["mlp"]
+
+
+def test_pipeline_options_without_a_pipeline_warn_and_interleaving_needs_chunks():
+    """``pp_style``, ``num_model_chunks`` and ``num_layers_per_stage`` with pp_size=1 were
+    accepted without a word (``num_microbatches`` warned); an interleaved schedule of one
+    chunk per stage ran, where Colossal-AI asserts more than one."""
+    with pytest.warns(NoEffectWarning, match="pp_style='interleaved', num_model_chunks=2.*"
+                                             "no effect with pp_size=1"):
+        HybridParallelPlugin(tp_size=1, pp_size=1, pp_style="interleaved", num_model_chunks=2)
+    with pytest.warns(NoEffectWarning, match=r"num_layers_per_stage=\[1, 1\]"):
+        HybridParallelPlugin(tp_size=1, pp_size=1, num_layers_per_stage=[1, 1])
+    from meshlab.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="num_model_chunks > 1"):
+        HybridParallelPlugin(tp_size=1, pp_size=2, pp_style="interleaved", num_model_chunks=1,
+                             num_microbatches=2)

@@ -75,3 +75,50 @@ def test_execute_pipeline_without_optimizer_is_forward_only(world2):
 def test_execute_pipeline_keeps_a_float64_models_loss(world2):
     out = world2.run(forward_only_case, dtype=torch.float64)
     assert sorted(o[0] for o in out) == [False, True]
+
+
+def two_models_case(rank, world):
+    """One criterion for two boosted pipelines of different vocabularies: each runs its
+    own model's loss (the adapter was cached by the criterion alone, and the second model
+    ran the first's: an untyped error on the vocabulary's size). A fresh criterion each
+    call keeps only the latest schedules. Calling a pipelined model by hand says how it
+    runs, on every rank (an untyped TypeError before)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from examples import booster_loop as L
+    from meshlab import ConfigError
+    from meshlab.booster import Booster, HybridParallelPlugin
+    from meshlab.transforms._install import runtime_of
+    from meshlab.transforms.pipeline._runtime import KEPT_SCHEDULES, PipelinePart
+
+    L.colossalai.launch_from_torch(seed=42, verbose=False)
+    booster = Booster(plugin=HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32",
+                                                  num_microbatches=2))
+    got, want = [], []
+    criterion = lambda outputs, inputs: outputs.loss      # noqa: E731
+    for vocab in (L.VOCAB, L.VOCAB + 31):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        model = LlamaForCausalLM(cfg)
+        ref = LlamaForCausalLM(cfg)
+        ref.load_state_dict(model.state_dict())
+        model, *_ = booster.boost(model)
+        x = torch.randint(0, vocab, (4, 8), generator=torch.Generator().manual_seed(vocab))
+        batch = {"input_ids": x, "labels": x}
+        got.append(float(booster.execute_pipeline(iter([batch]), model, criterion)["loss"]))
+        with torch.no_grad():
+            want.append(float(sum(ref(input_ids=x[i:i + 2], labels=x[i:i + 2]).loss
+                                  for i in (0, 2)) / 2))
+    for _ in range(KEPT_SCHEDULES + 3):
+        booster.execute_pipeline(iter([batch]), model, lambda o, i: o.loss)
+    part = runtime_of(model).part(PipelinePart)
+    with pytest.raises(ConfigError, match=r"booster.execute_pipeline\(...\), not model"):
+        model(input_ids=x)
+    return got, want, len(part._schedules)
+
+
+def test_one_criterion_for_two_pipelined_models(world2):
+    for got, want, kept in world2.run(two_models_case):
+        assert abs(got[0] - want[0]) < 1e-5 and abs(got[1] - want[1]) < 1e-5, (got, want)
+        assert kept <= 4, kept

@@ -4,6 +4,7 @@ Hugging Face decoder (``_stage``), or the model's own forward on declared blocks
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any, ClassVar, Mapping
 
@@ -22,6 +23,8 @@ from ._guard import StageFailures, UndoSetupForward, guarded_loss
 from ._schedule import PipelineStages, stages, torch_actions
 from ._stage import (DecoderStage, check_pooled_rows, head_name, model_layout, pools,
                      prune, seq_split)
+
+KEPT_SCHEDULES = 4        # schedules of the loss functions used last, per pipeline
 
 
 class PipelineSetup:
@@ -319,7 +322,10 @@ class PipelinePart(Part):
     failures: StageFailures = dataclasses.field(default_factory=StageFailures)
     # the forward the stages run, for declared blocks (``_feed``); None: a decoder's stages
     signature: Any = None
-    _schedules: dict = dataclasses.field(default_factory=dict)
+    # the schedules of the loss functions used last (a new function each step, a lambda
+    # made in the loop, builds one each step: only the latest few are kept)
+    _schedules: collections.OrderedDict = dataclasses.field(
+        default_factory=collections.OrderedDict)
     tied: TiedHead | None = None     # the LM head tied to the embeddings across ranks
     classifier: Any = None           # a sequence classifier's config: its last stage pools
     _m: int = 0                      # this call's microbatches (``feed``)
@@ -375,6 +381,9 @@ class PipelinePart(Part):
             sched._prepare_schedule_with_comms(torch_actions(
                 self.t.schedule, self.group.size(), m, self.t.v))
             self._schedules[key] = sched
+            while len(self._schedules) > KEPT_SCHEDULES:
+                self._schedules.popitem(last=False)
+        self._schedules.move_to_end(key)
         return self._schedules[key]
 
     def run_step(self, rt, opt, batch, loss_fn, reduction=None) -> float:

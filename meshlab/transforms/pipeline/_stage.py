@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ...core.errors import ConfigError
-from .._head import LOGIT_TRANSFORMS, fused_loss_of, set_extras
+from .._head import LOGIT_TRANSFORMS, elsewhere, fused_loss_of, set_extras
 from ._guard import stand_in
 
 log = logging.getLogger(__name__)
@@ -362,7 +362,7 @@ def prune(model: nn.Module, blocks_kept: set[str]) -> None:
     prefix = f"{model.base_model_prefix}.{lay.layers}."
     for i in range(len(blocks)):
         if f"{prefix}{i}" not in blocks_kept:
-            blocks[i] = nn.Module()
+            blocks[i] = elsewhere()
 
 
 _LAYOUT_NAMES = " or ".join(lay.name for lay in LAYOUTS)
