@@ -34,6 +34,27 @@ def axes_mesh(mesh: Mesh, axes: tuple[str, ...]):
     return dm[axes]._flatten("_".join(axes))
 
 
+def shared_module(model: nn.Module | None, blocks=()) -> tuple[str, str] | None:
+    """The first module with parameters of its own that the model holds under two names
+    in different ``blocks`` (one module object placed in two blocks, or in a block and
+    outside every block), as ``(first name, second name)``; None if none (or no model).
+    Placed twice outside the blocks (T5's shared embedding, its encoder's and its
+    decoder's), or parameters shared between two modules (tied embeddings), is not this."""
+    if model is None:
+        return None
+
+    def block(name: str) -> str:
+        return next((b for b in blocks if name == b or name.startswith(b + ".")), "")
+    seen: dict[int, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        if next(m.parameters(recurse=False), None) is None:
+            continue
+        first = seen.setdefault(id(m), name)
+        if block(first) != block(name):
+            return first, name
+    return None
+
+
 def mesh_device(mesh: Mesh) -> torch.device:
     """The device this rank computes on: its CUDA device, or the CPU."""
     if mesh.device_type == "cuda":

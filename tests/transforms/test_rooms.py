@@ -232,3 +232,42 @@ def test_unused_axis_is_shown_by_plan_and_refused_by_parallelize(world4):
     assert not p.runnable and "used by no transform" in p.not_runnable[0]
     assert "parallelize cannot run this layout" in str(p)
     assert world4.run(unused_case) == [p.not_runnable[0]] * 4
+
+
+def _mlp_in_two_layers():
+    model = M.build("llama")
+    model.model.layers[1].mlp = model.model.layers[0].mlp
+    return model
+
+
+@pytest.mark.parametrize("spec,says", [
+    (lambda: ml.zero_shard(3, "dp"), "FSDP2 unit by unit"),
+    (lambda: ml.zero_shard(2, "dp"), "FSDP2 unit by unit"),
+    (lambda: ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)),
+     "is split over 'tp': tensor parallelism splits each module where it sits")])
+def test_a_module_placed_in_two_blocks_is_refused_where_blocks_are_sharded(spec, says):
+    """One MLP object in two decoder layers: ZeRO-3 failed inside FSDP2 with an untyped
+    "Cannot concatenate overlapping meshes", tensor parallelism with a message naming the
+    module's class as '?'."""
+    with pytest.raises(ml.ConfigError, match="model.layers.1.mlp.gate_proj is "
+                                             "model.layers.0.mlp.gate_proj .*" + says):
+        ml.plan(_mlp_in_two_layers(), spec(), ml.Mesh(dp=2, tp=2, fake=True))
+    # data parallelism and ZeRO-1 keep every parameter whole: nothing to refuse
+    for ok in (ml.data_parallel("dp"), ml.zero_shard(1, "dp")):
+        ml.plan(_mlp_in_two_layers(), ok, ml.Mesh(dp=2, fake=True))
+
+
+def test_a_module_placed_twice_outside_the_blocks_is_planned():
+    """One embedding object as a T5's shared, encoder and decoder embedding (as
+    transformers placed it before tying weights instead), outside every block: FSDP2's
+    root unit and the vocabulary split hold it once."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   dropout_rate=0.0)
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(cfg)
+    model.encoder.embed_tokens = model.decoder.embed_tokens = model.shared
+    ml.plan(model, ml.zero_shard(3, "dp"), ml.Mesh(dp=2, fake=True))
+    ml.plan(model, ml.shard(ml.policies.auto, ml.Rules(**M.TP_RULES)),
+            ml.Mesh(dp=2, tp=2, fake=True))

@@ -18,6 +18,7 @@ from ...planning.roles import implied_room
 from ...core.rules import DEFAULT_RULES, Rules
 from ...core.spec import P
 from ...core.specs_tree import glob_match, match_specs, normalize_specs
+from .._install import shared_module
 from .._gradsync import Reduction
 from .._protocol import Part, Phase, Transform
 from ._layout import sequence_parallel as sequence_parallel, tp_layout as tp_layout
@@ -93,6 +94,7 @@ class Shard(Transform):
                              else ())
 
     def check(self, plan: Plan) -> None:
+        _refuse_shared_split(plan)
         layout, _ = tp_layout(plan, 0)
         compiled = any(t.kind == "compile" for t in plan.rooms)
         if compiled and layout is not None and not layout.dtensor \
@@ -437,3 +439,22 @@ class _Frozen(dict):
         raise TypeError("specs held by a transform are immutable")
 
     __setitem__ = __delitem__ = update = pop = popitem = setdefault = clear = _ro
+
+
+def _refuse_shared_split(plan: Plan) -> None:
+    """A module placed twice in the model whose parameters tensor parallelism splits: the
+    layout splits each module by its name, and the second name is the same object."""
+    twice = shared_module(plan.source, plan.model.blocks) if plan.roles.tp is not None \
+        else None
+    if twice is None:
+        return
+    first = twice[0] + "."
+    split = next((e for e in plan.params if e.fqn.startswith(first)
+                  and plan.roles.tp in (e.mesh_spec or P()).axes), None)
+    if split is not None:
+        raise ConfigError(
+            f"{twice[1]} is {twice[0]} (one module placed twice in the model), and "
+            f"{split.fqn} is split over {plan.roles.tp!r}: tensor parallelism splits each "
+            f"module where it sits; share its parameters instead of the module "
+            f"({twice[1]}.weight = {twice[0]}.weight, each a module of its own), or "
+            f"replicate it with P()")

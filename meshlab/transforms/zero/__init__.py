@@ -45,6 +45,7 @@ from .._protocol import Phase, Transform
 from ._batchnorm import BatchStatistics, choose as choose_batch_statistics
 from ._estimates import zero_comm, zero_memory, zero_transients
 from .._gradsync import BUCKET_MB, Reduction
+from .._install import shared_module
 from ._install import (HostResidency as HostResidency, HostUnits as HostUnits, fsdp_ignored,
                        install_zero)
 
@@ -152,6 +153,14 @@ class ZeroShard(Transform):
                 f"map that logical axis to None in Rules")
         if fsdp:
             _check_fsdp_specs(plan, fsdp)
+        twice = shared_module(plan.source, plan.model.blocks) if self.fsdp(plan) else None
+        if twice is not None:
+            raise ConfigError(
+                f"{twice[1]} is {twice[0]} (one module placed twice in the model): "
+                f"{self!r} shards parameters with FSDP2 unit by unit, and a module in two "
+                f"units would be sharded twice; share its parameters instead of the module "
+                f"({twice[1]}.weight = {twice[0]}.weight, each a module of its own), or use "
+                f"zero_shard(1) or data_parallel")
 
     def fsdp(self, plan: Plan) -> bool:
         """Whether FSDP2 runs this room: stages 2 and 3, and plain data parallelism or
