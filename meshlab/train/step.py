@@ -244,10 +244,7 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     mbs, error = None, None
     try:
         _check_mode(train, opt, inputs, rt)
-        if fused and loss_fn is not None:
-            raise ConfigError("this model's loss is fused (fuse('loss')): its head returns "
-                              "the causal-LM loss, not logits, so a loss_fn cannot run; leave "
-                              "'loss' out of fuse() to pass one")
+        _check_fused(fused, loss_fn)
         mbs = _prepared(model, rt, batch, _split(batch, microbatches), inputs,
                         loss_fn is None)
         _check_reduction(reduction, num_tokens, rt)
@@ -268,6 +265,13 @@ def step(model: nn.Module, opt: torch.optim.Optimizer, batch, loss_fn: Callable 
     # Read after the collection on the way out of the pause: it then runs while the device
     # still works through the optimizer, not while it waits for the next step.
     return float(loss)
+
+
+def _check_fused(fused: bool, loss_fn) -> None:
+    if fused and loss_fn is not None:
+        raise ConfigError("this model's loss is fused (fuse('loss')): its head returns the "
+                          "causal-LM loss, not logits, so a loss_fn cannot run; leave 'loss' "
+                          "out of fuse() to pass one")
 
 
 def _agreed(rt, opt, batch, microbatches: int, reduction: str, default_loss: bool,
