@@ -64,13 +64,16 @@ def _hybrid_args(overlap_default: bool) -> tuple[Arg, ...]:
              "parameter globs to specs (with tp_size > 1)",
              With(lambda: __import__("meshlab").policies.DECODER, (("tp_size", 2),))),
         maps("pp_style", "1f1b", "pipeline(schedule=...): '1f1b', 'interleaved' "
-             "(pipeline(schedule='interleaved', virtual_stages=num_model_chunks)), 'zbv'",
+             "(pipeline(schedule='interleaved', virtual_stages=num_model_chunks), "
+             "num_model_chunks > 1), 'zbv' (with pp_size 1 it warns and does nothing)",
              With("interleaved", (("num_model_chunks", 2),))),
         maps("num_model_chunks", 1, "pipeline(virtual_stages=...) (pp_style 'interleaved' or "
-             "'zbv')", With(2, (("pp_style", "interleaved"),))),
+             "'zbv'; with pp_size 1 it warns and does nothing)",
+             With(2, (("pp_style", "interleaved"),))),
         only("scheduler_nodes", None, "meshlab's schedules are torch.distributed.pipelining's",
              "pipeline(schedule='zbv')"),
-        maps("num_layers_per_stage", None, "pipeline(layers_per_stage=...)", [1, 1]),
+        maps("num_layers_per_stage", None, "pipeline(layers_per_stage=...) (with pp_size 1 "
+             "it warns and does nothing)", [1, 1]),
         maps("gradient_checkpoint_config", None, "remat('full') for a config whose "
              "gradient_checkpointing_ratio is 1.0 (or a meshlab remat(...) value); other ratios "
              "are refused",
