@@ -154,7 +154,9 @@ def _model_fit(src: _Source, model: nn.Module, weights: bool):
     template = dict(_state.model_state(model))
     md = src.md.state_dict_metadata
     saved = [k for k in md if not k.startswith(_state.OPT_PREFIX)]
-    al = _names.align(template, saved)
+    ties = _ties(model)
+    al = _names.align(template, saved, [ties[n] for n in template if n in ties])
+    _tied_sources(al, ties, set(saved))
     fill, copies, mism = {}, [], []
     for name, key in al.source.items():
         m, t = md[key], template[name]
@@ -168,6 +170,32 @@ def _model_fit(src: _Source, model: nn.Module, weights: bool):
         else:
             fill[key] = t
     return template, al, fill, copies, mism
+
+
+def _ties(model: nn.Module) -> dict[str, str]:
+    """Each tied weight's name -> the name it is tied to, both ways (the plan's record of
+    a parallelized model; none for another)."""
+    rt = _state.runtime_or_none(model)
+    out: dict[str, str] = {}
+    for e in rt.plan.params if rt is not None else ():
+        if e.tied_to:
+            out[e.fqn], out[e.tied_to] = e.tied_to, e.fqn
+    return out
+
+
+def _tied_sources(al, ties: dict[str, str], saved: set[str]) -> None:
+    """A tied weight the file holds under the other name only loads from it: a pipeline
+    holds a tied head by the embedding's name (or, under FSDP2, as a copy of its own), so
+    one side of the tie is in a checkpoint saved with a pipeline and both without one."""
+    still = []
+    for m in al.missing:
+        other = ties.get(m)
+        if other in saved:
+            al.source[m] = other
+            al.used.add(other)
+        else:
+            still.append(m)
+    al.missing[:] = still
 
 
 def _stateful(src: _Source, name: str, obj) -> str | None:

@@ -150,3 +150,49 @@ def test_a_resume_that_mixes_steps_raises(world2, tmp_path):
         assert "lr_scheduler.json was saved at step 1, but the model" in msgs[1], msgs[1]
         assert "step-2/model was saved at step 2, but the optimizer" in msgs[2], msgs[2]
         assert "at step 1" in msgs[2]
+
+
+def tied_case(rank, world, path, source, target):
+    """A Llama whose head is tied to its embeddings, saved as a sharded directory under
+    one plugin and loaded strictly under another: every weight the target holds (the
+    head's copy a pipeline's last stage keeps under ZeRO among them) is the source's.
+    A pipeline holds the tied weight by one name and the plugins without one by both:
+    before, the load was refused ('lm_head.weight' missing, or unexpected)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from examples import booster_loop as L
+    from meshlab.booster import Booster, HybridParallelPlugin, TorchDDPPlugin
+
+    L.colossalai.launch_from_torch(seed=42, verbose=False)
+    plugins = {"pp2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, precision="fp32",
+                                                   num_microbatches=2),
+               "pp2_zero2": lambda: HybridParallelPlugin(tp_size=1, pp_size=2, zero_stage=2,
+                                                         precision="fp32", num_microbatches=2),
+               "ddp": TorchDDPPlugin}
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    saved = {}
+    for seed, name in ((0, source), (7, target)):
+        torch.manual_seed(seed)
+        booster = Booster(plugin=plugins[name]())
+        model, *_ = booster.boost(LlamaForCausalLM(cfg))
+        if name == source and seed == 0:
+            booster.save_model(model, path)
+            torch.manual_seed(0)
+            ref = LlamaForCausalLM(cfg)
+            saved = {n: p.detach().clone() for n, p in ref.named_parameters()}
+            saved["lm_head.weight"] = saved["model.embed_tokens.weight"]
+    booster.load_model(model, path)
+    worst = max(float((_full(p) - saved[n]).abs().max()) for n, p in model.named_parameters())
+    names = sorted(n for n, _ in model.named_parameters())
+    return worst, "lm_head.weight" in names
+
+
+@pytest.mark.parametrize("source,target", [("pp2", "ddp"), ("ddp", "pp2"),
+                                           ("pp2", "pp2_zero2"), ("pp2_zero2", "ddp")])
+def test_a_tied_heads_checkpoint_crosses_between_a_pipeline_and_none(world2, tmp_path,
+                                                                      source, target):
+    out = world2.run(tied_case, path=str(tmp_path / "ckpt"), source=source, target=target)
+    assert all(worst == 0.0 for worst, _ in out), out
+    if target == "pp2_zero2":       # the last stage's own copy of the head was loaded
+        assert any(has_head for _, has_head in out), out
