@@ -271,6 +271,10 @@ class Booster:
                               f" call model(**batch), booster.backward(loss, optimizer)")
         if optimizer is not None:
             self._model_of(optimizer, "execute_pipeline")
+        if not hasattr(data_iter, "__next__"):
+            raise ConfigError(f"execute_pipeline(data_iter=...): got a "
+                              f"{type(data_iter).__name__}, which is not an iterator; pass "
+                              f"iter(dataloader) (or iter([batch])), as Colossal-AI takes it")
         batch = next(data_iter)
         loss_fn = self._criterion(model, criterion)
         if optimizer is None:

@@ -113,6 +113,8 @@ def two_models_case(rank, world):
     for _ in range(KEPT_SCHEDULES + 3):
         booster.execute_pipeline(iter([batch]), model, lambda o, i: o.loss)
     part = runtime_of(model).part(PipelinePart)
+    with pytest.raises(ConfigError, match="not an iterator; pass iter"):
+        booster.execute_pipeline([batch], model, criterion)
     with pytest.raises(ConfigError, match=r"booster.execute_pipeline\(...\), not model"):
         model(input_ids=x)
     return got, want, len(part._schedules)
