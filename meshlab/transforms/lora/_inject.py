@@ -123,8 +123,11 @@ def single_process(t, plan, model, init) -> torch.nn.Module:
 
 
 def _freeze_as_planned(t, plan, model) -> None:
-    want = {e.fqn: e for e in plan.params}
     got = dict(model.named_parameters())
+    # a tied head is its embedding's parameter, listed once by the model (the plan lists
+    # both names)
+    want = {e.fqn: e for e in plan.params
+            if not (e.tied_to and e.fqn not in got and e.tied_to in got)}
     if set(got) != set(want):
         raise ConfigError(
             f"{t!r}: peft wrapped other parameters than the plan predicted (in the model, not "

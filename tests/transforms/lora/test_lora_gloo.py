@@ -535,3 +535,22 @@ def test_adapter_dropout_under_tensor_parallelism_is_not_runnable():
     assert not plan(0.3).runnable
     assert "lora_dropout=0.0" in plan(0.3).not_runnable[0]
     assert plan(0.0).runnable
+
+
+def tied_lora_case(rank, world):
+    import meshlab as ml
+
+    data = [{"input_ids": b} for b in M.batches(2, batch=4, seq=8)]
+    spec = ml.lora(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) | \
+        ml.data_parallel("dp")
+    report = ml.verify(M.build("llama", tie_word_embeddings=True), spec, ml.Mesh(dp=world),
+                       data, optimizer=torch.optim.SGD, lr=0.1, dtype=torch.float64,
+                       atol=1e-10, rtol=1e-9)
+    return report.ok, str(report)
+
+
+def test_lora_on_a_model_with_a_tied_head_trains_as_one_process(world2):
+    """The plan lists a tied head under both names, the model once: the install refused
+    every LoRA of a tied model with advice about target_modules (the plan had passed)."""
+    for ok, text in world2.run(tied_lora_case):
+        assert ok, text
