@@ -147,4 +147,14 @@ class MeshDataLoader(torch.utils.data.DataLoader):
         return {"epoch": self._epoch, "served": self._served}
 
     def load_state_dict(self, state: Mapping) -> None:
-        self._epoch, self._skip, self._served = int(state["epoch"]), int(state["served"]), 0
+        """The position ``state_dict`` gave: the next pass resumes that epoch after its
+        served batches (a save before that pass records the same position), or starts the
+        next epoch where every batch of that one was served."""
+        self._epoch, self._skip = int(state["epoch"]), int(state["served"])
+        try:
+            whole = self._skip >= len(self) > 0
+        except TypeError:              # an iterable dataset: no length to compare
+            whole = False
+        if whole:
+            self._epoch, self._skip = self._epoch + 1, 0
+        self._served = self._skip
